@@ -1,0 +1,63 @@
+"""rallypoint: launch, rendezvous and coordinate the worker processes of PyTorch jobs.
+
+The parts live in subpackages, each with its own public surface:
+
+- ``rallypoint.launch`` / ``rallypoint run``: start local workers fast (``rallypoint.launcher``)
+- ``rallypoint.rendezvous``: who is in the job (torchelastic's handler API)
+- ``rallypoint.distributed``: process groups and parallel layouts
+- ``rallypoint.rpc``: torch.distributed.rpc's API on an authenticated transport
+- ``rallypoint.join``: uneven inputs
+- ``rallypoint.testing``: fakes, fault injection and contract suites
+
+Importing ``rallypoint`` does no work and does not import torch: the launcher must start
+before torch is loaded so that the warm process can import it in parallel. Names are
+resolved lazily on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY_NAMES: dict[str, str] = {
+    "launch": "rallypoint.launcher",
+    "LaunchConfig": "rallypoint.launcher",
+    "LaunchError": "rallypoint.launcher",
+    "WorkerFailedError": "rallypoint.launcher",
+}
+_SUBPACKAGES = frozenset({"distributed", "join", "launcher", "rendezvous", "rpc", "testing"})
+
+__all__ = [
+    "LaunchConfig",
+    "LaunchError",
+    "WorkerFailedError",
+    "__version__",
+    "distributed",
+    "join",
+    "launch",
+    "launcher",
+    "rendezvous",
+    "rpc",
+    "testing",
+]
+
+if TYPE_CHECKING:
+    from rallypoint import distributed, join, launcher, rendezvous, rpc, testing
+    from rallypoint.launcher import LaunchConfig, LaunchError, WorkerFailedError, launch
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_NAMES:
+        value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"rallypoint.{name}")
+    raise AttributeError(f"module 'rallypoint' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

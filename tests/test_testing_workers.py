@@ -1,0 +1,73 @@
+"""The forked worker harness that the multi-process tests of every part rely on."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rallypoint.testing import WorkerError, run_workers
+
+
+def _all_reduce_rank() -> float:
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return float(t.item())
+
+
+def test_gloo_all_reduce_in_forked_workers() -> None:
+    assert run_workers(_all_reduce_rank, 3, timeout=30) == [3.0, 3.0, 3.0]
+
+
+def _env() -> tuple[str, str, str]:
+    return os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["EXTRA"]
+
+
+def test_env_per_rank() -> None:
+    out = run_workers(_env, 2, env=lambda r: {"EXTRA": f"x{r}"}, timeout=30)
+    assert out == [("0", "2", "x0"), ("1", "2", "x1")]
+
+
+def _fail_on_one() -> int:
+    if os.environ["RANK"] == "1":
+        raise KeyError("boom")
+    return 7
+
+
+def test_exception_names_rank_and_keeps_type() -> None:
+    with pytest.raises(WorkerError, match="rank 1: KeyError") as info:
+        run_workers(_fail_on_one, 2, timeout=30)
+    assert isinstance(info.value.exception, KeyError)
+    assert "_fail_on_one" in info.value.remote_traceback
+    out = run_workers(_fail_on_one, 2, timeout=30, return_exceptions=True)
+    assert out[0] == 7 and isinstance(out[1], KeyError)
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_killed_worker_is_reported() -> None:
+    with pytest.raises(WorkerError, match="SIGKILL"):
+        run_workers(_die, 1, timeout=30)
+
+
+def _sleep() -> None:
+    import time
+
+    time.sleep(60)
+
+
+def test_timeout_kills_and_names_ranks() -> None:
+    with pytest.raises(TimeoutError, match=r"\[0, 1\]"):
+        run_workers(_sleep, 2, timeout=1)
+
+
+def test_bad_world_size() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        run_workers(_env, 0)
