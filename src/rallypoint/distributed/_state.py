@@ -1,0 +1,30 @@
+"""Per-process state: what this package initialised, so that it can compare and tear down.
+
+Kept in one place so that ``init_process_group``, the parallel groups and
+``destroy_process_group`` agree; nothing here touches torch at import time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rallypoint.distributed._config import DistributedConfig
+    from rallypoint.distributed._mesh import ParallelGroups
+
+
+class _State:
+    __slots__ = ("config", "parallel")
+
+    def __init__(self) -> None:
+        # the resolved config of the default group we created (None: not ours / none)
+        self.config: DistributedConfig | None = None
+        # the parallel groups built on top of it
+        self.parallel: ParallelGroups | None = None
+
+    def clear(self) -> None:
+        self.config = None
+        self.parallel = None
+
+
+STATE = _State()
