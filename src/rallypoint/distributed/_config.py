@@ -85,7 +85,7 @@ def check_layout(world_size: int, sizes: Mapping[str, int]) -> int:
     return sizes["dp"]
 
 
-def check_backend_name(backend: str) -> str:
+def check_backend_name(backend: str, source: str = "") -> str:
     """Return ``backend`` lowercased, or raise ``ValueError`` listing the valid names.
 
     Composite specs such as ``"cpu:gloo,cuda:nccl"`` are accepted, as torch accepts them.
@@ -102,8 +102,8 @@ def check_backend_name(backend: str) -> str:
     for name in names:
         if name.strip() not in valid:
             raise ValueError(
-                f"unknown backend {backend!r}: valid backends are {', '.join(sorted(valid))} "
-                f"(or a per-device spec such as 'cpu:gloo,cuda:nccl')"
+                f"unknown backend {backend!r}{source}: valid backends are "
+                f"{', '.join(sorted(valid))} (or a per-device spec such as 'cpu:gloo,cuda:nccl')"
             )
     return spec
 
@@ -278,10 +278,14 @@ def _resolve(
     if local_rank is None:
         local_rank = rank % local_world_size
 
-    backend = config.backend or environ.get(BACKEND_ENV) or ("nccl" if cuda else "gloo")
-    backend = check_backend_name(backend)
-    for dim_backend in config.dim_backends.values():
-        check_backend_name(dim_backend)
+    if config.backend:
+        backend = check_backend_name(config.backend)
+    elif environ.get(BACKEND_ENV):
+        backend = check_backend_name(environ[BACKEND_ENV], f" (from {BACKEND_ENV})")
+    else:
+        backend = "nccl" if cuda else "gloo"
+    for dim, dim_backend in config.dim_backends.items():
+        check_backend_name(dim_backend, f" (dim_backends[{dim!r}])")
 
     init_method = config.init_method or "env://"
     master_addr = config.master_addr
