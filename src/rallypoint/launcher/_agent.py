@@ -1,0 +1,593 @@
+"""The agent loop: who this node is in the job, then start, watch and restart local workers.
+
+Two steps, kept apart so that a rendezvous can replace the first one (multi-node):
+
+1. :func:`resolve_group` answers "who am I in the job" (group rank, world size, master
+   address and port). On one node that is static.
+2. :class:`Agent` starts the local workers from the warm process, watches them (exits are
+   reported the moment they happen, output pipes, signals, deadlines), stops every
+   worker's whole process tree on the first failure, and restarts the group with a fresh
+   store when restarts remain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import secrets
+import selectors
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from rallypoint._net import port_is_free
+from rallypoint.launcher._config import LaunchConfig
+from rallypoint.launcher._errors import (
+    BadTargetError,
+    LaunchInterruptedError,
+    LaunchTimeoutError,
+    PortInUseError,
+    WarmProcessError,
+    WorkerFailedError,
+    WorkerState,
+)
+from rallypoint.launcher._output import OutputRouter, write_console
+from rallypoint.launcher._summary import describe_status, format_summary
+from rallypoint.launcher._warm import WarmProcess
+from rallypoint.launcher._worker import BAD_TARGET_EXIT, Target, WorkerSpec
+
+__all__ = ["Agent", "GroupInfo", "resolve_group"]
+
+_OMP_WARNING = (
+    "\n*****************************************\n"
+    "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, "
+    "to avoid your system being overloaded, please further tune the variable for optimal "
+    "performance in your application as needed. \n"
+    "*****************************************\n"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """This node's place in the job: the result of the rendezvous step."""
+
+    group_rank: int
+    group_world_size: int
+    world_size: int
+    rank_offset: int
+    master_addr: str
+    master_port: int
+    """0: let the store pick a free port."""
+    hosts_store: bool
+    run_id: str
+
+
+def resolve_group(config: LaunchConfig) -> GroupInfo:
+    """Single-node (static) rendezvous; the multi-node agent replaces this step."""
+    return GroupInfo(
+        group_rank=0,
+        group_world_size=1,
+        world_size=config.total_world_size,
+        rank_offset=config.rank_offset,
+        master_addr=config.master_addr,
+        master_port=config.master_port or 0,
+        hosts_store=config.rank_offset == 0,
+        run_id=config.run_id or uuid.uuid4().hex[:12],
+    )
+
+
+@dataclass(slots=True)
+class _Worker:
+    local_rank: int
+    rank: int
+    pid: int
+    error_file: Path
+    res_fd: int
+    status: int | None = None
+    exited_at: float = 0.0
+    signalled: int | None = None
+    result: bytearray = field(default_factory=bytearray)
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.status is None else describe_status(self.status)[0]
+
+    def state(self) -> WorkerState:
+        if self.status is None:
+            return WorkerState(self.rank, self.local_rank, self.pid, "running", None, "running")
+        code, text = describe_status(self.status)
+        kind = "succeeded" if code == 0 else "failed"
+        if code != 0 and self.signalled is not None:
+            kind = "terminated"
+            text = f"{text} (stopped by rallypoint with {signal.Signals(self.signalled).name})"
+        return WorkerState(self.rank, self.local_rank, self.pid, kind, code, text)
+
+
+@dataclass(slots=True)
+class _Outcome:
+    kind: str  # "ok" | "failed" | "signal" | "timeout" | "bad_target"
+    workers: list[_Worker]
+    root: _Worker | None = None
+    signum: int = 0
+
+
+class Agent:
+    """Runs one job on this node: attempts, monitoring, restarts, results."""
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        target: Target,
+        warm: WarmProcess,
+        *,
+        title: str,
+        collect_results: bool = False,
+        warn_omp: bool = False,
+    ) -> None:
+        self.config = config
+        self.target = target
+        self.warm = warm
+        self.title = title
+        self.collect_results = collect_results
+        self.warn_omp = warn_omp
+        self.group = resolve_group(config)
+        self.host = socket.gethostname()
+        self.started = time.monotonic()
+        self.deadline = (
+            None if config.timeout is None else self.started + config.timeout.total_seconds()
+        )
+        self.port = self.group.master_port
+        self.store_pid = 0
+        self.signals: list[int] = []
+        self._tmp = Path(tempfile.mkdtemp(prefix="rallypoint_"))
+        self._log_root = self._log_dir()
+        self._base_env = self._make_base_env()
+
+    # ------------------------------------------------------------------ set-up
+    def _log_dir(self) -> Path | None:
+        cfg = self.config
+        wants_files = any(
+            cfg.std_mask(which, lr) for which in ("redirects", "tee") for lr in range(cfg.nproc)
+        )
+        if cfg.log_dir is not None:
+            return Path(cfg.log_dir) / self.group.run_id
+        if wants_files:
+            root = Path(tempfile.mkdtemp(prefix="torchelastic_")) / self.group.run_id
+            write_console(2, f"rallypoint: log directory is {root}\n".encode())
+            return root
+        return None
+
+    def _make_base_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.config.env)
+        if "OMP_NUM_THREADS" not in env and self.config.nproc > 1:
+            if self.warn_omp:
+                write_console(2, _OMP_WARNING.encode())
+            env["OMP_NUM_THREADS"] = "1"
+        env.setdefault("RALLYPOINT_RPC_SECRET", secrets.token_hex(32))
+        if self.config.start_method == "spawn":
+            paths = [p for p in sys.path if p]
+            env["PYTHONPATH"] = os.pathsep.join(paths)
+        return env
+
+    def _worker_env(self, local_rank: int, attempt: int, error_file: Path) -> dict[str, str]:
+        g, cfg = self.group, self.config
+        env = dict(self._base_env)
+        rank = g.rank_offset + local_rank
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(local_rank),
+            GROUP_RANK=str(g.group_rank),
+            ROLE_RANK=str(rank),
+            ROLE_NAME=cfg.role,
+            LOCAL_WORLD_SIZE=str(cfg.nproc),
+            WORLD_SIZE=str(g.world_size),
+            GROUP_WORLD_SIZE=str(g.group_world_size),
+            ROLE_WORLD_SIZE=str(g.world_size),
+            MASTER_ADDR=g.master_addr,
+            MASTER_PORT=str(self.port),
+            TORCHELASTIC_RESTART_COUNT=str(attempt),
+            TORCHELASTIC_MAX_RESTARTS=str(cfg.max_restarts),
+            TORCHELASTIC_RUN_ID=g.run_id,
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_ERROR_FILE=str(error_file),
+            TORCH_NCCL_ASYNC_ERROR_HANDLING=self._base_env.get(
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
+            ),
+        )
+        return env
+
+    def _exec_argv(self) -> list[str] | None:
+        t = self.target
+        if t.kind == "exec":
+            return [t.name, *t.args]
+        if self.config.start_method == "spawn" and t.kind != "callable":
+            entry = [sys.executable, "-u", "-m", "rallypoint.launcher._spawned"]
+            return [*entry, t.kind, t.name, *t.args]
+        return None
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> list[Any]:
+        """Run the job to the end; returns per-rank results (``None`` for scripts)."""
+        try:
+            self._start_store()
+            old = self._install_signal_handlers()
+            try:
+                return self._run_attempts()
+            finally:
+                self._restore_signal_handlers(old)
+        finally:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def _start_store(self) -> None:
+        g = self.group
+        if not g.hosts_store:
+            return
+        if g.master_port and not port_is_free(g.master_port):
+            raise PortInUseError(g.master_port)
+        self.warm.init(self.config.preload)
+        try:
+            self.port, self.store_pid = self.warm.start_store(g.master_addr, g.master_port)
+        except WarmProcessError as exc:
+            if g.master_port and "in use" in str(exc).lower():
+                raise PortInUseError(g.master_port) from None
+            raise
+
+    def _run_attempts(self) -> list[Any]:
+        if not self.group.hosts_store:
+            self.warm.init(self.config.preload)
+        cfg = self.config
+        for attempt in range(cfg.max_restarts + 1):
+            if attempt and self.group.hosts_store:
+                self.warm.reset_store()
+            outcome = self._attempt(attempt)
+            if outcome.kind == "ok":
+                return [self._result(w) for w in outcome.workers]
+            if outcome.kind == "bad_target":
+                assert outcome.root is not None
+                raise BadTargetError(self._bad_target_message(outcome.root))
+            if outcome.kind == "signal":
+                name = signal.Signals(outcome.signum).name
+                states = "; ".join(f"rank {w.rank}: {w.state().detail}" for w in outcome.workers)
+                raise LaunchInterruptedError(
+                    f"received {name}: forwarded it to the workers and stopped ({states})",
+                    signum=outcome.signum,
+                )
+            if outcome.kind == "timeout":
+                raise LaunchTimeoutError(
+                    f"the job did not finish within {cfg.timeout}; its workers were killed"
+                )
+            assert outcome.root is not None
+            if attempt < cfg.max_restarts:
+                root = outcome.root.state()
+                write_console(
+                    2,
+                    f"rallypoint: rank {root.rank} {root.detail}; restarting the worker group "
+                    f"(restart {attempt + 1} of {cfg.max_restarts})\n".encode(),
+                )
+                continue
+            raise self._failure(outcome, attempt)
+        raise AssertionError("unreachable")
+
+    def _spawn_all(self, attempt: int, router: OutputRouter) -> list[_Worker]:
+        cfg = self.config
+        exec_argv = self._exec_argv()
+        target = self.target
+        if cfg.start_method == "spawn" and target.kind == "callable":
+            from rallypoint.launcher._worker import CALLABLES
+
+            payload = self._tmp / "payload.pkl"
+            fn, args = CALLABLES[target.name]
+            payload.write_bytes(pickle.dumps((fn, args, cfg.parallel)))
+            target = Target("payload", str(payload))
+            exec_argv = [sys.executable, "-u", "-m", "rallypoint.launcher._spawned"]
+            exec_argv += ["payload", str(payload)]
+        attempt_dir = (self._log_root or self._tmp) / f"attempt_{attempt}"
+        workers: list[_Worker] = []
+        for local_rank in range(cfg.nproc):
+            rank_dir = attempt_dir / str(local_rank)
+            rank_dir.mkdir(parents=True, exist_ok=True)
+            error_file = rank_dir / "error.json"
+            for stale in (error_file, Path(f"{error_file}.fault")):
+                with contextlib.suppress(FileNotFoundError):
+                    stale.unlink()
+            spec = WorkerSpec(
+                local_rank=local_rank,
+                rank=self.group.rank_offset + local_rank,
+                env=self._worker_env(local_rank, attempt, error_file),
+                cwd=os.fspath(cfg.cwd) if cfg.cwd is not None else os.getcwd(),
+                target=target,
+                exec_argv=exec_argv,
+                parallel=cfg.parallel if target.kind == "callable" else None,
+            )
+            pipes = [os.pipe() for _ in range(3)]
+            try:
+                pid = self.warm.spawn(spec, [w for _, w in pipes])
+            finally:
+                for _, w in pipes:
+                    os.close(w)
+            (out_r, _), (err_r, _), (res_r, _) = pipes
+            for fd, stream, name in ((out_r, 1, "stdout"), (err_r, 2, "stderr")):
+                mask = cfg.std_mask("redirects", local_rank) | cfg.std_mask("tee", local_rank)
+                shown = not (cfg.std_mask("redirects", local_rank) & stream)
+                if cfg.local_ranks_filter is not None:
+                    shown = shown and local_rank in cfg.local_ranks_filter
+                to_file = self._log_root is not None and (
+                    cfg.log_dir is not None or bool(mask & stream)
+                )
+                router.add(
+                    fd,
+                    stream=stream,
+                    prefix_template=cfg.prefix,
+                    rank=spec.rank,
+                    local_rank=local_rank,
+                    role=cfg.role,
+                    console=shown,
+                    file=rank_dir / f"{name}.log" if to_file else None,
+                )
+            os.set_blocking(res_r, False)
+            workers.append(_Worker(local_rank, spec.rank, pid, error_file, res_r))
+        return workers
+
+    def _attempt(self, attempt: int) -> _Outcome:
+        router = OutputRouter()
+        sel = selectors.DefaultSelector()
+        sel.register(self.warm.fileno(), selectors.EVENT_READ, "warm")
+        wake_r = self._wake_r
+        if wake_r is not None:
+            sel.register(wake_r, selectors.EVENT_READ, "signal")
+        workers: list[_Worker] = []
+        outcome: _Outcome | None = None
+        try:
+            workers = self._spawn_all(attempt, router)
+        except BaseException:
+            self._kill_trees(workers, signal.SIGKILL)
+            self._wait_all(workers, 5.0)
+            router.close()
+            sel.close()
+            raise
+        by_pid = {w.pid: w for w in workers}
+        by_res = {w.res_fd: w for w in workers}
+        for fd in router.fds():
+            sel.register(fd, selectors.EVENT_READ, "out")
+        for fd in by_res:
+            sel.register(fd, selectors.EVENT_READ, "res")
+        kill_at: float | None = None
+        drain_until: float | None = None
+        interval = self.config.monitor_interval.total_seconds()
+        pending = self.warm.read_events() if self.warm.events else []
+        try:
+            while True:
+                now = time.monotonic()
+                for pid, status in pending:
+                    w = by_pid.get(pid)
+                    if w is None or w.status is not None:
+                        continue
+                    w.status, w.exited_at = status, now
+                    if w.returncode != 0 and outcome is None:
+                        kind = "failed"
+                        if w.returncode == BAD_TARGET_EXIT and self._bad_target_message(w):
+                            kind = "bad_target"
+                        outcome = _Outcome(kind, workers, root=w)
+                        kill_at = self._stop(workers, signal.SIGTERM)
+                pending = []
+                while self.signals:
+                    signum = self.signals.pop(0)
+                    if outcome is None or outcome.kind != "signal":
+                        outcome = _Outcome("signal", workers, signum=signum)
+                        kill_at = self._stop(workers, signum)
+                if outcome is None and self.deadline is not None and now >= self.deadline:
+                    outcome = _Outcome("timeout", workers)
+                    kill_at = self._stop(workers, signal.SIGKILL)
+                if kill_at is not None and now >= kill_at:
+                    self._kill_trees(workers, signal.SIGKILL)
+                    kill_at = now + 1.0
+                alive = [w for w in workers if w.status is None]
+                if not alive and drain_until is None:
+                    self._kill_trees(workers, signal.SIGKILL)  # no orphans, even on success
+                    drain_until = now + 0.5
+                if not alive and ((not router.fds() and not by_res) or now >= (drain_until or 0)):
+                    break
+                timeout = interval
+                for t in (kill_at, self.deadline if outcome is None else None, drain_until):
+                    if t is not None:
+                        timeout = min(timeout, max(0.0, t - now))
+                for key, _ in sel.select(timeout):
+                    tag = key.data
+                    fd = key.fd
+                    if tag == "warm":
+                        pending.extend(self.warm.read_events())
+                    elif tag == "out":
+                        if not router.on_readable(fd):
+                            sel.unregister(fd)
+                    elif tag == "res":
+                        if not self._read_result(by_res[fd]):
+                            sel.unregister(fd)
+                            del by_res[fd]
+                    elif tag == "signal":
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(fd, 512)
+        finally:
+            router.close()
+            for fd in by_res:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            sel.close()
+        return outcome if outcome is not None else _Outcome("ok", workers)
+
+    def _read_result(self, w: _Worker) -> bool:
+        try:
+            data = os.read(w.res_fd, 1 << 20)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        if data:
+            w.result += data
+            return True
+        os.close(w.res_fd)
+        return False
+
+    # ------------------------------------------------------------------ stopping
+    def _descendants(self) -> list[psutil.Process]:
+        try:
+            procs = psutil.Process(self.warm.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+        skip = {self.store_pid}
+        out = []
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                if p.pid in skip or p.ppid() in skip:
+                    continue
+                out.append(p)
+        return out
+
+    def _kill_trees(self, workers: list[_Worker], signum: int) -> None:
+        for w in workers:
+            with contextlib.suppress(OSError):
+                os.killpg(w.pid, signum)
+        for p in self._descendants():
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signum)
+
+    def _stop(self, workers: list[_Worker], signum: int) -> float:
+        for w in workers:
+            if w.status is None and w.signalled is None:
+                w.signalled = signum
+        self._kill_trees(workers, signum)
+        return time.monotonic() + self.config.shutdown_timeout.total_seconds()
+
+    def _wait_all(self, workers: list[_Worker], timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while any(w.status is None for w in workers) and time.monotonic() < end:
+            sel = selectors.DefaultSelector()
+            sel.register(self.warm.fileno(), selectors.EVENT_READ)
+            sel.select(0.05)
+            sel.close()
+            for pid, status in self.warm.read_events():
+                for w in workers:
+                    if w.pid == pid:
+                        w.status = status
+
+    # ------------------------------------------------------------------ signals
+    _wake_r: int | None = None
+
+    def _install_signal_handlers(self) -> dict[int, Any] | None:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        names = [n.strip() for n in self.config.signals_to_handle.split(",") if n.strip()]
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        old: dict[int, Any] = {-1: signal.set_wakeup_fd(w), -2: (r, w)}
+        for name in names:
+            signum = int(getattr(signal, name))
+            old[signum] = signal.signal(signum, lambda s, _f: self.signals.append(s))
+        self._wake_r = r
+        return old
+
+    def _restore_signal_handlers(self, old: dict[int, Any] | None) -> None:
+        if old is None:
+            return
+        r, w = old.pop(-2)
+        signal.set_wakeup_fd(old.pop(-1))
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
+        os.close(r)
+        os.close(w)
+        self._wake_r = None
+
+    # ------------------------------------------------------------------ reporting
+    def _error_info(self, w: _Worker) -> tuple[str, BaseException | None]:
+        """The worker's traceback (result pipe, error file, faulthandler) and exception."""
+        tb, exc = "", None
+        if len(w.result) > 8:
+            with contextlib.suppress(Exception):
+                msg = pickle.loads(bytes(w.result[8:]))
+                if msg[0] == "err":
+                    tb = msg[2]
+                    if msg[1] is not None:
+                        exc = pickle.loads(msg[1])
+        if not tb:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                data = json.loads(w.error_file.read_text())
+                message = data["message"]
+                if isinstance(message, str):
+                    tb = message
+                else:
+                    tb = message["extraInfo"]["py_callstack"] or message["message"]
+        with contextlib.suppress(OSError):
+            fault = Path(f"{w.error_file}.fault").read_text().strip()
+            if fault:
+                tb = f"{tb}\n{fault}" if tb else fault
+        return tb, exc
+
+    def _bad_target_message(self, w: _Worker) -> str:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            return str(json.loads(w.error_file.read_text())["rallypoint"]["bad_target"])
+        return ""
+
+    def _failure(self, outcome: _Outcome, attempt: int) -> WorkerFailedError:
+        root = outcome.root
+        assert root is not None
+        tb, exc = self._error_info(root)
+        state = root.state()
+        others = [w.state() for w in outcome.workers if w is not root]
+        restarts = self.config.max_restarts
+        attempts = f"attempt {attempt + 1} of {restarts + 1}" if restarts else "no restarts"
+        summary = format_summary(
+            title=self.title,
+            root=state,
+            host=self.host,
+            when=time.time() - (time.monotonic() - root.exited_at),
+            elapsed=root.exited_at - self.started,
+            traceback_text=tb,
+            others=others,
+            attempts=attempts,
+        )
+        err = WorkerFailedError(
+            f"rank {root.rank} (local_rank {root.local_rank}, pid {root.pid}) {state.detail}",
+            rank=root.rank,
+            local_rank=root.local_rank,
+            pid=root.pid,
+            host=self.host,
+            exitcode=state.exitcode,
+            remote_traceback=tb,
+            summary=summary,
+            others=tuple(others),
+            exception=exc,
+        )
+        if exc is not None:
+            err.__cause__ = exc
+        return err
+
+    def _result(self, w: _Worker) -> Any:
+        if not self.collect_results:
+            return None
+        if len(w.result) < 8:
+            raise WorkerFailedError(
+                f"rank {w.rank} exited with 0 without sending a result",
+                rank=w.rank,
+                local_rank=w.local_rank,
+                pid=w.pid,
+                host=self.host,
+                exitcode=0,
+                remote_traceback="",
+                summary="",
+            )
+        msg = pickle.loads(bytes(w.result[8:]))
+        return msg[1]
