@@ -198,7 +198,10 @@ def init_parallel_groups(
             "dim_backends": dim_backends,
         },
     )
-    backends = {dim: check_backend_name(name) for dim, name in base.dim_backends.items()}
+    backends = {
+        dim: check_backend_name(name, f" (dim_backends[{dim!r}])")
+        for dim, name in base.dim_backends.items()
+    }
     init_process_group(config=base)
     world_size = dist.get_world_size()
     sizes = base.sizes
