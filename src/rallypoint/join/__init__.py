@@ -1,0 +1,31 @@
+"""Uneven inputs across ranks: torch's ``Join``/``Joinable``/``JoinHook``, failure-safe.
+
+``from rallypoint.join import Join`` is a drop-in for
+``from torch.distributed.algorithms.join import Join``: torch's
+``DistributedDataParallel`` and ``ZeroRedundancyOptimizer`` work inside it unchanged. On
+top of torch's semantics: a rank that raises inside the context makes the others raise
+:class:`RankFailedError` within a second instead of hanging, a skew :class:`JoinSummary`,
+``notify_join_context`` returning a future, :class:`CollectiveJoinable` for a loop's own
+collectives, and :func:`even_batches` for users who prefer padding to joining.
+"""
+
+from rallypoint.join._errors import EarlyTerminationError, JoinError, RankFailedError
+from rallypoint.join._even_batches import EvenBatches, even_batches
+from rallypoint.join._join import Join, Joinable, JoinHook, JoinSummary, SupportsJoin
+from rallypoint.join._joinables import CollectiveJoinable
+from rallypoint.join._options import JoinOptions
+
+__all__ = [
+    "CollectiveJoinable",
+    "EarlyTerminationError",
+    "EvenBatches",
+    "Join",
+    "JoinError",
+    "JoinHook",
+    "JoinOptions",
+    "JoinSummary",
+    "Joinable",
+    "RankFailedError",
+    "SupportsJoin",
+    "even_batches",
+]

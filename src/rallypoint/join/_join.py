@@ -1,0 +1,413 @@
+"""The generic join context manager: torch's ``Join``/``Joinable``/``JoinHook`` semantics.
+
+Compatible with ``torch.distributed.algorithms.join``: the same names, signatures,
+collectives and messages, so torch's ``DistributedDataParallel`` and
+``ZeroRedundancyOptimizer`` (torch joinables, which call torch's static
+``Join.notify_join_context``) work inside this ``Join``. That works because both sides
+agree on two things only: the per-joinable ``_join_config`` (``enable``,
+``throw_on_early_termination``, ``is_first_joinable``) that this ``Join`` sets on every
+joinable, and the collectives on the join device and process group: per iteration, a
+not-yet-joined rank all-reduces ``ones(1)`` (and, in throw mode, ``zeros(1)``), which the
+join loop of a joined rank matches with ``zeros(1)`` (and ``ones(1)``).
+
+Differences from torch (all additive):
+
+- an exception inside the context is published to the other ranks, which raise
+  :class:`RankFailedError` within about ``2 * poll_interval`` instead of hanging
+  (see :mod:`rallypoint.join._failure` for what is covered);
+- no ``warnings.simplefilter`` call: the skew warning is issued once per Join;
+- ``notify_join_context`` returns a ``torch.futures.Future`` (pytorch#61661);
+- ``Join.summary`` says how many iterations each rank shadowed;
+- the joinables' ``_join_config`` is restored when the context exits, so DDP stops issuing
+  join collectives after the context;
+- joinables are validated up front with ``TypeError``/``ValueError`` messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Joinable as _TorchJoinable
+from torch.distributed.algorithms.join import JoinHook as _TorchJoinHook
+from torch.distributed.algorithms.join import _JoinConfig
+from torch.futures import Future
+
+from rallypoint.join._errors import EarlyTerminationError, JoinError, RankFailedError
+from rallypoint.join._failure import FailureChannel, is_consequence, run_watched, wait_work
+from rallypoint.join._options import JoinOptions
+
+__all__ = ["Join", "JoinHook", "JoinSummary", "Joinable", "SupportsJoin"]
+
+logger = logging.getLogger("rallypoint.join")
+
+_THROW_MESSAGE = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+
+# id(joinable) -> failure channel of the Join it is in (for notify_join_context)
+_channels: dict[int, FailureChannel] = {}
+
+
+class JoinHook(_TorchJoinHook):
+    """The two entry points a joinable gives the join context manager.
+
+    ``main_hook()`` runs once per iteration on a rank that has joined while some rank has
+    not, to shadow that iteration's collectives; ``post_hook(is_last_joiner)`` runs once
+    after every rank has joined. Both default to doing nothing. A subclass of torch's
+    ``JoinHook``, so hooks written for either work with either ``Join``.
+    """
+
+    def main_hook(self) -> None:
+        """Shadow the collectives of one training iteration of a rank that has not joined."""
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Run once all ranks have joined; ``is_last_joiner`` is ``True`` on the rank(s)
+        that joined last (the ones that never shadowed an iteration)."""
+
+
+class Joinable(_TorchJoinable):
+    """Base class for objects that take part in a :class:`Join`.
+
+    Subclasses call ``super().__init__()`` (which sets the ``_join_config`` the context
+    manager reads), implement :meth:`join_hook`, :attr:`join_device` and
+    :attr:`join_process_group`, and call :meth:`Join.notify_join_context` before each
+    iteration's collectives. A subclass of torch's ``Joinable``: it also works in torch's
+    ``Join``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+
+
+class SupportsJoin(Protocol):
+    """What :class:`Join` needs from a joinable (torch's DDP and ZeRO qualify)."""
+
+    def join_hook(self, **kwargs: Any) -> Any: ...
+
+    @property
+    def join_device(self) -> Any: ...
+
+    @property
+    def join_process_group(self) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class JoinSummary:
+    """How uneven the inputs were, gathered after a :class:`Join` context.
+
+    ``shadowed[r]`` is the number of iterations rank ``r`` spent shadowing others after
+    running out of inputs (0 for the last joiners).
+    """
+
+    shadowed: tuple[int, ...]
+
+    @property
+    def max_skew(self) -> int:
+        """The largest number of iterations any rank shadowed."""
+        return max(self.shadowed)
+
+    @property
+    def last_joiners(self) -> tuple[int, ...]:
+        """The ranks that never shadowed (``post_hook(is_last_joiner=True)``)."""
+        return tuple(r for r, n in enumerate(self.shadowed) if n == 0)
+
+    def __str__(self) -> str:
+        return f"iterations shadowed per rank: {list(self.shadowed)} (max skew {self.max_skew})"
+
+
+def _report_progress() -> None:
+    """The one place where the join loop reports progress to the launcher.
+
+    Called once per shadowed iteration. The launcher's hang detection API
+    (``rallypoint.progress()``) does not exist yet; when it does, this function calls it
+    so that a rank shadowing a long skew is not mistaken for a hung one.
+    """
+
+
+def _check_interface(index: int, joinable: object) -> None:
+    kind = type(joinable)
+    missing = [
+        name
+        for name in ("join_hook", "join_device", "join_process_group")
+        if not hasattr(kind, name)
+    ]
+    if missing:
+        raise TypeError(
+            f"joinables[{index}] ({kind.__name__}) is not a joinable: it lacks "
+            f"{', '.join(missing)}; subclass rallypoint.join.Joinable (or torch's Joinable) "
+            "and implement join_hook, join_device and join_process_group"
+        )
+    if not hasattr(joinable, "_join_config"):
+        raise TypeError(
+            f"Check that the {kind} constructor calls the ``Joinable`` constructor: "
+            f"joinables[{index}] has no _join_config; add super().__init__() (or "
+            "Joinable.__init__(self)) to its __init__"
+        )
+
+
+class Join:
+    """Context manager that lets ranks with fewer inputs shadow the others' collectives.
+
+    Same contract as ``torch.distributed.algorithms.join.Join``: every joinable calls
+    :meth:`notify_join_context` before its per-iteration collectives; when a rank runs out
+    of inputs, ``__exit__`` runs every joinable's main hook once per iteration of the
+    ranks still working, then every post hook with ``is_last_joiner``.
+
+    Arguments:
+        joinables: the participating joinables (anything with ``join_hook``,
+            ``join_device``, ``join_process_group`` and a ``_join_config`` set by
+            ``Joinable.__init__``); hooks run in this order and the first one performs
+            the notify collectives. All must use the same process group.
+        enable: ``False`` turns the context manager into a no-op (even inputs only).
+        throw_on_early_termination: raise on every rank as soon as one runs out.
+        join_options: rallypoint's extra settings (:class:`JoinOptions`).
+        kwargs: passed to every ``join_hook(**kwargs)``.
+    """
+
+    def __init__(
+        self,
+        joinables: Sequence[SupportsJoin],
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+        *,
+        join_options: JoinOptions | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(joinables, (str, bytes)) or not isinstance(joinables, Sequence):
+            raise TypeError(
+                f"joinables must be a list of joinables, got {type(joinables).__name__}"
+            )
+        if len(joinables) == 0:
+            raise ValueError("The join context manager requires at least one joinable")
+        for name, flag in (
+            ("enable", enable),
+            ("throw_on_early_termination", throw_on_early_termination),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if join_options is None:
+            join_options = JoinOptions()
+        elif not isinstance(join_options, JoinOptions):
+            raise TypeError(
+                f"join_options must be a rallypoint.join.JoinOptions, got "
+                f"{type(join_options).__name__}"
+            )
+        for index, joinable in enumerate(joinables):
+            _check_interface(index, joinable)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "Join needs an initialized process group: call "
+                "torch.distributed.init_process_group() first"
+            )
+        self._joinables: list[SupportsJoin] = list(joinables)
+        self._enable = enable
+        self._throw_on_early_termination = throw_on_early_termination
+        self._options = join_options
+        self._extract_dist_info()
+        self._join_hooks: list[Any] = []
+        for index, joinable in enumerate(self._joinables):
+            hook = joinable.join_hook(**kwargs)
+            if not (
+                callable(getattr(hook, "main_hook", None))
+                and callable(getattr(hook, "post_hook", None))
+            ):
+                raise TypeError(
+                    f"joinables[{index}].join_hook() returned {type(hook).__name__}, which "
+                    "lacks main_hook()/post_hook(); return a rallypoint.join.JoinHook"
+                )
+            self._join_hooks.append(hook)
+        self._channel: FailureChannel | None = None
+        if join_options.detect_failures and self._world_size > 1:
+            self._channel = FailureChannel.for_group(
+                self._process_group, self._rank, join_options.poll_interval
+            )
+        self._saved_configs: list[Any] | None = None
+        self._warned = False
+        self.summary: JoinSummary | None = None
+        """Set after a context that ran to its end (``JoinOptions(summary=True)``)."""
+        self._set_joinable_configs()
+
+    # -- setup -------------------------------------------------------------------------
+
+    def _extract_dist_info(self) -> None:
+        default = dist.distributed_c10d._get_default_group()
+        group: dist.ProcessGroup | None = None
+        first = 0
+        for index, joinable in enumerate(self._joinables):
+            this = joinable.join_process_group
+            this = default if this is None else this
+            if group is None:
+                group, first = this, index
+            elif this != group:
+                name = dist.distributed_c10d._get_process_group_name
+                raise ValueError(
+                    "Using join context manager with multiple process groups: "
+                    f"joinables[{first}] uses {name(group)!r} "
+                    f"and joinables[{index}] uses {name(this)!r}; put joinables "
+                    "of different groups in separate Join contexts"
+                )
+        assert group is not None
+        self._process_group: dist.ProcessGroup = group
+        self._rank = dist.get_rank(group)
+        self._world_size = dist.get_world_size(group)
+        self._device = torch.device(self._joinables[0].join_device)
+
+    def _set_joinable_configs(self) -> None:
+        if self._saved_configs is not None:
+            return
+        self._saved_configs = [getattr(j, "_join_config") for j in self._joinables]  # noqa: B009
+        for index, joinable in enumerate(self._joinables):
+            joinable._join_config = _JoinConfig(  # type: ignore[attr-defined]
+                enable=self._enable,
+                throw_on_early_termination=self._throw_on_early_termination,
+                is_first_joinable=index == 0,
+            )
+            if self._channel is not None:
+                _channels[id(joinable)] = self._channel
+
+    def _restore_joinable_configs(self) -> None:
+        if self._saved_configs is None:
+            return
+        for joinable, saved in zip(self._joinables, self._saved_configs, strict=True):
+            joinable._join_config = saved  # type: ignore[attr-defined]
+            if self._channel is not None and _channels.get(id(joinable)) is self._channel:
+                del _channels[id(joinable)]
+        self._saved_configs = None
+
+    # -- context -----------------------------------------------------------------------
+
+    def __enter__(self) -> Join:
+        self._set_joinable_configs()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Run the main hooks until every rank has joined, then the post hooks.
+
+        Raises:
+            EarlyTerminationError: with ``throw_on_early_termination=True``.
+            RankFailedError: another rank raised inside its context.
+        """
+        try:
+            if exc is not None:
+                self._on_error(exc)
+                return
+            if not self._enable:
+                return
+            channel = self._channel if self._device.type == "cpu" else None
+            cancel = threading.Event()
+            try:
+                run_watched(lambda: self._join_loop(cancel), channel, cancel)
+            except BaseException as error:
+                if self._channel is not None and not is_consequence(error):
+                    self._channel.publish(error)
+                raise
+        finally:
+            self._restore_joinable_configs()
+
+    def _on_error(self, exc: BaseException) -> None:
+        if self._channel is None or is_consequence(exc):
+            return
+        found = self._channel.failure(force=True)
+        if found is not None:  # this rank's error follows another rank's failure
+            raise self._channel_error(found) from exc
+        self._channel.publish(exc)
+
+    def _channel_error(self, found: tuple[int, str]) -> JoinError:
+        return RankFailedError(found[0], found[1], self._rank)
+
+    # -- the join loop -----------------------------------------------------------------
+
+    def _join_loop(self, cancel: threading.Event) -> None:
+        channel = self._channel if self._device.type == "cpu" else None
+        shadowed = 0
+        is_last_joiner = True
+        while True:
+            if cancel.is_set():
+                raise JoinError("join loop cancelled after another rank failed")
+            if self._get_num_nonjoined_procs(channel) == 0:
+                break
+            if self._throw_on_early_termination:
+                self._notify_procs_to_terminate(channel)
+            for hook in self._join_hooks:
+                hook.main_hook()
+            is_last_joiner = False
+            shadowed += 1
+            _report_progress()
+            if shadowed > self._options.warn_threshold and not self._warned:
+                self._warned = True
+                threshold = self._options.warn_threshold
+                warnings.warn(
+                    f"Detected uneven input skew of greater than {threshold}. This means "
+                    f"that rank {self._rank} has at least {threshold} fewer inputs than "
+                    "other currently-active ranks. This level of skew could lead to "
+                    "performance degradation during training.",
+                    stacklevel=2,
+                )
+        if self._options.summary:
+            counts = torch.zeros(self._world_size, device=self._device)
+            counts[self._rank] = shadowed
+            wait_work(dist.all_reduce(counts, group=self._process_group, async_op=True), channel)
+            self.summary = JoinSummary(shadowed=tuple(int(n) for n in counts.tolist()))
+            logger.info("Join finished on rank %d: %s", self._rank, self.summary)
+        for hook in self._join_hooks:
+            hook.post_hook(is_last_joiner)
+
+    def _get_num_nonjoined_procs(self, channel: FailureChannel | None) -> int:
+        zeros = torch.zeros(1, device=self._device)
+        work = dist.all_reduce(zeros, group=self._process_group, async_op=True)
+        wait_work(work, channel)
+        return int(zeros.item())
+
+    def _notify_procs_to_terminate(self, channel: FailureChannel | None) -> None:
+        ones = torch.ones(1, device=self._device)
+        wait_work(dist.all_reduce(ones, group=self._process_group, async_op=True), channel)
+        raise EarlyTerminationError(f"Rank {self._rank} exhausted all inputs.")
+
+    # -- the joinables' side -----------------------------------------------------------
+
+    @staticmethod
+    def notify_join_context(joinable: SupportsJoin) -> Future[list[torch.Tensor]] | None:
+        """Tell the join context manager that this rank has not joined yet.
+
+        Call it from a joinable before each iteration's collectives. Only the first
+        joinable of the context performs the collective (an async all-reduce of
+        ``ones(1)``); for the others, or outside a context, it returns ``None``. With
+        ``throw_on_early_termination=True`` it also checks whether a rank has joined and
+        raises :class:`EarlyTerminationError` if so.
+
+        Returns:
+            A ``torch.futures.Future`` whose value is ``[t]`` where ``t`` holds the number
+            of ranks that have not joined (torch returns the ``Work`` handle instead;
+            ``Future.wait()`` works the same), or ``None``.
+        """
+        config = getattr(joinable, "_join_config", None)
+        if config is None:
+            raise TypeError(
+                f"Check that the {type(joinable)} constructor calls the ``Joinable`` "
+                "constructor (super().__init__() or Joinable.__init__(self))"
+            )
+        if not config.is_first_joinable or not config.enable:
+            return None
+        device = joinable.join_device
+        group = joinable.join_process_group
+        ones = torch.ones(1, device=device)
+        work = dist.all_reduce(ones, group=group, async_op=True)
+        if config.throw_on_early_termination:
+            zeros = torch.zeros(1, device=device)
+            channel = _channels.get(id(joinable)) if zeros.device.type == "cpu" else None
+            wait_work(dist.all_reduce(zeros, group=group, async_op=True), channel)
+            if zeros.item():
+                raise EarlyTerminationError(_THROW_MESSAGE)
+        future: Future[list[torch.Tensor]] = work.get_future()
+        return future

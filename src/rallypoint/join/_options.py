@@ -1,0 +1,48 @@
+"""Options of :class:`~rallypoint.join.Join` that torch's ``Join`` does not have."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+__all__ = ["JoinOptions"]
+
+
+@dataclass(kw_only=True, slots=True)
+class JoinOptions:
+    """Tuning for :class:`~rallypoint.join.Join`, passed as ``Join(..., join_options=...)``.
+
+    Attributes:
+        detect_failures: publish an exception raised inside the context to the other ranks
+            and watch for theirs (see :mod:`rallypoint.join` docs). ``False`` behaves like
+            torch: the other ranks wait for the process group's timeout.
+        poll_interval: how often a waiting rank checks the store for a failed rank; the
+            detection latency is at most about twice this.
+        summary: after the context, all-reduce how many iterations each rank shadowed and
+            expose it as ``Join.summary`` (one extra all-reduce of ``world_size`` floats).
+        warn_threshold: warn (once per Join) when this rank has shadowed more than this
+            many iterations, as torch does at 1,000.
+    """
+
+    detect_failures: bool = True
+    poll_interval: timedelta = timedelta(milliseconds=100)
+    summary: bool = True
+    warn_threshold: int = 1000
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.poll_interval, timedelta):
+            raise TypeError(
+                "JoinOptions.poll_interval must be a datetime.timedelta, got "
+                f"{type(self.poll_interval).__name__}; e.g. timedelta(milliseconds=100)"
+            )
+        seconds = self.poll_interval.total_seconds()
+        if not 0.001 <= seconds <= 60:
+            raise ValueError(
+                f"JoinOptions.poll_interval must be between 1 ms and 60 s, got {seconds} s"
+            )
+        if isinstance(self.warn_threshold, bool) or not isinstance(self.warn_threshold, int):
+            raise TypeError(
+                f"JoinOptions.warn_threshold must be an int, got {self.warn_threshold!r}"
+            )
+        if self.warn_threshold < 0:
+            raise ValueError(f"JoinOptions.warn_threshold must be >= 0, got {self.warn_threshold}")
