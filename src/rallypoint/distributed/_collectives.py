@@ -111,9 +111,10 @@ class _AllGather(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.group, ctx.size, ctx.dim = group, size, dim
         tensor = tensor.contiguous()
-        gathered = tensor.new_empty((size, *tensor.shape))
+        # the concatenated output form: gloo rejects the stacked one
+        gathered = tensor.new_empty((size * tensor.shape[0], *tensor.shape[1:]))
         dist.all_gather_single(gathered, tensor, group=group)
-        return _unstack_cat(gathered, dim)
+        return _unstack_cat(gathered.view(size, *tensor.shape), dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -128,7 +129,7 @@ class _ReduceScatter(torch.autograd.Function):
         ctx.group, ctx.size, ctx.dim = group, size, dim
         send = _split_stack(tensor, dim, size)
         out = send.new_empty(send.shape[1:])
-        dist.reduce_scatter_single(out, send, group=group)
+        dist.reduce_scatter_single(out, send.flatten(0, 1), group=group)
         return out
 
     @staticmethod
