@@ -58,6 +58,27 @@ _OMP_WARNING = (
 )
 
 
+_LAUNCHER_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _trim_fault(text: str) -> str:
+    """faulthandler's dump without the launcher's own frames and the module list."""
+    keep = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("Extension modules:"):
+            continue
+        if stripped.startswith("File ") and (
+            "<frozen runpy>" in stripped
+            or _LAUNCHER_DIR in stripped
+            or "rallypoint/__main__.py" in stripped
+            or "/bin/rallypoint" in stripped
+        ):
+            continue
+        keep.append(line)
+    return "\n".join(keep).strip()
+
+
 @dataclass(frozen=True, slots=True)
 class GroupInfo:
     """This node's place in the job: the result of the rendezvous step."""
@@ -531,7 +552,7 @@ class Agent:
                 else:
                     tb = message["extraInfo"]["py_callstack"] or message["message"]
         with contextlib.suppress(OSError):
-            fault = Path(f"{w.error_file}.fault").read_text().strip()
+            fault = _trim_fault(Path(f"{w.error_file}.fault").read_text())
             if fault:
                 tb = f"{tb}\n{fault}" if tb else fault
         return tb, exc

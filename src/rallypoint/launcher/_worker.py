@@ -261,10 +261,14 @@ def execute(target: Target, result_fd: int, parallel: object | None) -> NoReturn
 def _user_traceback(exc: BaseException) -> str:
     """Format ``exc`` like Python would, without the launcher's and runpy's own frames."""
     tb = exc.__traceback__
-    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in ours:
+    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    while tb is not None and _abspath(tb.tb_frame.f_code.co_filename) in ours:
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _abspath(name: str) -> str:
+    return name if name.startswith("<") else os.path.abspath(name)
 
 
 def _load_callable(target: Target) -> tuple[Callable[..., Any], tuple[Any, ...], object | None]:

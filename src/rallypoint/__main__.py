@@ -1,0 +1,56 @@
+"""``rallypoint`` command line: ``rallypoint run ...`` and friends.
+
+``run`` forks the launcher's warm process before anything else (before even parsing its
+arguments) so that ``import torch`` in the warm process overlaps the launcher's start-up.
+This module therefore imports nothing heavy at its top level.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# subcommand -> (module with ``main(argv) -> int``, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("rallypoint.launcher._cli", "start workers on this node (torchrun's options)"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: rallypoint COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<10} {text}" for name, (_, text) in COMMANDS.items()]
+    lines += ["", "Run 'rallypoint COMMAND --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "run":
+        # Fork the warm process first: it imports torch while we parse arguments.
+        from rallypoint.launcher._warm import WarmProcess
+
+        warm = WarmProcess.fork()
+        from rallypoint.launcher._cli import run_main
+
+        return run_main(args[1:], warm)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    if args[0] == "--version":
+        from rallypoint import __version__
+
+        print(f"rallypoint {__version__}")
+        return 0
+    if args[0] not in COMMANDS:
+        sys.stderr.write(
+            f"rallypoint: error: unknown command {args[0]!r} (choose from {', '.join(COMMANDS)})\n"
+        )
+        return 2
+    import importlib
+
+    module = importlib.import_module(COMMANDS[args[0]][0])
+    code: int = module.main(args[1:])
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
