@@ -116,7 +116,7 @@ def _existing_group(explicit: dict[str, Any]) -> ProcessGroup:
     return world
 
 
-def _make_store(config: DistributedConfig, environ: dict[str, str]) -> Store:
+def _make_store(config: DistributedConfig, environ: dict[str, str], generation: int) -> Store:
     """The TCPStore for ``env://``: a client of the launcher's store, or hosted by rank 0."""
     from torch._C._distributed_c10d import TCPStore
     from torch.distributed.distributed_c10d import PrefixStore
@@ -133,8 +133,11 @@ def _make_store(config: DistributedConfig, environ: dict[str, str]) -> Store:
         timeout=config.timeout,
         multi_tenant=not agent_store,
     )
-    # the same prefix torch uses for env://, so that other users of a shared store agree
-    return PrefixStore("default_pg", store)
+    # The prefix torch uses for env://. rank 0's multi-tenant server outlives a destroyed
+    # group in this process, so a later init on the same port gets its own namespace
+    # (every rank counts its inits alike when they init and destroy in step).
+    prefix = "default_pg" if generation == 0 else f"default_pg/rallypoint_reinit_{generation}"
+    return PrefixStore(prefix, store)
 
 
 def _set_device(config: DistributedConfig) -> torch.device:
@@ -211,12 +214,13 @@ def init_process_group(
         kwargs["store"] = store
         method = "store"
     elif resolved.init_method == "env://":
-        kwargs["store"] = _make_store(resolved, environ)
+        kwargs["store"] = _make_store(resolved, environ, STATE.generation)
         method = f"env:// ({resolved.master_addr}:{resolved.master_port})"
     else:
         kwargs["init_method"] = resolved.init_method
         method = str(resolved.init_method)
     dist.init_process_group(**kwargs)
+    STATE.generation += 1
     STATE.config = resolved
     world = dist.group.WORLD
     assert world is not None

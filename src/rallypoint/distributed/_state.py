@@ -14,13 +14,16 @@ if TYPE_CHECKING:
 
 
 class _State:
-    __slots__ = ("config", "parallel")
+    __slots__ = ("config", "generation", "parallel")
 
     def __init__(self) -> None:
         # the resolved config of the default group we created (None: not ours / none)
         self.config: DistributedConfig | None = None
         # the parallel groups built on top of it
         self.parallel: ParallelGroups | None = None
+        # default groups this process has created so far; survives clear() so that a
+        # re-initialisation on the same store never reads the previous one's keys
+        self.generation = 0
 
     def clear(self) -> None:
         self.config = None
