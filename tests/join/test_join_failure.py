@@ -1,0 +1,170 @@
+"""A rank that raises inside a Join context makes the other ranks raise, not hang.
+
+Rank 1 raises while its process stays alive (it goes on to the next scenario); rank 0 must
+raise RankFailedError naming rank 1 within 10 s. Each scenario runs on its own gloo group,
+because a failure leaves collectives pending on the survivor's group for good.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from rallypoint.join import CollectiveJoinable, Join, RankFailedError
+from rallypoint.testing import run_workers
+
+FAILING = 1
+
+
+class Boom(ValueError):
+    pass
+
+
+class Flaky(torch.nn.Module):
+    """A model whose forward raises on demand (after DDP's pre-forward collectives)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 1)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise Boom("bad batch in forward")
+        return self.lin(x)  # type: ignore[no-any-return]
+
+
+def fail_now(step: int) -> None:
+    raise Boom(f"bad batch {step}")
+
+
+def survivor_in_join_loop(group: dist.ProcessGroup, rank: int) -> None:
+    """Rank 0 runs out first and waits in the join loop; rank 1 fails at step 3."""
+    sync = CollectiveJoinable(process_group=group)
+    with Join([sync]):
+        for step in range(2 if rank == 0 else 6):
+            if rank == FAILING and step == 3:
+                fail_now(step)
+            sync.all_reduce(torch.ones(2))
+
+
+def survivor_in_ddp_main_hook(group: dist.ProcessGroup, rank: int) -> None:
+    """Rank 1 fails inside forward, after DDP notified: rank 0 is inside DDP's main hook."""
+    module = Flaky()
+    model = DDP(module, process_group=group)
+    with Join([model]):
+        for step in range(2 if rank == 0 else 6):
+            module.fail = rank == FAILING and step == 3
+            model(torch.ones(2, 4)).sum().backward()
+
+
+def survivor_in_collective(group: dist.ProcessGroup, rank: int) -> None:
+    """Both ranks still working: rank 0 waits in CollectiveJoinable.average."""
+    sync = CollectiveJoinable(process_group=group)
+    with Join([sync]):
+        for step in range(5):
+            if rank == FAILING and step == 2:
+                fail_now(step)
+            sync.average(torch.ones(3))
+
+
+def survivor_in_throw_check(group: dist.ProcessGroup, rank: int) -> None:
+    """throw_on_early_termination: rank 0 waits in notify_join_context's check."""
+    sync = CollectiveJoinable(process_group=group)
+    with Join([sync], throw_on_early_termination=True):
+        for step in range(5):
+            if rank == FAILING and step == 2:
+                fail_now(step)
+            sync.all_reduce(torch.ones(1))
+
+
+def survivor_in_ddp_backward(group: dist.ProcessGroup, rank: int) -> None:
+    """Not interruptible (gloo cannot abort DDP's backward all-reduce): the group's short
+    timeout fires, and Join still names the failed rank."""
+    model = DDP(Flaky(), process_group=group)
+    with Join([model]):
+        for step in range(5):
+            if rank == FAILING and step == 2:
+                fail_now(step)
+            model(torch.ones(2, 4)).sum().backward()
+
+
+SCENARIOS: list[tuple[str, Callable[[dist.ProcessGroup, int], None], float]] = [
+    ("ddp_backward", survivor_in_ddp_backward, 3),
+    ("join_loop", survivor_in_join_loop, 60),
+    ("ddp_main_hook", survivor_in_ddp_main_hook, 60),
+    ("collective", survivor_in_collective, 60),
+    ("throw_check", survivor_in_throw_check, 60),
+]
+
+
+def run_scenarios() -> dict[str, Any]:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    groups = [
+        dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        for _, _, timeout in SCENARIOS
+    ]
+    out: dict[str, Any] = {}
+    for (name, scenario, _), group in zip(SCENARIOS, groups, strict=True):
+        dist.barrier()  # both ranks start each scenario together
+        try:
+            scenario(group, rank)
+            out[name] = ("returned", "", None, time.time())
+        except Exception as exc:
+            cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else None
+            out[name] = (type(exc).__name__, str(exc), getattr(exc, "rank", cause), time.time())
+    dist.barrier()  # the failing rank stays alive until the survivor has seen every failure
+    # no destroy_process_group: the survivor's scenario groups have collectives pending
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_workers(run_scenarios, 2, timeout=90)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", [s[0] for s in SCENARIOS])
+def test_failing_rank_propagates_its_own_exception(
+    results: list[dict[str, Any]], name: str
+) -> None:
+    kind, message, _, _ = results[FAILING][name]
+    assert kind == "Boom"
+    assert "bad batch" in message
+
+
+@pytest.mark.parametrize("name", [s[0] for s in SCENARIOS if s[0] != "ddp_backward"])
+def test_survivor_raises_naming_the_failed_rank_within_seconds(
+    results: list[dict[str, Any]], name: str
+) -> None:
+    kind, message, failed_rank, when = results[0][name]
+    assert kind == "RankFailedError", message
+    assert failed_rank == FAILING
+    assert message.startswith("rank 1 failed inside the Join context: Boom: bad batch")
+    assert "detected on rank 0" in message
+    assert when - results[FAILING][name][3] < 10
+
+
+def test_survivor_blocked_in_ddp_backward_names_the_rank_after_group_timeout(
+    results: list[dict[str, Any]],
+) -> None:
+    kind, message, _, _ = results[0]["ddp_backward"]
+    assert kind == "RankFailedError", message
+    assert message.startswith("rank 1 failed inside the Join context: Boom: bad batch 2")
+
+
+def test_rank_failed_error_pickles() -> None:
+    import pickle
+
+    err = pickle.loads(pickle.dumps(RankFailedError(3, "ValueError: x", 0)))
+    assert (err.rank, err.reason, err.observer) == (3, "ValueError: x", 0)
+    assert str(err).startswith("rank 3 failed inside the Join context: ValueError: x")
