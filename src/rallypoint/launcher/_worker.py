@@ -172,10 +172,10 @@ def _record(exc: BaseException, tb_text: str) -> None:
 def _send_result(result_fd: int, message: tuple[Any, ...]) -> None:
     if result_fd < 0:
         return
-    try:
-        data = pickle.dumps(message)
-    except Exception as exc:
-        data = pickle.dumps(("err", None, f"cannot pickle the result: {exc!r}\n", repr(exc)))
+    _write_all(result_fd, pickle.dumps(message))
+
+
+def _write_all(result_fd: int, data: bytes) -> None:
     view = memoryview(len(data).to_bytes(8, "little") + data)
     while view:
         view = view[os.write(result_fd, view) :]
@@ -210,6 +210,7 @@ def execute(target: Target, result_fd: int, parallel: object | None) -> NoReturn
     if error_file:
         with contextlib.suppress(OSError):
             fault_file = open(error_file + ".fault", "w")  # noqa: SIM115 - kept open until exit
+            faulthandler.disable()  # inherited "enabled" state, but our signal reset removed it
             faulthandler.enable(file=fault_file, all_threads=True)
     code = 0
     try:
@@ -234,7 +235,15 @@ def execute(target: Target, result_fd: int, parallel: object | None) -> NoReturn
 
                 fn = distributed.parallel_worker(fn, parallel)
             value = fn(*args)
-            _send_result(result_fd, ("ok", value))
+            try:
+                data = pickle.dumps(("ok", value))
+            except Exception as exc:
+                raise TypeError(
+                    f"the return value of rank {os.environ.get('RANK')} cannot be pickled "
+                    f"and sent back: {exc}"
+                ) from exc
+            if result_fd >= 0:
+                _write_all(result_fd, data)
             result_fd = -1
     except SystemExit as exc:
         code = _exit_code(exc)
