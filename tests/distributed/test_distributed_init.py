@@ -216,3 +216,19 @@ def test_worker_errors_carry_the_original_exception() -> None:
     with pytest.raises(WorkerError) as info:
         run_workers(_missing_master_addr, 2, timeout=15)
     assert isinstance(info.value.exception, ValueError)
+
+
+def _with_store(port: int) -> dict[str, Any]:
+    os.environ.pop("MASTER_ADDR")  # a given store needs no MASTER_ADDR
+    rank = int(os.environ["RANK"])
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=20))
+    group = rd.init_process_group(store=store)
+    out = {"size": group.size(), "rank": dist.get_rank(), "same": rd.init_process_group() is group}
+    rd.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(30)
+def test_explicit_store() -> None:
+    results = run_workers(_with_store, 2, free_port(), timeout=25)
+    assert results == [{"size": 2, "rank": r, "same": True} for r in range(2)]

@@ -251,8 +251,13 @@ class DistributedConfig:
 
 
 def _resolve(
-    config: DistributedConfig, environ: Mapping[str, str], pick_port: Callable[[], int]
+    config: DistributedConfig,
+    environ: Mapping[str, str],
+    pick_port: Callable[[], int],
+    *,
+    need_master: bool = True,
 ) -> DistributedConfig:
+    """:meth:`DistributedConfig.resolve`; ``need_master=False`` when a store is given."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -290,7 +295,7 @@ def _resolve(
     init_method = config.init_method or "env://"
     master_addr = config.master_addr
     master_port = config.master_port
-    if init_method.startswith("env://"):
+    if init_method.startswith("env://") and need_master:
         master_addr = master_addr or environ.get("MASTER_ADDR") or None
         if master_port is None:
             master_port = _env_int(environ, "MASTER_PORT")

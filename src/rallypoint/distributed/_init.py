@@ -18,7 +18,8 @@ import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from rallypoint.distributed._config import DistributedConfig, check_backend_name
+from rallypoint._net import free_port
+from rallypoint.distributed._config import DistributedConfig, _resolve, check_backend_name
 from rallypoint.distributed._errors import AlreadyInitializedError, BackendUnavailableError
 from rallypoint.distributed._state import STATE
 
@@ -197,7 +198,7 @@ def init_process_group(
         return _existing_group(explicit)
 
     environ = dict(os.environ)
-    resolved = base.resolve(environ)
+    resolved = _resolve(base, environ, free_port, need_master=store is None)
     assert resolved.backend is not None and resolved.timeout is not None
     _check_available(resolved.backend)
     device = _set_device(resolved)
@@ -214,6 +215,7 @@ def init_process_group(
         kwargs["store"] = store
         method = "store"
     elif resolved.init_method == "env://":
+        assert resolved.master_addr is not None
         kwargs["store"] = _make_store(resolved, environ, STATE.generation)
         method = f"env:// ({resolved.master_addr}:{resolved.master_port})"
     else:
