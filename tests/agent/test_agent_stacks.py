@@ -1,0 +1,260 @@
+"""Stacks of real workers (gloo all_reduce vs time.sleep) collected by signal and grouped."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+
+from rallypoint._net import free_port
+from rallypoint.launcher._stacks import (
+    DEFAULT_STACKS_SIGNAL,
+    STACKS_DIR_ENV,
+    STACKS_SIGNAL_ENV,
+    Frame,
+    StackDump,
+    collect_stacks,
+    format_grouped_stacks,
+    install_stack_dumper,
+    parse_faulthandler_dump,
+    stack_summary,
+    stacks_env,
+)
+
+_ctx = multiprocessing.get_context("fork")
+_HERE = Path(__file__).read_text().splitlines()
+SLEEP_LINE = next(i for i, line in enumerate(_HERE, 1) if line.endswith("# <- SLEEP"))
+REDUCE_LINE = next(i for i, line in enumerate(_HERE, 1) if line.endswith("# <- REDUCE"))
+
+
+def _gloo_worker(rank: int, world: int, port: int, env: dict[str, str], conn: Connection) -> None:
+    os.environ.update(env)
+    install_stack_dumper()
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    conn.send(rank)
+    if rank == 1:
+        time.sleep(120)  # <- SLEEP
+    else:
+        dist.all_reduce(torch.ones(1))  # <- REDUCE
+
+
+@pytest.fixture(scope="module")
+def gloo_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[int, int], Path]]:
+    """Four gloo workers: ranks 0,2,3 blocked in all_reduce waiting for rank 1, which sleeps."""
+    directory = tmp_path_factory.mktemp("stacks")
+    env = stacks_env(directory)
+    port = free_port()
+    pipes = [_ctx.Pipe(duplex=False) for _ in range(4)]
+    procs = [
+        _ctx.Process(target=_gloo_worker, args=(r, 4, port, env, pipes[r][1]), daemon=True)
+        for r in range(4)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for r, (recv, _) in enumerate(pipes):
+            assert recv.poll(30), f"rank {r} did not join the process group"
+            recv.recv()
+        yield {r: p.pid for r, p in enumerate(procs) if p.pid is not None}, directory
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.join(10)
+
+
+def _collect_until_grouped(pids: dict[int, int], directory: Path) -> dict[int, StackDump]:
+    """Collect until ranks 0,2,3 are inside all_reduce and rank 1 sleeps (after its send)."""
+    deadline = time.monotonic() + 20
+    while True:
+        stacks = collect_stacks(pids, timedelta(seconds=5), directory=directory)
+        summaries = {
+            r: stack_summary(d.main.frames) if d.main else d.error for r, d in stacks.items()
+        }
+        reduce_ok = all(str(summaries[r]).startswith("all_reduce") for r in (0, 2, 3))
+        if reduce_ok and str(summaries[1]).startswith("sleep"):
+            return stacks
+        assert time.monotonic() < deadline, f"workers never reached all_reduce: {summaries}"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(90)
+def test_gloo_hang_two_groups(gloo_job: tuple[dict[int, int], Path]) -> None:
+    pids, directory = gloo_job
+    stacks = _collect_until_grouped(pids, directory)
+    name = Path(__file__).name
+    for r in (0, 2, 3):
+        main = stacks[r].main
+        assert main is not None
+        assert stack_summary(main.frames) == f"all_reduce at {name}:{REDUCE_LINE}"
+        assert any(f.name == "_bootstrap" for f in main.frames)  # forked by multiprocessing
+    main1 = stacks[1].main
+    assert main1 is not None and stack_summary(main1.frames) == f"sleep at {name}:{SLEEP_LINE}"
+    text = format_grouped_stacks(stacks)
+    lines = text.splitlines()
+    assert lines[0] == f"ranks 0,2,3: all_reduce at {name}:{REDUCE_LINE}"
+    assert f"rank 1: sleep at {name}:{SLEEP_LINE}" in lines
+    assert text.count("dist.all_reduce(torch.ones(1))") == 1  # the full stack once per group
+    assert text.count("time.sleep(120)") == 1
+    assert f"(pid {pids[2]})" in text
+    # the workers are still alive and answer again (the handler stays installed)
+    again = collect_stacks(pids, 5.0, directory=directory)
+    assert all(d.error is None for d in again.values())
+
+
+@pytest.mark.timeout(90)
+def test_group_across_nodes_through_json(gloo_job: tuple[dict[int, int], Path]) -> None:
+    pids, directory = gloo_job
+    node_a = _collect_until_grouped(pids, directory)
+    # a second "node" whose dumps came through the store as JSON, global ranks 4..7
+    node_b = {}
+    for r, d in node_a.items():
+        record = json.loads(json.dumps(d.to_json()))
+        record.update(rank=r + 4, host="nodeB")
+        node_b[r + 4] = StackDump.from_json(record)
+    assert StackDump.from_json(node_a[0].to_json()) == node_a[0]
+    text = format_grouped_stacks({**node_a, **node_b})
+    name = Path(__file__).name
+    assert text.splitlines()[0] == f"ranks 0,2-4,6,7: all_reduce at {name}:{REDUCE_LINE}"
+    assert f"ranks 1,5: sleep at {name}:{SLEEP_LINE}" in text
+    assert "; nodeB: 4 (pid" in text
+
+
+def _sleeper(env: dict[str, str], conn: Connection) -> None:
+    os.environ.update(env)
+    conn.send(install_stack_dumper())
+    time.sleep(60)
+
+
+@pytest.mark.timeout(60)
+def test_workers_without_dump(tmp_path: Path) -> None:
+    env = stacks_env(tmp_path)
+    recv, send = _ctx.Pipe(duplex=False)
+    stopped = _ctx.Process(target=_sleeper, args=(env, send), daemon=True)
+    stopped.start()
+    assert recv.poll(10)
+    assert recv.recv() == str(tmp_path / f"{stopped.pid}.stacks")
+    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / f"{gone.pid}.stacks").write_text("")  # a stale file from an exited worker
+    assert stopped.pid is not None
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        stacks = collect_stacks(
+            {0: stopped.pid, 1: plain.pid, 2: gone.pid}, 0.3, directory=tmp_path, host="h1"
+        )
+        assert time.monotonic() - start < 3
+        assert stacks[0].error == "no dump within 0.3 s"
+        assert stacks[1].error is not None and "no stack dump handler" in stacks[1].error
+        assert stacks[2].error == "process has exited"
+        assert plain.poll() is None  # never signalled: still alive
+        text = format_grouped_stacks(stacks)
+        assert "rank 0: no stack: no dump within 0.3 s" in text
+        assert "rank 1: no stack: no stack dump handler" in text
+        assert "on h1: 2 (pid" in text
+        os.kill(stopped.pid, signal.SIGCONT)
+        stacks = collect_stacks({0: stopped.pid}, 5.0, directory=tmp_path)
+        main = stacks[0].main
+        assert main is not None and stack_summary(main.frames).startswith("sleep at")
+    finally:
+        plain.kill()
+        plain.wait()
+        stopped.kill()
+        stopped.join(10)
+
+
+def test_install_without_env_is_noop() -> None:
+    assert install_stack_dumper({}) is None
+
+
+def test_signal_choice(tmp_path: Path) -> None:
+    assert stacks_env(tmp_path) == {
+        STACKS_DIR_ENV: str(tmp_path),
+        STACKS_SIGNAL_ENV: str(DEFAULT_STACKS_SIGNAL),
+    }
+    assert DEFAULT_STACKS_SIGNAL not in (signal.SIGUSR1, signal.SIGUSR2)
+    assert stacks_env(tmp_path, signal.SIGUSR1)[STACKS_SIGNAL_ENV] == str(int(signal.SIGUSR1))
+    with pytest.raises(ValueError, match="cannot be used for stack dumps"):
+        stacks_env(tmp_path, signal.SIGKILL)
+    with pytest.raises(ValueError, match="out of range"):
+        stacks_env(tmp_path, 999)
+    with pytest.raises(ValueError, match="is not a signal"):
+        install_stack_dumper({STACKS_DIR_ENV: str(tmp_path), STACKS_SIGNAL_ENV: "SIGBOGUS"})
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        collect_stacks({}, 0, directory=tmp_path)
+    assert collect_stacks({}, 1.0, directory=tmp_path) == {}
+    assert format_grouped_stacks({}) == ""
+
+
+DUMP = """\
+Thread 0x00007f0000000001 (most recent call first):
+  File "/lib/threading.py", line 320 in wait
+  <no Python frame>
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/app/train.py", line 42 in step
+  File "/app/train.py", line ??? in main
+  ...
+"""
+
+
+def test_parse_dump() -> None:
+    threads = parse_faulthandler_dump(DUMP)
+    assert [t.thread_id for t in threads] == ["0x00007f0000000001", "0x00007f0000000002"]
+    assert [t.current for t in threads] == [False, True]
+    assert threads[0].frames == (Frame("/lib/threading.py", 320, "wait"),)
+    assert threads[1].frames == (
+        Frame("/app/train.py", 42, "step"),
+        Frame("/app/train.py", 0, "main"),
+    )
+    single = parse_faulthandler_dump(
+        'Stack (most recent call first):\n  File "a.py", line 1 in f\n'
+    )
+    assert single[0].frames == (Frame("a.py", 1, "f"),)
+    with pytest.raises(ValueError, match="not a faulthandler dump"):
+        parse_faulthandler_dump("Traceback (most recent call last):\n  oops\n")
+
+
+def test_from_json_rejects_garbage() -> None:
+    with pytest.raises(ValueError, match="malformed stack dump record"):
+        StackDump.from_json({"rank": 0})
+    with pytest.raises(ValueError, match="malformed stack dump record"):
+        StackDump.from_json({"rank": "x", "host": "", "pid": None, "error": None, "threads": []})
+
+
+def test_summary_rules() -> None:
+    lib = sysconfig.get_paths()["purelib"] + "/torch/distributed/"
+    user = Frame("/app/train.py", 42, "step", "loss = model(next(batch))")
+    # decorator frames and private helpers are skipped: the public name user code called
+    frames = (
+        Frame(lib + "c10d.py", 9, "_inner_work"),
+        Frame(lib + "c10d.py", 5, "barrier"),
+        Frame(lib + "logger.py", 3, "wrapper"),
+        user,
+    )
+    assert stack_summary(frames) == "barrier at train.py:42"
+    # only private library frames: the one called directly
+    assert stack_summary((Frame(lib + "x.py", 1, "_private"), user)) == "_private at train.py:42"
+    # blocked in C: the call on the source line (outermost call of the statement)
+    assert stack_summary((user,)) == "model at train.py:42"
+    assert stack_summary((Frame("/app/t.py", 7, "main", "while True:"),)) == "in main at t.py:7"
+    assert stack_summary((Frame("/app/t.py", 8, "main", "x = f(1"),)) == "f at t.py:8"
+    assert stack_summary((Frame(lib + "q.py", 2, "get"),)) == "get at q.py:2"
+    assert stack_summary(()) == "no Python frames"
