@@ -44,8 +44,9 @@ def test_import_does_not_load_torch_until_a_collective_is_used() -> None:
     code = (
         "import sys, rallypoint.distributed as rd; a = 'torch' in sys.modules; "
         "rd.DistributedConfig(tensor_parallel=2); b = 'torch' in sys.modules; "
-        "rd.all_to_all; print(a, b, 'torch' in sys.modules)"
+        "import logging; h = logging.getLogger('rallypoint.distributed').handlers; "
+        "rd.all_to_all; print(a, b, 'torch' in sys.modules, h == [])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "False", "True"]
+    assert out.stdout.split() == ["False", "False", "True", "True"]

@@ -6,8 +6,11 @@ import pickle
 from datetime import timedelta
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rallypoint.distributed import DistributedConfig
+from rallypoint.distributed._config import check_layout
 
 LAUNCHED = {
     "RANK": "3",
@@ -159,3 +162,25 @@ def test_config_pickles_and_copies_dim_backends() -> None:
     assert config.replace(tensor_parallel=1).tensor_parallel == 1
     with pytest.raises(ValueError, match=r"call resolve\(\) first"):
         _ = config.mesh_shape
+
+
+@given(
+    world=st.integers(1, 64),
+    tp=st.integers(1, 8),
+    pp=st.integers(1, 8),
+    cp=st.integers(1, 4),
+    dp=st.sampled_from([-1, 1, 2, 3, 4]),
+)
+def test_layout_either_fills_the_world_exactly_or_says_why(
+    world: int, tp: int, pp: int, cp: int, dp: int
+) -> None:
+    sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+    try:
+        inferred = check_layout(world, sizes)
+    except ValueError as exc:
+        message = str(exc)
+        assert f"world_size {world}" in message
+        assert "not divisible" in message or "set data_parallel=-1" in message
+    else:
+        assert inferred * tp * pp * cp == world
+        assert dp in (-1, inferred)

@@ -119,6 +119,29 @@ def test_group_membership_matches_the_documented_layout(layout: str) -> None:
         assert out["cleared"]
 
 
+def _coordinates() -> tuple[dict[str, list[int]], dict[str, int]]:
+    groups = rd.init_parallel_groups(pipeline_parallel=2, tensor_parallel=2)
+    out = ({dim: groups.ranks(dim) for dim in rd.DIM_NAMES}, groups.coordinate)
+    rd.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(40)
+def test_three_dimensions_on_eight_processes_match_the_picture() -> None:
+    # docs/distributed.md, "pipeline 2 x data 2 x tensor 2 (8 ranks)"
+    expected = {
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    }
+    for rank, (ranks, coordinate) in enumerate(run_workers(_coordinates, 8, timeout=30)):
+        for dim, dim_groups in expected.items():
+            (mine,) = [g for g in dim_groups if rank in g]
+            assert ranks[dim] == mine, (rank, dim)
+        assert ranks["cp"] == [rank]
+        assert coordinate == {"pp": rank // 4, "dp": rank // 2 % 2, "cp": 0, "tp": rank % 2}
+
+
 def _indivisible() -> None:
     rd.init_parallel_groups(tensor_parallel=3)
 

@@ -86,6 +86,17 @@ def test_launch_with_parallel_initialises_groups_in_each_worker() -> None:
         assert (out["rank"], out["tp"], out["dp"]) == (rank, *TP2_DP2[rank])
 
 
+@pytest.mark.timeout(60)
+def test_launch_with_parallel_and_spawn_pickles_the_worker() -> None:
+    pytest.importorskip("rallypoint.launcher", reason="the launcher part is not installed")
+    import rallypoint
+
+    results = rallypoint.launch(
+        _layout, nproc=2, start_method="spawn", parallel={"pipeline_parallel": 2}
+    )
+    assert [(r["rank"], r["tp"], r["dp"]) for r in results] == [(0, [0], [0]), (1, [1], [1])]
+
+
 SCRIPT = """
 import json, os, sys
 import torch
