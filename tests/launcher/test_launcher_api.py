@@ -325,11 +325,14 @@ def test_public_surface() -> None:
     assert set(rallypoint.launcher.__all__) >= {"launch", "LaunchConfig", "LaunchError"}
 
 
+def _pg_ready() -> tuple[bool, int]:
+    return dist.is_initialized(), dist.get_world_size()
+
+
 def test_parallel_hook_wraps_fn() -> None:
     distributed = pytest.importorskip("rallypoint.distributed")
     if not hasattr(distributed, "parallel_worker"):
         pytest.skip("rallypoint.distributed.parallel_worker is not there yet")
-    import inspect
-
-    assert callable(distributed.parallel_worker)
-    assert inspect.signature(distributed.parallel_worker).parameters
+    assert launch(_pg_ready, nproc=2, parallel=True) == [(True, 2)] * 2
+    with pytest.raises(TypeError, match="parallel"):
+        launch(_pg_ready, nproc=2, parallel=42)

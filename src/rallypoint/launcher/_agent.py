@@ -310,7 +310,7 @@ class Agent:
 
             payload = self._tmp / "payload.pkl"
             fn, args = CALLABLES[target.name]
-            payload.write_bytes(pickle.dumps((fn, args, cfg.parallel)))
+            payload.write_bytes(pickle.dumps((fn, args)))
             target = Target("payload", str(payload))
             exec_argv = [sys.executable, "-u", "-m", "rallypoint.launcher._spawned"]
             exec_argv += ["payload", str(payload)]
@@ -330,7 +330,6 @@ class Agent:
                 cwd=os.fspath(cfg.cwd) if cfg.cwd is not None else os.getcwd(),
                 target=target,
                 exec_argv=exec_argv,
-                parallel=cfg.parallel if target.kind == "callable" else None,
             )
             pipes = [os.pipe() for _ in range(3)]
             try:

@@ -38,18 +38,20 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int = 1, **options: Any) -
             fields = ", ".join(sorted(LaunchConfig.__dataclass_fields__))
             raise TypeError(f"launch(): {exc}; LaunchConfig fields are: {fields}") from None
         raise
+    if config.parallel is not None:
+        distributed = importlib.import_module("rallypoint.distributed")
+        if not hasattr(distributed, "parallel_worker"):
+            raise NotImplementedError("rallypoint.distributed.parallel_worker is not available")
+        # validates the layout here, before any worker starts
+        fn = distributed.parallel_worker(fn, config.parallel)
     if config.start_method == "spawn":
         try:
-            pickle.dumps((fn, args, config.parallel))
+            pickle.dumps((fn, args))
         except Exception as exc:
             raise TypeError(
                 f"start_method='spawn' needs a picklable fn and args (define fn at module "
                 f"level, or use start_method='fork'): cannot pickle {fn!r}: {exc}"
             ) from exc
-    if config.parallel is not None:
-        distributed = importlib.import_module("rallypoint.distributed")
-        if not hasattr(distributed, "parallel_worker"):
-            raise NotImplementedError("rallypoint.distributed.parallel_worker is not available")
 
     from rallypoint.launcher._agent import Agent
     from rallypoint.launcher._warm import WarmProcess

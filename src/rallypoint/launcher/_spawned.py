@@ -16,7 +16,7 @@ def main() -> None:
     if kind not in ("script", "module", "payload"):
         raise SystemExit(f"rallypoint: unknown target kind {kind!r}")
     result_fd = RESULT_FD if kind == "payload" else -1
-    execute(Target(kind, name, tuple(args)), result_fd, None)  # type: ignore[arg-type]
+    execute(Target(kind, name, tuple(args)), result_fd)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

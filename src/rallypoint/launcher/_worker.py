@@ -63,7 +63,6 @@ class WorkerSpec:
     target: Target
     exec_argv: list[str] | None = None
     """Set for ``--no-python`` and ``spawn``: exec this instead of running in-process."""
-    parallel: object | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -123,7 +122,7 @@ def child_main(spec: WorkerSpec, fds: list[int], close: list[int]) -> NoReturn:
                 os.write(2, f"rallypoint: cannot execute {spec.exec_argv[0]!r}: {exc}\n".encode())
                 _write_bad_target(f"cannot execute {spec.exec_argv[0]!r}: {exc.strerror}")
                 os._exit(BAD_TARGET_EXIT)
-        execute(spec.target, result_fd, spec.parallel)
+        execute(spec.target, result_fd)
     except BaseException:
         with contextlib.suppress(BaseException):
             os.write(2, ("rallypoint: worker setup failed:\n" + traceback.format_exc()).encode())
@@ -193,7 +192,7 @@ def _find_module(name: str) -> str | None:
     return None
 
 
-def execute(target: Target, result_fd: int, parallel: object | None) -> NoReturn:
+def execute(target: Target, result_fd: int) -> NoReturn:
     """Run the user's target in this process with fresh interpreter state, then exit."""
     _fresh_stdio()
     atexit._clear()
@@ -228,12 +227,7 @@ def execute(target: Target, result_fd: int, parallel: object | None) -> NoReturn
                 _exit(BAD_TARGET_EXIT, fault_file)
             runpy.run_module(target.name, run_name="__main__", alter_sys=True)
         else:
-            fn, args, payload_parallel = _load_callable(target)
-            parallel = parallel if parallel is not None else payload_parallel
-            if parallel is not None:
-                from rallypoint import distributed
-
-                fn = distributed.parallel_worker(fn, parallel)
+            fn, args = _load_callable(target)
             value = fn(*args)
             try:
                 data = pickle.dumps(("ok", value))
@@ -280,13 +274,12 @@ def _abspath(name: str) -> str:
     return name if name.startswith("<") else os.path.abspath(name)
 
 
-def _load_callable(target: Target) -> tuple[Callable[..., Any], tuple[Any, ...], object | None]:
+def _load_callable(target: Target) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     if target.kind == "callable":
-        fn, args = CALLABLES[target.name]
-        return fn, args, None
+        return CALLABLES[target.name]
     with open(target.name, "rb") as fp:
-        fn, args, parallel = pickle.load(fp)
-    return fn, tuple(args), parallel
+        fn, args = pickle.load(fp)
+    return fn, tuple(args)
 
 
 def _exit_code(exc: SystemExit) -> int:

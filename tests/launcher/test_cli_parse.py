@@ -1,0 +1,130 @@
+"""``rallypoint run`` argument parsing: torchrun's options, both spellings, PET_ defaults."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from rallypoint.launcher._cli import UsageError, build_parser, config_from_args, parse_nproc
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("print('hi')\n")
+    return str(path)
+
+
+def parse(argv: list[str]):  # type: ignore[no-untyped-def]
+    return config_from_args(build_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize("spelling", ["--nproc-per-node", "--nproc_per_node"])
+def test_both_spellings(script: str, spelling: str) -> None:
+    config, target = parse([spelling, "3", "--max_restarts", "2", script, "--lr", "0.1"])
+    assert config.nproc == 3 and config.max_restarts == 2
+    assert target.kind == "script" and target.name == script
+    assert target.args == ("--lr", "0.1"), "options after the script belong to the script"
+
+
+def test_all_torchrun_options_are_accepted(script: str, tmp_path: Path) -> None:
+    config, _ = parse(
+        [
+            "--nnodes=1:1",
+            "--nproc-per-node=2",
+            "--rdzv-backend=c10d",
+            "--rdzv-id=abc",
+            "--rdzv-conf=timeout=10",
+            "--standalone",
+            "--max-restarts=1",
+            "--monitor-interval=0.5",
+            "--start-method=spawn",
+            "--role=trainer",
+            f"--log-dir={tmp_path}",
+            "-r",
+            "0:1,1:2",
+            "-t",
+            "3",
+            "--local-ranks-filter=0",
+            "--master-addr=127.0.0.1",
+            "--node-rank=0",
+            "--signals-to-handle=SIGTERM,SIGUSR1",
+            "--shutdown-timeout=3",
+            "--preload=json,csv",
+            "--no-prefix",
+            "--timeout=60",
+            script,
+        ]
+    )
+    assert config.nproc == 2
+    assert config.run_id == "abc"
+    assert config.monitor_interval == timedelta(seconds=0.5)
+    assert config.start_method == "spawn"
+    assert config.role == "trainer"
+    assert config.std_mask("redirects", 0) == 1 and config.std_mask("redirects", 1) == 2
+    assert config.std_mask("tee", 5) == 3
+    assert config.local_ranks_filter == frozenset({0})
+    assert config.shutdown_timeout == timedelta(seconds=3)
+    assert config.preload == ("json", "csv")
+    assert config.prefix is None
+    assert config.timeout == timedelta(seconds=60)
+    assert config.master_port is None  # --standalone: a free port
+
+
+def test_pet_environment_defaults(script: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "4")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "3")
+    monkeypatch.setenv("PET_MASTER_PORT", "29555")
+    monkeypatch.setenv("PET_MODULE", "1")
+    config, target = parse(["pkg.mod"])
+    assert config.nproc == 4 and config.max_restarts == 3 and config.master_port == 29555
+    assert target.kind == "module"
+    config, _ = parse(["--nproc-per-node", "2", "pkg.mod"])
+    assert config.nproc == 2, "the command line wins over PET_"
+
+
+def test_module_no_python_and_rdzv_endpoint(script: str) -> None:
+    _, target = parse(["-m", "json.tool", "x"])
+    assert (target.kind, target.name, target.args) == ("module", "json.tool", ("x",))
+    _, target = parse(["--no-python", "echo", "hello"])
+    assert (target.kind, target.name) == ("exec", "echo")
+    config, _ = parse(["--rdzv-endpoint", "localhost:29411", script])
+    assert (config.master_addr, config.master_port) == ("127.0.0.1", 29411)
+
+
+def test_nproc_values() -> None:
+    assert parse_nproc("3") == 3
+    assert parse_nproc("cpu") >= 1
+    assert parse_nproc("auto") >= 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--nproc-per-node", "0", "{script}"], "must be >= 1"),
+        (["--nproc-per-node", "abc", "{script}"], "Unsupported nproc_per_node value: 'abc'"),
+        (["--bogus", "{script}"], "unrecognized arguments: --bogus"),
+        ([], "the following arguments are required: training_script"),
+        (["does_not_exist.py"], "script 'does_not_exist.py' does not exist"),
+        (["--nnodes", "2", "{script}"], "multi-node arrives"),
+        (["--nnodes", "1:4", "{script}"], "multi-node arrives"),
+        (["--node-rank", "1", "{script}"], "single-node"),
+        (["-m", "--no-python", "x"], "at the same time"),
+        (["--no-python", "no-such-command-xyz"], "not found"),
+        (["--max-restarts", "x", "{script}"], "invalid int value"),
+        (["--max-restarts", "-1", "{script}"], "max_restarts must be >= 0"),
+        (["--master-port", "99999", "{script}"], "master_port"),
+        (["--redirects", "7", "{script}"], "redirects"),
+        (["--local-ranks-filter", "a,b", "{script}"], "comma-separated list of integers"),
+        (["--start-method", "thread", "{script}"], "invalid choice"),
+        (["--rdzv-endpoint", "nohostport", "{script}"], "HOST:PORT"),
+        (["--preload", "a b", "{script}"], "preload"),
+        (["--numa-binding", "node", "{script}"], "not supported"),
+    ],
+)
+def test_bad_input(script: str, argv: list[str], match: str) -> None:
+    argv = [a.replace("{script}", script) for a in argv]
+    with pytest.raises((UsageError, ValueError, TypeError), match=match):
+        parse(argv)
