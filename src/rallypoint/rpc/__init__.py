@@ -1,0 +1,114 @@
+"""``rallypoint.rpc``: torch.distributed.rpc's API on a fast, authenticated transport.
+
+Same names, signatures and errors as ``torch.distributed.rpc``; change the import::
+
+    from rallypoint import rpc
+    rpc.init_rpc("worker0", rank=0, world_size=2)   # env:// (MASTER_ADDR/MASTER_PORT)
+    ret = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+    rpc.shutdown()
+
+Backends: ``BackendType.RALLYPOINT`` (default: HMAC-authenticated TCP, Unix sockets and
+shared memory on one host) and ``BackendType.TENSORPIPE`` (torch's agent). Every connection
+must know the job's secret (``RALLYPOINT_RPC_SECRET``, set by ``rallypoint run``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rallypoint.rpc import functions
+from rallypoint.rpc._api import (
+    get_rpc_timeout,
+    get_worker_info,
+    init_rpc,
+    remote,
+    rpc_async,
+    rpc_sync,
+    shutdown,
+)
+from rallypoint.rpc._backend import RpcAgent
+from rallypoint.rpc._constants import (
+    DEFAULT_INIT_METHOD,
+    DEFAULT_RPC_TIMEOUT_SEC,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    UNSET_RPC_TIMEOUT,
+)
+from rallypoint.rpc._errors import (
+    RpcAuthenticationError,
+    RpcConnectionError,
+    RpcError,
+    RpcProtocolError,
+    RpcShutdownError,
+    RpcTimeoutError,
+)
+from rallypoint.rpc._groups import WorkerInfo
+from rallypoint.rpc._options import RallypointRpcBackendOptions, RpcBackendOptions
+from rallypoint.rpc._registry import (
+    BackendValue,
+    backend_registered,
+    construct_rpc_backend_options,
+    init_backend,
+    register_backend,
+)
+from rallypoint.rpc._rref import RRef
+
+if TYPE_CHECKING:
+    from torch.distributed.rpc import TensorPipeRpcBackendOptions
+
+    BackendType: Any
+
+__all__ = [
+    "DEFAULT_INIT_METHOD",
+    "DEFAULT_RPC_TIMEOUT_SEC",
+    "DEFAULT_SHUTDOWN_TIMEOUT",
+    "UNSET_RPC_TIMEOUT",
+    "BackendType",
+    "BackendValue",
+    "RRef",
+    "RallypointRpcBackendOptions",
+    "RpcAgent",
+    "RpcAuthenticationError",
+    "RpcBackendOptions",
+    "RpcConnectionError",
+    "RpcError",
+    "RpcProtocolError",
+    "RpcShutdownError",
+    "RpcTimeoutError",
+    "TensorPipeRpcBackendOptions",
+    "WorkerInfo",
+    "backend_registered",
+    "construct_rpc_backend_options",
+    "functions",
+    "get_rpc_timeout",
+    "get_worker_info",
+    "init_backend",
+    "init_rpc",
+    "is_available",
+    "register_backend",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+]
+
+
+def is_available() -> bool:
+    """Always true: the rallypoint backend needs only sockets (TENSORPIPE needs torch RPC)."""
+    return True
+
+
+def __getattr__(name: str) -> Any:
+    # BackendType is rebuilt by register_backend: resolve it on every access.
+    if name == "BackendType":
+        from rallypoint.rpc import _registry
+
+        return _registry.BackendType
+    if name == "TensorPipeRpcBackendOptions":
+        from torch.distributed.rpc import TensorPipeRpcBackendOptions
+
+        return TensorPipeRpcBackendOptions
+    raise AttributeError(f"module 'rallypoint.rpc' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

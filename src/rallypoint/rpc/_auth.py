@@ -1,0 +1,145 @@
+"""Per-job secret and the HMAC challenge every connection answers before it is trusted.
+
+Threat model: anyone who can open a TCP connection to a worker (or the abstract Unix
+socket, inside the same network namespace) could otherwise make it unpickle arbitrary
+bytes, which is arbitrary code execution (torch's RPC has exactly this hole,
+CVE-2024-5480). Here a connection is trusted only after both ends prove they know the
+job's secret:
+
+1. server -> client: 8-byte magic, 32-byte random nonce ``ns``
+2. client -> server: nonce ``nc``, hello length, JSON hello (name, rank), and
+   ``HMAC-SHA256(secret, "client" | ns | nc | hello)``
+3. server -> client: ``"OK"`` and ``HMAC-SHA256(secret, "server" | nc | ns)``
+
+Every field before the MAC check has a fixed or bounded size, and nothing is unpickled
+(or even JSON-parsed) before the MAC matches. The secret comes from ``secret_file``,
+``RALLYPOINT_RPC_SECRET`` (``rallypoint run`` generates one per job), or, only when
+explicitly allowed, from the rendezvous store (then whoever can read the store can join).
+Traffic is authenticated at connection set-up, not encrypted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+from typing import Any
+
+from rallypoint.rpc._constants import ALLOW_STORE_SECRET_ENV, SECRET_ENV
+from rallypoint.rpc._errors import RpcAuthenticationError
+
+logger = logging.getLogger("rallypoint.rpc")
+
+_MAGIC = b"RPRPC1\x00\x00"
+_NONCE = 32
+_MAC = 32
+_MAX_HELLO = 4096
+_LEN = struct.Struct("<I")
+_STORE_SECRET_KEY = "rpc_store_secret"
+
+
+def resolve_secret(options: Any, store: Any) -> bytes:
+    """The job's RPC secret, from the options' file, the environment, or (if allowed) the store."""
+    secret_file = getattr(options, "secret_file", None)
+    if secret_file is not None:
+        with open(secret_file, "rb") as fh:
+            data = fh.read().strip()
+        if not data:
+            raise ValueError(
+                f"secret_file {os.fspath(secret_file)!r} is empty; write a secret into it"
+            )
+        return data
+    env = os.environ.get(SECRET_ENV, "")
+    if env:
+        return env.encode()
+    allowed = getattr(options, "allow_store_secret", False) or os.environ.get(
+        ALLOW_STORE_SECRET_ENV, ""
+    ) not in ("", "0", "false", "False")
+    if allowed:
+        candidate = secrets.token_hex(32)
+        value = store.compare_set(_STORE_SECRET_KEY, "", candidate)
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        if not text:
+            store.compare_set(_STORE_SECRET_KEY, "", candidate)
+            text = store.get(_STORE_SECRET_KEY).decode()
+        logger.warning(
+            "rallypoint.rpc: using an RPC secret shared through the rendezvous store; "
+            "anyone who can read the store can join this job. Set %s for a real secret.",
+            SECRET_ENV,
+        )
+        return text.encode()
+    raise RpcAuthenticationError(
+        "no RPC secret: set RALLYPOINT_RPC_SECRET to the same random value in every worker "
+        "(`rallypoint run` does this for you), pass secret_file= in "
+        "RallypointRpcBackendOptions, or allow a store-distributed secret with "
+        "allow_store_secret=True / RALLYPOINT_RPC_ALLOW_STORE_SECRET=1"
+    )
+
+
+def _mac(secret: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < n:
+        data = sock.recv(n - len(chunks))
+        if not data:
+            raise RpcAuthenticationError("peer closed the connection during authentication")
+        chunks += data
+    return bytes(chunks)
+
+
+def server_handshake(sock: socket.socket, secret: bytes, timeout: float) -> dict[str, Any]:
+    """Challenge a freshly accepted connection; return the client's hello on success."""
+    sock.settimeout(timeout)
+    server_nonce = secrets.token_bytes(_NONCE)
+    sock.sendall(_MAGIC + server_nonce)
+    head = _recv_exact(sock, _NONCE + _LEN.size)
+    client_nonce = head[:_NONCE]
+    (hello_len,) = _LEN.unpack(head[_NONCE:])
+    if hello_len > _MAX_HELLO:
+        raise RpcAuthenticationError(f"hello of {hello_len} bytes is larger than {_MAX_HELLO}")
+    hello = _recv_exact(sock, hello_len)
+    mac = _recv_exact(sock, _MAC)
+    if not hmac.compare_digest(mac, _mac(secret, b"client", server_nonce, client_nonce, hello)):
+        raise RpcAuthenticationError("client failed the HMAC challenge (wrong RPC secret)")
+    sock.sendall(b"OK" + _mac(secret, b"server", client_nonce, server_nonce))
+    try:
+        info = json.loads(hello)
+    except ValueError as exc:
+        raise RpcAuthenticationError("authenticated client sent a malformed hello") from exc
+    if not isinstance(info, dict):
+        raise RpcAuthenticationError("authenticated client sent a malformed hello")
+    sock.settimeout(None)
+    return info
+
+
+def client_handshake(
+    sock: socket.socket, secret: bytes, hello: dict[str, Any], timeout: float
+) -> None:
+    """Answer the server's challenge and check that the server knows the secret too."""
+    sock.settimeout(timeout)
+    first = _recv_exact(sock, len(_MAGIC) + _NONCE)
+    if first[: len(_MAGIC)] != _MAGIC:
+        raise RpcAuthenticationError("the peer is not a rallypoint RPC server")
+    server_nonce = first[len(_MAGIC) :]
+    client_nonce = secrets.token_bytes(_NONCE)
+    body = json.dumps(hello).encode()
+    mac = _mac(secret, b"client", server_nonce, client_nonce, body)
+    sock.sendall(client_nonce + _LEN.pack(len(body)) + body + mac)
+    try:
+        answer = _recv_exact(sock, 2 + _MAC)
+    except RpcAuthenticationError:
+        raise RpcAuthenticationError(
+            "the server closed the connection during authentication: the RPC secrets differ"
+        ) from None
+    expected = _mac(secret, b"server", client_nonce, server_nonce)
+    if answer[:2] != b"OK" or not hmac.compare_digest(answer[2:], expected):
+        raise RpcAuthenticationError("the server failed the HMAC challenge (wrong RPC secret)")
+    sock.settimeout(None)

@@ -1,0 +1,13 @@
+"""Defaults shared with ``torch.distributed.rpc.constants`` (same values)."""
+
+from __future__ import annotations
+
+DEFAULT_RPC_TIMEOUT_SEC: float = 60.0
+DEFAULT_INIT_METHOD: str = "env://"
+DEFAULT_SHUTDOWN_TIMEOUT: float = 0.0
+DEFAULT_NUM_WORKER_THREADS: int = 16
+UNSET_RPC_TIMEOUT: float = -1.0
+
+SECRET_ENV = "RALLYPOINT_RPC_SECRET"
+ALLOW_STORE_SECRET_ENV = "RALLYPOINT_RPC_ALLOW_STORE_SECRET"
+ADDR_ENV = "RALLYPOINT_RPC_ADDR"

@@ -1,0 +1,150 @@
+"""Backend options: the base class and the rallypoint backend's options.
+
+``RpcBackendOptions`` carries what every backend needs (``rpc_timeout`` and
+``init_method``), as torch's class of the same name does. ``RallypointRpcBackendOptions``
+adds device maps (torch's API: ``device_maps``, ``devices``, ``set_device_map``,
+``set_devices``) and the transport and security settings of the rallypoint backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from rallypoint.rpc._constants import (
+    DEFAULT_INIT_METHOD,
+    DEFAULT_NUM_WORKER_THREADS,
+    DEFAULT_RPC_TIMEOUT_SEC,
+)
+from rallypoint.rpc._device_maps import (
+    DeviceLike,
+    DeviceMap,
+    to_device_list,
+    to_device_map,
+)
+
+__all__ = ["RallypointRpcBackendOptions", "RpcBackendOptions"]
+
+_INIT_SCHEMES = ("env://", "tcp://", "file://")
+
+
+def _seconds(value: float | timedelta, what: str) -> float:
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"{what} must be seconds (float) or a timedelta, got {type(value).__name__}"
+        )
+    return float(value)
+
+
+@dataclass(kw_only=True, slots=True)
+class RpcBackendOptions:
+    """Options every RPC backend accepts.
+
+    ``rpc_timeout``: default timeout of a call in seconds (or a ``timedelta``); ``0``
+    means no timeout. ``init_method``: ``env://`` (``MASTER_ADDR``/``MASTER_PORT``),
+    ``tcp://host:port`` or ``file:///path``: the store used to find the other workers.
+    """
+
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC
+    init_method: str = DEFAULT_INIT_METHOD
+
+    def __post_init__(self) -> None:
+        self.rpc_timeout = _seconds(self.rpc_timeout, "rpc_timeout")
+        if self.rpc_timeout < 0:
+            raise ValueError(
+                f"rpc_timeout must be >= 0 seconds (0 means no timeout), got {self.rpc_timeout}"
+            )
+        if not isinstance(self.init_method, str) or not self.init_method.startswith(_INIT_SCHEMES):
+            raise ValueError(
+                f"init_method must start with one of {', '.join(_INIT_SCHEMES)}, "
+                f"got {self.init_method!r}"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class RallypointRpcBackendOptions(RpcBackendOptions):
+    """Options of the rallypoint backend (the default).
+
+    - ``num_worker_threads``: most requests run on the connection's reader thread; a
+      request that blocks for more than a few milliseconds hands reading over to a new
+      thread, so nested and blocking calls never deadlock. This bounds those threads.
+    - ``device_maps`` / ``devices``: as in torch's ``TensorPipeRpcBackendOptions``.
+    - ``secret_file``: file holding the job's RPC secret (else ``RALLYPOINT_RPC_SECRET``).
+    - ``allow_store_secret``: without a secret, let rank 0 generate one and share it through
+      the rendezvous store (the store becomes the trust root). Also enabled by
+      ``RALLYPOINT_RPC_ALLOW_STORE_SECRET=1``.
+    - ``listen_addr``: address other hosts use to reach this worker (default: the local
+      address that routes to the store host; ``RALLYPOINT_RPC_ADDR`` overrides).
+    - ``shared_memory``: send tensors to workers on the same host through shared memory.
+    - ``shm_threshold``: tensors of at least this many bytes go through shared memory.
+    - ``shm_pool_bytes``: most shared memory one worker keeps for outgoing tensors.
+    """
+
+    num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS
+    device_maps: dict[str, dict[DeviceLike, DeviceLike]] | dict[str, DeviceMap] = field(
+        default_factory=dict
+    )
+    devices: list[DeviceLike] | list[torch.device] = field(default_factory=list)
+    secret_file: str | os.PathLike[str] | None = None
+    allow_store_secret: bool = False
+    listen_addr: str | None = None
+    shared_memory: bool = True
+    shm_threshold: int = 64 * 1024
+    shm_pool_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        RpcBackendOptions.__post_init__(self)
+        if isinstance(self.num_worker_threads, bool) or not isinstance(
+            self.num_worker_threads, int
+        ):
+            raise TypeError("num_worker_threads must be an int")
+        if self.num_worker_threads < 1:
+            raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
+        if not isinstance(self.device_maps, dict):
+            raise TypeError(
+                "device_maps must be a dict {worker name: {local device: remote device}}"
+            )
+        maps: dict[str, DeviceMap] = {}
+        for name, map_ in self.device_maps.items():
+            if not isinstance(name, str) or not isinstance(map_, dict):
+                raise TypeError(
+                    "device_maps must be a dict {worker name: {local device: remote device}}"
+                )
+            maps[name] = to_device_map(map_)  # type: ignore[arg-type]
+        self.device_maps = maps
+        self.devices = to_device_list(self.devices)
+        if self.shm_threshold < 0:
+            raise ValueError(f"shm_threshold must be >= 0 bytes, got {self.shm_threshold}")
+        if self.shm_pool_bytes < 0:
+            raise ValueError(f"shm_pool_bytes must be >= 0 bytes, got {self.shm_pool_bytes}")
+        if self.secret_file is not None and not os.path.isfile(self.secret_file):
+            raise ValueError(
+                f"secret_file {os.fspath(self.secret_file)!r} does not exist; "
+                "write the job's secret into it or leave secret_file unset"
+            )
+
+    def set_device_map(self, to: str, device_map: dict[DeviceLike, DeviceLike]) -> None:
+        """Add mappings from this worker's devices to worker ``to``'s (torch's rules)."""
+        full = to_device_map(device_map)
+        maps: dict[str, DeviceMap] = self.device_maps  # type: ignore[assignment]
+        current = maps.get(to, {})
+        for k, v in full.items():
+            if k in current and v != current[k]:
+                raise ValueError(
+                    "`set_device_map` only supports 1-to-1 mapping, trying"
+                    f" to map {k} to {v} and {current[k]}"
+                )
+        maps[to] = {**current, **full}
+
+    def set_devices(self, devices: list[DeviceLike]) -> None:
+        """Set the local (CUDA) devices this worker uses for RPC."""
+        self.devices = to_device_list(devices)
+
+    def replace(self, **changes: object) -> RallypointRpcBackendOptions:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,430 @@
+"""Connections: length-prefixed frames over TCP or an abstract Unix socket.
+
+One connection per caller -> callee pair: the caller's threads write requests, the
+callee's reader thread reads them, runs them and writes replies, and the caller's reader
+thread completes the futures. Hot-path rules: ``TCP_NODELAY``, one ``sendmsg`` per frame
+(several queued frames are combined into one), buffered reads that parse many frames per
+``recv``, and requests run directly on the reader thread.
+
+A request that blocks (a nested RPC, a lock, a slow function) would stall every later
+frame on its connection, so a monitor hands the reader role to a fresh thread once the
+current one has been busy for ``STALL_SECONDS``; the old thread finishes its request,
+sends the reply and exits. Fast calls pay no thread hand-off; blocking ones cannot
+deadlock the connection.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import contextlib
+import ctypes
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from rallypoint.rpc import _wire
+from rallypoint.rpc._errors import RpcConnectionError, RpcProtocolError
+from rallypoint.rpc._shm import RemoteSegments, Segment, SegmentPool
+
+logger = logging.getLogger("rallypoint.rpc")
+
+STALL_SECONDS = 0.005
+_BUFFER = 1 << 18
+_IOV_MAX = 512
+_ANC = socket.CMSG_SPACE(253 * 4)
+
+
+@dataclass(slots=True)
+class Frame:
+    kind: int
+    flags: int
+    request_id: int
+    data: bytes
+    tensors: list[torch.Tensor]
+
+
+class FrameHandler(Protocol):
+    def handle_frame(self, conn: Connection, frame: Frame) -> None: ...
+
+    def connection_lost(self, conn: Connection, exc: BaseException | None) -> None: ...
+
+
+class _Reader:
+    """Buffered frame parser over a blocking socket (collects passed fds on Unix sockets)."""
+
+    def __init__(self, sock: socket.socket, uds: bool) -> None:
+        self._sock = sock
+        self._uds = uds
+        self._buf = bytearray(_BUFFER)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        self.fds: collections.deque[int] = collections.deque()
+        self.segments = RemoteSegments()
+
+    def _recv_into(self, view: memoryview) -> int:
+        if not self._uds:
+            n = self._sock.recv_into(view)
+        else:
+            n, ancdata, flags, _ = self._sock.recvmsg_into([view], _ANC)
+            for level, kind, data in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds = array.array("i")
+                    fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+                    self.fds.extend(fds)
+            if flags & socket.MSG_CTRUNC:
+                raise RpcProtocolError("file descriptors were truncated on the connection")
+        if n == 0:
+            raise EOFError("peer closed the connection")
+        return n
+
+    def _fill(self, need: int) -> None:
+        """Make at least ``need`` bytes available in the buffer (need <= buffer size)."""
+        while self._end - self._start < need:
+            if self._start and (len(self._buf) - self._start < need or self._start == self._end):
+                count = self._end - self._start
+                self._buf[:count] = self._buf[self._start : self._end]
+                self._start, self._end = 0, count
+            self._end += self._recv_into(self._view[self._end :])
+
+    def buffered_frame(self) -> bool:
+        """Whether a complete frame is already buffered (then reading will not block)."""
+        avail = self._end - self._start
+        if avail < _wire.HEADER.size:
+            return False
+        header = _wire.HEADER.unpack_from(self._buf, self._start)
+        return (
+            avail >= _wire.HEADER.size + header[5] + _wire.DESC.size * header[3] and not header[3]
+        )
+
+    def _take(self, n: int) -> bytes:
+        if n <= len(self._buf):
+            self._fill(n)
+            out = bytes(self._view[self._start : self._start + n])
+            self._start += n
+            return out
+        out_buf = bytearray(n)
+        self._read_into(memoryview(out_buf))
+        return bytes(out_buf)
+
+    def _read_into(self, target: memoryview) -> None:
+        have = min(self._end - self._start, len(target))
+        target[:have] = self._view[self._start : self._start + have]
+        self._start += have
+        pos = have
+        while pos < len(target):
+            pos += self._recv_into(target[pos:])
+
+    def _take_tensor(self, nbytes: int) -> torch.Tensor:
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        storage = bytearray(nbytes)
+        self._read_into(memoryview(storage))
+        return torch.frombuffer(storage, dtype=torch.uint8)
+
+    def read_frame(self) -> Frame:
+        self._fill(_wire.HEADER.size)
+        magic, kind, flags, count, request_id, size = _wire.HEADER.unpack_from(
+            self._buf, self._start
+        )
+        if magic != _wire.MAGIC or kind not in _wire.KINDS:
+            raise RpcProtocolError(
+                f"bad frame header {bytes(self._view[self._start : self._start + 4])!r}"
+            )
+        if size > _wire.MAX_PICKLE_BYTES or count > _wire.MAX_TENSORS:
+            raise RpcProtocolError(f"frame too large ({size} bytes, {count} tensors)")
+        self._start += _wire.HEADER.size
+        data = self._take(size)
+        tensors: list[torch.Tensor] = []
+        if count:
+            descs = self._take(_wire.DESC.size * count)
+            for i in range(count):
+                where, new_fd, _, seg_id, nbytes = _wire.DESC.unpack_from(
+                    descs, i * _wire.DESC.size
+                )
+                if where == _wire.WHERE_INLINE:
+                    tensors.append(self._take_tensor(nbytes))
+                elif where == _wire.WHERE_SHM and self._uds:
+                    if new_fd:
+                        if not self.fds:
+                            raise RpcProtocolError("shared-memory segment arrived without its fd")
+                        self.segments.add(seg_id, self.fds.popleft())
+                    tensors.append(self.segments.tensor(seg_id, nbytes))
+                else:
+                    raise RpcProtocolError(f"bad tensor descriptor (where={where})")
+        return Frame(kind, flags, request_id, data, tensors)
+
+    def close(self) -> None:
+        self.segments.close()
+
+
+def _sendmsg_all(sock: socket.socket, buffers: list[memoryview], fds: list[int]) -> None:
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+    index = 0
+    while index < len(buffers):
+        sent = sock.sendmsg(buffers[index : index + _IOV_MAX], anc)
+        anc = []
+        while sent and index < len(buffers):
+            size = buffers[index].nbytes
+            if sent >= size:
+                sent -= size
+                index += 1
+            else:
+                buffers[index] = buffers[index][sent:]
+                sent = 0
+
+
+def _tensor_view(raw: torch.Tensor) -> memoryview:
+    if raw.numel() == 0:
+        return memoryview(b"")
+    array_type = ctypes.c_ubyte * raw.numel()
+    return memoryview(array_type.from_address(raw.data_ptr())).cast("B")
+
+
+class Connection:
+    """One authenticated socket: framed sends from any thread, one reader at a time."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        peer_name: str,
+        peer_id: int,
+        uds: bool,
+        handler: FrameHandler,
+        pool: SegmentPool | None,
+        shm_threshold: int,
+        stats: dict[str, int],
+    ) -> None:
+        self.sock = sock
+        self.peer_name = peer_name
+        self.peer_id = peer_id
+        self.uds = uds
+        self._handler = handler
+        self._pool = pool if uds else None
+        self._threshold = shm_threshold
+        self._stats = stats
+        self._reader = _Reader(sock, uds)
+        self._queue: list[tuple[list[memoryview], list[int], list[Any]]] = []
+        self._qlock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._sent_segments: set[int] = set()
+        self._exec_since = 0.0
+        self._generation = 0
+        self.closed = False
+        self.pending: set[int] = set()
+        self.gate: threading.Event | None = None
+
+    # ---- sending -------------------------------------------------------------------
+    def send_frame(
+        self,
+        kind: int,
+        request_id: int,
+        data: bytes,
+        raws: list[torch.Tensor],
+        *,
+        flush: bool = True,
+    ) -> None:
+        segments: list[Segment | None] = []
+        for raw in raws:
+            seg = None
+            if self._pool is not None and raw.numel() >= self._threshold and raw.numel():
+                seg = self._pool.put(raw)
+            segments.append(seg)
+        header = _wire.HEADER.pack(_wire.MAGIC, kind, 0, len(raws), request_id, len(data))
+        buffers = [memoryview(header), memoryview(data)]
+        inline: list[memoryview] = []
+        fds: list[int] = []
+        descs = bytearray()
+        with self._qlock:
+            if self.closed:
+                for seg in segments:
+                    if seg is not None:
+                        seg.mm[0] = 0
+                raise RpcConnectionError(
+                    f"connection to {self.peer_name} is closed", peer=self.peer_name
+                )
+            for raw, seg in zip(raws, segments, strict=True):
+                if seg is None:
+                    descs += _wire.DESC.pack(_wire.WHERE_INLINE, 0, 0, 0, raw.numel())
+                    inline.append(_tensor_view(raw))
+                    self._stats["inline_tensor_bytes"] += raw.numel()
+                else:
+                    new = seg.id not in self._sent_segments
+                    if new:
+                        self._sent_segments.add(seg.id)
+                        fds.append(seg.fd)
+                    descs += _wire.DESC.pack(_wire.WHERE_SHM, int(new), 0, seg.id, raw.numel())
+                    self._stats["shm_tensor_bytes"] += raw.numel()
+            if descs:
+                buffers.append(memoryview(descs))
+            buffers.extend(inline)
+            self._queue.append((buffers, fds, raws))
+        if flush:
+            self.flush()
+
+    def flush(self) -> None:
+        while True:
+            if not self._send_lock.acquire(blocking=False):
+                return
+            try:
+                with self._qlock:
+                    items, self._queue = self._queue, []
+                if items:
+                    buffers = [b for item in items for b in item[0]]
+                    fds = [fd for item in items for fd in item[1]]
+                    _sendmsg_all(self.sock, buffers, fds)
+            except OSError as exc:
+                self._broken(exc)
+                return
+            finally:
+                self._send_lock.release()
+            with self._qlock:
+                if not self._queue:
+                    return
+
+    # ---- reading -------------------------------------------------------------------
+    def start(self) -> None:
+        self._spawn_reader(self._generation)
+
+    def _spawn_reader(self, generation: int) -> None:
+        thread = threading.Thread(
+            target=self._read_loop,
+            args=(generation,),
+            name=f"rpc-reader-{self.peer_name}",
+            daemon=True,
+        )
+        thread.start()
+
+    def _read_loop(self, generation: int) -> None:
+        try:
+            if self.gate is not None:
+                self.gate.wait()
+            while True:
+                if not self._reader.buffered_frame():
+                    self.flush()
+                frame = self._reader.read_frame()
+                with self._state_lock:
+                    self._exec_since = time.monotonic()
+                try:
+                    self._handler.handle_frame(self, frame)
+                finally:
+                    with self._state_lock:
+                        self._exec_since = 0.0
+                        stolen = generation != self._generation
+                if stolen:
+                    self.flush()
+                    return
+        except (OSError, EOFError, RpcProtocolError, ValueError, KeyError) as exc:
+            with self._state_lock:
+                current = generation == self._generation
+            if current:
+                self._broken(exc)
+        except (
+            BaseException
+        ) as exc:  # pragma: no cover - bug guard: never lose a connection silently
+            logger.exception("rallypoint.rpc: reader for %s crashed", self.peer_name)
+            self._broken(exc)
+
+    def check_stall(self, now: float) -> None:
+        """Called by the monitor: hand reading to a new thread if the reader is stuck."""
+        with self._state_lock:
+            if self.closed or not self._exec_since or now - self._exec_since < STALL_SECONDS:
+                return
+            self._generation += 1
+            self._exec_since = 0.0
+            generation = self._generation
+        self._spawn_reader(generation)
+
+    # ---- closing -------------------------------------------------------------------
+    def _broken(self, exc: BaseException | None) -> None:
+        with self._qlock:
+            if self.closed:
+                return
+            self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._handler.connection_lost(self, exc)
+
+    def close(self) -> None:
+        self._broken(None)
+        self._reader.close()
+
+
+def connect(
+    address: tuple[str, int] | str,
+    *,
+    timeout: float,
+) -> tuple[socket.socket, bool]:
+    """Open a socket to ``address`` (``(host, port)`` for TCP, a str for a Unix socket)."""
+    if isinstance(address, str):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        sock.connect(address)
+        return sock, True
+    sock = socket.create_connection(address, timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock, False
+
+
+class Listener:
+    """TCP and abstract-Unix listening sockets, with one accept thread."""
+
+    def __init__(self, host: str, on_accept: Callable[[socket.socket, bool, Any], None]) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.tcp = socket.socket(family, socket.SOCK_STREAM)
+        self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.tcp.bind((host, 0))
+        self.tcp.listen(1024)
+        self.port = int(self.tcp.getsockname()[1])
+        self.uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        import secrets
+
+        self.uds_name = f"\0rallypoint-rpc-{secrets.token_hex(8)}"
+        self.uds.bind(self.uds_name)
+        self.uds.listen(1024)
+        self._on_accept = on_accept
+        self._closed = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._loop, name="rpc-accept", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(self.tcp, selectors.EVENT_READ, False)
+        sel.register(self.uds, selectors.EVENT_READ, True)
+        sel.register(self._wake_r, selectors.EVENT_READ, None)
+        try:
+            while not self._closed:
+                for key, _ in sel.select():
+                    if key.data is None:
+                        return
+                    listener: socket.socket = key.fileobj  # type: ignore[assignment]
+                    try:
+                        conn, addr = listener.accept()
+                    except OSError:
+                        continue
+                    if not key.data:
+                        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self._on_accept(conn, bool(key.data), addr)
+        finally:
+            sel.close()
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._thread.join(5)
+        for sock in (self.tcp, self.uds, self._wake_r, self._wake_w):
+            sock.close()
