@@ -87,7 +87,7 @@ def test_missing_master_addr_fails_fast_on_every_rank() -> None:
         assert "MASTER_ADDR is not set and world_size is 4" in str(exc)
 
 
-def _backend_override_checks(second_port: int) -> dict[str, Any]:
+def _backend_override_checks(second_port: int, third_port: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if not torch.cuda.is_available():
         os.environ["TORCH_DISTRIBUTED_BACKEND"] = "nccl"
@@ -104,14 +104,30 @@ def _backend_override_checks(second_port: int) -> dict[str, Any]:
     rd.init_process_group()
     out["env"] = dist.get_backend_config()
     rd.destroy_process_group()
+    # a per-device spec naming nccl for CUDA still works on a machine without CUDA
+    # (when this torch build has NCCL at all; otherwise a clear error, before the network)
+    os.environ["MASTER_PORT"] = str(third_port)
+    try:
+        rd.init_process_group("cpu:gloo,cuda:nccl")
+    except rd.BackendUnavailableError as exc:
+        out["composite"] = str(exc)
+    else:
+        groups = rd.init_parallel_groups()
+        out["composite"] = (dist.get_backend_config(), groups.ranks("dp"))
+        rd.destroy_process_group()
     return out
 
 
 @pytest.mark.timeout(30)
 def test_torch_distributed_backend_env_overrides_auto_selection() -> None:
-    results = run_workers(_backend_override_checks, 2, free_port(), timeout=25)
+    results = run_workers(_backend_override_checks, 2, free_port(), free_port(), timeout=25)
     for out in results:
         assert out["env"] == "cpu:gloo"
+        if dist.is_nccl_available():
+            assert out["composite"][1] == [0, 1]
+            assert "cpu:gloo" in out["composite"][0]
+        else:
+            assert "backend 'nccl' is not available in this torch build" in out["composite"]
         if not torch.cuda.is_available():
             assert "backend 'nccl' needs CUDA" in out["nccl"]
             assert out["explicit"] == "gloo"

@@ -42,20 +42,36 @@ _COMPARED = (
 )
 
 
-def _backend_names(spec: str) -> list[str]:
-    return [part.split(":", 1)[-1].strip() for part in spec.split(",")]
+def _backend_parts(spec: str) -> list[tuple[str | None, str]]:
+    """``"cpu:gloo,cuda:nccl"`` -> ``[("cpu", "gloo"), ("cuda", "nccl")]``; ``"gloo"`` ->
+    ``[(None, "gloo")]``."""
+    parts: list[tuple[str | None, str]] = []
+    for part in spec.split(","):
+        device, _, name = part.strip().rpartition(":")
+        parts.append((device or None, name.strip()))
+    return parts
 
 
 def _uses_cuda(spec: str) -> bool:
-    return "nccl" in _backend_names(spec) or "cuda:" in spec
+    """Whether the group will run on CUDA devices (so the device must be set)."""
+    import torch
+
+    for device, name in _backend_parts(spec):
+        if device is None and name == "nccl":
+            return True
+        if device == "cuda" and torch.cuda.is_available():
+            return True
+    return False
 
 
 def _check_available(spec: str) -> None:
     import torch
     import torch.distributed as dist
 
-    for name in _backend_names(spec):
-        if name == "nccl" and not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    for device, name in _backend_parts(spec):
+        # a per-device part for CUDA is never used without CUDA; it only has to be built in
+        if name == "nccl" and not cuda and device != "cuda":
             raise BackendUnavailableError(
                 "backend 'nccl' needs CUDA, but torch.cuda.is_available() is False on this "
                 "machine: use backend='gloo', or leave the backend unset to choose automatically"
