@@ -133,7 +133,7 @@ def test_torch_distributed_backend_env_overrides_auto_selection() -> None:
             assert out["explicit"] == "gloo"
 
 
-def _torch_initialised() -> dict[str, Any]:
+def _torch_initialised(ports: tuple[int, int]) -> dict[str, Any]:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     out: dict[str, Any] = {"same": rd.init_process_group("gloo") is dist.group.WORLD}
@@ -144,6 +144,22 @@ def _torch_initialised() -> dict[str, Any]:
     groups = rd.init_parallel_groups(tensor_parallel=2)
     out["tp"] = groups.ranks("tp")
     rd.destroy_process_group()
+    # made by us, destroyed and re-made with torch behind our back: no stale groups
+    os.environ["MASTER_PORT"] = str(ports[0])
+    rd.init_parallel_groups(tensor_parallel=2)
+    dist.destroy_process_group()
+    try:
+        rd.get_parallel_groups()
+    except rd.NotInitializedError:
+        out["stale_cleared"] = True
+    os.environ["MASTER_PORT"] = str(ports[1])
+    dist.init_process_group("gloo")
+    out["torch_again"] = rd.init_parallel_groups(pipeline_parallel=2).ranks("pp")
+    try:
+        rd.init_process_group(world_size=3)
+    except rd.AlreadyInitializedError as exc:
+        out["differs_again"] = "by torch.distributed.init_process_group" in str(exc)
+    rd.destroy_process_group()
     out["rank"] = rank
     out["after"] = dist.is_initialized()
     return out
@@ -151,11 +167,13 @@ def _torch_initialised() -> dict[str, Any]:
 
 @pytest.mark.timeout(30)
 def test_groups_on_top_of_a_group_torch_created() -> None:
-    for out in run_workers(_torch_initialised, 2, timeout=25):
+    for out in run_workers(_torch_initialised, 2, (free_port(), free_port()), timeout=25):
         assert out["same"]
         assert "by torch.distributed.init_process_group" in out["differs"]
         assert "world_size: 2 now, 3 requested" in out["differs"]
         assert out["tp"] == [0, 1]
+        assert out["stale_cleared"] and out["differs_again"]
+        assert out["torch_again"] == [0, 1]
         assert out["after"] is False
 
 

@@ -210,6 +210,7 @@ def init_process_group(
     base, explicit = _requested(config, overrides)
     if store is not None and base.init_method is not None:
         raise ValueError("pass either store= or init_method=, not both")
+    STATE.sync()
     if dist.is_initialized():
         return _existing_group(explicit)
 
@@ -231,7 +232,6 @@ def init_process_group(
         kwargs["store"] = store
         method = "store"
     elif resolved.init_method == "env://":
-        assert resolved.master_addr is not None
         kwargs["store"] = _make_store(resolved, environ, STATE.generation)
         method = f"env:// ({resolved.master_addr}:{resolved.master_port})"
     else:
@@ -239,9 +239,9 @@ def init_process_group(
         method = str(resolved.init_method)
     dist.init_process_group(**kwargs)
     STATE.generation += 1
-    STATE.config = resolved
     world = dist.group.WORLD
     assert world is not None
+    STATE.config, STATE.group = resolved, world
     if warmup:
         probe = torch.ones(1, device=device)
         dist.all_reduce(probe)

@@ -202,7 +202,7 @@ def init_parallel_groups(
         dim: check_backend_name(name, f" (dim_backends[{dim!r}])")
         for dim, name in base.dim_backends.items()
     }
-    init_process_group(config=base)
+    init_process_group(config=base)  # also forgets groups of a default group torch destroyed
     world_size = dist.get_world_size()
     sizes = base.sizes
     sizes["dp"] = check_layout(world_size, sizes)
@@ -239,6 +239,7 @@ def init_parallel_groups(
 
 def get_parallel_groups() -> ParallelGroups:
     """The groups made by :func:`init_parallel_groups` in this process."""
+    STATE.sync()
     groups = STATE.parallel
     if groups is None:
         raise NotInitializedError(
