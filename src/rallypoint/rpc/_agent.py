@@ -507,7 +507,7 @@ class RallypointAgent(RpcAgent):
             if kind == _wire.KIND_ONEWAY:
                 return
             if is_async_execution(func):
-                if not isinstance(result, torch.futures.Future):
+                if not isinstance(result, torch._C.Future):
                     raise TypeError(
                         f"{getattr(func, '__qualname__', func)} is decorated with "
                         f"@async_execution but returned {type(result).__name__}; it must "

@@ -264,7 +264,7 @@ def _rref_create(
         done.set_exception(exc)
         return done
     if is_async_execution(func):
-        if not isinstance(value, torch.futures.Future):
+        if not isinstance(value, torch._C.Future):
             error = TypeError(
                 f"{getattr(func, '__qualname__', func)} is decorated with @async_execution "
                 f"but returned {type(value).__name__}; it must return a torch.futures.Future"

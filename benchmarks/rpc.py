@@ -1,0 +1,176 @@
+"""Benchmark rallypoint's RPC backend against torch's TensorPipe, through one API.
+
+Both backends run in the same invocation on the same machine, each in fresh forked
+processes (torch's RPC state is global per process):
+
+- round trip of a no-op ``rpc_sync`` (median, microseconds)
+- ``rpc_async`` throughput with 5,000 calls outstanding (calls per second)
+- tensor echo bandwidth for 1 MiB and 64 MiB (payload bytes / round-trip time)
+- ``init_rpc`` and ``shutdown`` wall time for 2, 4 and 8 workers (slowest worker)
+
+Usage: ``python benchmarks/rpc.py [--quick] [--plot rpc.png]``. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from rallypoint import rpc
+from rallypoint.testing import run_workers
+
+BACKENDS = ("RALLYPOINT", "TENSORPIPE")
+
+
+def _noop() -> None:
+    return None
+
+
+def _echo(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _options(backend: str) -> Any:
+    return rpc.construct_rpc_backend_options(rpc.BackendType[backend], rpc_timeout=120)
+
+
+def _pair(backend: str, quick: bool) -> dict[str, float]:
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    rpc.init_rpc(
+        f"worker{rank}",
+        backend=rpc.BackendType[backend],
+        rank=rank,
+        world_size=2,
+        rpc_backend_options=_options(backend),
+    )
+    out: dict[str, float] = {}
+    if rank == 0:
+        peer = "worker1"
+        n = 300 if quick else 3000
+        for _ in range(100):
+            rpc.rpc_sync(peer, _noop)
+        samples = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            rpc.rpc_sync(peer, _noop)
+            samples.append(time.perf_counter() - t0)
+        out["rtt_us"] = statistics.median(samples) * 1e6
+
+        outstanding = 5000
+        rounds = 2 if quick else 5
+        rates = []
+        for _ in range(rounds + 1):
+            t0 = time.perf_counter()
+            futs = [rpc.rpc_async(peer, _noop) for _ in range(outstanding)]
+            torch.futures.wait_all(futs)
+            rates.append(outstanding / (time.perf_counter() - t0))
+        out["async_calls_per_s"] = statistics.median(rates[1:])
+
+        for label, nbytes, reps in (("1MiB", 1 << 20, 50), ("64MiB", 64 << 20, 10)):
+            reps = max(3, reps // (5 if quick else 1))
+            x = torch.ones(nbytes // 4)
+            rpc.rpc_sync(peer, _echo, args=(x,))
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                y = rpc.rpc_sync(peer, _echo, args=(x,))
+                times.append(time.perf_counter() - t0)
+                del y
+            out[f"echo_{label}_GBps"] = nbytes / statistics.median(times) / 1e9
+    rpc.shutdown()
+    return out
+
+
+def _lifecycle(backend: str, world_size: int) -> tuple[float, float]:
+    rank = int(os.environ["RANK"])
+    t0 = time.perf_counter()
+    rpc.init_rpc(
+        f"worker{rank}",
+        backend=rpc.BackendType[backend],
+        rank=rank,
+        world_size=world_size,
+        rpc_backend_options=_options(backend),
+    )
+    t1 = time.perf_counter()
+    rpc.shutdown()
+    return t1 - t0, time.perf_counter() - t1
+
+
+def _env(rank: int) -> dict[str, str]:
+    return {"RALLYPOINT_RPC_SECRET": "benchmark-secret"}
+
+
+def measure(quick: bool) -> dict[str, dict[str, float]]:
+    results: dict[str, dict[str, float]] = {}
+    for backend in BACKENDS:
+        res = run_workers(_pair, 2, backend, quick, timeout=600, env=_env)[0]
+        for ws in (2, 4, 8):
+            times = run_workers(_lifecycle, ws, backend, ws, timeout=300, env=_env)
+            res[f"init_{ws}_s"] = max(t[0] for t in times)
+            res[f"shutdown_{ws}_s"] = max(t[1] for t in times)
+        results[backend] = res
+    return results
+
+
+ROWS = [
+    ("no-op rpc_sync round trip (µs)", "rtt_us", False),
+    ("rpc_async throughput, 5,000 outstanding (calls/s)", "async_calls_per_s", True),
+    ("1 MiB echo (GB/s, payload / round trip)", "echo_1MiB_GBps", True),
+    ("64 MiB echo (GB/s, payload / round trip)", "echo_64MiB_GBps", True),
+    *[(f"init_rpc, {ws} workers (s)", f"init_{ws}_s", False) for ws in (2, 4, 8)],
+    *[(f"shutdown, {ws} workers (s)", f"shutdown_{ws}_s", False) for ws in (2, 4, 8)],
+]
+
+
+def table(results: dict[str, dict[str, float]]) -> str:
+    ours, theirs = results["RALLYPOINT"], results["TENSORPIPE"]
+    lines = [
+        "| metric | rallypoint | TensorPipe | rallypoint advantage |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for label, key, higher_better in ROWS:
+        a, b = ours[key], theirs[key]
+        ratio = (a / b if higher_better else b / a) if a and b else float("nan")
+        lines.append(f"| {label} | {a:,.4g} | {b:,.4g} | {ratio:.2f}x |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(ROWS), figsize=(3 * len(ROWS), 3.2))
+    for ax, (label, key, _) in zip(axes, ROWS, strict=True):
+        values = [results[b][key] for b in BACKENDS]
+        ax.bar(["rallypoint", "TensorPipe"], values, color=["tab:blue", "tab:gray"])
+        ax.set_title(label, fontsize=7)
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--plot", metavar="FILE", help="write a bar chart (needs matplotlib)")
+    args = parser.parse_args()
+    results = measure(args.quick)
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
+    )
+    print(table(results))
+    if args.plot:
+        plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""The RPC contract: behaviour every rallypoint RPC backend must show.
+
+``run_rpc_contract(backend)`` starts three forked workers with ``backend`` (a
+``BackendType`` name such as ``"RALLYPOINT"`` or ``"TENSORPIPE"``) and runs every check
+of torch.distributed.rpc's public API that both backends share; it returns the checks
+that ran, per rank, and raises (naming the check) on the first failure. Backends differ
+in error classes and wording beyond what is checked here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from rallypoint.rpc.functions import async_execution
+from rallypoint.testing._workers import run_workers
+
+
+def _add(a: Any, b: Any) -> Any:
+    return a + b
+
+
+def _kw(a: int, *, b: int = 0) -> int:
+    return a * 10 + b
+
+
+def _raise_value_error(message: str) -> None:
+    raise ValueError(message)
+
+
+def _sleep(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def _whoami() -> str:
+    from rallypoint import rpc
+
+    return str(rpc.get_worker_info().name)
+
+
+def _call_back(to: str) -> str:
+    from rallypoint import rpc
+
+    return str(rpc.rpc_sync(to, _whoami))
+
+
+def _fetch(rref: Any) -> Any:
+    return rref.to_here()
+
+
+class _Counter:
+    def __init__(self, start: int) -> None:
+        self.value = start
+
+    def add(self, k: int) -> int:
+        self.value += k
+        return self.value
+
+    def get(self) -> int:
+        return self.value
+
+
+@async_execution
+def _async_add_chained(to: str, x: torch.Tensor, y: int, z: int) -> Any:
+    from rallypoint import rpc
+
+    return rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+
+def _checks(rank: int, backend: str) -> list[str]:
+    from rallypoint import rpc
+
+    done: list[str] = []
+    if rank != 0:
+        return done
+    me = "worker0"
+
+    def check(name: str, condition: bool) -> None:
+        if not condition:
+            raise AssertionError(f"{backend}: contract check {name!r} failed")
+        done.append(name)
+
+    check("get_worker_info self", rpc.get_worker_info().name == me)
+    check("get_worker_info peer id", rpc.get_worker_info("worker2").id == 2)
+    check("rpc_sync scalars", rpc.rpc_sync("worker1", _add, args=(2, 3)) == 5)
+    check("rpc_sync kwargs", rpc.rpc_sync("worker1", _kw, args=(1,), kwargs={"b": 2}) == 12)
+    out = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2, 3), 1))
+    check("rpc_sync builtin tensor op", torch.equal(out, torch.full((2, 3), 2.0)))
+    view = torch.arange(12.0).reshape(3, 4).t()
+    check("non-contiguous tensor", torch.equal(rpc.rpc_sync("worker1", _add, args=(view, 0)), view))
+    big = torch.randn(1 << 18)
+    check("1 MiB tensor", torch.equal(rpc.rpc_sync("worker2", _add, args=(big, 0)), big))
+    fut = rpc.rpc_async("worker1", _add, args=(torch.tensor([1, 2]), 1))
+    check("rpc_async is torch Future", isinstance(fut, torch._C.Future))
+    check("rpc_async value", fut.wait().tolist() == [2, 3])
+    chained = rpc.rpc_async("worker1", _add, args=(1, 1)).then(lambda f: f.wait() * 10)
+    check("future then", chained.wait() == 20)
+    many = [rpc.rpc_async(f"worker{1 + i % 2}", _add, args=(i, 1)) for i in range(200)]
+    check("200 concurrent rpc_async", [f.wait() for f in many] == list(range(1, 201)))
+    try:
+        rpc.rpc_sync("worker1", _raise_value_error, args=("contract-boom",))
+        check("remote exception raises", False)
+    except ValueError as exc:
+        check("remote exception type", "contract-boom" in str(exc))
+        check("remote traceback", "_raise_value_error" in str(exc))
+    try:
+        rpc.rpc_sync("worker1", _sleep, args=(3.0,), timeout=0.3)
+        check("timeout raises", False)
+    except RuntimeError as exc:
+        check("timeout error", "timeout" in str(exc).lower() or "timed out" in str(exc).lower())
+    check("nested call back to caller", rpc.rpc_sync("worker1", _call_back, args=(me,)) == me)
+    ret = rpc.rpc_sync("worker1", _async_add_chained, args=("worker2", torch.ones(2), 1, 1))
+    check("async_execution", torch.equal(ret, torch.full((2,), 3.0)))
+    rref = rpc.remote("worker1", _Counter, args=(5,))
+    check("rref owner", rref.owner().name == "worker1" and rref.owner_name() == "worker1")
+    check("rref is_owner false", not rref.is_owner())
+    check("rref rpc_sync proxy", rref.rpc_sync().add(2) == 7)
+    check("rref rpc_async proxy", rref.rpc_async().add(3).wait() == 10)
+    check("rref remote proxy", rref.remote().get().to_here() == 10)
+    check("rref to_here copy", rref.to_here().value == 10)
+    check("rref fork to third worker", rpc.rpc_sync("worker2", _fetch, args=(rref,)).value == 10)
+    tensor_rref = rpc.remote("worker2", torch.add, args=(torch.ones(3), 2))
+    check("remote builtin to_here", torch.equal(tensor_rref.to_here(), torch.full((3,), 3.0)))
+    bad = rpc.remote("worker1", _raise_value_error, args=("rref-boom",))
+    try:
+        bad.to_here()
+        check("failed remote raises on to_here", False)
+    except ValueError as exc:
+        check("failed remote error", "rref-boom" in str(exc))
+    return done
+
+
+def _worker(backend: str) -> list[str]:
+    from rallypoint import rpc
+
+    rank = int(os.environ["RANK"])
+    options = rpc.construct_rpc_backend_options(rpc.BackendType[backend], rpc_timeout=30)
+    rpc.init_rpc(
+        f"worker{rank}",
+        backend=rpc.BackendType[backend],
+        rank=rank,
+        world_size=3,
+        rpc_backend_options=options,
+    )
+    try:
+        done = _checks(rank, backend)
+    finally:
+        rpc.shutdown()
+    return done
+
+
+def run_rpc_contract(
+    backend: str, *, timeout: float = 90.0, env: Mapping[str, str] | None = None
+) -> list[list[str]]:
+    """Run the contract against ``backend`` in three fresh worker processes."""
+    extra = {"RALLYPOINT_RPC_SECRET": "contract-secret", **(env or {})}
+    return run_workers(_worker, 3, backend, timeout=timeout, env=extra)
