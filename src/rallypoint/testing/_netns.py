@@ -1,0 +1,288 @@
+"""Several "hosts" on one machine, for multi-node tests: Linux network namespaces.
+
+:class:`Network` creates K namespaces (the hosts) and one more holding a bridge; each host
+gets a veth pair ``eth0`` ↔ bridge port, the address ``198.18.0.<i+1>/24`` (198.18.0.0/15 is
+reserved for benchmarking, RFC 2544, so it never collides with a real network) and its
+loopback up. Nothing is created in the machine's own namespace: the veth pairs are made
+directly inside the namespaces, so deleting the namespaces removes every link.
+
+::
+
+    with Network(3) as net:
+        server = net.hosts[0].popen([sys.executable, "server.py"])
+        net.hosts[2].cut()       # host 2 loses its link (packets dropped, no RST)
+        net.hosts[2].restore()
+
+Cleanup is guaranteed by the context manager, by an ``atexit`` hook, and, for a test
+process that was SIGKILLed, by removing namespaces whose creating process is gone the
+next time a :class:`Network` is made. Processes started with :meth:`Host.popen` are
+killed on close.
+
+Needs root (``CAP_SYS_ADMIN``) and iproute2; :func:`netns_available` says whether this
+machine can, and why not, so tests skip with a clear reason::
+
+    ok, why = netns_available()
+    pytestmark = pytest.mark.skipif(not ok, reason=why)
+
+Errors: :class:`NetnsError` (a ``RuntimeError``) when an ``ip`` command fails, with the
+command and its stderr; ``ValueError`` for bad arguments.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+__all__ = ["Host", "NetnsError", "Network", "netns_available", "remove_stale_namespaces"]
+
+SUBNET = "198.18.0.0/24"
+"""Where host addresses come from (``198.18.0.1`` is host 0); inside 198.18.0.0/15."""
+MAX_HOSTS = 250
+_NAME = re.compile(r"^rpn(?P<pid>\d+)-[0-9a-f]{4}-(?:h\d+|br)$")
+
+
+class NetnsError(RuntimeError):
+    """An ``ip`` command failed; the message has the command and its stderr."""
+
+
+def _ip() -> str:
+    path = shutil.which("ip") or next(
+        (p for p in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip") if os.access(p, os.X_OK)), None
+    )
+    if path is None:
+        raise NetnsError("iproute2's 'ip' command is not installed (apt-get install iproute2)")
+    return path
+
+
+def _run_ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    cmd = [_ip(), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    if check and proc.returncode != 0:
+        raise NetnsError(f"{' '.join(cmd)} failed: {proc.stderr.strip() or proc.returncode}")
+    return proc
+
+
+def _list_namespaces() -> list[str]:
+    out = _run_ip("netns", "list").stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_namespaces() -> list[str]:
+    """Delete namespaces left by :class:`Network` in processes that no longer exist."""
+    removed = []
+    for name in _list_namespaces():
+        m = _NAME.match(name)
+        if m is None or _pid_alive(int(m.group("pid"))):
+            continue
+        if _run_ip("netns", "delete", name, check=False).returncode == 0:
+            removed.append(name)
+    return removed
+
+
+@functools.cache
+def netns_available() -> tuple[bool, str]:
+    """``(True, "")`` if namespaces, veth pairs and bridges can be made here, else
+    ``(False, reason)``. Tries it once per process (about 50 ms)."""
+    if not sys.platform.startswith("linux"):
+        return False, f"network namespaces need Linux, this is {sys.platform}"
+    if os.geteuid() != 0:
+        return False, "network namespaces need root (CAP_SYS_ADMIN); run the tests as root"
+    try:
+        _ip()
+    except NetnsError as exc:
+        return False, str(exc)
+    try:
+        with Network(1):
+            pass
+    except (NetnsError, OSError, subprocess.SubprocessError) as exc:
+        return False, f"cannot create network namespaces here: {exc}"
+    return True, ""
+
+
+class Host:
+    """One namespace of a :class:`Network`: ``name``, ``address`` and ``eth0``."""
+
+    def __init__(self, network: Network, index: int) -> None:
+        self.network = network
+        self.index = index
+        self.name = f"{network.prefix}-h{index}"
+        self.address = f"198.18.0.{index + 1}"
+        self.port_name = f"v{index}"  # the bridge's end of this host's link
+        self._cut = False
+
+    def __repr__(self) -> str:
+        return f"Host({self.name!r}, {self.address!r}{', cut' if self._cut else ''})"
+
+    @property
+    def is_cut(self) -> bool:
+        return self._cut
+
+    def command(self, cmd: Sequence[str]) -> list[str]:
+        """``cmd`` prefixed to run inside this host (``ip netns exec NAME ...``)."""
+        if isinstance(cmd, str) or not cmd:
+            raise ValueError("cmd must be a non-empty list of arguments, not a string")
+        return [_ip(), "netns", "exec", self.name, *cmd]
+
+    def popen(
+        self,
+        cmd: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> subprocess.Popen[Any]:
+        """Start ``cmd`` inside this host (same pid: ``ip netns exec`` execs it).
+
+        ``env`` replaces the environment as in :class:`subprocess.Popen`. The process is
+        killed when the network closes, if it still runs.
+        """
+        self.network._require_open()
+        proc = subprocess.Popen(
+            self.command(cmd), env=dict(env) if env is not None else None, **kwargs
+        )
+        self.network._track(proc)
+        return proc
+
+    def run(
+        self, cmd: Sequence[str], *, timeout: float = 30.0, **kwargs: Any
+    ) -> subprocess.CompletedProcess[Any]:
+        """Run ``cmd`` inside this host to completion (``subprocess.run`` arguments)."""
+        self.network._require_open()
+        return subprocess.run(self.command(cmd), timeout=timeout, check=False, **kwargs)
+
+    def cut(self) -> None:
+        """Drop this host's link: its packets are lost, connections time out (no reset)."""
+        self.network._require_open()
+        _run_ip("-n", self.network.bridge_ns, "link", "set", self.port_name, "down")
+        self._cut = True
+
+    def restore(self) -> None:
+        """Bring the link back after :meth:`cut`."""
+        self.network._require_open()
+        _run_ip("-n", self.network.bridge_ns, "link", "set", self.port_name, "up")
+        self._cut = False
+
+
+class Network:
+    """``nhosts`` namespaces on one bridge. Use as a context manager, or call :meth:`close`."""
+
+    def __init__(self, nhosts: int, *, prefix: str | None = None) -> None:
+        if isinstance(nhosts, bool) or not isinstance(nhosts, int):
+            raise TypeError(f"nhosts must be an int, got {type(nhosts).__name__}")
+        if not 1 <= nhosts <= MAX_HOSTS:
+            raise ValueError(f"nhosts must be between 1 and {MAX_HOSTS}, got {nhosts}")
+        if prefix is None:
+            prefix = f"rpn{os.getpid()}-{secrets.token_hex(2)}"
+        elif not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}", prefix):
+            raise ValueError(
+                f"prefix {prefix!r} must be 1-40 letters, digits, '_', '.' or '-' "
+                "and start with a letter or digit"
+            )
+        self.prefix = prefix
+        self.bridge_ns = f"{prefix}-br"
+        self.hosts = [Host(self, i) for i in range(nhosts)]
+        self._created: list[str] = []
+        self._procs: list[subprocess.Popen[Any]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        with contextlib.suppress(NetnsError, OSError, subprocess.SubprocessError):
+            remove_stale_namespaces()
+        atexit.register(self.close)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _add_namespace(self, name: str) -> None:
+        _run_ip("netns", "add", name)
+        self._created.append(name)
+        _run_ip("-n", name, "link", "set", "lo", "up")
+
+    def _build(self) -> None:
+        br = self.bridge_ns
+        self._add_namespace(br)
+        _run_ip("-n", br, "link", "add", "br0", "type", "bridge")
+        _run_ip("-n", br, "link", "set", "br0", "up")
+        for host in self.hosts:
+            self._add_namespace(host.name)
+            _run_ip(
+                "link", "add", "eth0", "netns", host.name, "type", "veth",
+                "peer", "name", host.port_name, "netns", br,
+            )  # fmt: skip
+            _run_ip("-n", br, "link", "set", host.port_name, "master", "br0")
+            _run_ip("-n", br, "link", "set", host.port_name, "up")
+            _run_ip("-n", host.name, "addr", "add", f"{host.address}/24", "dev", "eth0")
+            _run_ip("-n", host.name, "link", "set", "eth0", "up")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self.hosts)} hosts"
+        return f"Network({self.prefix!r}, {state})"
+
+    @property
+    def namespaces(self) -> list[str]:
+        """Every namespace this network created (hosts and the bridge)."""
+        return list(self._created)
+
+    def _track(self, proc: subprocess.Popen[Any]) -> None:
+        with self._lock:
+            self._procs = [p for p in self._procs if p.poll() is None]
+            self._procs.append(proc)
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self!r} is closed")
+
+    def close(self) -> None:
+        """Kill processes started in the hosts and delete every namespace (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            procs, self._procs = self._procs, []
+        atexit.unregister(self.close)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        errors = []
+        for name in reversed(self._created):
+            done = _run_ip("netns", "delete", name, check=False)
+            if done.returncode != 0 and "No such file" not in done.stderr:
+                errors.append(f"{name}: {done.stderr.strip()}")
+        self._created.clear()
+        if errors:
+            raise NetnsError("could not delete namespaces: " + "; ".join(errors))
+
+    def __enter__(self) -> Network:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
