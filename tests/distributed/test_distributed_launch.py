@@ -71,6 +71,14 @@ def test_parallel_worker_bad_input_fails_in_the_parent() -> None:
         rd.parallel_worker(_layout, {"tensor": 2})
     with pytest.raises(ValueError, match=r"tensor_parallel must be >= 1"):
         rd.parallel_worker(_layout, {"tensor_parallel": 0})
+    with pytest.raises(ValueError, match=r"world_size 6 is not divisible by tensor_parallel = 4"):
+        rd.parallel_worker(_layout, {"tensor_parallel": 4}, world_size=6)
+    with pytest.raises(ValueError, match=r"the launch has 4 processes"):
+        rd.parallel_worker(_layout, {"world_size": 2}, world_size=4)
+    with pytest.raises(ValueError, match=r"world_size must be an int >= 1"):
+        rd.parallel_worker(_layout, True, world_size=0)
+    checked = rd.parallel_worker(_layout, {"tensor_parallel": 2}, world_size=4)
+    assert checked.config.world_size is None
     worker = rd.parallel_worker(_layout, True)
     assert worker.config == rd.DistributedConfig()
     assert "ParallelWorker(_layout" in repr(worker)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
-from rallypoint.distributed._config import DistributedConfig
+from rallypoint.distributed._config import DistributedConfig, check_layout
 from rallypoint.distributed._init import destroy_process_group
 from rallypoint.distributed._mesh import init_parallel_groups
 
@@ -65,15 +65,28 @@ def _as_config(parallel: object) -> DistributedConfig:
     )
 
 
-def parallel_worker(fn: Callable[..., T], parallel: object) -> ParallelWorker[T]:
+def parallel_worker(
+    fn: Callable[..., T], parallel: object, *, world_size: int | None = None
+) -> ParallelWorker[T]:
     """Wrap ``fn`` so that it runs with the process group and parallel groups ready.
 
     ``parallel`` is a :class:`DistributedConfig`, a mapping of its fields
     (``{"tensor_parallel": 2}``) or ``True`` (data parallel over the whole world). Its
     identity fields are normally left unset: each worker reads them from the environment
     its launcher set (``RANK`` already includes any ``rank_offset``). Bad input raises
-    here, in the launching process, before any worker starts.
+    here, in the launching process, before any worker starts; a launcher that knows the
+    ``world_size`` passes it so that sizes which do not divide it fail here too.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    return ParallelWorker(fn, _as_config(parallel))
+    config = _as_config(parallel)
+    if world_size is not None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if config.world_size is not None and config.world_size != world_size:
+            raise ValueError(
+                f"parallel.world_size is {config.world_size} but the launch has {world_size} "
+                f"processes: leave world_size unset in the parallel config"
+            )
+        check_layout(world_size, config.sizes)
+    return ParallelWorker(fn, config)
