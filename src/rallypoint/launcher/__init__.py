@@ -18,18 +18,43 @@ Exception tree::
 
 from __future__ import annotations
 
-from rallypoint.launcher._api import launch
-from rallypoint.launcher._config import DEFAULT_PREFIX, LaunchConfig
-from rallypoint.launcher._errors import (
-    BadTargetError,
-    LaunchError,
-    LaunchInterruptedError,
-    LaunchTimeoutError,
-    PortInUseError,
-    WarmProcessError,
-    WorkerFailedError,
-    WorkerState,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rallypoint.launcher._api import launch
+    from rallypoint.launcher._config import DEFAULT_PREFIX, LaunchConfig
+    from rallypoint.launcher._errors import (
+        BadTargetError,
+        LaunchError,
+        LaunchInterruptedError,
+        LaunchTimeoutError,
+        PortInUseError,
+        WarmProcessError,
+        WorkerFailedError,
+        WorkerState,
+    )
+
+# Resolved on first access: ``rallypoint run`` imports ``rallypoint.launcher._warm`` and
+# forks its warm process before anything else, so this package must import nothing.
+_NAMES: dict[str, str] = {
+    "launch": "_api",
+    "DEFAULT_PREFIX": "_config",
+    "LaunchConfig": "_config",
+    **dict.fromkeys(
+        [
+            "BadTargetError",
+            "LaunchError",
+            "LaunchInterruptedError",
+            "LaunchTimeoutError",
+            "PortInUseError",
+            "WarmProcessError",
+            "WorkerFailedError",
+            "WorkerState",
+        ],
+        "_errors",
+    ),
+}
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -44,3 +69,15 @@ __all__ = [
     "WorkerState",
     "launch",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        value = getattr(importlib.import_module(f"rallypoint.launcher.{_NAMES[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'rallypoint.launcher' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

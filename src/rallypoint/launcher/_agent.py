@@ -315,32 +315,45 @@ class Agent:
             exec_argv = [sys.executable, "-u", "-m", "rallypoint.launcher._spawned"]
             exec_argv += ["payload", str(payload)]
         attempt_dir = (self._log_root or self._tmp) / f"attempt_{attempt}"
+        requests: list[tuple[WorkerSpec, list[int]]] = []
+        readers: list[tuple[int, int, int]] = []
+        try:
+            for local_rank in range(cfg.nproc):
+                rank_dir = attempt_dir / str(local_rank)
+                rank_dir.mkdir(parents=True, exist_ok=True)
+                error_file = rank_dir / "error.json"
+                for stale in (error_file, Path(f"{error_file}.fault")):
+                    with contextlib.suppress(FileNotFoundError):
+                        stale.unlink()
+                spec = WorkerSpec(
+                    local_rank=local_rank,
+                    rank=self.group.rank_offset + local_rank,
+                    env=self._worker_env(local_rank, attempt, error_file),
+                    cwd=os.fspath(cfg.cwd) if cfg.cwd is not None else os.getcwd(),
+                    target=target,
+                    exec_argv=exec_argv,
+                )
+                pipes = [os.pipe() for _ in range(3)]
+                requests.append((spec, [w for _, w in pipes]))
+                readers.append((pipes[0][0], pipes[1][0], pipes[2][0]))
+            pids = self.warm.spawn_many(requests)
+        except BaseException:
+            for fds in readers:
+                for fd in fds:
+                    os.close(fd)
+            raise
+        finally:
+            for _, write_ends in requests:
+                for fd in write_ends:
+                    os.close(fd)
         workers: list[_Worker] = []
-        for local_rank in range(cfg.nproc):
+        for (spec, _), pid, (out_r, err_r, res_r) in zip(requests, pids, readers, strict=True):
+            local_rank = spec.local_rank
             rank_dir = attempt_dir / str(local_rank)
-            rank_dir.mkdir(parents=True, exist_ok=True)
-            error_file = rank_dir / "error.json"
-            for stale in (error_file, Path(f"{error_file}.fault")):
-                with contextlib.suppress(FileNotFoundError):
-                    stale.unlink()
-            spec = WorkerSpec(
-                local_rank=local_rank,
-                rank=self.group.rank_offset + local_rank,
-                env=self._worker_env(local_rank, attempt, error_file),
-                cwd=os.fspath(cfg.cwd) if cfg.cwd is not None else os.getcwd(),
-                target=target,
-                exec_argv=exec_argv,
-            )
-            pipes = [os.pipe() for _ in range(3)]
-            try:
-                pid = self.warm.spawn(spec, [w for _, w in pipes])
-            finally:
-                for _, w in pipes:
-                    os.close(w)
-            (out_r, _), (err_r, _), (res_r, _) = pipes
+            redirect = cfg.std_mask("redirects", local_rank)
+            mask = redirect | cfg.std_mask("tee", local_rank)
             for fd, stream, name in ((out_r, 1, "stdout"), (err_r, 2, "stderr")):
-                mask = cfg.std_mask("redirects", local_rank) | cfg.std_mask("tee", local_rank)
-                shown = not (cfg.std_mask("redirects", local_rank) & stream)
+                shown = not (redirect & stream)
                 if cfg.local_ranks_filter is not None:
                     shown = shown and local_rank in cfg.local_ranks_filter
                 to_file = self._log_root is not None and (
@@ -357,7 +370,7 @@ class Agent:
                     file=rank_dir / f"{name}.log" if to_file else None,
                 )
             os.set_blocking(res_r, False)
-            workers.append(_Worker(local_rank, spec.rank, pid, error_file, res_r))
+            workers.append(_Worker(local_rank, spec.rank, pid, rank_dir / "error.json", res_r))
         return workers
 
     def _attempt(self, attempt: int) -> _Outcome:

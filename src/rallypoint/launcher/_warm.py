@@ -33,10 +33,13 @@ import socket
 import time
 import traceback
 from collections import deque
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from rallypoint.launcher._errors import WarmProcessError
-from rallypoint.launcher._worker import WorkerSpec, child_main, set_parent_death_signal
+if TYPE_CHECKING:
+    from rallypoint.launcher._worker import WorkerSpec
+
+# Kept light on purpose: the CLI imports this module before forking the warm process, so
+# everything heavier (the worker-side module, exceptions) is imported where it is used.
 
 __all__ = ["WarmProcess"]
 
@@ -70,6 +73,9 @@ def _recv(sock: socket.socket, maxfds: int = 0) -> tuple[tuple[Any, ...] | None,
 
 def _store_main(conn: socket.socket) -> NoReturn:
     """The store process: hosts one TCPStore server at a time, replaced on each reset."""
+    from rallypoint.launcher._worker import set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGKILL)
     from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported at runtime
 
     store: Any = None
@@ -99,6 +105,8 @@ class _Server:
         self.wake_r, self.wake_w = os.pipe()
 
     def serve(self) -> NoReturn:
+        from rallypoint.launcher._worker import set_parent_death_signal
+
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's ^C is the supervisor's
         set_parent_death_signal(signal.SIGKILL)
         with contextlib.suppress(Exception):
@@ -152,6 +160,8 @@ class _Server:
         elif kind in ("store", "store_reset"):
             _send(self.sock, self._store(msg))
         elif kind == "spawn":
+            from rallypoint.launcher._worker import child_main
+
             spec: WorkerSpec = msg[1]
             close = [self.sock.fileno(), self.wake_r, self.wake_w]
             if self.store_sock is not None:
@@ -179,7 +189,6 @@ class _Server:
                     signal.set_wakeup_fd(-1)
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                    set_parent_death_signal(signal.SIGKILL)
                     _store_main(child)
                 finally:
                     os._exit(1)
@@ -201,6 +210,12 @@ class _Server:
 
 
 # ----------------------------------------------------------------------------- client side
+
+
+def _error(message: str) -> Exception:
+    from rallypoint.launcher._errors import WarmProcessError
+
+    return WarmProcessError(message)
 
 
 class WarmProcess:
@@ -241,20 +256,9 @@ class WarmProcess:
     ) -> tuple[Any, ...]:
         try:
             _send(self.sock, msg, fds)
-            while True:
-                reply, _ = _recv(self.sock)
-                if reply is None:
-                    raise WarmProcessError(self._death_reason())
-                if reply[0] == "exit":
-                    self.events.append((reply[1], reply[2]))
-                    continue
-                if reply[0] == "error":
-                    raise WarmProcessError(reply[1])
-                if reply[0] != expect:
-                    raise WarmProcessError(f"unexpected reply from the warm process: {reply!r}")
-                return reply
         except OSError as exc:
-            raise WarmProcessError(f"lost the warm process: {exc}") from exc
+            raise _error(f"lost the warm process: {exc}") from exc
+        return self._request_reply(expect)
 
     def _death_reason(self) -> str:
         with contextlib.suppress(ChildProcessError):
@@ -280,6 +284,36 @@ class WarmProcess:
     def spawn(self, spec: WorkerSpec, fds: list[int]) -> int:
         return int(self._request(("spawn", spec), "spawned", fds)[2])
 
+    def spawn_many(self, requests: list[tuple[WorkerSpec, list[int]]]) -> list[int]:
+        """Start several workers: all requests go out first, so forks start back to back."""
+        try:
+            for spec, fds in requests:
+                _send(self.sock, ("spawn", spec), fds)
+        except OSError as exc:
+            raise _error(f"lost the warm process: {exc}") from exc
+        pids: dict[int, int] = {}
+        while len(pids) < len(requests):
+            reply = self._request_reply("spawned")
+            pids[int(reply[1])] = int(reply[2])
+        return [pids[spec.local_rank] for spec, _ in requests]
+
+    def _request_reply(self, expect: str) -> tuple[Any, ...]:
+        try:
+            while True:
+                reply, _ = _recv(self.sock)
+                if reply is None:
+                    raise _error(self._death_reason())
+                if reply[0] == "exit":
+                    self.events.append((reply[1], reply[2]))
+                    continue
+                if reply[0] == "error":
+                    raise _error(reply[1])
+                if reply[0] != expect:
+                    raise _error(f"unexpected reply from the warm process: {reply!r}")
+                return reply
+        except OSError as exc:
+            raise _error(f"lost the warm process: {exc}") from exc
+
     def read_events(self) -> list[tuple[int, int]]:
         """Exit events ``(pid, wait_status)``; call when ``fileno()`` is readable."""
         out = list(self.events)
@@ -290,11 +324,11 @@ class WarmProcess:
             except BlockingIOError:
                 return out
             except OSError as exc:
-                raise WarmProcessError(f"lost the warm process: {exc}") from exc
+                raise _error(f"lost the warm process: {exc}") from exc
             if not data:
                 if out:
                     return out
-                raise WarmProcessError(self._death_reason())
+                raise _error(self._death_reason())
             msg = pickle.loads(data)
             if msg[0] == "exit":
                 out.append((msg[1], msg[2]))
