@@ -128,3 +128,18 @@ def test_bad_input(script: str, argv: list[str], match: str) -> None:
     argv = [a.replace("{script}", script) for a in argv]
     with pytest.raises((UsageError, ValueError, TypeError), match=match):
         parse(argv)
+
+
+def test_the_launcher_process_never_imports_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from rallypoint.launcher import _agent, _cli, _warm, LaunchConfig\n"
+        "import rallypoint.__main__\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

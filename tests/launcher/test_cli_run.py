@@ -265,3 +265,28 @@ def test_signals_are_forwarded_and_nothing_is_left(tmp_path: Path) -> None:
         assert (tmp_path / f"term{r}").read_text() == str(int(signal.SIGTERM))
     _gone, alive = psutil.wait_procs(tree, timeout=5)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+
+
+RECORDED = """
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record
+def main():
+    raise RuntimeError("recorded by torch's @record")
+
+main()
+"""
+
+
+def test_torch_record_users_still_get_their_error_file(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "recorded.py"
+    script.write_text(RECORDED)
+    logs = tmp_path / "logs"
+    argv = ["--nproc-per-node", "1", "--log-dir", str(logs), "--rdzv-id", "rec", str(script)]
+    assert run_main(argv) == 1
+    _, err = capfd.readouterr()
+    assert "RuntimeError: recorded by torch's @record" in err[err.index("Root cause") :]
+    error_file = logs / "rec" / "attempt_0" / "0" / "error.json"
+    assert "recorded by torch's @record" in error_file.read_text()
