@@ -233,8 +233,17 @@ class RallypointAgent(RpcAgent):
                     f"use a rank in [0, {self.world_size - 1}]"
                 )
             _groups.publish_static(self.store, self.info.id, self.record())
-            records = _groups.gather_static(self.store, self.world_size, timeout)
-            self._set_records(records, static=True)
+            try:
+                records = _groups.gather_static(self.store, self.world_size, timeout)
+                self._set_records(records, static=True)
+            except BaseException:
+                self.store.set(f"init_done/{self.info.id}", "1")
+                if self.hosts_store():
+                    ranks = [
+                        str(r) for r in range(self.world_size) if self.store.check([f"worker/{r}"])
+                    ]
+                    self._linger_as_store_host("init_done", ranks, time.monotonic() + 5.0)
+                raise
             self._ready.set()
             for name in self._records:
                 self._connection(name)
@@ -683,7 +692,7 @@ class RallypointAgent(RpcAgent):
                             "rallypoint.rpc: could not tell %s that %s left: %s", member, me, exc
                         )
             self._wait_quiet(deadline)
-            if self.info.id == 0 and self.options.init_method.startswith(("env://", "tcp://")):
+            if self.hosts_store():
                 # rank 0 hosts the store: stay until the others have left, or the deadline
                 while _groups.read_members(self.store) and time.monotonic() < deadline:
                     time.sleep(0.01)
@@ -697,25 +706,30 @@ class RallypointAgent(RpcAgent):
         missing = _groups.wait_for_keys(
             self.store, [f"shutdown/{n}" for n in names], deadline, dead=self._known_dead
         )
+        error: RpcShutdownError | None = None
         if missing:
             gone = [k.rsplit("/", 1)[1] for k in missing]
             dead = [n for n in gone if n in self._dead]
-            detail = f" ({', '.join(f'{n} {self._dead[n]}' for n in dead)})" if dead else ""
-            return RpcShutdownError(
-                f"graceful shutdown of {me} gave up after {seconds:.1f} s: workers {gone} "
-                f"did not reach shutdown{detail}",
-                missing=gone,
-            )
-        self._wait_quiet(deadline)
+            if dead:
+                why = "; ".join(f"{n} {self._dead[n]}" for n in dead)
+                detail = f"gave up early: workers {gone} did not reach shutdown ({why})"
+            else:
+                detail = f"gave up after {seconds:.1f} s: workers {gone} did not reach shutdown"
+            error = RpcShutdownError(f"graceful shutdown of {me} {detail}", missing=gone)
+        else:
+            self._wait_quiet(deadline)
         self.store.set(f"exit/{me}", "1")
-        if self.info.id == 0 and self.options.init_method.startswith(("env://", "tcp://")):
-            _groups.wait_for_keys(
-                self.store,
-                [f"exit/{n}" for n in names],
-                min(deadline, time.monotonic() + 10.0),
-                dead=self._known_dead,
-            )
-        return None
+        self._linger_as_store_host("exit", names, min(deadline, time.monotonic() + 10.0))
+        return error
+
+    def hosts_store(self) -> bool:
+        return self.info.id == 0 and self.options.init_method.startswith(("env://", "tcp://"))
+
+    def _linger_as_store_host(self, prefix: str, names: list[str], deadline: float) -> None:
+        """Rank 0 hosts the TCPStore: keep it up until the live workers are done with it."""
+        if self.hosts_store():
+            alive = [f"{prefix}/{n}" for n in names if n not in self._dead]
+            _groups.wait_for_keys(self.store, alive, deadline, dead=self._known_dead)
 
     def close(self) -> None:
         global _CURRENT

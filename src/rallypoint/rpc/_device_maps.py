@@ -32,9 +32,16 @@ __all__ = [
 ]
 
 
+def _device(device: DeviceLike) -> torch.device:
+    # an int is a CUDA index (torch.device(int) needs an accelerator to be present)
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
 def to_device(device: DeviceLike) -> torch.device:
     """A CUDA device for ``devices`` (torch's ``_to_device`` rule and message)."""
-    dev = torch.device(device)
+    dev = _device(device)
     if dev.type != "cuda":
         raise ValueError(
             f"`set_devices` expect a list of CUDA devices, but got device type {dev.type}."
@@ -51,7 +58,7 @@ def to_device_map(device_map: Mapping[DeviceLike, DeviceLike]) -> DeviceMap:
     full: DeviceMap = {}
     reverse: DeviceMap = {}
     for key, value in device_map.items():
-        src, dst = torch.device(key), torch.device(value)
+        src, dst = _device(key), _device(value)
         if dst in reverse:
             raise ValueError(
                 "`device_map` only supports 1-to-1 mapping, "

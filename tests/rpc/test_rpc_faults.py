@@ -1,0 +1,138 @@
+"""Faults and bad input against the rallypoint backend: each a clear error, never a hang."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from rallypoint import rpc
+from rallypoint.testing import WorkerError, run_workers
+
+SECRET = {"RALLYPOINT_RPC_SECRET": "faults-secret"}
+
+
+def _init(world_size: int = 3, **options: Any) -> int:
+    rank = int(os.environ["RANK"])
+    opts = rpc.RallypointRpcBackendOptions(rpc_timeout=20, **options)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    return rank
+
+
+def _return_lock() -> Any:
+    return threading.Lock()
+
+
+def _slow(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def _die_soon() -> None:
+    time.sleep(0.3)
+    os._exit(3)
+
+
+def _faults_scenario() -> dict[str, Any]:
+    rank = _init()
+    out: dict[str, Any] = {}
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="Unknown destination worker 'nobody'"):
+            rpc.rpc_sync("nobody", max, args=(1, 2))
+        with pytest.raises(RuntimeError, match="Unknown destination worker rank 9"):
+            rpc.rpc_sync(9, max, args=(1, 2))
+        with pytest.raises(ValueError, match="Cannot get WorkerInfo"):
+            rpc.rpc_sync(1.5, max, args=(1, 2))
+        with pytest.raises(TypeError, match="function should be callable"):
+            rpc.rpc_sync("worker1", 42)
+        with pytest.raises(TypeError, match="args must be a tuple or list"):
+            rpc.rpc_sync("worker1", max, args=3)
+        with pytest.raises((TypeError, AttributeError)):  # unpicklable argument
+            rpc.rpc_sync("worker1", max, args=(threading.Lock(), 1))
+        with pytest.raises(TypeError, match="pickle"):  # unpicklable result
+            rpc.rpc_sync("worker1", _return_lock)
+        with pytest.raises(
+            rpc.RpcTimeoutError, match=r"RPC ran for more than set timeout \(200 ms\)"
+        ):
+            rpc.rpc_sync("worker1", _slow, args=(2.0,), timeout=0.2)
+        with pytest.raises(ValueError, match="timeout must be seconds"):
+            rpc.rpc_sync("worker1", _slow, args=(0,), timeout=-5)
+        assert rpc.rpc_sync("worker1", _slow, args=(0.01,), timeout=0) == 0.01
+        assert rpc.rpc_sync(1, max, args=(4, 5)) == 5  # by rank
+        assert rpc.rpc_sync(rpc.get_worker_info("worker2"), max, args=(4, 6)) == 6
+        # a peer crash mid-call fails the pending future promptly, naming the peer
+        pending = rpc.rpc_async("worker2", _slow, args=(30.0,))
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            rpc.rpc_sync("worker2", _die_soon)
+        with pytest.raises(rpc.RpcConnectionError, match="worker2") as info:
+            pending.wait()
+        out["crash_detect_s"] = time.monotonic() - start
+        assert info.value.peer == "worker2"
+        with pytest.raises(rpc.RpcConnectionError, match="cannot reach worker worker2"):
+            rpc.rpc_sync("worker2", max, args=(1, 2))
+        assert rpc.rpc_sync("worker1", max, args=(1, 2)) == 2  # others keep working
+    if rank == 2:
+        time.sleep(60)  # killed by worker0's _die_soon call
+    start = time.monotonic()
+    try:
+        rpc.shutdown(timeout=15)
+    except rpc.RpcShutdownError as exc:
+        out["missing"] = exc.missing
+        out["message"] = str(exc)
+    out["shutdown_s"] = time.monotonic() - start
+    with pytest.raises(RuntimeError, match="RPC has not been initialized"):
+        rpc.rpc_sync("worker1", max, args=(1, 2))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_faults_each_give_a_clear_error_and_never_hang() -> None:
+    results = run_workers(_faults_scenario, 3, timeout=50, env=SECRET, return_exceptions=True)
+    assert isinstance(results[2], WorkerError) and "exited with code 3" in str(results[2])
+    assert results[0]["crash_detect_s"] < 3.0
+    for rank in (0, 1):
+        assert results[rank]["missing"] == ["worker2"], results[rank]
+        assert "did not reach shutdown" in results[rank]["message"]
+        assert results[rank]["shutdown_s"] < 10.0  # a known-dead peer ends the wait early
+
+
+def _duplicate_names() -> str:
+    rank = int(os.environ["RANK"])
+    with pytest.raises(RuntimeError, match="worker name 'dup' is used by ranks 0 and 1") as info:
+        rpc.init_rpc("dup", rank=rank, world_size=2)
+    return str(info.value)
+
+
+def _missing_rank() -> str:
+    rank = int(os.environ["RANK"])
+    opts = rpc.RallypointRpcBackendOptions(rpc_timeout=1.0)
+    with pytest.raises(RuntimeError, match=r"ranks \[2\] did not join within 1.0 s") as info:
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=3, rpc_backend_options=opts)
+    return str(info.value)
+
+
+@pytest.mark.timeout(30)
+def test_duplicate_names_and_missing_ranks_fail_init_on_every_worker() -> None:
+    assert len(run_workers(_duplicate_names, 2, timeout=20, env=SECRET)) == 2
+    assert len(run_workers(_missing_rank, 2, timeout=20, env=SECRET)) == 2
+
+
+def _graceful_waits_for_outstanding_work() -> list[int]:
+    rank = _init(world_size=2)
+    got: list[int] = []
+    if rank == 0:
+        futs = [rpc.rpc_async("worker1", _slow, args=(0.2,)) for _ in range(5)]
+        futs[0].then(lambda f: got.append(1))
+    rpc.shutdown()  # rank 1 must keep serving until rank 0's calls are done
+    if rank == 0:
+        assert all(f.done() and f.value() == 0.2 for f in futs)
+    return got
+
+
+@pytest.mark.timeout(30)
+def test_graceful_shutdown_waits_for_outstanding_calls() -> None:
+    assert run_workers(_graceful_waits_for_outstanding_work, 2, timeout=20, env=SECRET)[0] == [1]

@@ -1,0 +1,185 @@
+"""Backend registry (torch's semantics) and init_rpc's bad-input errors."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from rallypoint import rpc
+from rallypoint.rpc import _registry
+from rallypoint.testing import run_workers
+
+
+def test_builtin_backends_and_default_options() -> None:
+    assert rpc.backend_registered("RALLYPOINT") and rpc.backend_registered("TENSORPIPE")
+    assert not rpc.backend_registered("NOPE")
+    assert repr(rpc.BackendType.RALLYPOINT) == "BackendType.RALLYPOINT"
+    opts = rpc.construct_rpc_backend_options(rpc.BackendType.RALLYPOINT, rpc_timeout=5)
+    assert isinstance(opts, rpc.RallypointRpcBackendOptions) and opts.rpc_timeout == 5
+    tp = rpc.construct_rpc_backend_options(
+        rpc.BackendType.TENSORPIPE, init_method="tcp://127.0.0.1:1", num_worker_threads=4
+    )
+    assert isinstance(tp, rpc.TensorPipeRpcBackendOptions) and tp.num_worker_threads == 4
+    value = rpc.BackendType.RALLYPOINT.value
+    assert isinstance(value, rpc.BackendValue)
+
+
+def test_duplicate_registration_is_refused_with_torchs_message() -> None:
+    with pytest.raises(RuntimeError, match=r"^RPC backend RALLYPOINT: already registered$"):
+        rpc.register_backend("RALLYPOINT", lambda *a, **k: None, lambda *a, **k: None)
+    with pytest.raises(ValueError, match="Python identifier"):
+        rpc.register_backend("not valid", lambda *a, **k: None, lambda *a, **k: None)
+    with pytest.raises(TypeError, match="two callables"):
+        rpc.register_backend("X", None, None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Argument backend must be a member of BackendType"):
+        rpc.construct_rpc_backend_options("RALLYPOINT")
+
+
+@dataclass(kw_only=True, slots=True)
+class _FakeOptions(rpc.RpcBackendOptions):
+    tag: str = "fake"
+
+
+class _FakeAgent(rpc.RpcAgent):
+    def __init__(self, name: str, rank: int, store: Any) -> None:
+        self.name, self.rank, self.store = name, rank, store
+        self.calls: list[Any] = []
+
+    @property
+    def rpc_timeout(self) -> float:
+        return 1.0
+
+    def get_worker_info(self, worker_name: str | int | None = None) -> Any:
+        return rpc.WorkerInfo(self.name, self.rank)
+
+    def get_worker_infos(self) -> list[Any]:
+        return [self.get_worker_info()]
+
+    def rpc_async(self, to: Any, func: Any, args: Any, kwargs: Any, timeout: float) -> Any:
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        fut.set_result(func(*args, **kwargs))
+        self.calls.append(to)
+        return fut
+
+    def remote(self, to: Any, func: Any, args: Any, kwargs: Any, timeout: float) -> Any:
+        raise NotImplementedError
+
+    def shutdown(self, graceful: bool, timeout: float) -> None:
+        self.calls.append(("shutdown", graceful))
+
+
+def _custom_backend(path: str) -> Any:
+    agents: list[_FakeAgent] = []
+
+    def construct(rpc_timeout: float, init_method: str, **kwargs: Any) -> _FakeOptions:
+        return _FakeOptions(rpc_timeout=rpc_timeout, init_method=init_method, **kwargs)
+
+    def init(store: Any, name: str, rank: int, world_size: Any, rpc_backend_options: Any) -> Any:
+        agents.append(_FakeAgent(name, rank, store))
+        return agents[-1]
+
+    before = set(rpc.BackendType.__members__)
+    member = rpc.register_backend("FAKE", construct, init)
+    assert member is rpc.BackendType.FAKE and member.name == "FAKE"
+    assert set(rpc.BackendType.__members__) == before | {"FAKE"}
+    options = _FakeOptions(init_method=f"file://{path}", tag="x")
+    rpc.init_rpc("solo", rank=0, world_size=1, rpc_backend_options=options)  # inferred
+    assert rpc.rpc_sync("anyone", max, args=(2, 7)) == 7
+    assert rpc.get_worker_info().name == "solo"
+    with pytest.raises(RuntimeError, match="RPC is already initialized"):
+        rpc.init_rpc("again", rank=0, world_size=1, rpc_backend_options=options)
+    rpc.shutdown(graceful=False)
+    assert agents[0].calls == ["anyone", ("shutdown", False)]
+
+    @dataclass(kw_only=True, slots=True)
+    class Orphan(rpc.RpcBackendOptions):
+        pass
+
+    with pytest.raises(TypeError, match="Could not infer backend for options"):
+        rpc.init_rpc("solo", rank=0, world_size=1, rpc_backend_options=Orphan())
+    return True
+
+
+def test_register_custom_backend_and_infer_it_from_options(tmp_path: Any) -> None:
+    assert run_workers(_custom_backend, 1, str(tmp_path / "store"), timeout=30) == [True]
+
+
+def _bad_inputs() -> bool:
+    with pytest.raises(RuntimeError, match="RPC has not been initialized"):
+        rpc.rpc_sync("w", max, args=(1, 2))
+    with pytest.raises(RuntimeError, match="RPC has not been initialized"):
+        rpc.get_worker_info()
+    with pytest.raises(RuntimeError, match="RPC has not been initialized"):
+        rpc.shutdown()
+    with pytest.raises(TypeError, match="Argument backend must be a member of BackendType"):
+        rpc.init_rpc("w", backend="RALLYPOINT")
+    with pytest.raises(TypeError, match="must be an instance of RpcBackendOptions"):
+        rpc.init_rpc("w", rpc_backend_options={"rpc_timeout": 1})
+    with pytest.raises(ValueError, match="Worker name must match"):
+        rpc.init_rpc("bad name!", rank=0, world_size=1)
+    with pytest.raises(ValueError, match="Worker name must match"):
+        rpc.init_rpc("", rank=0, world_size=1)
+    with pytest.raises(TypeError, match="worker name must be a str"):
+        rpc.init_rpc(3, rank=0, world_size=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        rpc.init_rpc("w", rank=0, world_size=0)
+    with pytest.raises(TypeError, match="rank must be an int"):
+        rpc.init_rpc("w", rank="0", world_size=1)  # type: ignore[arg-type]
+    del os.environ["MASTER_ADDR"]
+    with pytest.raises(ValueError, match="needs the environment variable MASTER_ADDR"):
+        rpc.init_rpc("w", rank=0, world_size=1)
+    with pytest.raises(ValueError, match="must look like tcp://host:port"):
+        opts = rpc.RallypointRpcBackendOptions(init_method="tcp://nohost")
+        rpc.init_rpc("w", rank=0, world_size=1, rpc_backend_options=opts)
+    with pytest.raises(ValueError, match="rpc_timeout must be >= 0"):
+        rpc.RallypointRpcBackendOptions(rpc_timeout=-1)
+    with pytest.raises(TypeError, match="rpc_timeout must be seconds"):
+        rpc.RallypointRpcBackendOptions(rpc_timeout="1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="init_method must start with one of"):
+        rpc.RallypointRpcBackendOptions(init_method="http://x")
+    with pytest.raises(ValueError, match="secret_file '/nonexistent' does not exist"):
+        rpc.RallypointRpcBackendOptions(secret_file="/nonexistent")
+    with pytest.raises(ValueError, match="num_worker_threads must be >= 1"):
+        rpc.RallypointRpcBackendOptions(num_worker_threads=0)
+    from datetime import timedelta
+
+    assert rpc.RallypointRpcBackendOptions(rpc_timeout=timedelta(seconds=2)).rpc_timeout == 2.0
+    return True
+
+
+def test_bad_input_before_init() -> None:
+    assert run_workers(_bad_inputs, 1, timeout=30) == [True]
+
+
+def test_public_surface_mirrors_torch() -> None:
+    import torch.distributed.rpc as trpc
+
+    torch_names = {
+        "init_rpc",
+        "shutdown",
+        "rpc_sync",
+        "rpc_async",
+        "remote",
+        "RRef",
+        "WorkerInfo",
+        "get_worker_info",
+        "BackendType",
+        "register_backend",
+        "backend_registered",
+        "construct_rpc_backend_options",
+        "init_backend",
+        "BackendValue",
+        "TensorPipeRpcBackendOptions",
+        "functions",
+        "is_available",
+    }
+    assert torch_names <= set(trpc.__all__) | {"functions", "WorkerInfo", "RRef"}
+    assert torch_names <= set(rpc.__all__)
+    for name in rpc.__all__:
+        assert getattr(rpc, name) is not None, name
+    assert set(_registry.__all__) <= set(rpc.__all__)
+    assert callable(rpc.functions.async_execution)
