@@ -9,8 +9,10 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -24,10 +26,14 @@ from rallypoint.launcher._stacks import (
     STACKS_SIGNAL_ENV,
     Frame,
     StackDump,
+    answer_stacks_request,
     collect_stacks,
     format_grouped_stacks,
     install_stack_dumper,
+    latest_stacks_request,
     parse_faulthandler_dump,
+    publish_node_count,
+    request_stacks,
     stack_summary,
     stacks_env,
 )
@@ -79,16 +85,21 @@ def gloo_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[in
 
 
 def _collect_until_grouped(pids: dict[int, int], directory: Path) -> dict[int, StackDump]:
-    """Collect until ranks 0,2,3 are inside all_reduce and rank 1 sleeps (after its send)."""
+    """Collect until every worker is blocked: ranks 0,2,3 inside all_reduce, rank 1 asleep,
+    and each rank's stack unchanged since the previous collection (a loaded machine may
+    still have a rank on its way into the collective)."""
     deadline = time.monotonic() + 20
+    previous: dict[int, object] = {}
     while True:
         stacks = collect_stacks(pids, timedelta(seconds=5), directory=directory)
         summaries = {
             r: stack_summary(d.main.frames) if d.main else d.error for r, d in stacks.items()
         }
+        current = {r: d.main.frames if d.main else None for r, d in stacks.items()}
         reduce_ok = all(str(summaries[r]).startswith("all_reduce") for r in (0, 2, 3))
-        if reduce_ok and str(summaries[1]).startswith("sleep"):
+        if reduce_ok and str(summaries[1]).startswith("sleep") and current == previous:
             return stacks
+        previous = dict(current)
         assert time.monotonic() < deadline, f"workers never reached all_reduce: {summaries}"
         time.sleep(0.2)
 
@@ -258,3 +269,98 @@ def test_summary_rules() -> None:
     assert stack_summary((Frame("/app/t.py", 8, "main", "x = f(1"),)) == "f at t.py:8"
     assert stack_summary((Frame(lib + "q.py", 2, "get"),)) == "get at q.py:2"
     assert stack_summary(()) == "no Python frames"
+
+
+def _agent_loop(
+    port: int,
+    node_rank: int,
+    collect: Callable[[], Mapping[int, StackDump]],
+    stop: threading.Event,
+) -> None:
+    import torch.distributed as dist
+
+    store = dist.PrefixStore("rallypoint/job1/", dist.TCPStore("127.0.0.1", port, is_master=False))
+    answered = latest_stacks_request(store)
+    publish_node_count(store, 2)
+    while not stop.is_set():
+        answered = answer_stacks_request(
+            store, node_rank=node_rank, answered=answered, collect=collect
+        )
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(90)
+def test_exchange_across_nodes_through_tcpstore(gloo_job: tuple[dict[int, int], Path]) -> None:
+    import torch.distributed as dist
+
+    pids, directory = gloo_job
+    _collect_until_grouped(pids, directory)  # steady state first
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def collector(node: int) -> Callable[[], Mapping[int, StackDump]]:
+        def collect() -> dict[int, StackDump]:
+            local = collect_stacks(pids, 5.0, directory=directory, host=f"node{node}")
+            # node 1 pretends its workers are global ranks 4..7
+            return {r + 4 * node: replace(d, rank=r + 4 * node) for r, d in local.items()}
+
+        return collect
+
+    stops = [threading.Event(), threading.Event()]
+    agents = [
+        threading.Thread(target=_agent_loop, args=(master.port, n, collector(n), stops[n]))
+        for n in (0, 1)
+    ]
+    requester = dist.PrefixStore(
+        "rallypoint/job1/", dist.TCPStore("127.0.0.1", master.port, is_master=False)
+    )
+    try:
+        for a in agents:
+            a.start()
+        deadline = time.monotonic() + 10
+        while not requester.check(["stacks/nnodes"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        dumps, missing = request_stacks(requester, timeout=20)
+        assert missing == {}
+        assert sorted(dumps) == list(range(8))
+        text = format_grouped_stacks(dumps)
+        name = Path(__file__).name
+        assert text.splitlines()[0] == f"ranks 0,2-4,6,7: all_reduce at {name}:{REDUCE_LINE}"
+        assert "on node0: 0 (pid" in text and "; node1: 4 (pid" in text
+
+        # node 1's agent dies: its answer is missing after the timeout, node 0 still answers
+        stops[1].set()
+        agents[1].join(10)
+        start = time.monotonic()
+        dumps, missing = request_stacks(requester, timeout=0.5)
+        assert time.monotonic() - start < 8
+        assert missing == {1: "no answer within 0.5 s"}
+        assert sorted(dumps) == [0, 1, 2, 3]
+
+        # garbage under our keys is reported, never a crash or a hang
+        latest = requester.add("stacks/request", 0)
+        requester.set(f"stacks/{latest + 1}/node/1", "{not json")
+        dumps, missing = request_stacks(requester, timeout=0.5)
+        assert sorted(dumps) == [0, 1, 2, 3]
+        assert missing[1].startswith("unreadable answer")
+    finally:
+        for s in stops:
+            s.set()
+        for a in agents:
+            if a.is_alive():
+                a.join(10)
+
+
+def test_request_without_agents() -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    with pytest.raises(ValueError, match="is it running"):
+        request_stacks(store, timeout=0.1)
+    store.set("stacks/nnodes", "two")
+    with pytest.raises(ValueError, match="bad node count 'two'"):
+        request_stacks(store, timeout=0.1)
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        request_stacks(store, timeout=0, nnodes=1)
+    # no request pending: answering is one cheap read and calls nothing
+    assert answer_stacks_request(store, node_rank=0, answered=0, collect=dict) == 0

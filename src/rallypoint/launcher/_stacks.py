@@ -19,6 +19,12 @@ each followed once by the full stack with source lines.
 The signal: ``SIGRTMIN+4`` by default (``RALLYPOINT_STACKS_SIGNAL`` overrides it, as a
 number or a name like ``SIGUSR1``). SIGUSR1/SIGUSR2 are taken: SLURM's ``--signal`` and
 Lightning use them for pre-emption, and c10d's fatal-signal handler uses SIGUSR2.
+
+Across nodes (``rallypoint stacks --rdzv-endpoint ... --rdzv-id ...``, or the agent that
+detected a hang) the exchange goes through any store with torch's ``set/get/add/check``
+(pass a ``PrefixStore`` for the run): :func:`request_stacks` bumps a request counter and
+waits; every agent polls :func:`answer_stacks_request` from its monitor loop (one ``add``
+per tick when idle), collects its workers' stacks and publishes them as JSON.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import json
 import os
 import re
 import signal
@@ -33,10 +40,10 @@ import socket
 import sys
 import sysconfig
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 __all__ = [
     "DEFAULT_STACKS_SIGNAL",
@@ -44,12 +51,17 @@ __all__ = [
     "STACKS_SIGNAL_ENV",
     "Frame",
     "StackDump",
+    "StacksStore",
     "ThreadStack",
+    "answer_stacks_request",
     "collect_stacks",
     "format_grouped_stacks",
     "install_stack_dumper",
+    "latest_stacks_request",
     "parse_faulthandler_dump",
+    "publish_node_count",
     "remove_dump_file",
+    "request_stacks",
     "stack_summary",
     "stacks_env",
 ]
@@ -484,3 +496,95 @@ def remove_dump_file(directory: str | os.PathLike[str], pid: int) -> None:
     """Delete an exited worker's dump file (the agent calls this when it reaps a worker)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(os.fspath(directory), f"{pid}.stacks"))
+
+
+# ---------------------------------------------------------------------------- across nodes
+
+
+class StacksStore(Protocol):
+    """The part of torch's ``c10d.Store`` the exchange uses (TCPStore, FileStore, ...)."""
+
+    def set(self, key: str, value: str) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def add(self, key: str, value: int) -> int: ...
+    def check(self, keys: list[str]) -> bool: ...
+
+
+_REQUEST = "stacks/request"
+_NNODES = "stacks/nnodes"
+
+
+def publish_node_count(store: StacksStore, nnodes: int) -> None:
+    """Agents call this after each round so that a requester knows how many answers to expect."""
+    store.set(_NNODES, str(nnodes))
+
+
+def latest_stacks_request(store: StacksStore) -> int:
+    """The newest request id; an agent starts answering after this one."""
+    return store.add(_REQUEST, 0)
+
+
+def answer_stacks_request(
+    store: StacksStore,
+    *,
+    node_rank: int,
+    answered: int,
+    collect: Callable[[], Mapping[int, StackDump]],
+) -> int:
+    """Answer requests newer than ``answered`` (collecting once); return the newest answered.
+
+    Cheap when there is nothing to do: one ``add(key, 0)`` round trip.
+    """
+    latest = store.add(_REQUEST, 0)
+    if latest <= answered:
+        return answered
+    payload = json.dumps([d.to_json() for d in collect().values()])
+    for n in range(max(answered + 1, latest - 8), latest + 1):  # skip requests long gone
+        store.set(f"stacks/{n}/node/{node_rank}", payload)
+        store.add(f"stacks/{n}/count", 1)
+    return latest
+
+
+def request_stacks(
+    store: StacksStore,
+    *,
+    timeout: timedelta | float,
+    nnodes: int | None = None,
+) -> tuple[dict[int, StackDump], dict[int, str]]:
+    """Ask every agent for its workers' stacks and wait for ``nnodes`` answers or ``timeout``.
+
+    Returns the dumps by global rank, and ``{node_rank: why}`` for nodes that did not answer
+    or answered garbage. ``nnodes=None`` uses the count the agents published; ``ValueError``
+    if there is none (no agent of this run is running).
+    """
+    limit = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if limit <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    if nnodes is None:
+        if not store.check([_NNODES]):
+            raise ValueError("no agent of this run has published its node count: is it running?")
+        raw = store.get(_NNODES).decode(errors="replace")
+        if not raw.isdigit():
+            raise ValueError(f"the store holds a bad node count {raw!r} under {_NNODES!r}")
+        nnodes = int(raw)
+    n = store.add(_REQUEST, 1)
+    deadline = time.monotonic() + limit
+    while store.add(f"stacks/{n}/count", 0) < nnodes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    dumps: dict[int, StackDump] = {}
+    missing: dict[int, str] = {}
+    for node in range(nnodes):
+        key = f"stacks/{n}/node/{node}"
+        if not store.check([key]):
+            missing[node] = f"no answer within {limit:g} s"
+            continue
+        try:
+            records = json.loads(store.get(key))
+            if not isinstance(records, list):
+                raise ValueError(f"expected a list, got {type(records).__name__}")
+            for record in records:
+                dump = StackDump.from_json(record)
+                dumps[dump.rank] = dump
+        except ValueError as exc:
+            missing[node] = f"unreadable answer: {exc}"
+    return dict(sorted(dumps.items())), missing
