@@ -364,6 +364,7 @@ class RallypointAgent(RpcAgent):
                     f"cannot reach worker {name} (rank {record['rank']}){detail}: {exc}", peer=name
                 ) from exc
             conn = self._new_connection(sock, name, int(record["rank"]), uds)
+            conn.outbound = True
             with self._conns_lock:
                 self._out[name] = conn
             conn.start()
@@ -375,7 +376,8 @@ class RallypointAgent(RpcAgent):
                 del self._out[conn.peer_name]
             self._inbound.discard(conn)
             closing = self._closed
-        if not closing and exc is not None:
+        outbound_eof = conn.outbound or isinstance(exc, EOFError | ConnectionError)
+        if not closing and exc is not None and outbound_eof:
             self._dead.setdefault(conn.peer_name, f"closed its connection ({exc or 'EOF'})")
         pending = list(conn.pending)
         if not pending:
@@ -806,11 +808,16 @@ def start_agent(
     if not isinstance(options, RallypointRpcBackendOptions):
         raise TypeError(f"`rpc_backend_options` must be a `RallypointRpcBackendOptions`. {options}")
     secret = resolve_secret(options, store)
+    from rallypoint.rpc import _api
+
     agent = RallypointAgent(store, name, rank, world_size, options, secret)
+    # peers may call us as soon as we are in the group, before init_rpc returns
     _CURRENT = agent
+    _api.set_current(agent)
     try:
         agent.join(options.rpc_timeout if options.rpc_timeout > 0 else 1800.0)
     except BaseException:
+        _api.set_current(None)
         agent.close()
         raise
     return agent

@@ -36,6 +36,12 @@ def current_agent() -> RpcAgent:
     return agent
 
 
+def set_current(agent: RpcAgent | None) -> None:
+    """Make ``agent`` the one the public calls use (backends call this before joining)."""
+    global _current
+    _current = agent
+
+
 def _is_options(options: object) -> bool:
     if isinstance(options, RpcBackendOptions):
         return True
@@ -97,23 +103,30 @@ def init_rpc(
     with _init_lock:
         if _current is not None:
             raise RuntimeError("RPC is already initialized")
-        timeout = float(rpc_backend_options.rpc_timeout)
-        store, rank, _ = create_store(
-            rpc_backend_options.init_method, int(rank), world_size, timeout
-        )
-        import torch.distributed as dist
+        try:
+            _start(backend, name, int(rank), world_size, rpc_backend_options)
+        except BaseException:
+            _current = None
+            raise
 
-        store = dist.PrefixStore(f"rpc_prefix_{_init_counter}", store)
-        _init_counter += 1
-        agent = _registry.init_backend(
-            backend,
-            store=store,
-            name=name,
-            rank=rank,
-            world_size=world_size,
-            rpc_backend_options=rpc_backend_options,
-        )
-        _current = agent
+
+def _start(backend: Any, name: str, rank: int, world_size: int | None, options: Any) -> None:
+    global _current, _init_counter
+    timeout = float(options.rpc_timeout)
+    store, rank, _ = create_store(options.init_method, rank, world_size, timeout)
+    import torch.distributed as dist
+
+    store = dist.PrefixStore(f"rpc_prefix_{_init_counter}", store)
+    _init_counter += 1
+    agent = _registry.init_backend(
+        backend,
+        store=store,
+        name=name,
+        rank=rank,
+        world_size=world_size,
+        rpc_backend_options=options,
+    )
+    _current = agent
 
 
 def _check_args(args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

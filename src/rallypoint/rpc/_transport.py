@@ -220,6 +220,7 @@ class Connection:
         self._exec_since = 0.0
         self._generation = 0
         self.closed = False
+        self.outbound = False
         self.pending: set[int] = set()
         self.gate: threading.Event | None = None
 
