@@ -145,6 +145,7 @@ def scenarios() -> dict[str, Any]:
     data = list(range(3 + rank))
     padded = even_batches(data)
     out["pad"] = (list(padded), len(padded), padded.padded)
+    out["pad_epoch2"] = list(padded)  # a second epoch agrees again
     out["truncate"] = list(even_batches(data, mode="truncate"))
     loader = torch.utils.data.DataLoader(list(range(10 + 4 * rank)), batch_size=4)
     out["loader_batches"] = sum(1 for _ in even_batches(loader))
@@ -228,6 +229,7 @@ def test_even_batches(results: list[dict[str, Any]]) -> None:
     assert results[0]["pad"] == ([0, 1, 2, 0, 1], 5, 2)
     assert results[1]["pad"] == ([0, 1, 2, 3, 0], 5, 1)
     assert results[2]["pad"] == ([0, 1, 2, 3, 4], 5, 0)
+    assert [res["pad_epoch2"] for res in results] == [res["pad"][0] for res in results]
     for res in results:
         assert res["truncate"] == [0, 1, 2]
         assert res["loader_batches"] == 5  # ceil(18 / 4) on the longest rank

@@ -25,10 +25,10 @@ _MODES = ("pad", "truncate")
 class EvenBatches(Generic[_B]):
     """An iterable over ``loader`` that yields the same number of batches on every rank.
 
-    Made by :func:`even_batches`. Iterating starts with one all-reduce on the process
-    group, so every rank must iterate it. ``len()`` is the agreed count of the last epoch
-    (before the first epoch it performs the same all-reduce, so call it on every rank).
-    ``padded`` is the number of repeated batches this rank yielded in the last epoch.
+    Made by :func:`even_batches`, which agrees on the count (one all-reduce on the process
+    group); every later epoch (each ``iter()`` after the first) agrees again, so every rank
+    must iterate it. ``len()`` is the agreed count and never communicates. ``padded`` is
+    the number of repeated batches this rank yielded in the last epoch.
     """
 
     def __init__(
@@ -42,7 +42,8 @@ class EvenBatches(Generic[_B]):
         self.mode = mode
         self.group = group
         self.padded = 0
-        self._count: int | None = None
+        self._fresh = True
+        self._count = self._agree()
 
     def set_epoch(self, epoch: int) -> None:
         """Forward to the loader's ``DistributedSampler.set_epoch`` (if it has one)."""
@@ -86,10 +87,11 @@ class EvenBatches(Generic[_B]):
         return count
 
     def __len__(self) -> int:
-        return self._count if self._count is not None else self._agree()
+        return self._count
 
     def __iter__(self) -> Iterator[_B]:
-        count = self._agree()
+        count = self._count if self._fresh else self._agree()
+        self._fresh = False
         self.padded = 0
         produced = 0
         passes = 0
@@ -118,7 +120,7 @@ def even_batches(
     """Wrap ``loader`` (anything with ``len()``: a ``DataLoader`` with or without a
     ``DistributedSampler``, a list of batches) so that every rank yields as many batches
     as the longest rank (``mode="pad"``, repeating its own first batches) or the shortest
-    (``mode="truncate"``).
+    (``mode="truncate"``). A collective: call it on every rank of ``group``.
 
     Example::
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from rallypoint.join._errors import JoinError, RankFailedError
+from rallypoint.join._errors import EarlyTerminationError, RankFailedError
 
 logger = logging.getLogger("rallypoint.join")
 
@@ -71,7 +71,7 @@ def _group_store(group: dist.ProcessGroup) -> Store | None:
 
 def is_consequence(exc: BaseException) -> bool:
     """True for errors that follow another rank's action, which must not be republished."""
-    if isinstance(exc, JoinError):
+    if isinstance(exc, (RankFailedError, EarlyTerminationError)):
         return True
     return isinstance(exc, RuntimeError) and str(exc) == _TORCH_THROW_MESSAGE
 

@@ -334,7 +334,7 @@ class Join:
         is_last_joiner = True
         while True:
             if cancel.is_set():
-                raise JoinError("join loop cancelled after another rank failed")
+                raise RankFailedError(-1, "join loop cancelled", self._rank)
             if self._get_num_nonjoined_procs(channel) == 0:
                 break
             if self._throw_on_early_termination:
