@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -161,3 +163,21 @@ def test_board_bad_input(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="closed"):
         board.seconds_since_progress()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_unclosed_board_is_removed_at_exit_but_not_by_forked_children(tmp_path: Path) -> None:
+    code = (
+        "import os, sys\n"
+        "from rallypoint.launcher._progress import ProgressBoard\n"
+        f"b = ProgressBoard(2, directory={str(tmp_path)!r})\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    sys.exit(0)  # a child exiting normally runs atexit: must not remove the file\n"
+        "os.waitpid(pid, 0)\n"
+        "print(os.path.exists(b.path), flush=True)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "True"
+    assert list(tmp_path.iterdir()) == []  # the owner's exit removed it

@@ -31,6 +31,7 @@ import struct
 import tempfile
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from types import TracebackType
@@ -137,6 +138,12 @@ def _map(path: str) -> mmap.mmap:
     return mm
 
 
+def _unlink_if_owner(path: str, owner: int) -> None:
+    if os.getpid() == owner:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def _default_directory() -> str:
     shm = "/dev/shm"
     if os.path.isdir(shm) and os.access(shm, os.W_OK):
@@ -179,6 +186,9 @@ class ProgressBoard:
             os.unlink(self.path)
             raise
         os.close(fd)
+        # a board that is never closed still disappears when this process exits (but not
+        # when a process forked from it exits)
+        self._finalizer = weakref.finalize(self, _unlink_if_owner, self.path, os.getpid())
         _HEADER.pack_into(self._mm, 0, _MAGIC, nslots, 0)
         self._slots: memoryview[float] = memoryview(self._mm)[_HEADER.size :].cast("d")
         self._reset_at = clock()
@@ -235,8 +245,7 @@ class ProgressBoard:
         self._slots.release()
         self._mm.close()
         self._mm = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        self._finalizer()
 
     def _require_open(self) -> None:
         if self._mm is None:
