@@ -251,13 +251,21 @@ class Agent:
         finally:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
+    def _init_warm(self) -> None:
+        try:
+            self.warm.init(self.config.preload)
+        except WarmProcessError as exc:
+            if str(exc).startswith("--preload"):
+                raise BadTargetError(str(exc)) from None
+            raise
+
     def _start_store(self) -> None:
         g = self.group
         if not g.hosts_store:
             return
         if g.master_port and not port_is_free(g.master_port):
             raise PortInUseError(g.master_port)
-        self.warm.init(self.config.preload)
+        self._init_warm()
         try:
             self.port, self.store_pid = self.warm.start_store(g.master_addr, g.master_port)
         except WarmProcessError as exc:
@@ -267,7 +275,7 @@ class Agent:
 
     def _run_attempts(self) -> list[Any]:
         if not self.group.hosts_store:
-            self.warm.init(self.config.preload)
+            self._init_warm()
         cfg = self.config
         for attempt in range(cfg.max_restarts + 1):
             if attempt and self.group.hosts_store:

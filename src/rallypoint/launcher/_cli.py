@@ -269,8 +269,11 @@ def run_main(argv: list[str], warm: WarmProcess | None = None) -> int:
         except LaunchTimeoutError as exc:
             sys.stderr.write(f"{PROG}: {exc}\n")
             return 1
-        except (ValueError, TypeError, WarmProcessError) as exc:
+        except (ValueError, TypeError) as exc:
             return _fail(str(exc))
+        except WarmProcessError as exc:
+            sys.stderr.write(f"{PROG}: {exc}\n")
+            return 1
         return 0
     finally:
         warm.close()
