@@ -6,6 +6,7 @@ to the current agent, whichever backend started it.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import numbers
 import threading
@@ -114,8 +115,7 @@ def _start(backend: Any, name: str, rank: int, world_size: int | None, options: 
     global _current, _init_counter
     timeout = float(options.rpc_timeout)
     store, rank, _ = create_store(options.init_method, rank, world_size, timeout)
-    import torch.distributed as dist
-
+    dist: Any = importlib.import_module("torch.distributed")
     store = dist.PrefixStore(f"rpc_prefix_{_init_counter}", store)
     _init_counter += 1
     agent = _registry.init_backend(

@@ -167,6 +167,7 @@ class _Reader:
 
 def _sendmsg_all(sock: socket.socket, buffers: list[memoryview], fds: list[int]) -> None:
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+    buffers = [b for b in buffers if b.nbytes]
     index = 0
     while index < len(buffers):
         sent = sock.sendmsg(buffers[index : index + _IOV_MAX], anc)

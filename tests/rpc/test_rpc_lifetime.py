@@ -1,0 +1,112 @@
+"""RRef lifetime (owner frees values when no RRef is left) and same-host shared memory."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from rallypoint import rpc
+from rallypoint.rpc._agent import current_rallypoint_agent
+
+SECRET = {"RALLYPOINT_RPC_SECRET": "lifetime-secret"}
+_KEEP: list[Any] = []
+
+
+def _owned() -> int:
+    return len(current_rallypoint_agent().rrefs)
+
+
+def _keep(rref: Any) -> int:
+    _KEEP.append(rref)
+    return int(rref.to_here().sum().item())
+
+
+def _drop() -> None:
+    _KEEP.clear()
+    gc.collect()
+
+
+def _echo(x: Any) -> Any:
+    return x
+
+
+def _add_one(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def _wait_owned(target: int, timeout: float = 5.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        n = rpc.rpc_sync("worker1", _owned)
+        if n == target or time.monotonic() > deadline:
+            return int(n)
+        time.sleep(0.02)
+
+
+def _lifetime_scenario(shared_memory: bool) -> dict[str, Any]:
+    rank = int(os.environ["RANK"])
+    opts = rpc.RallypointRpcBackendOptions(rpc_timeout=20, shared_memory=shared_memory)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=opts)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        local = rpc.RRef(torch.arange(4))
+        assert local.is_owner() and local.owner_name() == "worker0"
+        assert torch.equal(local.local_value(), torch.arange(4))
+        assert torch.equal(local.to_here(), torch.arange(4))
+        assert rpc.rpc_sync("worker2", _keep, args=(local,)) == 6  # fork of a local RRef
+        rpc.rpc_sync("worker2", _drop)
+
+        base = _wait_owned(0)
+        rref = rpc.remote("worker1", torch.ones, args=(8,))
+        assert rref.to_here().sum().item() == 8
+        assert rref.confirmed_by_owner()
+        with pytest.raises(RuntimeError, match="local_value\\(\\) can only be called on the owner"):
+            rref.local_value()
+        out["owned_with_user"] = _wait_owned(base + 1)
+        assert rpc.rpc_sync("worker2", _keep, args=(rref,)) == 8  # fork to a third worker
+        del rref
+        gc.collect()
+        time.sleep(0.1)
+        out["owned_after_creator_dropped"] = _wait_owned(base + 1)
+        rpc.rpc_sync("worker2", _drop)
+        out["owned_after_all_dropped"] = _wait_owned(base)
+
+        big = torch.randn(1 << 20)  # 4 MiB
+        before = dict(current_rallypoint_agent().stats)
+        for _ in range(3):
+            back = rpc.rpc_sync("worker1", _add_one, args=(big,))
+            assert torch.equal(back, big + 1)
+        after = current_rallypoint_agent().stats
+        out["shm_bytes"] = after["shm_tensor_bytes"] - before["shm_tensor_bytes"]
+        out["inline_bytes"] = after["inline_tensor_bytes"] - before["inline_tensor_bytes"]
+        mutated = rpc.rpc_sync("worker1", _echo, args=(big,))
+        mutated.zero_()  # the received tensor must not alias the sender's
+        assert big.abs().sum() > 0
+        params = torch.nn.Parameter(torch.ones(3))
+        got = rpc.rpc_sync("worker1", _echo, args=(params,))
+        assert isinstance(got, torch.nn.Parameter) and got.requires_grad
+        assert torch.equal(
+            rpc.rpc_sync("worker1", _echo, args=(torch.empty(0, 3),)), torch.empty(0, 3)
+        )
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_rref_lifetime_and_tensor_transport(shared_memory: bool) -> None:
+    from rallypoint.testing import run_workers
+
+    out = run_workers(_lifetime_scenario, 3, shared_memory, timeout=50, env=SECRET)[0]
+    assert out["owned_with_user"] == out["owned_after_creator_dropped"]
+    assert out["owned_after_all_dropped"] == out["owned_with_user"] - 1
+    size = 3 * (4 << 20)  # three 4 MiB requests sent by worker0
+    if shared_memory:
+        assert out["shm_bytes"] == size and out["inline_bytes"] < 1024
+    else:
+        assert out["shm_bytes"] == 0 and out["inline_bytes"] >= size
