@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -50,8 +51,31 @@ logger = logging.getLogger("rallypoint.join")
 
 _THROW_MESSAGE = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
 
-# id(joinable) -> failure channel of the Join it is in (for notify_join_context)
-_channels: dict[int, FailureChannel] = {}
+# id(joinable) -> (the joinable, or a weak reference to it; the failure channel of the Join
+# it is in), for notify_join_context and CollectiveJoinable's interruptible waits
+_channels: dict[int, tuple[Any, FailureChannel]] = {}
+
+
+def _register_channel(joinable: object, channel: FailureChannel) -> None:
+    try:
+        ref: Any = weakref.ref(joinable)
+    except TypeError:  # no weak references (__slots__): keep it alive while registered
+        ref = lambda: joinable  # noqa: E731
+    _channels[id(joinable)] = (ref, channel)
+
+
+def _unregister_channel(joinable: object, channel: FailureChannel) -> None:
+    entry = _channels.get(id(joinable))
+    if entry is not None and entry[1] is channel:
+        del _channels[id(joinable)]
+
+
+def channel_for(joinable: object) -> FailureChannel | None:
+    """The failure channel of the Join context ``joinable`` is in, if any."""
+    entry = _channels.get(id(joinable))
+    if entry is None or entry[0]() is not joinable:
+        return None
+    return entry[1]
 
 
 class JoinHook(_TorchJoinHook):
@@ -269,15 +293,15 @@ class Join:
                 is_first_joinable=index == 0,
             )
             if self._channel is not None:
-                _channels[id(joinable)] = self._channel
+                _register_channel(joinable, self._channel)
 
     def _restore_joinable_configs(self) -> None:
         if self._saved_configs is None:
             return
         for joinable, saved in zip(self._joinables, self._saved_configs, strict=True):
             joinable._join_config = saved  # type: ignore[attr-defined]
-            if self._channel is not None and _channels.get(id(joinable)) is self._channel:
-                del _channels[id(joinable)]
+            if self._channel is not None:
+                _unregister_channel(joinable, self._channel)
         self._saved_configs = None
 
     # -- context -----------------------------------------------------------------------
@@ -405,7 +429,7 @@ class Join:
         work = dist.all_reduce(ones, group=group, async_op=True)
         if config.throw_on_early_termination:
             zeros = torch.zeros(1, device=device)
-            channel = _channels.get(id(joinable)) if zeros.device.type == "cpu" else None
+            channel = channel_for(joinable) if zeros.device.type == "cpu" else None
             wait_work(dist.all_reduce(zeros, group=group, async_op=True), channel)
             if zeros.item():
                 raise EarlyTerminationError(_THROW_MESSAGE)

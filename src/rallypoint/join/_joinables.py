@@ -21,7 +21,7 @@ import torch.distributed as dist
 from rallypoint.join._errors import JoinError
 from rallypoint.join._failure import FailureChannel
 from rallypoint.join._failure import wait_work as _wait_work
-from rallypoint.join._join import Join, Joinable, JoinHook, _channels
+from rallypoint.join._join import Join, Joinable, JoinHook, channel_for
 
 __all__ = ["CollectiveJoinable"]
 
@@ -196,7 +196,7 @@ class CollectiveJoinable(Joinable):
             )
 
     def _channel(self) -> FailureChannel | None:
-        return _channels.get(id(self)) if self._device.type == "cpu" else None
+        return channel_for(self) if self._device.type == "cpu" else None
 
     @contextlib.contextmanager
     def _one_op(self, record: _Op) -> Iterator[None]:
