@@ -62,6 +62,8 @@ def _gloo_worker(rank: int, world: int, port: int, env: dict[str, str], conn: Co
 @pytest.fixture(scope="module")
 def gloo_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[int, int], Path]]:
     """Four gloo workers: ranks 0,2,3 blocked in all_reduce waiting for rank 1, which sleeps."""
+    import torch.distributed  # noqa: F401  (import once here: the forked workers inherit it)
+
     directory = tmp_path_factory.mktemp("stacks")
     env = stacks_env(directory)
     port = free_port()
@@ -276,12 +278,14 @@ def _agent_loop(
     node_rank: int,
     collect: Callable[[], Mapping[int, StackDump]],
     stop: threading.Event,
+    ready: threading.Barrier,
 ) -> None:
     import torch.distributed as dist
 
     store = dist.PrefixStore("rallypoint/job1/", dist.TCPStore("127.0.0.1", port, is_master=False))
-    answered = latest_stacks_request(store)
+    answered = latest_stacks_request(store)  # requests from before this agent started are not its
     publish_node_count(store, 2)
+    ready.wait(30)
     while not stop.is_set():
         answered = answer_stacks_request(
             store, node_rank=node_rank, answered=answered, collect=collect
@@ -306,8 +310,9 @@ def test_exchange_across_nodes_through_tcpstore(gloo_job: tuple[dict[int, int], 
         return collect
 
     stops = [threading.Event(), threading.Event()]
+    ready = threading.Barrier(3)
     agents = [
-        threading.Thread(target=_agent_loop, args=(master.port, n, collector(n), stops[n]))
+        threading.Thread(target=_agent_loop, args=(master.port, n, collector(n), stops[n], ready))
         for n in (0, 1)
     ]
     requester = dist.PrefixStore(
@@ -316,10 +321,7 @@ def test_exchange_across_nodes_through_tcpstore(gloo_job: tuple[dict[int, int], 
     try:
         for a in agents:
             a.start()
-        deadline = time.monotonic() + 10
-        while not requester.check(["stacks/nnodes"]):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        ready.wait(30)
         dumps, missing = request_stacks(requester, timeout=20)
         assert missing == {}
         assert sorted(dumps) == list(range(8))
