@@ -1,0 +1,70 @@
+"""Who is in the job: torchelastic's rendezvous API, a scalable dynamic handler, backends.
+
+Drop-in for ``torch.distributed.elastic.rendezvous``: the same errors, ``RendezvousHandler``,
+``RendezvousInfo`` (which also unpacks as ``store, rank, world_size``),
+``RendezvousParameters`` and registry rules. Backends (``rendezvous_handler_registry``):
+
+- ``c10d`` (default): a TCPStore hosted by the node the endpoint names;
+- ``file``: a FileStore on a shared path;
+- ``etcd`` (alias ``etcd-v3``): the etcd v3 API over its HTTP gateway (TLS, auth, leases);
+- ``static``: fixed ranks from the parameters;
+- plugins from the entry-point group ``rallypoint.rendezvous_backends``.
+
+Every dynamic backend implements one small :class:`KeyValueStore`; the handler does O(1)
+store round trips per node per round (see ``_dynamic.py``).
+"""
+
+from __future__ import annotations
+
+from rallypoint.rendezvous._api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
+    RendezvousHandlerCreator,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+from rallypoint.rendezvous._dynamic import DynamicRendezvousConfig, DynamicRendezvousHandler
+from rallypoint.rendezvous._endpoint import parse_rendezvous_config, parse_rendezvous_endpoint
+from rallypoint.rendezvous._kv import KeyValueStore, KVConnectionError, KVError, KVStateError
+from rallypoint.rendezvous._kv_memory import MemoryKV
+from rallypoint.rendezvous._registry import (
+    ENTRY_POINT_GROUP,
+    RendezvousHandlerRegistry,
+    get_rendezvous_handler,
+    rendezvous_handler_registry,
+)
+from rallypoint.rendezvous._static import StaticRendezvousHandler
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "DynamicRendezvousConfig",
+    "DynamicRendezvousHandler",
+    "KVConnectionError",
+    "KVError",
+    "KVStateError",
+    "KeyValueStore",
+    "MemoryKV",
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousGracefulExitError",
+    "RendezvousHandler",
+    "RendezvousHandlerCreator",
+    "RendezvousHandlerRegistry",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "RendezvousStateError",
+    "RendezvousStoreInfo",
+    "RendezvousTimeoutError",
+    "StaticRendezvousHandler",
+    "get_rendezvous_handler",
+    "parse_rendezvous_config",
+    "parse_rendezvous_endpoint",
+    "rendezvous_handler_registry",
+]

@@ -1,0 +1,105 @@
+"""The small key-value interface every rendezvous backend implements.
+
+The dynamic handler (``_dynamic.py``) speaks only this interface; a backend is one file
+that maps it onto a real store (``_kv_c10d.py`` for TCPStore/FileStore, ``_kv_etcd.py``
+for etcd v3, ``_kv_memory.py`` for an in-process fake). Every backend passes the same
+contract suite (``rallypoint.testing._rendezvous_contract``).
+
+Semantics every implementation keeps:
+
+- keys are ``str``, values ``bytes``; :meth:`get`/:meth:`multi_get` never block and return
+  ``None`` for a missing key;
+- :meth:`add` is atomic and returns the new value (a missing key counts as 0);
+- :meth:`set_if_absent` writes only if the key is missing and returns the value that is
+  stored afterwards (the caller won iff it equals what it wrote);
+- :meth:`wait` blocks server-side (no client polling where the store allows it) until
+  every key exists, returning ``False`` at the timeout;
+- :meth:`clone` gives an independent connection to the same data, for a second thread
+  (a TCPStore client serialises its operations, so a blocking wait would stall a
+  heartbeat sent through the same client).
+
+Errors: :class:`KVConnectionError` when the store cannot be reached, :class:`KVStateError`
+when a key holds something the operation cannot use (a counter that is not an integer).
+The handler translates them to ``RendezvousConnectionError``/``RendezvousStateError``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+
+class KVError(Exception):
+    """Base of the key-value errors (translated by the handler at its boundary)."""
+
+
+class KVConnectionError(KVError):
+    """The store cannot be reached (names the endpoint)."""
+
+
+class KVStateError(KVError):
+    """A key holds a value the operation cannot use."""
+
+
+class KeyValueStore(ABC):
+    """A shared key-value store as the dynamic rendezvous needs it."""
+
+    #: a short human description of where the data lives, for error messages
+    endpoint: str = ""
+
+    @abstractmethod
+    def set(self, key: str, value: bytes) -> None:
+        """Write ``value`` under ``key``."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The value of ``key``, or ``None`` if it is missing (never blocks)."""
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The values of ``keys`` (``None`` where missing), ideally in one round trip."""
+        return [self.get(key) for key in keys]
+
+    def multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Write several keys, ideally in one round trip (not necessarily atomically)."""
+        for key, value in items:
+            self.set(key, value)
+
+    @abstractmethod
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the integer under ``key``; return the new value."""
+
+    @abstractmethod
+    def set_if_absent(self, key: str, value: bytes) -> bytes:
+        """Write ``value`` only if ``key`` is missing; return the value now stored."""
+
+    @abstractmethod
+    def compare_and_swap(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """Write ``desired`` if the value equals ``expected``; return the value now stored.
+
+        A missing key matches an empty ``expected``; a missing key with a non-empty
+        ``expected`` is left missing and ``expected`` is returned (c10d's semantics).
+        """
+
+    @abstractmethod
+    def wait(self, keys: Sequence[str], timeout: timedelta) -> bool:
+        """Block until every key exists (``True``) or ``timeout`` passes (``False``)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> bool:
+        """Delete ``key``; return whether it existed."""
+
+    @abstractmethod
+    def clone(self) -> KeyValueStore:
+        """An independent connection to the same data (for another thread)."""
+
+    @abstractmethod
+    def torch_store(self, prefix: str) -> Store:
+        """A ``torch.distributed.Store`` over the same data whose keys live under ``prefix``."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections (the data stays)."""

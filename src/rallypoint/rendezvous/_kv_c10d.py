@@ -1,0 +1,242 @@
+"""The key-value interface over a c10d store: ``TCPStore`` (backend ``c10d``), ``FileStore``
+(backend ``file``) or ``HashStore``.
+
+A non-blocking ``get`` is ``check`` then ``get`` (a ``compare_set`` probe would be one
+round trip, but on the libuv TCPStore a ``compare_set`` of a missing key wakes every
+client waiting on it). ``wait`` is TCPStore's server-side blocking wait, re-checked
+after it returns so that a spurious wake-up never passes for the key. A TCPStore server
+drops the connection of a client that ``add``s to a non-integer value, so a failed
+``add`` reconnects and looks at the value to tell corrupt state (:class:`KVStateError`)
+from a lost server (:class:`KVConnectionError`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from rallypoint.rendezvous._kv import KeyValueStore, KVConnectionError, KVStateError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+_SIDE: dict[tuple[int, str], C10dKV] = {}
+_SIDE_LOCK = threading.Lock()
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    return "timeout" in str(exc).lower() and "connect" not in str(exc).lower()
+
+
+class C10dKV(KeyValueStore):
+    """Adapts a ``torch.distributed.Store`` to :class:`KeyValueStore`.
+
+    Args:
+        store: the store (a TCPStore client or server, a FileStore, a HashStore).
+        endpoint: where it lives, for error messages (``host:port`` or a path).
+        connect: makes a new independent client to the same data (for :meth:`clone` and
+            reconnects); ``None`` shares ``store`` (fine for FileStore/HashStore).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        endpoint: str,
+        connect: Callable[[], Store] | None = None,
+    ) -> None:
+        self._store = store
+        self.endpoint = endpoint
+        self._connect = connect
+
+    @property
+    def store(self) -> Store:
+        """The underlying torch store."""
+        return self._store
+
+    def _fail(self, op: str, exc: BaseException) -> KVConnectionError:
+        return KVConnectionError(
+            f"The store at {self.endpoint} failed during {op}: {type(exc).__name__}: {exc}"
+        )
+
+    def set(self, key: str, value: bytes) -> None:
+        try:
+            self._store.set(key, value)  # type: ignore[arg-type]  # the stub says str; bytes work
+        except (RuntimeError, ValueError) as exc:
+            raise self._fail("set", exc) from exc
+
+    def get(self, key: str) -> bytes | None:
+        # check-then-get: never compare_set on a missing key, which (libuv TCPStore)
+        # wakes every client waiting on that key.
+        try:
+            if not self._store.check([key]):
+                return None
+            return bytes(self._store.get(key))
+        except (RuntimeError, ValueError) as exc:
+            raise self._fail("get", exc) from exc
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        if len(keys) <= 4:
+            return [self.get(key) for key in keys]
+        try:
+            if self._store.check(list(keys)):
+                return [bytes(v) for v in self._store.multi_get(list(keys))]
+        except (RuntimeError, ValueError) as exc:
+            raise self._fail("multi_get", exc) from exc
+        return [self.get(key) for key in keys]
+
+    def multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
+        if not items:
+            return
+        try:
+            self._store.multi_set([k for k, _ in items], [v for _, v in items])  # type: ignore[attr-defined]
+        except (RuntimeError, ValueError) as exc:
+            raise self._fail("multi_set", exc) from exc
+
+    def add(self, key: str, amount: int) -> int:
+        try:
+            return int(self._store.add(key, amount))
+        except (RuntimeError, ValueError) as exc:
+            failure = exc
+        # Either the value is not an integer or the store is gone: look with a fresh client.
+        if self._connect is not None:
+            try:
+                self._store = self._connect()
+            except (RuntimeError, ValueError) as exc:
+                raise self._fail("add", exc) from exc
+        value = self.get(key)
+        if value is not None:
+            try:
+                int(value)
+            except ValueError:
+                raise KVStateError(
+                    f"The key {key!r} in the store at {self.endpoint} holds {value[:40]!r}, "
+                    "not an integer counter."
+                ) from failure
+        raise self._fail("add", failure) from failure
+
+    def set_if_absent(self, key: str, value: bytes) -> bytes:
+        if not value:
+            raise ValueError("set_if_absent needs a non-empty value")
+        try:
+            return bytes(self._store.compare_set(key, b"", value))  # type: ignore[arg-type]
+        except (RuntimeError, ValueError) as exc:
+            raise self._fail("set_if_absent", exc) from exc
+
+    def compare_and_swap(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        try:
+            return bytes(self._store.compare_set(key, expected, desired))  # type: ignore[arg-type]
+        except (RuntimeError, ValueError) as exc:
+            raise self._fail("compare_and_swap", exc) from exc
+
+    def wait(self, keys: Sequence[str], timeout: timedelta) -> bool:
+        if timeout <= timedelta(0):
+            return self.check(keys)
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            try:
+                self._store.wait(list(keys), timeout)
+                if self._store.check(list(keys)):
+                    return True
+            except (RuntimeError, ValueError) as exc:
+                if _is_timeout(exc):
+                    return False
+                raise self._fail("wait", exc) from exc
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            timeout = timedelta(seconds=remaining)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        try:
+            return bool(self._store.check(list(keys)))
+        except (RuntimeError, ValueError) as exc:
+            raise self._fail("check", exc) from exc
+
+    def delete(self, key: str) -> bool:
+        try:
+            return bool(self._store.delete_key(key))
+        except (RuntimeError, ValueError) as exc:
+            raise self._fail("delete", exc) from exc
+
+    def clone(self) -> C10dKV:
+        """A connection for background (non-blocking) operations, shared per process.
+
+        A TCPStore client serialises its operations, so one side connection serves the
+        heartbeats of every handler in a process without queueing behind their blocking
+        waits, and N threads do not open N more connections.
+        """
+        if self._connect is None:
+            return self
+        key = (os.getpid(), self.endpoint)
+        with _SIDE_LOCK:
+            side = _SIDE.get(key)
+            if side is None:
+                try:
+                    store = self._connect()
+                except (RuntimeError, ValueError) as exc:
+                    raise self._fail("connect", exc) from exc
+                side = _SIDE[key] = C10dKV(store, endpoint=self.endpoint, connect=self._connect)
+        return side
+
+    def torch_store(self, prefix: str) -> Store:
+        from torch._C._distributed_c10d import PrefixStore
+
+        return PrefixStore(prefix, self._store)
+
+
+def tcp_kv(
+    host: str, port: int, *, is_server: bool, timeout: timedelta
+) -> tuple[C10dKV, Store | None]:
+    """Connect to (or host, if ``is_server``) a TCPStore; return the KV and the server.
+
+    ``port`` 0 with ``is_server`` picks a free port. Raises :class:`KVConnectionError`
+    naming ``host:port`` when the store cannot be reached or hosted.
+    """
+    from torch._C._distributed_c10d import TCPStore
+
+    server: Store | None = None
+    try:
+        if is_server:
+            server = TCPStore(
+                host,
+                port,
+                is_master=True,
+                wait_for_workers=False,
+                multi_tenant=True,
+                timeout=timeout,
+            )
+            port = server.port
+    except (RuntimeError, ValueError) as exc:
+        raise KVConnectionError(
+            f"Cannot host the TCPStore at {host}:{port}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+    def connect() -> Store:
+        return TCPStore(host, port, is_master=False, timeout=timeout)
+
+    try:
+        client = connect()
+    except (RuntimeError, ValueError) as exc:
+        raise KVConnectionError(
+            f"Cannot reach the TCPStore at {host}:{port} within "
+            f"{timeout.total_seconds():g} s: {type(exc).__name__}: {str(exc)[:200]}"
+        ) from exc
+    return C10dKV(client, endpoint=f"{host}:{port}", connect=connect), server
+
+
+def file_kv(path: str) -> C10dKV:
+    """A KV over a ``FileStore`` at ``path`` (a file every node can reach)."""
+    from torch._C._distributed_c10d import FileStore
+
+    try:
+        store = FileStore(path, -1)
+    except (RuntimeError, ValueError) as exc:
+        raise KVConnectionError(
+            f"Cannot open the FileStore at {path}: {type(exc).__name__}: {exc}"
+        ) from exc
+    return C10dKV(store, endpoint=path, connect=lambda: FileStore(path, -1))

@@ -1,0 +1,477 @@
+"""The key-value interface over etcd v3, through etcd's JSON gateway, standard library only.
+
+Why the gateway and not a gRPC client: etcd serves the v3 API as JSON over HTTP at
+``/v3/...`` (3.4 and later), so ``http.client`` is all we need: no grpcio/protobuf
+(whose versions fight with torch's), nothing to compile, and the same code talks to
+etcd 3.4 through 3.6 (torch's etcd backends use the v2 API, which 3.6 removed).
+
+Mapping: ``add``/``set_if_absent``/``compare_and_swap`` are transactions comparing the
+key's revision or value (``add`` retries on a lost race); ``multi_get``/``multi_set`` are
+one transaction each; ``wait`` reads the key and, if it is missing, watches it from the
+next revision (a server push, no polling). Every key we write carries the job's lease
+(one lease per run, shared by its nodes, whose id is stored under ``<prefix>lease`` and
+kept alive by every live node): when every node of a job is gone, the keys expire after
+``lease_ttl`` seconds. Requests that fail to connect are retried across the endpoints
+until ``timeout`` (an etcd restart is ridden out), then :class:`KVConnectionError` names
+the endpoints. TLS (CA, client cert and key) and user/password auth are supported.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import random
+import ssl
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from rallypoint.rendezvous._endpoint import parse_rendezvous_endpoint
+from rallypoint.rendezvous._kv import KeyValueStore, KVConnectionError, KVError, KVStateError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+    from rallypoint.rendezvous._api import RendezvousParameters
+
+DEFAULT_PORT = 2379
+_MAX_TXN_OPS = 100  # etcd's default --max-txn-ops is 128
+
+
+def _b64(data: str | bytes) -> str:
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode()
+
+
+def _unb64(data: str) -> bytes:
+    return base64.b64decode(data)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    end = bytearray(prefix)
+    while end and end[-1] == 0xFF:
+        end.pop()
+    if not end:
+        return b"\x00"
+    end[-1] += 1
+    return bytes(end)
+
+
+@dataclass(kw_only=True, slots=True)
+class EtcdOptions:
+    """How to reach etcd."""
+
+    endpoints: list[tuple[str, int]]
+    prefix: str = "/rallypoint/"
+    tls: bool = False
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    username: str | None = None
+    password: str | None = None
+    lease_ttl: int = 60
+    timeout: timedelta = timedelta(seconds=60)
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ValueError("etcd needs at least one endpoint (host:port).")
+        if (self.username is None) != (self.password is None):
+            raise ValueError("etcd auth needs both 'username' and 'password'.")
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("etcd client TLS needs both 'cert' and 'key'.")
+        if self.lease_ttl < 0:
+            raise ValueError(f"lease_ttl ({self.lease_ttl}) must be >= 0 (0 disables leases).")
+
+
+class _EtcdHTTPError(KVError):
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(f"etcd answered {status}: {body.get('error') or body.get('message')}")
+        self.status = status
+        self.body = body
+
+
+class EtcdKV(KeyValueStore):
+    """:class:`KeyValueStore` over etcd v3 (thread-safe: one HTTP connection per thread)."""
+
+    def __init__(self, options: EtcdOptions) -> None:
+        self._opts = options
+        self._prefix = options.prefix.encode()
+        scheme = "https" if options.tls else "http"
+        self.endpoint = ",".join(f"{scheme}://{h}:{p}" for h, p in options.endpoints)
+        self._local = threading.local()
+        self._ssl: ssl.SSLContext | None = None
+        if options.tls:
+            ctx = ssl.create_default_context(cafile=options.cacert)
+            if options.cert and options.key:
+                ctx.load_cert_chain(options.cert, options.key)
+            self._ssl = ctx
+        self._token: str | None = None
+        self._lock = threading.Lock()
+        self._lease: int | None = None
+        self._keepalive: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._preferred = 0
+
+    # ------------------------------------------------------------------ transport
+
+    def _connection(self, index: int, timeout: float) -> http.client.HTTPConnection:
+        host, port = self._opts.endpoints[index]
+        if self._ssl is not None:
+            return http.client.HTTPSConnection(host, port, timeout=timeout, context=self._ssl)
+        return http.client.HTTPConnection(host, port, timeout=timeout)
+
+    def _authenticate(self, conn: http.client.HTTPConnection) -> None:
+        body = json.dumps({"name": self._opts.username, "password": self._opts.password})
+        conn.request("POST", "/v3/auth/authenticate", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = json.loads(resp.read() or b"{}")
+        if resp.status != 200 or "token" not in data:
+            raise KVConnectionError(
+                f"etcd at {self.endpoint} rejected user {self._opts.username!r}: "
+                f"{data.get('error') or data.get('message')}"
+            )
+        self._token = str(data["token"])
+
+    def _post(self, path: str, body: dict[str, Any], *, timeout: float | None = None) -> Any:
+        """POST JSON to ``path``; retry connection failures across endpoints until the timeout."""
+        limit = self._opts.timeout.total_seconds() if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        payload = json.dumps(body)
+        last: BaseException | None = None
+        attempt = 0
+        while True:
+            index = (self._preferred + attempt) % len(self._opts.endpoints)
+            conns: dict[int, http.client.HTTPConnection] = self._local.__dict__.setdefault(
+                "conns", {}
+            )
+            try:
+                conn = conns.get(index)
+                if conn is None:
+                    conn = conns[index] = self._connection(index, max(1.0, min(limit, 30.0)))
+                if self._opts.username is not None and self._token is None:
+                    self._authenticate(conn)
+                headers = {"Content-Type": "application/json"}
+                if self._token is not None:
+                    headers["Authorization"] = self._token
+                conn.request("POST", path, payload, headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+                data = json.loads(raw) if raw else {}
+                if resp.status == 200:
+                    self._preferred = index
+                    return data
+                message = str(data.get("error") or data.get("message") or "")
+                if self._opts.username is not None and (
+                    resp.status == 401 or "token" in message or data.get("code") == 16
+                ):
+                    self._token = None  # expired token: authenticate again
+                    last = _EtcdHTTPError(resp.status, data)
+                elif resp.status in (502, 503) or data.get("code") in (14, 4):
+                    last = _EtcdHTTPError(resp.status, data)  # unavailable / deadline: retry
+                else:
+                    raise _EtcdHTTPError(resp.status, data)
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                conns.pop(index, None)
+                last = exc
+            attempt += 1
+            if time.monotonic() >= deadline:
+                raise KVConnectionError(
+                    f"Cannot reach etcd at {self.endpoint} within {limit:g} s: "
+                    f"{type(last).__name__}: {last}"
+                ) from last
+            if attempt % len(self._opts.endpoints) == 0:
+                time.sleep(min(0.5, 0.05 * attempt) * random.uniform(0.5, 1.0))
+
+    def _key(self, key: str) -> bytes:
+        return self._prefix + key.encode()
+
+    # ------------------------------------------------------------------ lease
+
+    def _lease_id(self) -> int | None:
+        if self._opts.lease_ttl == 0:
+            return None
+        with self._lock:
+            if self._lease is None:
+                self._lease = self._acquire_lease()
+                if self._keepalive is None:
+                    self._keepalive = threading.Thread(
+                        target=self._keep_alive, name="rallypoint-etcd-lease", daemon=True
+                    )
+                    self._keepalive.start()
+            return self._lease
+
+    def _acquire_lease(self) -> int:
+        """The run's shared lease: reuse the one under ``<prefix>lease`` if it is alive."""
+        lease_key = _b64(self._prefix + b"lease")
+        for _ in range(5):
+            data = self._post("/v3/kv/range", {"key": lease_key})
+            kvs = data.get("kvs") or []
+            if kvs:
+                lease = int(_unb64(kvs[0]["value"]))
+                ttl = self._post("/v3/lease/timetolive", {"ID": str(lease)})
+                if int(ttl.get("TTL", -1)) > 0:
+                    return lease
+                self._post("/v3/kv/deleterange", {"key": lease_key})
+            granted = int(self._post("/v3/lease/grant", {"TTL": self._opts.lease_ttl})["ID"])
+            txn = self._post(
+                "/v3/kv/txn",
+                {
+                    "compare": [{"key": lease_key, "target": "CREATE", "create_revision": "0"}],
+                    "success": [
+                        {
+                            "request_put": {
+                                "key": lease_key,
+                                "value": _b64(str(granted)),
+                                "lease": str(granted),
+                            }
+                        }
+                    ],
+                },
+            )
+            if txn.get("succeeded"):
+                return granted
+            self._post("/v3/lease/revoke", {"ID": str(granted)})
+        raise KVConnectionError(f"Cannot agree on a lease for {self._opts.prefix!r} at etcd")
+
+    def _keep_alive(self) -> None:
+        interval = max(0.5, self._opts.lease_ttl / 3)
+        while not self._closed.wait(interval):
+            lease = self._lease
+            if lease is None:
+                continue
+            try:
+                data = self._post("/v3/lease/keepalive", {"ID": str(lease)}, timeout=interval)
+                result = data.get("result", data)
+                if int(result.get("TTL", 0)) <= 0:
+                    with self._lock:
+                        self._lease = self._acquire_lease()
+            except KVError:
+                continue  # etcd unreachable for now; the next interval retries
+
+    def _put(self, key: bytes, value: bytes) -> dict[str, Any]:
+        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        lease = self._lease_id()
+        if lease is not None:
+            put["lease"] = str(lease)
+        return put
+
+    # ------------------------------------------------------------------ KV API
+
+    def set(self, key: str, value: bytes) -> None:
+        self._post("/v3/kv/put", self._put(self._key(key), value))
+
+    def _range(self, key: bytes) -> tuple[bytes | None, int]:
+        data = self._post("/v3/kv/range", {"key": _b64(key)})
+        kvs = data.get("kvs") or []
+        revision = int(data.get("header", {}).get("revision", 0))
+        if not kvs:
+            return None, revision
+        return _unb64(kvs[0].get("value", "")), revision
+
+    def get(self, key: str) -> bytes | None:
+        return self._range(self._key(key))[0]
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for start in range(0, len(keys), _MAX_TXN_OPS):
+            chunk = keys[start : start + _MAX_TXN_OPS]
+            ops = [{"request_range": {"key": _b64(self._key(k))}} for k in chunk]
+            data = self._post("/v3/kv/txn", {"success": ops})
+            for resp in data.get("responses", []):
+                kvs = resp.get("response_range", {}).get("kvs") or []
+                out.append(_unb64(kvs[0].get("value", "")) if kvs else None)
+        return out
+
+    def multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
+        for start in range(0, len(items), _MAX_TXN_OPS):
+            chunk = items[start : start + _MAX_TXN_OPS]
+            ops = [{"request_put": self._put(self._key(k), v)} for k, v in chunk]
+            self._post("/v3/kv/txn", {"success": ops})
+
+    def _cas(self, key: bytes, compare: dict[str, Any], value: bytes) -> tuple[bool, bytes | None]:
+        """Put ``value`` if ``compare`` holds; return (succeeded, value now stored)."""
+        data = self._post(
+            "/v3/kv/txn",
+            {
+                "compare": [{"key": _b64(key), **compare}],
+                "success": [{"request_put": self._put(key, value)}],
+                "failure": [{"request_range": {"key": _b64(key)}}],
+            },
+        )
+        if data.get("succeeded"):
+            return True, value
+        kvs = data.get("responses", [{}])[0].get("response_range", {}).get("kvs") or []
+        return False, (_unb64(kvs[0].get("value", "")) if kvs else None)
+
+    def add(self, key: str, amount: int) -> int:
+        full = self._key(key)
+        current, _ = self._range(full)
+        for attempt in range(10_000):
+            if current is None:
+                new = amount
+                ok, current = self._cas(
+                    full, {"target": "CREATE", "create_revision": "0"}, b"%d" % new
+                )
+            else:
+                try:
+                    new = int(current) + amount
+                except ValueError:
+                    raise KVStateError(
+                        f"The key {key!r} in etcd at {self.endpoint} holds {current[:40]!r}, "
+                        "not an integer counter."
+                    ) from None
+                ok, current = self._cas(
+                    full, {"target": "VALUE", "value": _b64(current)}, b"%d" % new
+                )
+            if ok:
+                return new
+            if attempt > 2:
+                time.sleep(random.uniform(0, min(0.05, 0.001 * attempt)))
+        raise KVConnectionError(f"add on {key!r} kept losing races at etcd {self.endpoint}")
+
+    def set_if_absent(self, key: str, value: bytes) -> bytes:
+        if not value:
+            raise ValueError("set_if_absent needs a non-empty value")
+        full = self._key(key)
+        _, stored = self._cas(full, {"target": "CREATE", "create_revision": "0"}, value)
+        if stored is None:  # deleted between the compare and the read: try again
+            return self.set_if_absent(key, value)
+        return stored
+
+    def compare_and_swap(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        full = self._key(key)
+        if not expected:
+            _, stored = self._cas(full, {"target": "CREATE", "create_revision": "0"}, desired)
+            return desired if stored is None else stored
+        _, stored = self._cas(full, {"target": "VALUE", "value": _b64(expected)}, desired)
+        return expected if stored is None else stored
+
+    def wait(self, keys: Sequence[str], timeout: timedelta) -> bool:
+        deadline = time.monotonic() + timeout.total_seconds()
+        return all(self._wait_one(self._key(key), deadline) for key in keys)
+
+    def _wait_one(self, key: bytes, deadline: float) -> bool:
+        while True:
+            value, revision = self._range(key)
+            if value is not None:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                if self._watch_for_put(key, revision + 1, remaining):
+                    return True
+            except (OSError, http.client.HTTPException, ValueError):
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def _watch_for_put(self, key: bytes, start_revision: int, timeout: float) -> bool:
+        """Stream ``/v3/watch`` until a put on ``key`` arrives (True) or ``timeout`` (False)."""
+        conn = self._connection(self._preferred, timeout)
+        try:
+            headers = {"Content-Type": "application/json"}
+            if self._opts.username is not None:
+                if self._token is None:
+                    self._authenticate(conn)
+                assert self._token is not None
+                headers["Authorization"] = self._token
+            request = {"create_request": {"key": _b64(key), "start_revision": str(start_revision)}}
+            conn.request("POST", "/v3/watch", json.dumps(request), headers)
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise http.client.HTTPException(f"watch answered {resp.status}")
+            while True:
+                line = resp.readline()
+                if not line:
+                    raise http.client.HTTPException("watch stream closed")
+                result = json.loads(line).get("result", {})
+                for event in result.get("events") or []:
+                    if event.get("type", "PUT") == "PUT":
+                        return True
+                if result.get("canceled"):
+                    raise http.client.HTTPException(str(result.get("cancel_reason")))
+        except TimeoutError:  # socket.timeout is TimeoutError
+            return False
+        finally:
+            conn.close()
+
+    def delete(self, key: str) -> bool:
+        data = self._post("/v3/kv/deleterange", {"key": _b64(self._key(key))})
+        return int(data.get("deleted", 0)) > 0
+
+    def count_prefix(self, prefix: str) -> int:
+        start = self._key(prefix)
+        data = self._post(
+            "/v3/kv/range",
+            {"key": _b64(start), "range_end": _b64(_prefix_end(start)), "count_only": True},
+        )
+        return int(data.get("count", 0))
+
+    def clone(self) -> EtcdKV:
+        return self  # connections are per thread already
+
+    def torch_store(self, prefix: str) -> Store:
+        from rallypoint.rendezvous._kv_store import KVTorchStore
+
+        return KVTorchStore(self, prefix)
+
+    def close(self) -> None:
+        self._closed.set()
+
+
+def _split_endpoints(endpoint: str) -> tuple[list[tuple[str, int]], bool | None]:
+    hosts: list[tuple[str, int]] = []
+    tls: bool | None = None
+    for item in endpoint.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        for scheme, is_tls in (("https://", True), ("http://", False)):
+            if item.startswith(scheme):
+                item, tls = item[len(scheme) :], is_tls
+        hosts.append(parse_rendezvous_endpoint(item.rstrip("/"), default_port=DEFAULT_PORT))
+    return hosts, tls
+
+
+def etcd_kv_from_params(params: RendezvousParameters) -> EtcdKV:
+    """Build an :class:`EtcdKV` from rendezvous parameters.
+
+    ``endpoint``: ``host[:port]`` or a comma-separated list (``http://``/``https://``
+    allowed). Options: ``protocol`` (``http``/``https``), ``cacert``, ``cert``, ``key``,
+    ``username``, ``password``, ``key_prefix`` (``/rallypoint/``), ``lease_ttl`` (60 s, 0
+    disables), ``read_timeout`` (60 s: how long a request retries an unreachable etcd).
+    """
+    from rallypoint.rendezvous._backends import get_seconds
+
+    if not params.endpoint or not params.endpoint.strip():
+        raise ValueError("The etcd rendezvous backend needs an endpoint: host[:port][,...].")
+    hosts, tls = _split_endpoints(params.endpoint)
+    protocol = str(params.get("protocol", "https" if tls else "http")).strip().lower()
+    if protocol not in ("http", "https"):
+        raise ValueError(
+            f"The rendezvous configuration option 'protocol' must be 'http' or 'https', "
+            f"got {protocol!r}."
+        )
+    ttl = params.get_as_int("lease_ttl", 60)
+    timeout = get_seconds(params, "read_timeout", 60.0)
+    assert ttl is not None and timeout is not None
+    prefix = str(params.get("key_prefix", "/rallypoint/"))
+    if not prefix.endswith("/"):
+        prefix += "/"
+    return EtcdKV(
+        EtcdOptions(
+            endpoints=hosts,
+            prefix=prefix,
+            tls=protocol == "https",
+            cacert=params.get("cacert"),
+            cert=params.get("cert"),
+            key=params.get("key"),
+            username=params.get("username", params.get("user")),
+            password=params.get("password"),
+            lease_ttl=ttl,
+            timeout=timedelta(seconds=timeout),
+        )
+    )
