@@ -108,6 +108,15 @@ def scenarios() -> dict[str, Any]:
     out["zero_moved"] = (
         (flat - torch.cat([p.reshape(-1) for p in make_model().parameters()])).abs().max().item()
     )
+    # throw mode: torch's notify inside DDP.forward raises on the working rank
+    model = DDP(make_model())
+    try:
+        with Join([model], throw_on_early_termination=True):
+            for step in range(num_inputs(rank)):
+                model(batch(rank, step)).sum().backward()
+        out["throw"] = None
+    except RuntimeError as exc:
+        out["throw"] = (type(exc).__name__, str(exc))
     dist.destroy_process_group()
     return out
 
@@ -132,6 +141,14 @@ def test_ddp_and_zero_match_torch_join(results: list[dict[str, Any]]) -> None:
         assert res["zero_vs_torch"] == 0.0
         assert res["zero_ranks_equal"]
         assert res["zero_moved"] > 1e-3
+
+
+def test_ddp_throw_mode_raises_on_every_rank(results: list[dict[str, Any]]) -> None:
+    assert results[0]["throw"] == ("EarlyTerminationError", "Rank 0 exhausted all inputs.")
+    assert results[1]["throw"] == (
+        "EarlyTerminationError",
+        "Detected at least one rank that exhausted inputs. Throwing across all ranks.",
+    )
 
 
 def test_rallypoint_joinable_is_a_torch_joinable() -> None:

@@ -340,6 +340,9 @@ class Join:
             self._restore_joinable_configs()
 
     def _on_error(self, exc: BaseException) -> None:
+        if type(exc) is RuntimeError and str(exc) == _THROW_MESSAGE:
+            # torch's notify_join_context (called by DDP/ZeRO) raises a plain RuntimeError
+            raise EarlyTerminationError(_THROW_MESSAGE) from exc
         if self._channel is None or is_consequence(exc):
             return
         found = self._channel.failure(force=True)
