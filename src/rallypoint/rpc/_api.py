@@ -116,8 +116,9 @@ def _start(backend: Any, name: str, rank: int, world_size: int | None, options: 
     timeout = float(options.rpc_timeout)
     store, rank, _ = create_store(options.init_method, rank, world_size, timeout)
     dist: Any = importlib.import_module("torch.distributed")
+    # like torch, each init_rpc of a process uses a fresh key prefix; a failed one does not
+    # consume it, so a retry meets the other workers' first attempt
     store = dist.PrefixStore(f"rpc_prefix_{_init_counter}", store)
-    _init_counter += 1
     agent = _registry.init_backend(
         backend,
         store=store,
@@ -126,6 +127,7 @@ def _start(backend: Any, name: str, rank: int, world_size: int | None, options: 
         world_size=world_size,
         rpc_backend_options=options,
     )
+    _init_counter += 1
     _current = agent
 
 

@@ -1,0 +1,99 @@
+"""Dynamic groups (world_size=None): join and leave at runtime, token always released."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+
+from rallypoint import rpc
+from rallypoint.rpc._agent import current_rallypoint_agent
+
+SECRET = {"RALLYPOINT_RPC_SECRET": "groups-secret"}
+
+
+def _name() -> str:
+    return str(rpc.get_worker_info().name)
+
+
+_DONE: list[str] = []
+
+
+def _mark_done(name: str) -> None:
+    _DONE.append(name)
+
+
+def _done_count() -> int:
+    return len(_DONE)
+
+
+def _members() -> list[str]:
+    return sorted(i.name for i in current_rallypoint_agent().get_worker_infos())
+
+
+def _wait_members(n: int, timeout: float = 20.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while len(_members()) != n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"expected {n} members, have {_members()}")
+        time.sleep(0.02)
+    return _members()
+
+
+def _dynamic_scenario() -> dict[str, Any]:
+    rank = int(os.environ["RANK"])
+    time.sleep(0.15 * rank)  # join one after another (the token serialises overlaps anyway)
+    maps = {"worker0": {"cpu": "cpu"}} if rank == 1 else {}
+    opts = rpc.RallypointRpcBackendOptions(rpc_timeout=20, device_maps=maps)
+    out: dict[str, Any] = {}
+    if rank == 3:
+        # a duplicate name is refused, and the membership token is released anyway
+        with pytest.raises(RuntimeError, match="worker name 'worker0' is already in the group"):
+            rpc.init_rpc("worker0", rank=3, world_size=None, rpc_backend_options=opts)
+        start = time.monotonic()
+        rpc.init_rpc("worker3", rank=3, world_size=None, rpc_backend_options=opts)
+        out["rejoin_s"] = time.monotonic() - start
+    else:
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=None, rpc_backend_options=opts)
+    everyone = _wait_members(4)
+    out["seen"] = everyone
+    out["calls"] = [rpc.rpc_sync(peer, _name) for peer in everyone]
+    if rank == 3:
+        deadline = time.monotonic() + 20
+        while len(_DONE) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rpc.shutdown()  # leave while the others keep working
+        return out
+    rpc.rpc_sync("worker3", _mark_done, args=(f"worker{rank}",))
+    remaining = _wait_members(3)
+    out["after_leave"] = remaining
+    out["calls_after"] = [rpc.rpc_sync(peer, _name) for peer in remaining]
+    with pytest.raises(RuntimeError, match="Unknown destination worker 'worker3'"):
+        rpc.rpc_sync("worker3", _name)
+    if rank == 0:
+        # worker1 maps onto worker0: worker3 leaving must not erase that reverse map
+        out["reverse_maps"] = sorted(current_rallypoint_agent()._reverse_maps)
+    rpc.rpc_sync("worker0", _mark_done, args=(f"worker{rank}",))
+    deadline = time.monotonic() + 20
+    while rpc.rpc_sync("worker0", _done_count) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rpc.shutdown()  # rank 0 hosts the store: its leave waits until the others have left
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_dynamic_join_and_leave() -> None:
+    from rallypoint.testing import run_workers
+
+    results = run_workers(_dynamic_scenario, 4, timeout=50, env=SECRET)
+    names = ["worker0", "worker1", "worker2", "worker3"]
+    for rank, out in enumerate(results):
+        assert out["seen"] == names
+        assert out["calls"] == names
+        if rank < 3:
+            assert out["after_leave"] == names[:3]
+            assert out["calls_after"] == names[:3]
+    assert results[3]["rejoin_s"] < 5.0
+    assert results[0]["reverse_maps"] == ["worker1"]
