@@ -7,6 +7,7 @@ group, so the whole file costs two forks of warm workers.
 from __future__ import annotations
 
 import datetime
+import threading
 import warnings
 from typing import Any
 
@@ -140,6 +141,7 @@ def scenarios() -> dict[str, Any]:
                 e()
     out["warnings"] = [str(w.message) for w in caught]
     out["filters_unchanged"] = warnings.filters == filters_before
+    out["threads_left"] = [t.name for t in threading.enumerate() if "rallypoint" in t.name]
 
     # 6. even_batches: pad and truncate agree on one count
     data = list(range(3 + rank))
@@ -149,6 +151,10 @@ def scenarios() -> dict[str, Any]:
     out["truncate"] = list(even_batches(data, mode="truncate"))
     loader = torch.utils.data.DataLoader(list(range(10 + 4 * rank)), batch_size=4)
     out["loader_batches"] = sum(1 for _ in even_batches(loader))
+    sampler = torch.utils.data.DistributedSampler(list(range(10)), shuffle=True, seed=1)
+    wrapped = even_batches(torch.utils.data.DataLoader(list(range(10)), 2, sampler=sampler))
+    wrapped.set_epoch(3)
+    out["sampler"] = (len(wrapped), sampler.epoch, sum(len(b) for b in wrapped))
     dist.destroy_process_group()
     return out
 
@@ -225,6 +231,10 @@ def test_skew_warning_once_without_global_filter(results: list[dict[str, Any]]) 
     assert all(res["filters_unchanged"] for res in results)
 
 
+def test_no_helper_threads_left_behind(results: list[dict[str, Any]]) -> None:
+    assert all(res["threads_left"] == [] for res in results)
+
+
 def test_even_batches(results: list[dict[str, Any]]) -> None:
     assert results[0]["pad"] == ([0, 1, 2, 0, 1], 5, 2)
     assert results[1]["pad"] == ([0, 1, 2, 3, 0], 5, 1)
@@ -233,3 +243,5 @@ def test_even_batches(results: list[dict[str, Any]]) -> None:
     for res in results:
         assert res["truncate"] == [0, 1, 2]
         assert res["loader_batches"] == 5  # ceil(18 / 4) on the longest rank
+        # DistributedSampler pads 10 samples to 12, 4 per rank: 2 batches; epoch forwarded
+        assert res["sampler"] == (2, 3, 4)
