@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--iters", type=int, default=100, help="iterations per round")
     parser.add_argument("--rounds", type=int, default=6, help="rounds (variants interleaved)")
-    parser.add_argument("--width", type=int, default=256, help="hidden width of the MLP")
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--width", type=int, default=512, help="hidden width of the MLP")
+    parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--plot", metavar="FILE", help="write a box plot (needs matplotlib)")
     args = parser.parse_args(argv)
     worker: Callable[..., dict[str, list[float]]] = _worker
