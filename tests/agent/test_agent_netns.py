@@ -70,6 +70,7 @@ def test_two_hosts_cut_and_restore() -> None:
         assert server.stdout is not None and server.stdout.readline().strip() == "listening"
 
         assert _connect(net, 0, b.address, 2.0) == "ok HELLO from 198.18.0.1"
+        assert _connect(net, 0, "h1", 2.0) == "ok HELLO from 198.18.0.1"  # by host name
         # each host has its own loopback: the server is not on host a's 127.0.0.1
         assert _connect(net, 0, "127.0.0.1", 2.0) == "fail ConnectionRefusedError"
         assert _connect(net, 1, "127.0.0.1", 2.0) == "ok HELLO from 127.0.0.1"
@@ -93,6 +94,7 @@ def test_two_hosts_cut_and_restore() -> None:
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert net.prefix not in names
     assert _root_links() == links_before
+    assert not os.path.exists(f"/etc/netns/{a.name}")
     with pytest.raises(ValueError, match="is closed"):
         a.popen(["true"])
     net.close()  # idempotent
@@ -125,7 +127,9 @@ def test_cleanup_on_error_and_stale_namespaces() -> None:
     )
     leaked = child.stdout.strip()
     assert leaked and any(name.startswith(leaked) for name in _netns_list())
+    assert os.path.exists(f"/etc/netns/{leaked}-h0/hosts")
     removed = remove_stale_namespaces()
+    assert not os.path.exists(f"/etc/netns/{leaked}-h0")
     assert {f"{leaked}-br", f"{leaked}-h0"} <= set(removed)
     assert not any(name.startswith(leaked) for name in _netns_list())
 
@@ -165,3 +169,46 @@ def test_unavailable_reason_for_non_root() -> None:
     assert answer == repr(
         (False, "network namespaces need root (CAP_SYS_ADMIN); run the tests as root")
     )
+
+
+NAMES = "import socket; print(socket.gethostname(), socket.getfqdn(), socket.gethostbyname('h0'))"
+
+GLOO = r"""
+import sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+rank = int(sys.argv[1])
+# no GLOO_SOCKET_IFNAME: gloo finds its address from the host name, as on real machines
+dist.init_process_group("gloo", init_method="tcp://h0:29511", rank=rank, world_size=2,
+                        timeout=timedelta(seconds=30))
+t = torch.tensor([rank + 1.0])
+dist.all_reduce(t)
+print(int(t.item()), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@needs_netns
+@pytest.mark.timeout(90)
+def test_host_names_and_gloo_across_hosts() -> None:
+    machine = subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
+    with Network(2) as net:
+        out = net.hosts[1].run([sys.executable, "-S", "-c", NAMES], capture_output=True, text=True)
+        assert out.stdout.split() == ["h1", "h1", "198.18.0.1"]
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        procs = [
+            h.popen(
+                [sys.executable, "-c", GLOO, str(i)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i, h in enumerate(net.hosts)
+        ]
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=60)
+            assert p.returncode == 0, stderr
+            assert stdout.strip() == "3"
+    # the machine's own host name is untouched (each host has its own UTS namespace)
+    assert subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip() == machine

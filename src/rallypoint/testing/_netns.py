@@ -6,6 +6,12 @@ reserved for benchmarking, RFC 2544, so it never collides with a real network) a
 loopback up. Nothing is created in the machine's own namespace: the veth pairs are made
 directly inside the namespaces, so deleting the namespaces removes every link.
 
+Each host also has a name, ``h<i>``: processes started in it see that hostname (their own
+UTS namespace) and an ``/etc/hosts`` (``/etc/netns/<ns>/hosts``, which ``ip netns exec``
+mounts over ``/etc/hosts``) that resolves every host's name to its address. So code that
+advertises ``socket.getfqdn()`` -- torchrun's agents, gloo without
+``GLOO_SOCKET_IFNAME`` -- works across hosts as on real machines.
+
 ::
 
     with Network(3) as net:
@@ -50,6 +56,7 @@ SUBNET = "198.18.0.0/24"
 """Where host addresses come from (``198.18.0.1`` is host 0); inside 198.18.0.0/15."""
 MAX_HOSTS = 250
 _NAME = re.compile(r"^rpn(?P<pid>\d+)-[0-9a-f]{4}-(?:h\d+|br)$")
+_ETC_NETNS = "/etc/netns"
 
 
 class NetnsError(RuntimeError):
@@ -97,6 +104,13 @@ def remove_stale_namespaces() -> list[str]:
             continue
         if _run_ip("netns", "delete", name, check=False).returncode == 0:
             removed.append(name)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(_ETC_NETNS):
+            m = _NAME.match(name)
+            if m is not None and not _pid_alive(int(m.group("pid"))):
+                shutil.rmtree(os.path.join(_ETC_NETNS, name), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(_ETC_NETNS)  # only if empty: it may hold other tools' files
     return removed
 
 
@@ -129,6 +143,7 @@ class Host:
         self.name = f"{network.prefix}-h{index}"
         self.address = f"198.18.0.{index + 1}"
         self.port_name = f"v{index}"  # the bridge's end of this host's link
+        self.hostname = f"h{index}"
         self._cut = False
 
     def __repr__(self) -> str:
@@ -142,7 +157,12 @@ class Host:
         """``cmd`` prefixed to run inside this host (``ip netns exec NAME ...``)."""
         if isinstance(cmd, str) or not cmd:
             raise ValueError("cmd must be a non-empty list of arguments, not a string")
-        return [_ip(), "netns", "exec", self.name, *cmd]
+        prefix = [_ip(), "netns", "exec", self.name]
+        unshare, hostname, sh = (shutil.which(p) for p in ("unshare", "hostname", "sh"))
+        if unshare and hostname and sh:  # own hostname; sh and hostname exec, pid unchanged
+            prefix += [unshare, "--uts", "--", sh, "-c", f'{hostname} "$0" && exec "$@"']
+            prefix.append(self.hostname)
+        return [*prefix, *cmd]
 
     def popen(
         self,
@@ -202,6 +222,7 @@ class Network:
         self.bridge_ns = f"{prefix}-br"
         self.hosts = [Host(self, i) for i in range(nhosts)]
         self._created: list[str] = []
+        self._etc_dirs: list[str] = []
         self._procs: list[subprocess.Popen[Any]] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -219,6 +240,17 @@ class Network:
         self._created.append(name)
         _run_ip("-n", name, "link", "set", "lo", "up")
 
+    def _write_hosts_files(self) -> None:
+        lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+        lines += [f"{h.address}\t{h.hostname}" for h in self.hosts]
+        text = "\n".join(lines) + "\n"
+        for host in self.hosts:
+            directory = os.path.join(_ETC_NETNS, host.name)
+            os.makedirs(directory, exist_ok=True)
+            self._etc_dirs.append(directory)
+            with open(os.path.join(directory, "hosts"), "w", encoding="utf-8") as fh:
+                fh.write(text)
+
     def _build(self) -> None:
         br = self.bridge_ns
         self._add_namespace(br)
@@ -234,6 +266,7 @@ class Network:
             _run_ip("-n", br, "link", "set", host.port_name, "up")
             _run_ip("-n", host.name, "addr", "add", f"{host.address}/24", "dev", "eth0")
             _run_ip("-n", host.name, "link", "set", "eth0", "up")
+        self._write_hosts_files()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self.hosts)} hosts"
@@ -273,6 +306,11 @@ class Network:
             if done.returncode != 0 and "No such file" not in done.stderr:
                 errors.append(f"{name}: {done.stderr.strip()}")
         self._created.clear()
+        for directory in self._etc_dirs:
+            shutil.rmtree(directory, ignore_errors=True)
+        self._etc_dirs.clear()
+        with contextlib.suppress(OSError):
+            os.rmdir(_ETC_NETNS)  # only if empty
         if errors:
             raise NetnsError("could not delete namespaces: " + "; ".join(errors))
 
