@@ -168,3 +168,37 @@ def test_rank_failed_error_pickles() -> None:
     err = pickle.loads(pickle.dumps(RankFailedError(3, "ValueError: x", 0)))
     assert (err.rank, err.reason, err.observer) == (3, "ValueError: x", 0)
     assert str(err).startswith("rank 3 failed inside the Join context: ValueError: x")
+
+
+def failing_rank_exits() -> tuple[str, str, Any]:
+    """Rank 1 fails and its process exits at once: rank 0, blocked in a plain all-reduce
+    of its own in the body, gets a gloo connection error, which Join turns into
+    RankFailedError naming rank 1."""
+    import os
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    sync = CollectiveJoinable()
+    try:
+        with Join([sync]):
+            for step in range(4):
+                if rank == FAILING and step == 2:
+                    fail_now(step)
+                Join.notify_join_context(sync)
+                dist.all_reduce(torch.ones(1))  # not interruptible
+    except Exception as exc:
+        if rank == FAILING:
+            os._exit(17)
+        cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else None
+        return (type(exc).__name__, str(exc), cause)
+    return ("returned", "", None)
+
+
+@pytest.mark.timeout(60)
+def test_failing_rank_that_exits_is_named_by_the_survivor() -> None:
+    survivor, failed = run_workers(failing_rank_exits, 2, timeout=45, return_exceptions=True)
+    assert "exited with code 17" in str(failed)
+    kind, message, cause = survivor
+    assert kind == "RankFailedError", message
+    assert message.startswith("rank 1 failed inside the Join context: Boom: bad batch 2")
+    assert cause is not None and cause != "RankFailedError"

@@ -333,13 +333,15 @@ class Join:
             try:
                 run_watched(lambda: self._join_loop(cancel), channel, cancel)
             except BaseException as error:
-                if self._channel is not None and not is_consequence(error):
-                    self._channel.publish(error)
+                self._on_error(error)
                 raise
         finally:
             self._restore_joinable_configs()
 
     def _on_error(self, exc: BaseException) -> None:
+        """Publish this rank's failure, or raise RankFailedError if ``exc`` follows
+        another rank's (a collective that failed because the failed rank exited or timed
+        out)."""
         if type(exc) is RuntimeError and str(exc) == _THROW_MESSAGE:
             # torch's notify_join_context (called by DDP/ZeRO) raises a plain RuntimeError
             raise EarlyTerminationError(_THROW_MESSAGE) from exc
