@@ -40,6 +40,7 @@ class C10dKV(KeyValueStore):
         endpoint: where it lives, for error messages (``host:port`` or a path).
         connect: makes a new independent client to the same data (for :meth:`clone` and
             reconnects); ``None`` shares ``store`` (fine for FileStore/HashStore).
+        share_key: clones of KVs with the same key share one side connection per process.
     """
 
     def __init__(
@@ -48,10 +49,12 @@ class C10dKV(KeyValueStore):
         *,
         endpoint: str,
         connect: Callable[[], Store] | None = None,
+        share_key: str | None = None,
     ) -> None:
         self._store = store
         self.endpoint = endpoint
         self._connect = connect
+        self._share_key = share_key
 
     @property
     def store(self) -> Store:
@@ -172,16 +175,22 @@ class C10dKV(KeyValueStore):
         """
         if self._connect is None:
             return self
-        key = (os.getpid(), self.endpoint)
+        if self._share_key is None:
+            return C10dKV(self._new_client(), endpoint=self.endpoint, connect=self._connect)
+        key = (os.getpid(), self._share_key)
         with _SIDE_LOCK:
             side = _SIDE.get(key)
             if side is None:
-                try:
-                    store = self._connect()
-                except (RuntimeError, ValueError) as exc:
-                    raise self._fail("connect", exc) from exc
-                side = _SIDE[key] = C10dKV(store, endpoint=self.endpoint, connect=self._connect)
+                side = C10dKV(self._new_client(), endpoint=self.endpoint, connect=self._connect)
+                _SIDE[key] = side
         return side
+
+    def _new_client(self) -> Store:
+        assert self._connect is not None
+        try:
+            return self._connect()
+        except (RuntimeError, ValueError) as exc:
+            raise self._fail("connect", exc) from exc
 
     def torch_store(self, prefix: str) -> Store:
         from torch._C._distributed_c10d import PrefixStore
@@ -226,7 +235,9 @@ def tcp_kv(
             f"Cannot reach the TCPStore at {host}:{port} within "
             f"{timeout.total_seconds():g} s: {type(exc).__name__}: {str(exc)[:200]}"
         ) from exc
-    return C10dKV(client, endpoint=f"{host}:{port}", connect=connect), server
+    endpoint = f"{host}:{port}"
+    kv = C10dKV(client, endpoint=endpoint, connect=connect, share_key=f"tcp://{endpoint}")
+    return kv, server
 
 
 def file_kv(path: str) -> C10dKV:

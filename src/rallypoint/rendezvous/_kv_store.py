@@ -2,7 +2,7 @@
 
 Workers and agents get a real ``torch.distributed.Store`` (a Python subclass of torch's
 pybind ``Store``), so ``init_process_group(store=...)``, gloo and ``PrefixStore`` accept
-it. Every key lives under the round's prefix.
+it. Key ``k`` lives at ``<prefix>/k``, as with torch's ``PrefixStore``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class KVTorchStore(Store):
         return limit
 
     def _key(self, key: str) -> str:
-        return self._prefix + key
+        return f"{self._prefix}/{key}"  # the same mapping as torch's PrefixStore
 
     def set(self, key: str, value: Any) -> None:
         self._kv.set(self._key(key), _as_bytes(value))

@@ -14,7 +14,7 @@ Everything of run ``R`` lives under ``rallypoint/rdzv/R/``::
     r<k>/final             the round's record (JSON); its appearance wakes every waiter
     r<k>/late              nodes that arrived after round k was final (waiting or spare)
     r<k>/dead              members presumed dead by missed heartbeats (+ dead/<node>)
-    r<k>/store/            the round's store for agents and workers
+    r<k>/store/...         the round's store for agents and workers
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Keys:
         return f"{self.prefix}r{k}/{name}"
 
     def store(self, k: int) -> str:
-        return f"{self.prefix}r{k}/store/"
+        return f"{self.prefix}r{k}/store"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,71 @@
+"""The KV contract on the in-memory fake, TCPStore and FileStore (etcd: test_rendezvous_etcd)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from rallypoint.rendezvous import KeyValueStore, KVConnectionError, MemoryKV
+from rallypoint.rendezvous._kv_c10d import C10dKV, file_kv, tcp_kv
+from rallypoint.testing._rendezvous_contract import KVContract
+
+_ids = itertools.count()
+
+
+class TestMemoryKV(KVContract):
+    @pytest.fixture
+    def kv(self) -> Iterator[KeyValueStore]:
+        yield MemoryKV()
+
+
+@pytest.fixture(scope="module")
+def tcp_server() -> Iterator[tuple[C10dKV, int]]:
+    kv, server = tcp_kv("127.0.0.1", 0, is_server=True, timeout=timedelta(seconds=30))
+    yield kv, int(kv.endpoint.rsplit(":", 1)[1])
+    del server
+
+
+class TestTCPStoreKV(KVContract):
+    @pytest.fixture
+    def kv(self, tcp_server: tuple[C10dKV, int]) -> Iterator[KeyValueStore]:
+        from torch.distributed import PrefixStore, TCPStore
+
+        _, port = tcp_server
+        prefix = f"t{next(_ids)}/"
+
+        def connect() -> PrefixStore:
+            client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+            return PrefixStore(prefix, client)
+
+        # clones share one side connection (as handlers in one process do)
+        yield C10dKV(
+            connect(), endpoint=f"127.0.0.1:{port}", connect=connect, share_key=f"test:{prefix}"
+        )
+
+
+class TestFileStoreKV(KVContract):
+    @pytest.fixture
+    def kv(self, tmp_path: Path) -> Iterator[KeyValueStore]:
+        yield file_kv(str(tmp_path / "store"))
+
+
+def test_tcp_unreachable_names_the_endpoint() -> None:
+    from rallypoint._net import free_port
+
+    port = free_port()
+    with pytest.raises(KVConnectionError, match=f"127.0.0.1:{port}"):
+        tcp_kv("127.0.0.1", port, is_server=False, timeout=timedelta(seconds=1))
+
+
+def test_memory_fault_injection() -> None:
+    kv = MemoryKV()
+    kv.fail_after(1)
+    kv.set("a", b"1")
+    with pytest.raises(KVConnectionError, match="injected"):
+        kv.get("a")
+    kv.fail_after(None)
+    assert kv.get("a") == b"1"
