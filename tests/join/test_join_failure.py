@@ -8,6 +8,7 @@ because a failure leaves collectives pending on the survivor's group for good.
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -114,6 +115,10 @@ def run_scenarios() -> dict[str, Any]:
         for _, _, timeout in SCENARIOS
     ]
     out: dict[str, Any] = {}
+    logged: list[tuple[float, str]] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: logged.append((record.created, record.getMessage()))  # type: ignore[method-assign]
+    logging.getLogger("rallypoint.join").addHandler(handler)
     for (name, scenario, _), group in zip(SCENARIOS, groups, strict=True):
         dist.barrier()  # both ranks start each scenario together
         try:
@@ -122,6 +127,7 @@ def run_scenarios() -> dict[str, Any]:
         except Exception as exc:
             cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else None
             out[name] = (type(exc).__name__, str(exc), getattr(exc, "rank", cause), time.time())
+    out["logged"] = logged
     dist.barrier()  # the failing rank stays alive until the survivor has seen every failure
     # no destroy_process_group: the survivor's scenario groups have collectives pending
     return out
@@ -157,9 +163,15 @@ def test_survivor_raises_naming_the_failed_rank_within_seconds(
 def test_survivor_blocked_in_ddp_backward_names_the_rank_after_group_timeout(
     results: list[dict[str, Any]],
 ) -> None:
-    kind, message, _, _ = results[0]["ddp_backward"]
+    kind, message, _, raised_at = results[0]["ddp_backward"]
     assert kind == "RankFailedError", message
     assert message.startswith("rank 1 failed inside the Join context: Boom: bad batch 2")
+    # while blocked, the body watcher logged the failure before the timeout fired
+    failed_at = results[FAILING]["ddp_backward"][3]
+    logs = [(t, m) for t, m in results[0]["logged"] if failed_at <= t <= raised_at]
+    assert logs, results[0]["logged"]
+    assert logs[0][1].startswith("rank 1 failed inside the Join context: Boom: bad batch 2")
+    assert logs[0][0] < raised_at
 
 
 def test_rank_failed_error_pickles() -> None:

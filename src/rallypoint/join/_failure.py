@@ -17,8 +17,9 @@ What this covers and what it cannot (gloo cannot abort a collective in flight):
   :class:`~rallypoint.join.CollectiveJoinable`;
 - not covered: collectives that user code or torch issues inside the ``with`` body on a
   rank that has not joined (DDP's backward all-reduce, torch's own blocking throw-mode
-  check inside ``DistributedDataParallel.forward``). Such a rank stays blocked until the
-  process group's timeout, and then :class:`Join` turns the timeout into a
+  check inside ``DistributedDataParallel.forward``). :class:`BodyWatcher` logs the failure
+  at once, but such a rank stays blocked until the process group's timeout (or until the
+  failed process exits), and then :class:`Join` turns the error into a
   :class:`RankFailedError` naming the failed rank.
 """
 
@@ -133,6 +134,45 @@ class FailureChannel:
         found = self.failure(force=force)
         if found is not None:
             raise RankFailedError(found[0], found[1], self.rank)
+
+
+class BodyWatcher:
+    """Watches the failure key while the ``with`` body runs, and logs a failure at once.
+
+    The body's own collectives cannot be interrupted (see the module docstring); this at
+    least tells the user, within about ``5 * poll_interval``, which rank failed while this
+    rank sits in a collective that will fail only at the process group's timeout. One
+    daemon thread per context, stopped when the context exits.
+    """
+
+    def __init__(self, channel: FailureChannel) -> None:
+        self._channel = channel
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rallypoint-join-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)  # longer only if the store hangs; it is a daemon
+
+    def _run(self) -> None:
+        interval = 5 * self._channel.poll_interval
+        while not self._stop.wait(interval):
+            found = self._channel.failure(force=True)
+            if found is not None:
+                if not self._stop.is_set():
+                    logger.error(
+                        "rank %d failed inside the Join context: %s; rank %d raises "
+                        "RankFailedError when its current collective returns (a collective "
+                        "issued in the body, e.g. DDP's backward all-reduce, returns only "
+                        "at the process group's timeout)",
+                        found[0],
+                        found[1],
+                        self._channel.rank,
+                    )
+                return
 
 
 def wait_work(work: dist.Work, channel: FailureChannel | None) -> None:

@@ -42,7 +42,13 @@ from torch.distributed.algorithms.join import _JoinConfig
 from torch.futures import Future
 
 from rallypoint.join._errors import EarlyTerminationError, JoinError, RankFailedError
-from rallypoint.join._failure import FailureChannel, is_consequence, run_watched, wait_work
+from rallypoint.join._failure import (
+    BodyWatcher,
+    FailureChannel,
+    is_consequence,
+    run_watched,
+    wait_work,
+)
 from rallypoint.join._options import JoinOptions
 
 __all__ = ["Join", "JoinHook", "JoinSummary", "Joinable", "SupportsJoin"]
@@ -252,6 +258,7 @@ class Join:
                 self._process_group, self._rank, join_options.poll_interval
             )
         self._saved_configs: list[Any] | None = None
+        self._watcher: BodyWatcher | None = None
         self._warned = False
         self.summary: JoinSummary | None = None
         """Set after a context that ran to its end (``JoinOptions(summary=True)``)."""
@@ -308,6 +315,9 @@ class Join:
 
     def __enter__(self) -> Join:
         self._set_joinable_configs()
+        if self._channel is not None and self._options.watch_body and self._enable:
+            self._watcher = BodyWatcher(self._channel)
+            self._watcher.start()
         return self
 
     def __exit__(
@@ -322,6 +332,9 @@ class Join:
             EarlyTerminationError: with ``throw_on_early_termination=True``.
             RankFailedError: another rank raised inside its context.
         """
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
         try:
             if exc is not None:
                 self._on_error(exc)

@@ -18,6 +18,10 @@ class JoinOptions:
             torch: the other ranks wait for the process group's timeout.
         poll_interval: how often a waiting rank checks the store for a failed rank; the
             detection latency is at most about twice this.
+        watch_body: while the ``with`` body runs, poll the store from a daemon thread
+            every ``5 * poll_interval`` and log (ERROR, logger ``rallypoint.join``) another
+            rank's failure at once, even while this rank is blocked in a collective that
+            cannot be interrupted.
         summary: after the context, all-reduce how many iterations each rank shadowed and
             expose it as ``Join.summary`` (one extra all-reduce of ``world_size`` floats).
         warn_threshold: warn (once per Join) when this rank has shadowed more than this
@@ -26,6 +30,7 @@ class JoinOptions:
 
     detect_failures: bool = True
     poll_interval: timedelta = timedelta(milliseconds=100)
+    watch_body: bool = True
     summary: bool = True
     warn_threshold: int = 1000
 
