@@ -63,6 +63,7 @@ logger = logging.getLogger("rallypoint.rpc")
 _CURRENT: RallypointAgent | None = None
 _HANDSHAKE_TIMEOUT = 10.0
 _TICK = 0.004
+_CORK_AFTER = 4
 
 
 def current_rallypoint_agent() -> RallypointAgent:
@@ -117,6 +118,7 @@ class RallypointAgent(RpcAgent):
         self._pins: dict[int, RRef[Any]] = {}
         self.rrefs = OwnerTable()
         self._records: dict[str, dict[str, Any]] = {}
+        self._infos: dict[str, WorkerInfo] = {}
         self._by_id: dict[int, str] = {}
         self._device_maps: dict[str, DeviceMap] = dict(options.device_maps)  # type: ignore[arg-type]
         self._reverse_maps: dict[str, DeviceMap] = {}
@@ -203,6 +205,10 @@ class RallypointAgent(RpcAgent):
             if to.name not in self._records:
                 raise self._unknown(to.name)
             return to
+        if type(to) is str:
+            info = self._infos.get(to)
+            if info is not None:
+                return info
         if isinstance(to, str | int) and not isinstance(to, bool):
             return self.get_worker_info(to)
         raise ValueError(f"Cannot get WorkerInfo from name {to}")
@@ -223,6 +229,7 @@ class RallypointAgent(RpcAgent):
             devices.get(self.info.name, []), self._device_maps, self._reverse_maps
         )
         self._records = {r["name"]: r for r in records}
+        self._infos = {r["name"]: WorkerInfo(r["name"], int(r["rank"])) for r in records}
         self._by_id = {int(r["rank"]): r["name"] for r in records}
 
     def join(self, timeout: float) -> None:
@@ -457,8 +464,12 @@ class RallypointAgent(RpcAgent):
         if call.deadline:
             with self._heap_lock:
                 heapq.heappush(self._heap, (call.deadline, rid))
+        # With many calls already in flight, leave the frame queued: the connection's reader
+        # flushes the queue before it next blocks (a reply is coming), and the monitor
+        # within one tick. Bursts of rpc_async then cost one sendmsg per batch.
+        flush = bool(raws) or len(conn.pending) <= _CORK_AFTER
         try:
-            conn.send_frame(kind, rid, data, raws)
+            conn.send_frame(kind, rid, data, raws, flush=flush)
         except RpcError as exc:
             conn.pending.discard(rid)
             if self._pending.pop(rid, None) is not None:
@@ -624,6 +635,7 @@ class RallypointAgent(RpcAgent):
             conns = [*self._out.values(), *self._inbound]
         for conn in conns:
             conn.check_stall(now)
+            conn.flush()
         expired: list[int] = []
         with self._heap_lock:
             heap = self._heap
@@ -675,6 +687,10 @@ class RallypointAgent(RpcAgent):
         me = self.info.name
         if not self.is_static_group:
             errors: list[str] = []
+            if self.hosts_store():
+                # rank 0 hosts the store: stay in the group (reachable) until the others left
+                while _groups.read_members(self.store) != [me] and time.monotonic() < deadline:
+                    time.sleep(0.01)
             with _groups.membership_token(self.store, me, max(deadline - time.monotonic(), 0.1)):
                 members = [m for m in _groups.read_members(self.store) if m != me]
                 _groups.write_members(self.store, members)
@@ -694,10 +710,6 @@ class RallypointAgent(RpcAgent):
                             "rallypoint.rpc: could not tell %s that %s left: %s", member, me, exc
                         )
             self._wait_quiet(deadline)
-            if self.hosts_store():
-                # rank 0 hosts the store: stay until the others have left, or the deadline
-                while _groups.read_members(self.store) and time.monotonic() < deadline:
-                    time.sleep(0.01)
             if errors:
                 return RpcShutdownError(
                     f"{me} left the group but could not notify workers {errors}", missing=errors

@@ -112,6 +112,24 @@ class _Encoder(pickle.Pickler):
         return NotImplemented
 
 
+_ATOMIC = frozenset({int, float, bool, str, bytes, type(None), complex})
+
+
+def _is_simple(obj: Any) -> bool:
+    """A call or reply with only atomic values (no tensors, no RRefs) pickles directly."""
+    kind = type(obj)
+    if kind in _ATOMIC:
+        return True
+    if kind is tuple and len(obj) == 3 and type(obj[1]) is tuple and type(obj[2]) is dict:
+        func, args, kwargs = obj
+        return (
+            type(func).__name__ in ("function", "builtin_function_or_method")
+            and all(type(a) in _ATOMIC for a in args)
+            and all(type(v) in _ATOMIC for v in kwargs.values())
+        )
+    return False
+
+
 def encode(
     obj: Any,
     *,
@@ -121,6 +139,8 @@ def encode(
     rref_hook: Callable[[Any], ReduceValue] | None = None,
 ) -> tuple[bytes, list[torch.Tensor]]:
     """Pickle ``obj``; its dense tensors come back separately as raw ``uint8`` tensors."""
+    if _is_simple(obj):
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), []
     buffer = io.BytesIO()
     tensors: list[torch.Tensor] = []
     _Encoder(buffer, tensors, device_map, dst, rref_type, rref_hook).dump(obj)
@@ -133,6 +153,8 @@ def decode(data: bytes | memoryview, tensors: list[torch.Tensor], context: Any =
     ``context`` is made available to reconstructors (RRef forks) through
     :func:`decode_context` while this call runs.
     """
+    if not tensors:
+        return pickle.loads(data)
     saved = getattr(_state, "frame", None)
     _state.frame = (tensors, context)
     try:
