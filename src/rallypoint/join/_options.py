@@ -12,6 +12,9 @@ __all__ = ["JoinOptions"]
 class JoinOptions:
     """Tuning for :class:`~rallypoint.join.Join`, passed as ``Join(..., join_options=...)``.
 
+    Use the same options on every rank: ``summary`` adds a collective and
+    ``detect_failures`` numbers the Join instances.
+
     Attributes:
         detect_failures: publish an exception raised inside the context to the other ranks
             and watch for theirs (see :mod:`rallypoint.join` docs). ``False`` behaves like
