@@ -115,7 +115,7 @@ def test_last_call_after_min_nodes(memory: Cluster) -> None:
 def test_join_timeout_when_too_few_nodes(memory: Cluster) -> None:
     lone = memory.node(min_nodes=2, max_nodes=2, join_timeout=timedelta(seconds=0.4))
     start = time.monotonic()
-    with pytest.raises(RendezvousTimeoutError, match="did not complete within 0.4 s"):
+    with pytest.raises(RendezvousTimeoutError, match=r"did not complete within 0\.4 s"):
         lone.next_rendezvous()
     assert time.monotonic() - start < 5
 
