@@ -8,9 +8,11 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from rallypoint.launcher._events import EventLog, read_events
-from rallypoint.launcher._report import build_timeline, render_report, report_main
+from rallypoint.launcher._events import Event, EventLog, read_events
+from rallypoint.launcher._report import _render_svg, build_timeline, render_report, report_main
 
 
 def _write_job(directory: Path) -> list[Path]:
@@ -149,6 +151,21 @@ def test_png(job: list[Path], tmp_path: Path) -> None:
     assert had_pyplot or "matplotlib.pyplot" not in sys.modules  # no pyplot state machine
 
 
+def test_png_odd_text(tmp_path: Path) -> None:
+    """User-chosen names with '$' or '<' are drawn literally (no mathtext, no markup)."""
+    pytest.importorskip("matplotlib")
+    events = [
+        Event(ts=0.0, kind="round", fields={"round": "$x^$", "run_id": "job $1 <b>"}),
+        Event(ts=1.0, kind="worker_start", rank=0, node="n$", fields={"pid": 5}),
+        Event(ts=2.0, kind="hang", fields={"idle_s": "$"}),
+    ]
+    render_report(events, tmp_path / "odd.png")
+    render_report(events, tmp_path / "odd.svg")
+    svg = (tmp_path / "odd.svg").read_text()
+    ET.fromstring(svg)
+    assert "job $1 &lt;b&gt;" in svg
+
+
 def test_cli(job: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert report_main([str(job[0]), str(job[1]), "-o", str(tmp_path / "x.html")]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'x.html'} (25 events, 4 ranks)"
@@ -180,3 +197,50 @@ def test_cli_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "EVENTS_FILE" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no events"):
         build_timeline([])
+
+
+_kinds = st.sampled_from(
+    [
+        "round",
+        "members",
+        "worker_start",
+        "worker_exit",
+        "restart",
+        "hang",
+        "failure",
+        "job_end",
+        "x",
+    ]
+)
+_field_values = st.one_of(
+    st.none(), st.integers(-20, 20), st.text(max_size=5), st.sampled_from(["failed", "succeeded"])
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.builds(
+            Event,
+            ts=st.floats(0, 1e4, allow_nan=False),
+            kind=_kinds,
+            node=st.sampled_from([None, "a", "b"]),
+            rank=st.one_of(st.none(), st.integers(0, 5)),
+            local_rank=st.one_of(st.none(), st.integers(0, 2)),
+            fields=st.dictionaries(
+                st.sampled_from(
+                    ["round", "pid", "state", "exitcode", "signal", "idle_s", "world_size"]
+                ),
+                _field_values,
+            ),
+        ),
+        min_size=1,
+        max_size=25,
+    )
+)
+def test_any_events_render(events: list[Event]) -> None:
+    """Whatever mix of events (unpaired exits, failures without a rank, odd fields), the
+    timeline builds and the SVG is well-formed."""
+    tl = build_timeline(events)
+    assert all(b.start <= b.end + 1e-9 for b in tl.bars)
+    ET.fromstring(_render_svg(tl))

@@ -16,6 +16,7 @@ import argparse
 import html
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -143,7 +144,8 @@ def build_timeline(events: Sequence[Event]) -> Timeline:
         assert r is not None
         state = "running" if job_end is None else "terminated"
         note = "still running at the last event" if job_end is None else "no exit recorded"
-        bar = Bar(r, start.ts - t0, end, state, f"{_bar_label(start, r)}: {note}")
+        begin = start.ts - t0
+        bar = Bar(r, begin, max(end, begin), state, f"{_bar_label(start, r)}: {note}")
         timeline.bars.append(bar)
     timeline.ranks = sorted(ranks)
     run_ids = {e.get("run_id") for e in ordered if e.get("run_id")}
@@ -174,7 +176,8 @@ def _mark_label(e: Event) -> str:
         return f"restart {e.get('restart_count', '')}".rstrip() + (f": {reason}" if reason else "")
     if e.kind == "hang":
         idle = e.get("idle_s")
-        label = "hang" + (f" ({float(idle):.0f} s without progress)" if idle is not None else "")
+        number = isinstance(idle, int | float) and not isinstance(idle, bool)
+        label = "hang" + (f" ({idle:.0f} s without progress)" if number else "")
         return label + (f", {e.get('action')}" if e.get("action") else "")
     status = e.get("status", "")
     return f"job end: {status}".rstrip(": ")
@@ -224,7 +227,7 @@ def render_report(events: Sequence[Event], out_path: str | os.PathLike[str]) -> 
         if suffix == ".svg":
             text = svg
         else:
-            title = html.escape(timeline.title)
+            title = _esc(timeline.title)
             text = (
                 "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
                 f"<title>{title}</title></head>\n<body style='font-family:sans-serif'>\n"
@@ -233,6 +236,14 @@ def render_report(events: Sequence[Event], out_path: str | os.PathLike[str]) -> 
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(text)
     return path
+
+
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def _esc(text: str) -> str:
+    """Escape for XML text and attributes, replacing characters XML cannot hold at all."""
+    return html.escape(_NOT_XML.sub("\ufffd", text))
 
 
 def _render_svg(tl: Timeline) -> str:
@@ -244,7 +255,7 @@ def _render_svg(tl: Timeline) -> str:
     width = left + plot_w + right
     scale = plot_w / tl.span
     y_of = {r: top + i * row for i, r in enumerate(tl.ranks)}
-    esc = html.escape
+    esc = _esc
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
@@ -275,8 +286,8 @@ def _render_svg(tl: Timeline) -> str:
         x = left + mark.t * scale
         if mark.rank is None:
             label_y = top - 14 - 12 * levels.get(i, 0)
-            color = MARK_STYLES[mark.kind][0]
-            dash = ' stroke-dasharray="5,3"' if mark.kind in ("restart", "hang") else ""
+            color = MARK_STYLES.get(mark.kind, (FAILURE_COLOR, ""))[0]
+            dash = ' stroke-dasharray="5,3"' if mark.kind not in ("round", "job_end") else ""
             out.append(
                 f'<line x1="{x:.1f}" y1="{top - 6}" x2="{x:.1f}" y2="{bottom}" stroke="{color}" '
                 f'stroke-width="2"{dash}><title>{esc(mark.label)}</title></line>'
@@ -340,7 +351,7 @@ def _render_png(tl: Timeline, path: str) -> None:
     levels = _label_levels(tl)
     for i, mark in enumerate(tl.marks):
         if mark.rank is None:
-            color = MARK_STYLES[mark.kind][0]
+            color = MARK_STYLES.get(mark.kind, (FAILURE_COLOR, ""))[0]
             style = "--" if mark.kind in ("restart", "hang") else "-"
             ax.axvline(mark.t, color=color, linestyle=style, linewidth=1.5)
             short = mark.label.split(":")[0].split(" (")[0]
@@ -352,6 +363,7 @@ def _render_png(tl: Timeline, path: str) -> None:
                 textcoords="offset points",
                 fontsize=7,
                 color=color,
+                parse_math=False,
             )
         else:
             ax.plot(mark.t, y_of[mark.rank], marker="x", markersize=11, mew=3, color=FAILURE_COLOR)
@@ -359,7 +371,7 @@ def _render_png(tl: Timeline, path: str) -> None:
     ax.set_ylim(len(tl.ranks) - 0.5, -0.5)
     ax.set_xlim(0, tl.span * 1.02)
     ax.set_xlabel("seconds since the first event")
-    ax.set_title(tl.title, loc="left", pad=40)
+    ax.set_title(tl.title, loc="left", pad=40, parse_math=False)
     ax.grid(axis="x", color="#eeeeee")
     handles: list[Patch | Line2D] = [
         Patch(color=c, label=f"worker {s}") for s, c in STATE_COLORS.items()
