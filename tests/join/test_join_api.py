@@ -224,3 +224,20 @@ def test_bad_input_that_needs_a_process_group() -> None:
 
 def test_rank_failed_error_is_a_runtime_error() -> None:
     assert isinstance(RankFailedError(1, "x", 0), RuntimeError)
+
+
+def _single_rank() -> tuple[Any, ...]:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    sync = CollectiveJoinable()
+    with Join([sync]) as join:
+        values = [sync.all_reduce(torch.full((2,), 3.0)).tolist() for _ in range(3)]
+    dist.destroy_process_group()
+    return values, join.summary.shadowed if join.summary else None, join._channel
+
+
+@pytest.mark.timeout(60)
+def test_world_of_one_rank() -> None:
+    [(values, shadowed, channel)] = run_workers(_single_rank, 1, timeout=45)
+    assert values == [[3.0, 3.0]] * 3
+    assert shadowed == (0,)
+    assert channel is None  # nobody to tell about a failure

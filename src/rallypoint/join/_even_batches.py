@@ -53,7 +53,7 @@ class EvenBatches(Generic[_B]):
             getattr(self.loader, "batch_sampler", None),
         ):
             setter = getattr(holder, "set_epoch", None)
-            if callable(setter) and holder is not self:
+            if callable(setter):
                 setter(epoch)
                 return
 
