@@ -237,6 +237,8 @@ def test_entry_point_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     (tmp_path / "rdzv_plugin_mod.py").write_text(
         textwrap.dedent(
             """
+            from datetime import timedelta
+
             from rallypoint.rendezvous import StaticRendezvousHandler
 
             class Plugin(StaticRendezvousHandler):
@@ -244,7 +246,7 @@ def test_entry_point_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
                     return "myplugin"
 
             def create(params):
-                return Plugin("127.0.0.1", 1, 0, 1, params.run_id, __import__("datetime").timedelta(1))
+                return Plugin("127.0.0.1", 1, 0, 1, params.run_id, timedelta(1))
             """
         )
     )
@@ -262,5 +264,5 @@ def test_entry_point_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     handler = registry.create_handler(ours.RendezvousParameters("myplugin", "", "r", 1, 1))
     assert handler.get_backend() == "myplugin"
     assert "myplugin" in registry.backends()
-    with pytest.raises(ValueError, match="'broken'.*failed to load"):
+    with pytest.raises(ValueError, match=r"'broken'.*failed to load"):
         registry.create_handler(ours.RendezvousParameters("broken", "", "r", 1, 1))

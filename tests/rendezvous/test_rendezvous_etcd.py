@@ -1,0 +1,222 @@
+"""etcd v3 against a real etcd server: the KV contract, the handler, restarts, leases, auth."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from rallypoint._net import free_port
+from rallypoint.rendezvous import (
+    DynamicRendezvousHandler,
+    KeyValueStore,
+    KVConnectionError,
+    RendezvousConnectionError,
+    RendezvousParameters,
+    get_rendezvous_handler,
+)
+from rallypoint.rendezvous._kv_etcd import EtcdKV, EtcdOptions
+from rallypoint.testing._etcd import EtcdServer, etcd_binary
+from rallypoint.testing._rendezvous_contract import KVContract
+from rallypoint.testing._workers import run_workers
+
+pytestmark = [
+    pytest.mark.etcd,
+    pytest.mark.skipif(etcd_binary() is None, reason="etcd is not on PATH (apt: etcd-server)"),
+]
+
+_ids = itertools.count()
+FAST = {"last_call_timeout": "0.3", "keep_alive_interval": "0.2", "use_agent_store": "false"}
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[EtcdServer]:
+    with EtcdServer() as server:
+        yield server
+
+
+def _kv(server: EtcdServer, **options: Any) -> EtcdKV:
+    return EtcdKV(
+        EtcdOptions(
+            endpoints=[("127.0.0.1", server.client_port)],
+            prefix=f"/test{next(_ids)}/",
+            **options,
+        )
+    )
+
+
+class TestEtcdKV(KVContract):
+    @pytest.fixture
+    def kv(self, etcd: EtcdServer) -> Iterator[KeyValueStore]:
+        kv = _kv(etcd)
+        yield kv
+        kv.close()
+
+
+def _params(server: EtcdServer, run_id: str, n: int, **options: Any) -> RendezvousParameters:
+    return RendezvousParameters(
+        "etcd", server.endpoint, run_id, n, n, key_prefix=f"/rdzv{next(_ids)}/", **FAST, **options
+    )
+
+
+def test_handler_over_etcd(etcd: EtcdServer) -> None:
+    prefix = f"/h{next(_ids)}/"
+    handlers = [
+        get_rendezvous_handler(
+            RendezvousParameters("etcd", etcd.endpoint, "job", 8, 8, key_prefix=prefix, **FAST)
+        )
+        for _ in range(8)
+    ]
+    with ThreadPoolExecutor(8) as pool:
+        infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+    assert sorted(i.rank for i in infos) == list(range(8))
+    assert {i.world_size for i in infos} == {8}
+    infos[0].store.set("k", b"v")
+    assert infos[7].store.get("k") == b"v"
+    handlers[0].set_closed()
+    assert all(h.is_closed() for h in handlers)
+    for h in handlers:
+        assert isinstance(h, DynamicRendezvousHandler)
+        h._bg.stop()
+
+
+def _gloo_over_etcd(endpoint: str, prefix: str) -> float:
+    import torch
+    import torch.distributed as dist
+
+    params = RendezvousParameters("etcd", endpoint, "gloo", 2, 2, key_prefix=prefix, **FAST)
+    info = get_rendezvous_handler(params).next_rendezvous()
+    dist.init_process_group("gloo", store=info.store, rank=info.rank, world_size=info.world_size)
+    value = torch.tensor([float(info.rank + 1)])
+    dist.all_reduce(value)
+    dist.destroy_process_group()
+    return float(value.item())
+
+
+@pytest.mark.timeout(60)
+def test_gloo_process_group_over_the_etcd_store(etcd: EtcdServer) -> None:
+    results = run_workers(_gloo_over_etcd, 2, etcd.endpoint, f"/g{next(_ids)}/", timeout=50)
+    assert results == [3.0, 3.0]
+
+
+@pytest.mark.timeout(60)
+def test_etcd_restart_mid_rendezvous() -> None:
+    with EtcdServer() as server:
+        params = [_params(server, "restart", 3, read_timeout="30") for _ in range(3)]
+        prefix = params[0].config["key_prefix"]
+        for p in params:
+            p.config["key_prefix"] = prefix
+        handlers = [get_rendezvous_handler(p) for p in params]
+        with ThreadPoolExecutor(3) as pool:
+            early = [pool.submit(h.next_rendezvous) for h in handlers[:2]]
+            time.sleep(0.5)  # two nodes are blocked in their watch
+            server.stop()
+            time.sleep(0.5)
+            server.start()
+            late = pool.submit(handlers[2].next_rendezvous)
+            infos = [f.result(40) for f in [*early, late]]
+        assert sorted(i.rank for i in infos) == [0, 1, 2]
+        for h in handlers:
+            assert isinstance(h, DynamicRendezvousHandler)
+            h._bg.stop()
+
+
+def test_etcd_down_is_connection_error_naming_endpoint() -> None:
+    port = free_port()
+    params = RendezvousParameters(
+        "etcd", f"127.0.0.1:{port}", "job", 1, 1, read_timeout="1", **FAST
+    )
+    handler = get_rendezvous_handler(params)
+    start = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}"):
+        handler.next_rendezvous()
+    assert time.monotonic() - start < 10
+    assert isinstance(handler, DynamicRendezvousHandler)
+    handler._bg.stop()
+
+
+def test_lease_expires_keys_of_a_dead_job(etcd: EtcdServer) -> None:
+    kv = _kv(etcd, lease_ttl=2)
+    kv.set("alive", b"1")
+    other = EtcdKV(kv._opts)
+    other.set("second", b"1")
+    assert other._lease_id() == kv._lease_id()  # one lease per run, shared by its nodes
+    time.sleep(2.5)
+    assert kv.get("alive") == b"1"  # kept alive while a node lives
+    kv.close()
+    other.close()  # every node is gone: nobody renews the lease
+    deadline = time.monotonic() + 10
+    reader = EtcdKV(EtcdOptions(endpoints=kv._opts.endpoints, prefix=kv._opts.prefix, lease_ttl=0))
+    while reader.get("alive") is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert reader.get("alive") is None
+    assert reader.get("second") is None
+
+
+def _post(server: EtcdServer, path: str, body: dict[str, Any], token: str | None = None) -> Any:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = token
+    request = urllib.request.Request(
+        server.url + path, data=json.dumps(body).encode(), headers=headers, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.timeout(60)
+def test_user_password_auth() -> None:
+    with EtcdServer() as server:
+        _post(server, "/v3/auth/user/add", {"name": "root", "password": "s3cret"})
+        _post(server, "/v3/auth/user/grant", {"user": "root", "role": "root"})
+        _post(server, "/v3/auth/enable", {})
+        good = _kv(server, username="root", password="s3cret", lease_ttl=0)
+        good.set("k", b"v")
+        assert good.get("k") == b"v"
+        good._token = "expired-token"  # a stale token is renewed transparently
+        assert good.get("k") == b"v"
+        with pytest.raises(KVConnectionError, match="rejected user 'root'"):
+            _kv(server, username="root", password="wrong", lease_ttl=0).get("k")
+        with pytest.raises((KVConnectionError, Exception)):
+            _kv(server, lease_ttl=0, timeout=timedelta(seconds=1)).get("k")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "options", "message"),
+    [
+        ("", {}, "needs an endpoint"),
+        ("127.0.0.1:abc", {}, "rendezvous endpoint"),
+        ("127.0.0.1:2379", {"protocol": "gopher"}, "'protocol'"),
+        ("127.0.0.1:2379", {"lease_ttl": "long"}, "'lease_ttl'"),
+        ("127.0.0.1:2379", {"username": "u"}, "both 'username' and 'password'"),
+        ("127.0.0.1:2379", {"cert": "c.pem"}, "both 'cert' and 'key'"),
+    ],
+)
+def test_etcd_bad_input(endpoint: str, options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        get_rendezvous_handler(RendezvousParameters("etcd", endpoint, "job", 1, 1, **options))
+
+
+def test_endpoint_list_and_scheme(etcd: EtcdServer) -> None:
+    dead = free_port()
+    params = RendezvousParameters(
+        "etcd-v3",
+        f"http://127.0.0.1:{dead},http://{etcd.endpoint}",
+        "multi",
+        1,
+        1,
+        key_prefix=f"/m{next(_ids)}/",
+        **FAST,
+    )
+    handler = get_rendezvous_handler(params)  # the first endpoint is down: fail over
+    assert handler.get_backend() == "etcd-v3"
+    assert handler.next_rendezvous().world_size == 1
+    assert isinstance(handler, DynamicRendezvousHandler)
+    handler._bg.stop()
