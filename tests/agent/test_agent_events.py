@@ -9,6 +9,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rallypoint.launcher._events import Event, EventLog, EventLogError, read_events
 
@@ -108,7 +110,9 @@ def test_emit_bad_input(tmp_path: Path) -> None:
         ('{"kind": "a"}\n', 1, "'ts' must be a finite number"),
         ('{"ts": "now", "kind": "a"}\n', 1, "'ts' must be a finite number"),
         ('{"ts": true, "kind": "a"}\n', 1, "'ts' must be a finite number"),
-        ('{"ts": NaN, "kind": "a"}\n', 1, "'ts' must be a finite number"),
+        ('{"ts": NaN, "kind": "a"}\n', 1, "not valid JSON (NaN is not a JSON value)"),
+        ('{"ts": 1, "kind": "a", "x": -Infinity}\n', 1, "-Infinity is not a JSON value"),
+        ('{"ts": 1e999, "kind": "a"}\n', 1, "'ts' must be a finite number"),
         ('\n\n{"ts": 1}\n', 3, "'kind' must be a non-empty string"),
         ('{"ts": 1, "kind": "a", "node": 5}\n', 1, "'node' must be a string"),
         ('{"ts": 1, "kind": "a", "rank": "0"}\n', 1, "'rank' must be an integer"),
@@ -133,3 +137,39 @@ def test_read_unreadable(tmp_path: Path) -> None:
     path.write_bytes(b'{"ts": 1, "kind": "a"}\n\xff\xfe\n')
     with pytest.raises(EventLogError, match="not UTF-8"):
         read_events(path)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.binary(max_size=40),
+            st.builds(
+                lambda d: json.dumps(d).encode(),
+                st.dictionaries(
+                    st.sampled_from(["ts", "kind", "node", "rank", "local_rank", "x"]),
+                    st.one_of(
+                        st.none(),
+                        st.booleans(),
+                        st.integers(-3, 3),
+                        st.floats(),
+                        st.text(max_size=4),
+                    ),
+                ),
+            ),
+        ),
+        max_size=6,
+    )
+)
+def test_reader_never_crashes(tmp_path_factory: pytest.TempPathFactory, lines: list[bytes]) -> None:
+    """Arbitrary bytes: either valid events or an EventLogError naming a line, nothing else."""
+    path = tmp_path_factory.mktemp("fuzz") / "e.jsonl"
+    path.write_bytes(b"\n".join(line.replace(b"\n", b" ") for line in lines))
+    try:
+        events = read_events(path)
+    except EventLogError as exc:
+        assert 0 <= exc.lineno <= len(lines) + 1
+        return
+    for e in events:
+        assert math.isfinite(e.ts) and e.kind
+        json.dumps(e.to_dict(), allow_nan=False)

@@ -187,14 +187,20 @@ class EventLog:
         self.close()
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def _parse_line(path: str, lineno: int, line: str) -> Event:
     def fail(reason: str) -> EventLogError:
         return EventLogError(path, lineno, reason)
 
     try:
-        obj = json.loads(line)
+        obj = json.loads(line, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
         raise fail(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:  # from _reject_constant
+        raise fail(f"not valid JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise fail(f"expected a JSON object, got {type(obj).__name__}")
     ts = obj.get("ts")
