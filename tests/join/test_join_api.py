@@ -189,6 +189,26 @@ def _dist_checks() -> dict[str, str]:
                 sync.all_reduce(torch.ones(1))
 
     record("no_pattern", no_inputs_on_rank_0)
+
+    # Join.iterate misuse
+    join = Join([Good()])
+    record("iterate_outside", lambda: join.iterate([1]))
+    joined = Join([Good()], enable=False)
+    with joined:
+        record("iterate_disabled", lambda: list(joined.iterate([1, 2])))
+        record("iterate_twice", lambda: joined.iterate([1]))
+        record("iterate_no_len", lambda: Join.iterate(Join([Good()]).__enter__(), iter([1])))
+    scratch2 = dist.new_group([0, 1])
+
+    def break_early() -> None:  # rank 1 leaves iterate() before the common length
+        sync = CollectiveJoinable(process_group=scratch2)
+        with Join([sync]) as j:
+            for step in j.iterate(range(4)):
+                if rank == 1 and step == 1:
+                    break
+                sync.all_reduce(torch.ones(1))
+
+    record("iterate_break", break_early)
     dist.barrier()
     return out
 
@@ -210,6 +230,20 @@ def test_bad_input_that_needs_a_process_group() -> None:
         assert out["default_and_none_agree"] == "no error"
         assert out["junk_hook"].startswith("TypeError: joinables[0].join_hook() returned object")
         assert out["bad_src"] == "ValueError: src must be a rank in [0, 2), got 2"
+        assert out["iterate_outside"].startswith(
+            "RuntimeError: Join.iterate() must be called inside the `with join:` block"
+        )
+        assert out["iterate_disabled"] == "no error"
+        assert out["iterate_twice"] == "RuntimeError: Join.iterate() can be called once per context"
+        assert out["iterate_no_len"].startswith("TypeError: Join.iterate() needs inputs with len()")
+        if rank == 1:
+            assert out["iterate_break"].startswith(
+                "JoinError: rank 1 left Join.iterate() after 1 inputs, before the 4"
+            ), out["iterate_break"]
+        else:
+            assert out["iterate_break"].startswith(
+                "RankFailedError: rank 1 failed inside the Join context: JoinError: rank 1 left"
+            ), out["iterate_break"]
         if rank == 0:
             assert out["pad_empty_rank"].startswith("ValueError: rank 0 has no batches")
             assert out["no_pattern"].startswith(

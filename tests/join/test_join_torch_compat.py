@@ -67,6 +67,20 @@ def train_ddp(join_cls: Any, divide: bool, rank: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def train_ddp_iterate(divide: bool, rank: int) -> tuple[list[torch.Tensor], list[bool]]:
+    """rallypoint's Join.iterate: join mode only for the iterations that need it."""
+    model = DDP(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    modes = []
+    with Join([model], divide_by_initial_world_size=divide) as join:
+        for step in join.iterate(range(num_inputs(rank))):
+            modes.append(model._join_config.enable)
+            opt.zero_grad()
+            model(batch(rank, step)).sum().backward()
+            opt.step()
+    return [p.detach().clone() for p in model.parameters()], modes
+
+
 def train_ddp_zero(join_cls: Any, rank: int) -> list[torch.Tensor]:
     model = DDP(make_model())
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=LR)
@@ -98,6 +112,9 @@ def scenarios() -> dict[str, Any]:
         ref = reference(divide)
         out[f"ddp_{divide}_vs_ref"] = max_diff(ours, ref)
         out[f"ddp_{divide}_vs_torch"] = max_diff(ours, theirs)
+        iterated, modes = train_ddp_iterate(divide, rank)
+        out[f"iterate_{divide}_vs_torch"] = max_diff(iterated, theirs)
+        out["iterate_modes"] = modes
     ours = train_ddp_zero(Join, rank)
     theirs = train_ddp_zero(TorchJoin, rank)
     out["zero_vs_torch"] = max_diff(ours, theirs)
@@ -134,6 +151,16 @@ def test_ddp_uneven_inputs_match_single_process_reference(
     for res in results:
         assert res[f"ddp_{divide}_vs_ref"] < 1e-5
         assert res[f"ddp_{divide}_vs_torch"] == 0.0
+
+
+@pytest.mark.parametrize("divide", [True, False])
+def test_join_iterate_matches_torch_join_with_join_mode_only_at_the_end(
+    results: list[dict[str, Any]], divide: bool
+) -> None:
+    for res in results:
+        assert res[f"iterate_{divide}_vs_torch"] == 0.0
+    assert results[0]["iterate_modes"] == [False] * num_inputs(0)
+    assert results[1]["iterate_modes"] == [False] * num_inputs(0) + [True] * 3
 
 
 def test_ddp_and_zero_match_torch_join(results: list[dict[str, Any]]) -> None:

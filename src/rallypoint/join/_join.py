@@ -29,10 +29,10 @@ import logging
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ from rallypoint.join._options import JoinOptions
 __all__ = ["Join", "JoinHook", "JoinSummary", "Joinable", "SupportsJoin"]
 
 logger = logging.getLogger("rallypoint.join")
+_T = TypeVar("_T")
 
 _THROW_MESSAGE = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
 
@@ -258,6 +259,8 @@ class Join:
                 self._process_group, self._rank, join_options.poll_interval
             )
         self._saved_configs: list[Any] | None = None
+        self._iterate_state: list[int] | None = None  # [common length, yielded]
+        self._entered = False
         self._watcher: BodyWatcher | None = None
         self._warned = False
         self.summary: JoinSummary | None = None
@@ -293,14 +296,18 @@ class Join:
         if self._saved_configs is not None:
             return
         self._saved_configs = [getattr(j, "_join_config") for j in self._joinables]  # noqa: B009
+        self._apply_enable(self._enable)
+        for joinable in self._joinables:
+            if self._channel is not None:
+                _register_channel(joinable, self._channel)
+
+    def _apply_enable(self, enable: bool) -> None:
         for index, joinable in enumerate(self._joinables):
             joinable._join_config = _JoinConfig(  # type: ignore[attr-defined]
-                enable=self._enable,
+                enable=enable,
                 throw_on_early_termination=self._throw_on_early_termination,
                 is_first_joinable=index == 0,
             )
-            if self._channel is not None:
-                _register_channel(joinable, self._channel)
 
     def _restore_joinable_configs(self) -> None:
         if self._saved_configs is None:
@@ -313,8 +320,59 @@ class Join:
 
     # -- context -----------------------------------------------------------------------
 
+    def iterate(self, inputs: Iterable[_T]) -> Iterator[_T]:
+        """Yield ``inputs``, with join mode on only for the iterations that need it.
+
+        A collective (call it on every rank, inside the context): the ranks agree on the
+        smallest ``len(inputs)``, ``m``; for the first ``m`` iterations no rank can have
+        joined, so the joinables run as outside a Join (DDP skips its two per-step join
+        all-reduces), and join mode is switched on from iteration ``m``. The loop must run
+        to the end of ``inputs`` on a rank (or at least ``m`` iterations): leaving it
+        earlier raises :class:`JoinError` at the end of the context, because the other
+        ranks are not in join mode yet and cannot be shadowed.
+        """
+        if not self._entered:
+            raise RuntimeError("Join.iterate() must be called inside the `with join:` block")
+        if self._iterate_state is not None:
+            raise RuntimeError("Join.iterate() can be called once per context")
+        try:
+            own = len(inputs)  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise TypeError(
+                f"Join.iterate() needs inputs with len(), got {type(inputs).__name__}; "
+                "iterate them directly instead (join mode is then on from the start)"
+            ) from exc
+        if not self._enable:
+            self._iterate_state = [0, 0]
+            return iter(inputs)
+        counts = torch.tensor([own], dtype=torch.int64, device=self._device)
+        channel = self._channel if self._device.type == "cpu" else None
+        work = dist.all_reduce(
+            counts, op=dist.ReduceOp.MIN, group=self._process_group, async_op=True
+        )
+        wait_work(work, channel)
+        common = int(counts.item())
+        self._iterate_state = [common, 0]
+        if common > 0:
+            self._apply_enable(False)
+        return self._iterate(inputs, common)
+
+    def _iterate(self, inputs: Iterable[_T], common: int) -> Iterator[_T]:
+        state = self._iterate_state
+        assert state is not None
+        try:
+            for item in inputs:
+                if state[1] == common and common > 0:
+                    self._apply_enable(True)
+                yield item
+                state[1] += 1
+        finally:
+            if self._entered:
+                self._apply_enable(True)
+
     def __enter__(self) -> Join:
         self._set_joinable_configs()
+        self._entered = True
         if self._channel is not None and self._options.watch_body and self._enable:
             self._watcher = BodyWatcher(self._channel)
             self._watcher.start()
@@ -341,6 +399,16 @@ class Join:
                 return
             if not self._enable:
                 return
+            self._apply_enable(True)
+            state, self._iterate_state = self._iterate_state, None
+            if state is not None and state[1] < state[0]:
+                error = JoinError(
+                    f"rank {self._rank} left Join.iterate() after {state[1]} inputs, before "
+                    f"the {state[0]} that every rank has; the other ranks are not in join "
+                    "mode yet and cannot be shadowed: iterate to the end of the inputs"
+                )
+                self._on_error(error)
+                raise error
             channel = self._channel if self._device.type == "cpu" else None
             cancel = threading.Event()
             try:
@@ -349,6 +417,8 @@ class Join:
                 self._on_error(error)
                 raise
         finally:
+            self._entered = False
+            self._iterate_state = None
             self._restore_joinable_configs()
 
     def _on_error(self, exc: BaseException) -> None:
