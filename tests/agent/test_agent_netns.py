@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -17,7 +18,12 @@ from rallypoint.testing._netns import (
 )
 
 _ok, _why = netns_available()
-needs_netns = pytest.mark.skipif(not _ok, reason=_why)
+
+
+def needs_netns(fn: Callable[..., None]) -> Callable[..., None]:
+    """Marked `netns` (select with -m netns) and skipped with the reason where unavailable."""
+    return pytest.mark.netns(pytest.mark.skipif(not _ok, reason=_why)(fn))
+
 
 SERVER = r"""
 import socket, sys
