@@ -1,13 +1,14 @@
 """Per-iteration cost of a Join context on a small DDP model (CPU, gloo).
 
-Runs the same training loop with no Join, torch's ``Join`` and rallypoint's ``Join`` in the
-same processes, interleaved in rounds so that machine noise hits every variant alike, and
-prints a markdown table with ratios. Inputs are even, so what is measured is the price of
-being inside a Join context (DDP's notify all-reduce per iteration, plus whatever the Join
-implementation adds), not the shadowing of uneven inputs.
+Runs the same training loop in the same processes with no Join, torch's ``Join``,
+rallypoint's ``Join``, and rallypoint's ``Join`` with ``join.iterate(inputs)`` (join mode
+only for the last, uneven iterations), interleaved in many short rounds so that machine
+noise hits every variant alike, and prints a markdown table with ratios. Inputs are even:
+what is measured is the price of being inside a Join context (in join mode DDP issues two
+1-element all-reduces per step), not the shadowing of uneven inputs.
 
-    .venv/bin/python benchmarks/join.py                      # 2 ranks, 6 rounds x 100 iterations
-    .venv/bin/python benchmarks/join.py --iters 50 --rounds 2 --plot join.png
+    .venv/bin/python benchmarks/join.py                  # 2 ranks, 24 rounds x 25 iterations
+    .venv/bin/python benchmarks/join.py --iters 10 --rounds 4 --plot join.png
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from rallypoint.join import Join
 from rallypoint.testing import run_workers
 
-VARIANTS = ("no Join", "torch Join", "rallypoint Join")
+VARIANTS = ("no Join", "torch Join", "rallypoint Join", "rallypoint Join.iterate")
 
 
 def _context(variant: str, model: DDP) -> AbstractContextManager[Any]:
     if variant == "torch Join":
         return TorchJoin([model])
-    if variant == "rallypoint Join":
+    if variant.startswith("rallypoint Join"):
         return Join([model])
     return nullcontext()
 
@@ -68,11 +69,13 @@ def _worker(iters: int, rounds: int, width: int, batch: int) -> dict[str, list[f
     for _ in range(10):  # warm up buckets and allocator
         step()
     for round_ in range(rounds):
-        order = VARIANTS[round_ % 3 :] + VARIANTS[: round_ % 3]
+        shift = round_ % len(VARIANTS)
+        order = VARIANTS[shift:] + VARIANTS[:shift]
         for variant in order:
             dist.barrier()
-            with _context(variant, model):
-                for _ in range(iters):
+            with _context(variant, model) as join:
+                steps = join.iterate(range(iters)) if variant.endswith("iterate") else range(iters)
+                for _ in steps:
                     start = time.perf_counter()
                     step()
                     times[variant].append(time.perf_counter() - start)
@@ -110,9 +113,9 @@ def _plot(times: dict[str, list[float]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(7, 3.8))
     ax.boxplot([[t * 1e3 for t in times[v]] for v in VARIANTS], showfliers=False)
-    ax.set_xticks(range(1, len(VARIANTS) + 1), VARIANTS)
+    ax.set_xticks(range(1, len(VARIANTS) + 1), [v.replace(" Join", "\nJoin") for v in VARIANTS])
     ax.set_ylabel("ms per iteration (rank 0)")
     ax.set_title("DDP step time inside a Join context (CPU, gloo)")
     fig.tight_layout()
@@ -122,8 +125,8 @@ def _plot(times: dict[str, list[float]], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=100, help="iterations per round")
-    parser.add_argument("--rounds", type=int, default=6, help="rounds (variants interleaved)")
+    parser.add_argument("--iters", type=int, default=25, help="iterations per round")
+    parser.add_argument("--rounds", type=int, default=24, help="rounds (variants interleaved)")
     parser.add_argument("--width", type=int, default=512, help="hidden width of the MLP")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--plot", metavar="FILE", help="write a box plot (needs matplotlib)")
