@@ -5,6 +5,7 @@
 ``DistributedDataParallel`` and ``ZeroRedundancyOptimizer`` work inside it unchanged. On
 top of torch's semantics: a rank that raises inside the context makes the others raise
 :class:`RankFailedError` within a second instead of hanging, a skew :class:`JoinSummary`,
+``Join.iterate`` (join mode only for the last, uneven iterations),
 ``notify_join_context`` returning a future, :class:`CollectiveJoinable` for a loop's own
 collectives, and :func:`even_batches` for users who prefer padding to joining.
 """

@@ -18,6 +18,8 @@ Differences from torch (all additive):
 - no ``warnings.simplefilter`` call: the skew warning is issued once per Join;
 - ``notify_join_context`` returns a ``torch.futures.Future`` (pytorch#61661);
 - ``Join.summary`` says how many iterations each rank shadowed;
+- ``Join.iterate(inputs)`` keeps the joinables out of join mode (no per-step notify
+  all-reduces) until the shortest rank's last input;
 - the joinables' ``_join_config`` is restored when the context exits, so DDP stops issuing
   join collectives after the context;
 - joinables are validated up front with ``TypeError``/``ValueError`` messages.
