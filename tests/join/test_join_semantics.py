@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rallypoint.join import (
+    CollectiveJoinable,
     EarlyTerminationError,
     Join,
     Joinable,
@@ -143,7 +144,22 @@ def scenarios() -> dict[str, Any]:
     out["filters_unchanged"] = warnings.filters == filters_before
     out["threads_left"] = [t.name for t in threading.enumerate() if "rallypoint" in t.name]
 
-    # 6. even_batches: pad and truncate agree on one count
+    # 6. CollectiveJoinable: several collectives per iteration, shadowed with neutral inputs
+    sync = CollectiveJoinable()
+    seen = []
+    with Join([sync]):
+        for step in range(3 + rank):
+            with sync.iteration():
+                active = sync.all_reduce(torch.ones(1)).item()
+                top = sync.all_reduce(torch.tensor([rank]), op=dist.ReduceOp.MAX).item()
+                low = sync.all_reduce(torch.tensor([float(rank)]), op=dist.ReduceOp.MIN).item()
+                prod = sync.all_reduce(torch.tensor([2.0]), op=dist.ReduceOp.PRODUCT).item()
+                sent = sync.broadcast(torch.tensor([float(step if rank == 2 else -1)]), src=2)
+                mean = sync.average(torch.tensor([float(rank), 1.0]))
+            seen.append((active, top, low, prod, sent.item(), mean.tolist()))
+    out["collective"] = seen
+
+    # 7. even_batches: pad and truncate agree on one count
     data = list(range(3 + rank))
     padded = even_batches(data)
     out["pad"] = (list(padded), len(padded), padded.padded)
@@ -233,6 +249,26 @@ def test_skew_warning_once_without_global_filter(results: list[dict[str, Any]]) 
 
 def test_no_helper_threads_left_behind(results: list[dict[str, Any]]) -> None:
     assert all(res["threads_left"] == [] for res in results)
+
+
+def test_collective_joinable_results_over_working_ranks(
+    results: list[dict[str, Any]],
+) -> None:
+    # steps 0-2: ranks 0, 1, 2 work; step 3: ranks 1, 2; step 4: rank 2 alone
+    active_ranks = [[0, 1, 2]] * 3 + [[1, 2], [2]]
+    for rank, res in enumerate(results):
+        expected = [
+            (
+                float(len(ranks)),
+                2,
+                float(min(ranks)),
+                2.0 ** len(ranks),
+                float(step),
+                [sum(ranks) / len(ranks), 1.0],
+            )
+            for step, ranks in enumerate(active_ranks[: 3 + rank])
+        ]
+        assert res["collective"] == expected, rank
 
 
 def test_even_batches(results: list[dict[str, Any]]) -> None:
