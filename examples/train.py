@@ -8,8 +8,9 @@ Run it with rallypoint (or torchrun: the script only reads the standard environm
 The data are synthetic and deterministic (a fixed random teacher network labels fixed random
 inputs), so every run computes the same losses. Rank 0 writes a checkpoint after every
 epoch (atomically) and, when the script starts again (a restart after a crash, or a second
-run), every rank resumes from the last checkpoint. ``--crash-at-epoch N`` makes rank 1 die
-in epoch N of the first attempt to show a restart resuming from that checkpoint.
+run), every rank resumes from the last checkpoint; a finished run starts over.
+``--crash-at-epoch N`` makes rank 1 die in epoch N of the first attempt to show a restart
+resuming from that checkpoint.
 """
 
 from __future__ import annotations
@@ -65,13 +66,13 @@ def main() -> None:
     ddp = DistributedDataParallel(model)
     optim = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     start_epoch = 0
-    if args.fresh and restart == 0:
-        dist.barrier()  # everyone has decided before rank 0 removes the old checkpoint
-        if rank == 0 and ckpt.exists():
-            ckpt.unlink()
-        dist.barrier()
-    if ckpt.exists():
-        state = torch.load(ckpt, map_location="cpu")
+    state = torch.load(ckpt, map_location="cpu") if ckpt.exists() else None
+    if state is not None and restart == 0 and (args.fresh or state["epoch"] + 1 >= args.epochs):
+        if rank == 0:
+            why = "--fresh" if args.fresh else f"{ckpt} already has all {args.epochs} epochs"
+            print(f"{why}: training from scratch")
+        state = None
+    if state is not None:
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
         start_epoch = state["epoch"] + 1
@@ -82,8 +83,6 @@ def main() -> None:
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
     loss_fn = nn.MSELoss()
-    if rank == 0 and start_epoch >= args.epochs:
-        print(f"already trained for {args.epochs} epochs; pass --fresh to train again")
     for epoch in range(start_epoch, args.epochs):
         started = time.perf_counter()
         sampler.set_epoch(epoch)
@@ -111,6 +110,10 @@ def main() -> None:
             )
             os.replace(tmp, ckpt)
         dist.barrier()
+    # Free DDP's reducer while the group is still registered, so that the group is torn
+    # down by destroy_process_group() (which lets gloo's threads finish) and not by a
+    # destructor that joins them while holding the GIL (a known torch shutdown hang).
+    del ddp
     dist.destroy_process_group()
 
 
