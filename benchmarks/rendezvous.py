@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     torch_gave_up = args.no_torch
     try:
         for n in args.nodes:
-            row: dict[str, Any] = {"n": n, "layout": "%dx%d" % _layout(n)}
+            row: dict[str, Any] = {"n": n, "layout": "{}x{}".format(*_layout(n))}
             row["ours"] = measure("ours", endpoint, n, args.timeout)
             if etcd is not None and n <= args.etcd_max:
                 row["etcd"] = measure("etcd", etcd.endpoint, n, args.timeout)
@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{time.strftime('%Y-%m-%d')}; processes x threads forked from a warm process\n"
     )
     print(
-        "| N | layout | rallypoint (TCPStore) | rallypoint (etcd) | torch (c10d) | torch / rallypoint |"
+        "| N | layout | rallypoint (TCPStore) | rallypoint (etcd) | torch (c10d) "
+        "| torch / rallypoint |"
     )
     print("|---:|---:|---:|---:|---:|---:|")
     for row in rows:
