@@ -42,6 +42,23 @@ def _wait_members(n: int, timeout: float = 20.0) -> list[str]:
     return _members()
 
 
+def _wait_for_member(name: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        None,
+        False,
+        timedelta(seconds=20),
+    )
+    deadline = time.monotonic() + 20
+    while not store.check([f"rpc_prefix_0/member/{name}"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _dynamic_scenario() -> dict[str, Any]:
     rank = int(os.environ["RANK"])
     time.sleep(0.15 * rank)  # join one after another (the token serialises overlaps anyway)
@@ -50,6 +67,7 @@ def _dynamic_scenario() -> dict[str, Any]:
     out: dict[str, Any] = {}
     if rank == 3:
         # a duplicate name is refused, and the membership token is released anyway
+        _wait_for_member("worker0")
         with pytest.raises(RuntimeError, match="worker name 'worker0' is already in the group"):
             rpc.init_rpc("worker0", rank=3, world_size=None, rpc_backend_options=opts)
         start = time.monotonic()

@@ -319,6 +319,7 @@ class Connection:
                 try:
                     self._handler.handle_frame(self, frame)
                 finally:
+                    del frame  # do not pin the frame's tensors (and segments) until the next one
                     with self._state_lock:
                         self._exec_since = 0.0
                         stolen = generation != self._generation

@@ -1,0 +1,175 @@
+"""Wire format, out-of-band tensors, frame parsing and shared-memory segments (in-process)."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from rallypoint.rpc import RpcProtocolError, _wire
+from rallypoint.rpc._shm import SegmentPool
+from rallypoint.rpc._transport import Connection, Frame, _Reader
+
+
+def _roundtrip(obj: Any) -> Any:
+    data, raws = _wire.encode(obj)
+    assert b"torch._utils" not in data  # dense tensors never go through pickle
+    copies = [r.clone() for r in raws]
+    return _wire.decode(data, copies)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(3, 4),
+        torch.arange(10, dtype=torch.int64)[2:8:2],
+        torch.randn(4, 5).t(),
+        torch.tensor(3.5),
+        torch.empty(0, 7),
+        torch.ones(5, dtype=torch.bool),
+        torch.randn(6).to(torch.bfloat16),
+        torch.randn(6).to(torch.float16),
+        torch.randn(3, dtype=torch.complex64),
+    ],
+    ids=["float", "strided-slice", "transposed", "0-d", "empty", "bool", "bf16", "fp16", "cplx"],
+)
+def test_tensor_roundtrip(tensor: torch.Tensor) -> None:
+    out = _roundtrip({"t": tensor, "n": 1})
+    assert out["n"] == 1
+    assert out["t"].dtype == tensor.dtype and out["t"].shape == tensor.shape
+    assert torch.equal(out["t"], tensor)
+
+
+def test_requires_grad_parameter_and_shared_tensor() -> None:
+    leaf = torch.randn(3, requires_grad=True)
+    param = torch.nn.Parameter(torch.ones(2))
+    shared = torch.randn(2)
+    out = _roundtrip((leaf, param, [shared, shared]))
+    assert out[0].requires_grad and torch.equal(out[0], leaf)
+    assert isinstance(out[1], torch.nn.Parameter)
+    assert torch.equal(out[2][0], shared) and torch.equal(out[2][1], shared)
+
+
+def test_sparse_tensors_pickle_with_their_parts_out_of_band() -> None:
+    sparse = torch.eye(3).to_sparse()
+    data, raws = _wire.encode(sparse)
+    assert len(raws) == 2  # indices and values travel as raw tensors
+    assert torch.equal(_wire.decode(data, raws).to_dense(), torch.eye(3))
+
+
+def test_atomic_calls_use_plain_pickle() -> None:
+    data, raws = _wire.encode((max, (1, 2.0, "x", None), {"k": b"v"}))
+    assert raws == [] and _wire.decode(data, []) == (max, (1, 2.0, "x", None), {"k": b"v"})
+
+
+def _frame(kind: int = _wire.KIND_CALL, rid: int = 1, data: bytes = b"abc") -> bytes:
+    return _wire.HEADER.pack(_wire.MAGIC, kind, 0, 0, rid, len(data)) + data
+
+
+def test_reader_parses_many_frames_per_recv_and_rejects_garbage() -> None:
+    a, b = socket.socketpair()
+    try:
+        payload = _frame(rid=1) + _frame(rid=2, data=b"x" * 300_000) + _frame(rid=3)
+        writer = threading.Thread(target=a.sendall, args=(payload,))
+        writer.start()
+        reader = _Reader(b, uds=False)
+        frames = [reader.read_frame() for _ in range(3)]
+        writer.join(5)
+        assert [f.request_id for f in frames] == [1, 2, 3]
+        assert frames[1].data == b"x" * 300_000
+        a.sendall(b"GARBAGE-GARBAGE-GARBAGE-GARBAGE")
+        with pytest.raises(RpcProtocolError, match="bad frame header"):
+            reader.read_frame()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_reader_rejects_oversized_frames_and_shm_over_tcp() -> None:
+    a, b = socket.socketpair()
+    try:
+        a.sendall(_wire.HEADER.pack(_wire.MAGIC, _wire.KIND_CALL, 0, 0, 1, 1 << 40))
+        with pytest.raises(RpcProtocolError, match="frame too large"):
+            _Reader(b, uds=False).read_frame()
+    finally:
+        a.close()
+        b.close()
+    a, b = socket.socketpair()
+    try:
+        header = _wire.HEADER.pack(_wire.MAGIC, _wire.KIND_CALL, 0, 1, 1, 0)
+        a.sendall(header + _wire.DESC.pack(_wire.WHERE_SHM, 1, 0, 5, 100))
+        with pytest.raises(RpcProtocolError, match="bad tensor descriptor"):
+            _Reader(b, uds=False).read_frame()
+        a.close()
+        with pytest.raises(EOFError):
+            _Reader(b, uds=False).read_frame()
+    finally:
+        b.close()
+
+
+def test_segment_pool_limits() -> None:
+    pool = SegmentPool(max_bytes=1 << 20)
+    first = pool.put(torch.ones(600_000, dtype=torch.uint8))
+    assert first is not None and not first.free
+    assert pool.put(torch.ones(600_000, dtype=torch.uint8)) is None  # pool full, busy segment
+    first.mm[0] = 0  # the receiver released it
+    again = pool.put(torch.ones(600_000, dtype=torch.uint8))
+    assert again is first
+    pool.close()
+
+
+class _Collect:
+    def __init__(self) -> None:
+        self.frames: list[Frame] = []
+        self.event = threading.Event()
+        self.lost: list[BaseException | None] = []
+
+    def handle_frame(self, conn: Connection, frame: Frame) -> None:
+        self.frames.append(frame)
+        self.event.set()
+
+    def connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
+        self.lost.append(exc)
+
+
+def test_shared_memory_segments_are_passed_once_and_reused() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX)
+    pool = SegmentPool(1 << 26)
+    stats = {"inline_tensor_bytes": 0, "shm_tensor_bytes": 0}
+    sink = _Collect()
+    kwargs: dict[str, Any] = {"peer_id": 0, "shm_threshold": 1024, "stats": stats}
+    sender = Connection(a, peer_name="rx", uds=True, handler=_Collect(), pool=pool, **kwargs)
+    receiver = Connection(b, peer_name="tx", uds=True, handler=sink, pool=None, **kwargs)
+    receiver.start()
+    try:
+        payload = torch.arange(1 << 18, dtype=torch.int32).view(torch.uint8)  # 1 MiB
+        sender.send_frame(_wire.KIND_CALL, 1, b"", [payload])
+        assert sink.event.wait(5)
+        got = sink.frames.pop().tensors[0]
+        assert torch.equal(got, payload) and stats["shm_tensor_bytes"] == payload.numel()
+        segment = pool._segments[0]
+        assert not segment.free
+        del got
+        gc.collect()
+        deadline = time.monotonic() + 5
+        while not segment.free and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert segment.free  # the receiver dropped its view: the segment is reusable
+        sink.event.clear()
+        sender.send_frame(_wire.KIND_CALL, 2, b"", [payload])
+        assert sink.event.wait(5)
+        assert len(pool._segments) == 1 and torch.equal(sink.frames.pop().tensors[0], payload)
+        small = torch.ones(10, dtype=torch.uint8)
+        sink.event.clear()
+        sender.send_frame(_wire.KIND_CALL, 3, b"", [small])
+        assert sink.event.wait(5)
+        assert stats["inline_tensor_bytes"] == 10
+    finally:
+        sender.close()
+        receiver.close()
+        pool.close()
