@@ -47,7 +47,8 @@ def _wait_for_member(name: str) -> None:
 
     import torch.distributed as dist
 
-    store = dist.TCPStore(  # type: ignore[attr-defined]
+    # the test knows the key layout: the store prefix of the first init_rpc, then member/<name>
+    store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         None,
