@@ -64,16 +64,26 @@ def _env_and_allreduce() -> dict[str, Any]:
     out["pid"] = os.getpid()
     out["sid"] = os.getsid(0)
     out["argv"] = list(sys.argv)
+    out["cwd"] = os.getcwd()
+    out["sigterm_default"] = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    out["sigint_python"] = signal.getsignal(signal.SIGINT) is signal.default_int_handler
     dist.destroy_process_group()
     return out
 
 
 def test_env_matches_torchrun_and_results_come_back_by_rank(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("RALLYPOINT_RPC_SECRET", raising=False)
-    res = launch(_env_and_allreduce, nproc=3, max_restarts=2, role="trainer", run_id="job7")
+    res = launch(
+        _env_and_allreduce,
+        nproc=3,
+        max_restarts=2,
+        role="trainer",
+        run_id="job7",
+        cwd=str(tmp_path),
+    )
     assert [r["RANK"] for r in res] == ["0", "1", "2"]
     assert [r["LOCAL_RANK"] for r in res] == ["0", "1", "2"]
     ports = {r["MASTER_PORT"] for r in res}
@@ -97,6 +107,8 @@ def test_env_matches_torchrun_and_results_come_back_by_rank(
         assert r["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
         assert r["OMP_NUM_THREADS"] == "1" and r["threads"] == 1
         assert r["sid"] == r["pid"], "each worker leads its own session"
+        assert r["cwd"] == str(tmp_path)
+        assert r["sigterm_default"] and r["sigint_python"]
         assert r["pid"] != os.getpid()
 
 
