@@ -290,3 +290,18 @@ def test_torch_record_users_still_get_their_error_file(
     assert "RuntimeError: recorded by torch's @record" in err[err.index("Root cause") :]
     error_file = logs / "rec" / "attempt_0" / "0" / "error.json"
     assert "recorded by torch's @record" in error_file.read_text()
+
+
+def test_tee_without_log_dir_uses_a_temporary_one(
+    allreduce_script: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    assert run_main(["--nproc-per-node", "2", "--tee", "1", str(allreduce_script)]) == 0
+    out, err = capfd.readouterr()
+    assert "[rank0]: hello 0" in out, "tee keeps the console copy"
+    line = next(line for line in err.splitlines() if "log directory is" in line)
+    root = Path(line.rsplit(" ", 1)[1])
+    assert (root / "attempt_0" / "1" / "stdout.log").read_text().startswith("hello 1")
+    assert not (root / "attempt_0" / "1" / "stderr.log").exists(), "tee 1 is stdout only"
+    import shutil
+
+    shutil.rmtree(root.parent)

@@ -117,7 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--virtual-local-rank", "--virtual_local_rank", help="not supported without GPUs")
     # rallypoint's own
     opt("--preload", default="", help="modules the warm process imports: a,b")
-    opt("--prefix", default=DEFAULT_PREFIX, help="line prefix (${rank}, ${local_rank})")
+    opt(
+        "--prefix",
+        default=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", DEFAULT_PREFIX),
+        help="line prefix template (${rank}, ${local_rank}, ${role_name})",
+    )
     flag("--no-prefix", "--no_prefix", help="do not prefix worker lines")
     opt("--timeout", default=None, type=float, help="stop the job after SECONDS")
     p.add_argument("training_script", help="script (or module with -m, command with --no-python)")
@@ -176,6 +180,16 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
     for name in ("logs_specs", "numa_binding"):
         if getattr(args, name):
             raise UsageError(f"--{name.replace('_', '-')} is not supported by rallypoint run")
+    ignored = {
+        "--duplicate-stdout-filters": args.duplicate_stdout_filters,
+        "--duplicate-stderr-filters": args.duplicate_stderr_filters,
+        "--local-addr": args.local_addr,
+        "--virtual-local-rank": args.virtual_local_rank,
+        "--event-log-handler": args.event_log_handler not in ("", "null"),
+    }
+    for name, value in ignored.items():
+        if value:
+            sys.stderr.write(f"{PROG}: warning: {name} has no effect on a single node; ignored\n")
     nproc = parse_nproc(args.nproc_per_node)
     master_addr, master_port = args.master_addr, args.master_port
     if args.rdzv_endpoint and not args.standalone and master_port is None:
@@ -206,7 +220,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
             raise UsageError(f"--no-python: command {script!r} not found or not executable")
     else:
         kind = "script"
-        if not os.path.isfile(script):
+        runnable = os.path.isfile(script) or os.path.isfile(os.path.join(script, "__main__.py"))
+        if not runnable:
             raise UsageError(f"script {script!r} does not exist")
     shutdown = args.shutdown_timeout
     if shutdown is None:
