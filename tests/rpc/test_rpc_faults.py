@@ -136,3 +136,50 @@ def _graceful_waits_for_outstanding_work() -> list[int]:
 @pytest.mark.timeout(30)
 def test_graceful_shutdown_waits_for_outstanding_calls() -> None:
     assert run_workers(_graceful_waits_for_outstanding_work, 2, timeout=20, env=SECRET)[0] == [1]
+
+
+_GATE = threading.Event()
+
+
+def _wait_for_gate() -> bool:
+    return _GATE.wait(10)
+
+
+def _open_gate() -> None:
+    _GATE.set()
+
+
+def _ping_pong(depth: int) -> int:
+    if depth == 0:
+        return 0
+    me = rpc.get_worker_info().name
+    other = "worker1" if me == "worker0" else "worker0"
+    return 1 + int(rpc.rpc_sync(other, _ping_pong, args=(depth - 1,)))
+
+
+def _blocking_scenario() -> dict[str, Any]:
+    rank = _init(world_size=2)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        # the first call blocks worker1's reader until a later call on the same connection
+        # opens the gate: the reader must hand over instead of deadlocking
+        blocked = rpc.rpc_async("worker1", _wait_for_gate)
+        time.sleep(0.05)
+        rpc.rpc_sync("worker1", _open_gate)
+        out["gate"] = blocked.wait()
+        out["depth"] = rpc.rpc_sync("worker1", _ping_pong, args=(8,))
+        with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+            rpc.rpc_sync("worker1", _not_async_but_marked)
+    rpc.shutdown()
+    return out
+
+
+@rpc.functions.async_execution
+def _not_async_but_marked() -> int:
+    return 1
+
+
+@pytest.mark.timeout(40)
+def test_blocking_and_nested_calls_do_not_deadlock() -> None:
+    out = run_workers(_blocking_scenario, 2, timeout=30, env=SECRET)[0]
+    assert out == {"gate": True, "depth": 8}

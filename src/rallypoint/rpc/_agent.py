@@ -777,7 +777,7 @@ class RallypointAgent(RpcAgent):
 
 
 def _fail(future: torch.futures.Future[Any], exc: BaseException) -> None:
-    with contextlib.suppress(RuntimeError):  # already completed
+    with contextlib.suppress(Exception):  # already completed  # already completed
         future.set_exception(exc)
 
 

@@ -235,6 +235,17 @@ class Connection:
         *,
         flush: bool = True,
     ) -> None:
+        if not raws:  # fast path: header and pickle only
+            header = _wire.HEADER.pack(_wire.MAGIC, kind, 0, 0, request_id, len(data))
+            with self._qlock:
+                if self.closed:
+                    raise RpcConnectionError(
+                        f"connection to {self.peer_name} is closed", peer=self.peer_name
+                    )
+                self._queue.append(([memoryview(header), memoryview(data)], [], raws))
+            if flush:
+                self.flush()
+            return
         segments: list[Segment | None] = []
         for raw in raws:
             seg = None
