@@ -11,5 +11,5 @@ from rallypoint.testing._rpc_contract import run_rpc_contract
 @pytest.mark.parametrize("backend", ["RALLYPOINT", "TENSORPIPE"])
 def test_rpc_contract(backend: str) -> None:
     results = run_rpc_contract(backend)
-    assert len(results[0]) == 25, results[0]
+    assert len(results[0]) == 28, results[0]
     assert results[1] == [] and results[2] == []

@@ -48,9 +48,11 @@ def _wait_owned(target: int, timeout: float = 5.0) -> int:
         time.sleep(0.02)
 
 
-def _lifetime_scenario(shared_memory: bool) -> dict[str, Any]:
+def _lifetime_scenario(mode: str) -> dict[str, Any]:
     rank = int(os.environ["RANK"])
-    opts = rpc.RallypointRpcBackendOptions(rpc_timeout=20, shared_memory=shared_memory)
+    opts = rpc.RallypointRpcBackendOptions(
+        rpc_timeout=20, shared_memory=mode == "shm", unix_socket=mode != "tcp"
+    )
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=opts)
     out: dict[str, Any] = {}
     if rank == 0:
@@ -84,6 +86,7 @@ def _lifetime_scenario(shared_memory: bool) -> dict[str, Any]:
         after = current_rallypoint_agent().stats
         out["shm_bytes"] = after["shm_tensor_bytes"] - before["shm_tensor_bytes"]
         out["inline_bytes"] = after["inline_tensor_bytes"] - before["inline_tensor_bytes"]
+        out["unix"] = sorted({c.uds for c in current_rallypoint_agent()._out.values()})
         mutated = rpc.rpc_sync("worker1", _echo, args=(big,))
         mutated.zero_()  # the received tensor must not alias the sender's
         assert big.abs().sum() > 0
@@ -98,15 +101,16 @@ def _lifetime_scenario(shared_memory: bool) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("shared_memory", [True, False])
-def test_rref_lifetime_and_tensor_transport(shared_memory: bool) -> None:
+@pytest.mark.parametrize("mode", ["shm", "unix", "tcp"])
+def test_rref_lifetime_and_tensor_transport(mode: str) -> None:
     from rallypoint.testing import run_workers
 
-    out = run_workers(_lifetime_scenario, 3, shared_memory, timeout=50, env=SECRET)[0]
+    out = run_workers(_lifetime_scenario, 3, mode, timeout=50, env=SECRET)[0]
+    assert out["unix"] == ([False] if mode == "tcp" else [True])
     assert out["owned_with_user"] == out["owned_after_creator_dropped"]
     assert out["owned_after_all_dropped"] == out["owned_with_user"] - 1
     size = 3 * (4 << 20)  # three 4 MiB requests sent by worker0
-    if shared_memory:
+    if mode == "shm":
         assert out["shm_bytes"] == size and out["inline_bytes"] < 1024
     else:
         assert out["shm_bytes"] == 0 and out["inline_bytes"] >= size

@@ -352,7 +352,7 @@ class RallypointAgent(RpcAgent):
             if self._closed:
                 raise RpcError(NOT_INITIALIZED)
             record = self._records[name]
-            same_host = record["host_key"] == self._host_key
+            same_host = record["host_key"] == self._host_key and self.options.unix_socket
             address: tuple[str, int] | str = (
                 record["uds"] if same_host else (record["host"], int(record["port"]))
             )

@@ -81,6 +81,8 @@ class RallypointRpcBackendOptions(RpcBackendOptions):
       ``RALLYPOINT_RPC_ALLOW_STORE_SECRET=1``.
     - ``listen_addr``: address other hosts use to reach this worker (default: the local
       address that routes to the store host; ``RALLYPOINT_RPC_ADDR`` overrides).
+    - ``unix_socket``: reach workers on the same host through an abstract Unix socket
+      (needed for shared memory); ``False`` uses TCP everywhere.
     - ``shared_memory``: send tensors to workers on the same host through shared memory.
     - ``shm_threshold``: tensors of at least this many bytes go through shared memory.
     - ``shm_pool_bytes``: most shared memory one worker keeps for outgoing tensors.
@@ -94,6 +96,7 @@ class RallypointRpcBackendOptions(RpcBackendOptions):
     secret_file: str | os.PathLike[str] | None = None
     allow_store_secret: bool = False
     listen_addr: str | None = None
+    unix_socket: bool = True
     shared_memory: bool = True
     shm_threshold: int = 64 * 1024
     shm_pool_bytes: int = 1 << 30

@@ -94,6 +94,19 @@ class RRef(Generic[T]):
 
     __slots__ = ("__weakref__", "_agent", "_confirmed", "_id", "_owner")
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> RRef[Any]:
+        if args or kwargs:
+            from rallypoint.rpc import _api
+            from rallypoint.rpc._tensorpipe import TensorPipeAgentAdapter
+
+            if isinstance(_api._current, TensorPipeAgentAdapter):
+                # under the TENSORPIPE backend a local RRef must be torch's own
+                import torch.distributed.rpc as torch_rpc
+
+                rref: RRef[Any] = torch_rpc.RRef(*args, **kwargs)  # type: ignore[assignment]
+                return rref
+        return super().__new__(cls)
+
     def __init__(self, value: T, type_hint: type | None = None) -> None:
         from rallypoint.rpc._agent import current_rallypoint_agent
 

@@ -124,6 +124,13 @@ def _checks(rank: int, backend: str) -> list[str]:
     check("rref remote proxy", rref.remote().get().to_here() == 10)
     check("rref to_here copy", rref.to_here().value == 10)
     check("rref fork to third worker", rpc.rpc_sync("worker2", _fetch, args=(rref,)).value == 10)
+    local = rpc.RRef(torch.arange(3))
+    check("local rref is owner", local.is_owner() and local.owner_name() == me)
+    check("local rref value", torch.equal(local.local_value(), torch.arange(3)))
+    check(
+        "local rref fork",
+        torch.equal(rpc.rpc_sync("worker2", _fetch, args=(local,)), torch.arange(3)),
+    )
     tensor_rref = rpc.remote("worker2", torch.add, args=(torch.ones(3), 2))
     check("remote builtin to_here", torch.equal(tensor_rref.to_here(), torch.full((3,), 3.0)))
     bad = rpc.remote("worker1", _raise_value_error, args=("rref-boom",))
