@@ -135,6 +135,7 @@ class RallypointAgent(RpcAgent):
         self._inflight_lock = threading.Lock()
         self._deletes: queue.SimpleQueue[tuple[str, RRefId]] = queue.SimpleQueue()
         self._ready = threading.Event()
+        self._limiter = threading.Semaphore(options.num_worker_threads)
         self._stop = threading.Event()
         self._closed = False
         self.stats: dict[str, int] = {"inline_tensor_bytes": 0, "shm_tensor_bytes": 0}
@@ -328,7 +329,7 @@ class RallypointAgent(RpcAgent):
     def _new_connection(
         self, sock: socket.socket, name: str, peer_id: int, uds: bool
     ) -> Connection:
-        return Connection(
+        conn = Connection(
             sock,
             peer_name=name,
             peer_id=peer_id,
@@ -338,6 +339,8 @@ class RallypointAgent(RpcAgent):
             shm_threshold=self.options.shm_threshold,
             stats=self.stats,
         )
+        conn.limiter = self._limiter
+        return conn
 
     def _connection(self, name: str) -> Connection:
         conn = self._out.get(name)
@@ -634,7 +637,7 @@ class RallypointAgent(RpcAgent):
         with self._conns_lock:
             conns = [*self._out.values(), *self._inbound]
         for conn in conns:
-            conn.check_stall(now)
+            conn.check_stall(now, self._limiter)
             conn.flush()
         expired: list[int] = []
         with self._heap_lock:

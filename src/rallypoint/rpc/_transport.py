@@ -222,6 +222,8 @@ class Connection:
         self._generation = 0
         self.closed = False
         self.outbound = False
+        self.limiter: threading.Semaphore | None = None
+        self._handed_off: set[int] = set()
         self.pending: set[int] = set()
         self.gate: threading.Event | None = None
 
@@ -336,6 +338,10 @@ class Connection:
                         stolen = generation != self._generation
                 if stolen:
                     self.flush()
+                    if generation in self._handed_off:
+                        self._handed_off.discard(generation)
+                        if self.limiter is not None:
+                            self.limiter.release()
                     return
         except (OSError, EOFError, RpcProtocolError, ValueError, KeyError) as exc:
             with self._state_lock:
@@ -348,11 +354,19 @@ class Connection:
             logger.exception("rallypoint.rpc: reader for %s crashed", self.peer_name)
             self._broken(exc)
 
-    def check_stall(self, now: float) -> None:
-        """Called by the monitor: hand reading to a new thread if the reader is stuck."""
+    def check_stall(self, now: float, limiter: threading.Semaphore | None = None) -> None:
+        """Called by the monitor: hand reading to a new thread if the reader is stuck.
+
+        ``limiter`` bounds the threads that are busy with requests that blocked (the
+        agent's ``num_worker_threads``); the thread that blocked releases it when done.
+        """
         with self._state_lock:
             if self.closed or not self._exec_since or now - self._exec_since < STALL_SECONDS:
                 return
+            if limiter is not None:
+                if not limiter.acquire(blocking=False):
+                    return
+                self._handed_off.add(self._generation)
             self._generation += 1
             self._exec_since = 0.0
             generation = self._generation
