@@ -7,6 +7,7 @@ timeouts, detects stalled readers and sends batched RRef decrements.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import heapq
 import itertools
@@ -129,6 +130,7 @@ class RallypointAgent(RpcAgent):
         self._conns_lock = threading.Lock()
         self._pending: dict[int, _Call] = {}
         self._heap: list[tuple[float, int]] = []
+        self._fifo: collections.deque[tuple[float, int]] = collections.deque()
         self._heap_lock = threading.Lock()
         self._dead: dict[str, str] = {}
         self._inflight = 0
@@ -404,6 +406,9 @@ class RallypointAgent(RpcAgent):
                 _fail(call.future, error)
 
     # ---- calls ---------------------------------------------------------------------
+    def _rref_hook(self, rref: RRef[Any]) -> _wire.ReduceValue:
+        return reduce_rref(self, rref)
+
     def _encode(
         self, obj: Any, dst: str, device_map: DeviceMap | None
     ) -> tuple[bytes, list[torch.Tensor]]:
@@ -412,7 +417,7 @@ class RallypointAgent(RpcAgent):
             dst=dst,
             device_map=device_map,
             rref_type=RRef,
-            rref_hook=lambda rref: reduce_rref(self, rref),
+            rref_hook=self._rref_hook,
         )
 
     def _timeout(self, timeout: float) -> float:
@@ -444,9 +449,17 @@ class RallypointAgent(RpcAgent):
         self.check_open()
         if not callable(func):
             raise TypeError("function should be callable.")
-        seconds = self._timeout(timeout)
+        seconds = (
+            self.options.rpc_timeout if timeout == UNSET_RPC_TIMEOUT else self._timeout(timeout)
+        )
         info = self._resolve(to)
-        data, raws = self._encode((func, args, kwargs), info.name, self._device_maps.get(info.name))
+        data, raws = _wire.encode(
+            (func, args, kwargs),
+            dst=info.name,
+            device_map=self._device_maps.get(info.name),
+            rref_type=RRef,
+            rref_hook=self._rref_hook,
+        )
         future: torch.futures.Future[Any] = torch.futures.Future()
         try:
             conn = self._connection(info.name)
@@ -465,8 +478,12 @@ class RallypointAgent(RpcAgent):
         self._pending[rid] = call
         conn.pending.add(rid)
         if call.deadline:
-            with self._heap_lock:
-                heapq.heappush(self._heap, (call.deadline, rid))
+            if seconds == self.options.rpc_timeout:
+                # default timeout: deadlines arrive in order, a deque is enough
+                self._fifo.append((call.deadline, rid))
+            else:
+                with self._heap_lock:
+                    heapq.heappush(self._heap, (call.deadline, rid))
         # With many calls already in flight, leave the frame queued: the connection's reader
         # flushes the queue before it next blocks (a reply is coming), and the monitor
         # within one tick. Bursts of rpc_async then cost one sendmsg per batch.
@@ -649,6 +666,14 @@ class RallypointAgent(RpcAgent):
                     (c.deadline, rid) for rid, c in list(self._pending.items()) if c.deadline
                 ]
                 heapq.heapify(self._heap)
+        fifo = self._fifo
+        pending = self._pending
+        while fifo and (fifo[0][0] <= now or fifo[0][1] not in pending):
+            deadline, rid = fifo.popleft()
+            if deadline <= now:
+                expired.append(rid)
+        if len(fifo) > 2 * len(pending) + 1024:
+            self._fifo = collections.deque(e for e in list(fifo) if e[1] in pending)
         for rid in expired:
             call = self._pending.pop(rid, None)
             if call is None:

@@ -113,6 +113,7 @@ class _Encoder(pickle.Pickler):
 
 
 _ATOMIC = frozenset({int, float, bool, str, bytes, type(None), complex})
+_PLAIN_FUNCTIONS = frozenset({type(len), type(_send_device)})
 
 
 def _is_simple(obj: Any) -> bool:
@@ -122,11 +123,12 @@ def _is_simple(obj: Any) -> bool:
         return True
     if kind is tuple and len(obj) == 3 and type(obj[1]) is tuple and type(obj[2]) is dict:
         func, args, kwargs = obj
-        return (
-            type(func).__name__ in ("function", "builtin_function_or_method")
-            and all(type(a) in _ATOMIC for a in args)
-            and all(type(v) in _ATOMIC for v in kwargs.values())
-        )
+        if type(func) not in _PLAIN_FUNCTIONS:
+            return False
+        for a in args:
+            if type(a) not in _ATOMIC:
+                return False
+        return not kwargs or all(type(v) in _ATOMIC for v in kwargs.values())
     return False
 
 
