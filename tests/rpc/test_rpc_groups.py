@@ -116,3 +116,24 @@ def test_dynamic_join_and_leave() -> None:
             assert out["calls_after"] == names[:3]
     assert results[3]["rejoin_s"] < 5.0
     assert results[0]["reverse_maps"] == ["worker1"]
+
+
+def test_membership_token_is_released_when_the_change_fails(tmp_path: Any) -> None:
+    import torch.distributed as dist
+
+    from rallypoint.rpc import _groups
+
+    store = dist.FileStore(str(tmp_path / "store"), -1)  # type: ignore[attr-defined]
+    with pytest.raises(KeyError), _groups.membership_token(store, "a", 2.0):
+        raise KeyError("the change failed")
+    assert store.get(_groups.TOKEN_KEY) == b""
+    with _groups.membership_token(store, "b", 2.0):
+        start = time.monotonic()
+        with (
+            pytest.raises(RuntimeError, match="held by 'b'"),
+            _groups.membership_token(store, "c", 0.2),
+        ):
+            pass
+        assert time.monotonic() - start < 2.0
+    with _groups.membership_token(store, "c", 2.0):
+        pass
