@@ -13,7 +13,6 @@ Two steps, kept apart so that a rendezvous can replace the first one (multi-node
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pickle
 import secrets
@@ -43,7 +42,12 @@ from rallypoint.launcher._errors import (
     WorkerState,
 )
 from rallypoint.launcher._output import OutputRouter, write_console
-from rallypoint.launcher._summary import describe_status, format_summary
+from rallypoint.launcher._summary import (
+    bad_target_message,
+    describe_status,
+    error_info,
+    format_summary,
+)
 from rallypoint.launcher._warm import WarmProcess
 from rallypoint.launcher._worker import BAD_TARGET_EXIT, Target, WorkerSpec
 
@@ -56,27 +60,6 @@ _OMP_WARNING = (
     "performance in your application as needed. \n"
     "*****************************************\n"
 )
-
-
-_LAUNCHER_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def _trim_fault(text: str) -> str:
-    """faulthandler's dump without the launcher's own frames and the module list."""
-    keep = []
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("Extension modules:"):
-            continue
-        if stripped.startswith("File ") and (
-            "<frozen runpy>" in stripped
-            or _LAUNCHER_DIR in stripped
-            or "rallypoint/__main__.py" in stripped
-            or "/bin/rallypoint" in stripped
-        ):
-            continue
-        keep.append(line)
-    return "\n".join(keep).strip()
 
 
 @dataclass(frozen=True, slots=True)
@@ -554,33 +537,10 @@ class Agent:
 
     # ------------------------------------------------------------------ reporting
     def _error_info(self, w: _Worker) -> tuple[str, BaseException | None]:
-        """The worker's traceback (result pipe, error file, faulthandler) and exception."""
-        tb, exc = "", None
-        if len(w.result) > 8:
-            with contextlib.suppress(Exception):
-                msg = pickle.loads(bytes(w.result[8:]))
-                if msg[0] == "err":
-                    tb = msg[2]
-                    if msg[1] is not None:
-                        exc = pickle.loads(msg[1])
-        if not tb:
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                data = json.loads(w.error_file.read_text())
-                message = data["message"]
-                if isinstance(message, str):
-                    tb = message
-                else:
-                    tb = message["extraInfo"]["py_callstack"] or message["message"]
-        with contextlib.suppress(OSError):
-            fault = _trim_fault(Path(f"{w.error_file}.fault").read_text())
-            if fault:
-                tb = f"{tb}\n{fault}" if tb else fault
-        return tb, exc
+        return error_info(bytes(w.result), w.error_file)
 
     def _bad_target_message(self, w: _Worker) -> str:
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            return str(json.loads(w.error_file.read_text())["rallypoint"]["bad_target"])
-        return ""
+        return bad_target_message(w.error_file)
 
     def _failure(self, outcome: _Outcome, attempt: int) -> WorkerFailedError:
         root = outcome.root

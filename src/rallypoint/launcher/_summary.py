@@ -1,15 +1,19 @@
-"""The failure screen printed (and raised) when a job fails."""
+"""What a failed worker left behind, and the failure screen printed (and raised) for it."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import pickle
 import signal
 import textwrap
 from datetime import datetime
+from pathlib import Path
 
 from rallypoint.launcher._errors import WorkerState
 
-__all__ = ["describe_status", "format_summary"]
+__all__ = ["bad_target_message", "describe_status", "error_info", "format_summary"]
 
 _WIDTH = 72
 
@@ -70,3 +74,59 @@ def format_summary(
             lines.append(f"  rank {w.rank} (local_rank: {w.local_rank}, pid {w.pid}): {w.detail}")
     lines.append(rule)
     return "\n".join(lines)
+
+
+_LAUNCHER_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _trim_fault(text: str) -> str:
+    """faulthandler's dump without the launcher's own frames and the module list."""
+    keep = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("Extension modules:"):
+            continue
+        if stripped.startswith("File ") and (
+            "<frozen runpy>" in stripped
+            or _LAUNCHER_DIR in stripped
+            or "rallypoint/__main__.py" in stripped
+            or "/bin/rallypoint" in stripped
+        ):
+            continue
+        keep.append(line)
+    return "\n".join(keep).strip()
+
+
+def error_info(result: bytes, error_file: Path) -> tuple[str, BaseException | None]:
+    """A failed worker's traceback and exception.
+
+    From its result pipe (``launch()`` workers), else ``TORCHELASTIC_ERROR_FILE`` (ours or
+    torch's ``@record``), plus faulthandler's dump for fatal signals.
+    """
+    tb, exc = "", None
+    if len(result) > 8:
+        with contextlib.suppress(Exception):
+            msg = pickle.loads(result[8:])
+            if msg[0] == "err":
+                tb = msg[2]
+                if msg[1] is not None:
+                    exc = pickle.loads(msg[1])
+    if not tb:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            message = json.loads(error_file.read_text())["message"]
+            if isinstance(message, str):
+                tb = message
+            else:
+                tb = message["extraInfo"]["py_callstack"] or message["message"]
+    with contextlib.suppress(OSError):
+        fault = _trim_fault(Path(f"{error_file}.fault").read_text())
+        if fault:
+            tb = f"{tb}\n{fault}" if tb else fault
+    return tb, exc
+
+
+def bad_target_message(error_file: Path) -> str:
+    """The worker's "cannot start the target" message, or ``""``."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return str(json.loads(error_file.read_text())["rallypoint"]["bad_target"])
+    return ""
