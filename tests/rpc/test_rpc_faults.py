@@ -183,3 +183,29 @@ def _not_async_but_marked() -> int:
 def test_blocking_and_nested_calls_do_not_deadlock() -> None:
     out = run_workers(_blocking_scenario, 2, timeout=30, env=SECRET)[0]
     assert out == {"gate": True, "depth": 8}
+
+
+def _late_worker() -> dict[str, Any]:
+    rank = _init(world_size=2)
+    out: dict[str, Any] = {}
+    if rank == 1:
+        time.sleep(2.5)  # alive, but reaches shutdown long after worker0 gave up
+    start = time.monotonic()
+    try:
+        rpc.shutdown(timeout=1.0)
+        out["error"] = None
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+        out["missing"] = getattr(exc, "missing", None)
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+@pytest.mark.timeout(40)
+def test_graceful_shutdown_gives_up_after_its_timeout_naming_missing_workers() -> None:
+    results = run_workers(_late_worker, 2, timeout=30, env=SECRET)
+    assert results[0]["missing"] == ["worker1"]
+    assert "gave up after 1.0 s" in results[0]["error"]
+    assert 0.9 < results[0]["seconds"] < 5.0
+    assert "lost the rendezvous store" in results[1]["error"]  # no hang either
+    assert results[1]["seconds"] < 5.0

@@ -703,7 +703,15 @@ class RallypointAgent(RpcAgent):
         error: BaseException | None = None
         try:
             if graceful:
-                error = self._graceful(deadline, seconds)
+                try:
+                    error = self._graceful(deadline, seconds)
+                except RpcError:
+                    raise
+                except RuntimeError as exc:  # the store failed (c10d raises DistError)
+                    error = RpcShutdownError(
+                        f"graceful shutdown of {self.info.name} lost the rendezvous store "
+                        f"(rank 0 hosts it and may have exited already): {exc}"
+                    )
         finally:
             self.close()
         if error is not None:
