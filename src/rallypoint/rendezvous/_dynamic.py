@@ -198,7 +198,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with self._errors():
             rank, world, k = self._next_round(deadline)
             store = self._kv.torch_store(self._keys.store(k))
-            info = self._bootstrap(rank, store)
+            try:
+                info = self._bootstrap(rank, store)
+            except (RuntimeError, LookupError, ValueError) as exc:
+                raise RendezvousConnectionError(
+                    f"Round {k} of '{self._config.run_id}': rank {rank} could not publish or "
+                    f"read the workers' store address: {type(exc).__name__}: {exc}"
+                ) from exc
         logger.info(
             "node %s joined round %d of rendezvous %r as rank %d of %d",
             self._node,
@@ -228,11 +234,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if k is None:
             return 0
         with self._errors():
-            late, dead, nxt = self._kv.multi_get(
-                [self._keys.r(k, "late"), self._keys.r(k, "dead"), self._keys.r(k + 1, "joined")]
-            )
+            late, dead = self._kv.multi_get([self._keys.r(k, "late"), self._keys.r(k, "dead")])
+            nxt = self._kv.enrolled(self._keys.r(k + 1, "joined"))
         waiting = parse_int(late, "late") if world < self._config.max_nodes else 0
-        return max(waiting, parse_int(nxt, "joined")) + parse_int(dead, "dead")
+        return max(waiting, nxt) + parse_int(dead, "dead")
 
     def num_nodes_dead(self) -> int:
         """Members of this node's round presumed dead (missed heartbeats)."""
@@ -307,7 +312,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _join(self, k: int, deadline: float) -> tuple[int, int] | None:
         """Take a slot in round ``k`` and wait for it to finish; ``None`` if not admitted."""
         kv, keys, cfg = self._kv, self._keys, self._config
-        index = kv.add(keys.r(k, "joined"), 1) - 1
+        index = kv.enroll(keys.r(k, "joined"), self._node) - 1
         with self._lock:
             prev_round, prev_rank = self._round, self._rank
         slot = Slot(index, self._node, self._addr, prev_round, prev_rank)
@@ -366,7 +371,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if kv.set_if_absent(keys.r(k, "claim"), self._node.encode()) != self._node.encode():
             return
         try:
-            n = parse_int(kv.get(keys.r(k, "joined")), "joined")
+            n = kv.enrolled(keys.r(k, "joined"))
             slot_keys = [keys.r(k, f"slot/{i}") for i in range(n)]
             kv.wait(slot_keys, _SLOT_WAIT)  # a node writes its slot right after its add
             slots = [

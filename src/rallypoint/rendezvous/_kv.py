@@ -73,6 +73,26 @@ class KeyValueStore(ABC):
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the integer under ``key``; return the new value."""
 
+    def enroll(self, counter: str, member: str) -> int:
+        """Take the next arrival number (1, 2, ...) at ``counter`` for ``member``.
+
+        The default is ``add(counter, 1)``; a backend whose ``add`` retries under
+        contention (etcd) overrides it with something contention-free.
+        """
+        return self.add(counter, 1)
+
+    def enrolled(self, counter: str) -> int:
+        """How many arrivals ``counter`` has had (0 if none)."""
+        raw = self.get(counter)
+        if raw is None:
+            return 0
+        try:
+            return int(raw)
+        except ValueError:
+            raise KVStateError(
+                f"The key {counter!r} at {self.endpoint} holds {raw[:40]!r}, not a counter."
+            ) from None
+
     @abstractmethod
     def set_if_absent(self, key: str, value: bytes) -> bytes:
         """Write ``value`` only if ``key`` is missing; return the value now stored."""

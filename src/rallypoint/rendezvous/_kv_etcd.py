@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import os
 import random
 import ssl
 import threading
@@ -333,6 +334,28 @@ class EtcdKV(KeyValueStore):
                 time.sleep(random.uniform(0, min(0.05, 0.001 * attempt)))
         raise KVConnectionError(f"add on {key!r} kept losing races at etcd {self.endpoint}")
 
+    def enroll(self, counter: str, member: str) -> int:
+        """Contention-free arrival number: put ``<counter>/<member>-<nonce>`` and count the
+        keys under ``<counter>/`` as of that put's revision (etcd revisions are totally
+        ordered, so the numbers are unique and dense). A range's ``count`` ignores
+        ``max_create_revision``, hence the read at a past revision."""
+        full = self._key(f"{counter}/{member}-{os.urandom(4).hex()}")
+        revision = int(self._post("/v3/kv/put", self._put(full, b"1"))["header"]["revision"])
+        start = self._key(counter + "/")
+        span = {"key": _b64(start), "range_end": _b64(_prefix_end(start))}
+        try:  # the count as of our revision: one small answer
+            data = self._post("/v3/kv/range", {**span, "count_only": True, "revision": revision})
+            return int(data.get("count", 0))
+        except _EtcdHTTPError:  # that revision was compacted: filter the keys instead
+            data = self._post(
+                "/v3/kv/range",
+                {**span, "keys_only": True, "max_create_revision": str(revision)},
+            )
+            return len(data.get("kvs") or [])
+
+    def enrolled(self, counter: str) -> int:
+        return self.count_prefix(counter + "/")
+
     def set_if_absent(self, key: str, value: bytes) -> bytes:
         if not value:
             raise ValueError("set_if_absent needs a non-empty value")
@@ -352,7 +375,9 @@ class EtcdKV(KeyValueStore):
 
     def wait(self, keys: Sequence[str], timeout: timedelta) -> bool:
         deadline = time.monotonic() + timeout.total_seconds()
-        return all(self._wait_one(self._key(key), deadline) for key in keys)
+        present = self.multi_get(keys) if len(keys) > 1 else [None] * len(keys)
+        missing = [k for k, v in zip(keys, present, strict=True) if v is None]
+        return all(self._wait_one(self._key(key), deadline) for key in missing)
 
     def _wait_one(self, key: bytes, deadline: float) -> bool:
         while True:

@@ -83,6 +83,17 @@ class KVContract:
         seen = sorted(v for r in results for v in r)
         assert seen == list(range(1, 61))
 
+    def test_enroll_gives_unique_dense_numbers(self, kv: KeyValueStore) -> None:
+        assert kv.enrolled("arrivals") == 0
+
+        def work(i: int) -> list[int]:
+            other = kv.clone()
+            return [other.enroll("arrivals", f"node{i}-{j}") for j in range(5)]
+
+        numbers = sorted(v for r in _threads(6, work) for v in r)
+        assert numbers == list(range(1, 31))
+        assert kv.enrolled("arrivals") == 30
+
     def test_add_on_garbage_is_state_error(self, kv: KeyValueStore) -> None:
         kv.set("garbage", b"not a number")
         with pytest.raises(KVStateError, match="garbage"):
