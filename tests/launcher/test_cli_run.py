@@ -229,10 +229,11 @@ SIGNAL_SCRIPT = """
 import os, signal, sys, time, subprocess
 from pathlib import Path
 out = Path(sys.argv[1])
-def on_term(signum, frame):
+def on_signal(signum, frame):
     (out / f"term{os.environ['RANK']}").write_text(str(signum))
     sys.exit(0)
-signal.signal(signal.SIGTERM, on_term)
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, on_signal)
 child = subprocess.Popen(["sleep", "60"], start_new_session=True)
 (out / f"child{os.environ['RANK']}").write_text(str(child.pid))
 (out / f"ready{os.environ['RANK']}").write_text("")
@@ -240,7 +241,8 @@ time.sleep(60)
 """
 
 
-def test_signals_are_forwarded_and_nothing_is_left(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_signals_are_forwarded_and_nothing_is_left(tmp_path: Path, signum: int) -> None:
     import psutil
 
     script = tmp_path / "sig.py"
@@ -257,12 +259,12 @@ def test_signals_are_forwarded_and_nothing_is_left(tmp_path: Path) -> None:
         time.sleep(0.05)
     launcher = psutil.Process(proc.pid)
     tree = launcher.children(recursive=True)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "received SIGTERM" in err
+    assert proc.returncode == 128 + signum, err
+    assert f"received {signal.Signals(signum).name}" in err
     for r in (0, 1):
-        assert (tmp_path / f"term{r}").read_text() == str(int(signal.SIGTERM))
+        assert (tmp_path / f"term{r}").read_text() == str(int(signum))
     _gone, alive = psutil.wait_procs(tree, timeout=5)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
 
