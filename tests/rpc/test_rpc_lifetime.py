@@ -114,3 +114,20 @@ def test_rref_lifetime_and_tensor_transport(mode: str) -> None:
         assert out["shm_bytes"] == size and out["inline_bytes"] < 1024
     else:
         assert out["shm_bytes"] == 0 and out["inline_bytes"] >= size
+
+
+def _reinit() -> list[int]:
+    rank = int(os.environ["RANK"])
+    out = []
+    for i in range(3):
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=2)
+        out.append(rpc.rpc_sync(f"w{1 - rank}", max, args=(i, 0)))
+        rpc.shutdown()
+    return out
+
+
+@pytest.mark.timeout(40)
+def test_init_shutdown_cycles_in_one_process() -> None:
+    from rallypoint.testing import run_workers
+
+    assert run_workers(_reinit, 2, timeout=30, env=SECRET) == [[0, 1, 2], [0, 1, 2]]

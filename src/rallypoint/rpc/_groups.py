@@ -124,6 +124,14 @@ def create_store(
         raise ValueError(
             f"init_method must start with env://, tcp:// or file://, got {init_method!r}"
         )
+    key = (host, port_num, rank == 0)
+    cached = _STORES.get(key)
+    if cached is not None:
+        try:
+            cached.check(["rallypoint/ping"])
+            return cached, rank, host
+        except RuntimeError:
+            del _STORES[key]
     store = dist.TCPStore(
         host,
         port_num,
@@ -132,7 +140,14 @@ def create_store(
         timeout=delta,
         wait_for_workers=False,
     )
+    _STORES[key] = store
     return store, rank, host
+
+
+# One TCPStore per endpoint and process, kept across init_rpc/shutdown cycles (each cycle
+# uses its own key prefix, as in torch): re-creating it would race with peers that still
+# talk to the previous one.
+_STORES: dict[tuple[str, int, bool], Any] = {}
 
 
 def wait_for_keys(
