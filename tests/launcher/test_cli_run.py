@@ -307,3 +307,22 @@ def test_tee_without_log_dir_uses_a_temporary_one(
     import shutil
 
     shutil.rmtree(root.parent)
+
+
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "train.py"
+
+
+@pytest.mark.timeout(90)
+def test_demo_restarts_from_its_checkpoint(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--nproc-per-node", "2", "--max-restarts", "1", "--preload", "torch._dynamo"]
+    script = [str(DEMO), "--epochs", "3", "--crash-at-epoch", "1"]
+    assert run_main([*argv, *script, "--checkpoint-dir", str(tmp_path / "ckpt")]) == 0
+    out, err = capfd.readouterr()
+    assert "[rank1]: rank 1: simulated crash in epoch 1" in out
+    assert "restarting the worker group (restart 1 of 1)" in err
+    assert "after epoch 0 (restart 1)" in out
+    epochs = [line.split()[2] for line in out.splitlines() if line.startswith("[rank0]: epoch")]
+    assert epochs == ["0", "1", "2"]
+    assert (tmp_path / "ckpt" / "last.pt").exists()
