@@ -9,6 +9,7 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from rallypoint.rendezvous import (
     get_rendezvous_handler,
 )
 from rallypoint.rendezvous._kv_etcd import EtcdKV, EtcdOptions
-from rallypoint.testing._etcd import EtcdServer, etcd_binary
+from rallypoint.testing._etcd import EtcdServer, etcd_binary, make_tls_files
 from rallypoint.testing._rendezvous_contract import KVContract
 from rallypoint.testing._workers import run_workers
 
@@ -220,3 +221,30 @@ def test_endpoint_list_and_scheme(etcd: EtcdServer) -> None:
     assert handler.next_rendezvous().world_size == 1
     assert isinstance(handler, DynamicRendezvousHandler)
     handler._bg.stop()
+
+
+@pytest.mark.timeout(90)
+def test_tls_with_client_certificates(tmp_path: Path) -> None:
+    try:
+        tls = make_tls_files(str(tmp_path))
+    except FileNotFoundError:
+        pytest.skip("openssl is not on PATH")
+    with EtcdServer(tls=tls) as server:
+        options = {"cacert": tls.ca, "cert": tls.client_cert, "key": tls.client_key}
+        params = RendezvousParameters(
+            "etcd", f"https://{server.endpoint}", "tls", 2, 2, **options, **FAST
+        )
+        handlers = [get_rendezvous_handler(params) for _ in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+        assert sorted(i.rank for i in infos) == [0, 1]
+        for h in handlers:
+            assert isinstance(h, DynamicRendezvousHandler)
+            h._bg.stop()
+        # without a client certificate the server refuses us
+        bare = RendezvousParameters(
+            "etcd", server.endpoint, "tls", 1, 1, protocol="https", cacert=tls.ca,
+            read_timeout="1", **FAST,
+        )  # fmt: skip
+        with pytest.raises(RendezvousConnectionError):
+            get_rendezvous_handler(bare).next_rendezvous()

@@ -11,13 +11,60 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from types import TracebackType
 
 from rallypoint._net import free_port
+
+
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    """PEM files of a throwaway CA, a server cert for 127.0.0.1 and a client cert."""
+
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+
+
+def make_tls_files(directory: str) -> TLSFiles:
+    """Create a CA and certs with ``openssl`` (``FileNotFoundError`` if it is missing)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise FileNotFoundError("openssl is not on PATH")
+
+    def path(name: str) -> str:
+        return os.path.join(directory, name)
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
+        "-keyout", path("ca.key"), "-out", path("ca.pem"))  # fmt: skip
+    ext = path("san.cnf")
+    with open(ext, "w") as f:
+        f.write(
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
+        )
+    for who in ("server", "client"):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={who}",
+            "-keyout", path(f"{who}.key"), "-out", path(f"{who}.csr"))  # fmt: skip
+        run("x509", "-req", "-in", path(f"{who}.csr"), "-CA", path("ca.pem"),
+            "-CAkey", path("ca.key"), "-CAcreateserial", "-days", "2",
+            "-extfile", ext, "-out", path(f"{who}.pem"))  # fmt: skip
+    return TLSFiles(
+        ca=path("ca.pem"),
+        server_cert=path("server.pem"),
+        server_key=path("server.key"),
+        client_cert=path("client.pem"),
+        client_key=path("client.key"),
+    )
 
 
 def etcd_binary() -> str | None:
@@ -28,7 +75,13 @@ def etcd_binary() -> str | None:
 class EtcdServer:
     """One etcd member on 127.0.0.1 with its own data dir; a context manager."""
 
-    def __init__(self, *, data_dir: str | None = None, extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        data_dir: str | None = None,
+        extra_args: list[str] | None = None,
+        tls: TLSFiles | None = None,
+    ) -> None:
         binary = etcd_binary()
         if binary is None:
             raise FileNotFoundError("etcd is not on PATH (Debian: apt-get install etcd-server)")
@@ -38,6 +91,7 @@ class EtcdServer:
         self.client_port = free_port()
         self.peer_port = free_port()
         self._extra = list(extra_args or [])
+        self.tls = tls
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_path = os.path.join(self.data_dir, "etcd.log")
 
@@ -48,7 +102,7 @@ class EtcdServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.endpoint}"
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
 
     def start(self, timeout: float = 20.0) -> None:
         """Start etcd and wait until it is healthy."""
@@ -68,6 +122,16 @@ class EtcdServer:
             "--log-level", "error",
             *self._extra,
         ]  # fmt: skip
+        context: ssl.SSLContext | None = None
+        if self.tls is not None:
+            args += [
+                "--cert-file", self.tls.server_cert,
+                "--key-file", self.tls.server_key,
+                "--trusted-ca-file", self.tls.ca,
+                "--client-cert-auth",
+            ]  # fmt: skip
+            context = ssl.create_default_context(cafile=self.tls.ca)
+            context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
         log = open(self._log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
             self._proc = subprocess.Popen(
@@ -80,7 +144,9 @@ class EtcdServer:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self._proc.returncode}: {self.log_tail()}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
+                with urllib.request.urlopen(
+                    self.url + "/health", timeout=1, context=context
+                ) as resp:
                     if json.loads(resp.read()).get("health") in ("true", True):
                         return
             except OSError:
