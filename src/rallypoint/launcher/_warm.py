@@ -46,6 +46,8 @@ __all__ = ["WarmProcess"]
 _MAX_MSG = 1 << 22
 _PR_SET_CHILD_SUBREAPER = 36
 WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel")
+REPLY_TIMEOUT = 60.0
+"""Seconds to wait for the warm process to answer a spawn or store request."""
 
 
 def _send(sock: socket.socket, msg: tuple[Any, ...], fds: list[int] | None = None) -> None:
@@ -299,6 +301,9 @@ class WarmProcess:
         return [pids[spec.local_rank] for spec, _ in requests]
 
     def _request_reply(self, expect: str) -> tuple[Any, ...]:
+        # ``init`` waits for ``import torch`` and the preloads (no limit); anything else is
+        # a fork or a store bind and answers in milliseconds unless the process is stuck.
+        self.sock.settimeout(None if expect == "ready" else REPLY_TIMEOUT)
         try:
             while True:
                 reply, _ = _recv(self.sock)
@@ -312,8 +317,12 @@ class WarmProcess:
                 if reply[0] != expect:
                     raise _error(f"unexpected reply from the warm process: {reply!r}")
                 return reply
+        except TimeoutError:
+            raise _error(f"the warm process did not answer within {REPLY_TIMEOUT:.0f} s") from None
         except OSError as exc:
             raise _error(f"lost the warm process: {exc}") from exc
+        finally:
+            self.sock.settimeout(None)
 
     def read_events(self) -> list[tuple[int, int]]:
         """Exit events ``(pid, wait_status)``; call when ``fileno()`` is readable."""
