@@ -370,3 +370,19 @@ def test_background_thread_survives_store_errors(memory: Cluster) -> None:
     assert kv.get("rallypoint/rdzv/bg/hb/" + node.node_id) != before
     node._bg.stop()
     assert threading.active_count() < 200
+
+
+def test_old_rounds_are_forgotten(memory: Cluster) -> None:
+    nodes = [memory.node(min_nodes=2, max_nodes=2) for _ in range(2)]
+    for _ in range(4):
+        memory.join_all(nodes)
+    kv = memory.make_kv()
+    assert isinstance(kv, MemoryKV)
+    deadline = time.monotonic() + 5
+    stale = ["/r0/slot/", "/r1/slot/", "/r0/rank/", "/r0/member/"]
+    while any(s in k for k in kv.snapshot() for s in stale) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    keys = kv.snapshot()
+    assert not [k for k in keys if any(s in k for s in stale)]
+    assert "rallypoint/rdzv/job/r0/final" in keys and "rallypoint/rdzv/job/r1/open" in keys
+    assert "rallypoint/rdzv/job/r3/slot/1" in keys

@@ -393,6 +393,22 @@ class DynamicRendezvousHandler(RendezvousHandler):
         items += [(keys.r(k, f"member/{r}"), by_index[i].node.encode()) for i, r in ranks.items()]
         kv.multi_set(items)
         kv.set_if_absent(keys.r(k, "final"), Final(n=n, world_size=world).encode())
+        if k >= 2:
+            self._bg.call_at(time.monotonic(), lambda bg_kv: self._forget(bg_kv, k - 2))
+
+    def _forget(self, kv: KeyValueStore, k: int) -> None:
+        """Background: drop the per-node keys of round ``k`` (two rounds old) so a long
+        elastic job does not grow the store by O(N) keys per round. ``open`` and ``final``
+        stay: they are what a straggler's forward scan relies on."""
+        keys = self._keys
+        raw = kv.get(keys.r(k, "final"))
+        if raw is None:
+            return
+        final = Final.decode(raw, keys.r(k, "final"))
+        doomed = [keys.r(k, f"slot/{i}") for i in range(final.n)]
+        doomed += [keys.r(k, f"rank/{i}") for i in range(final.n)]
+        doomed += [keys.r(k, f"member/{r}") for r in range(final.world_size)]
+        kv.delete_many(doomed)
 
     def _wait_open(self, k: int, deadline: float, spare: bool) -> None:
         """Block (late or spare) until round ``k + 1`` opens; watch round ``k``'s liveness."""

@@ -113,6 +113,11 @@ class KeyValueStore(ABC):
     def delete(self, key: str) -> bool:
         """Delete ``key``; return whether it existed."""
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Delete several keys (missing ones are fine), ideally in few round trips."""
+        for key in keys:
+            self.delete(key)
+
     @abstractmethod
     def clone(self) -> KeyValueStore:
         """An independent connection to the same data (for another thread)."""

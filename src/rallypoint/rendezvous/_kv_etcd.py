@@ -427,6 +427,12 @@ class EtcdKV(KeyValueStore):
         data = self._post("/v3/kv/deleterange", {"key": _b64(self._key(key))})
         return int(data.get("deleted", 0)) > 0
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        for start in range(0, len(keys), _MAX_TXN_OPS):
+            chunk = keys[start : start + _MAX_TXN_OPS]
+            ops = [{"request_delete_range": {"key": _b64(self._key(k))}} for k in chunk]
+            self._post("/v3/kv/txn", {"success": ops})
+
     def count_prefix(self, prefix: str) -> int:
         start = self._key(prefix)
         data = self._post(

@@ -122,7 +122,7 @@ class MemoryKV(KeyValueStore):
         with self._cond:
             return sum(1 for k in self._data if k.startswith(prefix))
 
-    def keys(self) -> list[str]:
+    def snapshot(self) -> list[str]:
         """A snapshot of every key (for tests)."""
         with self._cond:
             return sorted(self._data)

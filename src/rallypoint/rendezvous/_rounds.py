@@ -15,6 +15,8 @@ Everything of run ``R`` lives under ``rallypoint/rdzv/R/``::
     r<k>/late              nodes that arrived after round k was final (waiting or spare)
     r<k>/dead              members presumed dead by missed heartbeats (+ dead/<node>)
     r<k>/store/...         the round's store for agents and workers
+
+Finalising round k deletes the slot/rank/member keys of round k-2 in the background.
 """
 
 from __future__ import annotations
