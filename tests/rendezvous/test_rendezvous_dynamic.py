@@ -386,3 +386,16 @@ def test_old_rounds_are_forgotten(memory: Cluster) -> None:
     assert not [k for k in keys if any(s in k for s in stale)]
     assert "rallypoint/rdzv/job/r0/final" in keys and "rallypoint/rdzv/job/r1/open" in keys
     assert "rallypoint/rdzv/job/r3/slot/1" in keys
+
+
+def test_set_closed_from_another_thread_while_blocked_on_tcpstore(tcp: Cluster) -> None:
+    node = tcp.node(min_nodes=2, max_nodes=2)
+    future = tcp.join(node)
+    time.sleep(0.2)  # node's client is now inside a blocking TCPStore wait
+    start = time.monotonic()
+    assert node.is_closed() is False
+    assert node.num_nodes_waiting() == 0
+    node.set_closed()  # the same handler, from another thread: must not queue
+    assert time.monotonic() - start < 5
+    with pytest.raises(RendezvousClosedError):
+        future.result(10)

@@ -162,6 +162,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._watch: dict[bool, _Watch] = {}
         self._heartbeat_task: int | None = None
         self._agent_server: TCPStore | None = None
+        self._side_kv: KeyValueStore | None = None
         self._bg: Background[KeyValueStore] = Background(f"rdzv-{local_id}", kv.clone)
 
     # ---------------------------------------------------------------- public API
@@ -217,11 +218,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def is_closed(self) -> bool:
         with self._errors():
-            return self._kv.get(self._keys.closed) is not None
+            return self._side().get(self._keys.closed) is not None
 
     def set_closed(self) -> None:
         with self._errors():
-            self._close(self._kv)
+            self._close(self._side())
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to be admitted, plus members presumed dead: > 0 means re-rendezvous.
@@ -234,8 +235,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if k is None:
             return 0
         with self._errors():
-            late, dead = self._kv.multi_get([self._keys.r(k, "late"), self._keys.r(k, "dead")])
-            nxt = self._kv.enrolled(self._keys.r(k + 1, "joined"))
+            side = self._side()
+            late, dead = side.multi_get([self._keys.r(k, "late"), self._keys.r(k, "dead")])
+            nxt = side.enrolled(self._keys.r(k + 1, "joined"))
         waiting = parse_int(late, "late") if world < self._config.max_nodes else 0
         return max(waiting, nxt) + parse_int(dead, "dead")
 
@@ -246,14 +248,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if k is None:
             return 0
         with self._errors():
-            return parse_int(self._kv.get(self._keys.r(k, "dead")), "dead")
+            return parse_int(self._side().get(self._keys.r(k, "dead")), "dead")
 
     def shutdown(self) -> bool:
         """Stop heartbeats and close the run (as torch's handler does)."""
         self._bg.stop()
         try:
             with self._errors():
-                self._close(self._kv)
+                self._close(self._side())
         except (RendezvousConnectionError, RendezvousStateError) as exc:
             logger.warning("node %s failed to close the rendezvous: %s", self._node, exc)
             return False
@@ -511,6 +513,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return watch
 
     # ---------------------------------------------------------------- helpers
+
+    def _side(self) -> KeyValueStore:
+        """The connection for queries that must not queue behind a blocked
+        ``next_rendezvous`` (e.g. ``set_closed`` from a signal-handling thread)."""
+        side = self._side_kv
+        if side is None:
+            side = self._side_kv = self._kv.clone()
+        return side
 
     def _close(self, kv: KeyValueStore) -> None:
         keys = self._keys
