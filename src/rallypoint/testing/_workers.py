@@ -36,7 +36,9 @@ class WorkerError(RuntimeError):
         remote_traceback: str = "",
         exception: BaseException | None = None,
     ) -> None:
-        super().__init__(f"rank {rank}: {message}" + (f"\n{remote_traceback}" if remote_traceback else ""))
+        super().__init__(
+            f"rank {rank}: {message}" + (f"\n{remote_traceback}" if remote_traceback else "")
+        )
         self.rank = rank
         self.message = message
         self.remote_traceback = remote_traceback
@@ -87,7 +89,7 @@ def run_workers(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = multiprocessing.get_context("fork")
     port = free_port()
-    procs: list[multiprocessing.process.BaseProcess] = []
+    procs: list[Any] = []  # multiprocessing's fork-context Process type is not exported
     conns: dict[Connection, int] = {}
     for rank in range(world_size):
         child_env = {
@@ -104,7 +106,9 @@ def run_workers(
         if extra:
             child_env.update(extra)
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child_main, args=(rank, writer, child_env, fn, args), daemon=True)
+        proc = ctx.Process(
+            target=_child_main, args=(rank, writer, child_env, fn, args), daemon=True
+        )
         proc.start()
         writer.close()
         procs.append(proc)
