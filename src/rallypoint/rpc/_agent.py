@@ -236,59 +236,9 @@ class RallypointAgent(RpcAgent):
         self._by_id = {int(r["rank"]): r["name"] for r in records}
 
     def join(self, timeout: float) -> None:
-        if self.world_size is not None:
-            if not 0 <= self.info.id < self.world_size:
-                raise ValueError(
-                    f"rank {self.info.id} is outside world_size {self.world_size}; "
-                    f"use a rank in [0, {self.world_size - 1}]"
-                )
-            _groups.publish_static(self.store, self.info.id, self.record())
-            try:
-                records = _groups.gather_static(self.store, self.world_size, timeout)
-                self._set_records(records, static=True)
-            except BaseException:
-                self.store.set(f"init_done/{self.info.id}", "1")
-                if self.hosts_store():
-                    ranks = [
-                        str(r) for r in range(self.world_size) if self.store.check([f"worker/{r}"])
-                    ]
-                    self._linger_as_store_host("init_done", ranks, time.monotonic() + 5.0)
-                raise
-            self._ready.set()
-            for name in self._records:
-                self._connection(name)
-            return
-        with _groups.membership_token(self.store, self.info.name, timeout):
-            members = _groups.read_members(self.store)
-            if self.info.name in members:
-                raise RpcError(
-                    f"worker name {self.info.name!r} is already in the group; "
-                    "every worker needs a unique name"
-                )
-            records = [_groups.read_record(self.store, m) for m in members]
-            for record in records:
-                if int(record["rank"]) == self.info.id:
-                    raise RpcError(
-                        f"rank {self.info.id} is already used by {record['name']!r}; "
-                        "every worker needs a unique rank"
-                    )
-            mine = self.record()
-            self._set_records([*records, mine], static=False)
-            _groups.write_record(self.store, self.info.name, mine)
-            _groups.write_members(self.store, [*members, self.info.name])
-            self._ready.set()
-            try:
-                for member in members:
-                    self.rpc_async(member, _on_member_joined, (mine,), {}, timeout).wait()
-            except BaseException:
-                _groups.write_members(self.store, members)
-                _groups.delete_record(self.store, self.info.name)
-                for member in members:
-                    with contextlib.suppress(Exception):
-                        self.rpc_async(
-                            member, _on_member_left, (self.info.name,), {}, timeout
-                        ).wait()
-                raise
+        from rallypoint.rpc._membership import join_group
+
+        join_group(self, timeout)
 
     def member_joined(self, record: dict[str, Any]) -> None:
         records = [r for n, r in self._records.items() if n != record["name"]]
@@ -718,59 +668,9 @@ class RallypointAgent(RpcAgent):
             raise error
 
     def _graceful(self, deadline: float, seconds: float) -> BaseException | None:
-        self._wait_quiet(deadline)
-        self._drain_deletes()
-        me = self.info.name
-        if not self.is_static_group:
-            errors: list[str] = []
-            if self.hosts_store():
-                # rank 0 hosts the store: stay in the group (reachable) until the others left
-                while _groups.read_members(self.store) != [me] and time.monotonic() < deadline:
-                    time.sleep(0.01)
-            with _groups.membership_token(self.store, me, max(deadline - time.monotonic(), 0.1)):
-                members = [m for m in _groups.read_members(self.store) if m != me]
-                _groups.write_members(self.store, members)
-                _groups.delete_record(self.store, me)
-                for member in members:
-                    try:
-                        self.rpc_async(
-                            member,
-                            _on_member_left,
-                            (me,),
-                            {},
-                            max(deadline - time.monotonic(), 0.1),
-                        ).wait()
-                    except Exception as exc:
-                        errors.append(member)
-                        logger.warning(
-                            "rallypoint.rpc: could not tell %s that %s left: %s", member, me, exc
-                        )
-            self._wait_quiet(deadline)
-            if errors:
-                return RpcShutdownError(
-                    f"{me} left the group but could not notify workers {errors}", missing=errors
-                )
-            return None
-        names = sorted(self._records)
-        self.store.set(f"shutdown/{me}", "1")
-        missing = _groups.wait_for_keys(
-            self.store, [f"shutdown/{n}" for n in names], deadline, dead=self._known_dead
-        )
-        error: RpcShutdownError | None = None
-        if missing:
-            gone = [k.rsplit("/", 1)[1] for k in missing]
-            dead = [n for n in gone if n in self._dead]
-            if dead:
-                why = "; ".join(f"{n} {self._dead[n]}" for n in dead)
-                detail = f"gave up early: workers {gone} did not reach shutdown ({why})"
-            else:
-                detail = f"gave up after {seconds:.1f} s: workers {gone} did not reach shutdown"
-            error = RpcShutdownError(f"graceful shutdown of {me} {detail}", missing=gone)
-        else:
-            self._wait_quiet(deadline)
-        self.store.set(f"exit/{me}", "1")
-        self._linger_as_store_host("exit", names, min(deadline, time.monotonic() + 10.0))
-        return error
+        from rallypoint.rpc._membership import graceful_shutdown
+
+        return graceful_shutdown(self, deadline, seconds)
 
     def hosts_store(self) -> bool:
         return self.info.id == 0 and self.options.init_method.startswith(("env://", "tcp://"))
@@ -834,14 +734,6 @@ def _rebuild_error(data: bytes) -> BaseException:
             f"Failed to create original exception type. Error msg was {exc}"
             f" Original exception on remote side was {text}"
         )
-
-
-def _on_member_joined(record: dict[str, Any]) -> None:
-    current_rallypoint_agent().member_joined(record)
-
-
-def _on_member_left(name: str) -> None:
-    current_rallypoint_agent().member_left(name)
 
 
 def start_agent(
