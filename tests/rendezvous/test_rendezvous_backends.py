@@ -207,3 +207,27 @@ def test_read_timeout_option_reaches_the_store() -> None:
     assert isinstance(handler, DynamicRendezvousHandler)
     assert handler.settings.last_call_timeout == timedelta(seconds=0.3)
     handler._bg.stop()
+
+
+def test_port_zero_hosts_on_a_free_port_and_reports_it() -> None:
+    params = RendezvousParameters("c10d", "127.0.0.1:0", "standalone", 1, 1, is_host="1", **FAST)
+    handler = get_rendezvous_handler(params)
+    assert isinstance(handler, DynamicRendezvousHandler)
+    host, port = handler.store_endpoint.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    joiner = get_rendezvous_handler(
+        RendezvousParameters("c10d", handler.store_endpoint, "standalone", 1, 1, **FAST)
+    )
+    assert handler.next_rendezvous().world_size == 1
+    assert isinstance(joiner, DynamicRendezvousHandler)
+    handler._bg.stop()
+
+
+def test_config_from_parameters() -> None:
+    from rallypoint.rendezvous import DynamicRendezvousConfig
+
+    config = DynamicRendezvousConfig.from_parameters(
+        RendezvousParameters("c10d", "", "r", 1, 3, join_timeout="7", keep_alive_max_attempt="4")
+    )
+    assert config.join_timeout == timedelta(seconds=7)
+    assert (config.min_nodes, config.max_nodes, config.keep_alive_max_attempt) == (1, 3, 4)

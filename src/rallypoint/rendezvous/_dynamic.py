@@ -41,6 +41,7 @@ from rallypoint.rendezvous._api import (
     RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
+    RendezvousParameters,
     RendezvousStateError,
     RendezvousStoreInfo,
     RendezvousTimeoutError,
@@ -82,6 +83,13 @@ class DynamicRendezvousConfig:
     keep_alive_max_attempt: int = 3
     local_addr: str | None = None
     use_agent_store: bool = True
+
+    @staticmethod
+    def from_parameters(params: RendezvousParameters) -> DynamicRendezvousConfig:
+        """The settings ``RendezvousParameters`` describe (options as in ``_backends.py``)."""
+        from rallypoint.rendezvous._backends import config_from_params
+
+        return config_from_params(params)
 
     def __post_init__(self) -> None:
         if not self.run_id:
@@ -176,6 +184,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def node_id(self) -> str:
         """This node's unique id in the store (address, pid, local counter, random)."""
         return self._node
+
+    @property
+    def store_endpoint(self) -> str:
+        """Where the rendezvous store lives (``host:port`` with the real port when this
+        node hosts a TCPStore on port 0, a path, or etcd URLs)."""
+        return self._kv.endpoint
 
     @property
     def round(self) -> int | None:

@@ -340,7 +340,12 @@ class EtcdKV(KeyValueStore):
         ordered, so the numbers are unique and dense). A range's ``count`` ignores
         ``max_create_revision``, hence the read at a past revision."""
         full = self._key(f"{counter}/{member}-{os.urandom(4).hex()}")
-        revision = int(self._post("/v3/kv/put", self._put(full, b"1"))["header"]["revision"])
+        answer = self._post("/v3/kv/put", {**self._put(full, b"1"), "prev_kv": True})
+        previous = answer.get("prev_kv")
+        if previous:  # our first put landed but its answer was lost: keep its revision
+            revision = int(previous["create_revision"])
+        else:
+            revision = int(answer["header"]["revision"])
         start = self._key(counter + "/")
         span = {"key": _b64(start), "range_end": _b64(_prefix_end(start))}
         try:  # the count as of our revision: one small answer
