@@ -645,7 +645,8 @@ class RallypointAgent(RpcAgent):
             time.sleep(0.001)
 
     def _known_dead(self, keys: list[str]) -> bool:
-        return any(k.rsplit("/", 1)[1] in self._dead for k in keys)
+        """Whether every worker still missing from a barrier is known to have died."""
+        return all(k.rsplit("/", 1)[1] in self._dead for k in keys)
 
     def shutdown(self, graceful: bool, timeout: float) -> None:
         seconds = timeout if timeout > 0 else (self.options.rpc_timeout or 60.0)
