@@ -588,7 +588,7 @@ class RallypointAgent(RpcAgent):
             if owner == self.info.name:
                 for rref_id in ids:
                     self.rrefs.decref(rref_id)
-            elif owner in self._records:
+            elif owner in self._records and owner not in self._dead:
                 self.oneway(owner, _rref_decref_many, ids)
 
     # ---- monitor -------------------------------------------------------------------
