@@ -131,3 +131,22 @@ def test_init_shutdown_cycles_in_one_process() -> None:
     from rallypoint.testing import run_workers
 
     assert run_workers(_reinit, 2, timeout=30, env=SECRET) == [[0, 1, 2], [0, 1, 2]]
+
+
+def _init_method(init_method: str) -> str:
+    rank = int(os.environ["RANK"])
+    opts = rpc.RallypointRpcBackendOptions(init_method=init_method, rpc_timeout=20)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    name = str(rpc.rpc_sync(f"w{1 - rank}", rpc.get_worker_info).name)
+    rpc.shutdown()
+    return name
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scheme", ["tcp", "file"])
+def test_tcp_and_file_init_methods(scheme: str, tmp_path: Any) -> None:
+    from rallypoint._net import free_port
+    from rallypoint.testing import run_workers
+
+    init = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/store"
+    assert run_workers(_init_method, 2, init, timeout=40, env=SECRET) == ["w1", "w0"]
