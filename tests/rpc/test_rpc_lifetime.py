@@ -39,7 +39,7 @@ def _add_one(x: torch.Tensor) -> torch.Tensor:
     return x + 1
 
 
-def _wait_owned(target: int, timeout: float = 5.0) -> int:
+def _wait_owned(target: int, timeout: float = 20.0) -> int:
     deadline = time.monotonic() + timeout
     while True:
         n = rpc.rpc_sync("worker1", _owned)
