@@ -147,8 +147,10 @@ def plot(results: dict[str, dict[str, float]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(ROWS), figsize=(3 * len(ROWS), 3.2))
-    for ax, (label, key, _) in zip(axes, ROWS, strict=True):
+    cols = 5
+    rows = (len(ROWS) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3 * rows))
+    for ax, (label, key, _) in zip(axes.flat, ROWS, strict=True):
         values = [results[b][key] for b in BACKENDS]
         ax.bar(["rallypoint", "TensorPipe"], values, color=["tab:blue", "tab:gray"])
         ax.set_title(label, fontsize=7)
