@@ -5,8 +5,9 @@ its own node), against one TCPStore hosted by a separate process (and, for rally
 also against a real etcd server when ``etcd`` is installed). Each node's handler and
 store connection are created before the clock starts; the time is from the start signal
 until the last node has its rank. Torch (``DynamicRendezvousHandler`` +
-``C10dRendezvousBackend``) runs up to ``--torch-timeout`` per N; once it times out,
-larger N are skipped for torch.
+``C10dRendezvousBackend``) runs up to ``--torch-timeout`` per N; once it times out, or
+its quadratic extrapolation from the previous N exceeds the timeout, larger N are
+skipped for torch (creating 512 TCPStore clients alone takes minutes in some sandboxes).
 
     .venv/bin/python benchmarks/rendezvous.py                 # N = 8 32 128 512 1024
     .venv/bin/python benchmarks/rendezvous.py --nodes 8 32 --plot rdzv.png
@@ -135,13 +136,20 @@ def measure(kind: str, endpoint: str, n: int, timeout: float) -> float | None:
         child.close()
         children.append((proc, parent))
     try:
-        deadline = time.monotonic() + timeout + 120  # creating handlers is not timed
+        created = time.monotonic()
+        deadline = created + timeout + 300  # creating handlers is not timed
         for _, conn in children:
             if not conn.poll(max(0.0, deadline - time.monotonic())):
                 return None
             status, payload = conn.recv()
             if status != "ready":
                 raise RuntimeError(f"{kind} N={n}: {payload}")
+        print(
+            f"  {kind} N={n}: {procs}x{threads} handlers created in "
+            f"{time.monotonic() - created:.1f} s (not timed)",
+            file=sys.stderr,
+            flush=True,
+        )
         t0 = time.time()
         start.set()
         deadline = time.monotonic() + timeout
@@ -202,8 +210,14 @@ def main(argv: list[str] | None = None) -> int:
                 row["etcd"] = measure("etcd", etcd.endpoint, n, args.timeout)
             else:
                 row["etcd"] = "-"
+            last = next((r for r in reversed(rows) if isinstance(r["torch"], float)), None)
+            estimate = last["torch"] * (n / last["n"]) ** 2 if last else 0.0
             if torch_gave_up:
                 row["torch"] = "skipped"
+            elif estimate > args.torch_timeout:
+                # torch's round is quadratic in N: do not spend minutes proving it again
+                row["torch"] = f"not run (est. {estimate:.0f})"
+                torch_gave_up = True
             else:
                 row["torch"] = measure("torch", endpoint, n, args.torch_timeout)
                 if row["torch"] is None:
