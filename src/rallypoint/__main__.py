@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import sys
 
-# subcommand -> (module with ``main(argv) -> int``, one-line help)
+# subcommand -> ("module" with ``main(argv) -> int``, or "module:function"; one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("rallypoint.launcher._cli", "start workers on this node (torchrun's options)"),
+    "report": (
+        "rallypoint.launcher._report:report_main",
+        "draw a job's timeline from its --events files (PNG, HTML or SVG)",
+    ),
 }
 
 
@@ -47,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
-    module = importlib.import_module(COMMANDS[args[0]][0])
-    code: int = module.main(args[1:])
+    target = COMMANDS[args[0]][0]
+    module_name, _, function = target.partition(":")
+    module = importlib.import_module(module_name)
+    code: int = getattr(module, function or "main")(args[1:])
     return code
 
 

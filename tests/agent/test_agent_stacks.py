@@ -301,9 +301,12 @@ def test_exchange_across_nodes_through_tcpstore(gloo_job: tuple[dict[int, int], 
     _collect_until_grouped(pids, directory)  # steady state first
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
+    same_files = threading.Lock()  # both "nodes" dump the same workers into the same files
+
     def collector(node: int) -> Callable[[], Mapping[int, StackDump]]:
         def collect() -> dict[int, StackDump]:
-            local = collect_stacks(pids, 5.0, directory=directory, host=f"node{node}")
+            with same_files:
+                local = collect_stacks(pids, 5.0, directory=directory, host=f"node{node}")
             # node 1 pretends its workers are global ranks 4..7
             return {r + 4 * node: replace(d, rank=r + 4 * node) for r, d in local.items()}
 

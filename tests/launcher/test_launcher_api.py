@@ -297,7 +297,9 @@ def test_busy_explicit_port_is_a_clear_error() -> None:
     [
         ({"nproc": 0}, ValueError, "nproc must be >= 1"),
         ({"nproc": "abc"}, TypeError, "nproc must be an int"),
-        ({"nproc": 2, "nnodes": "2"}, ValueError, "multi-node"),
+        ({"nproc": 2, "nnodes": "2"}, ValueError, "needs a rendezvous endpoint"),
+        ({"nproc": 2, "hang_timeout": 3}, TypeError, "hang_timeout must be a datetime.timedelta"),
+        ({"nproc": 2, "on_hang": "ignore"}, ValueError, "on_hang must be"),
         ({"nproc": 1, "bogus": 1}, TypeError, "LaunchConfig fields"),
         ({"nproc": 1, "max_restarts": -1}, ValueError, "max_restarts"),
         ({"nproc": 1, "timeout": 5}, TypeError, "timedelta"),

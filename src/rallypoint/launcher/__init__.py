@@ -11,6 +11,8 @@ Exception tree::
     ├── WorkerFailedError                 a worker raised, exited non-zero or died by a signal
     ├── LaunchTimeoutError(TimeoutError)  the job ran past ``LaunchConfig.timeout``
     ├── LaunchInterruptedError            the launcher got a signal and stopped the workers
+    ├── HangError                         no worker reported progress for ``hang_timeout``
+    ├── RendezvousFailedError             the multi-node rendezvous failed or was closed
     ├── WarmProcessError                  the warm process died or a ``preload`` failed
     ├── PortInUseError(ValueError)        an explicit master port is busy
     └── BadTargetError(ValueError)        the script/module/command cannot be started
@@ -26,14 +28,19 @@ if TYPE_CHECKING:
     from rallypoint.launcher._config import DEFAULT_PREFIX, LaunchConfig
     from rallypoint.launcher._errors import (
         BadTargetError,
+        HangError,
         LaunchError,
         LaunchInterruptedError,
         LaunchTimeoutError,
         PortInUseError,
+        RendezvousFailedError,
         WarmProcessError,
         WorkerFailedError,
         WorkerState,
     )
+    from rallypoint.launcher._events import EventLog, read_events
+    from rallypoint.launcher._progress import progress
+    from rallypoint.launcher._report import render_report
 
 # Resolved on first access: ``rallypoint run`` imports ``rallypoint.launcher._warm`` and
 # forks its warm process before anything else, so this package must import nothing.
@@ -41,13 +48,19 @@ _NAMES: dict[str, str] = {
     "launch": "_api",
     "DEFAULT_PREFIX": "_config",
     "LaunchConfig": "_config",
+    "progress": "_progress",
+    "EventLog": "_events",
+    "read_events": "_events",
+    "render_report": "_report",
     **dict.fromkeys(
         [
             "BadTargetError",
+            "HangError",
             "LaunchError",
             "LaunchInterruptedError",
             "LaunchTimeoutError",
             "PortInUseError",
+            "RendezvousFailedError",
             "WarmProcessError",
             "WorkerFailedError",
             "WorkerState",
@@ -59,15 +72,21 @@ _NAMES: dict[str, str] = {
 __all__ = [
     "DEFAULT_PREFIX",
     "BadTargetError",
+    "EventLog",
+    "HangError",
     "LaunchConfig",
     "LaunchError",
     "LaunchInterruptedError",
     "LaunchTimeoutError",
     "PortInUseError",
+    "RendezvousFailedError",
     "WarmProcessError",
     "WorkerFailedError",
     "WorkerState",
     "launch",
+    "progress",
+    "read_events",
+    "render_report",
 ]
 
 

@@ -23,8 +23,6 @@ import socket
 import sys
 import tempfile
 import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +32,20 @@ from rallypoint._net import port_is_free
 from rallypoint.launcher._config import LaunchConfig
 from rallypoint.launcher._errors import (
     BadTargetError,
+    HangError,
     LaunchInterruptedError,
     LaunchTimeoutError,
     PortInUseError,
     WarmProcessError,
     WorkerFailedError,
-    WorkerState,
 )
+from rallypoint.launcher._observe import Observer
 from rallypoint.launcher._output import OutputRouter, write_console
+from rallypoint.launcher._state import GroupInfo, resolve_group
+from rallypoint.launcher._state import Outcome as _Outcome
+from rallypoint.launcher._state import Worker as _Worker
 from rallypoint.launcher._summary import (
     bad_target_message,
-    describe_status,
     error_info,
     format_summary,
 )
@@ -60,70 +61,6 @@ _OMP_WARNING = (
     "performance in your application as needed. \n"
     "*****************************************\n"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class GroupInfo:
-    """This node's place in the job: the result of the rendezvous step."""
-
-    group_rank: int
-    group_world_size: int
-    world_size: int
-    rank_offset: int
-    master_addr: str
-    master_port: int
-    """0: let the store pick a free port."""
-    hosts_store: bool
-    run_id: str
-
-
-def resolve_group(config: LaunchConfig) -> GroupInfo:
-    """Single-node (static) rendezvous; the multi-node agent replaces this step."""
-    return GroupInfo(
-        group_rank=0,
-        group_world_size=1,
-        world_size=config.total_world_size,
-        rank_offset=config.rank_offset,
-        master_addr=config.master_addr,
-        master_port=config.master_port or 0,
-        hosts_store=config.rank_offset == 0,
-        run_id=config.run_id or uuid.uuid4().hex[:12],
-    )
-
-
-@dataclass(slots=True)
-class _Worker:
-    local_rank: int
-    rank: int
-    pid: int
-    error_file: Path
-    res_fd: int
-    status: int | None = None
-    exited_at: float = 0.0
-    signalled: int | None = None
-    result: bytearray = field(default_factory=bytearray)
-
-    @property
-    def returncode(self) -> int | None:
-        return None if self.status is None else describe_status(self.status)[0]
-
-    def state(self) -> WorkerState:
-        if self.status is None:
-            return WorkerState(self.rank, self.local_rank, self.pid, "running", None, "running")
-        code, text = describe_status(self.status)
-        kind = "succeeded" if code == 0 else "failed"
-        if code != 0 and self.signalled is not None:
-            kind = "terminated"
-            text = f"{text} (stopped by rallypoint with {signal.Signals(self.signalled).name})"
-        return WorkerState(self.rank, self.local_rank, self.pid, kind, code, text)
-
-
-@dataclass(slots=True)
-class _Outcome:
-    kind: str  # "ok" | "failed" | "signal" | "timeout" | "bad_target"
-    workers: list[_Worker]
-    root: _Worker | None = None
-    signum: int = 0
 
 
 class Agent:
@@ -155,6 +92,13 @@ class Agent:
         self.store_pid = 0
         self.signals: list[int] = []
         self._tmp = Path(tempfile.mkdtemp(prefix="rallypoint_"))
+        self.obs = Observer(
+            nproc=config.nproc,
+            hang_timeout=config.hang_timeout,
+            events=None if config.events is None else os.fspath(config.events),
+            node=self.host,
+        )
+        self.round = 0
         self._log_root = self._log_dir()
         self._base_env = self._make_base_env()
 
@@ -210,6 +154,7 @@ class Agent:
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
             ),
         )
+        env.update(self.obs.worker_env(local_rank))
         return env
 
     def _exec_argv(self) -> list[str] | None:
@@ -224,14 +169,23 @@ class Agent:
     # ------------------------------------------------------------------ main loop
     def run(self) -> list[Any]:
         """Run the job to the end; returns per-rank results (``None`` for scripts)."""
+        status, code = "failed", 1
         try:
             self._start_store()
             old = self._install_signal_handlers()
             try:
-                return self._run_attempts()
+                results = self._run_attempts()
+                status, code = "succeeded", 0
+                return results
             finally:
                 self._restore_signal_handlers(old)
+        except LaunchInterruptedError as exc:
+            status, code = "interrupted", 128 + exc.signum
+            raise
         finally:
+            with contextlib.suppress(Exception):
+                self.obs.emit("job_end", status=status, exitcode=code)
+            self.obs.close()
             shutil.rmtree(self._tmp, ignore_errors=True)
 
     def _init_warm(self) -> None:
@@ -263,6 +217,12 @@ class Agent:
         for attempt in range(cfg.max_restarts + 1):
             if attempt and self.group.hosts_store:
                 self.warm.reset_store()
+            self.round = attempt
+            g = self.group
+            self.obs.emit(
+                "round", round=attempt, world_size=g.world_size, nnodes=1, run_id=g.run_id
+            )
+            self.obs.emit("members", round=attempt, members=[self.host])
             outcome = self._attempt(attempt)
             if outcome.kind == "ok":
                 return [self._result(w) for w in outcome.workers]
@@ -280,17 +240,55 @@ class Agent:
                 raise LaunchTimeoutError(
                     f"the job did not finish within {cfg.timeout}; its workers were killed"
                 )
+            if outcome.kind == "hang":
+                if cfg.on_hang == "restart" and attempt < cfg.max_restarts:
+                    self._announce_restart(attempt, outcome.reason)
+                    continue
+                self.obs.emit("failure", round=attempt, message=outcome.reason)
+                raise HangError(
+                    f"{outcome.reason}; stopped the workers "
+                    f"({'--on-hang fail' if cfg.on_hang == 'fail' else 'no restarts left'})"
+                )
             assert outcome.root is not None
             if attempt < cfg.max_restarts:
                 root = outcome.root.state()
-                write_console(
-                    2,
-                    f"rallypoint: rank {root.rank} {root.detail}; restarting the worker group "
-                    f"(restart {attempt + 1} of {cfg.max_restarts})\n".encode(),
-                )
+                self._announce_restart(attempt, f"rank {root.rank} {root.detail}")
                 continue
-            raise self._failure(outcome, attempt)
+            err = self._failure(outcome, attempt)
+            self.obs.emit(
+                "failure",
+                round=attempt,
+                rank=err.rank,
+                exitcode=err.exitcode,
+                message=str(err),
+            )
+            raise err
         raise AssertionError("unreachable")
+
+    def _announce_restart(self, attempt: int, reason: str) -> None:
+        restarts = self.config.max_restarts
+        write_console(
+            2,
+            f"rallypoint: {reason}; restarting the worker group "
+            f"(restart {attempt + 1} of {restarts})\n".encode(),
+        )
+        self.obs.emit("restart", round=attempt + 1, restart_count=attempt + 1, reason=reason)
+
+    def _on_hang(self, workers: list[_Worker]) -> str:
+        """Print the workers' stacks grouped by identical stacks; returns the reason."""
+        idle = self.obs.idle_seconds()
+        reason = f"no worker reported progress for {idle:.1f} s (--hang-timeout)"
+        self.obs.emit("hang", round=self.round, idle_s=round(idle, 3), action=self.config.on_hang)
+        pids = {w.rank: w.pid for w in workers if w.status is None}
+        text = self.obs.local_stacks_text(pids)
+        write_console(2, f"rallypoint: {reason}; stacks:\n{text}\n".encode())
+        return reason
+
+    def _poll(self, workers: list[_Worker]) -> _Outcome | None:
+        """Called each monitor tick while the workers run: another reason to stop them."""
+        if self.obs.hung():
+            return _Outcome("hang", workers, reason=self._on_hang(workers))
+        return None
 
     def _spawn_all(self, attempt: int, router: OutputRouter) -> list[_Worker]:
         cfg = self.config
@@ -381,6 +379,15 @@ class Agent:
             router.close()
             sel.close()
             raise
+        self.obs.reset()
+        for started in workers:
+            self.obs.emit(
+                "worker_start",
+                round=self.round,
+                rank=started.rank,
+                local_rank=started.local_rank,
+                pid=started.pid,
+            )
         by_pid = {w.pid: w for w in workers}
         by_res = {w.res_fd: w for w in workers}
         for fd in router.fds():
@@ -390,6 +397,7 @@ class Agent:
         kill_at: float | None = None
         drain_until: float | None = None
         interval = self.config.monitor_interval.total_seconds()
+        next_poll = time.monotonic() + interval
         pending = self.warm.read_events() if self.warm.events else []
         try:
             while True:
@@ -399,6 +407,7 @@ class Agent:
                     if w is None or w.status is not None:
                         continue
                     w.status, w.exited_at = status, now
+                    self._on_exit(w)
                     if w.returncode != 0 and outcome is None:
                         kind = "failed"
                         if w.returncode == BAD_TARGET_EXIT and self._bad_target_message(w):
@@ -414,6 +423,11 @@ class Agent:
                 if outcome is None and self.deadline is not None and now >= self.deadline:
                     outcome = _Outcome("timeout", workers)
                     kill_at = self._stop(workers, signal.SIGKILL)
+                if outcome is None and now >= next_poll:
+                    next_poll = now + interval
+                    outcome = self._poll(workers)
+                    if outcome is not None:
+                        kill_at = self._stop(workers, signal.SIGTERM, outcome.kind)
                 if kill_at is not None and now >= kill_at:
                     self._kill_trees(workers, signal.SIGKILL)
                     kill_at = now + 1.0
@@ -449,6 +463,24 @@ class Agent:
                     os.close(fd)
             sel.close()
         return outcome if outcome is not None else _Outcome("ok", workers)
+
+    def _on_exit(self, w: _Worker) -> None:
+        self.obs.forget(w.pid)
+        state = w.state()
+        fields: dict[str, Any] = {}
+        if state.exitcode is not None and state.exitcode < 0:
+            with contextlib.suppress(ValueError):
+                fields["signal"] = signal.Signals(-state.exitcode).name
+        self.obs.emit(
+            "worker_exit",
+            round=self.round,
+            rank=w.rank,
+            local_rank=w.local_rank,
+            pid=w.pid,
+            state=state.state,
+            exitcode=state.exitcode,
+            **fields,
+        )
 
     def _read_result(self, w: _Worker) -> bool:
         try:
@@ -486,12 +518,15 @@ class Agent:
             with contextlib.suppress(psutil.Error):
                 p.send_signal(signum)
 
-    def _stop(self, workers: list[_Worker], signum: int) -> float:
+    def _stop(self, workers: list[_Worker], signum: int, why: str = "") -> float:
         for w in workers:
             if w.status is None and w.signalled is None:
                 w.signalled = signum
         self._kill_trees(workers, signum)
-        return time.monotonic() + self.config.shutdown_timeout.total_seconds()
+        grace = self.config.shutdown_timeout.total_seconds()
+        if why in ("hang", "restart"):
+            grace = min(grace, 3.0)  # blocked in a collective: do not wait long for them
+        return time.monotonic() + grace
 
     def _wait_all(self, workers: list[_Worker], timeout: float) -> None:
         end = time.monotonic() + timeout

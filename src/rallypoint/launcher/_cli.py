@@ -18,8 +18,10 @@ from typing import Any, Literal, NoReturn
 
 from rallypoint.launcher._config import DEFAULT_PREFIX, LaunchConfig
 from rallypoint.launcher._errors import (
+    HangError,
     LaunchInterruptedError,
     LaunchTimeoutError,
+    RendezvousFailedError,
     WarmProcessError,
     WorkerFailedError,
 )
@@ -49,8 +51,19 @@ def _env_flag(dest: str) -> bool:
     return value.strip().lower() not in ("", "0", "false", "no")
 
 
+def _cluster_defaults() -> dict[str, Any]:
+    """``PET_*`` and SLURM defaults (a flag beats ``PET_*``, which beats SLURM)."""
+    from rallypoint.launcher._cluster_env import detect_cluster_env
+
+    try:
+        return detect_cluster_env(os.environ).options()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``rallypoint run`` parser (torchrun's options plus rallypoint's own)."""
+    cluster = _cluster_defaults()
     p = _Parser(
         prog=PROG,
         description="Start NPROC workers of a torchrun-style script on this node, forked "
@@ -60,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     def opt(*names: str, default: Any = None, **kw: Any) -> None:
         dest = names[-1].lstrip("-").replace("-", "_")
         longest = max(names, key=len).lstrip("-").replace("-", "_")
-        p.add_argument(*names, dest=dest, default=_env_default(longest, default), **kw)
+        value = cluster.get(longest, _env_default(longest, default))
+        p.add_argument(*names, dest=dest, default=value, **kw)
 
     def flag(*names: str, help: str) -> None:
         dest = names[-1].lstrip("-").replace("-", "_")
@@ -69,12 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
             *names, dest=dest, action="store_true", default=_env_flag(longest), help=help
         )
 
-    opt("--nnodes", default="1:1", help="nodes: N or MIN:MAX (only 1 for now)")
+    opt("--nnodes", default="1:1", help="nodes: N or MIN:MAX (elastic between MIN and MAX)")
     opt("--nproc-per-node", "--nproc_per_node", default="1", help="workers: int, cpu, gpu, auto")
-    opt("--rdzv-backend", "--rdzv_backend", default="static", help="accepted (single node)")
+    opt(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        default="static",
+        choices=["c10d", "etcd", "etcd-v3", "file", "static"],
+        help="rendezvous backend of a multi-node job",
+    )
     opt("--rdzv-endpoint", "--rdzv_endpoint", default="", help="HOST:PORT of the store")
     opt("--rdzv-id", "--rdzv_id", default="none", help="job id (TORCHELASTIC_RUN_ID)")
-    opt("--rdzv-conf", "--rdzv_conf", default="", help="accepted (single node)")
+    opt("--rdzv-conf", "--rdzv_conf", default="", help="rendezvous options: k=v,k=v")
     flag("--standalone", help="single node with a store on a free port (the default here)")
     opt("--max-restarts", "--max_restarts", default=0, type=int, help="group restarts")
     opt("--monitor-interval", "--monitor_interval", default=0.1, type=float, help="seconds")
@@ -101,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     opt("--duplicate-stdout-filters", "--duplicate_stdout_filters", default="", help="accepted")
     opt("--duplicate-stderr-filters", "--duplicate_stderr_filters", default="", help="accepted")
-    opt("--node-rank", "--node_rank", default=0, type=int, help="0 (single node)")
+    opt("--node-rank", "--node_rank", default=0, type=int, help="node rank (static backend)")
     opt("--master-addr", "--master_addr", default="127.0.0.1", help="store address")
     opt("--master-port", "--master_port", default=None, type=int, help="store port (free if unset)")
     opt("--local-addr", "--local_addr", default=None, help="accepted (single node)")
@@ -124,6 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag("--no-prefix", "--no_prefix", help="do not prefix worker lines")
     opt("--timeout", default=None, type=float, help="stop the job after SECONDS")
+    opt(
+        "--hang-timeout",
+        "--hang_timeout",
+        default=None,
+        type=float,
+        help="no rallypoint.progress() from any worker for SECONDS is a hang (off by default)",
+    )
+    opt(
+        "--on-hang",
+        "--on_hang",
+        default="restart",
+        choices=["restart", "fail"],
+        help="after printing the stacks of a hang: restart (counts as one) or fail",
+    )
+    opt("--events", default=None, help="append the job's events (JSON lines) to FILE")
     p.add_argument("training_script", help="script (or module with -m, command with --no-python)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p
@@ -172,10 +207,15 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
         raise UsageError(
             "Don't use both the '--no-python' flag and the '--module' flag at the same time."
         )
-    if args.node_rank != 0:
+    nnodes = str(args.nnodes).strip()
+    multi = ":" in nnodes or (nnodes.isdigit() and int(nnodes) > 1)
+    if multi and nnodes.split(":")[-1].strip() == "1":
+        multi = False
+    if args.standalone:
+        multi = False
+    if args.node_rank != 0 and not multi:
         raise UsageError(
-            f"--node-rank {args.node_rank}: only single-node jobs are supported for now; "
-            "multi-node arrives with the elastic agent"
+            f"--node-rank {args.node_rank} needs a multi-node job (--nnodes N with N > 1)"
         )
     for name in ("logs_specs", "numa_binding"):
         if getattr(args, name):
@@ -189,10 +229,18 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
     }
     for name, value in ignored.items():
         if value:
-            sys.stderr.write(f"{PROG}: warning: {name} has no effect on a single node; ignored\n")
+            sys.stderr.write(f"{PROG}: warning: {name} has no effect; ignored\n")
     nproc = parse_nproc(args.nproc_per_node)
     master_addr, master_port = args.master_addr, args.master_port
-    if args.rdzv_endpoint and not args.standalone and master_port is None:
+    rdzv_endpoint = str(args.rdzv_endpoint or "")
+    rdzv_conf = _parse_rdzv_conf(str(args.rdzv_conf or ""))
+    if multi and args.rdzv_backend == "static" and not rdzv_endpoint:
+        if master_port is None:
+            raise UsageError("a static multi-node job needs --master-port (or --rdzv-endpoint)")
+        rdzv_endpoint = f"{master_addr}:{master_port}"
+    if multi and args.rdzv_backend == "static":
+        rdzv_conf.setdefault("rank", str(args.node_rank))
+    if args.rdzv_endpoint and not args.standalone and master_port is None and not multi:
         host, _, port = args.rdzv_endpoint.rpartition(":")
         if not port.isdigit():
             raise UsageError(f"--rdzv-endpoint must be HOST:PORT, got {args.rdzv_endpoint!r}")
@@ -226,9 +274,17 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
     shutdown = args.shutdown_timeout
     if shutdown is None:
         shutdown = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+    hang = args.hang_timeout
     config = LaunchConfig(
         nproc=nproc,
-        nnodes=args.nnodes,
+        nnodes=nnodes if multi else "1",
+        rdzv_backend=str(args.rdzv_backend) if multi else "c10d",
+        rdzv_endpoint=rdzv_endpoint if multi else "",
+        rdzv_conf=rdzv_conf,
+        node_rank=int(args.node_rank) if multi and args.rdzv_backend == "static" else None,
+        hang_timeout=None if hang is None else timedelta(seconds=float(hang)),
+        on_hang=args.on_hang,
+        events=args.events,
         max_restarts=args.max_restarts,
         monitor_interval=timedelta(seconds=float(args.monitor_interval)),
         master_addr=master_addr,
@@ -249,6 +305,18 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
     return config, Target(kind, script, tuple(args.training_script_args))
 
 
+def _parse_rdzv_conf(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--rdzv-conf must be key=value,key=value; got {item.strip()!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def _fail(message: str) -> int:
     sys.stderr.write(f"{PROG}: error: {message}\n")
     sys.stderr.flush()
@@ -260,8 +328,8 @@ def run_main(argv: list[str], warm: WarmProcess | None = None) -> int:
     if warm is None:
         warm = WarmProcess.fork()
     try:
-        parser = build_parser()
         try:
+            parser = build_parser()
             args = parser.parse_args(argv)
             config, target = config_from_args(args)
         except SystemExit as exc:  # --help
@@ -274,9 +342,17 @@ def run_main(argv: list[str], warm: WarmProcess | None = None) -> int:
 
         title = f"{PROG} {'-m ' if target.kind == 'module' else ''}{target.name}"
         try:
-            Agent(config, target, warm, title=title, warn_omp=True).run()
+            if config.multi_node:
+                from rallypoint.launcher._elastic import ElasticAgent
+
+                ElasticAgent(config, target, warm, title=title, warn_omp=True).run()
+            else:
+                Agent(config, target, warm, title=title, warn_omp=True).run()
         except WorkerFailedError as exc:
             sys.stderr.write(exc.summary + "\n")
+            return 1
+        except (HangError, RendezvousFailedError) as exc:
+            sys.stderr.write(f"{PROG}: {exc}\n")
             return 1
         except LaunchInterruptedError as exc:
             sys.stderr.write(f"{PROG}: {exc}\n")

@@ -72,7 +72,21 @@ class LaunchConfig:
     nproc: int = 1
     """Workers on this node (``--nproc-per-node``)."""
     nnodes: str = "1:1"
-    """Nodes, ``N`` or ``MIN:MAX``; only one node until the elastic agent arrives."""
+    """Nodes, ``N`` or ``MIN:MAX``; more than one runs the elastic agent (a rendezvous)."""
+    rdzv_backend: str = "c10d"
+    """Rendezvous backend of a multi-node job: ``c10d``, ``etcd``, ``file`` or ``static``."""
+    rdzv_endpoint: str = ""
+    """``HOST:PORT`` of the rendezvous store (a path for ``file``)."""
+    rdzv_conf: Mapping[str, str] = field(default_factory=dict)
+    """Rendezvous options (``join_timeout``, ``last_call_timeout``, ``keep_alive_interval``...)."""
+    node_rank: int | None = None
+    """This node's rank with the ``static`` backend."""
+    hang_timeout: timedelta | None = None
+    """No progress from any worker for this long is a hang (``None``: not watched)."""
+    on_hang: Literal["restart", "fail"] = "restart"
+    """What a hang does: restart the workers (counts as a restart) or fail the job."""
+    events: str | os.PathLike[str] | None = None
+    """Append the job's events (JSON lines) to this file; ``rallypoint report`` draws them."""
     max_restarts: int = 0
     """Restart the whole local group this many times after a failure."""
     monitor_interval: timedelta = timedelta(seconds=0.1)
@@ -128,11 +142,36 @@ class LaunchConfig:
         lo, hi = int(parts[0]), int(parts[-1])
         if not 0 < lo <= hi:
             raise ValueError(f"nnodes must satisfy 0 < MIN <= MAX, got {self.nnodes!r}")
-        if hi != 1:
+        if hi > 1 and (self.rank_offset or self.world_size is not None):
             raise ValueError(
-                f"nnodes={self.nnodes!r}: only single-node jobs are supported for now "
-                "(use --nnodes 1); multi-node arrives with the elastic agent"
+                "rank_offset/world_size share a world between launches on one node; a "
+                "multi-node job (nnodes > 1) gets its ranks from the rendezvous instead"
             )
+        if self.rdzv_backend not in ("c10d", "etcd", "etcd-v3", "file", "static"):
+            raise ValueError(
+                f"rdzv_backend must be one of c10d, etcd, file, static, got {self.rdzv_backend!r}"
+            )
+        if hi > 1 and self.rdzv_backend != "file" and not self.rdzv_endpoint:
+            raise ValueError(
+                f"nnodes={self.nnodes!r} needs a rendezvous endpoint: pass --rdzv-endpoint "
+                "HOST:PORT (rdzv_endpoint=), the same on every node"
+            )
+        if not isinstance(self.rdzv_conf, Mapping):
+            raise TypeError("rdzv_conf must be a mapping of option names to values")
+        if self.node_rank is not None and (
+            isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int)
+        ):
+            raise TypeError(f"node_rank must be an int, got {type(self.node_rank).__name__}")
+        if self.rdzv_backend == "static" and hi > 1:
+            if self.node_rank is None or not 0 <= self.node_rank < hi:
+                raise ValueError(
+                    f"the static rendezvous needs --node-rank in [0, {hi}), got {self.node_rank}"
+                )
+            if lo != hi:
+                raise ValueError(f"the static rendezvous needs a fixed --nnodes, got {lo}:{hi}")
+        _seconds(self.hang_timeout, "hang_timeout", allow_zero=False)
+        if self.on_hang not in ("restart", "fail"):
+            raise ValueError(f"on_hang must be 'restart' or 'fail', got {self.on_hang!r}")
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int):
             raise TypeError(f"max_restarts must be an int, got {type(self.max_restarts).__name__}")
         if self.max_restarts < 0:
@@ -167,7 +206,7 @@ class LaunchConfig:
         if self.max_restarts and world != self.nproc:
             raise ValueError(
                 "max_restarts needs the whole world in one launch (world_size == nproc); "
-                "restarts across launches arrive with the elastic agent"
+                "for restarts across nodes use nnodes with a rendezvous"
             )
         if self.start_method not in ("fork", "spawn"):
             raise ValueError(f"start_method must be 'fork' or 'spawn', got {self.start_method!r}")
@@ -199,6 +238,19 @@ class LaunchConfig:
                 raise ValueError(f"signals_to_handle: {name!r} is not one of {', '.join(_SIGNALS)}")
         if not isinstance(self.role, str) or not self.role:
             raise ValueError("role must be a non-empty string")
+
+    @property
+    def min_nodes(self) -> int:
+        return int(self.nnodes.split(":")[0])
+
+    @property
+    def max_nodes(self) -> int:
+        return int(self.nnodes.split(":")[-1])
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether this launch runs the elastic agent (a rendezvous of several nodes)."""
+        return self.max_nodes > 1
 
     @property
     def total_world_size(self) -> int:

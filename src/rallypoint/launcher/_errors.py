@@ -6,6 +6,8 @@ Exception tree::
     ├── WorkerFailedError                a worker raised, exited non-zero or died by a signal
     ├── LaunchTimeoutError(TimeoutError) the job ran past ``LaunchConfig.timeout``
     ├── LaunchInterruptedError           the launcher got SIGINT/SIGTERM/SIGHUP and stopped
+    ├── HangError                        no worker reported progress for ``hang_timeout``
+    ├── RendezvousFailedError            the multi-node rendezvous failed or was closed
     └── WarmProcessError                 the warm process died or a ``preload`` failed
     PortInUseError(LaunchError, ValueError)  an explicitly given master port is busy
     BadTargetError(LaunchError, ValueError)  the script/module/command cannot be started
@@ -81,6 +83,15 @@ class LaunchInterruptedError(LaunchError):
     def __init__(self, message: str, *, signum: int) -> None:
         super().__init__(message)
         self.signum = signum
+
+
+class HangError(LaunchError):
+    """No worker reported progress for ``hang_timeout`` and no restart was left (or
+    ``on_hang="fail"``); the workers' stacks were printed."""
+
+
+class RendezvousFailedError(LaunchError):
+    """The multi-node rendezvous could not complete, lost its store, or was closed."""
 
 
 class WarmProcessError(LaunchError):

@@ -196,6 +196,7 @@ def execute(target: Target, result_fd: int) -> NoReturn:
     """Run the user's target in this process with fresh interpreter state, then exit."""
     _fresh_stdio()
     atexit._clear()
+    _install_stack_dumper()
     if target.kind in ("script", "module") and result_fd >= 0:
         with contextlib.suppress(OSError):
             os.close(result_fd)
@@ -259,6 +260,17 @@ def execute(target: Target, result_fd: int) -> NoReturn:
         code = 1
     _finish()
     _exit(code, fault_file)
+
+
+def _install_stack_dumper() -> None:
+    """Answer the agent's stack requests (``rallypoint stacks``, hang reports)."""
+    from rallypoint.launcher._stacks import install_stack_dumper
+
+    try:
+        install_stack_dumper()
+    except (OSError, ValueError) as exc:
+        with contextlib.suppress(BaseException):
+            sys.stderr.write(f"rallypoint: stack dumps unavailable in this worker: {exc}\n")
 
 
 def _user_traceback(exc: BaseException) -> str:

@@ -1,0 +1,110 @@
+"""Hang detection, stacks and the events file through ``rallypoint run`` (single node)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HANGS_ONCE = """
+import os, time
+import torch, torch.distributed as dist
+import rallypoint.launcher as rl
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+t = torch.ones(1)
+for step in range(3):
+    rl.progress()
+    if attempt == 0 and rank == 1 and step == 1:
+        time.sleep(3600)          # the straggler
+    dist.all_reduce(t)
+print(f"done rank={rank} attempt={attempt} value={t.item()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _run(args: list[str], timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rallypoint", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_hang_prints_grouped_stacks_restarts_and_writes_events(tmp_path: Path) -> None:
+    script = tmp_path / "hang.py"
+    script.write_text(HANGS_ONCE)
+    events = tmp_path / "events.jsonl"
+    proc = _run(
+        [
+            "run",
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "1",
+            "--hang-timeout",
+            "2",
+            "--events",
+            str(events),
+            str(script),
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr
+    assert "no worker reported progress for" in err
+    # grouped: the two ranks waiting in all_reduce share one stack, the sleeper has its own
+    assert "ranks 0,2: all_reduce" in err, err
+    assert "rank 1: sleep" in err, err
+    assert "restarting the worker group (restart 1 of 1)" in err
+    for rank in range(3):
+        assert f"done rank={rank} attempt=1 value=27.0" in proc.stdout
+    kinds = [json.loads(line)["kind"] for line in events.read_text().splitlines()]
+    for kind in ("round", "members", "worker_start", "worker_exit", "hang", "restart", "job_end"):
+        assert kind in kinds, kinds
+    end = json.loads(events.read_text().splitlines()[-1])
+    assert end["kind"] == "job_end" and end["status"] == "succeeded"
+    hang = next(json.loads(x) for x in events.read_text().splitlines() if '"hang"' in x)
+    assert hang["action"] == "restart" and hang["idle_s"] >= 2.0
+    out = tmp_path / "timeline.html"
+    rep = _run(["report", str(events), "-o", str(out)])
+    assert rep.returncode == 0, rep.stderr
+    assert "<svg" in out.read_text() and "wrote" in rep.stdout
+
+
+@pytest.mark.timeout(90)
+def test_on_hang_fail_exits_1_with_the_stacks(tmp_path: Path) -> None:
+    script = tmp_path / "hang.py"
+    script.write_text(HANGS_ONCE)
+    proc = _run(
+        ["run", "--nproc-per-node", "2", "--hang-timeout", "1.5", "--on-hang", "fail", str(script)]
+    )
+    assert proc.returncode == 1
+    assert "rank 1: sleep" in proc.stderr
+    assert "--on-hang fail" in proc.stderr.splitlines()[-1]
+
+
+def test_bad_hang_options_are_one_line_errors(tmp_path: Path) -> None:
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    for args, needle in (
+        (["--hang-timeout", "0"], "hang_timeout must be > 0"),
+        (["--on-hang", "ignore"], "invalid choice"),
+        (["--events", str(tmp_path / "no" / "dir" / "e.jsonl")], "cannot open events file"),
+    ):
+        proc = _run(["run", *args, str(script)])
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_progress_is_exported() -> None:
+    import rallypoint.launcher as rl
+
+    assert "progress" in rl.__all__
+    rl.progress()  # a no-op outside a rallypoint worker

@@ -1,0 +1,141 @@
+"""Several ``rallypoint run`` agents on loopback forming one job through a c10d rendezvous."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+WORKER = """
+import json, os, sys
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+        "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_MAX_RESTARTS"]
+env = {k: os.environ[k] for k in keys}
+env["sum"] = t.item()
+out = os.path.join(sys.argv[1], f"{os.environ['RANK']}-{os.environ['TORCHELASTIC_RESTART_COUNT']}")
+with open(out, "w") as fp:
+    json.dump(env, fp)
+mode = sys.argv[2]
+last = int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1
+first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+if last and (mode == "always" or (mode == "once" and first)):
+    raise ValueError("boom on the last rank")
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture
+def endpoint() -> Iterator[str]:
+    """A rendezvous store hosted by the test (so it outlives the agents)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield f"127.0.0.1:{store.port}"
+    del store
+
+
+def _agent(
+    endpoint: str, run_id: str, nproc: int, script: Path, *args: str, restarts: int = 1
+) -> subprocess.Popen[str]:
+    cmd = [
+        sys.executable, "-m", "rallypoint", "run",
+        "--nnodes", "2", "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+        "--rdzv-conf", "is_host=false,read_timeout=20",
+        "--max-restarts", str(restarts), "--shutdown-timeout", "5",
+        str(script), *args,
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(procs: list[subprocess.Popen[str]], timeout: float = 100) -> list[tuple[int, str]]:
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append((p.returncode, stdout + stderr))
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_world_env_crash_restarts_every_node_with_one_budget(tmp_path: Path, endpoint: str) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    envs = tmp_path / "env"
+    envs.mkdir()
+    # mismatched --nproc-per-node (2 and 1), as torchrun allows: world size 3
+    procs = [_agent(endpoint, "job-a", n, script, str(envs), "once") for n in (2, 1)]
+    results = _finish(procs)
+    for code, text in results:
+        assert code == 0, text
+        assert "restarting the workers on every node (restarts used: 1 of 1)" in text, text
+    seen = {p.name: json.loads(p.read_text()) for p in envs.iterdir()}
+    assert sorted(seen) == ["0-0", "0-1", "1-0", "1-1", "2-0", "2-1"]
+    port = {e["MASTER_PORT"] for name, e in seen.items() if name.endswith("-1")}
+    assert len(port) == 1  # one worker store per round
+    for name, e in seen.items():
+        rank, count = map(int, name.split("-"))
+        assert e["TORCHELASTIC_RESTART_COUNT"] == str(count)
+        assert e["WORLD_SIZE"] == e["ROLE_WORLD_SIZE"] == "3" and e["GROUP_WORLD_SIZE"] == "2"
+        assert e["RANK"] == e["ROLE_RANK"] == str(rank) and e["sum"] == 3.0
+        assert e["TORCHELASTIC_RUN_ID"] == "job-a" and e["TORCHELASTIC_MAX_RESTARTS"] == "1"
+        # RANK = local world sizes of lower group ranks + local rank
+        local_ws, group = int(e["LOCAL_WORLD_SIZE"]), int(e["GROUP_RANK"])
+        offset = 0 if group == 0 else 3 - local_ws
+        assert rank == offset + int(e["LOCAL_RANK"])
+
+    # the run is closed now: a late agent with the same id does not hang
+    started = time.monotonic()
+    late = _agent(endpoint, "job-a", 1, script, str(envs), "once")
+    [(code, text)] = _finish([late], timeout=60)
+    assert code == 0 and "already finished successfully" in text, text
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.timeout(150)
+def test_spent_budget_every_agent_prints_the_same_root_cause(tmp_path: Path, endpoint: str) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    envs = tmp_path / "env"
+    envs.mkdir()
+    procs = [_agent(endpoint, "job-b", 2, script, str(envs), "always") for _ in range(2)]
+    results = _finish(procs)
+    causes = []
+    for code, text in results:
+        assert code == 1, text
+        assert "FAILED (1 restart(s) used of 1)" in text, text
+        block = text[text.index("Root cause") :]
+        assert "rank      : 3" in block and "ValueError: boom on the last rank" in block
+        causes.append(block.split("Other ranks")[0])
+    assert causes[0] == causes[1]  # the same report on every node
+    assert sorted(p.name for p in envs.iterdir()) == [f"{r}-{c}" for r in range(4) for c in (0, 1)]
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_endpoint_is_a_clear_error(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text("pass\n")
+    cmd = [
+        sys.executable, "-m", "rallypoint", "run", "--nnodes", "2", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "x",
+        "--rdzv-conf", "is_host=false,read_timeout=2", str(script),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("rallypoint run: rendezvous '127.0.0.1:1'") and "127.0.0.1:1" in last
