@@ -13,7 +13,6 @@ import heapq
 import itertools
 import logging
 import os
-import pickle
 import queue
 import secrets
 import socket
@@ -36,6 +35,7 @@ from rallypoint.rpc._device_maps import (
     device_maps_to_json,
     validate_device_maps,
 )
+from rallypoint.rpc._dispatch import handle_frame
 from rallypoint.rpc._errors import (
     NOT_INITIALIZED,
     RpcConnectionError,
@@ -53,11 +53,9 @@ from rallypoint.rpc._rref import (
     _rref_decref_many,
     _rref_unpin,
     reduce_rref,
-    remote_error_text,
 )
 from rallypoint.rpc._shm import SegmentPool
 from rallypoint.rpc._transport import Connection, Frame, Listener, connect
-from rallypoint.rpc.functions import is_async_execution
 
 logger = logging.getLogger("rallypoint.rpc")
 
@@ -466,93 +464,7 @@ class RallypointAgent(RpcAgent):
 
     # ---- frames --------------------------------------------------------------------
     def handle_frame(self, conn: Connection, frame: Frame) -> None:
-        kind = frame.kind
-        if kind == _wire.KIND_REPLY or kind == _wire.KIND_ERROR:
-            call = self._pending.pop(frame.request_id, None)
-            if call is None:
-                return
-            call.conn.pending.discard(frame.request_id)
-            try:
-                if kind == _wire.KIND_REPLY:
-                    value = _wire.decode(frame.data, frame.tensors, conn.peer_name)
-                else:
-                    value = _rebuild_error(frame.data)
-                    call.future.set_exception(value)
-                    return
-            except BaseException as exc:
-                _fail(call.future, exc)
-                return
-            call.future.set_result(value)
-            return
-        with self._inflight_lock:
-            self._inflight += 1
-        finished = True
-        try:
-            try:
-                func, args, kwargs = _wire.decode(frame.data, frame.tensors, conn.peer_name)
-            except AttributeError as exc:
-                raise AttributeError(
-                    f"{exc} Default RPC pickler does not serialize function code. Ensure that "
-                    "UDFs are defined on both caller and callee modules."
-                ) from exc
-            result = func(*args, **kwargs)
-            if kind == _wire.KIND_ONEWAY:
-                return
-            if is_async_execution(func):
-                if not isinstance(result, torch._C.Future):
-                    raise TypeError(
-                        f"{getattr(func, '__qualname__', func)} is decorated with "
-                        f"@async_execution but returned {type(result).__name__}; it must "
-                        "return a torch.futures.Future"
-                    )
-                finished = False
-                rid = frame.request_id
-                result.add_done_callback(lambda fut: self._reply_future(conn, rid, fut))
-                return
-            self._reply(conn, frame.request_id, result, flush=False)
-        except BaseException as exc:
-            if kind == _wire.KIND_ONEWAY:
-                logger.warning(
-                    "rallypoint.rpc: one-way call from %s failed: %r", conn.peer_name, exc
-                )
-            else:
-                self._reply_error(conn, frame.request_id, exc, flush=False)
-        finally:
-            if finished:
-                with self._inflight_lock:
-                    self._inflight -= 1
-
-    def _reply_future(self, conn: Connection, rid: int, fut: torch.futures.Future[Any]) -> None:
-        try:
-            try:
-                value = fut.wait()
-            except BaseException as exc:
-                self._reply_error(conn, rid, exc, flush=True)
-                return
-            self._reply(conn, rid, value, flush=True)
-        finally:
-            with self._inflight_lock:
-                self._inflight -= 1
-
-    def _reply(self, conn: Connection, rid: int, value: Any, *, flush: bool) -> None:
-        try:
-            data, raws = self._encode(value, conn.peer_name, self._reverse_maps.get(conn.peer_name))
-        except BaseException as exc:
-            self._reply_error(conn, rid, exc, flush=flush)
-            return
-        with contextlib.suppress(RpcError):
-            conn.send_frame(_wire.KIND_REPLY, rid, data, raws, flush=flush)
-
-    def _reply_error(self, conn: Connection, rid: int, exc: BaseException, *, flush: bool) -> None:
-        text = remote_error_text(repr(self.info), exc)
-        try:
-            kind_bytes = pickle.dumps(type(exc))
-        except Exception:
-            kind_bytes = b""
-            text = f"{type(exc).__qualname__}: {text}"
-        data = pickle.dumps((text, kind_bytes))
-        with contextlib.suppress(RpcError):
-            conn.send_frame(_wire.KIND_ERROR, rid, data, [], flush=flush)
+        handle_frame(self, conn, frame)
 
     # ---- rrefs ---------------------------------------------------------------------
     def new_rref_id(self) -> RRefId:
@@ -716,25 +628,6 @@ class RallypointAgent(RpcAgent):
 def _fail(future: torch.futures.Future[Any], exc: BaseException) -> None:
     with contextlib.suppress(Exception):  # already completed  # already completed
         future.set_exception(exc)
-
-
-def _rebuild_error(data: bytes) -> BaseException:
-    text, kind_bytes = pickle.loads(data)
-    kind: Any = None
-    if kind_bytes:
-        try:
-            kind = pickle.loads(kind_bytes)
-        except Exception:
-            kind = None
-    if not (isinstance(kind, type) and issubclass(kind, BaseException)):
-        return RuntimeError(text)
-    try:
-        return kind(text)
-    except BaseException as exc:
-        return RuntimeError(
-            f"Failed to create original exception type. Error msg was {exc}"
-            f" Original exception on remote side was {text}"
-        )
 
 
 def start_agent(
