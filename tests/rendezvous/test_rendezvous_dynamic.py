@@ -399,3 +399,12 @@ def test_set_closed_from_another_thread_while_blocked_on_tcpstore(tcp: Cluster) 
     assert time.monotonic() - start < 5
     with pytest.raises(RendezvousClosedError):
         future.result(10)
+
+
+def test_waiting_node_that_gives_up_stops_asking_for_a_restart(memory: Cluster) -> None:
+    a, b = memory.node(min_nodes=2, max_nodes=3), memory.node(min_nodes=2, max_nodes=3)
+    memory.join_all([a, b])
+    impatient = memory.node(min_nodes=2, max_nodes=3, join_timeout=timedelta(seconds=0.5))
+    with pytest.raises(RendezvousTimeoutError, match="did not admit this node"):
+        impatient.next_rendezvous()
+    assert a.num_nodes_waiting() == 0

@@ -444,6 +444,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 if self._kv.wait([key], timeout):
                     break
                 if not spare:
+                    self._kv.add(self._keys.r(k, "late"), -1)  # stop asking for a restart
                     raise RendezvousTimeoutError(
                         f"The rendezvous '{cfg.run_id}' did not admit this node within "
                         f"{cfg.join_timeout.total_seconds():g} s: round {k} is complete and "
@@ -457,7 +458,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _open_if_all_dead(self, kv: KeyValueStore, k: int) -> None:
         """Background: if every member of round ``k`` stopped beating, open round k+1."""
         state = self._watch_state(kv, k, all_members=True)
-        if state is None:
+        if state is None or not state.seen:
             return
         now = time.monotonic()
         limit = self._dead_after()
