@@ -231,3 +231,17 @@ def test_config_from_parameters() -> None:
     )
     assert config.join_timeout == timedelta(seconds=7)
     assert (config.min_nodes, config.max_nodes, config.keep_alive_max_attempt) == (1, 3, 4)
+
+
+@pytest.mark.parametrize(("rank", "message"), [("2", r"rank \(2\)"), ("x", "'rank'")])
+def test_static_bad_rank(rank: str, message: str) -> None:
+    params = RendezvousParameters("static", "127.0.0.1:1", "job", 2, 2, rank=rank)
+    with pytest.raises(ValueError, match=message):
+        get_rendezvous_handler(params)
+
+
+def test_static_unreachable_master_is_connection_error() -> None:
+    port = free_port()
+    params = RendezvousParameters("static", f"127.0.0.1:{port}", "job", 2, 2, rank=1, timeout=1)
+    with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}"):
+        get_rendezvous_handler(params).next_rendezvous()
