@@ -1,13 +1,54 @@
-"""Test support: a forked multi-process runner, fakes and contract suites.
+"""Test support: real-process harnesses, fake hosts, real servers and contract suites.
 
-Public names:
+Public names (resolved lazily: importing ``rallypoint.testing`` loads nothing heavy):
 
-- :func:`run_workers` / :class:`WorkerError`: run a function in N forked processes with a
-  launcher-like environment and a deadline.
+- :func:`run_workers` / :class:`WorkerError`: run a function in N processes forked from the
+  warm caller, with a launcher-like environment and a deadline.
+- :class:`Network` / :class:`Host` / :class:`NetnsError` / :func:`netns_available`: K fake
+  hosts in network namespaces (addresses from 198.18.0.0/15), links that can be cut.
+- :class:`EtcdServer` / :func:`etcd_binary` / :func:`make_tls_files`: a real etcd server on
+  free loopback ports with a temporary data dir (and TLS material for it).
+- :class:`KVContract`: the behaviour every rendezvous key-value backend must pass (subclass
+  it in a pytest module and provide a ``kv`` fixture).
+- :func:`run_rpc_contract`: the checks every RPC backend must pass, in fresh processes.
 """
 
 from __future__ import annotations
 
-from rallypoint.testing._workers import WorkerError, run_workers
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["WorkerError", "run_workers"]
+_LAZY_NAMES: dict[str, str] = {
+    "WorkerError": "rallypoint.testing._workers",
+    "run_workers": "rallypoint.testing._workers",
+    "Host": "rallypoint.testing._netns",
+    "NetnsError": "rallypoint.testing._netns",
+    "Network": "rallypoint.testing._netns",
+    "netns_available": "rallypoint.testing._netns",
+    "EtcdServer": "rallypoint.testing._etcd",
+    "etcd_binary": "rallypoint.testing._etcd",
+    "make_tls_files": "rallypoint.testing._etcd",
+    "KVContract": "rallypoint.testing._rendezvous_contract",
+    "run_rpc_contract": "rallypoint.testing._rpc_contract",
+}
+
+__all__ = sorted(_LAZY_NAMES)
+
+if TYPE_CHECKING:
+    from rallypoint.testing._etcd import EtcdServer, etcd_binary, make_tls_files
+    from rallypoint.testing._netns import Host, NetnsError, Network, netns_available
+    from rallypoint.testing._rendezvous_contract import KVContract
+    from rallypoint.testing._rpc_contract import run_rpc_contract
+    from rallypoint.testing._workers import WorkerError, run_workers
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_NAMES:
+        value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'rallypoint.testing' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
