@@ -32,7 +32,19 @@ _LAZY_NAMES: dict[str, str] = {
     "run_rpc_contract": "rallypoint.testing._rpc_contract",
 }
 
-__all__ = sorted(_LAZY_NAMES)
+__all__ = [
+    "EtcdServer",
+    "Host",
+    "KVContract",
+    "NetnsError",
+    "Network",
+    "WorkerError",
+    "etcd_binary",
+    "make_tls_files",
+    "netns_available",
+    "run_rpc_contract",
+    "run_workers",
+]
 
 if TYPE_CHECKING:
     from rallypoint.testing._etcd import EtcdServer, etcd_binary, make_tls_files
