@@ -245,3 +245,34 @@ def test_static_unreachable_master_is_connection_error() -> None:
     params = RendezvousParameters("static", f"127.0.0.1:{port}", "job", 2, 2, rank=1, timeout=1)
     with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}"):
         get_rendezvous_handler(params).next_rendezvous()
+
+
+def _scale_up(port: int) -> tuple[int, int, int, int]:
+    params = RendezvousParameters(
+        "c10d", f"127.0.0.1:{port}", "grow", 2, 3, is_host="false", **FAST
+    )
+    if int(os.environ["RANK"]) == 2:
+        time.sleep(1.5)  # arrives after the first round is complete
+        info = get_rendezvous_handler(params).next_rendezvous()
+        return -1, -1, info.rank, info.world_size
+    handler = get_rendezvous_handler(params)
+    first = handler.next_rendezvous()
+    deadline = time.monotonic() + 20
+    while handler.num_nodes_waiting() == 0:  # what an agent's monitor loop does
+        assert time.monotonic() < deadline, "the late node was never reported"
+        time.sleep(0.05)
+    second = handler.next_rendezvous()
+    return first.rank, first.world_size, second.rank, second.world_size
+
+
+@pytest.mark.timeout(60)
+def test_processes_scale_up_admits_a_late_node() -> None:
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    results = run_workers(_scale_up, 3, server.port, timeout=50)
+    members, late = results[:2], results[2]
+    assert sorted((r, w) for r, w, _, _ in members) == [(0, 2), (1, 2)]
+    for old, _, new, world in members:
+        assert (new, world) == (old, 3)  # members keep their ranks
+    assert late[2:] == (2, 3)

@@ -11,6 +11,8 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rallypoint.rendezvous import (
     DynamicRendezvousConfig,
@@ -408,3 +410,27 @@ def test_waiting_node_that_gives_up_stops_asking_for_a_restart(memory: Cluster) 
     with pytest.raises(RendezvousTimeoutError, match="did not admit this node"):
         impatient.next_rendezvous()
     assert a.num_nodes_waiting() == 0
+
+
+@given(
+    prev_ranks=st.lists(st.one_of(st.none(), st.integers(0, 40)), max_size=40),
+    max_nodes=st.integers(1, 40),
+)
+def test_assign_ranks_properties(prev_ranks: list[int | None], max_nodes: int) -> None:
+    seen: set[int] = set()
+    slots = []
+    for i, prev in enumerate(prev_ranks):  # previous ranks are unique within a round
+        if prev is not None and prev in seen:
+            prev = None
+        if prev is not None:
+            seen.add(prev)
+        slots.append(_slot(i, prev, round_=4))
+    ranks = assign_ranks(slots, 5, max_nodes)
+    world = min(len(slots), max_nodes)
+    assert sorted(ranks.values()) == list(range(world))  # a permutation of 0..W-1
+    survivors = [s for s in slots if s.prev_rank is not None]
+    admitted_survivors = [s for s in survivors if s.index in ranks]
+    assert len(admitted_survivors) == min(len(survivors), max_nodes)  # survivors first
+    for s in admitted_survivors:
+        if s.prev_rank is not None and s.prev_rank < world:
+            assert ranks[s.index] == s.prev_rank  # kept wherever it fits
