@@ -139,3 +139,89 @@ def test_unreachable_endpoint_is_a_clear_error(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("rallypoint run: rendezvous '127.0.0.1:1'") and "127.0.0.1:1" in last
+
+
+ELASTIC = """
+import json, os, sys, time
+import torch, torch.distributed as dist
+import rallypoint.launcher as rl
+
+dist.init_process_group("gloo")
+nodes = int(os.environ["GROUP_WORLD_SIZE"])
+out = os.path.join(sys.argv[1], f"{os.environ['RANK']}-{nodes}-{os.getpid()}")
+with open(out, "w") as fp:
+    json.dump({k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT")}, fp)
+t = torch.ones(1)
+while nodes != int(sys.argv[2]):   # run until the world has the wanted number of nodes
+    rl.progress()
+    dist.all_reduce(t)
+    time.sleep(0.05)
+dist.all_reduce(t)
+dist.destroy_process_group()
+"""
+
+
+def _elastic_agent(endpoint: str, run_id: str, script: Path, *args: str) -> subprocess.Popen[str]:
+    cmd = [
+        sys.executable, "-m", "rallypoint", "run",
+        "--nnodes", "1:2", "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+        "--rdzv-conf",
+        "is_host=false,read_timeout=20,last_call_timeout=1,keep_alive_interval=0.5,"
+        "keep_alive_max_attempt=3",
+        "--shutdown-timeout", "2", str(script), *args,
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(directory: Path, pattern: str, count: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list(directory.glob(pattern))) < count:
+        assert time.monotonic() < deadline, sorted(p.name for p in directory.iterdir())
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_scale_up_admits_a_new_node_without_spending_budget(tmp_path: Path, endpoint: str) -> None:
+    script = tmp_path / "elastic.py"
+    script.write_text(ELASTIC)
+    envs = tmp_path / "env"
+    envs.mkdir()
+    first = _elastic_agent(endpoint, "job-up", script, str(envs), "2")
+    try:
+        _wait_for(envs, "*-1-*", 2)  # running alone, in a 1-node world
+        second = _elastic_agent(endpoint, "job-up", script, str(envs), "2")
+    except BaseException:
+        first.kill()
+        raise
+    results = _finish([first, second])
+    for code, text in results:
+        assert code == 0, text
+    assert "membership changed" in results[0][1]
+    grown = [json.loads(p.read_text()) for p in envs.glob("*-2-*")]
+    assert sorted(int(e["RANK"]) for e in grown) == [0, 1, 2, 3]
+    assert {e["TORCHELASTIC_RESTART_COUNT"] for e in grown} == {"0"}  # no budget spent
+
+
+@pytest.mark.timeout(120)
+def test_node_loss_survivor_continues_at_min(tmp_path: Path, endpoint: str) -> None:
+    script = tmp_path / "elastic.py"
+    script.write_text(ELASTIC)
+    envs = tmp_path / "env"
+    envs.mkdir()
+    agents = [_elastic_agent(endpoint, "job-loss", script, str(envs), "1") for _ in range(2)]
+    try:
+        _wait_for(envs, "*-2-*", 4)  # both nodes' workers run in a 2-node world
+        victim = agents[1]
+        victim.kill()  # SIGKILL: no goodbye; its warm process and workers die with it
+        victim.wait(10)
+        started = time.monotonic()
+        [(code, text)] = _finish([agents[0]], timeout=60)
+        noticed = time.monotonic() - started
+    finally:
+        for a in agents:
+            a.kill()
+    assert code == 0, text
+    assert "membership changed" in text, text
+    assert sorted(p.name.split("-")[0] for p in envs.glob("*-1-*")) == ["0", "1"]
+    assert noticed < 30

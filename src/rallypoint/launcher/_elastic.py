@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import threading
 import time
@@ -62,6 +63,11 @@ from rallypoint.launcher._state import Worker as _Worker
 from rallypoint.launcher._summary import format_summary
 
 __all__ = ["ElasticAgent", "create_rendezvous", "run_store_of"]
+
+_PEER_LOSS = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|DistNetworkError|Socket Timeout|"
+    r"gloo/transport|NCCL"
+)
 
 POLL_EVERY = 0.1
 """Seconds between the store checks of the monitor loop (restart key, waiting nodes)."""
@@ -349,11 +355,12 @@ class ElasticAgent(Agent):
             assert outcome.root is not None
             self._publish_failure(outcome.root)
             root = outcome.root.state()
-            self._claim(
-                f"rank {root.rank} on {self.host} {root.detail}",
-                spend=True,
-                force_fail=outcome.kind == "bad_target",
-            )
+            if not self._peer_loss(outcome.root):  # else: a restart is decided; follow it
+                self._claim(
+                    f"rank {root.rank} on {self.host} {root.detail}",
+                    spend=True,
+                    force_fail=outcome.kind == "bad_target",
+                )
         elif outcome.kind == "ok" and self._wait_job_done(outcome.workers):
             self._finish("succeeded")
             return True
@@ -371,6 +378,33 @@ class ElasticAgent(Agent):
             return False
         self._fail(outcome, decision)
         raise AssertionError("unreachable")
+
+    def _peer_loss(self, w: _Worker) -> bool:
+        """A worker that failed in a collective because a peer vanished is not a job failure
+        when that peer's node is gone: wait up to the heartbeat window for another node's
+        decision or a membership change (which restarts without spending budget)."""
+        if self.rs.check(["restart"]):
+            return True
+        tb, _ = self._error_info(w)
+        if not _PEER_LOSS.search(tb):
+            return False
+        settings = getattr(self.handler, "settings", None)
+        if settings is None:
+            return False
+        window = settings.keep_alive_interval.total_seconds() * (
+            settings.keep_alive_max_attempt + 2
+        )
+        deadline = time.monotonic() + window
+        while time.monotonic() < deadline:
+            if self.rs.check(["restart"]):
+                return True
+            waiting = int(self.handler.num_nodes_waiting())
+            if waiting > 0:
+                reason = f"membership changed ({waiting} node(s) waiting to join or lost)"
+                self._claim(reason, spend=False)
+                return True
+            time.sleep(POLL_EVERY)
+        return False
 
     def _publish_failure(self, w: _Worker) -> None:
         tb, _ = self._error_info(w)
