@@ -16,6 +16,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "rallypoint.launcher._report:report_main",
         "draw a job's timeline from its --events files (PNG, HTML or SVG)",
     ),
+    "stacks": (
+        "rallypoint.launcher._stacks_cli:stacks_main",
+        "print the Python stacks of every worker of a running job, grouped",
+    ),
 }
 
 

@@ -225,3 +225,36 @@ def test_node_loss_survivor_continues_at_min(tmp_path: Path, endpoint: str) -> N
     assert "membership changed" in text, text
     assert sorted(p.name.split("-")[0] for p in envs.glob("*-1-*")) == ["0", "1"]
     assert noticed < 30
+
+
+@pytest.mark.timeout(120)
+def test_stacks_on_demand_for_a_running_job(tmp_path: Path, endpoint: str) -> None:
+    script = tmp_path / "elastic.py"
+    script.write_text(ELASTIC)
+    envs = tmp_path / "env"
+    envs.mkdir()
+    agents = [_elastic_agent(endpoint, "job-st", script, str(envs), "3") for _ in range(2)]
+    try:
+        _wait_for(envs, "*-2-*", 4)
+        proc = subprocess.run(
+            [sys.executable, "-m", "rallypoint", "stacks", "--rdzv-endpoint", endpoint,
+             "--rdzv-id", "job-st", "--timeout", "20"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        for a in agents:
+            a.kill()
+            a.wait(10)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("rank") and "elastic.py" in proc.stdout, proc.stdout
+    for rank in range(4):
+        assert f" {rank} (pid " in proc.stdout, proc.stdout  # every rank of both nodes
+
+
+def test_stacks_bad_input() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "rallypoint", "stacks", "--rdzv-id", "x"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--rdzv-endpoint" in proc.stderr
