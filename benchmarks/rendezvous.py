@@ -40,6 +40,20 @@ def _host_store(conn: Connection) -> None:
     os._exit(0)
 
 
+_PACE: list[float] = []  # [first slot time, seconds between slots, this process's first slot, step]
+
+
+def _paced() -> None:
+    """Wait for this process's next connection slot (a global connect rate across processes)."""
+    if not _PACE:
+        return
+    first, interval, slot, step = _PACE
+    delay = first + slot * interval - time.time()
+    if delay > 0:
+        time.sleep(delay)
+    _PACE[2] = slot + step
+
+
 def _make_handlers(kind: str, endpoint: str, run_id: str, n: int, count: int) -> list[Any]:
     host, port = endpoint.rsplit(":", 1)
     timeout = timedelta(seconds=600)
@@ -55,6 +69,7 @@ def _make_handlers(kind: str, endpoint: str, run_id: str, n: int, count: int) ->
         )
 
         for _ in range(count):
+            _paced()
             store = TCPStore(host, int(port), is_master=False, timeout=timeout)
             backend = C10dRendezvousBackend(store, run_id)
             handlers.append(
@@ -78,6 +93,7 @@ def _make_handlers(kind: str, endpoint: str, run_id: str, n: int, count: int) ->
         else:
             from rallypoint.rendezvous._kv_c10d import tcp_kv
 
+            _paced()
             kv = tcp_kv(host, int(port), is_server=False, timeout=timeout)[0]
             kv.clone()  # open the per-process side connection before the clock starts
         handlers.append(Ours(kv, config))
@@ -85,8 +101,16 @@ def _make_handlers(kind: str, endpoint: str, run_id: str, n: int, count: int) ->
 
 
 def _node_process(
-    kind: str, endpoint: str, run_id: str, n: int, count: int, start: Any, conn: Connection
+    kind: str,
+    endpoint: str,
+    run_id: str,
+    n: int,
+    count: int,
+    start: Any,
+    conn: Connection,
+    pace: list[float],
 ) -> None:
+    _PACE[:] = pace
     try:
         handlers = _make_handlers(kind, endpoint, run_id, n, count)
     except BaseException as exc:
@@ -121,16 +145,21 @@ def _layout(n: int) -> tuple[int, int]:
     return procs, n // procs
 
 
-def measure(kind: str, endpoint: str, n: int, timeout: float) -> float | None:
+def measure(
+    kind: str, endpoint: str, n: int, timeout: float, connect_rate: float = 0.0
+) -> float | None:
     """Seconds until all ``n`` nodes have a rank, or ``None`` on timeout."""
     procs, threads = _layout(n)
     run_id = f"{kind}-{n}-{time.monotonic_ns()}"
     start = _ctx.Event()
     children: list[tuple[Any, Connection]] = []
-    for _ in range(procs):
+    first = time.time() + 0.5
+    for p in range(procs):
+        pace = [first, 1.0 / connect_rate, p, procs] if connect_rate > 0 else []
         parent, child = _ctx.Pipe(duplex=False)
         proc = _ctx.Process(
-            target=_node_process, args=(kind, endpoint, run_id, n, threads, start, child)
+            target=_node_process,
+            args=(kind, endpoint, run_id, n, threads, start, child, pace),
         )
         proc.start()
         child.close()
@@ -185,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="per run for rallypoint")
     parser.add_argument("--etcd-max", type=int, default=128, help="largest N run on etcd")
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument(
+        "--connect-rate",
+        type=float,
+        default=20.0,
+        help="TCPStore connections per second while creating handlers (untimed; bursts of "
+        "connects stall a TCPStore server for 5 s in some sandboxes; 0 = no pacing)",
+    )
     parser.add_argument("--plot", metavar="FILE", help="write a log-log plot (matplotlib)")
     args = parser.parse_args(argv)
 
@@ -205,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n in args.nodes:
             row: dict[str, Any] = {"n": n, "layout": "{}x{}".format(*_layout(n))}
-            row["ours"] = measure("ours", endpoint, n, args.timeout)
+            rate = args.connect_rate
+            row["ours"] = measure("ours", endpoint, n, args.timeout, rate)
             if etcd is not None and n <= args.etcd_max:
                 row["etcd"] = measure("etcd", etcd.endpoint, n, args.timeout)
             else:
@@ -219,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["torch"] = f"not run (est. {estimate:.0f})"
                 torch_gave_up = True
             else:
-                row["torch"] = measure("torch", endpoint, n, args.torch_timeout)
+                row["torch"] = measure("torch", endpoint, n, args.torch_timeout, rate)
                 if row["torch"] is None:
                     row["torch"] = f"> {args.torch_timeout:g}"
                     torch_gave_up = True
