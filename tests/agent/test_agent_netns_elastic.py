@@ -1,0 +1,108 @@
+"""The elastic agent across fake hosts (network namespaces): node loss and a cut link."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rallypoint.testing._netns import Network, netns_available
+
+_ok, _why = netns_available()
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(not _ok, reason=_why)]
+
+WORKER = """
+import os, sys, time
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+nodes = int(os.environ["GROUP_WORLD_SIZE"])
+name = f"{os.environ['RANK']}-{nodes}-{os.uname().nodename}"
+open(os.path.join(sys.argv[1], name), "w").close()
+t = torch.ones(1)
+while nodes != int(sys.argv[2]):   # keep going until the world has the wanted node count
+    dist.all_reduce(t)
+    time.sleep(0.05)
+dist.all_reduce(t)
+dist.destroy_process_group()
+"""
+
+KEEP_ALIVE, ATTEMPTS = 0.5, 3
+WINDOW = KEEP_ALIVE * ATTEMPTS
+
+
+def _start(net: Network, script: Path, out: Path, want: int) -> list[subprocess.Popen[Any]]:
+    conf = (
+        f"read_timeout=10,last_call_timeout=1,keep_alive_interval={KEEP_ALIVE},"
+        f"keep_alive_max_attempt={ATTEMPTS}"
+    )
+    procs = []
+    for host in net.hosts:
+        cmd = [
+            sys.executable, "-m", "rallypoint", "run", "--nnodes", f"2:{len(net.hosts)}",
+            "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h0:29400",
+            "--rdzv-id", "netjob", "--rdzv-conf", conf, "--shutdown-timeout", "2",
+            str(script), str(out), str(want),
+        ]  # fmt: skip
+        procs.append(host.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        if host.index == 0:
+            time.sleep(0.5)  # h0 hosts the rendezvous store; the others connect to it
+    return procs
+
+
+def _wait_files(out: Path, pattern: str, count: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list(out.glob(pattern))) < count:
+        assert time.monotonic() < deadline, sorted(p.name for p in out.iterdir())
+        time.sleep(0.05)
+
+
+def _survivors_finish(procs: list[subprocess.Popen[Any]], timeout: float) -> list[str]:
+    texts = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=timeout)
+        assert p.returncode == 0, stdout
+        texts.append(stdout)
+    return texts
+
+
+@pytest.mark.timeout(120)
+def test_killed_agent_survivors_continue_at_min(tmp_path: Path) -> None:
+    script = tmp_path / "w.py"
+    script.write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    with Network(3) as net:
+        procs = _start(net, script, out, want=2)
+        _wait_files(out, "*-3-*", 3)  # a 3-node world runs
+        procs[2].kill()
+        killed = time.monotonic()
+        texts = _survivors_finish(procs[:2], timeout=60)
+        took = time.monotonic() - killed
+    assert all("membership changed" in t for t in texts), texts
+    assert sorted(p.name for p in out.glob("*-2-*")) == ["0-2-h0", "1-2-h1"]
+    assert took < WINDOW + 15
+
+
+@pytest.mark.timeout(120)
+def test_cut_link_is_noticed_within_the_window(tmp_path: Path) -> None:
+    script = tmp_path / "w.py"
+    script.write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    with Network(3) as net:
+        procs = _start(net, script, out, want=2)
+        _wait_files(out, "*-3-*", 3)
+        net.hosts[2].cut()
+        cut = time.monotonic()
+        _wait_files(out, "*-2-*", 2, timeout=60)  # the survivors formed a 2-node world
+        noticed = time.monotonic() - cut
+        _survivors_finish(procs[:2], timeout=60)
+        procs[2].kill()
+    assert sorted(p.name for p in out.glob("*-2-*")) == ["0-2-h0", "1-2-h1"]
+    # missed heartbeats (WINDOW) + one check interval + tear-down and a new round
+    assert noticed < WINDOW + 10, noticed
