@@ -258,3 +258,76 @@ def test_stacks_bad_input() -> None:
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert proc.returncode == 2 and "--rdzv-endpoint" in proc.stderr
+
+
+HANG = """
+import os, time
+import torch, torch.distributed as dist
+import rallypoint.launcher as rl
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+t = torch.ones(1)
+for step in range(3):
+    rl.progress()
+    if attempt == "0" and rank == world - 1 and step == 1:
+        time.sleep(3600)
+    dist.all_reduce(t)
+print(f"finished rank={rank} attempt={attempt}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(150)
+def test_hang_across_nodes_prints_every_rank_and_restarts(tmp_path: Path, endpoint: str) -> None:
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    procs = []
+    for _ in range(2):
+        cmd = [
+            sys.executable, "-m", "rallypoint", "run",
+            "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", "job-hang",
+            "--rdzv-conf", "is_host=false,read_timeout=20", "--max-restarts", "1",
+            "--hang-timeout", "3", "--shutdown-timeout", "2", str(script),
+        ]  # fmt: skip
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    results = _finish(procs)
+    joined = "".join(text for _, text in results)
+    for code, text in results:
+        assert code == 0, text
+    assert joined.count("stacks of every rank:") == 1, joined  # one agent prints the report
+    assert "ranks 0-2: all_reduce" in joined and "rank 3: sleep" in joined, joined
+    for rank in range(4):
+        assert f"finished rank={rank} attempt=1" in joined
+
+
+@pytest.mark.timeout(150)
+def test_etcd_backend_restart(tmp_path: Path) -> None:
+    from rallypoint.testing._etcd import EtcdServer, etcd_binary
+
+    if etcd_binary() is None:
+        pytest.skip("etcd is not installed (Debian: apt-get install etcd-server)")
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    envs = tmp_path / "env"
+    envs.mkdir()
+    with EtcdServer() as server:
+        procs = []
+        for _ in range(2):
+            cmd = [
+                sys.executable, "-m", "rallypoint", "run",
+                "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
+                "--rdzv-endpoint", server.endpoint, "--rdzv-id", "job-etcd",
+                "--max-restarts", "1", "--shutdown-timeout", "2", str(script), str(envs), "once",
+            ]  # fmt: skip
+            procs.append(
+                subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            )
+        results = _finish(procs)
+    for code, text in results:
+        assert code == 0, text
+    assert sorted(p.name for p in envs.iterdir()) == ["0-0", "0-1", "1-0", "1-1"]

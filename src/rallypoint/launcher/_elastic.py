@@ -315,6 +315,14 @@ class ElasticAgent(Agent):
             for node, why in sorted(missing.items()):
                 text += f"\nnode {node}: {why}"
             write_console(2, f"rallypoint: {reason}; stacks of every rank:\n{text}\n".encode())
+            self.run_store.set(f"hang/{self.round}/done", "1")
+        else:  # another node asks for everyone's stacks: keep answering until it has them
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                self._answer_stacks(workers)
+                if self.run_store.check([f"hang/{self.round}/done"]):
+                    break
+                time.sleep(0.05)
         spend = self.config.on_hang == "restart"
         self._claim(reason, spend=True, force_fail=not spend)
         return reason
