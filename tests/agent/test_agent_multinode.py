@@ -331,3 +331,26 @@ def test_etcd_backend_restart(tmp_path: Path) -> None:
     for code, text in results:
         assert code == 0, text
     assert sorted(p.name for p in envs.iterdir()) == ["0-0", "0-1", "1-0", "1-1"]
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_while_waiting_for_other_nodes_stops_at_once(tmp_path: Path, endpoint: str) -> None:
+    import signal
+
+    script = tmp_path / "worker.py"
+    script.write_text("pass\n")
+    lonely = _agent(endpoint, "job-alone", 1, script)  # --nnodes 2: waits for a second node
+    import torch.distributed as dist
+
+    host, port = endpoint.split(":")
+    client = dist.TCPStore(host, int(port), is_master=False)
+    deadline = time.monotonic() + 40
+    while not client.check(["rallypoint/rdzv/job-alone/r0/joined"]):  # it joined round 0
+        assert time.monotonic() < deadline and lonely.poll() is None
+        time.sleep(0.05)
+    lonely.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    _, err = lonely.communicate(timeout=30)
+    assert lonely.returncode == 128 + signal.SIGTERM, err
+    assert "received SIGTERM while waiting for the other nodes" in err
+    assert time.monotonic() - started < 10

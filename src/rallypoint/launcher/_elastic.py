@@ -181,7 +181,7 @@ class ElasticAgent(Agent):
 
         while True:
             try:
-                info = self.handler.next_rendezvous()
+                info = self._next_rendezvous()
             except (RendezvousClosedError, RendezvousGracefulExitError) as exc:
                 self._ended_elsewhere(exc)
                 return
@@ -191,6 +191,34 @@ class ElasticAgent(Agent):
             outcome = self._attempt(self.round)
             if self._after_round(outcome):
                 return
+
+    def _next_rendezvous(self) -> Any:
+        """``next_rendezvous()`` in a thread, so that SIGINT/SIGTERM still stop this agent
+        while it blocks inside the store (a blocked C call does not return for signals)."""
+        result: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                result["info"] = self.handler.next_rendezvous()
+            except BaseException as exc:
+                result["exc"] = exc
+
+        t = threading.Thread(target=join, name="rallypoint-rendezvous", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.05)
+            self._check_signals()
+        if "exc" in result:
+            raise result["exc"]
+        return result["info"]
+
+    def _check_signals(self) -> None:
+        if self.signals:
+            signum = self.signals.pop(0)
+            name = signal.Signals(signum).name
+            raise LaunchInterruptedError(
+                f"received {name} while waiting for the other nodes; stopped", signum=signum
+            )
 
     def _ended_elsewhere(self, exc: Exception) -> None:
         status = self._status()
@@ -411,6 +439,7 @@ class ElasticAgent(Agent):
                 reason = f"membership changed ({waiting} node(s) waiting to join or lost)"
                 self._claim(reason, spend=False)
                 return True
+            self._check_signals()
             time.sleep(POLL_EVERY)
         return False
 
@@ -441,6 +470,7 @@ class ElasticAgent(Agent):
                 self._claim("membership changed after this node finished", spend=False)
                 return False
             self._answer_stacks(workers)
+            self._check_signals()
             time.sleep(0.05)
             done = int(self.rs.add("done", 0))
         return True
