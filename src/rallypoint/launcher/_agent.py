@@ -41,6 +41,7 @@ from rallypoint.launcher._errors import (
 )
 from rallypoint.launcher._observe import Observer
 from rallypoint.launcher._output import OutputRouter, write_console
+from rallypoint.launcher._signals import install_signal_handlers, restore_signal_handlers
 from rallypoint.launcher._state import GroupInfo, resolve_group
 from rallypoint.launcher._state import Outcome as _Outcome
 from rallypoint.launcher._state import Worker as _Worker
@@ -544,30 +545,11 @@ class Agent:
     _wake_r: int | None = None
 
     def _install_signal_handlers(self) -> dict[int, Any] | None:
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            return None
-        names = [n.strip() for n in self.config.signals_to_handle.split(",") if n.strip()]
-        r, w = os.pipe()
-        os.set_blocking(r, False)
-        os.set_blocking(w, False)
-        old: dict[int, Any] = {-1: signal.set_wakeup_fd(w), -2: (r, w)}
-        for name in names:
-            signum = int(getattr(signal, name))
-            old[signum] = signal.signal(signum, lambda s, _f: self.signals.append(s))
-        self._wake_r = r
+        self._wake_r, old = install_signal_handlers(self.config.signals_to_handle, self.signals)
         return old
 
     def _restore_signal_handlers(self, old: dict[int, Any] | None) -> None:
-        if old is None:
-            return
-        r, w = old.pop(-2)
-        signal.set_wakeup_fd(old.pop(-1))
-        for signum, handler in old.items():
-            signal.signal(signum, handler)
-        os.close(r)
-        os.close(w)
+        restore_signal_handlers(old)
         self._wake_r = None
 
     # ------------------------------------------------------------------ reporting
