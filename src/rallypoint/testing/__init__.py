@@ -28,6 +28,7 @@ _LAZY_NAMES: dict[str, str] = {
     "EtcdServer": "rallypoint.testing._etcd",
     "etcd_binary": "rallypoint.testing._etcd",
     "make_tls_files": "rallypoint.testing._etcd",
+    "TLSFiles": "rallypoint.testing._etcd",
     "KVContract": "rallypoint.testing._rendezvous_contract",
     "run_rpc_contract": "rallypoint.testing._rpc_contract",
 }
@@ -38,6 +39,7 @@ __all__ = [
     "KVContract",
     "NetnsError",
     "Network",
+    "TLSFiles",
     "WorkerError",
     "etcd_binary",
     "make_tls_files",
@@ -47,7 +49,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from rallypoint.testing._etcd import EtcdServer, etcd_binary, make_tls_files
+    from rallypoint.testing._etcd import EtcdServer, TLSFiles, etcd_binary, make_tls_files
     from rallypoint.testing._netns import Host, NetnsError, Network, netns_available
     from rallypoint.testing._rendezvous_contract import KVContract
     from rallypoint.testing._rpc_contract import run_rpc_contract
