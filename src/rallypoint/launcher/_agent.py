@@ -49,6 +49,7 @@ from rallypoint.launcher._summary import (
     bad_target_message,
     error_info,
     format_summary,
+    peer_loss,
 )
 from rallypoint.launcher._warm import WarmProcess
 from rallypoint.launcher._worker import BAD_TARGET_EXIT, Target, WorkerSpec
@@ -403,12 +404,18 @@ class Agent:
         try:
             while True:
                 now = time.monotonic()
+                batch = []
                 for pid, status in pending:
                     w = by_pid.get(pid)
                     if w is None or w.status is not None:
                         continue
                     w.status, w.exited_at = status, now
                     self._on_exit(w)
+                    batch.append(w)
+                # exits reaped together have no order: a rank that failed because its peer
+                # vanished ("Connection closed by peer") is a consequence, not the cause
+                batch.sort(key=lambda w: peer_loss(w.error_file))
+                for w in batch:
                     if w.returncode != 0 and outcome is None:
                         kind = "failed"
                         if w.returncode == BAD_TARGET_EXIT and self._bad_target_message(w):

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import signal
 import threading
 import time
@@ -60,14 +59,11 @@ from rallypoint.launcher._stacks import (
 from rallypoint.launcher._state import GroupInfo
 from rallypoint.launcher._state import Outcome as _Outcome
 from rallypoint.launcher._state import Worker as _Worker
+from rallypoint.launcher._summary import PEER_LOSS as _PEER_LOSS
 from rallypoint.launcher._summary import format_summary
 
 __all__ = ["ElasticAgent", "create_rendezvous", "run_store_of"]
 
-_PEER_LOSS = re.compile(
-    r"Connection (closed|reset) by peer|Broken pipe|DistNetworkError|Socket Timeout|"
-    r"gloo/transport|NCCL"
-)
 
 POLL_EVERY = 0.1
 """Seconds between the store checks of the monitor loop (restart key, waiting nodes)."""

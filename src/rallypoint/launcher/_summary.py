@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import signal
 import textwrap
 from datetime import datetime
@@ -13,7 +14,30 @@ from pathlib import Path
 
 from rallypoint.launcher._errors import WorkerState
 
-__all__ = ["bad_target_message", "describe_status", "error_info", "format_summary"]
+__all__ = [
+    "PEER_LOSS",
+    "bad_target_message",
+    "describe_status",
+    "error_info",
+    "format_summary",
+    "peer_loss",
+]
+
+PEER_LOSS = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|DistNetworkError|Socket Timeout|"
+    r"gloo/transport|NCCL"
+)
+"""Errors a rank gets when a peer vanished mid-collective: a consequence of a failure."""
+
+
+def peer_loss(error_file: Path) -> bool:
+    """Whether the worker's recorded error says that a peer vanished under it."""
+    try:
+        text = error_file.read_text(errors="replace")
+    except OSError:
+        return False
+    return PEER_LOSS.search(text) is not None
+
 
 _WIDTH = 72
 
