@@ -63,12 +63,15 @@ def _free_port() -> int:
     return free_port()
 
 
-def _agents(tool: str, script: Path, port: int, env: dict[str, str], nnodes: str) -> list[Any]:
+def _agents(
+    tool: str, script: Path, port: int, env: dict[str, str], nnodes: str, is_host: str = ""
+) -> list[Any]:
     procs = []
     for _ in range(2):
         if tool == "rallypoint":
             cmd = [sys.executable, "-m", "rallypoint", "run"]
             conf = "last_call_timeout=1,keep_alive_interval=0.5,keep_alive_max_attempt=3"
+            conf += f",is_host={is_host}" if is_host else ""
             extra = ["--rdzv-conf", conf, "--shutdown-timeout", "2"]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run"]
@@ -137,7 +140,11 @@ def node_loss(timeout: float) -> float | None:
         script.write_text(WORKER)
         out = Path(tmp) / "stamps"
         env = dict(os.environ, BENCH_OUT=str(out), BENCH_MODE="loss", OMP_NUM_THREADS="1")
-        procs = _agents("rallypoint", script, _free_port(), env, "1:2")
+        # the rendezvous store lives here, not in the agent that gets killed
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        procs = _agents("rallypoint", script, store.port, env, "1:2", is_host="false")
         deadline = time.monotonic() + timeout
         try:
             while len([s for s in _stamps(out) if s[3] == "2"]) < 4:

@@ -46,10 +46,17 @@ def endpoint() -> Iterator[str]:
 
 
 def _agent(
-    endpoint: str, run_id: str, nproc: int, script: Path, *args: str, restarts: int = 1
+    endpoint: str,
+    run_id: str,
+    nproc: int,
+    script: Path,
+    *args: str,
+    restarts: int = 1,
+    events: Path | None = None,
 ) -> subprocess.Popen[str]:
     cmd = [
         sys.executable, "-m", "rallypoint", "run",
+        *(["--events", str(events)] if events else []),
         "--nnodes", "2", "--nproc-per-node", str(nproc),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
         "--rdzv-conf", "is_host=false,read_timeout=20",
@@ -79,7 +86,11 @@ def test_world_env_crash_restarts_every_node_with_one_budget(tmp_path: Path, end
     envs = tmp_path / "env"
     envs.mkdir()
     # mismatched --nproc-per-node (2 and 1), as torchrun allows: world size 3
-    procs = [_agent(endpoint, "job-a", n, script, str(envs), "once") for n in (2, 1)]
+    logs = [tmp_path / f"events{n}.jsonl" for n in (2, 1)]
+    procs = [
+        _agent(endpoint, "job-a", n, script, str(envs), "once", events=log)
+        for n, log in zip((2, 1), logs, strict=True)
+    ]
     results = _finish(procs)
     for code, text in results:
         assert code == 0, text
@@ -98,6 +109,22 @@ def test_world_env_crash_restarts_every_node_with_one_budget(tmp_path: Path, end
         local_ws, group = int(e["LOCAL_WORLD_SIZE"]), int(e["GROUP_RANK"])
         offset = 0 if group == 0 else 3 - local_ws
         assert rank == offset + int(e["LOCAL_RANK"])
+
+    # every agent logged the rounds, the shared restart and the end; one merged timeline
+    from rallypoint.launcher import read_events
+
+    events = read_events(logs)
+    rounds = [e for e in events if e.kind == "round"]
+    assert len(rounds) == 4 and {e.get("nnodes") for e in rounds} == {2}
+    assert all(len(e.get("members")) == 2 for e in events if e.kind == "members")
+    assert [e.get("restart_count") for e in events if e.kind == "restart"] == [1, 1]
+    assert [e.get("status") for e in events if e.kind == "job_end"] == ["succeeded"] * 2
+    picture = tmp_path / "timeline.svg"
+    rep = subprocess.run(
+        [sys.executable, "-m", "rallypoint", "report", *map(str, logs), "-o", str(picture)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert rep.returncode == 0 and "3 ranks" in rep.stdout, rep.stdout + rep.stderr
 
     # the run is closed now: a late agent with the same id does not hang
     started = time.monotonic()

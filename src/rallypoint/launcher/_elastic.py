@@ -22,10 +22,11 @@ Every node runs the same command; each agent loops over rounds:
 4. When every node's workers succeeded the job's status is written, the rendezvous is
    closed and every agent exits 0.
 
-Keys: the round store ``<round prefix>/`` holds ``nproc/<g>``, ``master``, ``failure/<g>``,
-``claim``, ``restart``, ``root``, ``done``; the run store ``rallypoint/<run_id>/job/``
-holds ``restarts``, ``status``, ``left/<round>``, ``hang/<round>`` and the ``stacks/*``
-exchange (so ``rallypoint stacks`` finds it without knowing the round).
+Keys: the round store ``<round prefix>/`` holds ``node/<g>`` (local world size and host),
+``master``, ``failure/<g>``, ``claim``, ``restart``, ``root``, ``done``; the run store
+``rallypoint/<run_id>/job/`` holds ``restarts``, ``status``, ``left/<round>``,
+``hang/<round>`` and the ``stacks/*`` exchange (so ``rallypoint stacks`` finds it without
+knowing the round).
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class ElasticAgent(Agent):
         self.run_store2: Any = None  # second connection for a blocking stacks request
         self.answered = 0
         self.nnodes = 0
+        self.members: list[str] = []
         self._next_poll = 0.0
         self._local_round = 0
 
@@ -249,8 +251,12 @@ class ElasticAgent(Agent):
         rs = self.rs = _prefixed(f"rallypoint/round{k}", store)
         group_rank, nnodes = int(info.rank), int(info.world_size)
         self.nnodes = nnodes
-        rs.set(f"nproc/{group_rank}", str(cfg.nproc))
-        sizes = [int(bytes(rs.get(f"nproc/{g}")).decode()) for g in range(nnodes)]
+        rs.set(f"node/{group_rank}", f"{cfg.nproc} {self.host}")
+        keys = [f"node/{g}" for g in range(nnodes)]
+        rs.wait(keys)  # one blocking round trip, then one read of every node's entry
+        nodes = [bytes(v).decode().split(" ", 1) for v in rs.multi_get(keys)]
+        sizes = [int(n) for n, _ in nodes]
+        self.members = [host for _, host in nodes]
         if group_rank == 0:
             addr = info.bootstrap_store_info.master_addr
             self.port, self.store_pid = self.warm.start_store(addr, 0)
@@ -278,7 +284,7 @@ class ElasticAgent(Agent):
             run_id=self.run_id,
             group_rank=group_rank,
         )
-        self.obs.emit("members", round=k, members=[self.host], group_rank=group_rank)
+        self.obs.emit("members", round=k, members=self.members, group_rank=group_rank)
         self._next_poll = 0.0
         self._claimed = False
 
