@@ -381,3 +381,49 @@ def test_sigterm_while_waiting_for_other_nodes_stops_at_once(tmp_path: Path, end
     assert lonely.returncode == 128 + signal.SIGTERM, err
     assert "received SIGTERM while waiting for the other nodes" in err
     assert time.monotonic() - started < 10
+
+
+def _api_work() -> float:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1) * (int(os.environ["RANK"]) + 1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return float(t.item())
+
+
+API_PEER = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1) * (int(os.environ["RANK"]) + 1)
+dist.all_reduce(t)
+print("peer sum", t.item(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_launch_api_joins_a_multi_node_job(tmp_path: Path, endpoint: str) -> None:
+    from rallypoint.launcher import launch
+
+    script = tmp_path / "peer.py"
+    script.write_text(API_PEER)
+    peer = _agent(endpoint, "job-api", 1, script)
+    try:
+        results = launch(
+            _api_work,
+            nproc=2,
+            nnodes="2",
+            rdzv_endpoint=endpoint,
+            run_id="job-api",
+            rdzv_conf={"is_host": "false", "read_timeout": "20"},
+        )
+        [(code, text)] = _finish([peer])
+    finally:
+        peer.kill()
+    assert results == [6.0, 6.0]  # world of 3: ranks 1+2+3 on every rank
+    assert code == 0 and "peer sum 6.0" in text, text

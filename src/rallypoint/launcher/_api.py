@@ -23,6 +23,9 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int = 1, **options: Any) -
     has imported torch); ``start_method="spawn"`` starts fresh interpreters instead, and
     then ``fn`` and ``args`` must pickle.
 
+    With ``nnodes`` above 1 (and ``rdzv_endpoint``), this call is one node of an elastic
+    job (see ``docs/multinode.md``) and returns this node's results of the last round.
+
     Raises :class:`WorkerFailedError` naming the first failed rank with its remote
     traceback (the original exception, when it pickles, is its ``__cause__``),
     ``ValueError``/``TypeError`` for bad options.
@@ -63,7 +66,12 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int = 1, **options: Any) -
         warm = WarmProcess.fork(import_torch=True)
         try:
             name = getattr(fn, "__qualname__", type(fn).__name__)
-            agent = Agent(
+            kind = Agent
+            if config.multi_node:
+                from rallypoint.launcher._elastic import ElasticAgent
+
+                kind = ElasticAgent
+            agent = kind(
                 config, Target("callable", key), warm, title=f"launch({name})", collect_results=True
             )
             return agent.run()

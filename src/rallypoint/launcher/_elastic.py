@@ -135,9 +135,9 @@ class ElasticAgent(Agent):
         try:
             self._init_warm()
             self._connect()
-            self._rounds()
+            results = self._rounds()
             status, code = "succeeded", 0
-            return []
+            return results
         except LaunchInterruptedError as exc:
             status, code = "interrupted", 128 + exc.signum
             raise
@@ -170,7 +170,8 @@ class ElasticAgent(Agent):
         except RuntimeError as exc:
             raise RendezvousFailedError(f"rendezvous {cfg.rdzv_endpoint!r}: {exc}") from None
 
-    def _rounds(self) -> None:
+    def _rounds(self) -> list[Any]:
+        """Rounds until the job ends; returns this node's results of the last round."""
         from rallypoint.rendezvous import (
             RendezvousClosedError,
             RendezvousError,
@@ -182,13 +183,13 @@ class ElasticAgent(Agent):
                 info = self._next_rendezvous()
             except (RendezvousClosedError, RendezvousGracefulExitError) as exc:
                 self._ended_elsewhere(exc)
-                return
+                return []
             except RendezvousError as exc:
                 raise RendezvousFailedError(f"rendezvous failed: {exc}") from None
             self._setup_round(info)
             outcome = self._attempt(self.round)
             if self._after_round(outcome):
-                return
+                return [self._result(w) for w in outcome.workers]
 
     def _next_rendezvous(self) -> Any:
         """``next_rendezvous()`` in a thread, so that SIGINT/SIGTERM still stop this agent
