@@ -427,3 +427,50 @@ def test_launch_api_joins_a_multi_node_job(tmp_path: Path, endpoint: str) -> Non
         peer.kill()
     assert results == [6.0, 6.0]  # world of 3: ranks 1+2+3 on every rank
     assert code == 0 and "peer sum 6.0" in text, text
+
+
+@pytest.mark.timeout(120)
+def test_static_backend_node_ranks_and_restart(tmp_path: Path) -> None:
+    from rallypoint._net import free_port
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    envs = tmp_path / "env"
+    envs.mkdir()
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rallypoint",
+                "run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "--max-restarts",
+                "1",
+                "--shutdown-timeout",
+                "2",
+                str(script),
+                str(envs),
+                "once",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
+    for code, text in _finish(procs):
+        assert code == 0, text
+    seen = {p.name: json.loads(p.read_text()) for p in envs.iterdir()}
+    assert sorted(seen) == ["0-0", "0-1", "1-0", "1-1"]
+    assert all(e["GROUP_RANK"] == e["RANK"] for e in seen.values())  # --node-rank is the rank
