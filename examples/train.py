@@ -4,6 +4,10 @@ Run it with rallypoint (or torchrun: the script only reads the standard environm
 
     rallypoint run --nproc-per-node 4 examples/train.py
     rallypoint run --nproc-per-node 4 --max-restarts 1 examples/train.py --fresh --crash-at-epoch 3
+    rallypoint run --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
+        --rdzv-id demo --max-restarts 2 --hang-timeout 60 examples/train.py   # on every node
+
+Each step calls ``rallypoint.launcher.progress()``, so ``--hang-timeout`` notices a stuck step.
 
 The data are synthetic and deterministic (a fixed random teacher network labels fixed random
 inputs), so every run computes the same losses. Rank 0 writes a checkpoint after every
@@ -25,6 +29,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+try:  # rallypoint's hang detection (--hang-timeout); a no-op outside rallypoint
+    from rallypoint.launcher import progress
+except ImportError:  # run by torchrun without rallypoint installed
+
+    def progress() -> None:
+        pass
 
 
 def make_data(n: int = 8192, dim: int = 32) -> TensorDataset:
@@ -91,6 +102,7 @@ def main() -> None:
             if epoch == args.crash_at_epoch and restart == 0 and rank == 1 and step == 5:
                 print(f"rank 1: simulated crash in epoch {epoch}", flush=True)
                 os._exit(1)
+            progress()
             optim.zero_grad(set_to_none=True)
             loss = loss_fn(ddp(x), y)
             loss.backward()

@@ -38,7 +38,7 @@ def test_demo_resumed_on_two_nodes_ends_with_the_uninterrupted_model(tmp_path: P
     import torch
     import torch.distributed as dist
 
-    common = ["--preload", "torch._dynamo", "--shutdown-timeout", "5"]
+    common = ["--preload", "torch._dynamo", "--shutdown-timeout", "5", "--hang-timeout", "120"]
     script = [str(DEMO), "--epochs", "3", "--batch-size", "256"]
     # uninterrupted: one node, two workers (the same world size as below)
     _agents([[*common, "--nproc-per-node", "2", *script, "--checkpoint-dir", str(tmp_path / "a")]])
