@@ -35,21 +35,25 @@ KEEP_ALIVE, ATTEMPTS = 0.5, 3
 WINDOW = KEEP_ALIVE * ATTEMPTS
 
 
-def _start(net: Network, script: Path, out: Path, want: int) -> list[subprocess.Popen[Any]]:
+def _start(
+    net: Network, script: Path, out: Path, want: int, *, nnodes: str = "", hosts: str = "all"
+) -> list[subprocess.Popen[Any]]:
     conf = (
         f"read_timeout=10,last_call_timeout=1,keep_alive_interval={KEEP_ALIVE},"
         f"keep_alive_max_attempt={ATTEMPTS}"
     )
     procs = []
-    for host in net.hosts:
+    chosen = net.hosts if hosts == "all" else [net.hosts[int(i)] for i in hosts.split(",")]
+    for host in chosen:
         cmd = [
-            sys.executable, "-m", "rallypoint", "run", "--nnodes", f"2:{len(net.hosts)}",
+            sys.executable, "-m", "rallypoint", "run",
+            "--nnodes", nnodes or f"2:{len(net.hosts)}",
             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h0:29400",
             "--rdzv-id", "netjob", "--rdzv-conf", conf, "--shutdown-timeout", "2",
             str(script), str(out), str(want),
         ]  # fmt: skip
         procs.append(host.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        if host.index == 0:
+        if host.index == 0 and len(chosen) > 1:
             time.sleep(0.5)  # h0 hosts the rendezvous store; the others connect to it
     return procs
 
@@ -106,3 +110,18 @@ def test_cut_link_is_noticed_within_the_window(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.glob("*-2-*")) == ["0-2-h0", "1-2-h1"]
     # missed heartbeats (WINDOW) + one check interval + tear-down and a new round
     assert noticed < WINDOW + 10, noticed
+
+
+@pytest.mark.timeout(120)
+def test_added_host_is_admitted_by_scale_up(tmp_path: Path) -> None:
+    script = tmp_path / "w.py"
+    script.write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    with Network(2) as net:
+        first = _start(net, script, out, want=2, nnodes="1:2", hosts="0")
+        _wait_files(out, "*-1-*", 1)  # h0 runs alone
+        second = _start(net, script, out, want=2, nnodes="1:2", hosts="1")
+        texts = _survivors_finish(first + second, timeout=60)
+    assert "membership changed" in texts[0]
+    assert sorted(p.name for p in out.glob("*-2-*")) == ["0-2-h0", "1-2-h1"]
