@@ -145,3 +145,53 @@ def test_the_launcher_process_never_imports_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_slurm_and_pet_defaults_configure_a_multi_node_run(
+    script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {
+        "SLURM_JOB_ID": "77",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_NNODES": "2",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        "SLURM_TASKS_PER_NODE": "1(x2)",
+        "SLURM_STEP_NODELIST": "gpu[07-08]",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+    }.items():
+        monkeypatch.setenv(name, value)
+    config, _ = parse(["--nproc-per-node", "4", script])
+    assert config.multi_node and config.nnodes == "2" and config.nproc == 4
+    assert config.rdzv_backend == "c10d" and config.rdzv_endpoint == "gpu07:29400"
+    assert config.run_id == "slurm-77.0"
+    # PET_* beats SLURM, a flag beats both
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "etcd0:2379")
+    monkeypatch.setenv("PET_RDZV_BACKEND", "etcd")
+    config, _ = parse(["--rdzv-id", "mine", script])
+    assert config.rdzv_backend == "etcd" and config.rdzv_endpoint == "etcd0:2379"
+    assert config.run_id == "mine"
+    monkeypatch.setenv("RALLYPOINT_IGNORE_SLURM", "1")
+    monkeypatch.delenv("PET_RDZV_ENDPOINT")
+    config, _ = parse([script])
+    assert not config.multi_node
+
+
+def test_multi_node_options_reach_the_config(script: str) -> None:
+    config, _ = parse(
+        ["--nnodes", "2:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n0:29400",
+         "--rdzv-conf", "join_timeout=5, last_call_timeout=0.5", "--hang-timeout", "30",
+         "--on-hang", "fail", "--events", "e.jsonl", script]
+    )  # fmt: skip
+    assert (config.min_nodes, config.max_nodes) == (2, 4)
+    assert dict(config.rdzv_conf) == {"join_timeout": "5", "last_call_timeout": "0.5"}
+    assert config.hang_timeout == timedelta(seconds=30) and config.on_hang == "fail"
+    assert str(config.events) == "e.jsonl"
+    static, _ = parse(["--nnodes", "2", "--node-rank", "1", "--master-port", "29500", script])
+    assert static.rdzv_backend == "static" and static.node_rank == 1
+    assert static.rdzv_endpoint == "127.0.0.1:29500"
+    assert not parse(["--standalone", "--nnodes", "2", script])[0].multi_node
