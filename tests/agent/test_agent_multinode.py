@@ -474,3 +474,33 @@ def test_static_backend_node_ranks_and_restart(tmp_path: Path) -> None:
     seen = {p.name: json.loads(p.read_text()) for p in envs.iterdir()}
     assert sorted(seen) == ["0-0", "0-1", "1-0", "1-1"]
     assert all(e["GROUP_RANK"] == e["RANK"] for e in seen.values())  # --node-rank is the rank
+
+
+STORE_HOST = """
+import sys, time, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_lost_rendezvous_store_stops_every_agent_cleanly(tmp_path: Path) -> None:
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None
+        endpoint = f"127.0.0.1:{host.stdout.readline().strip()}"
+        script = tmp_path / "elastic.py"
+        script.write_text(ELASTIC)
+        envs = tmp_path / "env"
+        envs.mkdir()
+        agents = [_elastic_agent(endpoint, "job-lost", script, str(envs), "3") for _ in range(2)]
+        _wait_for(envs, "*-2-*", 4)
+        host.kill()
+        results = _finish(agents, timeout=60)
+    finally:
+        host.kill()
+    for code, text in results:
+        assert code == 1, text
+        assert "lost the rendezvous store" in text.strip().splitlines()[-1], text
+        assert "Traceback" not in text.split("lost the rendezvous store")[0].split("\n")[-1]

@@ -43,6 +43,7 @@ from rallypoint.launcher._agent import Agent
 from rallypoint.launcher._errors import (
     BadTargetError,
     HangError,
+    LaunchError,
     LaunchInterruptedError,
     LaunchTimeoutError,
     RendezvousFailedError,
@@ -67,7 +68,9 @@ __all__ = ["ElasticAgent", "create_rendezvous", "run_store_of"]
 
 
 POLL_EVERY = 0.1
-"""Seconds between the store checks of the monitor loop (restart key, waiting nodes)."""
+"""Least seconds between the store checks of the monitor loop (restart key, waiting nodes,
+stack requests: about four round trips); ``--monitor-interval`` raises it, which large jobs
+on one TCPStore should do."""
 EXIT_BARRIER = 10.0
 """Seconds an agent waits for the others to see the job's end before it exits (the node
 hosting the rendezvous store must not take it away while others still read it)."""
@@ -126,6 +129,7 @@ class ElasticAgent(Agent):
         self.nnodes = 0
         self.members: list[str] = []
         self._next_poll = 0.0
+        self._poll_every = max(POLL_EVERY, self.config.monitor_interval.total_seconds())
         self._local_round = 0
 
     # ------------------------------------------------------------------ main loop
@@ -135,7 +139,14 @@ class ElasticAgent(Agent):
         try:
             self._init_warm()
             self._connect()
-            results = self._rounds()
+            try:
+                results = self._rounds()
+            except (LaunchError, ValueError, TypeError):
+                raise
+            except Exception as exc:  # the store went away between rounds
+                raise RendezvousFailedError(
+                    f"lost the rendezvous store ({type(exc).__name__}: {exc}); this node stopped"
+                ) from exc
             status, code = "succeeded", 0
             return results
         except LaunchInterruptedError as exc:
@@ -300,7 +311,7 @@ class ElasticAgent(Agent):
         now = time.monotonic()
         if now < self._next_poll:
             return None
-        self._next_poll = now + POLL_EVERY
+        self._next_poll = now + self._poll_every
         try:
             self._answer_stacks(workers)
             if self.rs.check(["restart"]):
@@ -443,7 +454,7 @@ class ElasticAgent(Agent):
                 self._claim(reason, spend=False)
                 return True
             self._check_signals()
-            time.sleep(POLL_EVERY)
+            time.sleep(self._poll_every)
         return False
 
     def _publish_failure(self, w: _Worker) -> None:
@@ -474,7 +485,7 @@ class ElasticAgent(Agent):
                 return False
             self._answer_stacks(workers)
             self._check_signals()
-            time.sleep(0.05)
+            time.sleep(self._poll_every)
             done = int(self.rs.add("done", 0))
         return True
 
