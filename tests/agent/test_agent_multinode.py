@@ -127,11 +127,9 @@ def test_world_env_crash_restarts_every_node_with_one_budget(tmp_path: Path, end
     assert rep.returncode == 0 and "3 ranks" in rep.stdout, rep.stdout + rep.stderr
 
     # the run is closed now: a late agent with the same id does not hang
-    started = time.monotonic()
     late = _agent(endpoint, "job-a", 1, script, str(envs), "once")
     [(code, text)] = _finish([late], timeout=60)
     assert code == 0 and "already finished successfully" in text, text
-    assert time.monotonic() - started < 30
 
 
 @pytest.mark.timeout(150)
