@@ -8,7 +8,8 @@ processes (torch's RPC state is global per process):
 - tensor echo bandwidth for 1 MiB and 64 MiB (payload bytes / round-trip time)
 - ``init_rpc`` and ``shutdown`` wall time for 2, 4 and 8 workers (slowest worker)
 
-Usage: ``python benchmarks/rpc.py [--quick] [--plot rpc.png]``. Prints a markdown table.
+Usage: ``python benchmarks/rpc.py [--quick] [--only throughput|lifecycle] [--plot rpc.png]``.
+Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _options(backend: str) -> Any:
     return rpc.construct_rpc_backend_options(rpc.BackendType[backend], rpc_timeout=120)
 
 
-def _pair(backend: str, quick: bool) -> dict[str, float]:
+def _pair(backend: str, quick: bool, only: str = "all") -> dict[str, float]:
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     rpc.init_rpc(
@@ -56,11 +57,11 @@ def _pair(backend: str, quick: bool) -> dict[str, float]:
         for _ in range(100):
             rpc.rpc_sync(peer, _noop)
         samples = []
-        for _ in range(n):
+        for _ in range(n if only == "all" else 0):
             t0 = time.perf_counter()
             rpc.rpc_sync(peer, _noop)
             samples.append(time.perf_counter() - t0)
-        out["rtt_us"] = statistics.median(samples) * 1e6
+        out["rtt_us"] = statistics.median(samples) * 1e6 if samples else float("nan")
 
         outstanding = 5000
         rounds = 2 if quick else 5
@@ -72,7 +73,8 @@ def _pair(backend: str, quick: bool) -> dict[str, float]:
             rates.append(outstanding / (time.perf_counter() - t0))
         out["async_calls_per_s"] = statistics.median(rates[1:])
 
-        for label, nbytes, reps in (("1MiB", 1 << 20, 50), ("64MiB", 64 << 20, 10)):
+        sizes = (("1MiB", 1 << 20, 50), ("64MiB", 64 << 20, 10)) if only == "all" else ()
+        for label, nbytes, reps in sizes:
             reps = max(3, reps // (5 if quick else 1))
             x = torch.ones(nbytes // 4)
             rpc.rpc_sync(peer, _echo, args=(x,))
@@ -106,11 +108,13 @@ def _env(rank: int) -> dict[str, str]:
     return {"RALLYPOINT_RPC_SECRET": "benchmark-secret"}
 
 
-def measure(quick: bool) -> dict[str, dict[str, float]]:
+def measure(quick: bool, only: str = "all") -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {}
     for backend in BACKENDS:
-        res = run_workers(_pair, 2, backend, quick, timeout=600, env=_env)[0]
-        for ws in (2, 4, 8):
+        res: dict[str, float] = {}
+        if only in ("all", "throughput"):
+            res = run_workers(_pair, 2, backend, quick, only, timeout=600, env=_env)[0]
+        for ws in (2, 4, 8) if only in ("all", "lifecycle") else ():
             times = run_workers(_lifecycle, ws, backend, ws, timeout=300, env=_env)
             res[f"init_{ws}_s"] = max(t[0] for t in times)
             res[f"shutdown_{ws}_s"] = max(t[1] for t in times)
@@ -130,11 +134,14 @@ ROWS = [
 
 def table(results: dict[str, dict[str, float]]) -> str:
     ours, theirs = results["RALLYPOINT"], results["TENSORPIPE"]
+    keys = ours.keys() & theirs.keys()
     lines = [
         "| metric | rallypoint | TensorPipe | rallypoint advantage |",
         "| --- | ---: | ---: | ---: |",
     ]
     for label, key, higher_better in ROWS:
+        if key not in keys or ours[key] != ours[key]:  # not measured (or NaN)
+            continue
         a, b = ours[key], theirs[key]
         ratio = (a / b if higher_better else b / a) if a and b else float("nan")
         lines.append(f"| {label} | {a:,.4g} | {b:,.4g} | {ratio:.2f}x |")
@@ -147,10 +154,13 @@ def plot(results: dict[str, dict[str, float]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    measured = [row for row in ROWS if all(row[1] in results[b] for b in BACKENDS)]
     cols = 5
-    rows = (len(ROWS) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3 * rows))
-    for ax, (label, key, _) in zip(axes.flat, ROWS, strict=True):
+    rows = (len(measured) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3 * rows), squeeze=False)
+    for ax in axes.flat[len(measured) :]:
+        ax.set_visible(False)
+    for ax, (label, key, _) in zip(axes.flat, measured, strict=False):
         values = [results[b][key] for b in BACKENDS]
         ax.bar(["rallypoint", "TensorPipe"], values, color=["tab:blue", "tab:gray"])
         ax.set_title(label, fontsize=7)
@@ -162,9 +172,15 @@ def plot(results: dict[str, dict[str, float]], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument(
+        "--only",
+        choices=("all", "throughput", "lifecycle"),
+        default="all",
+        help="throughput: only the rpc_async metric; lifecycle: only init_rpc/shutdown",
+    )
     parser.add_argument("--plot", metavar="FILE", help="write a bar chart (needs matplotlib)")
     args = parser.parse_args()
-    results = measure(args.quick)
+    results = measure(args.quick, args.only)
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"

@@ -72,19 +72,6 @@ def current_rallypoint_agent() -> RallypointAgent:
     return agent
 
 
-class _Call:
-    __slots__ = ("conn", "deadline", "future", "peer", "timeout")
-
-    def __init__(
-        self, future: torch.futures.Future[Any], conn: Connection, peer: str, timeout: float
-    ) -> None:
-        self.future = future
-        self.conn = conn
-        self.peer = peer
-        self.timeout = timeout
-        self.deadline = time.monotonic() + timeout if timeout > 0 else 0.0
-
-
 def _store_host(init_method: str) -> str:
     if init_method.startswith("env://"):
         return os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -126,8 +113,13 @@ class RallypointAgent(RpcAgent):
         self._connect_locks: dict[str, threading.Lock] = {}
         self._inbound: set[Connection] = set()
         self._conns_lock = threading.Lock()
-        self._pending: dict[int, _Call] = {}
-        self._heap: list[tuple[float, int]] = []
+        # A pending call costs no Python object of its own (the GC's full collections scan
+        # every long-lived object, so 5,000 outstanding calls must not mean 25,000 of
+        # them): request id -> connection here, request id -> future in ``conn.pending``,
+        # deadlines as (deadline, id) in a FIFO (the default timeout) or as
+        # (deadline, id, timeout) in a heap (per-call timeouts).
+        self._pending: dict[int, Connection] = {}
+        self._heap: list[tuple[float, int, float]] = []
         self._fifo: collections.deque[tuple[float, int]] = collections.deque()
         self._heap_lock = threading.Lock()
         self._dead: dict[str, str] = {}
@@ -349,9 +341,10 @@ class RallypointAgent(RpcAgent):
             peer=conn.peer_name,
         )
         for rid in pending:
-            call = self._pending.pop(rid, None)
-            if call is not None:
-                _fail(call.future, error)
+            if self._pending.pop(rid, None) is not None:
+                future = conn.pending.pop(rid, None)
+                if future is not None:
+                    _fail(future, error)
 
     # ---- calls ---------------------------------------------------------------------
     def _rref_hook(self, rref: RRef[Any]) -> _wire.ReduceValue:
@@ -422,24 +415,24 @@ class RallypointAgent(RpcAgent):
                 future.set_exception(exc)
             return future
         rid = next(self._ids)
-        call = _Call(future, conn, info.name, seconds)
-        self._pending[rid] = call
-        conn.pending.add(rid)
-        if call.deadline:
-            if seconds == self.options.rpc_timeout:
-                # default timeout: deadlines arrive in order, a deque is enough
-                self._fifo.append((call.deadline, rid))
-            else:
-                with self._heap_lock:
-                    heapq.heappush(self._heap, (call.deadline, rid))
+        pending = conn.pending
+        pending[rid] = future
+        self._pending[rid] = conn
+        if seconds > 0:
+            deadline = time.monotonic() + seconds
+            with self._heap_lock:
+                if seconds == self.options.rpc_timeout:
+                    # default timeout: deadlines arrive in order, a deque is enough
+                    self._fifo.append((deadline, rid))
+                else:
+                    heapq.heappush(self._heap, (deadline, rid, seconds))
         # With many calls already in flight, leave the frame queued: the connection's reader
         # flushes the queue before it next blocks (a reply is coming), and the monitor
         # within one tick. Bursts of rpc_async then cost one sendmsg per batch.
-        flush = bool(raws) or len(conn.pending) <= _CORK_AFTER
         try:
-            conn.send_frame(kind, rid, data, raws, flush=flush)
+            conn.send_frame(kind, rid, data, raws, flush=bool(raws) or len(pending) <= _CORK_AFTER)
         except RpcError as exc:
-            conn.pending.discard(rid)
+            pending.pop(rid, None)
             if self._pending.pop(rid, None) is not None:
                 _fail(future, exc)
         return future
@@ -518,34 +511,35 @@ class RallypointAgent(RpcAgent):
         for conn in conns:
             conn.check_stall(now, self._limiter)
             conn.flush()
-        expired: list[int] = []
+        expired: list[tuple[int, float]] = []
+        pending = self._pending
         with self._heap_lock:
             heap = self._heap
             while heap and heap[0][0] <= now:
-                expired.append(heapq.heappop(heap)[1])
-            if len(heap) > 2 * len(self._pending) + 1024:
-                self._heap = [
-                    (c.deadline, rid) for rid, c in list(self._pending.items()) if c.deadline
-                ]
+                _, rid, seconds = heapq.heappop(heap)
+                expired.append((rid, seconds))
+            if len(heap) > 2 * len(pending) + 1024:
+                self._heap = [e for e in heap if e[1] in pending]
                 heapq.heapify(self._heap)
-        fifo = self._fifo
-        pending = self._pending
-        while fifo and (fifo[0][0] <= now or fifo[0][1] not in pending):
-            deadline, rid = fifo.popleft()
-            if deadline <= now:
-                expired.append(rid)
-        if len(fifo) > 2 * len(pending) + 1024:
-            self._fifo = collections.deque(e for e in list(fifo) if e[1] in pending)
-        for rid in expired:
-            call = self._pending.pop(rid, None)
-            if call is None:
+            fifo = self._fifo
+            while fifo and (fifo[0][0] <= now or fifo[0][1] not in pending):
+                deadline, rid = fifo.popleft()
+                if deadline <= now:
+                    expired.append((rid, self.options.rpc_timeout))
+            if len(fifo) > 2 * len(pending) + 1024:
+                self._fifo = collections.deque(e for e in fifo if e[1] in pending)
+        for rid, seconds in expired:
+            owner = pending.pop(rid, None)
+            if owner is None:
                 continue
-            call.conn.pending.discard(rid)
+            future = owner.pending.pop(rid, None)
+            if future is None:
+                continue
             _fail(
-                call.future,
+                future,
                 RpcTimeoutError(
-                    f"RPC ran for more than set timeout ({int(call.timeout * 1000)} ms) and "
-                    f"will now be marked with an error (call to {call.peer})"
+                    f"RPC ran for more than set timeout ({int(seconds * 1000)} ms) and "
+                    f"will now be marked with an error (call to {owner.peer_name})"
                 ),
             )
         if not self._deletes.empty():
@@ -609,11 +603,14 @@ class RallypointAgent(RpcAgent):
         for conn in conns:
             conn.flush()
             conn.close()
-        for rid, call in list(self._pending.items()):
+        for rid, conn in list(self._pending.items()):
             self._pending.pop(rid, None)
-            _fail(
-                call.future, RpcError(f"RPC to {call.peer} was cancelled: RPC has been shut down")
-            )
+            future = conn.pending.pop(rid, None)
+            if future is not None:
+                _fail(
+                    future,
+                    RpcError(f"RPC to {conn.peer_name} was cancelled: RPC has been shut down"),
+                )
         if threading.current_thread() is not self._monitor:
             self._monitor.join(5)
         self._pins.clear()

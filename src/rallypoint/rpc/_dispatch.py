@@ -30,21 +30,23 @@ def handle_frame(agent: RallypointAgent, conn: Connection, frame: Frame) -> None
     """Replies complete futures; calls run here, on the connection's reader thread."""
     kind = frame.kind
     if kind == _wire.KIND_REPLY or kind == _wire.KIND_ERROR:
-        call = agent._pending.pop(frame.request_id, None)
-        if call is None:
+        owner = agent._pending.pop(frame.request_id, None)
+        if owner is None:
             return
-        call.conn.pending.discard(frame.request_id)
+        future = owner.pending.pop(frame.request_id, None)
+        if future is None:
+            return
         try:
             if kind == _wire.KIND_REPLY:
                 value = _wire.decode(frame.data, frame.tensors, conn.peer_name)
             else:
                 value = rebuild_error(frame.data)
-                call.future.set_exception(value)
+                future.set_exception(value)
                 return
         except BaseException as exc:
-            _fail(call.future, exc)
+            _fail(future, exc)
             return
-        call.future.set_result(value)
+        future.set_result(value)
         return
     with agent._inflight_lock:
         agent._inflight += 1

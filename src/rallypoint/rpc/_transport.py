@@ -165,20 +165,26 @@ class _Reader:
         self.segments.close()
 
 
-def _sendmsg_all(sock: socket.socket, buffers: list[memoryview], fds: list[int]) -> None:
+def _sendmsg_all(sock: socket.socket, buffers: list[bytes | memoryview], fds: list[int]) -> None:
+    """Send ``buffers`` (bytes, or byte-format memoryviews) in order; ``fds`` go with the first."""
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
-    buffers = [b for b in buffers if b.nbytes]
+    if len(buffers) == 1 and not anc:
+        sent = sock.send(buffers[0])
+        if sent == len(buffers[0]):
+            return
+        buffers = [memoryview(buffers[0])[sent:]]
+    buffers = [b for b in buffers if len(b)]
     index = 0
     while index < len(buffers):
         sent = sock.sendmsg(buffers[index : index + _IOV_MAX], anc)
         anc = []
         while sent and index < len(buffers):
-            size = buffers[index].nbytes
+            size = len(buffers[index])
             if sent >= size:
                 sent -= size
                 index += 1
             else:
-                buffers[index] = buffers[index][sent:]
+                buffers[index] = memoryview(buffers[index])[sent:]
                 sent = 0
 
 
@@ -213,7 +219,10 @@ class Connection:
         self._threshold = shm_threshold
         self._stats = stats
         self._reader = _Reader(sock, uds)
-        self._queue: list[tuple[list[memoryview], list[int], list[Any]]] = []
+        # frames waiting for a sendmsg: buffers in order, fds to pass, tensors to keep alive
+        self._bufs: list[bytes | memoryview] = []
+        self._fds: list[int] = []
+        self._keep: list[torch.Tensor] = []
         self._qlock = threading.Lock()
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -224,7 +233,7 @@ class Connection:
         self.outbound = False
         self.limiter: threading.Semaphore | None = None
         self._handed_off: set[int] = set()
-        self.pending: set[int] = set()
+        self.pending: dict[int, torch.futures.Future[Any]] = {}  # the caller's calls on it
         self.gate: threading.Event | None = None
 
     # ---- sending -------------------------------------------------------------------
@@ -237,14 +246,14 @@ class Connection:
         *,
         flush: bool = True,
     ) -> None:
-        if not raws:  # fast path: header and pickle only
-            header = _wire.HEADER.pack(_wire.MAGIC, kind, 0, 0, request_id, len(data))
+        if not raws:  # fast path: header and pickle in one bytes object
+            frame = _wire.HEADER.pack(_wire.MAGIC, kind, 0, 0, request_id, len(data)) + data
             with self._qlock:
                 if self.closed:
                     raise RpcConnectionError(
                         f"connection to {self.peer_name} is closed", peer=self.peer_name
                     )
-                self._queue.append(([memoryview(header), memoryview(data)], [], raws))
+                self._bufs.append(frame)
             if flush:
                 self.flush()
             return
@@ -282,7 +291,9 @@ class Connection:
             if descs:
                 buffers.append(memoryview(descs))
             buffers.extend(inline)
-            self._queue.append((buffers, fds, raws))
+            self._bufs.extend(buffers)
+            self._fds.extend(fds)
+            self._keep.extend(raws)
         if flush:
             self.flush()
 
@@ -292,18 +303,20 @@ class Connection:
                 return
             try:
                 with self._qlock:
-                    items, self._queue = self._queue, []
-                if items:
-                    buffers = [b for item in items for b in item[0]]
-                    fds = [fd for item in items for fd in item[1]]
+                    buffers, fds, keep = self._bufs, self._fds, self._keep
+                    self._bufs, self._fds, self._keep = [], [], []
+                if buffers:
+                    if not keep and len(buffers) > 1:  # small frames only: one buffer
+                        buffers = [b"".join(buffers)]
                     _sendmsg_all(self.sock, buffers, fds)
+                    del keep
             except OSError as exc:
                 self._broken(exc)
                 return
             finally:
                 self._send_lock.release()
             with self._qlock:
-                if not self._queue:
+                if not self._bufs:
                     return
 
     # ---- reading -------------------------------------------------------------------
