@@ -11,7 +11,10 @@ import sys
 
 # subcommand -> ("module" with ``main(argv) -> int``, or "module:function"; one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("rallypoint.launcher._cli", "start workers on this node (torchrun's options)"),
+    "run": (
+        "rallypoint.launcher._cli",
+        "start workers on this node or as one node of a job (torchrun's options)",
+    ),
     "report": (
         "rallypoint.launcher._report:report_main",
         "draw a job's timeline from its --events files (PNG, HTML or SVG)",
