@@ -2,14 +2,13 @@
 
 Threads per worker: one accept thread, one reader per connection (requests run on it;
 see ``_transport`` for the hand-off when a request blocks), and one monitor that fires
-timeouts, detects stalled readers and sends batched RRef decrements.
+timeouts, detects stalled readers and sends batched RRef decrements. Outstanding calls
+are kept by ``_calls.PendingCalls``; incoming frames are handled by ``_dispatch``.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import heapq
 import itertools
 import logging
 import os
@@ -26,6 +25,7 @@ import torch
 from rallypoint.rpc import _groups, _wire
 from rallypoint.rpc._auth import client_handshake, resolve_secret, server_handshake
 from rallypoint.rpc._backend import RpcAgent
+from rallypoint.rpc._calls import PendingCalls, fail
 from rallypoint.rpc._constants import ADDR_ENV, UNSET_RPC_TIMEOUT
 from rallypoint.rpc._device_maps import (
     DeviceMap,
@@ -41,7 +41,6 @@ from rallypoint.rpc._errors import (
     RpcConnectionError,
     RpcError,
     RpcShutdownError,
-    RpcTimeoutError,
 )
 from rallypoint.rpc._groups import WorkerInfo
 from rallypoint.rpc._options import RallypointRpcBackendOptions
@@ -113,15 +112,7 @@ class RallypointAgent(RpcAgent):
         self._connect_locks: dict[str, threading.Lock] = {}
         self._inbound: set[Connection] = set()
         self._conns_lock = threading.Lock()
-        # A pending call costs no Python object of its own (the GC's full collections scan
-        # every long-lived object, so 5,000 outstanding calls must not mean 25,000 of
-        # them): request id -> connection here, request id -> future in ``conn.pending``,
-        # deadlines as (deadline, id) in a FIFO (the default timeout) or as
-        # (deadline, id, timeout) in a heap (per-call timeouts).
-        self._pending: dict[int, Connection] = {}
-        self._heap: list[tuple[float, int, float]] = []
-        self._fifo: collections.deque[tuple[float, int]] = collections.deque()
-        self._heap_lock = threading.Lock()
+        self.calls = PendingCalls(options.rpc_timeout)
         self._dead: dict[str, str] = {}
         self._inflight = 0
         self._inflight_lock = threading.Lock()
@@ -340,11 +331,7 @@ class RallypointAgent(RpcAgent):
             f"{len(pending)} call(s) were pending",
             peer=conn.peer_name,
         )
-        for rid in pending:
-            if self._pending.pop(rid, None) is not None:
-                future = conn.pending.pop(rid, None)
-                if future is not None:
-                    _fail(future, error)
+        self.calls.fail_connection(conn, error)
 
     # ---- calls ---------------------------------------------------------------------
     def _rref_hook(self, rref: RRef[Any]) -> _wire.ReduceValue:
@@ -415,26 +402,16 @@ class RallypointAgent(RpcAgent):
                 future.set_exception(exc)
             return future
         rid = next(self._ids)
-        pending = conn.pending
-        pending[rid] = future
-        self._pending[rid] = conn
-        if seconds > 0:
-            deadline = time.monotonic() + seconds
-            with self._heap_lock:
-                if seconds == self.options.rpc_timeout:
-                    # default timeout: deadlines arrive in order, a deque is enough
-                    self._fifo.append((deadline, rid))
-                else:
-                    heapq.heappush(self._heap, (deadline, rid, seconds))
+        self.calls.add(rid, conn, future, seconds)
         # With many calls already in flight, leave the frame queued: the connection's reader
         # flushes the queue before it next blocks (a reply is coming), and the monitor
         # within one tick. Bursts of rpc_async then cost one sendmsg per batch.
         try:
-            conn.send_frame(kind, rid, data, raws, flush=bool(raws) or len(pending) <= _CORK_AFTER)
+            flush = bool(raws) or len(conn.pending) <= _CORK_AFTER
+            conn.send_frame(kind, rid, data, raws, flush=flush)
         except RpcError as exc:
-            pending.pop(rid, None)
-            if self._pending.pop(rid, None) is not None:
-                _fail(future, exc)
+            if self.calls.pop(rid) is not None:
+                fail(future, exc)
         return future
 
     def oneway(self, to: str, func: Callable[..., Any], *args: Any) -> None:
@@ -511,43 +488,13 @@ class RallypointAgent(RpcAgent):
         for conn in conns:
             conn.check_stall(now, self._limiter)
             conn.flush()
-        expired: list[tuple[int, float]] = []
-        pending = self._pending
-        with self._heap_lock:
-            heap = self._heap
-            while heap and heap[0][0] <= now:
-                _, rid, seconds = heapq.heappop(heap)
-                expired.append((rid, seconds))
-            if len(heap) > 2 * len(pending) + 1024:
-                self._heap = [e for e in heap if e[1] in pending]
-                heapq.heapify(self._heap)
-            fifo = self._fifo
-            while fifo and (fifo[0][0] <= now or fifo[0][1] not in pending):
-                deadline, rid = fifo.popleft()
-                if deadline <= now:
-                    expired.append((rid, self.options.rpc_timeout))
-            if len(fifo) > 2 * len(pending) + 1024:
-                self._fifo = collections.deque(e for e in fifo if e[1] in pending)
-        for rid, seconds in expired:
-            owner = pending.pop(rid, None)
-            if owner is None:
-                continue
-            future = owner.pending.pop(rid, None)
-            if future is None:
-                continue
-            _fail(
-                future,
-                RpcTimeoutError(
-                    f"RPC ran for more than set timeout ({int(seconds * 1000)} ms) and "
-                    f"will now be marked with an error (call to {owner.peer_name})"
-                ),
-            )
+        self.calls.expire(now)
         if not self._deletes.empty():
             self._drain_deletes()
 
     # ---- shutdown ------------------------------------------------------------------
     def _wait_quiet(self, deadline: float) -> None:
-        while (self._pending or self._inflight) and time.monotonic() < deadline:
+        while (self.calls or self._inflight) and time.monotonic() < deadline:
             time.sleep(0.001)
 
     def _known_dead(self, keys: list[str]) -> bool:
@@ -603,14 +550,7 @@ class RallypointAgent(RpcAgent):
         for conn in conns:
             conn.flush()
             conn.close()
-        for rid, conn in list(self._pending.items()):
-            self._pending.pop(rid, None)
-            future = conn.pending.pop(rid, None)
-            if future is not None:
-                _fail(
-                    future,
-                    RpcError(f"RPC to {conn.peer_name} was cancelled: RPC has been shut down"),
-                )
+        self.calls.fail_all()
         if threading.current_thread() is not self._monitor:
             self._monitor.join(5)
         self._pins.clear()
@@ -620,11 +560,6 @@ class RallypointAgent(RpcAgent):
         if _CURRENT is self:
             _CURRENT = None
         self.store = None
-
-
-def _fail(future: torch.futures.Future[Any], exc: BaseException) -> None:
-    with contextlib.suppress(Exception):  # already completed  # already completed
-        future.set_exception(exc)
 
 
 def start_agent(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rallypoint.rpc import _wire
+from rallypoint.rpc._calls import fail
 from rallypoint.rpc._errors import RpcError
 from rallypoint.rpc._rref import remote_error_text
 from rallypoint.rpc._transport import Connection, Frame
@@ -30,10 +31,7 @@ def handle_frame(agent: RallypointAgent, conn: Connection, frame: Frame) -> None
     """Replies complete futures; calls run here, on the connection's reader thread."""
     kind = frame.kind
     if kind == _wire.KIND_REPLY or kind == _wire.KIND_ERROR:
-        owner = agent._pending.pop(frame.request_id, None)
-        if owner is None:
-            return
-        future = owner.pending.pop(frame.request_id, None)
+        future = agent.calls.pop(frame.request_id)
         if future is None:
             return
         try:
@@ -44,7 +42,7 @@ def handle_frame(agent: RallypointAgent, conn: Connection, frame: Frame) -> None
                 future.set_exception(value)
                 return
         except BaseException as exc:
-            _fail(future, exc)
+            fail(future, exc)
             return
         future.set_result(value)
         return
@@ -141,8 +139,3 @@ def rebuild_error(data: bytes) -> BaseException:
             f"Failed to create original exception type. Error msg was {exc}"
             f" Original exception on remote side was {text}"
         )
-
-
-def _fail(future: torch.futures.Future[Any], exc: BaseException) -> None:
-    with contextlib.suppress(Exception):  # already completed
-        future.set_exception(exc)

@@ -1,0 +1,74 @@
+"""PendingCalls: the caller's bookkeeping of outstanding calls, without processes."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+import pytest
+import torch
+
+from rallypoint.rpc._calls import PendingCalls
+from rallypoint.rpc._errors import RpcError, RpcTimeoutError
+from rallypoint.rpc._transport import Connection
+
+
+class _Conn:
+    def __init__(self, name: str) -> None:
+        self.peer_name = name
+        self.pending: dict[int, torch.futures.Future[Any]] = {}
+
+
+def _conn(name: str) -> Connection:
+    return cast(Connection, _Conn(name))
+
+
+def test_reply_completes_once_and_timeouts_name_the_peer_and_duration() -> None:
+    calls = PendingCalls(default_timeout=0.05)
+    conn = _conn("worker1")
+    replied, defaulted, custom, untimed = (torch.futures.Future() for _ in range(4))
+    calls.add(1, conn, replied, 0.05)
+    calls.add(2, conn, defaulted, 0.05)
+    calls.add(3, conn, custom, 0.2)
+    calls.add(4, conn, untimed, 0)
+    assert calls.pop(1) is replied and calls.pop(1) is None
+    calls.expire(time.monotonic() + 0.1)
+    with pytest.raises(RpcTimeoutError, match=r"\(50 ms\).*call to worker1"):
+        defaulted.wait()
+    assert not custom.done()
+    calls.expire(time.monotonic() + 0.3)
+    with pytest.raises(RpcTimeoutError, match=r"\(200 ms\)"):
+        custom.wait()
+    calls.expire(time.monotonic() + 3600)
+    assert not untimed.done() and list(conn.pending) == [4] and bool(calls)
+    assert calls.pop(2) is None  # a late reply after the timeout finds nothing
+
+
+def test_broken_connection_and_shutdown_fail_only_their_calls() -> None:
+    calls = PendingCalls(default_timeout=60)
+    a, b = _conn("a"), _conn("b")
+    fa, fb = torch.futures.Future(), torch.futures.Future()
+    calls.add(1, a, fa, 60)
+    calls.add(2, b, fb, 60)
+    calls.fail_connection(a, RpcError("a broke"))
+    with pytest.raises(RpcError, match="a broke"):
+        fa.wait()
+    assert not fb.done()
+    calls.fail_all()
+    with pytest.raises(RpcError, match="RPC to b was cancelled"):
+        fb.wait()
+    assert not calls and not a.pending and not b.pending
+
+
+def test_completed_calls_do_not_pile_up_behind_a_long_one() -> None:
+    calls = PendingCalls(default_timeout=60)
+    conn = _conn("w")
+    calls.add(0, conn, torch.futures.Future(), 60)  # still pending: heads the FIFO
+    calls.add(1, conn, torch.futures.Future(), 30)  # per-call timeout: in the heap
+    for rid in range(2, 5000):
+        calls.add(rid, conn, torch.futures.Future(), 60 if rid % 2 else 30)
+        calls.pop(rid)
+    calls.expire(time.monotonic())
+    assert len(calls._fifo) <= 2 * len(calls.owners) + 1024
+    assert len(calls._heap) <= 2 * len(calls.owners) + 1024
+    assert sorted(calls.owners) == [0, 1]
