@@ -40,6 +40,8 @@ def test_launch_and_progress_are_the_launcher_functions() -> None:
 
     assert rallypoint.launch is launcher.launch
     assert rallypoint.LaunchConfig is launcher.LaunchConfig
+    assert rallypoint.progress is launcher.progress
+    rallypoint.progress()  # outside a launch: a cheap no-op, never an error
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 
 The parts live in subpackages, each with its own public surface:
 
-- ``rallypoint.launch`` / ``rallypoint run``: start local workers fast (``rallypoint.launcher``)
+- ``rallypoint.launch`` / ``rallypoint run``: start workers fast, single- and multi-node
+  (``rallypoint.launcher``); ``rallypoint.progress()`` feeds its hang detection
 - ``rallypoint.rendezvous``: who is in the job (torchelastic's handler API)
 - ``rallypoint.distributed``: process groups and parallel layouts
 - ``rallypoint.rpc``: torch.distributed.rpc's API on an authenticated transport
@@ -27,6 +28,7 @@ _LAZY_NAMES: dict[str, str] = {
     "LaunchConfig": "rallypoint.launcher",
     "LaunchError": "rallypoint.launcher",
     "WorkerFailedError": "rallypoint.launcher",
+    "progress": "rallypoint._progress",
 }
 _SUBPACKAGES = frozenset({"distributed", "join", "launcher", "rendezvous", "rpc", "testing"})
 
@@ -39,6 +41,7 @@ __all__ = [
     "join",
     "launch",
     "launcher",
+    "progress",
     "rendezvous",
     "rpc",
     "testing",
@@ -46,6 +49,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from rallypoint import distributed, join, launcher, rendezvous, rpc, testing
+    from rallypoint._progress import progress
     from rallypoint.launcher import LaunchConfig, LaunchError, WorkerFailedError, launch
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 import datetime
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from rallypoint._progress import ProgressBoard
 from rallypoint.join import (
     CollectiveJoinable,
     EarlyTerminationError,
@@ -176,9 +178,27 @@ def scenarios() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    out = run_workers(scenarios, W, timeout=90)
+def board() -> Iterator[ProgressBoard]:
+    board = ProgressBoard(W)
+    yield board
+    board.close()
+
+
+@pytest.fixture(scope="module")
+def results(board: ProgressBoard) -> list[dict[str, Any]]:
+    # each worker points rallypoint.progress() at its slot, as the launcher does
+    out = run_workers(scenarios, W, timeout=90, env=board.env)
     return out
+
+
+def test_shadowing_ranks_report_progress_to_the_launcher(
+    results: list[dict[str, Any]], board: ProgressBoard
+) -> None:
+    # ranks that ran out of inputs keep reporting progress while they shadow the others,
+    # so --hang-timeout does not mistake a long skew for a hang
+    shadowing = [rank for rank, res in enumerate(results) if res["shadowed"] > 0]
+    assert shadowing, "the scenario must make some rank shadow"
+    assert set(shadowing) <= set(board.reported())
 
 
 @pytest.mark.timeout(120)

@@ -43,6 +43,7 @@ from torch.distributed.algorithms.join import JoinHook as _TorchJoinHook
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.futures import Future
 
+from rallypoint._progress import progress
 from rallypoint.join._errors import EarlyTerminationError, JoinError, RankFailedError
 from rallypoint.join._failure import (
     BodyWatcher,
@@ -157,10 +158,11 @@ class JoinSummary:
 def _report_progress() -> None:
     """The one place where the join loop reports progress to the launcher.
 
-    Called once per shadowed iteration. The launcher's hang detection API
-    (``rallypoint.progress()``) does not exist yet; when it does, this function calls it
-    so that a rank shadowing a long skew is not mistaken for a hung one.
+    Called once per shadowed iteration, so that a rank shadowing a long skew is not
+    mistaken for a hung one by ``--hang-timeout``. ``rallypoint.progress()`` costs about
+    0.1 µs and does nothing outside a rallypoint launch.
     """
+    progress()
 
 
 def _check_interface(index: int, joinable: object) -> None:

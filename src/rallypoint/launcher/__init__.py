@@ -24,6 +24,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rallypoint._progress import progress
     from rallypoint.launcher._api import launch
     from rallypoint.launcher._config import DEFAULT_PREFIX, LaunchConfig
     from rallypoint.launcher._errors import (
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
         WorkerState,
     )
     from rallypoint.launcher._events import EventLog, read_events
-    from rallypoint.launcher._progress import progress
     from rallypoint.launcher._report import render_report
 
 # Resolved on first access: ``rallypoint run`` imports ``rallypoint.launcher._warm`` and
@@ -48,7 +48,7 @@ _NAMES: dict[str, str] = {
     "launch": "_api",
     "DEFAULT_PREFIX": "_config",
     "LaunchConfig": "_config",
-    "progress": "_progress",
+    "progress": "rallypoint._progress",  # shared with join, which must not import launch
     "EventLog": "_events",
     "read_events": "_events",
     "render_report": "_report",
@@ -92,7 +92,10 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _NAMES:
-        value = getattr(importlib.import_module(f"rallypoint.launcher.{_NAMES[name]}"), name)
+        module = _NAMES[name]
+        if not module.startswith("rallypoint."):
+            module = f"rallypoint.launcher.{module}"
+        value = getattr(importlib.import_module(module), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'rallypoint.launcher' has no attribute {name!r}")

@@ -3,7 +3,7 @@
 One :class:`Observer` per agent owns the three building blocks and keeps the agent loop
 free of their details:
 
-- a :class:`~rallypoint.launcher._progress.ProgressBoard` when ``hang_timeout`` is set;
+- a :class:`~rallypoint._progress.ProgressBoard` when ``hang_timeout`` is set;
 - a directory for the workers' stack dumps (``RALLYPOINT_STACKS_DIR``, always set, so that
   ``rallypoint stacks`` works on any running job);
 - an :class:`~rallypoint.launcher._events.EventLog` when ``events`` is set.
@@ -19,8 +19,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from rallypoint._progress import ProgressBoard
 from rallypoint.launcher._events import EventLog
-from rallypoint.launcher._progress import ProgressBoard
 from rallypoint.launcher._stacks import (
     StackDump,
     collect_stacks,
