@@ -8,7 +8,7 @@ from typing import Any, cast
 import pytest
 import torch
 
-from rallypoint.rpc._calls import PendingCalls
+from rallypoint.rpc._calls import PendingCalls, fail
 from rallypoint.rpc._errors import RpcError, RpcTimeoutError
 from rallypoint.rpc._transport import Connection
 
@@ -19,6 +19,10 @@ class _Conn:
         self.pending: dict[int, torch.futures.Future[Any]] = {}
 
 
+def _future() -> torch.futures.Future[Any]:
+    return torch.futures.Future()
+
+
 def _conn(name: str) -> Connection:
     return cast(Connection, _Conn(name))
 
@@ -26,7 +30,7 @@ def _conn(name: str) -> Connection:
 def test_reply_completes_once_and_timeouts_name_the_peer_and_duration() -> None:
     calls = PendingCalls(default_timeout=0.05)
     conn = _conn("worker1")
-    replied, defaulted, custom, untimed = (torch.futures.Future() for _ in range(4))
+    replied, defaulted, custom, untimed = (_future() for _ in range(4))
     calls.add(1, conn, replied, 0.05)
     calls.add(2, conn, defaulted, 0.05)
     calls.add(3, conn, custom, 0.2)
@@ -47,7 +51,7 @@ def test_reply_completes_once_and_timeouts_name_the_peer_and_duration() -> None:
 def test_broken_connection_and_shutdown_fail_only_their_calls() -> None:
     calls = PendingCalls(default_timeout=60)
     a, b = _conn("a"), _conn("b")
-    fa, fb = torch.futures.Future(), torch.futures.Future()
+    fa, fb = _future(), _future()
     calls.add(1, a, fa, 60)
     calls.add(2, b, fb, 60)
     calls.fail_connection(a, RpcError("a broke"))
@@ -72,3 +76,17 @@ def test_completed_calls_do_not_pile_up_behind_a_long_one() -> None:
     assert len(calls._fifo) <= 2 * len(calls.owners) + 1024
     assert len(calls._heap) <= 2 * len(calls.owners) + 1024
     assert sorted(calls.owners) == [0, 1]
+
+
+def test_fail_on_the_cpp_future_that_rpc_async_returns() -> None:
+    # rpc_async returns torch._C.Future (as torch's does), which has no set_exception
+    future: Any = torch._C.Future([])
+    seen = future.then(lambda f: f.wait())
+    fail(future, KeyError("gone"))
+    with pytest.raises(KeyError, match="gone"):
+        future.wait()
+    with pytest.raises(RuntimeError, match="KeyError: 'gone'"):  # as torch wraps callbacks
+        seen.wait()
+    fail(future, ValueError("ignored"))  # already complete: no effect
+    with pytest.raises(KeyError):
+        future.value()

@@ -59,6 +59,7 @@ from rallypoint.rpc._transport import Connection, Frame, Listener, connect
 logger = logging.getLogger("rallypoint.rpc")
 
 _CURRENT: RallypointAgent | None = None
+_CFuture: Callable[[list[torch.device]], torch.futures.Future[Any]] = torch._C.Future  # type: ignore[assignment]  # the stubs call it Generic; it takes a device list
 _HANDSHAKE_TIMEOUT = 10.0
 _TICK = 0.004
 _CORK_AFTER = 4
@@ -388,18 +389,20 @@ class RallypointAgent(RpcAgent):
             rref_type=RRef,
             rref_hook=self._rref_hook,
         )
-        future: torch.futures.Future[Any] = torch.futures.Future()
+        # torch's own rpc_async returns the C++ future type too: it costs no Python
+        # __init__ and, unlike the Python subclass, is not tracked by the GC
+        future: torch.futures.Future[Any] = _CFuture([])
         try:
             conn = self._connection(info.name)
         except RpcError as exc:
-            future.set_exception(exc)
+            fail(future, exc)
             return future
         if kind == _wire.KIND_ONEWAY:
             try:
                 conn.send_frame(kind, 0, data, raws)
                 future.set_result(None)
             except RpcError as exc:
-                future.set_exception(exc)
+                fail(future, exc)
             return future
         rid = next(self._ids)
         self.calls.add(rid, conn, future, seconds)

@@ -28,10 +28,22 @@ from rallypoint.rpc._errors import RpcError, RpcTimeoutError
 from rallypoint.rpc._transport import Connection
 
 
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
 def fail(future: torch.futures.Future[Any], exc: BaseException) -> None:
-    """Complete ``future`` with ``exc`` unless it is already complete."""
-    with contextlib.suppress(Exception):
-        future.set_exception(exc)
+    """Complete ``future`` with ``exc`` unless it is already complete.
+
+    Calls return the C++ future type, as torch's ``rpc_async`` does; it has no
+    ``set_exception``, so this does what ``torch.futures.Future.set_exception`` does: the
+    exception is the value, and an unwrap function raises it from ``wait()``/``value()``.
+    """
+    if future.done():
+        return
+    with contextlib.suppress(Exception):  # completed meanwhile
+        future._set_unwrap_func(_raise)
+        future.set_result(exc)
 
 
 class PendingCalls:

@@ -39,7 +39,7 @@ def handle_frame(agent: RallypointAgent, conn: Connection, frame: Frame) -> None
                 value = _wire.decode(frame.data, frame.tensors, conn.peer_name)
             else:
                 value = rebuild_error(frame.data)
-                future.set_exception(value)
+                fail(future, value)
                 return
         except BaseException as exc:
             fail(future, exc)
