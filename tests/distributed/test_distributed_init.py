@@ -232,7 +232,7 @@ def test_nccl_without_cuda_is_a_clear_error_before_any_network() -> None:
 
 
 def test_unknown_backend_and_bad_arguments() -> None:
-    with pytest.raises(ValueError, match=r"unknown backend 'mpi2': valid backends are gloo"):
+    with pytest.raises(ValueError, match=r"unknown backend 'mpi2': valid backends are .*gloo"):
         rd.init_process_group("mpi2")
     with pytest.raises(TypeError, match=r"config must be a DistributedConfig"):
         rd.init_process_group(config={"rank": 0})  # type: ignore[arg-type]

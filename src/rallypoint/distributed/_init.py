@@ -133,6 +133,11 @@ def _existing_group(explicit: dict[str, Any]) -> ProcessGroup:
     return world
 
 
+# TCPStore servers this process hosts for env:// (rank 0), kept for the process lifetime so
+# that re-initialising on the same port reuses a live server.
+_HOSTED_STORES: dict[tuple[str, int], Store] = {}
+
+
 def _make_store(config: DistributedConfig, environ: dict[str, str], generation: int) -> Store:
     """The TCPStore for ``env://``: a client of the launcher's store, or hosted by rank 0."""
     from torch._C._distributed_c10d import TCPStore
@@ -150,6 +155,11 @@ def _make_store(config: DistributedConfig, environ: dict[str, str], generation: 
         timeout=config.timeout,
         multi_tenant=not agent_store,
     )
+    if not agent_store and config.rank == 0:
+        # torch caches multi-tenant servers by weak reference: without this the server
+        # would stop with the destroyed group, and a rank that re-inits quickly could
+        # connect to it just before it goes away (DistNetworkError: Broken pipe).
+        _HOSTED_STORES[(config.master_addr, config.master_port)] = store
     # The prefix torch uses for env://. rank 0's multi-tenant server outlives a destroyed
     # group in this process, so a later init on the same port gets its own namespace
     # (every rank counts its inits alike when they init and destroy in step).
