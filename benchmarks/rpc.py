@@ -6,7 +6,8 @@ processes (torch's RPC state is global per process):
 - round trip of a no-op ``rpc_sync`` (median, microseconds)
 - ``rpc_async`` throughput with 5,000 calls outstanding (calls per second)
 - tensor echo bandwidth for 1 MiB and 64 MiB (payload bytes / round-trip time)
-- ``init_rpc`` and ``shutdown`` wall time for 2, 4 and 8 workers (slowest worker)
+- ``init_rpc`` and ``shutdown`` wall time for 2, 4 and 8 workers (slowest worker, median
+  of 3 runs)
 
 Usage: ``python benchmarks/rpc.py [--quick] [--only throughput|lifecycle] [--plot rpc.png]``.
 Prints a markdown table.
@@ -115,9 +116,13 @@ def measure(quick: bool, only: str = "all") -> dict[str, dict[str, float]]:
         if only in ("all", "throughput"):
             res = run_workers(_pair, 2, backend, quick, only, timeout=600, env=_env)[0]
         for ws in (2, 4, 8) if only in ("all", "lifecycle") else ():
-            times = run_workers(_lifecycle, ws, backend, ws, timeout=300, env=_env)
-            res[f"init_{ws}_s"] = max(t[0] for t in times)
-            res[f"shutdown_{ws}_s"] = max(t[1] for t in times)
+            # slowest worker of each run, median of runs (one run is at the mercy of noise)
+            runs = [
+                run_workers(_lifecycle, ws, backend, ws, timeout=300, env=_env)
+                for _ in range(1 if quick else 3)
+            ]
+            res[f"init_{ws}_s"] = statistics.median(max(t[0] for t in ts) for ts in runs)
+            res[f"shutdown_{ws}_s"] = statistics.median(max(t[1] for t in ts) for ts in runs)
         results[backend] = res
     return results
 
