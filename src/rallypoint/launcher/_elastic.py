@@ -71,6 +71,9 @@ POLL_EVERY = 0.1
 """Least seconds between the store checks of the monitor loop (restart key, waiting nodes,
 stack requests: about four round trips); ``--monitor-interval`` raises it, which large jobs
 on one TCPStore should do."""
+AGENT_KEEP_ALIVE_INTERVAL = 3.0
+"""Seconds between an agent's heartbeats unless ``--rdzv-conf keep_alive_interval=`` says
+otherwise; with the default 3 missed beats a lost node is noticed within 12 s."""
 EXIT_BARRIER = 10.0
 """Seconds an agent waits for the others to see the job's end before it exits (the node
 hosting the rendezvous store must not take it away while others still read it)."""
@@ -84,6 +87,9 @@ def create_rendezvous(
 
     options: dict[str, Any] = dict(conf)
     options.setdefault("use_agent_store", "false")
+    # torch's handler default is 5 s x 3 missed beats, and a loss is noticed within one
+    # interval more than that (20 s); the agent promises at most 15 s by default: 3 s x 4 = 12 s.
+    options.setdefault("keep_alive_interval", str(AGENT_KEEP_ALIVE_INTERVAL))
     params = RendezvousParameters(
         backend=backend,
         endpoint=endpoint,
