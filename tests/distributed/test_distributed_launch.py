@@ -53,9 +53,11 @@ def _run_wrapped() -> dict[str, Any]:
 TP2_DP2 = {0: ([0, 1], [0, 2]), 1: ([0, 1], [1, 3]), 2: ([2, 3], [0, 2]), 3: ([2, 3], [1, 3])}
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(100)
 def test_parallel_worker_sets_up_and_tears_down_even_when_fn_raises() -> None:
-    for rank, out in enumerate(run_workers(_run_wrapped, 4, timeout=25)):
+    # A no-hang bound, not a speed check: on a loaded 2-core machine one TCPStore connect
+    # can go unanswered for 20 s before torch retries it (seen in full-suite runs).
+    for rank, out in enumerate(run_workers(_run_wrapped, 4, timeout=90)):
         assert (out["rank"], out["tp"], out["dp"]) == (rank, *TP2_DP2[rank])
         assert out["after_ok"] is False
         assert out["after_error"] is False
