@@ -1,13 +1,16 @@
 """Per-iteration cost of a Join context on a small DDP model (CPU, gloo).
 
 Runs the same training loop in the same processes with no Join, torch's ``Join``,
-rallypoint's ``Join``, and rallypoint's ``Join`` with ``join.iterate(inputs)`` (join mode
-only for the last, uneven iterations), interleaved in many short rounds so that machine
-noise hits every variant alike, and prints a markdown table with ratios. Inputs are even:
-what is measured is the price of being inside a Join context (in join mode DDP issues two
-1-element all-reduces per step), not the shadowing of uneven inputs.
+rallypoint's ``Join`` (join mode deferred until a rank runs out, the default), rallypoint's
+``Join`` with ``JoinOptions(defer_join_mode=False)`` (join mode from the first step, as
+torch), and rallypoint's ``Join`` with ``join.iterate(inputs)``, interleaved in many short
+rounds (the order rotates every round) so that machine noise hits every variant alike.
+Ratios are paired: per round, the variant's median step time over the no-Join median of
+the same round; the table gives the median of those ratios and its bootstrap 95% interval.
+Inputs are even: what is measured is the price of being inside a Join context (in join
+mode DDP issues two 1-element all-reduces per step), not the shadowing of uneven inputs.
 
-    .venv/bin/python benchmarks/join.py                  # 2 ranks, 24 rounds x 25 iterations
+    .venv/bin/python benchmarks/join.py                  # 2 ranks, 60 rounds x 10 iterations
     .venv/bin/python benchmarks/join.py --iters 10 --rounds 4 --plot join.png
 """
 
@@ -17,6 +20,7 @@ import argparse
 import datetime
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -30,21 +34,30 @@ from torch.distributed.algorithms.join import Join as TorchJoin
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rallypoint.join import Join
+from rallypoint.join import Join, JoinOptions
 from rallypoint.testing import run_workers
 
-VARIANTS = ("no Join", "torch Join", "rallypoint Join", "rallypoint Join.iterate")
+VARIANTS = (
+    "no Join",
+    "torch Join",
+    "rallypoint Join",
+    "rallypoint Join, join mode from step 1",
+    "rallypoint Join.iterate",
+)
+Times = dict[str, list[list[float]]]  # variant -> rounds -> step times (s)
 
 
 def _context(variant: str, model: DDP) -> AbstractContextManager[Any]:
     if variant == "torch Join":
         return TorchJoin([model])
+    if variant == "rallypoint Join, join mode from step 1":
+        return Join([model], join_options=JoinOptions(defer_join_mode=False))
     if variant.startswith("rallypoint Join"):
         return Join([model])
     return nullcontext()
 
 
-def _worker(iters: int, rounds: int, width: int, batch: int) -> dict[str, list[float]]:
+def _worker(iters: int, rounds: int, width: int, batch: int) -> Times:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(0)
@@ -59,7 +72,7 @@ def _worker(iters: int, rounds: int, width: int, batch: int) -> dict[str, list[f
     )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(batch, width)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    times: Times = {v: [] for v in VARIANTS}
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -73,12 +86,15 @@ def _worker(iters: int, rounds: int, width: int, batch: int) -> dict[str, list[f
         order = VARIANTS[shift:] + VARIANTS[:shift]
         for variant in order:
             dist.barrier()
+            this_round: list[float] = []
             with _context(variant, model) as join:
                 steps = join.iterate(range(iters)) if variant.endswith("iterate") else range(iters)
                 for _ in steps:
+                    dist.barrier()  # start every step together: less noise from skew
                     start = time.perf_counter()
                     step()
-                    times[variant].append(time.perf_counter() - start)
+                    this_round.append(time.perf_counter() - start)
+            times[variant].append(this_round)
             # torch's Join leaves DDP's join config enabled after the context (rallypoint's
             # restores it): reset it so that the next variant starts from a plain DDP
             model._join_config = _JoinConfig.construct_disabled_join_config()
@@ -86,37 +102,54 @@ def _worker(iters: int, rounds: int, width: int, batch: int) -> dict[str, list[f
     return times
 
 
-def _table(times: dict[str, list[float]], world: int, iters: int, rounds: int) -> str:
-    base = statistics.median(times["no Join"])
-    torch_median = statistics.median(times["torch Join"])
+def _paired_ratios(times: Times, variant: str) -> list[float]:
+    return [
+        statistics.median(mine) / statistics.median(base)
+        for mine, base in zip(times[variant], times["no Join"], strict=True)
+    ]
+
+
+def _interval(ratios: list[float], draws: int = 2000) -> tuple[float, float]:
+    """Bootstrap 95% interval of the median ratio."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
+def _table(times: Times, world: int, iters: int, rounds: int) -> str:
+    flat = {v: [t for round_ in times[v] for t in round_] for v in VARIANTS}
     lines = [
         f"Join overhead, DDP on CPU/gloo, {world} ranks, {rounds} rounds x {iters} iterations "
         f"({datetime.date.today()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{platform.python_implementation()} {platform.python_version()})",
         "",
-        "| variant | median ms/iter | mean ms/iter | vs no Join | vs torch Join |",
+        "| variant | median ms/iter | vs no Join (paired median) | 95% interval | vs torch Join |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
+    torch_ratio = statistics.median(_paired_ratios(times, "torch Join"))
     for variant in VARIANTS:
-        values = times[variant]
-        median = statistics.median(values)
+        ratios = _paired_ratios(times, variant)
+        ratio = statistics.median(ratios)
+        low, high = _interval(ratios)
         lines.append(
-            f"| {variant} | {median * 1e3:.3f} | {statistics.fmean(values) * 1e3:.3f} | "
-            f"{median / base:.3f} | {median / torch_median:.3f} |"
+            f"| {variant} | {statistics.median(flat[variant]) * 1e3:.3f} | {ratio:.3f} | "
+            f"{low:.3f} to {high:.3f} | {ratio / torch_ratio:.3f} |"
         )
     return "\n".join(lines)
 
 
-def _plot(times: dict[str, list[float]], path: str) -> None:
+def _plot(times: Times, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    ax.boxplot([[t * 1e3 for t in times[v]] for v in VARIANTS], showfliers=False)
-    ax.set_xticks(range(1, len(VARIANTS) + 1), [v.replace(" Join", "\nJoin") for v in VARIANTS])
-    ax.set_ylabel("ms per iteration (rank 0)")
+    ax.boxplot([_paired_ratios(times, v) for v in VARIANTS], showfliers=False)
+    ax.axhline(1.03, color="grey", linestyle=":", linewidth=1)
+    labels = [v.replace(" Join", "\nJoin").replace(", ", ",\n") for v in VARIANTS]
+    ax.set_xticks(range(1, len(VARIANTS) + 1), labels, fontsize=8)
+    ax.set_ylabel("step time / no Join (same round)")
     ax.set_title("DDP step time inside a Join context (CPU, gloo)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -125,13 +158,13 @@ def _plot(times: dict[str, list[float]], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=25, help="iterations per round")
-    parser.add_argument("--rounds", type=int, default=24, help="rounds (variants interleaved)")
+    parser.add_argument("--iters", type=int, default=10, help="iterations per round")
+    parser.add_argument("--rounds", type=int, default=60, help="rounds (variants interleaved)")
     parser.add_argument("--width", type=int, default=512, help="hidden width of the MLP")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--plot", metavar="FILE", help="write a box plot (needs matplotlib)")
     args = parser.parse_args(argv)
-    worker: Callable[..., dict[str, list[float]]] = _worker
+    worker: Callable[..., Times] = _worker
     results = run_workers(
         worker,
         args.world_size,

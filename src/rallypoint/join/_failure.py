@@ -80,11 +80,13 @@ def is_consequence(exc: BaseException) -> bool:
 class FailureChannel:
     """One Join instance's failure key in the process group's store."""
 
-    __slots__ = ("_failure", "_last_check", "_store", "key", "poll_interval", "rank")
+    __slots__ = ("_failure", "_last_check", "_store", "key", "poll_interval", "prefix", "rank")
 
-    def __init__(self, store: Store, key: str, rank: int, poll_interval: timedelta) -> None:
+    def __init__(self, store: Store, prefix: str, rank: int, poll_interval: timedelta) -> None:
         self._store = store
-        self.key = key
+        self.prefix = prefix
+        """The store key prefix of this Join instance (other protocols put keys under it)."""
+        self.key = f"{prefix}/failed"
         self.rank = rank
         self.poll_interval = poll_interval.total_seconds()
         self._failure: tuple[int, str] | None = None
@@ -98,7 +100,12 @@ class FailureChannel:
         store = _group_store(group)
         if store is None:
             return None
-        return cls(store, f"{_KEY_PREFIX}/{join_id}/failed", rank, poll_interval)
+        return cls(store, f"{_KEY_PREFIX}/{join_id}", rank, poll_interval)
+
+    @property
+    def store(self) -> Store:
+        """The process group's store that the channel writes to."""
+        return self._store
 
     def publish(self, exc: BaseException) -> None:
         """Tell the other ranks that this rank failed (first failure wins)."""

@@ -44,6 +44,7 @@ from torch.distributed.algorithms.join import _JoinConfig
 from torch.futures import Future
 
 from rallypoint._progress import progress
+from rallypoint.join._deferred import DeferredJoinMode, deferred_join_mode_blocker
 from rallypoint.join._errors import EarlyTerminationError, JoinError, RankFailedError
 from rallypoint.join._failure import (
     BodyWatcher,
@@ -262,6 +263,9 @@ class Join:
             self._channel = FailureChannel.for_group(
                 self._process_group, self._rank, join_options.poll_interval
             )
+        self._deferred_blocker = self._why_not_deferred()
+        self._entries = 0
+        self._deferred: DeferredJoinMode | None = None
         self._saved_configs: list[Any] | None = None
         self._iterate_state: list[int] | None = None  # [common length, yielded]
         self._entered = False
@@ -295,6 +299,18 @@ class Join:
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
         self._device = torch.device(self._joinables[0].join_device)
+
+    def _why_not_deferred(self) -> str:
+        """Why this context cannot defer join mode ("" when it can, see ``_deferred``)."""
+        if not self._options.defer_join_mode:
+            return "JoinOptions(defer_join_mode=False)"
+        if not self._enable or self._throw_on_early_termination:
+            return "enable=False or throw_on_early_termination=True"
+        if self._channel is None:
+            return "no failure channel (detect_failures=False, one rank, or no store)"
+        from rallypoint.join._joinables import CollectiveJoinable
+
+        return deferred_join_mode_blocker(self._joinables, CollectiveJoinable)
 
     def _set_joinable_configs(self) -> None:
         if self._saved_configs is not None:
@@ -349,6 +365,9 @@ class Join:
         if not self._enable:
             self._iterate_state = [0, 0]
             return iter(inputs)
+        if self._deferred is not None:  # iterate() decides the switch itself
+            self._deferred.stop()
+            self._deferred = None
         counts = torch.tensor([own], dtype=torch.int64, device=self._device)
         channel = self._channel if self._device.type == "cpu" else None
         work = dist.all_reduce(
@@ -377,6 +396,17 @@ class Join:
     def __enter__(self) -> Join:
         self._set_joinable_configs()
         self._entered = True
+        self._entries += 1
+        if not self._deferred_blocker and self._channel is not None:
+            self._apply_enable(False)
+            self._deferred = DeferredJoinMode(
+                self._joinables[0],  # type: ignore[arg-type]
+                self._channel,
+                f"{self._channel.prefix}/defer/{self._entries}",
+                self._world_size,
+                lambda: self._apply_enable(True),
+            )
+            self._deferred.start()
         if self._channel is not None and self._options.watch_body and self._enable:
             self._watcher = BodyWatcher(self._channel)
             self._watcher.start()
@@ -397,6 +427,7 @@ class Join:
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
+        deferred, self._deferred = self._deferred, None
         try:
             if exc is not None:
                 self._on_error(exc)
@@ -416,11 +447,13 @@ class Join:
             channel = self._channel if self._device.type == "cpu" else None
             cancel = threading.Event()
             try:
-                run_watched(lambda: self._join_loop(cancel), channel, cancel)
+                run_watched(lambda: self._join_loop(cancel, deferred), channel, cancel)
             except BaseException as error:
                 self._on_error(error)
                 raise
         finally:
+            if deferred is not None:
+                deferred.stop()
             self._entered = False
             self._iterate_state = None
             self._restore_joinable_configs()
@@ -444,10 +477,16 @@ class Join:
 
     # -- the join loop -----------------------------------------------------------------
 
-    def _join_loop(self, cancel: threading.Event) -> None:
+    def _join_loop(self, cancel: threading.Event, deferred: DeferredJoinMode | None) -> None:
         channel = self._channel if self._device.type == "cpu" else None
         shadowed = 0
-        is_last_joiner = True
+        if deferred is not None:  # first the forwards the others ran out of join mode
+            for flag in deferred.finish(cancel):
+                if cancel.is_set():
+                    raise RankFailedError(-1, "join loop cancelled", self._rank)
+                deferred.shadow(flag, self._join_hooks)
+                shadowed += 1
+                self._after_shadowed(shadowed)
         while True:
             if cancel.is_set():
                 raise RankFailedError(-1, "join loop cancelled", self._rank)
@@ -457,19 +496,9 @@ class Join:
                 self._notify_procs_to_terminate(channel)
             for hook in self._join_hooks:
                 hook.main_hook()
-            is_last_joiner = False
             shadowed += 1
-            _report_progress()
-            if shadowed > self._options.warn_threshold and not self._warned:
-                self._warned = True
-                threshold = self._options.warn_threshold
-                warnings.warn(
-                    f"Detected uneven input skew of greater than {threshold}. This means "
-                    f"that rank {self._rank} has at least {threshold} fewer inputs than "
-                    "other currently-active ranks. This level of skew could lead to "
-                    "performance degradation during training.",
-                    stacklevel=2,
-                )
+            self._after_shadowed(shadowed)
+        is_last_joiner = shadowed == 0
         if self._options.summary:
             counts = torch.zeros(self._world_size, device=self._device)
             counts[self._rank] = shadowed
@@ -478,6 +507,19 @@ class Join:
             logger.info("Join finished on rank %d: %s", self._rank, self.summary)
         for hook in self._join_hooks:
             hook.post_hook(is_last_joiner)
+
+    def _after_shadowed(self, shadowed: int) -> None:
+        _report_progress()
+        if shadowed > self._options.warn_threshold and not self._warned:
+            self._warned = True
+            threshold = self._options.warn_threshold
+            warnings.warn(
+                f"Detected uneven input skew of greater than {threshold}. This means "
+                f"that rank {self._rank} has at least {threshold} fewer inputs than "
+                "other currently-active ranks. This level of skew could lead to "
+                "performance degradation during training.",
+                stacklevel=3,
+            )
 
     def _get_num_nonjoined_procs(self, channel: FailureChannel | None) -> int:
         zeros = torch.zeros(1, device=self._device)

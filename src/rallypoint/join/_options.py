@@ -29,6 +29,13 @@ class JoinOptions:
             expose it as ``Join.summary`` (one extra all-reduce of ``world_size`` floats).
         warn_threshold: warn (once per Join) when this rank has shadowed more than this
             many iterations, as torch does at 1,000.
+        defer_join_mode: keep DDP out of join mode (no per-step notify all-reduces) until
+            a rank actually runs out of inputs, and switch every rank at the same forward
+            through the store (see ``docs/join.md``). Applies when the first joinable is a
+            ``DistributedDataParallel`` (default divisor, no per-forward buffer broadcast)
+            and the others are ZeRO or ``CollectiveJoinable``, with
+            ``detect_failures=True`` and no ``throw_on_early_termination``; otherwise, or
+            with ``False``, join mode is on from the first step, as in torch.
     """
 
     detect_failures: bool = True
@@ -36,6 +43,7 @@ class JoinOptions:
     watch_body: bool = True
     summary: bool = True
     warn_threshold: int = 1000
+    defer_join_mode: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.poll_interval, timedelta):
@@ -51,6 +59,10 @@ class JoinOptions:
         if isinstance(self.warn_threshold, bool) or not isinstance(self.warn_threshold, int):
             raise TypeError(
                 f"JoinOptions.warn_threshold must be an int, got {self.warn_threshold!r}"
+            )
+        if not isinstance(self.defer_join_mode, bool):
+            raise TypeError(
+                f"JoinOptions.defer_join_mode must be a bool, got {self.defer_join_mode!r}"
             )
         if self.warn_threshold < 0:
             raise ValueError(f"JoinOptions.warn_threshold must be >= 0, got {self.warn_threshold}")
