@@ -87,6 +87,18 @@ def survivor_in_throw_check(group: dist.ProcessGroup, rank: int) -> None:
             sync.all_reduce(torch.ones(1))
 
 
+def survivor_waiting_for_the_switch(group: dist.ProcessGroup, rank: int) -> None:
+    """Deferred join mode: rank 0 runs out and waits in the store for the others' records
+    (or, if rank 1's watcher was quicker, in the join loop); rank 1 fails instead of
+    running its next forward."""
+    model = DDP(Flaky(), process_group=group)
+    with Join([model]):
+        for step in range(2 if rank == 0 else 6):
+            if rank == FAILING and step == 2:
+                fail_now(step)
+            model(torch.ones(2, 4)).sum().backward()
+
+
 def survivor_in_ddp_backward(group: dist.ProcessGroup, rank: int) -> None:
     """Not interruptible (gloo cannot abort DDP's backward all-reduce): the group's short
     timeout fires, and Join still names the failed rank."""
@@ -102,6 +114,7 @@ SCENARIOS: list[tuple[str, Callable[[dist.ProcessGroup, int], None], float]] = [
     ("ddp_backward", survivor_in_ddp_backward, 3),
     ("join_loop", survivor_in_join_loop, 60),
     ("ddp_main_hook", survivor_in_ddp_main_hook, 60),
+    ("deferred_switch", survivor_waiting_for_the_switch, 60),
     ("collective", survivor_in_collective, 60),
     ("throw_check", survivor_in_throw_check, 60),
 ]
