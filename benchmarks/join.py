@@ -3,15 +3,22 @@
 Runs the same training loop in the same processes with no Join, torch's ``Join``,
 rallypoint's ``Join`` (join mode deferred until a rank runs out, the default), rallypoint's
 ``Join`` with ``JoinOptions(defer_join_mode=False)`` (join mode from the first step, as
-torch), and rallypoint's ``Join`` with ``join.iterate(inputs)``, interleaved in many short
-rounds (the order rotates every round) so that machine noise hits every variant alike.
-Ratios are paired: per round, the variant's median step time over the no-Join median of
-the same round; the table gives the median of those ratios and its bootstrap 95% interval.
-Inputs are even: what is measured is the price of being inside a Join context (in join
-mode DDP issues two 1-element all-reduces per step), not the shadowing of uneven inputs.
+torch), and rallypoint's ``Join`` with ``join.iterate(inputs)``, interleaved (the order
+rotates) so that machine noise hits every variant alike.
 
-    .venv/bin/python benchmarks/join.py                  # 2 ranks, 60 rounds x 10 iterations
-    .venv/bin/python benchmarks/join.py --iters 10 --rounds 4 --plot join.png
+By default (``--interleave steps``) every variant has its own identical model and its
+context stays open for the whole run, and each cycle times one step of every variant (a
+barrier before each): costs that a context has while open but outside the step (watcher
+threads polling the store) fall on every variant alike, while per-step costs are measured
+tightly. ``--interleave rounds`` instead opens each variant's context in turn on one model
+for ``--iters`` steps. Ratios are paired: per cycle (or round), the variant's step time
+over the no-Join one of the same cycle; the table gives the median of those ratios and
+its bootstrap 95% interval. Inputs are even: what is measured is the price of being inside
+a Join context (in join mode DDP issues two 1-element all-reduces per step), not the
+shadowing of uneven inputs.
+
+    .venv/bin/python benchmarks/join.py                  # 2 ranks, 400 cycles
+    .venv/bin/python benchmarks/join.py --interleave rounds --plot join.png
 """
 
 from __future__ import annotations
@@ -24,8 +31,8 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any
 
 import torch
@@ -57,11 +64,9 @@ def _context(variant: str, model: DDP) -> AbstractContextManager[Any]:
     return nullcontext()
 
 
-def _worker(iters: int, rounds: int, width: int, batch: int) -> Times:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+def _model(width: int) -> DDP:
     torch.manual_seed(0)
-    model = DDP(
+    return DDP(
         torch.nn.Sequential(
             torch.nn.Linear(width, width),
             torch.nn.ReLU(),
@@ -70,6 +75,52 @@ def _worker(iters: int, rounds: int, width: int, batch: int) -> Times:
             torch.nn.Linear(width, 10),
         )
     )
+
+
+def _worker_steps(cycles: int, width: int, batch: int) -> Times:
+    """One model per variant, every context open for the whole run, one step of each
+    variant per cycle (order rotating): a cycle is one paired sample."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    models = {v: _model(width) for v in VARIANTS}
+    opts = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, m in models.items()}
+    x = torch.randn(batch, width)
+    times: Times = {v: [] for v in VARIANTS}
+
+    def step(variant: str) -> None:
+        opts[variant].zero_grad(set_to_none=True)
+        models[variant](x).square().mean().backward()
+        opts[variant].step()
+
+    for _ in range(10):  # warm up buckets and allocator
+        for variant in VARIANTS:
+            step(variant)
+    with ExitStack() as stack:
+        iterator: Iterator[int] = iter(range(0))
+        for variant in VARIANTS:
+            join = stack.enter_context(_context(variant, models[variant]))
+            if variant.endswith("iterate"):
+                iterator = join.iterate(range(cycles))
+        for cycle in range(cycles):
+            shift = cycle % len(VARIANTS)
+            for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+                if variant.endswith("iterate"):
+                    next(iterator)
+                dist.barrier()
+                start = time.perf_counter()
+                step(variant)
+                times[variant].append([time.perf_counter() - start])
+        for _ in iterator:  # iterate() must run to its end
+            pass
+    dist.destroy_process_group()
+    return times
+
+
+def _worker(iters: int, rounds: int, width: int, batch: int) -> Times:
+    """One model; per round, each variant's context in turn for ``iters`` steps."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    model = _model(width)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(batch, width)
     times: Times = {v: [] for v in VARIANTS}
@@ -116,10 +167,10 @@ def _interval(ratios: list[float], draws: int = 2000) -> tuple[float, float]:
     return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
 
 
-def _table(times: Times, world: int, iters: int, rounds: int) -> str:
+def _table(times: Times, world: int, design: str) -> str:
     flat = {v: [t for round_ in times[v] for t in round_] for v in VARIANTS}
     lines = [
-        f"Join overhead, DDP on CPU/gloo, {world} ranks, {rounds} rounds x {iters} iterations "
+        f"Join overhead, DDP on CPU/gloo, {world} ranks, {design} "
         f"({datetime.date.today()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{platform.python_implementation()} {platform.python_version()})",
         "",
@@ -149,7 +200,7 @@ def _plot(times: Times, path: str) -> None:
     ax.axhline(1.03, color="grey", linestyle=":", linewidth=1)
     labels = [v.replace(" Join", "\nJoin").replace(", ", ",\n") for v in VARIANTS]
     ax.set_xticks(range(1, len(VARIANTS) + 1), labels, fontsize=8)
-    ax.set_ylabel("step time / no Join (same round)")
+    ax.set_ylabel("step time / no Join (paired)")
     ax.set_title("DDP step time inside a Join context (CPU, gloo)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -158,24 +209,31 @@ def _plot(times: Times, path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument(
+        "--interleave",
+        choices=("steps", "rounds"),
+        default="steps",
+        help="steps: one model per variant, all contexts open, one step each per cycle; "
+        "rounds: one model, each variant's context in turn for --iters steps",
+    )
+    parser.add_argument("--cycles", type=int, default=400, help="cycles (--interleave steps)")
     parser.add_argument("--iters", type=int, default=10, help="iterations per round")
-    parser.add_argument("--rounds", type=int, default=60, help="rounds (variants interleaved)")
+    parser.add_argument("--rounds", type=int, default=60, help="rounds (--interleave rounds)")
     parser.add_argument("--width", type=int, default=512, help="hidden width of the MLP")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--plot", metavar="FILE", help="write a box plot (needs matplotlib)")
     args = parser.parse_args(argv)
-    worker: Callable[..., Times] = _worker
-    results = run_workers(
-        worker,
-        args.world_size,
-        args.iters,
-        args.rounds,
-        args.width,
-        args.batch,
-        timeout=3600,
-    )
+    worker: Callable[..., Times]
+    sizes: tuple[int, ...]
+    if args.interleave == "steps":
+        worker, sizes = _worker_steps, (args.cycles,)
+        design = f"{args.cycles} cycles of one step per variant, all contexts open"
+    else:
+        worker, sizes = _worker, (args.iters, args.rounds)
+        design = f"{args.rounds} rounds x {args.iters} iterations, one context at a time"
+    results = run_workers(worker, args.world_size, *sizes, args.width, args.batch, timeout=3600)
     times = results[0]
-    print(_table(times, args.world_size, args.iters, args.rounds))
+    print(_table(times, args.world_size, design))
     if args.plot:
         _plot(times, args.plot)
         print(f"\nplot written to {args.plot}", file=sys.stderr)
