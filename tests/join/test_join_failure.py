@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rallypoint.join import CollectiveJoinable, Join, RankFailedError
+from rallypoint.join import CollectiveJoinable, Join, JoinOptions, RankFailedError
 from rallypoint.testing import run_workers
 
 FAILING = 1
@@ -100,8 +100,9 @@ def survivor_waiting_for_the_switch(group: dist.ProcessGroup, rank: int) -> None
 
 
 def survivor_in_ddp_backward(group: dist.ProcessGroup, rank: int) -> None:
-    """Not interruptible (gloo cannot abort DDP's backward all-reduce): the group's short
-    timeout fires, and Join still names the failed rank."""
+    """gloo cannot abort DDP's backward all-reduce, so the failed rank completes it (with
+    zero gradients) once the survivor's watcher has seen the failure; the survivor raises
+    before its next forward, long before the group's 60 s timeout."""
     model = DDP(Flaky(), process_group=group)
     with Join([model]):
         for step in range(5):
@@ -110,8 +111,20 @@ def survivor_in_ddp_backward(group: dist.ProcessGroup, rank: int) -> None:
             model(torch.ones(2, 4)).sum().backward()
 
 
+def survivor_in_ddp_backward_join_mode(group: dist.ProcessGroup, rank: int) -> None:
+    """The same in join mode from step 1: not interruptible, so the group's short timeout
+    fires, and Join still names the failed rank."""
+    model = DDP(Flaky(), process_group=group)
+    with Join([model], join_options=JoinOptions(defer_join_mode=False)):
+        for step in range(5):
+            if rank == FAILING and step == 2:
+                fail_now(step)
+            model(torch.ones(2, 4)).sum().backward()
+
+
 SCENARIOS: list[tuple[str, Callable[[dist.ProcessGroup, int], None], float]] = [
-    ("ddp_backward", survivor_in_ddp_backward, 3),
+    ("ddp_backward_join_mode", survivor_in_ddp_backward_join_mode, 3),
+    ("ddp_backward", survivor_in_ddp_backward, 60),
     ("join_loop", survivor_in_join_loop, 60),
     ("ddp_main_hook", survivor_in_ddp_main_hook, 60),
     ("deferred_switch", survivor_waiting_for_the_switch, 60),
@@ -161,7 +174,7 @@ def test_failing_rank_propagates_its_own_exception(
     assert "bad batch" in message
 
 
-@pytest.mark.parametrize("name", [s[0] for s in SCENARIOS if s[0] != "ddp_backward"])
+@pytest.mark.parametrize("name", [s[0] for s in SCENARIOS if s[0] != "ddp_backward_join_mode"])
 def test_survivor_raises_naming_the_failed_rank_within_seconds(
     results: list[dict[str, Any]], name: str
 ) -> None:
@@ -176,11 +189,11 @@ def test_survivor_raises_naming_the_failed_rank_within_seconds(
 def test_survivor_blocked_in_ddp_backward_names_the_rank_after_group_timeout(
     results: list[dict[str, Any]],
 ) -> None:
-    kind, message, _, raised_at = results[0]["ddp_backward"]
+    kind, message, _, raised_at = results[0]["ddp_backward_join_mode"]
     assert kind == "RankFailedError", message
     assert message.startswith("rank 1 failed inside the Join context: Boom: bad batch 2")
     # while blocked, the body watcher logged the failure before the timeout fired
-    failed_at = results[FAILING]["ddp_backward"][3]
+    failed_at = results[FAILING]["ddp_backward_join_mode"][3]
     logs = [(t, m) for t, m in results[0]["logged"] if failed_at <= t <= raised_at]
     assert logs, results[0]["logged"]
     assert logs[0][1].startswith("rank 1 failed inside the Join context: Boom: bad batch 2")

@@ -155,6 +155,8 @@ class DeferredJoinMode:
     def _before_forward(self, module: Any, args: Any) -> None:
         if self._in_join_mode:
             return
+        # a failed rank may have released this rank's last backward (release_others)
+        self._channel.raise_if_failed()
         if torch.is_grad_enabled():
             flag = "S" if self._ddp.require_backward_grad_sync else "G"
         else:
@@ -224,6 +226,33 @@ class DeferredJoinMode:
             ddp.reducer._push_all_rebuilt_params()
         for hook in hooks[1:]:
             hook.main_hook()
+
+    # -- the rank that failed ----------------------------------------------------------
+
+    def release_others(self) -> None:
+        """Called on a rank that raised inside the context, after publishing its failure:
+        complete the gradient all-reduces the others wait for in their backward.
+
+        Out of join mode the others are at most one backward ahead of this rank, blocked
+        in DDP's bucket all-reduces, which gloo cannot abort. Once every other rank has
+        seen the failure (their body watchers acknowledge it), this rank issues one
+        iteration of zero buckets, without waiting for them: the others' backward
+        returns, and they raise :class:`RankFailedError` before their next forward (or
+        at the end of the context). Gradients of that last step are garbage, but the job
+        is failing anyway.
+        """
+        if self._in_join_mode:
+            return
+        wait = max(2.0, 20 * self._channel.poll_interval)
+        self._channel.wait_for_acknowledgements(self._world_size, wait)
+        ddp: Any = self._ddp
+        try:
+            for bucket in ddp.reducer._get_zeros_like_grad_buckets():
+                ddp.reducer._run_comm_hook(bucket)  # not waited for: nobody may answer
+            if ddp.find_unused_parameters:
+                ddp.process_group.allreduce(ddp.reducer._get_local_used_map())
+        except Exception:  # the reducer may be mid-backward; the group's timeout remains
+            pass
 
     # -- agreement ---------------------------------------------------------------------
 

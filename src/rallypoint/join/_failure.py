@@ -137,6 +137,27 @@ class FailureChannel:
         self._failure = (failed_rank, reason)
         return self._failure
 
+    def acknowledge(self) -> None:
+        """Tell the failed rank that this rank has seen its failure (see
+        :meth:`wait_for_acknowledgements`)."""
+        try:
+            self._store.set(f"{self.prefix}/ack/{self.rank}", "1")
+        except Exception:
+            logger.debug("rank %d could not acknowledge a failure", self.rank)
+
+    def wait_for_acknowledgements(self, world_size: int, timeout: float) -> bool:
+        """Wait until every other rank has seen this rank's failure (at most ``timeout``)."""
+        keys = [f"{self.prefix}/ack/{r}" for r in range(world_size) if r != self.rank]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self._store.check(keys):
+                    return True
+            except Exception:
+                return False
+            time.sleep(0.01)
+        return False
+
     def raise_if_failed(self, *, force: bool = False) -> None:
         found = self.failure(force=force)
         if found is not None:
@@ -169,6 +190,7 @@ class BodyWatcher:
         while not self._stop.wait(interval):
             found = self._channel.failure(force=True)
             if found is not None:
+                self._channel.acknowledge()
                 if not self._stop.is_set():
                     logger.error(
                         "rank %d failed inside the Join context: %s; rank %d raises "

@@ -430,7 +430,7 @@ class Join:
         deferred, self._deferred = self._deferred, None
         try:
             if exc is not None:
-                self._on_error(exc)
+                self._on_error(exc, deferred)
                 return
             if not self._enable:
                 return
@@ -458,7 +458,7 @@ class Join:
             self._iterate_state = None
             self._restore_joinable_configs()
 
-    def _on_error(self, exc: BaseException) -> None:
+    def _on_error(self, exc: BaseException, deferred: DeferredJoinMode | None = None) -> None:
         """Publish this rank's failure, or raise RankFailedError if ``exc`` follows
         another rank's (a collective that failed because the failed rank exited or timed
         out)."""
@@ -471,6 +471,8 @@ class Join:
         if found is not None:  # this rank's error follows another rank's failure
             raise self._channel_error(found) from exc
         self._channel.publish(exc)
+        if deferred is not None:
+            deferred.release_others()
 
     def _channel_error(self, found: tuple[int, str]) -> JoinError:
         return RankFailedError(found[0], found[1], self._rank)
