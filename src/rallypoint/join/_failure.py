@@ -15,12 +15,15 @@ What this covers and what it cannot (gloo cannot abort a collective in flight):
   on a helper thread while the calling thread watches the store), the throw-mode check
   in :meth:`Join.notify_join_context`, and the collectives of
   :class:`~rallypoint.join.CollectiveJoinable`;
-- not covered: collectives that user code or torch issues inside the ``with`` body on a
-  rank that has not joined (DDP's backward all-reduce, torch's own blocking throw-mode
-  check inside ``DistributedDataParallel.forward``). :class:`BodyWatcher` logs the failure
-  at once, but such a rank stays blocked until the process group's timeout (or until the
-  failed process exits), and then :class:`Join` turns the error into a
-  :class:`RankFailedError` naming the failed rank.
+- DDP's backward all-reduce out of join mode (deferred join mode): the failed rank
+  completes it, see :meth:`DeferredJoinMode.release_others
+  <rallypoint.join._deferred.DeferredJoinMode.release_others>`;
+- not covered: other collectives that user code or torch issues inside the ``with`` body
+  on a rank that has not joined (DDP's backward all-reduce in join mode, torch's own
+  blocking throw-mode check inside ``DistributedDataParallel.forward``).
+  :class:`BodyWatcher` logs the failure at once, but such a rank stays blocked until
+  the process group's timeout (or until the failed process exits), and then
+  :class:`Join` turns the error into a :class:`RankFailedError` naming the failed rank.
 """
 
 from __future__ import annotations
