@@ -94,6 +94,11 @@ def blockers(rank: int) -> dict[str, str]:
     def blocker(joinables: list[Any], **kwargs: Any) -> str:
         return str(Join(joinables, **kwargs)._deferred_blocker)
 
+    class OnMeta(DDP):  # stands in for a DDP on a GPU (none in CI)
+        @property
+        def join_device(self) -> torch.device:
+            return torch.device("meta")
+
     plain = DDP(Branchy())
     with_bn = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
     sync = CollectiveJoinable()
@@ -107,6 +112,7 @@ def blockers(rank: int) -> dict[str, str]:
         "no_failure_detection": blocker([plain], join_options=JoinOptions(detect_failures=False)),
         "option_off": blocker([plain], join_options=EAGER),
         "not_first": blocker([sync, plain]),
+        "not_cpu": blocker([OnMeta(Branchy())]),
     }
 
 
@@ -198,6 +204,7 @@ def test_join_mode_is_deferred_only_where_it_is_safe(results: list[dict[str, Any
     assert "detect_failures=False" in reasons["no_failure_detection"]
     assert "defer_join_mode=False" in reasons["option_off"]
     assert "not a DistributedDataParallel" in reasons["not_first"]
+    assert "join device meta" in reasons["not_cpu"]
 
 
 def test_defer_join_mode_option_must_be_a_bool() -> None:

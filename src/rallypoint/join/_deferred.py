@@ -24,11 +24,12 @@ happens through the process group's store, off the critical path:
    loop, whose first all-reduce matches the notify of forward ``S``.
 
 Every collective of every forward is matched in order, so the result equals torch's join
-mode. It applies when the first joinable is a ``DistributedDataParallel`` that dividing
+mode. It applies when the first joinable is a ``DistributedDataParallel`` that divides
 by the initial world size (the default) and without per-forward buffer broadcasts, static
 graph or the Python reducer, and the other joinables are ``ZeroRedundancyOptimizer`` or
 :class:`~rallypoint.join.CollectiveJoinable` (whose collectives do not change in join
-mode); otherwise :class:`~rallypoint.join.Join` uses join mode from the start, as torch.
+mode), on CPU (gloo; not yet run on GPUs); otherwise :class:`~rallypoint.join.Join` uses
+join mode from the start, as torch.
 """
 
 from __future__ import annotations

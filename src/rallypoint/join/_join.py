@@ -308,6 +308,8 @@ class Join:
             return "enable=False or throw_on_early_termination=True"
         if self._channel is None:
             return "no failure channel (detect_failures=False, one rank, or no store)"
+        if self._device.type != "cpu":
+            return f"join device {self._device} (deferred join mode is validated on CPU/gloo)"
         from rallypoint.join._joinables import CollectiveJoinable
 
         return deferred_join_mode_blocker(self._joinables, CollectiveJoinable)

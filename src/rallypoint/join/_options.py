@@ -33,7 +33,7 @@ class JoinOptions:
             a rank actually runs out of inputs, and switch every rank at the same forward
             through the store (see ``docs/join.md``). Applies when the first joinable is a
             ``DistributedDataParallel`` (default divisor, no per-forward buffer broadcast)
-            and the others are ZeRO or ``CollectiveJoinable``, with
+            and the others are ZeRO or ``CollectiveJoinable``, on CPU, with
             ``detect_failures=True`` and no ``throw_on_early_termination``; otherwise, or
             with ``False``, join mode is on from the first step, as in torch.
     """
