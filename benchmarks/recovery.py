@@ -58,7 +58,7 @@ dist.destroy_process_group()
 
 def _free_port() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from rallypoint._net import free_port
+    from rallypoint._core.net import free_port
 
     return free_port()
 

@@ -429,7 +429,7 @@ def test_launch_api_joins_a_multi_node_job(tmp_path: Path, endpoint: str) -> Non
 
 @pytest.mark.timeout(120)
 def test_static_backend_node_ranks_and_restart(tmp_path: Path) -> None:
-    from rallypoint._net import free_port
+    from rallypoint._core.net import free_port
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

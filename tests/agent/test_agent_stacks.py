@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint._net import free_port
+from rallypoint._core.net import free_port
 from rallypoint.launcher._stacks import (
     DEFAULT_STACKS_SIGNAL,
     STACKS_DIR_ENV,

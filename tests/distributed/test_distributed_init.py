@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import rallypoint.distributed as rd
-from rallypoint._net import free_port
+from rallypoint._core.net import free_port
 from rallypoint.testing import WorkerError, run_workers
 
 

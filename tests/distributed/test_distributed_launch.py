@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 import rallypoint.distributed as rd
-from rallypoint._net import free_port
+from rallypoint._core.net import free_port
 from rallypoint.testing import run_workers
 
 

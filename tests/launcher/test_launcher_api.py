@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import rallypoint
-from rallypoint._net import free_port
+from rallypoint._core.net import free_port
 from rallypoint.launcher import (
     LaunchConfig,
     LaunchError,

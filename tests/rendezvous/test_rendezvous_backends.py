@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch.distributed.elastic.rendezvous.static_tcp_rendezvous as torch_static
 
-from rallypoint._net import free_port
+from rallypoint._core.net import free_port
 from rallypoint.rendezvous import (
     DynamicRendezvousHandler,
     RendezvousConnectionError,

@@ -434,3 +434,36 @@ def test_assign_ranks_properties(prev_ranks: list[int | None], max_nodes: int) -
     for s in admitted_survivors:
         if s.prev_rank is not None and s.prev_rank < world:
             assert ranks[s.index] == s.prev_rank  # kept wherever it fits
+
+
+def test_run_store_outlives_rounds_and_opens_its_own_connection(memory: Cluster) -> None:
+    a, b = memory.node(min_nodes=2, max_nodes=2), memory.node(min_nodes=2, max_nodes=2)
+    assert a.round is None
+    memory.join_all([a, b])
+    assert a.round == b.round == 0
+    first, second = a.open_run_store("job/x"), b.open_run_store("job/x")
+    first.set("k", b"v")
+    assert second.get("k") == b"v"  # one namespace, two connections
+    assert a.open_run_store("job/y").check(["k"]) is False
+    assert a.liveness_window() == timedelta(seconds=0.1 * (3 + 2))
+
+
+def test_static_handler_has_no_run_store_rounds_or_heartbeats() -> None:
+    from rallypoint._core.net import free_port
+    from rallypoint.rendezvous import RendezvousParameters, rendezvous_handler_registry
+
+    params = RendezvousParameters(
+        backend="static",
+        endpoint=f"127.0.0.1:{free_port()}",
+        run_id="s",
+        min_nodes=1,
+        max_nodes=1,
+        rank=0,
+    )
+    handler = rendezvous_handler_registry.create_handler(params)
+    try:
+        assert handler.round is None
+        assert handler.open_run_store("job") is None
+        assert handler.liveness_window() is None
+    finally:
+        handler.shutdown()

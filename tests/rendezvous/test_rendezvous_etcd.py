@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rallypoint._net import free_port
+from rallypoint._core.net import free_port
 from rallypoint.rendezvous import (
     DynamicRendezvousHandler,
     KeyValueStore,

@@ -54,7 +54,7 @@ class TestFileStoreKV(KVContract):
 
 
 def test_tcp_unreachable_names_the_endpoint() -> None:
-    from rallypoint._net import free_port
+    from rallypoint._core.net import free_port
 
     port = free_port()
     with pytest.raises(KVConnectionError, match=f"127.0.0.1:{port}"):

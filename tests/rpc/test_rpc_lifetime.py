@@ -145,7 +145,7 @@ def _init_method(init_method: str) -> str:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("scheme", ["tcp", "file"])
 def test_tcp_and_file_init_methods(scheme: str, tmp_path: Any) -> None:
-    from rallypoint._net import free_port
+    from rallypoint._core.net import free_port
     from rallypoint.testing import run_workers
 
     init = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/store"

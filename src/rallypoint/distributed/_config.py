@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from rallypoint._net import free_port
+from rallypoint._core.net import free_port
 
 #: Mesh dimension names, outermost first (the order of the mesh shape).
 DIM_NAMES: tuple[str, ...] = ("pp", "dp", "cp", "tp")

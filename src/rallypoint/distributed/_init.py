@@ -18,7 +18,7 @@ import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from rallypoint._net import free_port
+from rallypoint._core.net import free_port
 from rallypoint.distributed._config import DistributedConfig, _resolve, check_backend_name
 from rallypoint.distributed._errors import AlreadyInitializedError, BackendUnavailableError
 from rallypoint.distributed._state import STATE

@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from rallypoint._net import port_is_free
+from rallypoint._core.net import port_is_free
 from rallypoint.launcher._config import LaunchConfig
 from rallypoint.launcher._errors import (
     BadTargetError,

@@ -18,6 +18,7 @@ import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class RendezvousStoreInfo:
         ``store`` is the round's store, so a new round never sees an old address.
         """
         if rank == 0:
-            from rallypoint._net import free_port
+            from rallypoint._core.net import free_port
 
             addr = local_addr or socket.getfqdn()
             port = server_port or free_port()
@@ -174,6 +175,32 @@ class RendezvousHandler(ABC):
     @abstractmethod
     def shutdown(self) -> bool:
         """Release the resources of the rendezvous; return whether that succeeded."""
+
+    # ---------------------------------------------------------------- rallypoint's additions
+    # Not in torch's ABC; the defaults fit a handler without rounds, heartbeats or a store of
+    # its own (``static``), so torch-style handlers keep working unchanged.
+
+    @property
+    def round(self) -> int | None:
+        """The number of the round this node was last admitted to; ``None`` before the first
+        round, or when the backend does not number its rounds."""
+        return None
+
+    def open_run_store(self, namespace: str) -> Store | None:
+        """A new connection to a store that lives as long as the run (not one round), with
+        its keys under ``namespace``; ``None`` when the backend has no run-level store
+        (then use the round's ``RendezvousInfo.store``).
+
+        Each call opens its own connection, so a call blocked on one store does not delay
+        another (the agent keeps one for its monitor loop and one for stack requests).
+        """
+        return None
+
+    def liveness_window(self) -> timedelta | None:
+        """How long after a node is lost the others have noticed it at the latest: the
+        heartbeats it may miss, one more interval for the check that sees it, and one for
+        writing the mark; ``None`` when the backend has no heartbeats."""
+        return None
 
 
 class RendezvousParameters:

@@ -196,6 +196,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """The round this node was last admitted to (``None`` before the first)."""
         return self._round
 
+    def open_run_store(self, namespace: str) -> Store:
+        """A new connection to the run's store, keys under ``namespace``."""
+        return self._kv.clone().torch_store(namespace)
+
+    def liveness_window(self) -> timedelta:
+        interval = self._config.keep_alive_interval.total_seconds()
+        return timedelta(seconds=self._dead_after() + 2 * interval)
+
     def get_backend(self) -> str:
         return self._backend_name
 

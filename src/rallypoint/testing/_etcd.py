@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 from types import TracebackType
 
-from rallypoint._net import free_port
+from rallypoint._core.net import free_port
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from rallypoint._net import free_port
+from rallypoint._core.net import free_port
 
 
 class WorkerError(RuntimeError):

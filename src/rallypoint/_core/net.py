@@ -1,8 +1,10 @@
-"""Small networking helpers shared by the launcher, rendezvous and RPC parts."""
+"""Ports: a free one now, and whether an explicit one is free."""
 
 from __future__ import annotations
 
 import socket
+
+__all__ = ["free_port", "port_is_free"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,0 +1,81 @@
+"""The torch-free common core: input checks, process liveness, ``with`` support."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+
+from rallypoint._core import Closing, check_int, check_seconds, pid_alive, to_timedelta
+
+
+@pytest.mark.parametrize(
+    ("value", "kwargs", "error", "message"),
+    [
+        (True, {}, TypeError, "n must be an int, got bool True"),
+        ("3", {}, TypeError, "n must be an int, got str '3'"),
+        (2.0, {}, TypeError, "n must be an int, got float"),
+        (0, {"minimum": 1}, ValueError, "n must be >= 1, got 0"),
+        (9, {"maximum": 8}, ValueError, "n must be <= 8, got 9"),
+        (None, {}, TypeError, "n must be an int, got NoneType"),
+    ],
+)
+def test_check_int_rejects(
+    value: object, kwargs: dict[str, int], error: type, message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        check_int(value, "n", **kwargs)
+
+
+def test_check_int_accepts() -> None:
+    assert check_int(5, "n", minimum=1, maximum=5) == 5
+    assert check_int(None, "n", allow_none=True) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "kwargs", "error", "message"),
+    [
+        (5, {}, TypeError, "t must be a datetime.timedelta, got int"),
+        (True, {"numbers": True}, TypeError, "t must be seconds"),
+        ("5", {"numbers": True}, TypeError, "got str"),
+        (timedelta(0), {}, ValueError, "t must be > 0"),
+        (timedelta(seconds=-1), {"allow_zero": True}, ValueError, "t must be >= 0"),
+        (float("nan"), {"numbers": True}, ValueError, "t must be > 0"),
+        (None, {}, TypeError, "got NoneType"),
+    ],
+)
+def test_check_seconds_rejects(
+    value: object, kwargs: dict[str, bool], error: type, message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        check_seconds(value, "t", **kwargs)
+
+
+def test_check_seconds_and_to_timedelta_accept() -> None:
+    assert check_seconds(timedelta(seconds=1.5), "t") == 1.5
+    assert check_seconds(0, "t", allow_zero=True, numbers=True) == 0.0
+    assert check_seconds(None, "t", allow_none=True) is None
+    assert to_timedelta(2, "t") == timedelta(seconds=2)
+    assert to_timedelta(timedelta(seconds=3), "t") == timedelta(seconds=3)
+
+
+def test_pid_alive() -> None:
+    assert pid_alive(os.getpid())
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=30)
+    assert not pid_alive(proc.pid)
+
+
+def test_closing_calls_close() -> None:
+    closed: list[bool] = []
+
+    class Thing(Closing):
+        def close(self) -> None:
+            closed.append(True)
+
+    with Thing() as thing:
+        assert isinstance(thing, Thing)
+    assert closed == [True]
