@@ -10,10 +10,19 @@ Same names, signatures and errors as ``torch.distributed.rpc``; change the impor
 Backends: ``BackendType.RALLYPOINT`` (default: HMAC-authenticated TCP, Unix sockets and
 shared memory on one host) and ``BackendType.TENSORPIPE`` (torch's agent). Every connection
 must know the job's secret (``RALLYPOINT_RPC_SECRET``, set by ``rallypoint run``).
+
+Layers, each importing only the ones below it::
+
+    _api -> _registry -> _agent (RALLYPOINT) | _tensorpipe (TENSORPIPE)
+    _agent -> _membership -> _connections -> _dispatch -> _codec -> _rref -> _rref_table
+           -> _peers, _calls, _groups, _store -> _transport -> _wire, _shm, _auth
+           -> _backend, _options, _device_maps, _errors, _constants -> rallypoint._core
+
 """
 
 from __future__ import annotations
 
+import types
 from typing import TYPE_CHECKING, Any
 
 from rallypoint.rpc import functions
@@ -92,9 +101,22 @@ __all__ = [
 ]
 
 
+def _report_public_module() -> None:
+    """Public names say ``rallypoint.rpc`` (where users import them), not a private module."""
+    for name in __all__:
+        obj = globals().get(name)
+        if isinstance(obj, type | types.FunctionType) and obj.__module__.startswith(
+            f"{__name__}._"
+        ):
+            obj.__module__ = __name__
+
+
 def is_available() -> bool:
     """Always true: the rallypoint backend needs only sockets (TENSORPIPE needs torch RPC)."""
     return True
+
+
+_report_public_module()
 
 
 def __getattr__(name: str) -> Any:
