@@ -136,32 +136,18 @@ class _Collect:
     def connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
         self.lost.append(exc)
 
+    def callbacks(self) -> dict[str, Any]:
+        return {"on_frame": self.handle_frame, "on_lost": self.connection_lost}
+
 
 def test_shared_memory_segments_are_passed_once_and_reused() -> None:
     a, b = socket.socketpair(socket.AF_UNIX)
     pool = SegmentPool(1 << 26)
     stats = {"inline_tensor_bytes": 0, "shm_tensor_bytes": 0}
     sink = _Collect()
-    kwargs: dict[str, Any] = {"peer_id": 0, "shm_threshold": 1024, "stats": stats}
-    quiet = _Collect()
-    sender = Connection(
-        a,
-        peer_name="rx",
-        uds=True,
-        on_frame=quiet.handle_frame,
-        on_lost=quiet.connection_lost,
-        pool=pool,
-        **kwargs,
-    )
-    receiver = Connection(
-        b,
-        peer_name="tx",
-        uds=True,
-        on_frame=sink.handle_frame,
-        on_lost=sink.connection_lost,
-        pool=None,
-        **kwargs,
-    )
+    kwargs: dict[str, Any] = {"peer_id": 0, "uds": True, "shm_threshold": 1024, "stats": stats}
+    sender = Connection(a, peer_name="rx", pool=pool, **_Collect().callbacks(), **kwargs)
+    receiver = Connection(b, peer_name="tx", pool=None, **sink.callbacks(), **kwargs)
     receiver.start()
     try:
         payload = torch.arange(1 << 18, dtype=torch.int32).view(torch.uint8)  # 1 MiB

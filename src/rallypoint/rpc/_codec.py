@@ -23,24 +23,13 @@ class Codec:
 
     def __init__(self, peers: PeerTable, rrefs: RRefTable) -> None:
         self._peers = peers
-        self._fork = functools.partial(reduce_rref, rrefs)
+        fork = functools.partial(reduce_rref, rrefs)
+        self._encode = functools.partial(_wire.encode, rref_type=RRef, rref_hook=fork)
 
     def call(self, dst: str, payload: Any) -> tuple[bytes, list[torch.Tensor]]:
         """A call's ``(func, args, kwargs)`` for ``dst``."""
-        return _wire.encode(
-            payload,
-            dst=dst,
-            device_map=self._peers.device_map(dst),
-            rref_type=RRef,
-            rref_hook=self._fork,
-        )
+        return self._encode(payload, dst=dst, device_map=self._peers.device_map(dst))
 
     def reply(self, dst: str, value: Any) -> tuple[bytes, list[torch.Tensor]]:
         """A call's return value for the caller ``dst``."""
-        return _wire.encode(
-            value,
-            dst=dst,
-            device_map=self._peers.reverse_map(dst),
-            rref_type=RRef,
-            rref_hook=self._fork,
-        )
+        return self._encode(value, dst=dst, device_map=self._peers.reverse_map(dst))

@@ -149,11 +149,12 @@ def published_ranks(store: Any, world_size: int) -> list[int]:
 
 
 def gather_static(store: Any, world_size: int, timeout: float) -> list[WorkerRecord]:
-    keys = [f"worker/{r}" for r in range(world_size)]
+    rank_of = {f"worker/{r}": r for r in range(world_size)}
+    keys = list(rank_of)
     deadline = time.monotonic() + (timeout if timeout > 0 else _NO_TIMEOUT)
     missing = wait_for_keys(store, keys, deadline)
     if missing:
-        ranks = sorted(int(k.split("/")[1]) for k in missing)
+        ranks = sorted(rank_of[k] for k in missing)
         raise RpcError(
             f"init_rpc: ranks {ranks} did not join within {timeout:.1f} s "
             f"(world_size={world_size}); start every rank or lower world_size"
@@ -185,7 +186,7 @@ def membership_token(store: Any, name: str, timeout: float) -> Iterator[None]:
         if time.monotonic() >= deadline:
             raise RpcError(
                 f"{name}: could not take the group membership token within {timeout:.1f} s; "
-                f"it is held by {holder.split(':')[0]!r}"
+                f"it is held by {holder.rsplit(':', 2)[0]!r}"
             )
         time.sleep(delay)
         delay = min(delay * 2, 0.02)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rallypoint.rpc import _groups
@@ -34,38 +35,28 @@ _LINGER_AFTER_FAILED_INIT = 5.0
 _LINGER_AFTER_SHUTDOWN = 10.0
 
 
+@dataclass(kw_only=True, slots=True, eq=False)
 class Group:
     """One worker's membership: static (``world_size`` given) or dynamic."""
 
-    def __init__(
-        self,
-        *,
-        store: Any,
-        me: WorkerInfo,
-        world_size: int | None,
-        hosts_store: bool,
-        peers: PeerTable,
-        connections: Connections,
-        caller: Caller,
-    ) -> None:
-        self._store = store
-        self._me = me
-        self._world_size = world_size
-        self._hosts_store = hosts_store
-        self._peers = peers
-        self._connections = connections
-        self._caller = caller
+    store: Any
+    me: WorkerInfo
+    world_size: int | None
+    hosts_store: bool  # rank 0 hosts the TCPStore: it must leave last
+    peers: PeerTable
+    connections: Connections
+    caller: Caller
 
     # ---- joining -----------------------------------------------------------------------
     def join(self, record: WorkerRecord, timeout: float) -> None:
         """Enter the group: static (wait for every rank) or dynamic (under the token)."""
-        if self._world_size is None:
+        if self.world_size is None:
             self._join_dynamic(record, timeout)
         else:
-            self._join_static(record, self._world_size, timeout)
+            self._join_static(record, self.world_size, timeout)
 
     def _join_static(self, record: WorkerRecord, world_size: int, timeout: float) -> None:
-        store, rank = self._store, self._me.id
+        store, rank = self.store, self.me.id
         if not 0 <= rank < world_size:
             raise ValueError(
                 f"rank {rank} is outside world_size {world_size}; "
@@ -73,19 +64,19 @@ class Group:
             )
         _groups.publish_static(store, record)
         try:
-            self._peers.set(_groups.gather_static(store, world_size, timeout), static=True)
+            self.peers.set(_groups.gather_static(store, world_size, timeout), static=True)
         except BaseException:
             store.set(f"init_done/{rank}", "1")
-            if self._hosts_store:
+            if self.hosts_store:
                 ranks = [str(r) for r in _groups.published_ranks(store, world_size)]
                 self._linger_as_store_host("init_done", ranks, _LINGER_AFTER_FAILED_INIT)
             raise
-        self._connections.accept_calls()
-        for info in self._peers.infos():
-            self._connections.get(info.name)
+        self.connections.accept_calls()
+        for info in self.peers.infos():
+            self.connections.get(info.name)
 
     def _join_dynamic(self, record: WorkerRecord, timeout: float) -> None:
-        store, me = self._store, self._me
+        store, me = self.store, self.me
         with _groups.membership_token(store, me.name, timeout):
             members = _groups.read_members(store)
             if me.name in members:
@@ -100,10 +91,10 @@ class Group:
                         f"rank {me.id} is already used by {other.name!r}; "
                         "every worker needs a unique rank"
                     )
-            self._peers.set([*records, record], static=False)
+            self.peers.set([*records, record], static=False)
             _groups.write_record(store, record)
             _groups.write_members(store, [*members, me.name])
-            self._connections.accept_calls()
+            self.connections.accept_calls()
             try:
                 self._notify(members, _on_member_joined, record, timeout)
             except BaseException:
@@ -124,18 +115,18 @@ class Group:
         """Run ``func(arg)`` on each member in turn (``every``: go on past failures)."""
         for member in members:
             try:
-                self._caller.rpc_async(member, func, (arg,), {}, timeout).wait()
+                self.caller.rpc_async(member, func, (arg,), {}, timeout).wait()
             except Exception:
                 if not every:
                     raise
 
     # ---- notices from other members ----------------------------------------------------
     def member_joined(self, record: WorkerRecord) -> None:
-        self._peers.add(record)
+        self.peers.add(record)
 
     def member_left(self, name: str) -> None:
-        self._peers.remove(name)
-        self._connections.drop(name)
+        self.peers.remove(name)
+        self.connections.drop(name)
 
     # ---- leaving -----------------------------------------------------------------------
     def leave(
@@ -145,16 +136,16 @@ class Group:
 
         ``wait_quiet(deadline)`` waits for this worker's outstanding work.
         """
-        if self._world_size is None:
+        if self.world_size is None:
             return self._leave_dynamic(deadline, wait_quiet)
         return self._shutdown_barrier(deadline, seconds, wait_quiet)
 
     def _leave_dynamic(
         self, deadline: float, wait_quiet: Callable[[float], None]
     ) -> RpcShutdownError | None:
-        store, me = self._store, self._me.name
+        store, me = self.store, self.me.name
         errors: list[str] = []
-        if self._hosts_store:
+        if self.hosts_store:
             # rank 0 hosts the store: stay in the group (reachable) until the others left
             while _groups.read_members(store) != [me] and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -165,7 +156,7 @@ class Group:
             for member in members:
                 try:
                     timeout = max(deadline - time.monotonic(), 0.1)
-                    self._caller.rpc_async(member, _on_member_left, (me,), {}, timeout).wait()
+                    self.caller.rpc_async(member, _on_member_left, (me,), {}, timeout).wait()
                 except Exception as exc:
                     errors.append(member)
                     logger.warning(
@@ -181,7 +172,7 @@ class Group:
     def _shutdown_barrier(
         self, deadline: float, seconds: float, wait_quiet: Callable[[float], None]
     ) -> RpcShutdownError | None:
-        store, me, peers = self._store, self._me.name, self._peers
+        store, me, peers = self.store, self.me.name, self.peers
         names = peers.names()
         store.set(f"shutdown/{me}", "1")
         gone = wait_for_names(store, "shutdown", names, deadline, dead=peers.is_dead)
@@ -203,13 +194,13 @@ class Group:
 
     def _linger_as_store_host(self, prefix: str, names: list[str], seconds: float) -> None:
         """Rank 0 hosts the TCPStore: keep it up until the live workers are done with it."""
-        if self._hosts_store:
-            alive = [n for n in names if not self._peers.is_dead(n)]
+        if self.hosts_store:
+            alive = [n for n in names if not self.peers.is_dead(n)]
             deadline = time.monotonic() + seconds
-            wait_for_names(self._store, prefix, alive, deadline, dead=self._peers.is_dead)
+            wait_for_names(self.store, prefix, alive, deadline, dead=self.peers.is_dead)
 
     def close(self) -> None:
-        self._store = None
+        self.store = None
 
 
 CURRENT_GROUP: Current[Group] = Current()
