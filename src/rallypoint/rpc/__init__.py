@@ -11,13 +11,14 @@ Backends: ``BackendType.RALLYPOINT`` (default: HMAC-authenticated TCP, Unix sock
 shared memory on one host) and ``BackendType.TENSORPIPE`` (torch's agent). Every connection
 must know the job's secret (``RALLYPOINT_RPC_SECRET``, set by ``rallypoint run``).
 
-Layers, each importing only the ones below it::
+Imports point down these lines, and within a line from left to right (no cycles)::
 
     _api -> _registry -> _agent (RALLYPOINT) | _tensorpipe (TENSORPIPE)
-    _agent -> _membership -> _connections -> _dispatch -> _codec -> _rref -> _rref_table
-           -> _peers, _calls, _groups, _store -> _transport -> _wire, _shm, _auth
-           -> _backend, _options, _device_maps, _errors, _constants -> rallypoint._core
-
+    the agent's parts:  _membership, _dispatch, _connections, _codec
+    its bookkeeping:    _rref, _rref_table, _peers, _calls
+    bytes and store:    _transport, _auth, _wire, _shm, _groups, _store
+    shared:             _backend, _current, _options, _device_maps, _errors, _constants,
+                        functions  ->  rallypoint._core
 """
 
 from __future__ import annotations
