@@ -23,13 +23,18 @@ class Codec:
 
     def __init__(self, peers: PeerTable, rrefs: RRefTable) -> None:
         self._peers = peers
-        fork = functools.partial(reduce_rref, rrefs)
-        self._encode = functools.partial(_wire.encode, rref_type=RRef, rref_hook=fork)
+        self._fork = functools.partial(reduce_rref, rrefs)
 
     def call(self, dst: str, payload: Any) -> tuple[bytes, list[torch.Tensor]]:
-        """A call's ``(func, args, kwargs)`` for ``dst``."""
-        return self._encode(payload, dst=dst, device_map=self._peers.device_map(dst))
+        """A call's ``(func, args, kwargs)`` for ``dst``: this worker's map for ``dst``."""
+        device_map = self._peers.device_maps.get(dst)
+        return _wire.encode(
+            payload, dst=dst, device_map=device_map, rref_type=RRef, rref_hook=self._fork
+        )
 
     def reply(self, dst: str, value: Any) -> tuple[bytes, list[torch.Tensor]]:
-        """A call's return value for the caller ``dst``."""
-        return self._encode(value, dst=dst, device_map=self._peers.reverse_map(dst))
+        """A call's return value for the caller ``dst``: the inverse of ``dst``'s map."""
+        device_map = self._peers.reverse_maps.get(dst)
+        return _wire.encode(
+            value, dst=dst, device_map=device_map, rref_type=RRef, rref_hook=self._fork
+        )

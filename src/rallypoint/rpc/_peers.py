@@ -28,11 +28,11 @@ class PeerTable:
 
     def __init__(self, me: WorkerInfo, device_maps: dict[str, DeviceMap]) -> None:
         self.me = me
-        self._maps = device_maps
+        self.device_maps = device_maps  # ours, for calls we send; fixed at start
+        self.reverse_maps: dict[str, DeviceMap] = {}  # for replies; replaced, never mutated
         self._records: dict[str, WorkerRecord] = {}
         self._infos: dict[str, WorkerInfo] = {}
         self._by_rank: dict[int, str] = {}
-        self._reverse_maps: dict[str, DeviceMap] = {}
         self._dead: dict[str, str] = {}
         self.devices: list[torch.device] = []
 
@@ -45,8 +45,8 @@ class PeerTable:
         counts = {r.name: r.device_count for r in records}
         validate_device_maps(names, counts, maps, devices, is_static_group=static)
         reverse = create_reverse_mapping(self.me.name, names, maps)
-        self.devices = create_device_list(devices.get(self.me.name, []), self._maps, reverse)
-        self._reverse_maps = reverse
+        self.devices = create_device_list(devices.get(self.me.name, []), self.device_maps, reverse)
+        self.reverse_maps = reverse
         self._records = {r.name: r for r in records}
         self._infos = {r.name: r.info for r in records}
         self._by_rank = {r.rank: r.name for r in records}
@@ -115,18 +115,6 @@ class PeerTable:
     def _unknown(self, name: str) -> RpcError:
         known = sorted(self._records)
         return RpcError(f"Unknown destination worker {name!r}; known workers: {known}")
-
-    def device_map(self, name: str) -> DeviceMap | None:
-        """This worker's map for tensors it sends to ``name``."""
-        return self._maps.get(name)
-
-    def reverse_map(self, name: str) -> DeviceMap | None:
-        """The map for replies to ``name`` (the inverse of ``name``'s map onto us)."""
-        return self._reverse_maps.get(name)
-
-    def reverse_mapped(self) -> list[str]:
-        """The peers that map devices onto this worker."""
-        return sorted(self._reverse_maps)
 
     def dead_reason(self, name: str) -> str | None:
         return self._dead.get(name)
