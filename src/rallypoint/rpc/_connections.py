@@ -10,6 +10,7 @@ it fail at once, naming the peer.
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
@@ -44,23 +45,29 @@ class Connections:
         on_frame: OnFrame,
         pool: SegmentPool | None,
     ) -> None:
+        self.stats: dict[str, int] = {"inline_tensor_bytes": 0, "shm_tensor_bytes": 0}
+        self.host_key = host_key()
         self._me = me
         self._secret = secret
         self._peers = peers
         self._calls = calls
-        self._on_frame = on_frame
-        self._pool = pool
         self._unix_socket = options.unix_socket
-        self._shm_threshold = options.shm_threshold
-        self._limiter = threading.Semaphore(options.num_worker_threads)
         self._ready = threading.Event()
+        # every connection, either way, shares these
+        self._connection = functools.partial(
+            Connection,
+            on_frame=on_frame,
+            on_lost=self._lost,
+            pool=pool,
+            shm_threshold=options.shm_threshold,
+            stats=self.stats,
+            limiter=threading.Semaphore(options.num_worker_threads),
+        )
         self._out: dict[str, Connection] = {}
         self._connect_locks: dict[str, threading.Lock] = {}
         self._inbound: set[Connection] = set()
         self._lock = threading.Lock()
         self._closed = False
-        self.stats: dict[str, int] = {"inline_tensor_bytes": 0, "shm_tensor_bytes": 0}
-        self.host_key = host_key()
         self._listener = Listener(host, self._on_accept)
         self.address = (host, self._listener.port)
         self.uds_name = self._listener.uds_name
@@ -112,7 +119,7 @@ class Connections:
             raise RpcConnectionError(
                 f"cannot reach worker {name} (rank {record.rank}){detail}: {exc}", peer=name
             ) from exc
-        return self._new_connection(sock, name, record.rank, uds, outbound=True)
+        return self._connection(sock, peer_name=name, peer_id=record.rank, uds=uds, outbound=True)
 
     def drop(self, name: str) -> None:
         """``name`` left the group: close the connection to it."""
@@ -138,31 +145,15 @@ class Connections:
             )
             sock.close()
             return
-        conn = self._new_connection(sock, peer_name, peer_id, uds, outbound=False)
+        conn = self._connection(
+            sock, peer_name=peer_name, peer_id=peer_id, uds=uds, gate=self._ready
+        )
         with self._lock:
             if self._closed:
                 sock.close()
                 return
             self._inbound.add(conn)
         conn.start()
-
-    def _new_connection(
-        self, sock: socket.socket, name: str, peer_id: int, uds: bool, *, outbound: bool
-    ) -> Connection:
-        return Connection(
-            sock,
-            peer_name=name,
-            peer_id=peer_id,
-            uds=uds,
-            on_frame=self._on_frame,
-            on_lost=self._lost,
-            pool=self._pool,
-            shm_threshold=self._shm_threshold,
-            stats=self.stats,
-            outbound=outbound,
-            limiter=self._limiter,
-            gate=None if outbound else self._ready,
-        )
 
     # ---- upkeep ------------------------------------------------------------------------
     def tick(self, now: float) -> None:
