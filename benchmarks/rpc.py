@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from rallypoint import rpc
+from rallypoint._core.envvars import RPC_SECRET
 from rallypoint.testing import run_workers
 
 BACKENDS = ("RALLYPOINT", "TENSORPIPE")
@@ -106,7 +107,7 @@ def _lifecycle(backend: str, world_size: int) -> tuple[float, float]:
 
 
 def _env(rank: int) -> dict[str, str]:
-    return {"RALLYPOINT_RPC_SECRET": "benchmark-secret"}
+    return {RPC_SECRET: "benchmark-secret"}
 
 
 def measure(quick: bool, only: str = "all") -> dict[str, dict[str, float]]:

@@ -88,8 +88,8 @@ def _attack_scenario() -> dict[str, Any]:
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
     out: dict[str, Any] = {}
     if rank == 0:
-        peer = current_rallypoint_agent()._records["worker1"]
-        tcp = (peer["host"], peer["port"])
+        peer = current_rallypoint_agent().peers.record("worker1")
+        tcp = (peer.host, peer.port)
         # 1. garbage bytes on the TCP port: the server drops the connection
         with socket.create_connection(tcp, timeout=5) as sock:
             sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\xff" * 200)
@@ -102,7 +102,7 @@ def _attack_scenario() -> dict[str, Any]:
                 out["garbage_dropped"] = "reset"
             assert received[:8] in (b"RPRPC1\x00\x00", b"")
         # 2. wrong secret over TCP and over the abstract Unix socket
-        for address, family in ((tcp, socket.AF_INET), (peer["uds"], socket.AF_UNIX)):
+        for address, family in ((tcp, socket.AF_INET), (peer.uds, socket.AF_UNIX)):
             with socket.socket(family, socket.SOCK_STREAM) as sock:
                 sock.connect(address)
                 with pytest.raises(rpc.RpcAuthenticationError, match="secrets differ"):

@@ -93,7 +93,7 @@ def _dynamic_scenario() -> dict[str, Any]:
         rpc.rpc_sync("worker3", _name)
     if rank == 0:
         # worker1 maps onto worker0: worker3 leaving must not erase that reverse map
-        out["reverse_maps"] = sorted(current_rallypoint_agent()._reverse_maps)
+        out["reverse_maps"] = sorted(current_rallypoint_agent().peers.reverse_maps)
     rpc.rpc_sync("worker0", _mark_done, args=(f"worker{rank}",))
     deadline = time.monotonic() + 20
     while rpc.rpc_sync("worker0", _done_count) < 3 and time.monotonic() < deadline:

@@ -86,7 +86,7 @@ def _lifetime_scenario(mode: str) -> dict[str, Any]:
         after = current_rallypoint_agent().stats
         out["shm_bytes"] = after["shm_tensor_bytes"] - before["shm_tensor_bytes"]
         out["inline_bytes"] = after["inline_tensor_bytes"] - before["inline_tensor_bytes"]
-        out["unix"] = sorted({c.uds for c in current_rallypoint_agent()._out.values()})
+        out["unix"] = sorted({c.uds for c in current_rallypoint_agent().connections.opened()})
         mutated = rpc.rpc_sync("worker1", _echo, args=(big,))
         mutated.zero_()  # the received tensor must not alias the sender's
         assert big.abs().sum() > 0

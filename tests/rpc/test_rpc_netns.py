@@ -30,7 +30,7 @@ x = torch.randn(1 << 20)
 assert torch.equal(rpc.rpc_sync("h1", echo, args=(x,)), x)
 agent = current_rallypoint_agent()
 print("ECHO", agent.stats["inline_tensor_bytes"], agent.stats["shm_tensor_bytes"],
-      agent._out["h1"].uds, agent._out["h0"].uds, flush=True)
+      agent.connections.outbound("h1").uds, agent.connections.outbound("h0").uds, flush=True)
 sys.stdin.readline()  # the test cuts h1's link, then tells us to go on
 try:
     rpc.rpc_sync("h1", echo, args=(1,), timeout=1.0)

@@ -67,7 +67,7 @@ def test_atomic_calls_use_plain_pickle() -> None:
     assert raws == [] and _wire.decode(data, []) == (max, (1, 2.0, "x", None), {"k": b"v"})
 
 
-def _frame(kind: int = _wire.KIND_CALL, rid: int = 1, data: bytes = b"abc") -> bytes:
+def _frame(kind: int = _wire.FrameKind.CALL, rid: int = 1, data: bytes = b"abc") -> bytes:
     return _wire.HEADER.pack(_wire.MAGIC, kind, 0, 0, rid, len(data)) + data
 
 
@@ -93,7 +93,7 @@ def test_reader_parses_many_frames_per_recv_and_rejects_garbage() -> None:
 def test_reader_rejects_oversized_frames_and_shm_over_tcp() -> None:
     a, b = socket.socketpair()
     try:
-        a.sendall(_wire.HEADER.pack(_wire.MAGIC, _wire.KIND_CALL, 0, 0, 1, 1 << 40))
+        a.sendall(_wire.HEADER.pack(_wire.MAGIC, _wire.FrameKind.CALL, 0, 0, 1, 1 << 40))
         with pytest.raises(RpcProtocolError, match="frame too large"):
             _Reader(b, uds=False).read_frame()
     finally:
@@ -101,7 +101,7 @@ def test_reader_rejects_oversized_frames_and_shm_over_tcp() -> None:
         b.close()
     a, b = socket.socketpair()
     try:
-        header = _wire.HEADER.pack(_wire.MAGIC, _wire.KIND_CALL, 0, 1, 1, 0)
+        header = _wire.HEADER.pack(_wire.MAGIC, _wire.FrameKind.CALL, 0, 1, 1, 0)
         a.sendall(header + _wire.DESC.pack(_wire.WHERE_SHM, 1, 0, 5, 100))
         with pytest.raises(RpcProtocolError, match="bad tensor descriptor"):
             _Reader(b, uds=False).read_frame()
@@ -136,23 +136,26 @@ class _Collect:
     def connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
         self.lost.append(exc)
 
+    def callbacks(self) -> dict[str, Any]:
+        return {"on_frame": self.handle_frame, "on_lost": self.connection_lost}
+
 
 def test_shared_memory_segments_are_passed_once_and_reused() -> None:
     a, b = socket.socketpair(socket.AF_UNIX)
     pool = SegmentPool(1 << 26)
     stats = {"inline_tensor_bytes": 0, "shm_tensor_bytes": 0}
     sink = _Collect()
-    kwargs: dict[str, Any] = {"peer_id": 0, "shm_threshold": 1024, "stats": stats}
-    sender = Connection(a, peer_name="rx", uds=True, handler=_Collect(), pool=pool, **kwargs)
-    receiver = Connection(b, peer_name="tx", uds=True, handler=sink, pool=None, **kwargs)
+    kwargs: dict[str, Any] = {"peer_id": 0, "uds": True, "shm_threshold": 1024, "stats": stats}
+    sender = Connection(a, peer_name="rx", pool=pool, **_Collect().callbacks(), **kwargs)
+    receiver = Connection(b, peer_name="tx", pool=None, **sink.callbacks(), **kwargs)
     receiver.start()
     try:
         payload = torch.arange(1 << 18, dtype=torch.int32).view(torch.uint8)  # 1 MiB
-        sender.send_frame(_wire.KIND_CALL, 1, b"", [payload])
+        sender.send_frame(_wire.FrameKind.CALL, 1, b"", [payload])
         assert sink.event.wait(5)
         got = sink.frames.pop().tensors[0]
         assert torch.equal(got, payload) and stats["shm_tensor_bytes"] == payload.numel()
-        segment = pool._segments[0]
+        segment = pool.segments()[0]
         assert not segment.free
         del got
         gc.collect()
@@ -161,12 +164,12 @@ def test_shared_memory_segments_are_passed_once_and_reused() -> None:
             time.sleep(0.01)
         assert segment.free  # the receiver dropped its view: the segment is reusable
         sink.event.clear()
-        sender.send_frame(_wire.KIND_CALL, 2, b"", [payload])
+        sender.send_frame(_wire.FrameKind.CALL, 2, b"", [payload])
         assert sink.event.wait(5)
-        assert len(pool._segments) == 1 and torch.equal(sink.frames.pop().tensors[0], payload)
+        assert len(pool.segments()) == 1 and torch.equal(sink.frames.pop().tensors[0], payload)
         small = torch.ones(10, dtype=torch.uint8)
         sink.event.clear()
-        sender.send_frame(_wire.KIND_CALL, 3, b"", [small])
+        sender.send_frame(_wire.FrameKind.CALL, 3, b"", [small])
         assert sink.event.wait(5)
         assert stats["inline_tensor_bytes"] == 10
     finally:

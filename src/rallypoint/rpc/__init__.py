@@ -10,10 +10,20 @@ Same names, signatures and errors as ``torch.distributed.rpc``; change the impor
 Backends: ``BackendType.RALLYPOINT`` (default: HMAC-authenticated TCP, Unix sockets and
 shared memory on one host) and ``BackendType.TENSORPIPE`` (torch's agent). Every connection
 must know the job's secret (``RALLYPOINT_RPC_SECRET``, set by ``rallypoint run``).
+
+Imports point down these lines, and within a line from left to right (no cycles)::
+
+    _api -> _registry -> _agent (RALLYPOINT) | _tensorpipe (TENSORPIPE)
+    the agent's parts:  _membership, _dispatch, _connections, _codec
+    its bookkeeping:    _rref, _rref_table, _peers, _calls
+    bytes and store:    _transport, _auth, _wire, _shm, _groups, _store
+    shared:             _backend, _current, _options, _device_maps, _errors, _constants,
+                        functions  ->  rallypoint._core
 """
 
 from __future__ import annotations
 
+import types
 from typing import TYPE_CHECKING, Any
 
 from rallypoint.rpc import functions
@@ -92,9 +102,22 @@ __all__ = [
 ]
 
 
+def _report_public_module() -> None:
+    """Public names say ``rallypoint.rpc`` (where users import them), not a private module."""
+    for name in __all__:
+        obj = globals().get(name)
+        if isinstance(obj, type | types.FunctionType) and obj.__module__.startswith(
+            f"{__name__}._"
+        ):
+            obj.__module__ = __name__
+
+
 def is_available() -> bool:
     """Always true: the rallypoint backend needs only sockets (TENSORPIPE needs torch RPC)."""
     return True
+
+
+_report_public_module()
 
 
 def __getattr__(name: str) -> Any:

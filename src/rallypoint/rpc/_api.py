@@ -15,32 +15,18 @@ from typing import Any
 
 import torch
 
+from rallypoint._core.checks import check_int
 from rallypoint.rpc import _registry
-from rallypoint.rpc._backend import RpcAgent
+from rallypoint.rpc._backend import CURRENT_AGENT
 from rallypoint.rpc._constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
-from rallypoint.rpc._errors import NOT_INITIALIZED, RpcError
-from rallypoint.rpc._groups import create_store, validate_name
+from rallypoint.rpc._groups import validate_name
 from rallypoint.rpc._options import RpcBackendOptions
+from rallypoint.rpc._store import create_store
 
 logger = logging.getLogger("rallypoint.rpc")
 
-_current: RpcAgent | None = None
 _init_lock = threading.Lock()
 _init_counter = 0
-
-
-def current_agent() -> RpcAgent:
-    """The running agent; ``RuntimeError`` if ``init_rpc`` has not been called."""
-    agent = _current
-    if agent is None:
-        raise RpcError(NOT_INITIALIZED)
-    return agent
-
-
-def set_current(agent: RpcAgent | None) -> None:
-    """Make ``agent`` the one the public calls use (backends call this before joining)."""
-    global _current
-    _current = agent
 
 
 def _is_options(options: object) -> bool:
@@ -51,6 +37,13 @@ def _is_options(options: object) -> bool:
     except ImportError:  # pragma: no cover - torch built without RPC
         return False
     return isinstance(options, TorchOptions)
+
+
+def _integral(value: object) -> object:
+    """torch accepts any ``numbers.Integral`` (a numpy int) where it wants an int."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool | int):
+        return int(value)
+    return value
 
 
 def init_rpc(
@@ -66,55 +59,52 @@ def init_rpc(
     ``rpc_backend_options``. With ``world_size`` the group is static (start-up waits for
     every rank); with ``world_size=None`` workers join and leave at runtime.
     """
-    global _current, _init_counter
     if backend is not None:
         backend = _registry.resolve_backend(backend)
     if rpc_backend_options is not None and not _is_options(rpc_backend_options):
         raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
-    if backend is None and rpc_backend_options is not None:
-        for candidate in _registry.BackendType:
-            default = _registry.construct_rpc_backend_options(candidate)
-            if isinstance(rpc_backend_options, type(default)):
-                backend = candidate
-                break
-        else:
-            raise TypeError(f"Could not infer backend for options {rpc_backend_options}")
-        if backend.name != "RALLYPOINT":
-            logger.warning(
-                "RPC was initialized with no explicit backend but with options corresponding "
-                "to %s, hence that backend will be used instead of the default "
-                "BackendType.RALLYPOINT. To silence this warning pass `backend=%s` explicitly.",
-                backend,
-                backend,
-            )
-    if backend is None:
-        backend = _registry.BackendType["RALLYPOINT"]
+    backend = _choose_backend(backend, rpc_backend_options)
     if rpc_backend_options is None:
         rpc_backend_options = _registry.construct_rpc_backend_options(backend)
     validate_name(name)
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
-        raise TypeError(f"rank must be an int, got {type(rank).__name__}")
-    if world_size is not None:
-        if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
-            raise TypeError(f"world_size must be an int or None, got {type(world_size).__name__}")
-        if world_size < 1:
-            raise ValueError(
-                f"world_size must be >= 1 (or None for a dynamic group), got {world_size}"
-            )
+    rank = check_int(_integral(rank), "rank")
+    world_size = check_int(_integral(world_size), "world_size", minimum=1, allow_none=True)
     with _init_lock:
-        if _current is not None:
+        if CURRENT_AGENT.peek() is not None:
             raise RuntimeError("RPC is already initialized")
         try:
-            _start(backend, name, int(rank), world_size, rpc_backend_options)
+            _start(backend, name, rank, world_size, rpc_backend_options)
         except BaseException:
-            _current = None
+            CURRENT_AGENT.clear()
             raise
 
 
+def _choose_backend(backend: Any, options: Any) -> Any:
+    """``backend``, else the one whose options type ``options`` is, else RALLYPOINT."""
+    if backend is not None:
+        return backend
+    if options is None:
+        return _registry.BackendType["RALLYPOINT"]
+    for candidate in _registry.BackendType:
+        default = _registry.construct_rpc_backend_options(candidate)
+        if isinstance(options, type(default)):
+            break
+    else:
+        raise TypeError(f"Could not infer backend for options {options}")
+    if candidate.name != "RALLYPOINT":
+        logger.warning(
+            "RPC was initialized with no explicit backend but with options corresponding "
+            "to %s, hence that backend will be used instead of the default "
+            "BackendType.RALLYPOINT. To silence this warning pass `backend=%s` explicitly.",
+            candidate,
+            candidate,
+        )
+    return candidate
+
+
 def _start(backend: Any, name: str, rank: int, world_size: int | None, options: Any) -> None:
-    global _current, _init_counter
-    timeout = float(options.rpc_timeout)
-    store, rank, _ = create_store(options.init_method, rank, world_size, timeout)
+    global _init_counter
+    store, rank, _ = create_store(options.init_method, rank, world_size, float(options.rpc_timeout))
     dist: Any = importlib.import_module("torch.distributed")
     # like torch, each init_rpc of a process uses a fresh key prefix; a failed one does not
     # consume it, so a retry meets the other workers' first attempt
@@ -128,7 +118,7 @@ def _start(backend: Any, name: str, rank: int, world_size: int | None, options: 
         rpc_backend_options=options,
     )
     _init_counter += 1
-    _current = agent
+    CURRENT_AGENT.set(agent)
 
 
 def _check_args(args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -151,9 +141,7 @@ def rpc_sync(
     timeout: float = UNSET_RPC_TIMEOUT,
 ) -> Any:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result."""
-    agent = current_agent()
-    call_args, call_kwargs = _check_args(args, kwargs)
-    return agent.rpc_async(to, func, call_args, call_kwargs, timeout).wait()
+    return rpc_async(to, func, args, kwargs, timeout).wait()
 
 
 def rpc_async(
@@ -164,9 +152,8 @@ def rpc_async(
     timeout: float = UNSET_RPC_TIMEOUT,
 ) -> torch.futures.Future[Any]:
     """Like :func:`rpc_sync` but returns a ``torch.futures.Future`` at once."""
-    agent = current_agent()
-    call_args, call_kwargs = _check_args(args, kwargs)
-    return agent.rpc_async(to, func, call_args, call_kwargs, timeout)
+    agent = CURRENT_AGENT.get()
+    return agent.rpc_async(to, func, *_check_args(args, kwargs), timeout)
 
 
 def remote(
@@ -177,21 +164,20 @@ def remote(
     timeout: float = UNSET_RPC_TIMEOUT,
 ) -> Any:
     """Run ``func`` on ``to`` and return an ``RRef`` to the result, owned by ``to``."""
-    agent = current_agent()
+    agent = CURRENT_AGENT.get()
     if not callable(func):
         raise TypeError("function should be callable.")
-    call_args, call_kwargs = _check_args(args, kwargs)
-    return agent.remote(to, func, call_args, call_kwargs, timeout)
+    return agent.remote(to, func, *_check_args(args, kwargs), timeout)
 
 
 def get_worker_info(worker_name: str | int | None = None) -> Any:
     """``WorkerInfo`` of ``worker_name`` (name or rank), or of this worker."""
-    return current_agent().get_worker_info(worker_name)
+    return CURRENT_AGENT.get().get_worker_info(worker_name)
 
 
 def get_rpc_timeout() -> float:
     """The default timeout of calls, in seconds."""
-    return float(current_agent().rpc_timeout)
+    return float(CURRENT_AGENT.get().rpc_timeout)
 
 
 def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
@@ -201,9 +187,8 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     ``RpcShutdownError`` naming the workers that did not arrive; a worker known to have
     died ends the wait at once. The local agent is stopped in every case.
     """
-    global _current
-    agent = current_agent()
+    agent = CURRENT_AGENT.get()
     try:
         agent.shutdown(bool(graceful), float(timeout))
     finally:
-        _current = None
+        CURRENT_AGENT.clear()

@@ -30,7 +30,7 @@ import socket
 import struct
 from typing import Any
 
-from rallypoint.rpc._constants import ALLOW_STORE_SECRET_ENV, SECRET_ENV
+from rallypoint._core.envvars import RPC_ALLOW_STORE_SECRET, RPC_SECRET
 from rallypoint.rpc._errors import RpcAuthenticationError
 
 logger = logging.getLogger("rallypoint.rpc")
@@ -54,11 +54,11 @@ def resolve_secret(options: Any, store: Any) -> bytes:
                 f"secret_file {os.fspath(secret_file)!r} is empty; write a secret into it"
             )
         return data
-    env = os.environ.get(SECRET_ENV, "")
+    env = os.environ.get(RPC_SECRET, "")
     if env:
         return env.encode()
     allowed = getattr(options, "allow_store_secret", False) or os.environ.get(
-        ALLOW_STORE_SECRET_ENV, ""
+        RPC_ALLOW_STORE_SECRET, ""
     ) not in ("", "0", "false", "False")
     if allowed:
         candidate = secrets.token_hex(32)
@@ -70,14 +70,14 @@ def resolve_secret(options: Any, store: Any) -> bytes:
         logger.warning(
             "rallypoint.rpc: using an RPC secret shared through the rendezvous store; "
             "anyone who can read the store can join this job. Set %s for a real secret.",
-            SECRET_ENV,
+            RPC_SECRET,
         )
         return text.encode()
     raise RpcAuthenticationError(
-        "no RPC secret: set RALLYPOINT_RPC_SECRET to the same random value in every worker "
+        f"no RPC secret: set {RPC_SECRET} to the same random value in every worker "
         "(`rallypoint run` does this for you), pass secret_file= in "
         "RallypointRpcBackendOptions, or allow a store-distributed secret with "
-        "allow_store_secret=True / RALLYPOINT_RPC_ALLOW_STORE_SECRET=1"
+        f"allow_store_secret=True / {RPC_ALLOW_STORE_SECRET}=1"
     )
 
 

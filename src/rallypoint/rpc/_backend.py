@@ -1,12 +1,24 @@
-"""The agent interface every backend's ``init_backend_handler`` returns."""
+"""The agent interface every backend's ``init_backend_handler`` returns, and the running one.
+
+``RpcAgent`` is the public contract between ``rallypoint.rpc``'s API and a backend.
+``Caller`` is the narrower one between the rallypoint agent and its own layers (RRefs,
+group membership): they send calls through it and never see the agent itself.
+"""
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeAlias
 
 import torch
+
+from rallypoint.rpc._current import Current
+
+Func: TypeAlias = Callable[..., Any]
+Args: TypeAlias = tuple[Any, ...]
+Kwargs: TypeAlias = dict[str, Any]
+Fut: TypeAlias = torch.futures.Future[Any]
 
 
 class RpcAgent(abc.ABC):
@@ -23,24 +35,10 @@ class RpcAgent(abc.ABC):
     def get_worker_infos(self) -> list[Any]: ...
 
     @abc.abstractmethod
-    def rpc_async(
-        self,
-        to: Any,
-        func: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float,
-    ) -> torch.futures.Future[Any]: ...
+    def rpc_async(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> Fut: ...
 
     @abc.abstractmethod
-    def remote(
-        self,
-        to: Any,
-        func: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float,
-    ) -> Any: ...
+    def remote(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> Any: ...
 
     @abc.abstractmethod
     def shutdown(self, graceful: bool, timeout: float) -> None: ...
@@ -48,3 +46,25 @@ class RpcAgent(abc.ABC):
     @property
     @abc.abstractmethod
     def rpc_timeout(self) -> float: ...
+
+    def local_rref(self, value: Any, type_hint: type | None = None) -> Any:
+        """``RRef(value)`` for a backend with its own RRef type; ``None``: rallypoint's RRef."""
+        return None
+
+
+CURRENT_AGENT: Current[RpcAgent] = Current()
+"""The agent the public calls use (set by ``init_rpc``, and by a backend before it joins)."""
+
+
+class Caller(Protocol):
+    """Sending calls, as the rallypoint agent offers it to RRefs and group membership."""
+
+    def check_open(self) -> None: ...
+
+    def rpc_async(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> Fut: ...
+
+    def remote(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> Any: ...
+
+    def oneway(self, to: str, func: Func, *args: Any) -> None:
+        """Send ``func(*args)`` to ``to`` without waiting for, or expecting, a reply."""
+        ...

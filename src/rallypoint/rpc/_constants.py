@@ -1,4 +1,8 @@
-"""Defaults shared with ``torch.distributed.rpc.constants`` (same values)."""
+"""Defaults shared with ``torch.distributed.rpc.constants`` (same values).
+
+The environment variables the RPC part reads are named once, in
+:mod:`rallypoint._core.envvars` (``RPC_SECRET``, ``RPC_ALLOW_STORE_SECRET``, ``RPC_ADDR``).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,3 @@ DEFAULT_INIT_METHOD: str = "env://"
 DEFAULT_SHUTDOWN_TIMEOUT: float = 0.0
 DEFAULT_NUM_WORKER_THREADS: int = 16
 UNSET_RPC_TIMEOUT: float = -1.0
-
-SECRET_ENV = "RALLYPOINT_RPC_SECRET"
-ALLOW_STORE_SECRET_ENV = "RALLYPOINT_RPC_ALLOW_STORE_SECRET"
-ADDR_ENV = "RALLYPOINT_RPC_ADDR"

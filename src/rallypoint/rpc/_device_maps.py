@@ -126,37 +126,41 @@ def _validate_one_map(
             f"in its device map for {target}\n"
             f"device map = {map_}"
         )
-    if all_devices[source]:
-        if not set(map_.keys()).issubset(all_devices[source]):
+    where = f"in its device map for {target}\ndevice map = {map_}"
+    _check_side(
+        source, "source", map_.keys(), all_devices[source], all_device_counts[source], where
+    )
+    _check_side(
+        source,
+        "target",
+        map_.values(),
+        all_devices.get(target, []),
+        all_device_counts.get(target),
+        where,
+    )
+
+
+def _check_side(
+    source: str,
+    side: str,
+    used: Iterable[torch.device],
+    devices: Sequence[torch.device],
+    device_count: int | None,
+    where: str,
+) -> None:
+    """One side of a map uses only the worker's ``devices`` (or valid indices without them).
+
+    ``device_count`` is ``None`` for a target that has not joined (a dynamic group).
+    """
+    if devices:
+        if not set(used).issubset(devices):
             raise ValueError(
-                f"Node {source} has unexpected source devices "
-                f"in its device map for {target}\n"
-                f"device map = {map_}\n"
-                f"devices = {all_devices[source]}"
+                f"Node {source} has unexpected {side} devices {where}\ndevices = {devices}"
             )
-    elif not validate_devices(map_.keys(), all_device_counts[source]):
+    elif device_count is not None and not validate_devices(used, device_count):
         raise ValueError(
-            f"Node {source} has source devices with invalid indices "
-            f"in its device map for {target}\n"
-            f"device map = {map_}\n"
-            f"device count = {all_device_counts[source]}"
-        )
-    if all_devices.get(target, []):
-        if not set(map_.values()).issubset(all_devices[target]):
-            raise ValueError(
-                f"Node {source} has unexpected target devices "
-                f"in its device map for {target}\n"
-                f"device map = {map_}\n"
-                f"devices = {all_devices[target]}"
-            )
-    elif target in all_device_counts and not validate_devices(
-        map_.values(), all_device_counts[target]
-    ):
-        raise ValueError(
-            f"Node {source} has target devices with invalid indices "
-            f"in its device map for {target}\n"
-            f"device map = {map_}\n"
-            f"device count = {all_device_counts[target]}"
+            f"Node {source} has {side} devices with invalid indices {where}\n"
+            f"device count = {device_count}"
         )
 
 

@@ -1,8 +1,9 @@
-"""Frames in, frames out: run calls, send replies and errors, complete futures.
+"""Frames in: run calls and send their replies or errors; complete the futures of ours.
 
-A call's exception travels as torch's text (``On WorkerInfo(...):``, its repr and the
-remote traceback) plus its pickled type, and is raised on the caller with that type;
-if the type cannot be rebuilt there, a ``RuntimeError`` carries the same text.
+A call's exception travels as an :class:`ErrorReply`: torch's text (``On
+WorkerInfo(...):``, its repr and the remote traceback) plus its pickled type, and is
+raised on the caller with that type; if the type cannot be rebuilt there, a
+``RuntimeError`` carries the same text.
 """
 
 from __future__ import annotations
@@ -10,132 +11,173 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
-from typing import TYPE_CHECKING, Any
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from rallypoint.rpc import _wire
-from rallypoint.rpc._calls import fail
+from rallypoint.rpc._calls import PendingCalls, fail
+from rallypoint.rpc._codec import Codec
 from rallypoint.rpc._errors import RpcError
-from rallypoint.rpc._rref import remote_error_text
+from rallypoint.rpc._groups import WorkerInfo
 from rallypoint.rpc._transport import Connection, Frame
 from rallypoint.rpc.functions import is_async_execution
 
-if TYPE_CHECKING:
-    from rallypoint.rpc._agent import RallypointAgent
-
 logger = logging.getLogger("rallypoint.rpc")
 
+_CALL = _wire.FrameKind.CALL
+_REPLY = _wire.FrameKind.REPLY
+_ERROR = _wire.FrameKind.ERROR
+_ONEWAY = _wire.FrameKind.ONEWAY
 
-def handle_frame(agent: RallypointAgent, conn: Connection, frame: Frame) -> None:
-    """Replies complete futures; calls run here, on the connection's reader thread."""
-    kind = frame.kind
-    if kind == _wire.KIND_REPLY or kind == _wire.KIND_ERROR:
-        future = agent.calls.pop(frame.request_id)
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """An ERROR frame: the remote exception as torch's text, and its pickled type."""
+
+    text: str
+    exc_type: bytes  # b"" when the type could not be pickled (then text names it)
+
+    @classmethod
+    def of(cls, where: WorkerInfo, exc: BaseException) -> ErrorReply:
+        text = remote_error_text(repr(where), exc)
+        try:
+            return cls(text, pickle.dumps(type(exc)))
+        except Exception:
+            return cls(f"{type(exc).__qualname__}: {text}", b"")
+
+    def rebuild(self) -> BaseException:
+        """The exception to raise on the caller (its own type when that can be rebuilt)."""
+        kind: Any = None
+        if self.exc_type:
+            try:
+                kind = pickle.loads(self.exc_type)
+            except Exception:
+                kind = None
+        if not (isinstance(kind, type) and issubclass(kind, BaseException)):
+            return RuntimeError(self.text)
+        try:
+            return kind(self.text)
+        except BaseException as exc:
+            return RuntimeError(
+                f"Failed to create original exception type. Error msg was {exc}"
+                f" Original exception on remote side was {self.text}"
+            )
+
+
+def remote_error_text(where: str, exc: BaseException) -> str:
+    """torch's remote exception text: where it happened, repr, and the traceback."""
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return f"On {where}:\n{exc!r}\n{trace}"
+
+
+class Dispatcher:
+    """Handles every frame that arrives on this worker's connections."""
+
+    def __init__(self, me: WorkerInfo, calls: PendingCalls, codec: Codec) -> None:
+        self._me = me
+        self._calls = calls
+        self._codec = codec
+        self._inflight = 0
+        self._lock = threading.Lock()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is running (or waiting for its async result)."""
+        return self._inflight > 0
+
+    def handle_frame(self, conn: Connection, frame: Frame) -> None:
+        """Replies complete futures; calls run here, on the connection's reader thread."""
+        kind = frame.kind
+        if kind is _REPLY or kind is _ERROR:
+            self._complete(conn, frame)
+        else:
+            self._serve(conn, frame)
+
+    def _complete(self, conn: Connection, frame: Frame) -> None:
+        future = self._calls.pop(frame.request_id)
         if future is None:
             return
         try:
-            if kind == _wire.KIND_REPLY:
-                value = _wire.decode(frame.data, frame.tensors, conn.peer_name)
-            else:
-                value = rebuild_error(frame.data)
-                fail(future, value)
+            if frame.kind is _ERROR:
+                error: ErrorReply = pickle.loads(frame.data)
+                fail(future, error.rebuild())
                 return
+            value = _wire.decode(frame.data, frame.tensors)
         except BaseException as exc:
             fail(future, exc)
             return
         future.set_result(value)
-        return
-    with agent._inflight_lock:
-        agent._inflight += 1
-    finished = True
-    try:
-        try:
-            func, args, kwargs = _wire.decode(frame.data, frame.tensors, conn.peer_name)
-        except AttributeError as exc:
-            raise AttributeError(
-                f"{exc} Default RPC pickler does not serialize function code. Ensure that "
-                "UDFs are defined on both caller and callee modules."
-            ) from exc
-        result = func(*args, **kwargs)
-        if kind == _wire.KIND_ONEWAY:
-            return
-        if is_async_execution(func):
-            if not isinstance(result, torch._C.Future):
-                raise TypeError(
-                    f"{getattr(func, '__qualname__', func)} is decorated with "
-                    f"@async_execution but returned {type(result).__name__}; it must "
-                    "return a torch.futures.Future"
-                )
-            finished = False
-            rid = frame.request_id
-            result.add_done_callback(lambda fut: _reply_future(agent, conn, rid, fut))
-            return
-        _reply(agent, conn, frame.request_id, result, flush=False)
-    except BaseException as exc:
-        if kind == _wire.KIND_ONEWAY:
-            logger.warning("rallypoint.rpc: one-way call from %s failed: %r", conn.peer_name, exc)
-        else:
-            _reply_error(agent, conn, frame.request_id, exc, flush=False)
-    finally:
-        if finished:
-            with agent._inflight_lock:
-                agent._inflight -= 1
 
-
-def _reply_future(
-    agent: RallypointAgent, conn: Connection, rid: int, fut: torch.futures.Future[Any]
-) -> None:
-    try:
+    def _serve(self, conn: Connection, frame: Frame) -> None:
+        with self._lock:
+            self._inflight += 1
+        finished = True
         try:
-            value = fut.wait()
+            try:
+                func, args, kwargs = _wire.decode(frame.data, frame.tensors)
+            except AttributeError as exc:
+                raise AttributeError(
+                    f"{exc} Default RPC pickler does not serialize function code. Ensure that "
+                    "UDFs are defined on both caller and callee modules."
+                ) from exc
+            result = func(*args, **kwargs)
+            if frame.kind is _ONEWAY:
+                return
+            if is_async_execution(func):
+                self._reply_later(conn, frame.request_id, func, result)
+                finished = False
+                return
+            self._reply(conn, frame.request_id, result, flush=False)
         except BaseException as exc:
-            _reply_error(agent, conn, rid, exc, flush=True)
-            return
-        _reply(agent, conn, rid, value, flush=True)
-    finally:
-        with agent._inflight_lock:
-            agent._inflight -= 1
+            if frame.kind is _ONEWAY:
+                logger.warning(
+                    "rallypoint.rpc: one-way call from %s failed: %r", conn.peer_name, exc
+                )
+            else:
+                self._reply_error(conn, frame.request_id, exc, flush=False)
+        finally:
+            if finished:
+                self._done()
 
+    def _done(self) -> None:
+        with self._lock:
+            self._inflight -= 1
 
-def _reply(agent: RallypointAgent, conn: Connection, rid: int, value: Any, *, flush: bool) -> None:
-    try:
-        data, raws = agent._encode(value, conn.peer_name, agent._reverse_maps.get(conn.peer_name))
-    except BaseException as exc:
-        _reply_error(agent, conn, rid, exc, flush=flush)
-        return
-    with contextlib.suppress(RpcError):
-        conn.send_frame(_wire.KIND_REPLY, rid, data, raws, flush=flush)
+    def _reply_later(self, conn: Connection, rid: int, func: Any, result: Any) -> None:
+        """An ``@async_execution`` call: reply when the future it returned completes."""
+        if not isinstance(result, torch._C.Future):
+            raise TypeError(
+                f"{getattr(func, '__qualname__', func)} is decorated with "
+                f"@async_execution but returned {type(result).__name__}; it must "
+                "return a torch.futures.Future"
+            )
+        result.add_done_callback(lambda fut: self._reply_future(conn, rid, fut))
 
-
-def _reply_error(
-    agent: RallypointAgent, conn: Connection, rid: int, exc: BaseException, *, flush: bool
-) -> None:
-    text = remote_error_text(repr(agent.info), exc)
-    try:
-        kind_bytes = pickle.dumps(type(exc))
-    except Exception:
-        kind_bytes = b""
-        text = f"{type(exc).__qualname__}: {text}"
-    data = pickle.dumps((text, kind_bytes))
-    with contextlib.suppress(RpcError):
-        conn.send_frame(_wire.KIND_ERROR, rid, data, [], flush=flush)
-
-
-def rebuild_error(data: bytes) -> BaseException:
-    text, kind_bytes = pickle.loads(data)
-    kind: Any = None
-    if kind_bytes:
+    def _reply_future(self, conn: Connection, rid: int, fut: torch.futures.Future[Any]) -> None:
         try:
-            kind = pickle.loads(kind_bytes)
-        except Exception:
-            kind = None
-    if not (isinstance(kind, type) and issubclass(kind, BaseException)):
-        return RuntimeError(text)
-    try:
-        return kind(text)
-    except BaseException as exc:
-        return RuntimeError(
-            f"Failed to create original exception type. Error msg was {exc}"
-            f" Original exception on remote side was {text}"
-        )
+            try:
+                value = fut.wait()
+            except BaseException as exc:
+                self._reply_error(conn, rid, exc, flush=True)
+                return
+            self._reply(conn, rid, value, flush=True)
+        finally:
+            self._done()
+
+    def _reply(self, conn: Connection, rid: int, value: Any, *, flush: bool) -> None:
+        try:
+            data, raws = self._codec.reply(conn.peer_name, value)
+        except BaseException as exc:
+            self._reply_error(conn, rid, exc, flush=flush)
+            return
+        with contextlib.suppress(RpcError):
+            conn.send_frame(_REPLY, rid, data, raws, flush=flush)
+
+    def _reply_error(self, conn: Connection, rid: int, exc: BaseException, *, flush: bool) -> None:
+        data = pickle.dumps(ErrorReply.of(self._me, exc))
+        with contextlib.suppress(RpcError):
+            conn.send_frame(_ERROR, rid, data, [], flush=flush)

@@ -1,151 +1,214 @@
-"""Group membership and shutdown barriers of the rallypoint agent.
+"""Joining and leaving the group, and the shutdown barrier of the rallypoint agent.
 
-- ``join_group``: static groups publish a record and wait for every rank; dynamic groups
-  take the membership token, register, and notify the current members.
-- ``graceful_shutdown``: wait for outstanding work; then a dynamic member leaves under the
-  token (rank 0, the store host, leaves last), and a static group meets at a store barrier
-  that gives up at the deadline, or at once when a missing worker is known dead.
+- :meth:`Group.join`: static groups publish a record and wait for every rank; dynamic
+  groups take the membership token, register, and notify the current members.
+- :meth:`Group.leave`: a dynamic member leaves under the token (rank 0, the store host,
+  leaves last); a static group meets at a store barrier that gives up at the deadline, or
+  at once when a missing worker is known dead.
+
+The group changes the :class:`~rallypoint.rpc._peers.PeerTable`, opens and drops
+connections through :class:`~rallypoint.rpc._connections.Connections`, and notifies
+members through a :class:`~rallypoint.rpc._backend.Caller`; members find the receiving
+worker's group through :data:`CURRENT_GROUP`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from rallypoint.rpc import _groups
+from rallypoint.rpc._backend import Caller
+from rallypoint.rpc._connections import Connections
+from rallypoint.rpc._current import Current
 from rallypoint.rpc._errors import RpcError, RpcShutdownError
-
-if TYPE_CHECKING:
-    from rallypoint.rpc._agent import RallypointAgent
+from rallypoint.rpc._groups import WorkerInfo, WorkerRecord
+from rallypoint.rpc._peers import PeerTable
+from rallypoint.rpc._store import wait_for_names
 
 logger = logging.getLogger("rallypoint.rpc")
 
+_LINGER_AFTER_FAILED_INIT = 5.0
+_LINGER_AFTER_SHUTDOWN = 10.0
 
-def join_group(agent: RallypointAgent, timeout: float) -> None:
-    """Enter the group: static (wait for every rank) or dynamic (under the token)."""
-    if agent.world_size is not None:
-        if not 0 <= agent.info.id < agent.world_size:
+
+@dataclass(kw_only=True, slots=True, eq=False)
+class Group:
+    """One worker's membership: static (``world_size`` given) or dynamic."""
+
+    store: Any
+    me: WorkerInfo
+    world_size: int | None
+    hosts_store: bool  # rank 0 hosts the TCPStore: it must leave last
+    peers: PeerTable
+    connections: Connections
+    caller: Caller
+
+    # ---- joining -----------------------------------------------------------------------
+    def join(self, record: WorkerRecord, timeout: float) -> None:
+        """Enter the group: static (wait for every rank) or dynamic (under the token)."""
+        if self.world_size is None:
+            self._join_dynamic(record, timeout)
+        else:
+            self._join_static(record, self.world_size, timeout)
+
+    def _join_static(self, record: WorkerRecord, world_size: int, timeout: float) -> None:
+        store, rank = self.store, self.me.id
+        if not 0 <= rank < world_size:
             raise ValueError(
-                f"rank {agent.info.id} is outside world_size {agent.world_size}; "
-                f"use a rank in [0, {agent.world_size - 1}]"
+                f"rank {rank} is outside world_size {world_size}; "
+                f"use a rank in [0, {world_size - 1}]"
             )
-        _groups.publish_static(agent.store, agent.info.id, agent.record())
+        _groups.publish_static(store, record)
         try:
-            records = _groups.gather_static(agent.store, agent.world_size, timeout)
-            agent._set_records(records, static=True)
+            self.peers.set(_groups.gather_static(store, world_size, timeout), static=True)
         except BaseException:
-            agent.store.set(f"init_done/{agent.info.id}", "1")
-            if agent.hosts_store():
-                ranks = [
-                    str(r) for r in range(agent.world_size) if agent.store.check([f"worker/{r}"])
-                ]
-                agent._linger_as_store_host("init_done", ranks, time.monotonic() + 5.0)
+            store.set(f"init_done/{rank}", "1")
+            if self.hosts_store:
+                ranks = [str(r) for r in _groups.published_ranks(store, world_size)]
+                self._linger_as_store_host("init_done", ranks, _LINGER_AFTER_FAILED_INIT)
             raise
-        agent._ready.set()
-        for name in agent._records:
-            agent._connection(name)
-        return
-    with _groups.membership_token(agent.store, agent.info.name, timeout):
-        members = _groups.read_members(agent.store)
-        if agent.info.name in members:
-            raise RpcError(
-                f"worker name {agent.info.name!r} is already in the group; "
-                "every worker needs a unique name"
-            )
-        records = [_groups.read_record(agent.store, m) for m in members]
-        for record in records:
-            if int(record["rank"]) == agent.info.id:
+        self.connections.accept_calls()
+        for info in self.peers.infos():
+            self.connections.get(info.name)
+
+    def _join_dynamic(self, record: WorkerRecord, timeout: float) -> None:
+        store, me = self.store, self.me
+        with _groups.membership_token(store, me.name, timeout):
+            members = _groups.read_members(store)
+            if me.name in members:
                 raise RpcError(
-                    f"rank {agent.info.id} is already used by {record['name']!r}; "
-                    "every worker needs a unique rank"
+                    f"worker name {me.name!r} is already in the group; "
+                    "every worker needs a unique name"
                 )
-        mine = agent.record()
-        agent._set_records([*records, mine], static=False)
-        _groups.write_record(agent.store, agent.info.name, mine)
-        _groups.write_members(agent.store, [*members, agent.info.name])
-        agent._ready.set()
-        try:
-            for member in members:
-                agent.rpc_async(member, _on_member_joined, (mine,), {}, timeout).wait()
-        except BaseException:
-            _groups.write_members(agent.store, members)
-            _groups.delete_record(agent.store, agent.info.name)
-            for member in members:
-                with contextlib.suppress(Exception):
-                    agent.rpc_async(member, _on_member_left, (agent.info.name,), {}, timeout).wait()
-            raise
+            records = [_groups.read_record(store, m) for m in members]
+            for other in records:
+                if other.rank == me.id:
+                    raise RpcError(
+                        f"rank {me.id} is already used by {other.name!r}; "
+                        "every worker needs a unique rank"
+                    )
+            self.peers.set([*records, record], static=False)
+            _groups.write_record(store, record)
+            _groups.write_members(store, [*members, me.name])
+            self.connections.accept_calls()
+            try:
+                self._notify(members, _on_member_joined, record, timeout)
+            except BaseException:
+                _groups.write_members(store, members)
+                _groups.delete_record(store, me.name)
+                self._notify(members, _on_member_left, me.name, timeout, every=True)
+                raise
 
+    def _notify(
+        self,
+        members: list[str],
+        func: Callable[[Any], None],
+        arg: Any,
+        timeout: float,
+        *,
+        every: bool = False,
+    ) -> None:
+        """Run ``func(arg)`` on each member in turn (``every``: go on past failures)."""
+        for member in members:
+            try:
+                self.caller.rpc_async(member, func, (arg,), {}, timeout).wait()
+            except Exception:
+                if not every:
+                    raise
 
-def graceful_shutdown(
-    agent: RallypointAgent, deadline: float, seconds: float
-) -> BaseException | None:
-    """Wait for outstanding work, then leave (dynamic) or meet everyone (static)."""
-    agent._wait_quiet(deadline)
-    agent._drain_deletes()
-    me = agent.info.name
-    if not agent.is_static_group:
+    # ---- notices from other members ----------------------------------------------------
+    def member_joined(self, record: WorkerRecord) -> None:
+        self.peers.add(record)
+
+    def member_left(self, name: str) -> None:
+        self.peers.remove(name)
+        self.connections.drop(name)
+
+    # ---- leaving -----------------------------------------------------------------------
+    def leave(
+        self, deadline: float, seconds: float, wait_quiet: Callable[[float], None]
+    ) -> RpcShutdownError | None:
+        """Leave (dynamic) or meet everyone at the shutdown barrier (static).
+
+        ``wait_quiet(deadline)`` waits for this worker's outstanding work.
+        """
+        if self.world_size is None:
+            return self._leave_dynamic(deadline, wait_quiet)
+        return self._shutdown_barrier(deadline, seconds, wait_quiet)
+
+    def _leave_dynamic(
+        self, deadline: float, wait_quiet: Callable[[float], None]
+    ) -> RpcShutdownError | None:
+        store, me = self.store, self.me.name
         errors: list[str] = []
-        if agent.hosts_store():
+        if self.hosts_store:
             # rank 0 hosts the store: stay in the group (reachable) until the others left
-            while _groups.read_members(agent.store) != [me] and time.monotonic() < deadline:
+            while _groups.read_members(store) != [me] and time.monotonic() < deadline:
                 time.sleep(0.01)
-        with _groups.membership_token(agent.store, me, max(deadline - time.monotonic(), 0.1)):
-            members = [m for m in _groups.read_members(agent.store) if m != me]
-            _groups.write_members(agent.store, members)
-            _groups.delete_record(agent.store, me)
+        with _groups.membership_token(store, me, max(deadline - time.monotonic(), 0.1)):
+            members = [m for m in _groups.read_members(store) if m != me]
+            _groups.write_members(store, members)
+            _groups.delete_record(store, me)
             for member in members:
                 try:
-                    agent.rpc_async(
-                        member,
-                        _on_member_left,
-                        (me,),
-                        {},
-                        max(deadline - time.monotonic(), 0.1),
-                    ).wait()
+                    timeout = max(deadline - time.monotonic(), 0.1)
+                    self.caller.rpc_async(member, _on_member_left, (me,), {}, timeout).wait()
                 except Exception as exc:
                     errors.append(member)
                     logger.warning(
                         "rallypoint.rpc: could not tell %s that %s left: %s", member, me, exc
                     )
-        agent._wait_quiet(deadline)
+        wait_quiet(deadline)
         if errors:
             return RpcShutdownError(
                 f"{me} left the group but could not notify workers {errors}", missing=errors
             )
         return None
-    names = sorted(agent._records)
-    agent.store.set(f"shutdown/{me}", "1")
-    missing = _groups.wait_for_keys(
-        agent.store, [f"shutdown/{n}" for n in names], deadline, dead=agent._known_dead
-    )
-    error: RpcShutdownError | None = None
-    if missing:
-        gone = [k.rsplit("/", 1)[1] for k in missing]
-        dead = [n for n in gone if n in agent._dead]
-        if dead:
-            why = "; ".join(f"{n} {agent._dead[n]}" for n in dead)
-            detail = f"gave up early: workers {gone} did not reach shutdown ({why})"
+
+    def _shutdown_barrier(
+        self, deadline: float, seconds: float, wait_quiet: Callable[[float], None]
+    ) -> RpcShutdownError | None:
+        store, me, peers = self.store, self.me.name, self.peers
+        names = peers.names()
+        store.set(f"shutdown/{me}", "1")
+        gone = wait_for_names(store, "shutdown", names, deadline, dead=peers.is_dead)
+        error: RpcShutdownError | None = None
+        if gone:
+            dead = [n for n in gone if peers.is_dead(n)]
+            if dead:
+                why = "; ".join(f"{n} {peers.dead_reason(n)}" for n in dead)
+                detail = f"gave up early: workers {gone} did not reach shutdown ({why})"
+            else:
+                detail = f"gave up after {seconds:.1f} s: workers {gone} did not reach shutdown"
+            error = RpcShutdownError(f"graceful shutdown of {me} {detail}", missing=gone)
         else:
-            detail = f"gave up after {seconds:.1f} s: workers {gone} did not reach shutdown"
-        error = RpcShutdownError(f"graceful shutdown of {me} {detail}", missing=gone)
-    else:
-        agent._wait_quiet(deadline)
-    agent.store.set(f"exit/{me}", "1")
-    agent._linger_as_store_host("exit", names, min(deadline, time.monotonic() + 10.0))
-    return error
+            wait_quiet(deadline)
+        store.set(f"exit/{me}", "1")
+        linger = min(deadline - time.monotonic(), _LINGER_AFTER_SHUTDOWN)
+        self._linger_as_store_host("exit", names, linger)
+        return error
+
+    def _linger_as_store_host(self, prefix: str, names: list[str], seconds: float) -> None:
+        """Rank 0 hosts the TCPStore: keep it up until the live workers are done with it."""
+        if self.hosts_store:
+            alive = [n for n in names if not self.peers.is_dead(n)]
+            deadline = time.monotonic() + seconds
+            wait_for_names(self.store, prefix, alive, deadline, dead=self.peers.is_dead)
+
+    def close(self) -> None:
+        self.store = None
 
 
-def _on_member_joined(record: dict[str, Any]) -> None:
-    _current().member_joined(record)
+CURRENT_GROUP: Current[Group] = Current()
+
+
+def _on_member_joined(record: WorkerRecord) -> None:
+    CURRENT_GROUP.get().member_joined(record)
 
 
 def _on_member_left(name: str) -> None:
-    _current().member_left(name)
-
-
-def _current() -> RallypointAgent:
-    from rallypoint.rpc._agent import current_rallypoint_agent
-
-    return current_rallypoint_agent()
+    CURRENT_GROUP.get().member_left(name)

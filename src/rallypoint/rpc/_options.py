@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 
+from rallypoint._core.checks import check_int, check_seconds
 from rallypoint.rpc._constants import (
     DEFAULT_INIT_METHOD,
     DEFAULT_NUM_WORKER_THREADS,
@@ -32,16 +32,6 @@ __all__ = ["RallypointRpcBackendOptions", "RpcBackendOptions"]
 _INIT_SCHEMES = ("env://", "tcp://", "file://")
 
 
-def _seconds(value: float | timedelta, what: str) -> float:
-    if isinstance(value, timedelta):
-        return value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(
-            f"{what} must be seconds (float) or a timedelta, got {type(value).__name__}"
-        )
-    return float(value)
-
-
 @dataclass(kw_only=True, slots=True)
 class RpcBackendOptions:
     """Options every RPC backend accepts.
@@ -55,11 +45,10 @@ class RpcBackendOptions:
     init_method: str = DEFAULT_INIT_METHOD
 
     def __post_init__(self) -> None:
-        self.rpc_timeout = _seconds(self.rpc_timeout, "rpc_timeout")
-        if self.rpc_timeout < 0:
-            raise ValueError(
-                f"rpc_timeout must be >= 0 seconds (0 means no timeout), got {self.rpc_timeout}"
-            )
+        # 0 means no timeout
+        seconds = check_seconds(self.rpc_timeout, "rpc_timeout", allow_zero=True, numbers=True)
+        assert seconds is not None
+        self.rpc_timeout = seconds
         if not isinstance(self.init_method, str) or not self.init_method.startswith(_INIT_SCHEMES):
             raise ValueError(
                 f"init_method must start with one of {', '.join(_INIT_SCHEMES)}, "
@@ -103,12 +92,7 @@ class RallypointRpcBackendOptions(RpcBackendOptions):
 
     def __post_init__(self) -> None:
         RpcBackendOptions.__post_init__(self)
-        if isinstance(self.num_worker_threads, bool) or not isinstance(
-            self.num_worker_threads, int
-        ):
-            raise TypeError("num_worker_threads must be an int")
-        if self.num_worker_threads < 1:
-            raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
+        check_int(self.num_worker_threads, "num_worker_threads", minimum=1)
         if not isinstance(self.device_maps, dict):
             raise TypeError(
                 "device_maps must be a dict {worker name: {local device: remote device}}"
@@ -122,10 +106,8 @@ class RallypointRpcBackendOptions(RpcBackendOptions):
             maps[name] = to_device_map(map_)  # type: ignore[arg-type]
         self.device_maps = maps
         self.devices = to_device_list(self.devices)
-        if self.shm_threshold < 0:
-            raise ValueError(f"shm_threshold must be >= 0 bytes, got {self.shm_threshold}")
-        if self.shm_pool_bytes < 0:
-            raise ValueError(f"shm_pool_bytes must be >= 0 bytes, got {self.shm_pool_bytes}")
+        check_int(self.shm_threshold, "shm_threshold (bytes)", minimum=0)
+        check_int(self.shm_pool_bytes, "shm_pool_bytes (bytes)", minimum=0)
         if self.secret_file is not None and not os.path.isfile(self.secret_file):
             raise ValueError(
                 f"secret_file {os.fspath(self.secret_file)!r} does not exist; "

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from rallypoint.rpc._constants import DEFAULT_INIT_METHOD, DEFAULT_RPC_TIMEOUT_SEC
+from rallypoint.rpc._options import RallypointRpcBackendOptions
 
 __all__ = [
     "BackendValue",
@@ -122,13 +123,7 @@ def init_backend(backend: Any, *args: Any, **kwargs: Any) -> Any:
     return member.value.init_backend_handler(*args, **kwargs)
 
 
-def current_backend_type() -> Any:
-    return BackendType
-
-
 def _rallypoint_options(rpc_timeout: float, init_method: str, **kwargs: Any) -> Any:
-    from rallypoint.rpc._options import RallypointRpcBackendOptions
-
     return RallypointRpcBackendOptions(rpc_timeout=rpc_timeout, init_method=init_method, **kwargs)
 
 

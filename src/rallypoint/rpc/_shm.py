@@ -108,6 +108,11 @@ class SegmentPool:
         self._bytes += capacity
         return seg
 
+    def segments(self) -> list[Segment]:
+        """The segments the pool holds now (free or busy)."""
+        with self._lock:
+            return list(self._segments)
+
     def close(self) -> None:
         with self._lock:
             for seg in self._segments:

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, TypeAlias
 
 import torch
 
@@ -43,17 +43,17 @@ _ANC = socket.CMSG_SPACE(253 * 4)
 
 @dataclass(slots=True)
 class Frame:
-    kind: int
+    kind: _wire.FrameKind
     flags: int
     request_id: int
     data: bytes
     tensors: list[torch.Tensor]
 
 
-class FrameHandler(Protocol):
-    def handle_frame(self, conn: Connection, frame: Frame) -> None: ...
-
-    def connection_lost(self, conn: Connection, exc: BaseException | None) -> None: ...
+OnFrame: TypeAlias = "Callable[[Connection, Frame], None]"
+"""Runs a frame that arrived (on the connection's reader thread)."""
+OnLost: TypeAlias = "Callable[[Connection, BaseException | None], None]"
+"""Told once when the connection closes (``None``: closed on purpose)."""
 
 
 class _Reader:
@@ -131,10 +131,11 @@ class _Reader:
 
     def read_frame(self) -> Frame:
         self._fill(_wire.HEADER.size)
-        magic, kind, flags, count, request_id, size = _wire.HEADER.unpack_from(
+        magic, kind_byte, flags, count, request_id, size = _wire.HEADER.unpack_from(
             self._buf, self._start
         )
-        if magic != _wire.MAGIC or kind not in _wire.KINDS:
+        kind = _wire.KINDS.get(kind_byte)
+        if magic != _wire.MAGIC or kind is None:
             raise RpcProtocolError(
                 f"bad frame header {bytes(self._view[self._start : self._start + 4])!r}"
             )
@@ -205,16 +206,21 @@ class Connection:
         peer_name: str,
         peer_id: int,
         uds: bool,
-        handler: FrameHandler,
+        on_frame: OnFrame,
+        on_lost: OnLost,
         pool: SegmentPool | None,
         shm_threshold: int,
         stats: dict[str, int],
+        outbound: bool = False,
+        limiter: threading.Semaphore | None = None,
+        gate: threading.Event | None = None,
     ) -> None:
         self.sock = sock
         self.peer_name = peer_name
         self.peer_id = peer_id
         self.uds = uds
-        self._handler = handler
+        self._on_frame = on_frame
+        self._on_lost = on_lost
         self._pool = pool if uds else None
         self._threshold = shm_threshold
         self._stats = stats
@@ -230,16 +236,16 @@ class Connection:
         self._exec_since = 0.0
         self._generation = 0
         self.closed = False
-        self.outbound = False
-        self.limiter: threading.Semaphore | None = None
+        self.outbound = outbound  # we opened it (our calls go out on it)
+        self.limiter = limiter  # bounds the readers handed off by check_stall
+        self._gate = gate  # readers wait for it before the first frame
         self._handed_off: set[int] = set()
         self.pending: dict[int, torch.futures.Future[Any]] = {}  # the caller's calls on it
-        self.gate: threading.Event | None = None
 
     # ---- sending -------------------------------------------------------------------
     def send_frame(
         self,
-        kind: int,
+        kind: _wire.FrameKind,
         request_id: int,
         data: bytes,
         raws: list[torch.Tensor],
@@ -334,8 +340,8 @@ class Connection:
 
     def _read_loop(self, generation: int) -> None:
         try:
-            if self.gate is not None:
-                self.gate.wait()
+            if self._gate is not None:
+                self._gate.wait()
             while True:
                 if not self._reader.buffered_frame():
                     self.flush()
@@ -343,7 +349,7 @@ class Connection:
                 with self._state_lock:
                     self._exec_since = time.monotonic()
                 try:
-                    self._handler.handle_frame(self, frame)
+                    self._on_frame(self, frame)
                 finally:
                     del frame  # do not pin the frame's tensors (and segments) until the next one
                     with self._state_lock:
@@ -367,12 +373,13 @@ class Connection:
             logger.exception("rallypoint.rpc: reader for %s crashed", self.peer_name)
             self._broken(exc)
 
-    def check_stall(self, now: float, limiter: threading.Semaphore | None = None) -> None:
+    def check_stall(self, now: float) -> None:
         """Called by the monitor: hand reading to a new thread if the reader is stuck.
 
-        ``limiter`` bounds the threads that are busy with requests that blocked (the
+        The connection's ``limiter`` bounds the threads busy with requests that blocked (the
         agent's ``num_worker_threads``); the thread that blocked releases it when done.
         """
+        limiter = self.limiter
         with self._state_lock:
             if self.closed or not self._exec_since or now - self._exec_since < STALL_SECONDS:
                 return
@@ -394,7 +401,7 @@ class Connection:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
-        self._handler.connection_lost(self, exc)
+        self._on_lost(self, exc)
 
     def close(self) -> None:
         self._broken(None)

@@ -16,6 +16,7 @@ host). Nothing here is unpickled before the connection has authenticated.
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 import struct
@@ -31,11 +32,17 @@ MAGIC = b"RP"
 HEADER = struct.Struct("<2sBBIQQ")
 DESC = struct.Struct("<BBHIQ")
 
-KIND_CALL = 1
-KIND_REPLY = 2
-KIND_ERROR = 3
-KIND_ONEWAY = 4
-KINDS = frozenset({KIND_CALL, KIND_REPLY, KIND_ERROR, KIND_ONEWAY})
+
+class FrameKind(enum.IntEnum):
+    """What a frame carries (the header's kind byte)."""
+
+    CALL = 1  # (func, args, kwargs); the callee replies with REPLY or ERROR
+    REPLY = 2  # the call's return value
+    ERROR = 3  # an ErrorReply: the call raised
+    ONEWAY = 4  # (func, args, kwargs); no reply
+
+
+KINDS: dict[int, FrameKind] = {int(kind): kind for kind in FrameKind}
 
 WHERE_INLINE = 0
 WHERE_SHM = 1
@@ -149,25 +156,16 @@ def encode(
     return buffer.getvalue(), tensors
 
 
-def decode(data: bytes | memoryview, tensors: list[torch.Tensor], context: Any = None) -> Any:
-    """Unpickle a message produced by :func:`encode` with its raw tensors.
-
-    ``context`` is made available to reconstructors (RRef forks) through
-    :func:`decode_context` while this call runs.
-    """
+def decode(data: bytes | memoryview, tensors: list[torch.Tensor]) -> Any:
+    """Unpickle a message produced by :func:`encode` with its raw tensors."""
     if not tensors:
         return pickle.loads(data)
-    saved = getattr(_state, "frame", None)
-    _state.frame = (tensors, context)
+    saved = getattr(_state, "tensors", None)
+    _state.tensors = tensors
     try:
         return pickle.loads(data)
     finally:
-        _state.frame = saved
-
-
-def decode_context() -> Any:
-    frame = getattr(_state, "frame", None)
-    return None if frame is None else frame[1]
+        _state.tensors = saved
 
 
 def _rebuild_tensor(
@@ -178,10 +176,10 @@ def _rebuild_tensor(
     device: str | None,
     is_parameter: bool,
 ) -> torch.Tensor:
-    frame = getattr(_state, "frame", None)
-    if frame is None:
+    tensors = getattr(_state, "tensors", None)
+    if tensors is None:
         raise RuntimeError("rallypoint RPC tensors can only be unpickled by the RPC agent")
-    raw = frame[0][index]
+    raw = tensors[index]
     tensor = torch.empty(shape, dtype=dtype) if raw.numel() == 0 else raw.view(dtype).reshape(shape)
     if device is not None:
         target = torch.device(device)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rallypoint._core.envvars import RPC_SECRET
 from rallypoint.rpc.functions import async_execution
 from rallypoint.testing._workers import run_workers
 
@@ -165,5 +166,5 @@ def run_rpc_contract(
     backend: str, *, timeout: float = 90.0, env: Mapping[str, str] | None = None
 ) -> list[list[str]]:
     """Run the contract against ``backend`` in three fresh worker processes."""
-    extra = {"RALLYPOINT_RPC_SECRET": "contract-secret", **(env or {})}
+    extra = {RPC_SECRET: "contract-secret", **(env or {})}
     return run_workers(_worker, 3, backend, timeout=timeout, env=extra)

@@ -1,0 +1,42 @@
+"""Public names of ``rallypoint.rpc`` report the module users import them from."""
+
+from __future__ import annotations
+
+import pickle
+import types
+
+import torch
+
+from rallypoint import rpc
+
+
+def test_public_classes_and_functions_report_rallypoint_rpc() -> None:
+    checked = []
+    for name in rpc.__all__:
+        obj = getattr(rpc, name)
+        if not isinstance(obj, type | types.FunctionType):
+            continue
+        if name == "TensorPipeRpcBackendOptions":  # torch's own class, re-exported
+            assert obj.__module__.startswith("torch."), obj.__module__
+            continue
+        assert obj.__module__ == "rallypoint.rpc", (name, obj.__module__)
+        assert getattr(rpc, obj.__name__) is obj, name  # pickle finds it there
+        checked.append(name)
+    assert {"RRef", "WorkerInfo", "RpcError", "RpcShutdownError", "init_rpc"} <= set(checked)
+    assert {"RpcAgent", "RallypointRpcBackendOptions", "BackendType", "BackendValue"} <= set(
+        checked
+    )
+    assert rpc.functions.async_execution.__module__ == "rallypoint.rpc.functions"
+
+
+def test_public_objects_pickle_by_their_public_name() -> None:
+    info = rpc.WorkerInfo("worker0", 0)
+    assert pickle.loads(pickle.dumps(info)) == info
+    error = pickle.loads(pickle.dumps(rpc.RpcShutdownError("gave up", missing=["w1"])))
+    assert isinstance(error, rpc.RpcShutdownError) and error.missing == ["w1"]
+    assert b"rallypoint.rpc._" not in pickle.dumps(rpc.RpcTimeoutError)
+    options = rpc.RallypointRpcBackendOptions(rpc_timeout=3, device_maps={"w1": {0: 1}})
+    again = pickle.loads(pickle.dumps(options))
+    assert again.rpc_timeout == 3.0 and again.device_maps == {
+        "w1": {torch.device("cuda", 0): torch.device("cuda", 1)}
+    }
