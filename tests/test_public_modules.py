@@ -54,3 +54,39 @@ def test_public_errors_pickle_by_their_public_name() -> None:
     assert type(again) is RendezvousTimeoutError and str(again) == "too slow"
     failed = pickle.loads(pickle.dumps(RankFailedError(1, "boom", 0)))
     assert type(failed) is RankFailedError
+
+
+def test_lazy_attributes_import_on_first_use_and_cache() -> None:
+    from rallypoint._core import lazy_attributes
+
+    namespace: dict[str, object] = {"__all__": ["check_int", "Closing"]}
+    getattr_, dir_ = lazy_attributes(
+        "rallypoint._core",
+        namespace,
+        {"check_int": "rallypoint._core.checks", "Closing": "rallypoint._core.closing"},
+        submodules=["net"],
+    )
+    from rallypoint._core.checks import check_int
+
+    assert getattr_("check_int") is check_int
+    assert namespace["check_int"] is check_int  # cached: __getattr__ runs once per name
+    assert getattr_("net").__name__ == "rallypoint._core.net"
+    assert "net" not in namespace  # a submodule is not a public attribute
+    assert dir_() == ["Closing", "__all__", "check_int"]
+    with pytest.raises(AttributeError, match=r"module 'rallypoint\._core' has no attribute 'x'"):
+        getattr_("x")
+
+
+def test_set_public_module_leaves_names_defined_elsewhere() -> None:
+    import datetime
+
+    from rallypoint._core import set_public_module
+
+    class Local:
+        pass
+
+    Local.__module__ = "pkg._private"
+    namespace = {"Local": Local, "timedelta": datetime.timedelta, "VALUE": 3}
+    set_public_module("pkg", namespace, ["Local", "timedelta", "VALUE", "missing"])
+    assert Local.__module__ == "pkg"
+    assert datetime.timedelta.__module__ == "datetime"
