@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -21,8 +22,10 @@ from rallypoint.rendezvous import (
     KVConnectionError,
     RendezvousConnectionError,
     RendezvousParameters,
+    RendezvousTimeoutError,
     get_rendezvous_handler,
 )
+from rallypoint.rendezvous._etcd_gateway import EtcdGateway
 from rallypoint.rendezvous._kv_etcd import EtcdKV, EtcdOptions
 from rallypoint.testing._etcd import EtcdServer, etcd_binary, make_tls_files
 from rallypoint.testing._rendezvous_contract import KVContract
@@ -143,6 +146,48 @@ def test_etcd_down_is_connection_error_naming_endpoint() -> None:
     handler._bg.stop()
 
 
+def test_set_if_absent_racing_a_delete(etcd: EtcdServer) -> None:
+    """One node keeps writing and deleting a key while another creates it if absent: the
+    creator always learns the value that was stored, never a missing one."""
+    kv, other = _kv(etcd, lease_ttl=0), _kv(etcd, lease_ttl=0)
+    other._prefix = kv._prefix  # the same keys, another client
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            other.set("contended", b"theirs")
+            other.delete("contended")
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        seen = {kv.set_if_absent("contended", b"mine") for _ in range(100)}
+        for _ in range(50):
+            kv.delete("contended")
+            seen.add(kv.set_if_absent("contended", b"mine"))
+    finally:
+        stop.set()
+        thread.join(10)
+    assert seen <= {b"mine", b"theirs"}
+    assert b"mine" in seen
+
+
+@pytest.mark.timeout(30)
+def test_close_timeout_bounds_set_closed_against_a_silent_etcd() -> None:
+    params = RendezvousParameters(
+        "etcd", f"127.0.0.1:{free_port()}", "job", 1, 1,
+        read_timeout="20", close_timeout="1", **FAST,
+    )  # fmt: skip
+    handler = get_rendezvous_handler(params)
+    start = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError, match=r"close_timeout=1 s"):
+        handler.set_closed()
+    assert time.monotonic() - start < 5  # not read_timeout's 20 s
+    start = time.monotonic()
+    assert handler.shutdown() is False
+    assert time.monotonic() - start < 10
+
+
 def test_lease_expires_keys_of_a_dead_job(etcd: EtcdServer) -> None:
     kv = _kv(etcd, lease_ttl=2)
     kv.set("alive", b"1")
@@ -181,8 +226,15 @@ def test_user_password_auth() -> None:
         good = _kv(server, username="root", password="s3cret", lease_ttl=0)
         good.set("k", b"v")
         assert good.get("k") == b"v"
-        good._token = "expired-token"  # a stale token is renewed transparently
+        gateway = good._gateway
+        assert isinstance(gateway, EtcdGateway)
+        gateway._token = "expired-token"  # a stale token is renewed transparently
         assert good.get("k") == b"v"
+        assert gateway.authentications == 2
+        gateway._token = "expired-again"  # now eight threads find it stale at once
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(lambda _: good.get("k"), range(8))) == [b"v"] * 8
+        assert gateway.authentications == 3  # one new token for all of them
         with pytest.raises(KVConnectionError, match="rejected user 'root'"):
             _kv(server, username="root", password="wrong", lease_ttl=0).get("k")
         with pytest.raises((KVConnectionError, Exception)):

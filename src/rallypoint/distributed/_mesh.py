@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rallypoint.distributed._config import (
     DIM_FIELDS,
@@ -19,6 +19,7 @@ from rallypoint.distributed._config import (
     DistributedConfig,
     check_backend_name,
     check_layout,
+    with_overrides,
 )
 from rallypoint.distributed._errors import AlreadyInitializedError, NotInitializedError
 from rallypoint.distributed._init import _check_available, _uses_cuda, init_process_group
@@ -156,17 +157,6 @@ class ParallelGroups:
         return f"ParallelGroups({sizes}, coordinate={self.coordinate})"
 
 
-def _as_config(config: DistributedConfig | None, overrides: Mapping[str, Any]) -> DistributedConfig:
-    base = DistributedConfig() if config is None else config
-    if not isinstance(base, DistributedConfig):
-        raise TypeError(
-            f"config must be a DistributedConfig, got {type(base).__name__}; "
-            f"e.g. DistributedConfig(tensor_parallel=2)"
-        )
-    changes = {key: value for key, value in overrides.items() if value is not None}
-    return base.replace(**changes) if changes else base
-
-
 def init_parallel_groups(
     config: DistributedConfig | None = None,
     *,
@@ -188,7 +178,7 @@ def init_parallel_groups(
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    base = _as_config(
+    base = with_overrides(
         config,
         {
             "data_parallel": data_parallel,

@@ -30,20 +30,18 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Joinable as _TorchJoinable
-from torch.distributed.algorithms.join import JoinHook as _TorchJoinHook
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.futures import Future
 
 from rallypoint._progress import progress
+from rallypoint.join._collective import CollectiveJoinable
 from rallypoint.join._deferred import DeferredJoinMode, deferred_join_mode_blocker
 from rallypoint.join._errors import EarlyTerminationError, JoinError, RankFailedError
 from rallypoint.join._failure import (
@@ -53,83 +51,19 @@ from rallypoint.join._failure import (
     run_watched,
     wait_work,
 )
+from rallypoint.join._interface import (
+    THROW_MESSAGE,
+    SupportsJoin,
+    notify_join_context,
+    register_channel,
+    unregister_channel,
+)
 from rallypoint.join._options import JoinOptions
 
-__all__ = ["Join", "JoinHook", "JoinSummary", "Joinable", "SupportsJoin"]
+__all__ = ["Join", "JoinSummary"]
 
 logger = logging.getLogger("rallypoint.join")
 _T = TypeVar("_T")
-
-_THROW_MESSAGE = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
-
-# id(joinable) -> (the joinable, or a weak reference to it; the failure channel of the Join
-# it is in), for notify_join_context and CollectiveJoinable's interruptible waits
-_channels: dict[int, tuple[Any, FailureChannel]] = {}
-
-
-def _register_channel(joinable: object, channel: FailureChannel) -> None:
-    try:
-        ref: Any = weakref.ref(joinable)
-    except TypeError:  # no weak references (__slots__): keep it alive while registered
-        ref = lambda: joinable  # noqa: E731
-    _channels[id(joinable)] = (ref, channel)
-
-
-def _unregister_channel(joinable: object, channel: FailureChannel) -> None:
-    entry = _channels.get(id(joinable))
-    if entry is not None and entry[1] is channel:
-        del _channels[id(joinable)]
-
-
-def channel_for(joinable: object) -> FailureChannel | None:
-    """The failure channel of the Join context ``joinable`` is in, if any."""
-    entry = _channels.get(id(joinable))
-    if entry is None or entry[0]() is not joinable:
-        return None
-    return entry[1]
-
-
-class JoinHook(_TorchJoinHook):
-    """The two entry points a joinable gives the join context manager.
-
-    ``main_hook()`` runs once per iteration on a rank that has joined while some rank has
-    not, to shadow that iteration's collectives; ``post_hook(is_last_joiner)`` runs once
-    after every rank has joined. Both default to doing nothing. A subclass of torch's
-    ``JoinHook``, so hooks written for either work with either ``Join``.
-    """
-
-    def main_hook(self) -> None:
-        """Shadow the collectives of one training iteration of a rank that has not joined."""
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        """Run once all ranks have joined; ``is_last_joiner`` is ``True`` on the rank(s)
-        that joined last (the ones that never shadowed an iteration)."""
-
-
-class Joinable(_TorchJoinable):
-    """Base class for objects that take part in a :class:`Join`.
-
-    Subclasses call ``super().__init__()`` (which sets the ``_join_config`` the context
-    manager reads), implement :meth:`join_hook`, :attr:`join_device` and
-    :attr:`join_process_group`, and call :meth:`Join.notify_join_context` before each
-    iteration's collectives. A subclass of torch's ``Joinable``: it also works in torch's
-    ``Join``.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-
-
-class SupportsJoin(Protocol):
-    """What :class:`Join` needs from a joinable (torch's DDP and ZeRO qualify)."""
-
-    def join_hook(self, **kwargs: Any) -> Any: ...
-
-    @property
-    def join_device(self) -> Any: ...
-
-    @property
-    def join_process_group(self) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,8 +244,6 @@ class Join:
             return "no failure channel (detect_failures=False, one rank, or no store)"
         if self._device.type != "cpu":
             return f"join device {self._device} (deferred join mode is validated on CPU/gloo)"
-        from rallypoint.join._joinables import CollectiveJoinable
-
         return deferred_join_mode_blocker(self._joinables, CollectiveJoinable)
 
     def _set_joinable_configs(self) -> None:
@@ -321,7 +253,7 @@ class Join:
         self._apply_enable(self._enable)
         for joinable in self._joinables:
             if self._channel is not None:
-                _register_channel(joinable, self._channel)
+                register_channel(joinable, self._channel)
 
     def _apply_enable(self, enable: bool) -> None:
         for index, joinable in enumerate(self._joinables):
@@ -337,7 +269,7 @@ class Join:
         for joinable, saved in zip(self._joinables, self._saved_configs, strict=True):
             joinable._join_config = saved  # type: ignore[attr-defined]
             if self._channel is not None:
-                _unregister_channel(joinable, self._channel)
+                unregister_channel(joinable, self._channel)
         self._saved_configs = None
 
     # -- context -----------------------------------------------------------------------
@@ -464,9 +396,9 @@ class Join:
         """Publish this rank's failure, or raise RankFailedError if ``exc`` follows
         another rank's (a collective that failed because the failed rank exited or timed
         out)."""
-        if type(exc) is RuntimeError and str(exc) == _THROW_MESSAGE:
+        if type(exc) is RuntimeError and str(exc) == THROW_MESSAGE:
             # torch's notify_join_context (called by DDP/ZeRO) raises a plain RuntimeError
-            raise EarlyTerminationError(_THROW_MESSAGE) from exc
+            raise EarlyTerminationError(THROW_MESSAGE) from exc
         if self._channel is None or is_consequence(exc):
             return
         found = self._channel.failure(force=True)
@@ -553,23 +485,4 @@ class Join:
             of ranks that have not joined (torch returns the ``Work`` handle instead;
             ``Future.wait()`` works the same), or ``None``.
         """
-        config = getattr(joinable, "_join_config", None)
-        if config is None:
-            raise TypeError(
-                f"Check that the {type(joinable)} constructor calls the ``Joinable`` "
-                "constructor (super().__init__() or Joinable.__init__(self))"
-            )
-        if not config.is_first_joinable or not config.enable:
-            return None
-        device = joinable.join_device
-        group = joinable.join_process_group
-        ones = torch.ones(1, device=device)
-        work = dist.all_reduce(ones, group=group, async_op=True)
-        if config.throw_on_early_termination:
-            zeros = torch.zeros(1, device=device)
-            channel = channel_for(joinable) if zeros.device.type == "cpu" else None
-            wait_work(dist.all_reduce(zeros, group=group, async_op=True), channel)
-            if zeros.item():
-                raise EarlyTerminationError(_THROW_MESSAGE)
-        future: Future[list[torch.Tensor]] = work.get_future()
-        return future
+        return notify_join_context(joinable)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+from rallypoint._core.checks import check_int
+
 __all__ = ["JoinOptions"]
 
 
@@ -56,13 +58,8 @@ class JoinOptions:
             raise ValueError(
                 f"JoinOptions.poll_interval must be between 1 ms and 60 s, got {seconds} s"
             )
-        if isinstance(self.warn_threshold, bool) or not isinstance(self.warn_threshold, int):
-            raise TypeError(
-                f"JoinOptions.warn_threshold must be an int, got {self.warn_threshold!r}"
-            )
+        check_int(self.warn_threshold, "JoinOptions.warn_threshold", minimum=0)
         if not isinstance(self.defer_join_mode, bool):
             raise TypeError(
                 f"JoinOptions.defer_join_mode must be a bool, got {self.defer_join_mode!r}"
             )
-        if self.warn_threshold < 0:
-            raise ValueError(f"JoinOptions.warn_threshold must be >= 0, got {self.warn_threshold}")

@@ -29,7 +29,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -41,12 +41,12 @@ from rallypoint.rendezvous._api import (
     RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
-    RendezvousParameters,
     RendezvousStateError,
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
 from rallypoint.rendezvous._background import Background
+from rallypoint.rendezvous._config import DynamicRendezvousConfig
 from rallypoint.rendezvous._endpoint import local_fqdn
 from rallypoint.rendezvous._kv import KeyValueStore, KVConnectionError, KVStateError
 from rallypoint.rendezvous._rounds import (
@@ -67,60 +67,6 @@ logger = logging.getLogger("rallypoint.rendezvous")
 
 _SPARE_WAIT = timedelta(days=1)
 _SLOT_WAIT = timedelta(seconds=5)
-
-
-@dataclass(kw_only=True, slots=True)
-class DynamicRendezvousConfig:
-    """Settings of a :class:`DynamicRendezvousHandler` (durations as ``timedelta``)."""
-
-    run_id: str
-    min_nodes: int
-    max_nodes: int
-    join_timeout: timedelta = timedelta(seconds=600)
-    last_call_timeout: timedelta = timedelta(seconds=30)
-    close_timeout: timedelta = timedelta(seconds=30)
-    keep_alive_interval: timedelta = timedelta(seconds=5)
-    keep_alive_max_attempt: int = 3
-    local_addr: str | None = None
-    use_agent_store: bool = True
-
-    @staticmethod
-    def from_parameters(params: RendezvousParameters) -> DynamicRendezvousConfig:
-        """The settings ``RendezvousParameters`` describe (options as in ``_backends.py``)."""
-        from rallypoint.rendezvous._backends import config_from_params
-
-        return config_from_params(params)
-
-    def __post_init__(self) -> None:
-        if not self.run_id:
-            raise ValueError("The run id must be a non-empty string.")
-        if any(c in self.run_id for c in "/\x00"):
-            raise ValueError(f"The run id {self.run_id!r} must not contain '/' or NUL.")
-        if self.min_nodes < 1:
-            raise ValueError(
-                f"The minimum number of nodes ({self.min_nodes}) must be greater than zero."
-            )
-        if self.max_nodes < self.min_nodes:
-            raise ValueError(
-                f"The maximum number of nodes ({self.max_nodes}) must be greater than or equal "
-                f"to the minimum number of nodes ({self.min_nodes})."
-            )
-        for name in ("join", "last_call", "close"):
-            value = getattr(self, f"{name}_timeout")
-            if not isinstance(value, timedelta):
-                raise TypeError(f"{name}_timeout must be a datetime.timedelta, got {value!r}")
-            if value <= timedelta(0):
-                raise ValueError(f"The {name} timeout ({value}) must be positive.")
-        if not isinstance(self.keep_alive_interval, timedelta) or (
-            self.keep_alive_interval <= timedelta(0)
-        ):
-            raise ValueError(
-                f"keep_alive_interval ({self.keep_alive_interval!r}) must be a positive timedelta."
-            )
-        if self.keep_alive_max_attempt < 1:
-            raise ValueError(
-                f"keep_alive_max_attempt ({self.keep_alive_max_attempt}) must be at least 1."
-            )
 
 
 @dataclass(slots=True)
@@ -243,8 +189,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return self._side().get(self._keys.closed) is not None
 
     def set_closed(self) -> None:
-        with self._errors():
-            self._close(self._side())
+        """Close the run for every node within ``close_timeout``.
+
+        Raises:
+            RendezvousTimeoutError: the store did not take the close within
+                ``close_timeout`` (the close goes on in the background).
+            RendezvousConnectionError: the store cannot be reached.
+        """
+        self._close_within_timeout()
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to be admitted, plus members presumed dead: > 0 means re-rendezvous.
@@ -276,9 +228,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Stop heartbeats and close the run (as torch's handler does)."""
         self._bg.stop()
         try:
-            with self._errors():
-                self._close(self._side())
-        except (RendezvousConnectionError, RendezvousStateError) as exc:
+            self._close_within_timeout()
+        except (RendezvousConnectionError, RendezvousStateError, RendezvousTimeoutError) as exc:
             logger.warning("node %s failed to close the rendezvous: %s", self._node, exc)
             return False
         return True
@@ -545,6 +496,32 @@ class DynamicRendezvousHandler(RendezvousHandler):
             side = self._side_kv = self._kv.clone()
         return side
 
+    def _close_within_timeout(self) -> None:
+        """:meth:`_close` bounded by ``close_timeout`` (torch's bound for ``set_closed`` and
+        ``shutdown``): the store calls run in a helper thread, so a store that stopped
+        answering cannot hold the caller for its own, longer, timeout."""
+        failure: list[BaseException] = []
+        done = threading.Event()
+
+        def close() -> None:
+            try:
+                with self._errors():
+                    self._close(self._side())
+            except BaseException as exc:  # handed to the caller
+                failure.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=close, name=f"rdzv-close-{self._node}", daemon=True).start()
+        limit = self._config.close_timeout.total_seconds()
+        if not done.wait(limit):
+            raise RendezvousTimeoutError(
+                f"The rendezvous '{self._config.run_id}' could not be closed within "
+                f"close_timeout={limit:g} s: the store at {self._kv.endpoint} did not answer."
+            )
+        if failure:
+            raise failure[0]
+
     def _close(self, kv: KeyValueStore) -> None:
         keys = self._keys
         kv.set(keys.closed, b"1")
@@ -592,9 +569,3 @@ class DynamicRendezvousHandler(RendezvousHandler):
             raise RendezvousConnectionError(str(exc)) from exc
         except KVStateError as exc:
             raise RendezvousStateError(str(exc)) from exc
-
-
-def timeout_from(params_get: Callable[[str], int | None], name: str) -> timedelta | None:
-    """Read ``<name>_timeout`` (seconds) from rendezvous parameters."""
-    seconds = params_get(f"{name}_timeout")
-    return None if seconds is None else timedelta(seconds=seconds)

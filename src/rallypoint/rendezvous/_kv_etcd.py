@@ -1,9 +1,7 @@
-"""The key-value interface over etcd v3, through etcd's JSON gateway, standard library only.
+"""The key-value interface over etcd v3 (the HTTP side is ``_etcd_gateway.py``).
 
-Why the gateway and not a gRPC client: etcd serves the v3 API as JSON over HTTP at
-``/v3/...`` (3.4 and later), so ``http.client`` is all we need: no grpcio/protobuf
-(whose versions fight with torch's), nothing to compile, and the same code talks to
-etcd 3.4 through 3.6 (torch's etcd backends use the v2 API, which 3.6 removed).
+Why etcd's JSON gateway and not a gRPC client: see ``_etcd_gateway.py``; the same code
+talks to etcd 3.4 through 3.6 (torch's etcd backends use the v2 API, which 3.6 removed).
 
 Mapping: ``add``/``set_if_absent``/``compare_and_swap`` are transactions comparing the
 key's revision or value (``add`` retries on a lost race); ``multi_get``/``multi_set`` are
@@ -19,8 +17,6 @@ the endpoints. TLS (CA, client cert and key) and user/password auth are supporte
 from __future__ import annotations
 
 import base64
-import http.client
-import json
 import os
 import random
 import ssl
@@ -29,9 +25,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from rallypoint.rendezvous._config import seconds_option
 from rallypoint.rendezvous._endpoint import parse_rendezvous_endpoint
+from rallypoint.rendezvous._etcd_gateway import EtcdGateway, GatewayError, WatchBroken
 from rallypoint.rendezvous._kv import KeyValueStore, KVConnectionError, KVError, KVStateError
 
 if TYPE_CHECKING:
@@ -41,6 +39,7 @@ if TYPE_CHECKING:
 
 DEFAULT_PORT = 2379
 _MAX_TXN_OPS = 100  # etcd's default --max-txn-ops is 128
+_SET_IF_ABSENT_TRIES = 8
 
 
 def _b64(data: str | bytes) -> str:
@@ -88,104 +87,48 @@ class EtcdOptions:
             raise ValueError(f"lease_ttl ({self.lease_ttl}) must be >= 0 (0 disables leases).")
 
 
-class _EtcdHTTPError(KVError):
-    def __init__(self, status: int, body: dict[str, Any]) -> None:
-        super().__init__(f"etcd answered {status}: {body.get('error') or body.get('message')}")
-        self.status = status
-        self.body = body
+class Gateway(Protocol):
+    """What :class:`EtcdKV` needs from its transport (:class:`EtcdGateway`, or a fake)."""
+
+    endpoint: str
+
+    def post(self, path: str, body: dict[str, Any], *, timeout: float | None = None) -> Any: ...
+
+    def watch_put(self, key: str, start_revision: int, timeout: float) -> bool: ...
+
+
+def gateway_for(options: EtcdOptions) -> EtcdGateway:
+    """The gateway client that ``options`` describe."""
+    context: ssl.SSLContext | None = None
+    if options.tls:
+        context = ssl.create_default_context(cafile=options.cacert)
+        if options.cert and options.key:
+            context.load_cert_chain(options.cert, options.key)
+    return EtcdGateway(
+        options.endpoints,
+        ssl_context=context,
+        username=options.username,
+        password=options.password,
+        timeout=options.timeout.total_seconds(),
+    )
 
 
 class EtcdKV(KeyValueStore):
-    """:class:`KeyValueStore` over etcd v3 (thread-safe: one HTTP connection per thread)."""
+    """:class:`KeyValueStore` over etcd v3 (thread-safe: the gateway keeps one HTTP
+    connection per thread). ``gateway`` replaces the HTTP client (tests pass a fake)."""
 
-    def __init__(self, options: EtcdOptions) -> None:
+    def __init__(self, options: EtcdOptions, *, gateway: Gateway | None = None) -> None:
         self._opts = options
         self._prefix = options.prefix.encode()
-        scheme = "https" if options.tls else "http"
-        self.endpoint = ",".join(f"{scheme}://{h}:{p}" for h, p in options.endpoints)
-        self._local = threading.local()
-        self._ssl: ssl.SSLContext | None = None
-        if options.tls:
-            ctx = ssl.create_default_context(cafile=options.cacert)
-            if options.cert and options.key:
-                ctx.load_cert_chain(options.cert, options.key)
-            self._ssl = ctx
-        self._token: str | None = None
+        self._gateway = gateway_for(options) if gateway is None else gateway
+        self.endpoint = self._gateway.endpoint
         self._lock = threading.Lock()
         self._lease: int | None = None
         self._keepalive: threading.Thread | None = None
         self._closed = threading.Event()
-        self._preferred = 0
-
-    # ------------------------------------------------------------------ transport
-
-    def _connection(self, index: int, timeout: float) -> http.client.HTTPConnection:
-        host, port = self._opts.endpoints[index]
-        if self._ssl is not None:
-            return http.client.HTTPSConnection(host, port, timeout=timeout, context=self._ssl)
-        return http.client.HTTPConnection(host, port, timeout=timeout)
-
-    def _authenticate(self, conn: http.client.HTTPConnection) -> None:
-        body = json.dumps({"name": self._opts.username, "password": self._opts.password})
-        conn.request("POST", "/v3/auth/authenticate", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        data = json.loads(resp.read() or b"{}")
-        if resp.status != 200 or "token" not in data:
-            raise KVConnectionError(
-                f"etcd at {self.endpoint} rejected user {self._opts.username!r}: "
-                f"{data.get('error') or data.get('message')}"
-            )
-        self._token = str(data["token"])
 
     def _post(self, path: str, body: dict[str, Any], *, timeout: float | None = None) -> Any:
-        """POST JSON to ``path``; retry connection failures across endpoints until the timeout."""
-        limit = self._opts.timeout.total_seconds() if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        payload = json.dumps(body)
-        last: BaseException | None = None
-        attempt = 0
-        while True:
-            index = (self._preferred + attempt) % len(self._opts.endpoints)
-            conns: dict[int, http.client.HTTPConnection] = self._local.__dict__.setdefault(
-                "conns", {}
-            )
-            try:
-                conn = conns.get(index)
-                if conn is None:
-                    conn = conns[index] = self._connection(index, max(1.0, min(limit, 30.0)))
-                if self._opts.username is not None and self._token is None:
-                    self._authenticate(conn)
-                headers = {"Content-Type": "application/json"}
-                if self._token is not None:
-                    headers["Authorization"] = self._token
-                conn.request("POST", path, payload, headers)
-                resp = conn.getresponse()
-                raw = resp.read()
-                data = json.loads(raw) if raw else {}
-                if resp.status == 200:
-                    self._preferred = index
-                    return data
-                message = str(data.get("error") or data.get("message") or "")
-                if self._opts.username is not None and (
-                    resp.status == 401 or "token" in message or data.get("code") == 16
-                ):
-                    self._token = None  # expired token: authenticate again
-                    last = _EtcdHTTPError(resp.status, data)
-                elif resp.status in (502, 503) or data.get("code") in (14, 4):
-                    last = _EtcdHTTPError(resp.status, data)  # unavailable / deadline: retry
-                else:
-                    raise _EtcdHTTPError(resp.status, data)
-            except (OSError, http.client.HTTPException, ValueError) as exc:
-                conns.pop(index, None)
-                last = exc
-            attempt += 1
-            if time.monotonic() >= deadline:
-                raise KVConnectionError(
-                    f"Cannot reach etcd at {self.endpoint} within {limit:g} s: "
-                    f"{type(last).__name__}: {last}"
-                ) from last
-            if attempt % len(self._opts.endpoints) == 0:
-                time.sleep(min(0.5, 0.05 * attempt) * random.uniform(0.5, 1.0))
+        return self._gateway.post(path, body, timeout=timeout)
 
     def _key(self, key: str) -> bytes:
         return self._prefix + key.encode()
@@ -351,7 +294,7 @@ class EtcdKV(KeyValueStore):
         try:  # the count as of our revision: one small answer
             data = self._post("/v3/kv/range", {**span, "count_only": True, "revision": revision})
             return int(data.get("count", 0))
-        except _EtcdHTTPError:  # that revision was compacted: filter the keys instead
+        except GatewayError:  # that revision was compacted: filter the keys instead
             data = self._post(
                 "/v3/kv/range",
                 {**span, "keys_only": True, "max_create_revision": str(revision)},
@@ -365,10 +308,16 @@ class EtcdKV(KeyValueStore):
         if not value:
             raise ValueError("set_if_absent needs a non-empty value")
         full = self._key(key)
-        _, stored = self._cas(full, {"target": "CREATE", "create_revision": "0"}, value)
-        if stored is None:  # deleted between the compare and the read: try again
-            return self.set_if_absent(key, value)
-        return stored
+        for _ in range(_SET_IF_ABSENT_TRIES):
+            _, stored = self._cas(full, {"target": "CREATE", "create_revision": "0"}, value)
+            if stored is not None:
+                return stored
+            # the create failed, so the key existed, yet the read found none: it is gone
+            # again (deleted, or its lease expired); try to create it once more
+        raise KVStateError(
+            f"set_if_absent on {key!r} at etcd {self.endpoint}: the key existed but could "
+            f"not be read, {_SET_IF_ABSENT_TRIES} times in a row"
+        )
 
     def compare_and_swap(self, key: str, expected: bytes, desired: bytes) -> bytes:
         full = self._key(key)
@@ -393,40 +342,10 @@ class EtcdKV(KeyValueStore):
             if remaining <= 0:
                 return False
             try:
-                if self._watch_for_put(key, revision + 1, remaining):
+                if self._gateway.watch_put(_b64(key), revision + 1, remaining):
                     return True
-            except (OSError, http.client.HTTPException, ValueError):
+            except WatchBroken:
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-
-    def _watch_for_put(self, key: bytes, start_revision: int, timeout: float) -> bool:
-        """Stream ``/v3/watch`` until a put on ``key`` arrives (True) or ``timeout`` (False)."""
-        conn = self._connection(self._preferred, timeout)
-        try:
-            headers = {"Content-Type": "application/json"}
-            if self._opts.username is not None:
-                if self._token is None:
-                    self._authenticate(conn)
-                assert self._token is not None
-                headers["Authorization"] = self._token
-            request = {"create_request": {"key": _b64(key), "start_revision": str(start_revision)}}
-            conn.request("POST", "/v3/watch", json.dumps(request), headers)
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise http.client.HTTPException(f"watch answered {resp.status}")
-            while True:
-                line = resp.readline()
-                if not line:
-                    raise http.client.HTTPException("watch stream closed")
-                result = json.loads(line).get("result", {})
-                for event in result.get("events") or []:
-                    if event.get("type", "PUT") == "PUT":
-                        return True
-                if result.get("canceled"):
-                    raise http.client.HTTPException(str(result.get("cancel_reason")))
-        except TimeoutError:  # socket.timeout is TimeoutError
-            return False
-        finally:
-            conn.close()
 
     def delete(self, key: str) -> bool:
         data = self._post("/v3/kv/deleterange", {"key": _b64(self._key(key))})
@@ -480,8 +399,6 @@ def etcd_kv_from_params(params: RendezvousParameters) -> EtcdKV:
     ``username``, ``password``, ``key_prefix`` (``/rallypoint/``), ``lease_ttl`` (60 s, 0
     disables), ``read_timeout`` (60 s: how long a request retries an unreachable etcd).
     """
-    from rallypoint.rendezvous._backends import get_seconds
-
     if not params.endpoint or not params.endpoint.strip():
         raise ValueError("The etcd rendezvous backend needs an endpoint: host[:port][,...].")
     hosts, tls = _split_endpoints(params.endpoint)
@@ -492,7 +409,7 @@ def etcd_kv_from_params(params: RendezvousParameters) -> EtcdKV:
             f"got {protocol!r}."
         )
     ttl = params.get_as_int("lease_ttl", 60)
-    timeout = get_seconds(params, "read_timeout", 60.0)
+    timeout = seconds_option(params, "read_timeout", 60.0)
     assert ttl is not None and timeout is not None
     prefix = str(params.get("key_prefix", "/rallypoint/"))
     if not prefix.endswith("/"):
@@ -508,6 +425,6 @@ def etcd_kv_from_params(params: RendezvousParameters) -> EtcdKV:
             username=params.get("username", params.get("user")),
             password=params.get("password"),
             lease_ttl=ttl,
-            timeout=timedelta(seconds=timeout),
+            timeout=timeout,
         )
     )

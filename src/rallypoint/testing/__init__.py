@@ -15,8 +15,9 @@ Public names (resolved lazily: importing ``rallypoint.testing`` loads nothing he
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rallypoint._core.lazy import lazy_attributes
 
 _LAZY_NAMES: dict[str, str] = {
     "WorkerError": "rallypoint.testing._workers",
@@ -56,13 +57,4 @@ if TYPE_CHECKING:
     from rallypoint.testing._workers import WorkerError, run_workers
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY_NAMES:
-        value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'rallypoint.testing' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY_NAMES, public_home=True)

@@ -17,8 +17,9 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
-from types import TracebackType
+from typing import Self
 
+from rallypoint._core.closing import Closing
 from rallypoint._core.net import free_port
 
 
@@ -72,7 +73,7 @@ def etcd_binary() -> str | None:
     return shutil.which("etcd")
 
 
-class EtcdServer:
+class EtcdServer(Closing):
     """One etcd member on 127.0.0.1 with its own data dir; a context manager."""
 
     def __init__(
@@ -181,14 +182,6 @@ class EtcdServer:
         except OSError:
             return ""
 
-    def __enter__(self) -> EtcdServer:
+    def __enter__(self) -> Self:
         self.start()
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -47,8 +47,11 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 from typing import Any
+
+from rallypoint._core.checks import check_int
+from rallypoint._core.closing import Closing
+from rallypoint._core.procs import pid_alive
 
 __all__ = ["Host", "NetnsError", "Network", "netns_available", "remove_stale_namespaces"]
 
@@ -85,29 +88,19 @@ def _list_namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_namespaces() -> list[str]:
     """Delete namespaces left by :class:`Network` in processes that no longer exist."""
     removed = []
     for name in _list_namespaces():
         m = _NAME.match(name)
-        if m is None or _pid_alive(int(m.group("pid"))):
+        if m is None or pid_alive(int(m.group("pid"))):
             continue
         if _run_ip("netns", "delete", name, check=False).returncode == 0:
             removed.append(name)
     with contextlib.suppress(OSError):
         for name in os.listdir(_ETC_NETNS):
             m = _NAME.match(name)
-            if m is not None and not _pid_alive(int(m.group("pid"))):
+            if m is not None and not pid_alive(int(m.group("pid"))):
                 shutil.rmtree(os.path.join(_ETC_NETNS, name), ignore_errors=True)
         with contextlib.suppress(OSError):
             os.rmdir(_ETC_NETNS)  # only if empty: it may hold other tools' files
@@ -203,13 +196,11 @@ class Host:
         self._cut = False
 
 
-class Network:
+class Network(Closing):
     """``nhosts`` namespaces on one bridge. Use as a context manager, or call :meth:`close`."""
 
     def __init__(self, nhosts: int, *, prefix: str | None = None) -> None:
-        if isinstance(nhosts, bool) or not isinstance(nhosts, int):
-            raise TypeError(f"nhosts must be an int, got {type(nhosts).__name__}")
-        if not 1 <= nhosts <= MAX_HOSTS:
+        if not 1 <= check_int(nhosts, "nhosts") <= MAX_HOSTS:
             raise ValueError(f"nhosts must be between 1 and {MAX_HOSTS}, got {nhosts}")
         if prefix is None:
             prefix = f"rpn{os.getpid()}-{secrets.token_hex(2)}"
@@ -313,14 +304,3 @@ class Network:
             os.rmdir(_ETC_NETNS)  # only if empty
         if errors:
             raise NetnsError("could not delete namespaces: " + "; ".join(errors))
-
-    def __enter__(self) -> Network:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -18,10 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rallypoint._core.checks import check_int
 from rallypoint.join._errors import JoinError
 from rallypoint.join._failure import FailureChannel
 from rallypoint.join._failure import wait_work as _wait_work
-from rallypoint.join._join import Join, Joinable, JoinHook, channel_for
+from rallypoint.join._interface import Joinable, JoinHook, channel_for, notify_join_context
 
 __all__ = ["CollectiveJoinable"]
 
@@ -136,7 +137,7 @@ class CollectiveJoinable(Joinable):
         """Group the collectives of one training iteration (one notify, one replay)."""
         if self._recording is not None:
             raise RuntimeError("CollectiveJoinable.iteration() blocks cannot be nested")
-        Join.notify_join_context(self)
+        notify_join_context(self)
         self._recording = []
         try:
             yield
@@ -159,7 +160,7 @@ class CollectiveJoinable(Joinable):
         have joined, or the others receive zeros."""
         self._check_tensor(tensor)
         world = dist.get_world_size(self._group)
-        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
+        if not 0 <= check_int(src, "src") < world:
             raise ValueError(f"src must be a rank in [0, {world}), got {src!r}")
         record = _Op("broadcast", tuple(tensor.shape), tensor.dtype, src=src)
         with self._one_op(record):
@@ -204,7 +205,7 @@ class CollectiveJoinable(Joinable):
             self._recording.append(record)
             yield
             return
-        Join.notify_join_context(self)
+        notify_join_context(self)
         yield
         self._pattern = [record]
 
