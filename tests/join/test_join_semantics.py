@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rallypoint._progress import ProgressBoard
+from rallypoint.observe import ProgressBoard
 from rallypoint.join import (
     CollectiveJoinable,
     EarlyTerminationError,

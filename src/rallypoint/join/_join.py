@@ -43,7 +43,6 @@ from torch.distributed.algorithms.join import JoinHook as _TorchJoinHook
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.futures import Future
 
-from rallypoint._progress import progress
 from rallypoint.join._deferred import DeferredJoinMode, deferred_join_mode_blocker
 from rallypoint.join._errors import EarlyTerminationError, JoinError, RankFailedError
 from rallypoint.join._failure import (
@@ -54,6 +53,7 @@ from rallypoint.join._failure import (
     wait_work,
 )
 from rallypoint.join._options import JoinOptions
+from rallypoint.observe._progress import progress
 
 __all__ = ["Join", "JoinHook", "JoinSummary", "Joinable", "SupportsJoin"]
 

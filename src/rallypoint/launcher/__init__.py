@@ -3,7 +3,9 @@
 Workers are forked from a warm process that has already imported torch, get the
 environment torchrun sets, are watched by a supervisor that notices every exit at once,
 and are stopped together (whole process trees) on the first failure. See
-``docs/launcher.md``.
+``docs/launcher.md``; the layers underneath are ``rallypoint.elastic`` (attempts, rounds,
+restarts), ``rallypoint.supervise`` (one node's workers) and :mod:`rallypoint.observe`
+(progress, stacks, events, report), whose public names are re-exported here.
 
 Exception tree::
 
@@ -16,58 +18,28 @@ Exception tree::
     ├── WarmProcessError                  the warm process died or a ``preload`` failed
     ├── PortInUseError(ValueError)        an explicit master port is busy
     └── BadTargetError(ValueError)        the script/module/command cannot be started
+
+Importing this package does not import torch.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from rallypoint._progress import progress
-    from rallypoint.launcher._api import launch
-    from rallypoint.launcher._config import DEFAULT_PREFIX, LaunchConfig
-    from rallypoint.launcher._errors import (
-        BadTargetError,
-        HangError,
-        LaunchError,
-        LaunchInterruptedError,
-        LaunchTimeoutError,
-        PortInUseError,
-        RendezvousFailedError,
-        WarmProcessError,
-        WorkerFailedError,
-        WorkerState,
-    )
-    from rallypoint.launcher._events import EventLog, read_events
-    from rallypoint.launcher._report import render_report
-
-# Resolved on first access: ``rallypoint run`` imports ``rallypoint.launcher._warm`` and
-# forks its warm process before anything else, so this package must import nothing.
-_NAMES: dict[str, str] = {
-    "launch": "_api",
-    "DEFAULT_PREFIX": "_config",
-    "LaunchConfig": "_config",
-    "progress": "rallypoint._progress",  # shared with join, which must not import launch
-    "EventLog": "_events",
-    "read_events": "_events",
-    "render_report": "_report",
-    **dict.fromkeys(
-        [
-            "BadTargetError",
-            "HangError",
-            "LaunchError",
-            "LaunchInterruptedError",
-            "LaunchTimeoutError",
-            "PortInUseError",
-            "RendezvousFailedError",
-            "WarmProcessError",
-            "WorkerFailedError",
-            "WorkerState",
-        ],
-        "_errors",
-    ),
-}
+from rallypoint.launcher._api import launch
+from rallypoint.launcher._config import DEFAULT_PREFIX, LaunchConfig, LaunchOptions
+from rallypoint.observe import EventLog, progress, read_events, render_report
+from rallypoint.supervise._errors import (
+    BadTargetError,
+    HangError,
+    LaunchError,
+    LaunchInterruptedError,
+    LaunchTimeoutError,
+    PortInUseError,
+    RendezvousFailedError,
+    WarmErrorKind,
+    WarmProcessError,
+    WorkerFailedError,
+    WorkerState,
+)
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -77,9 +49,11 @@ __all__ = [
     "LaunchConfig",
     "LaunchError",
     "LaunchInterruptedError",
+    "LaunchOptions",
     "LaunchTimeoutError",
     "PortInUseError",
     "RendezvousFailedError",
+    "WarmErrorKind",
     "WarmProcessError",
     "WorkerFailedError",
     "WorkerState",
@@ -88,18 +62,3 @@ __all__ = [
     "read_events",
     "render_report",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        module = _NAMES[name]
-        if not module.startswith("rallypoint."):
-            module = f"rallypoint.launcher.{module}"
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'rallypoint.launcher' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
