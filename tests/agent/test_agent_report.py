@@ -247,3 +247,30 @@ def test_any_events_render(events: list[Event]) -> None:
     tl = build_timeline(events)
     assert all(b.start <= b.end + 1e-9 for b in tl.bars)
     ET.fromstring(timeline_svg(tl))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("suffix", [".html", ".png", ".svg"])
+def test_without_matplotlib_one_line_says_what_to_install(
+    job: list[Path], tmp_path: Path, suffix: str
+) -> None:
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "sys.modules['matplotlib'] = None  # as if the plot extra were not installed\n"
+        "from rallypoint.__main__ import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    out = tmp_path / f"t{suffix}"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "report", str(job[0]), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr  # one line, no traceback
+    assert proc.stderr.startswith("rallypoint report: error: ")
+    assert "pip install 'rallypoint[plot]'" in proc.stderr
+    assert not out.exists()
