@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
@@ -84,3 +85,17 @@ def test_import_does_not_load_torch(statement: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_progress_from_the_launcher_loads_only_progress() -> None:
+    """Training scripts import it in every worker: it must not pull in the launcher."""
+    code = (
+        "import sys; from rallypoint.launcher import progress; progress(); "
+        "print(sorted(m for m in sys.modules if m.startswith('rallypoint.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    loaded = set(ast.literal_eval(out.stdout))
+    assert "rallypoint.observe._progress" in loaded
+    parts = ("launcher", "supervise", "elastic", "cli")
+    assert {m for m in loaded if m.split(".")[1] in parts} == {"rallypoint.launcher"}

@@ -19,27 +19,53 @@ Exception tree::
     ├── PortInUseError(ValueError)        an explicit master port is busy
     └── BadTargetError(ValueError)        the script/module/command cannot be started
 
-Importing this package does not import torch.
+Importing this package loads nothing (not torch, not its own modules): training scripts
+import ``progress`` from here, so each name is imported on first access.
 """
 
 from __future__ import annotations
 
-from rallypoint.launcher._api import launch
-from rallypoint.launcher._config import DEFAULT_PREFIX, LaunchConfig, LaunchOptions
-from rallypoint.observe import EventLog, progress, read_events, render_report
-from rallypoint.supervise._errors import (
-    BadTargetError,
-    HangError,
-    LaunchError,
-    LaunchInterruptedError,
-    LaunchTimeoutError,
-    PortInUseError,
-    RendezvousFailedError,
-    WarmErrorKind,
-    WarmProcessError,
-    WorkerFailedError,
-    WorkerState,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rallypoint.launcher._api import launch
+    from rallypoint.launcher._config import DEFAULT_PREFIX, LaunchConfig, LaunchOptions
+    from rallypoint.observe import EventLog, progress, read_events, render_report
+    from rallypoint.supervise._errors import (
+        BadTargetError,
+        HangError,
+        LaunchError,
+        LaunchInterruptedError,
+        LaunchTimeoutError,
+        PortInUseError,
+        RendezvousFailedError,
+        WarmErrorKind,
+        WarmProcessError,
+        WorkerFailedError,
+        WorkerState,
+    )
+
+# module -> the public names it defines (each resolved on first access)
+_MODULES = {
+    "rallypoint.launcher._api": ("launch",),
+    "rallypoint.launcher._config": ("DEFAULT_PREFIX", "LaunchConfig", "LaunchOptions"),
+    "rallypoint.observe": ("EventLog", "progress", "read_events", "render_report"),
+    "rallypoint.supervise._errors": (
+        "BadTargetError",
+        "HangError",
+        "LaunchError",
+        "LaunchInterruptedError",
+        "LaunchTimeoutError",
+        "PortInUseError",
+        "RendezvousFailedError",
+        "WarmErrorKind",
+        "WarmProcessError",
+        "WorkerFailedError",
+        "WorkerState",
+    ),
+}
+_HOME = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -62,3 +88,15 @@ __all__ = [
     "read_events",
     "render_report",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        value = getattr(importlib.import_module(_HOME[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

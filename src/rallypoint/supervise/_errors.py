@@ -150,17 +150,5 @@ class BadTargetError(LaunchError, ValueError):
     """The script, module or command to run cannot be started."""
 
 
-for _public in (
-    BadTargetError,
-    HangError,
-    LaunchError,
-    LaunchInterruptedError,
-    LaunchTimeoutError,
-    PortInUseError,
-    RendezvousFailedError,
-    WarmErrorKind,
-    WarmProcessError,
-    WorkerFailedError,
-    WorkerState,
-):
-    _public.__module__ = "rallypoint.launcher"  # documented there
+for _name in __all__:
+    globals()[_name].__module__ = "rallypoint.launcher"  # documented there
