@@ -30,6 +30,7 @@ from datetime import timedelta
 from typing import IO, Any
 
 from rallypoint._core import envvars
+from rallypoint._core.checks import check_seconds
 from rallypoint._core.procs import pid_alive
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "collect_stacks",
     "install_stack_dumper",
     "parse_faulthandler_dump",
+    "positive_seconds",
     "remove_dump_file",
     "stacks_env",
 ]
@@ -73,6 +75,16 @@ def _signal_number(value: str | int) -> int:
     if not 1 <= number < signal.NSIG:
         raise ValueError(f"signal number {number} is out of range [1, {signal.NSIG})")
     return number
+
+
+def positive_seconds(timeout: timedelta | float) -> float:
+    """A wait in seconds from a ``timedelta`` or a number; ``ValueError`` unless positive."""
+    try:
+        seconds = check_seconds(timeout, "timeout", numbers=True)
+    except ValueError:
+        raise ValueError(f"timeout must be positive, got {timeout!r}") from None
+    assert seconds is not None
+    return seconds
 
 
 def stacks_env(
@@ -269,9 +281,7 @@ def collect_stacks(
     set; this never raises for a worker's state. A dump is complete once its file stopped
     growing for ``settle`` seconds.
     """
-    limit = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if limit <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    limit = positive_seconds(timeout)
     signum = _signal_number(signum)
     host = host if host is not None else socket.gethostname()
     directory = os.fspath(directory)

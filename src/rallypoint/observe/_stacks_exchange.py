@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Protocol
 
-from rallypoint.observe._stacks import StackDump
+from rallypoint.observe._stacks import StackDump, positive_seconds
 
 __all__ = [
     "StacksStore",
@@ -81,9 +81,7 @@ def request_stacks(
     or answered garbage. ``nnodes=None`` uses the count the agents published; ``ValueError``
     if there is none (no agent of this run is running).
     """
-    limit = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if limit <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    limit = positive_seconds(timeout)
     if nnodes is None:
         if not store.check([_NNODES]):
             raise ValueError("no agent of this run has published its node count: is it running?")

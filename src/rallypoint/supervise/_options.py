@@ -74,6 +74,14 @@ def parse_std_spec(value: str | int | Mapping[int, int], what: str) -> StdSpec:
     return {int(r): int(m) for r, m in (item.split(":") for item in text.split(","))}
 
 
+def _is_local_rank(value: object) -> bool:
+    try:
+        check_int(value, "local rank", minimum=0)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerOptions:
     """What runs on this node: how many workers, how they start, where, with what."""
@@ -127,11 +135,7 @@ class OutputOptions:
         for which in ("redirects", "tee"):
             parse_std_spec(getattr(self, which), which)
         ranks = self.local_ranks_filter
-        if ranks is not None and (
-            not ranks
-            or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks)
-            or min(ranks) < 0
-        ):
+        if ranks is not None and not (ranks and all(_is_local_rank(r) for r in ranks)):
             raise ValueError(
                 "local_ranks_filter must be a non-empty set of local ranks such as {0, 1}"
             )
