@@ -187,6 +187,9 @@ class ElasticCoordinator:
         store = RoundStore(prefixed(f"rallypoint/round{k}", info.store))
         group_rank, nnodes = int(info.rank), int(info.world_size)
         sup = self.supervisor
+        # read before this node counts as present: no node starts its workers (and so no
+        # failure spends budget) until every node is, so all see the same count
+        restart_count = self.job.run.restarts()
         store.publish_node(group_rank, NodeRecord(sup.nproc, sup.host))
         nodes = store.nodes(nnodes)
         if group_rank == 0:
@@ -203,7 +206,7 @@ class ElasticCoordinator:
             master_addr=addr,
             master_port=port,
             run_id=self.run_id,
-            restart_count=self.job.run.restarts(),
+            restart_count=restart_count,
             max_restarts=self.restarts.max_restarts,
         )
         publish_node_count(self.job.run.store, nnodes)
