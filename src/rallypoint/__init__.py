@@ -3,7 +3,9 @@
 The parts live in subpackages, each with its own public surface:
 
 - ``rallypoint.launch`` / ``rallypoint run``: start workers fast, single- and multi-node
-  (``rallypoint.launcher``); ``rallypoint.progress()`` feeds its hang detection
+  (``rallypoint.launcher``)
+- ``rallypoint.observe``: ``rallypoint.progress()`` heartbeats for hang detection, the
+  event log and its timeline report
 - ``rallypoint.rendezvous``: who is in the job (torchelastic's handler API)
 - ``rallypoint.distributed``: process groups and parallel layouts
 - ``rallypoint.rpc``: torch.distributed.rpc's API on an authenticated transport
@@ -28,9 +30,11 @@ _LAZY_NAMES: dict[str, str] = {
     "LaunchConfig": "rallypoint.launcher",
     "LaunchError": "rallypoint.launcher",
     "WorkerFailedError": "rallypoint.launcher",
-    "progress": "rallypoint._progress",
+    "progress": "rallypoint.observe",
 }
-_SUBPACKAGES = frozenset({"distributed", "join", "launcher", "rendezvous", "rpc", "testing"})
+_SUBPACKAGES = frozenset(
+    {"distributed", "join", "launcher", "observe", "rendezvous", "rpc", "testing"}
+)
 
 __all__ = [
     "LaunchConfig",
@@ -41,6 +45,7 @@ __all__ = [
     "join",
     "launch",
     "launcher",
+    "observe",
     "progress",
     "rendezvous",
     "rpc",
@@ -48,9 +53,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from rallypoint import distributed, join, launcher, rendezvous, rpc, testing
-    from rallypoint._progress import progress
+    from rallypoint import distributed, join, launcher, observe, rendezvous, rpc, testing
     from rallypoint.launcher import LaunchConfig, LaunchError, WorkerFailedError, launch
+    from rallypoint.observe import progress
 
 
 def __getattr__(name: str) -> Any:

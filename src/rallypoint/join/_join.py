@@ -40,7 +40,6 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.futures import Future
 
-from rallypoint._progress import progress
 from rallypoint.join._collective import CollectiveJoinable
 from rallypoint.join._deferred import DeferredJoinMode, deferred_join_mode_blocker
 from rallypoint.join._errors import EarlyTerminationError, JoinError, RankFailedError
@@ -59,6 +58,7 @@ from rallypoint.join._interface import (
     unregister_channel,
 )
 from rallypoint.join._options import JoinOptions
+from rallypoint.observe._progress import progress
 
 __all__ = ["Join", "JoinSummary"]
 

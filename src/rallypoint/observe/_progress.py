@@ -34,7 +34,10 @@ import warnings
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
-from types import TracebackType
+
+from rallypoint._core import envvars
+from rallypoint._core.checks import check_int
+from rallypoint._core.closing import Closing
 
 __all__ = [
     "PROGRESS_FILE_ENV",
@@ -43,8 +46,8 @@ __all__ = [
     "progress",
 ]
 
-PROGRESS_FILE_ENV = "RALLYPOINT_PROGRESS_FILE"
-PROGRESS_SLOT_ENV = "RALLYPOINT_PROGRESS_SLOT"
+PROGRESS_FILE_ENV = envvars.PROGRESS_FILE
+PROGRESS_SLOT_ENV = envvars.PROGRESS_SLOT
 
 _MAGIC = b"RPPROG\x00\x01"
 _HEADER = struct.Struct("<8sII")
@@ -151,7 +154,7 @@ def _default_directory() -> str:
     return tempfile.gettempdir()
 
 
-class ProgressBoard:
+class ProgressBoard(Closing):
     """The agent's side: a shared file with one progress slot per local worker.
 
     Create it before starting workers, pass :meth:`env` into each worker's environment,
@@ -167,8 +170,7 @@ class ProgressBoard:
         directory: str | os.PathLike[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if isinstance(nslots, bool) or not isinstance(nslots, int):
-            raise TypeError(f"nslots must be an int, got {type(nslots).__name__}")
+        check_int(nslots, "nslots")
         if not 1 <= nslots <= _MAX_SLOTS:
             raise ValueError(f"nslots must be between 1 and {_MAX_SLOTS}, got {nslots}")
         self.nslots = nslots
@@ -253,18 +255,10 @@ class ProgressBoard:
 
     def _check_rank(self, local_rank: int) -> None:
         self._require_open()
-        if isinstance(local_rank, bool) or not isinstance(local_rank, int):
-            raise TypeError(f"local_rank must be an int, got {type(local_rank).__name__}")
+        check_int(local_rank, "local_rank")
         if not 0 <= local_rank < self.nslots:
             raise ValueError(f"local_rank must be in [0, {self.nslots}), got {local_rank}")
 
-    def __enter__(self) -> ProgressBoard:
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+for _public in (ProgressBoard, progress):
+    _public.__module__ = "rallypoint.observe"  # documented there

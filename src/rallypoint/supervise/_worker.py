@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
 
+from rallypoint._core import envvars
+
 __all__ = ["BAD_TARGET_EXIT", "RESULT_FD", "Target", "WorkerSpec", "child_main", "execute"]
 
 RESULT_FD = 3
@@ -147,7 +149,7 @@ def _fresh_stdio() -> None:
 
 
 def _write_bad_target(message: str) -> None:
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    path = os.environ.get(envvars.ERROR_FILE)
     if path:
         with contextlib.suppress(OSError), open(path, "w") as fp:
             json.dump({"rallypoint": {"bad_target": message}}, fp)
@@ -155,7 +157,7 @@ def _write_bad_target(message: str) -> None:
 
 def _record(exc: BaseException, tb_text: str) -> None:
     """Write the exception to TORCHELASTIC_ERROR_FILE as torch's ``@record`` would."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    path = os.environ.get(envvars.ERROR_FILE)
     if not path or os.path.exists(path):  # ``@record`` already wrote it
         return
     data = {
@@ -205,7 +207,7 @@ def execute(target: Target, result_fd: int) -> NoReturn:
     torch_mod = sys.modules.get("torch")
     if threads.isdigit() and int(threads) > 0 and torch_mod is not None:
         torch_mod.set_num_threads(int(threads))
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    error_file = os.environ.get(envvars.ERROR_FILE)
     fault_file = None
     if error_file:
         with contextlib.suppress(OSError):
@@ -264,7 +266,7 @@ def execute(target: Target, result_fd: int) -> NoReturn:
 
 def _install_stack_dumper() -> None:
     """Answer the agent's stack requests (``rallypoint stacks``, hang reports)."""
-    from rallypoint.launcher._stacks import install_stack_dumper
+    from rallypoint.observe._stacks import install_stack_dumper
 
     try:
         install_stack_dumper()

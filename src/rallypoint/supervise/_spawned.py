@@ -1,6 +1,6 @@
 """Entry point of a ``start_method="spawn"`` worker: a fresh interpreter runs the target.
 
-Invoked as ``python -u -m rallypoint.launcher._spawned KIND NAME [ARGS...]`` by a child of
+Invoked as ``python -u -m rallypoint.supervise._spawned KIND NAME [ARGS...]`` by a child of
 the warm process that has already set up the session, stdio, environment and cwd.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from rallypoint.launcher._worker import RESULT_FD, Target, execute
+from rallypoint.supervise._worker import RESULT_FD, Target, execute
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ import textwrap
 from datetime import datetime
 from pathlib import Path
 
-from rallypoint.launcher._errors import WorkerState
+from rallypoint.supervise._errors import WorkerState
 
 __all__ = [
     "PEER_LOSS",
@@ -100,7 +100,7 @@ def format_summary(
     return "\n".join(lines)
 
 
-_LAUNCHER_DIR = os.path.dirname(os.path.abspath(__file__))
+_SUPERVISE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _trim_fault(text: str) -> str:
@@ -112,7 +112,7 @@ def _trim_fault(text: str) -> str:
             continue
         if stripped.startswith("File ") and (
             "<frozen runpy>" in stripped
-            or _LAUNCHER_DIR in stripped
+            or _SUPERVISE_DIR in stripped
             or "rallypoint/__main__.py" in stripped
             or "/bin/rallypoint" in stripped
         ):

@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rallypoint._core import envvars
+
 __all__ = [
     "DEFAULT_RDZV_PORT",
     "ClusterDefaults",
@@ -356,7 +358,7 @@ def detect_cluster_env(env: Mapping[str, str]) -> ClusterDefaults:
     found: dict[str, Any] = {}
     sources: list[str] = []
     slurm = None
-    if env.get("RALLYPOINT_IGNORE_SLURM", "").strip().lower() not in {"1", "true", "yes"}:
+    if env.get(envvars.IGNORE_SLURM, "").strip().lower() not in {"1", "true", "yes"}:
         slurm = parse_slurm(env)
     if slurm is not None:
         sources.append("slurm")

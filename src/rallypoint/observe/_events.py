@@ -36,8 +36,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
+
+from rallypoint._core.checks import check_int
+from rallypoint._core.closing import Closing
 
 __all__ = ["EVENT_KINDS", "Event", "EventLog", "EventLogError", "iter_events", "read_events"]
 
@@ -88,14 +90,13 @@ class Event:
 
 
 def _check_index(name: str, value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
-    return value
+    try:
+        return check_int(value, name, minimum=0, allow_none=True)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a non-negative int or None, got {value!r}") from None
 
 
-class EventLog:
+class EventLog(Closing):
     """Append events to a JSON-lines file; thread-safe, and safe to share between processes.
 
     ``node`` is written into every event unless an event names its own. Use as a context
@@ -175,17 +176,6 @@ class EventLog:
                 os.close(self._fd)
                 self._fd = None
 
-    def __enter__(self) -> EventLog:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
@@ -215,11 +205,12 @@ def _parse_line(path: str, lineno: int, line: str) -> Event:
     indices: dict[str, int | None] = {}
     for name in ("rank", "local_rank"):
         value = obj.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise fail(f"{name!r} must be an integer, got {value!r}")
-        if value is not None and value < 0:
-            raise fail(f"{name!r} must be >= 0, got {value}")
-        indices[name] = value
+        try:
+            indices[name] = check_int(value, name, minimum=0, allow_none=True)
+        except TypeError:
+            raise fail(f"{name!r} must be an integer, got {value!r}") from None
+        except ValueError:
+            raise fail(f"{name!r} must be >= 0, got {value}") from None
     free = {k: v for k, v in obj.items() if k not in _RESERVED}
     return Event(
         ts=float(ts),
@@ -260,3 +251,7 @@ def read_events(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
         events.extend(iter_events(p))
     events.sort(key=lambda e: e.ts)
     return events
+
+
+for _public in (Event, EventLog, EventLogError, read_events):
+    _public.__module__ = "rallypoint.observe"  # documented there

@@ -3,10 +3,10 @@
 One :class:`Observer` per agent owns the three building blocks and keeps the agent loop
 free of their details:
 
-- a :class:`~rallypoint._progress.ProgressBoard` when ``hang_timeout`` is set;
+- a :class:`~rallypoint.observe.ProgressBoard` when ``hang_timeout`` is set;
 - a directory for the workers' stack dumps (``RALLYPOINT_STACKS_DIR``, always set, so that
   ``rallypoint stacks`` works on any running job);
-- an :class:`~rallypoint.launcher._events.EventLog` when ``events`` is set.
+- an :class:`~rallypoint.observe.EventLog` when ``events`` is set.
 """
 
 from __future__ import annotations
@@ -15,44 +15,51 @@ import contextlib
 import shutil
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from rallypoint._progress import ProgressBoard
-from rallypoint.launcher._events import EventLog
-from rallypoint.launcher._stacks import (
-    StackDump,
-    collect_stacks,
-    format_grouped_stacks,
-    remove_dump_file,
-    stacks_env,
-)
+from rallypoint._core.checks import check_seconds
+from rallypoint._core.closing import Closing
+from rallypoint.observe._events import EventLog
+from rallypoint.observe._progress import ProgressBoard
+from rallypoint.observe._stacks import StackDump, collect_stacks, remove_dump_file, stacks_env
+from rallypoint.observe._stacks_format import format_grouped_stacks
 
-__all__ = ["Observer"]
+__all__ = ["Observer", "WatchOptions"]
 
 STACKS_TIMEOUT = 5.0
 """Seconds to wait for a worker's stack dump."""
 
 
-class Observer:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WatchOptions:
+    """What the agent watches besides exits (``LaunchConfig`` options of the same names)."""
+
+    hang_timeout: timedelta | None = None
+    """No progress from any worker for this long is a hang (``None``: not watched)."""
+    events: str | None = None
+    """Append the job's events (JSON lines) to this file; ``rallypoint report`` draws them."""
+
+    def __post_init__(self) -> None:
+        check_seconds(self.hang_timeout, "hang_timeout", allow_none=True)
+        if self.events is not None and not isinstance(self.events, str):
+            raise TypeError(f"events must be a path, got {type(self.events).__name__}")
+
+
+class Observer(Closing):
     """Progress board, stack dumps and event log of one agent."""
 
-    def __init__(
-        self,
-        *,
-        nproc: int,
-        hang_timeout: timedelta | None,
-        events: str | None,
-        node: str,
-    ) -> None:
+    def __init__(self, *, nproc: int, watch: WatchOptions, node: str) -> None:
+        hang_timeout = watch.hang_timeout
         self.hang_timeout = hang_timeout
         self.node = node
         self.stacks_dir = Path(tempfile.mkdtemp(prefix="rallypoint-stacks-"))
         self.board = ProgressBoard(nproc) if hang_timeout is not None else None
         self.log: EventLog | None = None
         try:
-            self.log = EventLog(events, node=node) if events else None
+            self.log = EventLog(watch.events, node=node) if watch.events else None
         except BaseException:
             self.close()
             raise

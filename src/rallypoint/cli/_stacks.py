@@ -40,14 +40,15 @@ def stacks_main(argv: Sequence[str] | None = None) -> int:
     if args.timeout <= 0:
         print(f"{PROG}: error: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
         return 2
-    from rallypoint.launcher._elastic import create_rendezvous, run_store_of
-    from rallypoint.launcher._stacks import format_grouped_stacks, request_stacks
+    from rallypoint.elastic._rendezvous import create_rendezvous, run_store_namespace
+    from rallypoint.observe._stacks_exchange import request_stacks
+    from rallypoint.observe._stacks_format import format_grouped_stacks
     from rallypoint.rendezvous import RendezvousError
 
     conf = {"is_host": "false", "read_timeout": str(max(args.timeout, 1.0))}
     try:
         handler = create_rendezvous(args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, 1, 1, conf)
-        store = run_store_of(handler, args.rdzv_id)
+        store = handler.open_run_store(run_store_namespace(args.rdzv_id))
         if store is None:
             raise ValueError(f"the {args.rdzv_backend} backend has no store to ask")
         dumps, missing = request_stacks(store, timeout=args.timeout)

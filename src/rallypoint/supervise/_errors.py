@@ -1,4 +1,4 @@
-"""Exceptions raised by the launcher.
+"""Exceptions raised by the launcher (documented and exported in ``rallypoint.launcher``).
 
 Exception tree::
 
@@ -18,7 +18,22 @@ and the ``ValueError`` subclasses above into a one-line error and exit status 2.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+__all__ = [
+    "BadTargetError",
+    "HangError",
+    "LaunchError",
+    "LaunchInterruptedError",
+    "LaunchTimeoutError",
+    "PortInUseError",
+    "RendezvousFailedError",
+    "WarmErrorKind",
+    "WarmProcessError",
+    "WorkerFailedError",
+    "WorkerState",
+]
 
 
 class LaunchError(RuntimeError):
@@ -94,8 +109,29 @@ class RendezvousFailedError(LaunchError):
     """The multi-node rendezvous could not complete, lost its store, or was closed."""
 
 
+class WarmErrorKind(enum.Enum):
+    """What went wrong in the warm process (:attr:`WarmProcessError.kind`)."""
+
+    PRELOAD = "preload"
+    """A ``--preload`` module could not be imported."""
+    PORT_IN_USE = "port_in_use"
+    """The store could not bind its explicitly requested port: another process holds it."""
+    STORE = "store"
+    """The store server could not start (or restart) for another reason."""
+    DIED = "died"
+    """The warm process died, or its socket broke."""
+    TIMEOUT = "timeout"
+    """The warm process did not answer a request in time."""
+    PROTOCOL = "protocol"
+    """The warm process answered something unexpected."""
+
+
 class WarmProcessError(LaunchError):
-    """The warm process (which imports torch and forks workers) failed."""
+    """The warm process (which imports torch and forks workers) failed; ``kind`` says how."""
+
+    def __init__(self, message: str, *, kind: WarmErrorKind = WarmErrorKind.DIED) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class PortInUseError(LaunchError, ValueError):
@@ -112,3 +148,7 @@ class PortInUseError(LaunchError, ValueError):
 
 class BadTargetError(LaunchError, ValueError):
     """The script, module or command to run cannot be started."""
+
+
+for _name in __all__:
+    globals()[_name].__module__ = "rallypoint.launcher"  # documented there
