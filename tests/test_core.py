@@ -79,3 +79,18 @@ def test_closing_calls_close() -> None:
     with Thing() as thing:
         assert isinstance(thing, Thing)
     assert closed == [True]
+
+
+def test_exit_now_flushes_and_skips_finalization() -> None:
+    script = (
+        "import atexit, sys\n"
+        "from rallypoint._core import exit_now\n"
+        "atexit.register(lambda: print('finalized'))\n"
+        "print('out', end='')\n"
+        "sys.stderr.write('err')\n"
+        "exit_now(3)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "out", "err")

@@ -7,7 +7,7 @@ never up from it.
 - :mod:`~rallypoint._core.checks`: validation of user input (ints, durations) with messages
   that say what to change;
 - :mod:`~rallypoint._core.net`: free ports and port checks;
-- :mod:`~rallypoint._core.procs`: process liveness;
+- :mod:`~rallypoint._core.procs`: process liveness, ending a process without finalization;
 - :mod:`~rallypoint._core.envvars`: the names of the environment variables rallypoint sets
   or reads, spelled once;
 - :mod:`~rallypoint._core.closing`: the ``with obj:`` protocol for objects with ``close()``;
@@ -21,13 +21,14 @@ from rallypoint._core.checks import check_int, check_seconds, to_timedelta
 from rallypoint._core.closing import Closing
 from rallypoint._core.lazy import lazy_attributes
 from rallypoint._core.net import free_port, port_is_free
-from rallypoint._core.procs import pid_alive
+from rallypoint._core.procs import exit_now, pid_alive
 from rallypoint._core.public import set_public_module
 
 __all__ = [
     "Closing",
     "check_int",
     "check_seconds",
+    "exit_now",
     "free_port",
     "lazy_attributes",
     "pid_alive",
