@@ -17,12 +17,31 @@ never up from it.
 
 from __future__ import annotations
 
-from rallypoint._core.checks import check_int, check_seconds, to_timedelta
-from rallypoint._core.closing import Closing
+from typing import TYPE_CHECKING
+
 from rallypoint._core.lazy import lazy_attributes
-from rallypoint._core.net import free_port, port_is_free
-from rallypoint._core.procs import exit_now, pid_alive
-from rallypoint._core.public import set_public_module
+
+if TYPE_CHECKING:
+    from rallypoint._core.checks import check_int, check_seconds, to_timedelta
+    from rallypoint._core.closing import Closing
+    from rallypoint._core.net import free_port, port_is_free
+    from rallypoint._core.procs import exit_now, pid_alive
+    from rallypoint._core.public import set_public_module
+
+# Resolved on first use: ``rallypoint/__init__`` imports this package on the launcher's
+# critical path (before the warm process is forked), so it loads only ``lazy``.
+_NAMES = {
+    "check_int": "rallypoint._core.checks",
+    "check_seconds": "rallypoint._core.checks",
+    "to_timedelta": "rallypoint._core.checks",
+    "Closing": "rallypoint._core.closing",
+    "free_port": "rallypoint._core.net",
+    "port_is_free": "rallypoint._core.net",
+    "exit_now": "rallypoint._core.procs",
+    "pid_alive": "rallypoint._core.procs",
+    "set_public_module": "rallypoint._core.public",
+}
+_SUBMODULES = ("checks", "closing", "envvars", "lazy", "net", "procs", "public")
 
 __all__ = [
     "Closing",
@@ -36,3 +55,5 @@ __all__ = [
     "set_public_module",
     "to_timedelta",
 ]
+
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _NAMES, submodules=_SUBMODULES)
