@@ -82,7 +82,7 @@ class Supervisor(Closing):
             workers=workers,
             output=output,
             observer=observer,
-            base_env=base_env(workers, warn_omp=warn_omp),
+            base_env=base_env(workers, warn_omp=warn_omp, signals_to_handle=stop.signals_to_handle),
             log_root=self._log_root(output, run_id),
             scratch=self._scratch,
         )

@@ -1,0 +1,97 @@
+"""``rallypoint run`` failure paths on one node (issue 13): bad ``--nnodes``, torchrun
+parity of the workers' environment and of a script directory, the launcher SIGKILLed,
+and workers that tools can tell apart."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rallypoint.cli._run import run_main
+
+RALLYPOINT = [sys.executable, "-m", "rallypoint"]
+
+
+def _usage_error(argv: list[str], env: dict[str, str] | None = None) -> str:
+    """Run the real CLI; assert exit status 2 and one line on stderr; return that line."""
+    proc = subprocess.run(
+        [*RALLYPOINT, "run", *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "hello" not in proc.stdout, "the job must not run"
+    return lines[0]
+
+
+@pytest.fixture
+def hello(tmp_path: Path) -> Path:
+    path = tmp_path / "hello.py"
+    path.write_text("print('hello')\n")
+    return path
+
+
+# ---------------------------------------------------------------------------- --nnodes
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["abc", "-3", "0", " ", "2:x", "0:2"])
+def test_bad_nnodes_is_a_usage_error(hello: Path, value: str) -> None:
+    line = _usage_error(["--nnodes", value, str(hello)])
+    assert line.startswith("rallypoint run: error: --nnodes"), line
+    assert repr(value.strip()) in line or repr(value) in line, line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["abc", "-3", "0", " "])
+def test_bad_pet_nnodes_is_a_usage_error(hello: Path, value: str) -> None:
+    line = _usage_error([str(hello)], env={"PET_NNODES": value})
+    assert line.startswith("rallypoint run: error: "), line
+    assert "PET_NNODES" in line, line
+
+
+# ---------------------------------------------------------------------------- torchrun parity
+ENV_SCRIPT = """
+import os
+print("signals", os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE"))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_workers_get_torchelastic_signals_to_handle(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "env.py"
+    script.write_text(ENV_SCRIPT)
+    assert run_main(["--nproc-per-node", "1", str(script)]) == 0
+    out, _ = capfd.readouterr()
+    # torchrun's default, as torch.distributed.launcher.api sets it for the workers
+    assert "[rank0]: signals SIGTERM,SIGINT,SIGHUP,SIGQUIT" in out, out
+    argv = ["--nproc-per-node", "1", "--signals-to-handle", "SIGTERM,SIGUSR1", str(script)]
+    assert run_main(argv) == 0
+    out, _ = capfd.readouterr()
+    assert "[rank0]: signals SIGTERM,SIGUSR1" in out, out
+
+
+@pytest.mark.timeout(60)
+def test_a_directory_without_main_gets_pythons_message(tmp_path: Path) -> None:
+    package = tmp_path / "pkgdir"
+    package.mkdir()
+    line = _usage_error([str(package)])
+    assert f"can't find '__main__' module in {str(package)!r}" in line, line
+    assert "does not exist" not in line
+    # with a __main__.py the directory runs, as with python
+    (package / "__main__.py").write_text("print('hello from main')\n")
+    proc = subprocess.run(
+        [*RALLYPOINT, "run", "--nproc-per-node", "1", str(package)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and "hello from main" in proc.stdout, proc.stderr
