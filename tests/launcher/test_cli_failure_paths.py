@@ -95,3 +95,53 @@ def test_a_directory_without_main_gets_pythons_message(tmp_path: Path) -> None:
         timeout=60,
     )
     assert proc.returncode == 0 and "hello from main" in proc.stdout, proc.stderr
+
+
+# ---------------------------------------------------------------------------- ps and environ
+SLEEPER = """
+import os, sys, time
+from pathlib import Path
+Path(sys.argv[1], f"pid{os.environ['RANK']}").write_text(str(os.getpid()))
+time.sleep(60)
+"""
+
+
+def _wait_for_files(directory: Path, names: list[str], proc: subprocess.Popen[str]) -> None:
+    import time
+
+    deadline = time.monotonic() + 40
+    while not all((directory / n).exists() for n in names):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the workers did not start"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_ps_and_proc_environ_show_each_workers_rank(tmp_path: Path, start_method: str) -> None:
+    import psutil
+
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    argv = ["--nproc-per-node", "2", "--start-method", start_method, str(script), str(tmp_path)]
+    proc = subprocess.Popen(
+        [*RALLYPOINT, "run", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for_files(tmp_path, ["pid0", "pid1"], proc)
+        for rank in (0, 1):
+            pid = int((tmp_path / f"pid{rank}").read_text())
+            ps = subprocess.run(
+                ["ps", "-ww", "-o", "args=", "-p", str(pid)], capture_output=True, text=True, timeout=10
+            )
+            title = f"rallypoint worker rank {rank} (local {rank}) {script} {tmp_path}"
+            assert ps.stdout.strip() == title, ps.stdout
+            worker = psutil.Process(pid)
+            assert worker.cmdline()[0] == f"rallypoint worker rank {rank} (local {rank})"
+            env = worker.environ()  # what /proc/PID/environ says
+            assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank), env
+            assert env["WORLD_SIZE"] == "2" and "TORCHELASTIC_RUN_ID" in env
+            assert worker.name().startswith("python"), "comm stays python (pgrep python)"
+    finally:
+        proc.kill()
+        proc.communicate()
