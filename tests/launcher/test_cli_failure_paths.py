@@ -132,7 +132,10 @@ def test_ps_and_proc_environ_show_each_workers_rank(tmp_path: Path, start_method
         for rank in (0, 1):
             pid = int((tmp_path / f"pid{rank}").read_text())
             ps = subprocess.run(
-                ["ps", "-ww", "-o", "args=", "-p", str(pid)], capture_output=True, text=True, timeout=10
+                ["ps", "-ww", "-o", "args=", "-p", str(pid)],
+                capture_output=True,
+                text=True,
+                timeout=10,
             )
             title = f"rallypoint worker rank {rank} (local {rank}) {script} {tmp_path}"
             assert ps.stdout.strip() == title, ps.stdout
@@ -145,3 +148,96 @@ def test_ps_and_proc_environ_show_each_workers_rank(tmp_path: Path, start_method
     finally:
         proc.kill()
         proc.communicate()
+
+
+# ---------------------------------------------------------------------------- kill -9
+FAMILY = """
+import json, os, subprocess, sys, time
+from pathlib import Path
+
+out, rank = Path(sys.argv[1]), os.environ["RANK"]
+# a child with a grandchild of its own
+child = subprocess.Popen(
+    [sys.executable, "-c",
+     "import subprocess, time; p = subprocess.Popen(['sleep', '120']); print(p.pid, flush=True); "
+     "time.sleep(120)"],
+    stdout=subprocess.PIPE, text=True,
+)
+grandchild = int(child.stdout.readline())
+# a child in its own session
+session = subprocess.Popen(["sleep", "120"], start_new_session=True)
+# a daemon: fork, setsid, fork again, the middle one exits
+r, w = os.pipe()
+middle = os.fork()
+if middle == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.write(w, f"{os.getpid()}".encode())
+        time.sleep(120)
+    os._exit(0)
+os.waitpid(middle, 0)
+daemon = int(os.read(r, 64))
+paths = [os.environ[k] for k in ("RALLYPOINT_STACKS_DIR", "RALLYPOINT_PROGRESS_FILE")]
+family = [os.getpid(), child.pid, grandchild, session.pid, daemon]
+(out / f"family{rank}.json").write_text(json.dumps({"pids": family, "paths": paths}))
+time.sleep(120)
+"""
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.timeout(90)
+def test_launcher_sigkilled_leaves_no_process_and_no_temporary_files(tmp_path: Path) -> None:
+    import json
+    import signal
+    import time
+
+    import psutil
+
+    script = tmp_path / "family.py"
+    script.write_text(FAMILY)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    argv = ["--nproc-per-node", "2", "--hang-timeout", "300", str(script), str(tmp_path)]
+    proc = subprocess.Popen(
+        [*RALLYPOINT, "run", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )
+    try:
+        _wait_for_files(tmp_path, ["family0.json", "family1.json"], proc)
+        families = [json.loads((tmp_path / f"family{r}.json").read_text()) for r in (0, 1)]
+        pids = {pid for f in families for pid in f["pids"]}
+        pids |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        assert len(pids) >= 12, pids  # warm process, store process, 2 x 5 of the family
+        paths = [Path(p) for f in families for p in f["paths"]]
+        assert all(p.exists() for p in paths) and any(tmp.iterdir())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+            time.sleep(0.02)
+        survivors = [psutil.Process(pid).cmdline() for pid in pids if _running(pid)]
+        assert not survivors, survivors
+        while time.monotonic() < deadline and (
+            any(tmp.iterdir()) or any(p.exists() for p in paths)
+        ):
+            time.sleep(0.02)
+        assert not list(tmp.iterdir()), list(tmp.iterdir())
+        assert not [p for p in paths if p.exists()]
+    finally:
+        proc.kill()
+        proc.communicate()
+        for f in tmp_path.glob("family*.json"):
+            for pid in json.loads(f.read_text())["pids"]:
+                with __import__("contextlib").suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)

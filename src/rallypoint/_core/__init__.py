@@ -7,7 +7,7 @@ never up from it.
 - :mod:`~rallypoint._core.checks`: validation of user input (ints, durations) with messages
   that say what to change;
 - :mod:`~rallypoint._core.net`: free ports and port checks;
-- :mod:`~rallypoint._core.procs`: process liveness;
+- :mod:`~rallypoint._core.procs`: process liveness, a process's descendants (``/proc``);
 - :mod:`~rallypoint._core.envvars`: the names of the environment variables rallypoint sets
   or reads, spelled once;
 - :mod:`~rallypoint._core.closing`: the ``with obj:`` protocol for objects with ``close()``;

@@ -10,6 +10,7 @@ coordinator that owns it does (``rallypoint.elastic``).
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import shutil
 import signal
@@ -76,6 +77,10 @@ class Supervisor(Closing):
         self.stopper = Stopper(warm, stop.shutdown_timeout)
         self._warm_ready = False
         self._scratch = Path(tempfile.mkdtemp(prefix="rallypoint_"))
+        # removed by the warm process should this process be killed (close() does it else);
+        # a warm process that is gone already is reported by the first real request
+        with contextlib.suppress(WarmProcessError):
+            warm.remove_on_exit([str(self._scratch), *observer.temp_paths()])
         self.starter = WorkerStarter(
             warm,
             target,

@@ -95,6 +95,12 @@ class WarmProcess:
 
         return self._request(ResetStore(), StoreStarted).port
 
+    def remove_on_exit(self, paths: list[str]) -> None:
+        """Have the warm process remove ``paths`` should this process die without closing."""
+        from rallypoint.supervise._messages import RemoveOnExit
+
+        self._send(RemoveOnExit(tuple(paths)))
+
     def spawn_many(self, requests: list[tuple[WorkerSpec, list[int]]]) -> list[int]:
         """Start several workers: all requests go out first, so forks start back to back."""
         from rallypoint.supervise._messages import Spawn, Spawned
