@@ -7,7 +7,10 @@ This module therefore imports nothing heavy at its top level.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+from typing import NoReturn
 
 # subcommand -> ("module" with ``main(argv) -> int``, or "module:function"; one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -33,6 +36,16 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _exit_now(code: int) -> NoReturn:
+    """End ``rallypoint run`` at once: the job is over and its files are closed, and an
+    interpreter shutdown with torch loaded (and maybe a store call abandoned in a thread)
+    costs a second of CPU, during which a stopped launcher would still be there."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "run":
@@ -42,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         warm = WarmProcess.fork()
         from rallypoint.cli._run import run_main
 
-        return run_main(args[1:], warm)
+        _exit_now(run_main(args[1:], warm, owns_process=True))
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2

@@ -11,11 +11,14 @@ that workers never inherit its listening socket and a restart can rebind the sam
 with an empty store.
 
 If the supervisor dies without a word (``kill -9``, the OOM killer), the warm process hears
-it at once: its parent-death signal is ``SIGTERM``, which it catches (as it does the end of
-its socket). It then SIGKILLs every descendant it has, found in ``/proc`` (workers, their
-children, whatever daemonized or started its own session: as a child subreaper it inherits
-those orphans), reaps them, removes the supervisor's temporary paths
-(:class:`~rallypoint.supervise._messages.RemoveOnExit`) and exits.
+it at once. Until it is ready (its imports done: nothing else exists yet, and a Python
+handler would wait for ``import torch``'s long C calls) its parent-death signal is
+``SIGKILL``; from :class:`~rallypoint.supervise._messages.Ready` on it is ``SIGTERM``,
+which it catches (as it does the end of its socket). It then SIGKILLs every descendant it
+has, found in ``/proc`` (workers, their children, whatever daemonized or started its own
+session: as a child subreaper it inherits those orphans), reaps them, removes the
+supervisor's temporary paths (:class:`~rallypoint.supervise._messages.RemoveOnExit`; the
+supervisor makes them only after ``Ready``) and exits.
 """
 
 from __future__ import annotations
@@ -107,11 +110,12 @@ class _Server:
         self.wake_r, self.wake_w = os.pipe()
         self.remove_on_exit: list[str] = []
         self.pid = os.getpid()
+        self.parent = 0
 
     def serve(self) -> NoReturn:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's ^C is the supervisor's
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        set_parent_death_signal(signal.SIGTERM)
+        set_parent_death_signal(signal.SIGKILL)  # until Ready (see the module docstring)
+        self.parent = os.getppid()
         with contextlib.suppress(Exception):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         os.set_blocking(self.wake_w, False)
@@ -172,6 +176,10 @@ class _Server:
         # children then share the warm heap without copy-on-write churn from their
         # collections (no gc.collect() first: it costs ~80 ms on the critical path)
         gc.freeze()
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != self.parent:  # it died before the signal was armed
+            self._orphaned()
         return Ready(os.getpid())
 
     def _spawn(self, spec: WorkerSpec, fds: list[int]) -> Reply:
