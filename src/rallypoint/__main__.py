@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # Not a return: daemon threads may still sit in torch's C++ store calls, and one
         # waking during interpreter finalization aborts the process (see exit_now).
-        exit_now(run_main(args[1:], warm))
+        exit_now(run_main(args[1:], warm, owns_process=True))
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2

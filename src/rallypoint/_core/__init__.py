@@ -7,12 +7,15 @@ never up from it.
 - :mod:`~rallypoint._core.checks`: validation of user input (ints, durations) with messages
   that say what to change;
 - :mod:`~rallypoint._core.net`: free ports and port checks;
-- :mod:`~rallypoint._core.procs`: process liveness, ending a process without finalization;
+- :mod:`~rallypoint._core.procs`: process liveness, a process's descendants (``/proc``),
+  ending a process without finalization;
 - :mod:`~rallypoint._core.envvars`: the names of the environment variables rallypoint sets
   or reads, spelled once;
 - :mod:`~rallypoint._core.closing`: the ``with obj:`` protocol for objects with ``close()``;
 - :mod:`~rallypoint._core.lazy`: a package's lazily imported public attributes (PEP 562);
-- :mod:`~rallypoint._core.public`: public names report their public module.
+- :mod:`~rallypoint._core.public`: public names report their public module;
+- :mod:`~rallypoint._core.blocking`: a blocking call (a C store call that ignores signals)
+  run in a thread, so the caller keeps its own deadline and still handles signals.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ _NAMES = {
     "pid_alive": "rallypoint._core.procs",
     "set_public_module": "rallypoint._core.public",
 }
-_SUBMODULES = ("checks", "closing", "envvars", "lazy", "net", "procs", "public")
+_SUBMODULES = ("blocking", "checks", "closing", "envvars", "lazy", "net", "procs", "public")
 
 __all__ = [
     "Closing",

@@ -5,7 +5,8 @@ Supervisor -> warm process, and the reply:
 - :class:`Init` -> :class:`Ready` | :class:`Failed` (``PRELOAD``);
 - :class:`StartStore`, :class:`ResetStore` -> :class:`StoreStarted` | :class:`Failed`;
 - :class:`Spawn` with three file descriptors (stdout, stderr, result) -> :class:`Spawned`;
-- :class:`Shutdown` (no reply: the warm process kills its workers and exits).
+- :class:`Shutdown` (no reply: the warm process kills its workers and exits);
+- :class:`RemoveOnExit` (no reply): paths the warm process removes if the supervisor dies.
 
 Unsolicited, warm process -> supervisor: :class:`Exited` the moment a worker is reaped.
 The warm process and its store process speak :class:`StartStore`/:class:`ResetStore` ->
@@ -30,6 +31,7 @@ __all__ = [
     "Failed",
     "Init",
     "Ready",
+    "RemoveOnExit",
     "Reply",
     "Request",
     "ResetStore",
@@ -79,7 +81,15 @@ class Shutdown:
     """Kill every worker and the store, then exit."""
 
 
-Request = Init | StartStore | ResetStore | Spawn | Shutdown
+@dataclass(frozen=True, slots=True)
+class RemoveOnExit:
+    """Temporary files and directories of the supervisor: if it dies without a
+    :class:`Shutdown` (``kill -9``, the OOM killer), the warm process removes them."""
+
+    paths: tuple[str, ...]
+
+
+Request = Init | StartStore | ResetStore | Spawn | Shutdown | RemoveOnExit
 
 
 # ---------------------------------------------------------------- warm process -> supervisor
@@ -143,6 +153,7 @@ _TYPES = (
     ResetStore,
     Spawn,
     Shutdown,
+    RemoveOnExit,
     Ready,
     StoreStarted,
     Spawned,
