@@ -206,6 +206,23 @@ def test_lease_expires_keys_of_a_dead_job(etcd: EtcdServer) -> None:
     assert reader.get("second") is None
 
 
+def test_a_lease_found_gone_is_replaced(etcd: EtcdServer) -> None:
+    """A keep-alive told "requested lease not found" (revoked, or expired while etcd was
+    away) takes a new lease instead of renewing a dead one forever."""
+    kv = _kv(etcd, lease_ttl=3)  # renewed every second
+    kv.set("before", b"1")
+    lease = kv._lease
+    _post(etcd, "/v3/lease/revoke", {"ID": str(lease)})
+    deadline = time.monotonic() + 10
+    while kv._lease == lease:
+        assert time.monotonic() < deadline, "the keep-alive kept the revoked lease"
+        time.sleep(0.1)
+    kv.set("after", b"1")
+    assert kv.get("after") == b"1"
+    assert kv.get("before") is None  # gone with its lease
+    kv.close()
+
+
 def _post(server: EtcdServer, path: str, body: dict[str, Any], token: str | None = None) -> Any:
     headers = {"Content-Type": "application/json"}
     if token:

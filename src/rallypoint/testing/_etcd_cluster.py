@@ -14,6 +14,7 @@ timeout by default) so that a test rides out a leader change in about a second.
         cluster.wait_ready()                     # the two others elected a new leader
         cluster.start_member(old)                # it comes back with its data dir
         cluster.freeze(cluster.leader())         # SIGSTOP: silent, connections held open
+        cluster.move_leader(2)                   # leadership transfer to member 2
 
     with Network(3) as net, EtcdCluster(3, hosts=net.hosts) as cluster:
         cluster.cut(cluster.leader())            # its host's link goes down: no RST, silence
@@ -326,6 +327,19 @@ class EtcdCluster(Closing):
                 return index
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no agreed etcd leader within {timeout} s: {self!r}")
+            time.sleep(0.05)
+
+    def move_leader(self, index: int, timeout: float = 10.0) -> None:
+        """Make member ``index`` the leader (etcd's leadership transfer)."""
+        deadline = time.monotonic() + timeout
+        while (leader := self.leader(timeout)) != index:
+            target = self.status(index).get("header", {}).get("member_id")
+            if target is not None:
+                self.members[leader].post(
+                    "/v3/maintenance/transfer-leadership", {"targetID": str(target)}, timeout=5
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.members[index].name} did not become the leader")
             time.sleep(0.05)
 
     def wait_ready(self, timeout: float = 20.0, *, require_all: bool = False) -> int:
