@@ -2,8 +2,9 @@
 leader killed, or its link cut) during rendezvous and during training, and a training node,
 and go on: every rank keeps training, the job ends with exit 0 and the right result.
 
-Workers train in a loop of gloo all_reduces and log each step's time; the test stops the
-job by creating ``out/stop`` (the ranks agree on it through an all_reduce). Nothing here
+Workers train in a loop of gloo all_reduces and log each step's time
+(``rallypoint.testing._training_log``); the test stops the job by creating ``out/stop``
+(the ranks agree on it through an all_reduce). Nothing here
 spends restart budget (``--max-restarts 0``): a member loss must not restart anyone, and a
 node loss is a membership change.
 """
@@ -26,39 +27,18 @@ from rallypoint.rendezvous._rounds import Keys
 from rallypoint.testing._etcd import etcd_binary
 from rallypoint.testing._etcd_cluster import EtcdCluster
 from rallypoint.testing._netns import Network, netns_available
+from rallypoint.testing._training_log import (
+    STEP_WORKER,
+    read_results,
+    step_times,
+    stop_training,
+    wait_training,
+)
 
 pytestmark = [
     pytest.mark.etcd,
     pytest.mark.skipif(etcd_binary() is None, reason="etcd is not on PATH (apt: etcd-server)"),
 ]
-
-WORKER = """
-import os, sys, time
-import torch, torch.distributed as dist
-
-out = sys.argv[1]
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-tag = f"{rank}-{world}-{os.environ['TORCHELASTIC_RESTART_COUNT']}-{os.environ['NODE_NAME']}"
-log = open(os.path.join(out, "steps-" + tag), "a", buffering=1)
-step = 0
-while True:
-    stop = torch.tensor([float(os.path.exists(os.path.join(out, "stop")))])
-    dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-    if stop.item() > 0:
-        break
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    assert t.item() == world, (t.item(), world)
-    step += 1
-    log.write(f"{step} {time.time()!r}\\n")
-    time.sleep(0.02)
-total = torch.tensor([float(rank)])
-dist.all_reduce(total)
-with open(os.path.join(out, "result-" + tag), "w") as fp:
-    fp.write(f"{total.item()} {step}")
-dist.destroy_process_group()
-"""
 
 RUN_ID = "ha"
 # the liveness window (0.5 s x 8 = 4 s) must exceed what an etcd member loss stalls a
@@ -98,30 +78,8 @@ def _logs(out: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(out.glob("agent-*")))
 
 
-def _steps(out: Path, world: int) -> dict[str, list[float]]:
-    """Step times per ``rank-world-restart-node`` tag of a ``world``-rank world."""
-    found: dict[str, list[float]] = {}
-    for path in out.glob(f"steps-*-{world}-*"):
-        times = [float(line.split()[1]) for line in path.read_text().splitlines() if " " in line]
-        found[path.name.removeprefix("steps-")] = times
-    return found
-
-
-def _training_since(out: Path, world: int, since: float, timeout: float = 60) -> float:
-    """Wait until every rank of a ``world``-rank world logged a step after ``since`` (unix
-    time); return the latest of those first steps, minus ``since``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        firsts: dict[int, float] = {}
-        for tag, times in _steps(out, world).items():
-            after = [t for t in times if t > since]
-            if after:
-                rank = int(tag.split("-")[0])
-                firsts[rank] = min(firsts.get(rank, after[0]), after[0])
-        if len(firsts) == world:
-            return max(firsts.values()) - since
-        assert time.monotonic() < deadline, (sorted(_steps(out, world)), _logs(out))
-        time.sleep(0.05)
+def _training_since(out: Path, world: int, since: float) -> float:
+    return wait_training(out, world, since, timeout=60, diagnose=lambda: _logs(out))
 
 
 def _leader_first(cluster: EtcdCluster) -> tuple[str, list[int]]:
@@ -157,19 +115,16 @@ def _wait_enrolled(cluster: EtcdCluster, k: int, n: int, out: Path) -> None:
 
 
 def _stop_job(out: Path, procs: Sequence[subprocess.Popen[Any]], world: int) -> None:
-    (out / "stop").touch()
+    stop_training(out)
     for p in procs:
         try:
             p.wait(timeout=60)
         except subprocess.TimeoutExpired:
             pytest.fail("the job did not end after the stop file:\n" + _logs(out))
         assert p.returncode == 0, _logs(out)
-    results = sorted(out.glob(f"result-*-{world}-*"))
+    results = read_results(out, world)
     assert len(results) == world, (results, _logs(out))
-    expected = float(sum(range(world)))
-    for path in results:
-        total, steps = path.read_text().split()
-        assert float(total) == expected and int(steps) > 0, (path.name, total, steps)
+    assert all(total == sum(range(world)) and steps > 0 for total, steps in results), results
 
 
 def _kill_all(procs: Sequence[subprocess.Popen[Any]]) -> None:
@@ -179,19 +134,19 @@ def _kill_all(procs: Sequence[subprocess.Popen[Any]]) -> None:
             p.wait(10)
 
 
-def _events(out: Path, kind: str) -> list[str]:
-    return [
-        line
-        for path in out.glob("events-*")
-        for line in path.read_text().splitlines()
-        if f'"kind": "{kind}"' in line
-    ]
+def _restarts(out: Path) -> list[str]:
+    """The reasons of every restart any node logged."""
+    from rallypoint.observe import read_events
+
+    events = read_events(sorted(out.glob("events-*")))
+    assert any(e.kind == "round" for e in events)  # the logs are there and readable
+    return [str(e.get("reason")) for e in events if e.kind == "restart"]
 
 
 @pytest.mark.timeout(180)
 def test_leader_killed_in_rendezvous_and_in_training_then_a_node_lost(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    script.write_text(WORKER)
+    script.write_text(STEP_WORKER)
     out = tmp_path / "out"
     out.mkdir()
     procs: list[subprocess.Popen[Any]] = []
@@ -216,11 +171,11 @@ def test_leader_killed_in_rendezvous_and_in_training_then_a_node_lost(tmp_path: 
             pause = _training_since(out, 3, killed)
             time.sleep(INTERVAL * ATTEMPTS + 2)  # past the liveness window
             _training_since(out, 3, time.time())
-            assert not _events(out, "restart"), _logs(out)
+            assert not _restarts(out), _logs(out)
             print(f"leader killed in training: every rank stepped within {pause:.2f} s")
 
             # a training node: the one whose group rank 0 hosts the workers' store
-            host = next(tag for tag in _steps(out, 3) if tag.startswith("0-"))
+            host = next(tag for tag in step_times(out, 3) if tag.startswith("0-"))
             victim = int(host.rsplit("-", 1)[1].removeprefix("n"))
             os.killpg(procs[victim].pid, signal.SIGKILL)
             procs[victim].wait(10)
@@ -229,6 +184,7 @@ def test_leader_killed_in_rendezvous_and_in_training_then_a_node_lost(tmp_path: 
             print(f"node {victim} (group rank 0) killed: training again at 2 nodes in {took:.2f} s")
             survivors = [p for i, p in enumerate(procs) if i != victim]
             _stop_job(out, survivors, world=2)
+            assert _restarts(out) and all("membership changed" in r for r in _restarts(out))
         finally:
             _kill_all(procs)
 
@@ -243,7 +199,7 @@ def test_leader_link_cut_in_rendezvous_and_in_training(tmp_path: Path) -> None:
     """Five fake hosts: etcd members on h0-h2, training nodes on h3 and h4. The leader's
     host loses its link (silence, no reset) while h3 waits for h4, and again in training."""
     script = tmp_path / "train.py"
-    script.write_text(WORKER)
+    script.write_text(STEP_WORKER)
     out = tmp_path / "out"
     out.mkdir()
     procs: list[subprocess.Popen[Any]] = []
@@ -266,7 +222,7 @@ def test_leader_link_cut_in_rendezvous_and_in_training(tmp_path: Path) -> None:
             pause = _training_since(out, 2, cut)
             time.sleep(INTERVAL * ATTEMPTS + 2)  # past the liveness window
             _training_since(out, 2, time.time())
-            assert not _events(out, "restart"), _logs(out)
+            assert not _restarts(out), _logs(out)
             print(f"leader's link cut in training: every rank stepped within {pause:.2f} s")
             cluster.restore(second)
             _stop_job(out, procs, world=2)

@@ -143,3 +143,22 @@ def test_leader_frozen_while_nodes_join_and_while_they_beat(cluster: EtcdCluster
     finally:
         _stop(handlers)
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def test_cluster_bad_input() -> None:
+    with pytest.raises(ValueError, match="size must be at least 1"):
+        EtcdCluster(0)
+    with pytest.raises(ValueError, match="at least 5 times"):
+        EtcdCluster(3, election_timeout_ms=100, heartbeat_interval_ms=50)
+    with pytest.raises(TypeError):
+        EtcdCluster("3")  # type: ignore[arg-type]
+
+
+def test_a_cut_needs_fake_hosts(cluster: EtcdCluster) -> None:
+    assert cluster.endpoint == ",".join(f"127.0.0.1:{m.client_port}" for m in cluster.members)
+    with pytest.raises(ValueError, match="fake hosts"):
+        cluster.cut(0)
+    leader = cluster.leader()
+    other = (leader + 1) % 3
+    cluster.move_leader(other)
+    assert cluster.leader() == other

@@ -21,21 +21,20 @@ timeout by default) so that a test rides out a leader change in about a second.
         cluster.restore(...)
 
 Queries (status, health) go to each member from where it can be reached: directly on
-loopback, or from inside the member's own namespace (``ip netns exec``), since the test
-process's namespace has no route to the fake hosts.
+loopback, or from a thread inside the member's own namespace (``Host.call``), since the
+test process's namespace has no route to the fake hosts.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Self
 
@@ -48,17 +47,6 @@ if TYPE_CHECKING:
     from rallypoint.testing._netns import Host
 
 __all__ = ["EtcdCluster", "EtcdMember"]
-
-_QUERY = r"""
-import json, sys, urllib.request
-req = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode(), method="POST",
-                             headers={"Content-Type": "application/json"})
-try:
-    with urllib.request.urlopen(req, timeout=float(sys.argv[3])) as resp:
-        print(resp.read().decode())
-except OSError as exc:
-    print(json.dumps({"unreachable": str(exc)}))
-"""
 
 
 class EtcdMember:
@@ -99,28 +87,21 @@ class EtcdMember:
         return f"EtcdMember({self.name!r}, {self.endpoint!r}, {state})"
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 1.0) -> dict[str, Any]:
-        """POST to this member's gateway from where it is reachable; ``{}`` if it is not."""
-        url = f"http://{self.endpoint}{path}"
-        if self.host is None:
-            request = urllib.request.Request(
-                url,
-                data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"},
-                method="POST",
-            )
+        """POST to this member's gateway from where it is reachable (inside its host's
+        namespace on fake hosts); ``{}`` if it does not answer."""
+
+        def ask() -> dict[str, Any]:
+            conn = http.client.HTTPConnection(self.address, self.client_port, timeout=timeout)
             try:
-                with urllib.request.urlopen(request, timeout=timeout) as resp:
-                    answer: dict[str, Any] = json.loads(resp.read())
-                    return answer
-            except (OSError, ValueError):
+                conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+                answer: dict[str, Any] = json.loads(conn.getresponse().read() or b"{}")
+                return answer
+            except (OSError, http.client.HTTPException, ValueError):
                 return {}
-        cmd = [sys.executable, "-S", "-c", _QUERY, url, json.dumps(body), str(timeout)]
-        done = self.host.run(cmd, capture_output=True, text=True, timeout=timeout + 10)
-        try:
-            answer = json.loads(done.stdout or "{}")
-        except ValueError:
-            return {}
-        return {} if "unreachable" in answer else answer
+            finally:
+                conn.close()
+
+        return ask() if self.host is None else self.host.call(ask, timeout=timeout + 10)
 
     def log_tail(self, size: int = 2000) -> str:
         try:
