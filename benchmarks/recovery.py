@@ -275,6 +275,42 @@ def etcd_loss(kind: str, timeout: float) -> tuple[float, int] | None:
             return None
 
 
+def rendezvous_loss(kind: str) -> float:
+    """Three thread-nodes, min = max = 3, talking to the etcd leader: two wait in round 0
+    when the leader is lost (``kill``: SIGKILL; ``freeze``: SIGSTOP, silence as behind a
+    cut link; ``none``: the baseline) and the third joins: seconds until all have ranks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rallypoint.rendezvous import RendezvousParameters, get_rendezvous_handler
+    from rallypoint.testing._etcd_cluster import EtcdCluster
+
+    with EtcdCluster(3) as cluster, ThreadPoolExecutor(3) as pool:
+        first = cluster.leader()
+        order = [(first + i) % 3 for i in range(3)]
+        endpoint = ",".join(cluster.members[i].endpoint for i in order)
+        conf = {"keep_alive_interval": "3", "use_agent_store": "false", "read_timeout": "30"}
+        handlers = [
+            get_rendezvous_handler(RendezvousParameters("etcd", endpoint, "r", 3, 3, **conf))
+            for _ in range(3)
+        ]
+        early = [pool.submit(h.next_rendezvous) for h in handlers[:2]]
+        time.sleep(1)  # both are in their watch on the leader
+        if kind == "kill":
+            cluster.kill(first)
+        elif kind == "freeze":
+            cluster.freeze(first)
+        start = time.monotonic()
+        late = pool.submit(handlers[2].next_rendezvous)
+        for f in [*early, late]:
+            f.result(60)
+        took = time.monotonic() - start
+        for h in handlers:
+            h.shutdown()
+        if kind == "freeze":
+            cluster.kill(first)
+        return took
+
+
 def c10d_host_loss(tool: str, timeout: float) -> tuple[float, list[int | None]]:
     """Kill the node hosting the c10d store: (seconds until the others exited, exit codes)."""
     from rallypoint.testing._training_log import wait_training
@@ -343,6 +379,10 @@ def spof(repeat: int, timeout: float, torchrun: bool) -> None:
     if torchrun:
         ends = [c10d_host_loss("torchrun", timeout) for _ in range(repeat)]
         print(f"| node hosting the store killed | c10d (torchrun) | never: {_fmt_end(ends)} |")
+    print("\n| etcd leader lost while 2 of 3 nodes wait in a round | round complete (s) |")
+    print("|---|---|")
+    for label, kind in (("no loss (baseline)", "none"), ("killed", "kill"), ("frozen", "freeze")):
+        print(f"| {label} | {_fmt([rendezvous_loss(kind) for _ in range(repeat)])} |")
 
 
 def _fmt(values: list[float | None]) -> str:
