@@ -227,7 +227,9 @@ def _training_dir() -> Iterator[tuple[Path, Path]]:
 
 
 def _restarts(out: Path) -> int:
-    return sum(line.count('"kind": "restart"') for p in out.glob("events-*") for line in p.open())
+    from rallypoint.observe import read_events
+
+    return sum(1 for e in read_events(sorted(out.glob("events-*"))) if e.kind == "restart")
 
 
 def etcd_loss(kind: str, timeout: float) -> tuple[float, int] | None:
