@@ -265,6 +265,8 @@ def test_user_password_auth() -> None:
         ("127.0.0.1:abc", {}, "rendezvous endpoint"),
         ("127.0.0.1:2379", {"protocol": "gopher"}, "'protocol'"),
         ("127.0.0.1:2379", {"lease_ttl": "long"}, "'lease_ttl'"),
+        ("127.0.0.1:2379", {"request_timeout": "soon"}, "'request_timeout'"),
+        ("127.0.0.1:2379", {"request_timeout": "0"}, "'request_timeout' must be > 0"),
         ("127.0.0.1:2379", {"username": "u"}, "both 'username' and 'password'"),
         ("127.0.0.1:2379", {"cert": "c.pem"}, "both 'cert' and 'key'"),
     ],
