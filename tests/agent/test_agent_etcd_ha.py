@@ -143,6 +143,16 @@ def _restarts(out: Path) -> list[str]:
     return [str(e.get("reason")) for e in events if e.kind == "restart"]
 
 
+def _nobody_stops(out: Path, world: int, lost: float, what: str) -> None:
+    """Every rank keeps stepping after the loss at ``lost`` and after the liveness window
+    (nobody was presumed dead), and no node restarted its workers."""
+    pause = _training_since(out, world, lost)
+    time.sleep(INTERVAL * ATTEMPTS + 2)
+    _training_since(out, world, time.time())
+    assert not _restarts(out), _logs(out)
+    print(f"{what}: every rank stepped within {pause:.2f} s")
+
+
 @pytest.mark.timeout(180)
 def test_leader_killed_in_rendezvous_and_in_training_then_a_node_lost(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
@@ -167,12 +177,7 @@ def test_leader_killed_in_rendezvous_and_in_training_then_a_node_lost(tmp_path: 
             # nobody stops (no restart at all)
             cluster.move_leader(order[1])
             cluster.kill(order[1])
-            killed = time.time()
-            pause = _training_since(out, 3, killed)
-            time.sleep(INTERVAL * ATTEMPTS + 2)  # past the liveness window
-            _training_since(out, 3, time.time())
-            assert not _restarts(out), _logs(out)
-            print(f"leader killed in training: every rank stepped within {pause:.2f} s")
+            _nobody_stops(out, 3, time.time(), "leader killed in training")
 
             # a training node: the one whose group rank 0 hosts the workers' store
             host = next(tag for tag in step_times(out, 3) if tag.startswith("0-"))
@@ -218,12 +223,7 @@ def test_leader_link_cut_in_rendezvous_and_in_training(tmp_path: Path) -> None:
             second = order[1]  # where the agents moved: make it the leader, then cut it
             cluster.move_leader(second)
             cluster.cut(second)
-            cut = time.time()
-            pause = _training_since(out, 2, cut)
-            time.sleep(INTERVAL * ATTEMPTS + 2)  # past the liveness window
-            _training_since(out, 2, time.time())
-            assert not _restarts(out), _logs(out)
-            print(f"leader's link cut in training: every rank stepped within {pause:.2f} s")
+            _nobody_stops(out, 2, time.time(), "leader's link cut in training")
             cluster.restore(second)
             _stop_job(out, procs, world=2)
         finally:
