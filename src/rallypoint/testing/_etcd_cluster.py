@@ -27,6 +27,7 @@ test process's namespace has no route to the fake hosts.
 
 from __future__ import annotations
 
+import atexit
 import http.client
 import json
 import os
@@ -172,6 +173,7 @@ class EtcdCluster(Closing):
         ]  # fmt: skip
         self._initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         self._started = False
+        atexit.register(self.close)  # members run in sessions of their own: never leak them
 
     # ------------------------------------------------------------------ addresses
 
@@ -358,6 +360,7 @@ class EtcdCluster(Closing):
 
     def close(self) -> None:
         """Kill every member and remove the data dirs (idempotent)."""
+        atexit.unregister(self.close)
         for member in self.members:
             self.kill(member.index)
         shutil.rmtree(self.data_dir, ignore_errors=True)
