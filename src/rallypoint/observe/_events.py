@@ -20,7 +20,7 @@ kind           fields
                ``rank`` (scope ``rank``), ``group_rank``, ``host``, ``ranks``, ``step_s``,
                ``median_s`` (of the others), ``threshold``
 ``step_times`` ``round``, ``step_s`` (``{"rank": seconds per step}``), ``median_s`` -- at most
-               every 10 s, written by the node that judges stragglers
+               every 10 s (or the window), written by the node that judges stragglers
 ``job_end``    ``status`` (``succeeded`` / ``failed``), ``exitcode``
 ============== ==============================================================================
 

@@ -1,8 +1,9 @@
 """Step-time lanes of a job's report: each rank's step time over time, stragglers marked.
 
 Built from the ``step_times`` events (every measured rank's seconds per step, at most every
-10 s, with the median of the job) and the ``straggler`` events (a rank or node that became
-slow, or recovered) that the agent judging stragglers writes (``_straggler_watch``).
+10 s or the window, with the median of the job) and the ``straggler`` events (a rank or
+node that became slow, or recovered) that the agent judging stragglers writes
+(``_straggler_watch``).
 """
 
 from __future__ import annotations

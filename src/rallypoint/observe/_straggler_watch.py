@@ -157,7 +157,8 @@ class StragglerWatch:
             if rank in running and measured is not None:
                 ranks.append(RankPace(rank, *measured))
         self._seq += 1
-        return NodePace(self.group_rank, self.host, self._seq, tuple(ranks))
+        here = sum(1 for slot in range(self.board.nslots) if self.rank_offset + slot in running)
+        return NodePace(self.group_rank, self.host, self._seq, tuple(ranks), here)
 
     def _read_all(self, store: PaceStore, own: NodePace) -> list[NodePace]:
         keys = [pace_key(self.round, g) for g in range(self.nnodes) if g != self.group_rank]

@@ -229,10 +229,19 @@ class NodePace:
     seq: int
     """Counts the summaries of this node in this round: a frozen ``seq`` is a stale node."""
     ranks: tuple[RankPace, ...]
+    """The node's running ranks that have a step time."""
+    running: int = 0
+    """How many ranks run on the node: it is judged as a node once all have a step time."""
 
     def to_json(self) -> str:
         ranks = [[r.rank, float(f"{r.step_s:.4g}"), r.steps] for r in self.ranks]
-        record = {"g": self.group_rank, "host": self.host, "seq": self.seq, "ranks": ranks}
+        record = {
+            "g": self.group_rank,
+            "host": self.host,
+            "seq": self.seq,
+            "ranks": ranks,
+            "n": self.running,
+        }
         return json.dumps(record, separators=(",", ":"))
 
     @classmethod
@@ -244,7 +253,7 @@ class NodePace:
                 RankPace(int(rank), float(step_s), int(steps))
                 for rank, step_s, steps in obj["ranks"]
             )
-            pace = cls(int(obj["g"]), str(obj["host"]), int(obj["seq"]), ranks)
+            pace = cls(int(obj["g"]), str(obj["host"]), int(obj["seq"]), ranks, int(obj["n"]))
         except (TypeError, KeyError, ValueError) as exc:
             raise ValueError(f"not a node pace summary: {exc}") from None
         if any(not math.isfinite(r.step_s) or r.step_s < 0 for r in ranks):
@@ -288,7 +297,8 @@ class StragglerDetector:
     def update(self, nodes: Iterable[NodePace]) -> list[Straggler]:
         """Judge the latest summaries; return the ranks/nodes that changed state."""
         nodes = [n for n in nodes if n.ranks]
-        changes = self._judge_nodes(nodes) if len(nodes) > 1 else []
+        whole = [n for n in nodes if len(n.ranks) >= n.running]
+        changes = self._judge_nodes(whole) if len(whole) > 1 else []
         slow_nodes = {n.group_rank for n in nodes if ("node", n.group_rank) in self._slow}
         ranks = [(r, n) for n in nodes for r in n.ranks]
         others = _medians_of_others([r.step_s for r, _ in ranks])
