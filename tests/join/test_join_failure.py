@@ -253,3 +253,29 @@ def test_failing_rank_that_exits_is_named_by_the_survivor() -> None:
     assert kind == "RankFailedError", message
     assert message.startswith("rank 1 failed inside the Join context: Boom: bad batch 2")
     assert cause is not None and cause != "RankFailedError"
+
+
+class LateWork:
+    """A collective whose time-sliced wait runs out ("Operation timed out!", gloo's text)
+    just before it completes: what a loaded machine does now and then."""
+
+    def __init__(self) -> None:
+        self.completed = False
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if timeout is not None and not self.completed:
+            self.completed = True
+            raise RuntimeError("Operation timed out!")
+        return True
+
+
+def test_a_collective_completing_just_after_a_time_slice_is_not_an_error() -> None:
+    from torch.distributed import HashStore
+
+    from rallypoint.join._failure import FailureChannel, wait_work
+
+    channel = FailureChannel(HashStore(), "p", 0, datetime.timedelta(milliseconds=50))
+    wait_work(LateWork(), channel)  # type: ignore[arg-type]  # returns, does not raise
