@@ -353,8 +353,10 @@ class Connection:
                 finally:
                     del frame  # do not pin the frame's tensors (and segments) until the next one
                     with self._state_lock:
-                        self._exec_since = 0.0
                         stolen = generation != self._generation
+                        if not stolen:
+                            # after a hand-over the clock is the new reader's: leave it
+                            self._exec_since = 0.0
                 if stolen:
                     self.flush()
                     if generation in self._handed_off:
