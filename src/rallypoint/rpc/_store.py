@@ -23,6 +23,8 @@ dist: Any = dist_module
 
 _STORES: dict[tuple[str, int, bool], Any] = {}
 _POLL_MAX = 0.002
+_POLL_SLOW = 0.02  # after _SLOW_AFTER seconds of waiting (a long wait costs the store little)
+_SLOW_AFTER = 1.0
 _NO_TIMEOUT = 1800.0
 
 
@@ -114,8 +116,9 @@ def wait_for_keys(
 
     ``dead`` (a callable that says whether all the missing keys belong to workers known
     to have died) ends the wait early. Without it the store wakes the wait as soon as the
-    last key is set; with it, the keys are polled every 0.25 to 2 ms (a ``store.wait``
-    that times out makes c10d log a warning, so it cannot be sliced to check ``dead``).
+    last key is set (``deadline`` must then be finite); with it, the keys are polled every
+    0.25 to 2 ms, and every 20 ms after the first second (a ``store.wait`` that times out
+    makes c10d log a warning, so it cannot be sliced to check ``dead``).
     """
     keys = list(keys)
     if dead is None:
@@ -126,6 +129,7 @@ def wait_for_keys(
                 return []
         return [k for k in keys if not store.check([k])]
     delay = 0.00025
+    slow_after = time.monotonic() + _SLOW_AFTER
     while True:
         if store.check(keys):
             return []
@@ -137,7 +141,7 @@ def wait_for_keys(
             # the check above and ``dead``: only keys still missing now count
             return [k for k in missing if not store.check([k])]
         time.sleep(delay)
-        delay = min(delay * 2, _POLL_MAX)
+        delay = min(delay * 2, _POLL_MAX if time.monotonic() < slow_after else _POLL_SLOW)
 
 
 def wait_for_names(
@@ -146,14 +150,14 @@ def wait_for_names(
     names: Sequence[str],
     deadline: float,
     *,
-    dead: Callable[[str], bool],
+    all_dead: Callable[[list[str]], bool],
 ) -> list[str]:
     """Wait for the keys ``prefix/name``; the names still missing at the deadline.
 
-    Ends early when every missing name is ``dead``.
+    Ends early when ``all_dead(missing names)`` says every missing name is dead.
     """
     by_key = {f"{prefix}/{name}": name for name in names}
     missing = wait_for_keys(
-        store, list(by_key), deadline, dead=lambda keys: all(dead(by_key[k]) for k in keys)
+        store, list(by_key), deadline, dead=lambda keys: all_dead([by_key[k] for k in keys])
     )
     return [by_key[k] for k in missing]
