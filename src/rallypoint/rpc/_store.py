@@ -1,9 +1,14 @@
 """The rendezvous store behind ``init_method``, and waiting for keys in it.
 
-``env://`` and ``tcp://`` give a c10d ``TCPStore`` hosted by rank 0; ``file://`` a
-``FileStore``. One ``TCPStore`` per endpoint and process is kept across
-``init_rpc``/``shutdown`` cycles (each cycle uses its own key prefix, as in torch):
-re-creating it would race with peers that still talk to the previous one.
+``env://`` and ``tcp://`` give a c10d ``TCPStore``, made as torch's
+``_create_c10d_store`` makes it: rank 0 hosts a *multi-tenant* server, so a process group
+and RPC on the same ``MASTER_PORT`` share one server whichever starts first; under a
+launcher that hosts the store itself (``TORCHELASTIC_USE_AGENT_STORE=True``, set by
+torchrun and ``rallypoint run``) every rank, rank 0 included, is a client of the
+launcher's store at ``MASTER_PORT``. ``file://`` gives a ``FileStore``. One ``TCPStore``
+per endpoint and process is kept across ``init_rpc``/``shutdown`` cycles (each cycle uses
+its own key prefix, as in torch): re-creating it would race with peers that still talk
+to the previous one.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from typing import Any
 from urllib.parse import ParseResult, urlparse
 
 import torch.distributed as dist_module
+
+from rallypoint._core.envvars import USE_AGENT_STORE
 
 # torch.distributed does not re-export its store classes in its stubs
 dist: Any = dist_module
@@ -40,7 +47,23 @@ def store_host(init_method: str) -> str:
 
 def hosts_store(init_method: str, rank: int) -> bool:
     """Whether ``rank`` hosts the store (rank 0 with a TCPStore): it must exit last."""
-    return rank == 0 and urlparse(init_method).scheme in ("env", "tcp")
+    url = urlparse(init_method)
+    if rank != 0 or url.scheme not in ("env", "tcp"):
+        return False
+    port = os.environ.get("MASTER_PORT") if url.scheme == "env" else url.port
+    return not _launcher_hosts_store(str(port))
+
+
+def _launcher_hosts_store(port: str | None) -> bool:
+    """Whether a launcher hosts the store at ``port`` (torch's agent-store rule).
+
+    torch applies ``TORCHELASTIC_USE_AGENT_STORE`` to any ``tcp://`` address; here only to
+    the launcher's own port (``MASTER_PORT``), so a ``tcp://`` store on another port is
+    still hosted by rank 0 instead of by nobody.
+    """
+    if os.environ.get(USE_AGENT_STORE) != str(True):
+        return False
+    return port is not None and port == os.environ.get("MASTER_PORT")
 
 
 def create_store(
@@ -93,14 +116,19 @@ def _tcp_store(host: str, port: int, rank: int, world_size: int | None, timeout:
             return cached
         except RuntimeError:
             del _STORES[key]
-    store = dist.TCPStore(
-        host,
-        port,
-        world_size,
-        rank == 0,
-        timeout=timedelta(seconds=timeout if timeout > 0 else _NO_TIMEOUT),
-        wait_for_workers=False,
-    )
+    seconds = timedelta(seconds=timeout if timeout > 0 else _NO_TIMEOUT)
+    if _launcher_hosts_store(str(port)):
+        store = dist.TCPStore(host, port, world_size, False, timeout=seconds)
+    else:
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            rank == 0,
+            timeout=seconds,
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
     _STORES[key] = store
     return store
 
