@@ -118,6 +118,10 @@ class Connections:
             hello = {"name": self._me.name, "id": self._me.id}
             client_handshake(sock, self._secret, hello, HANDSHAKE_TIMEOUT)
         except (OSError, RpcError) as exc:
+            if isinstance(exc, ConnectionRefusedError):
+                # nothing listens at its address: the process is gone (a dynamic member
+                # that left with shutdown(graceful=False) or crashed is still listed)
+                self._peers.mark_dead(name, "refused the connection (its process is gone)")
             reason = self._peers.dead_reason(name)
             detail = f" (it {reason})" if reason else ""
             raise RpcConnectionError(

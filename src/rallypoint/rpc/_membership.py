@@ -27,7 +27,7 @@ from rallypoint.rpc import _groups
 from rallypoint.rpc._backend import Caller
 from rallypoint.rpc._connections import Connections
 from rallypoint.rpc._current import Current
-from rallypoint.rpc._errors import RpcError, RpcShutdownError
+from rallypoint.rpc._errors import RpcConnectionError, RpcError, RpcShutdownError
 from rallypoint.rpc._groups import WorkerInfo, WorkerRecord
 from rallypoint.rpc._liveness import Prober, probe_timeout
 from rallypoint.rpc._peers import PeerTable
@@ -101,29 +101,50 @@ class Group:
             _groups.write_members(store, [*members, me.name])
             self.connections.accept_calls()
             try:
-                self._notify(members, _on_member_joined, record, timeout)
+                gone = self._notify_joined(members, record, timeout)
             except BaseException:
                 _groups.write_members(store, members)
                 _groups.delete_record(store, me.name)
-                self._notify(members, _on_member_left, me.name, timeout, every=True)
+                self._tell_left(members, me.name, timeout)
                 raise
+            if gone:
+                self._remove_gone(gone, [m for m in members if m not in gone], timeout)
 
-    def _notify(
-        self,
-        members: list[str],
-        func: Callable[[Any], None],
-        arg: Any,
-        timeout: float,
-        *,
-        every: bool = False,
-    ) -> None:
-        """Run ``func(arg)`` on each member in turn (``every``: go on past failures)."""
+    def _notify_joined(self, members: list[str], record: WorkerRecord, timeout: float) -> list[str]:
+        """Tell each member that we joined; the members that are gone (refuse connections)."""
+        gone: list[str] = []
         for member in members:
             try:
-                self.caller.rpc_async(member, func, (arg,), {}, timeout).wait()
-            except Exception:
-                if not every:
+                self.caller.rpc_async(member, _on_member_joined, (record,), {}, timeout).wait()
+            except RpcConnectionError:
+                if not self.peers.is_dead(member):
                     raise
+                gone.append(member)
+        return gone
+
+    def _remove_gone(self, gone: list[str], alive: list[str], timeout: float) -> None:
+        """Remove members that left without leaving (under the token), and tell the rest."""
+        logger.warning(
+            "rallypoint.rpc: %s removed workers %s from the group: they refuse connections "
+            "(left with shutdown(graceful=False), or died)",
+            self.me.name,
+            gone,
+        )
+        _groups.write_members(self.store, [*alive, self.me.name])
+        for name in gone:
+            _groups.delete_record(self.store, name)
+            self.peers.remove(name)
+            self._tell_left(alive, name, timeout)
+
+    def _tell_left(self, members: list[str], name: str, timeout: float) -> None:
+        """Tell each member that ``name`` left (best effort: go on past failures)."""
+        for member in members:
+            try:
+                self.caller.rpc_async(member, _on_member_left, (name,), {}, timeout).wait()
+            except Exception as exc:
+                logger.warning(
+                    "rallypoint.rpc: could not tell %s that %s left: %s", member, name, exc
+                )
 
     # ---- notices from other members ----------------------------------------------------
     def member_joined(self, record: WorkerRecord) -> None:
