@@ -7,60 +7,15 @@ same port in the same process reuses the server) and, under a launcher that sets
 
 from __future__ import annotations
 
-import os
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from rallypoint.launcher._cli import run_main
-from rallypoint.testing import run_workers
+from rallypoint.testing._rpc_contract import run_rpc_pattern
 
 SECRET = {"RALLYPOINT_RPC_SECRET": "store-secret"}
-BIND_ERRORS = ("failed to bind", "EADDRINUSE", "address already in use")
-
-
-def _next_rank(rank: int) -> int:
-    return rank + 1
-
-
-def _both_on_one_port(backend: str, rpc_first: bool) -> tuple[int, float, str]:
-    # c10d logs bind failures from C++ to fd 2: collect them
-    with tempfile.TemporaryFile() as log:
-        os.dup2(log.fileno(), 2)
-        got, total = _pg_and_rpc(backend, rpc_first)
-        sys.stderr.flush()
-        log.seek(0)
-        return got, total, log.read().decode(errors="replace")
-
-
-def _pg_and_rpc(backend: str, rpc_first: bool) -> tuple[int, float]:
-    import torch
-    import torch.distributed as dist
-
-    from rallypoint import rpc
-
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    kind = rpc.BackendType[backend]
-    opts = rpc.construct_rpc_backend_options(kind, rpc_timeout=30)
-
-    def start_rpc() -> None:
-        rpc.init_rpc(
-            f"w{rank}", backend=kind, rank=rank, world_size=world_size, rpc_backend_options=opts
-        )
-
-    if rpc_first:
-        start_rpc()
-    dist.init_process_group("gloo")
-    if not rpc_first:
-        start_rpc()
-    got = rpc.rpc_sync(f"w{(rank + 1) % world_size}", _next_rank, args=(rank,))
-    total = torch.ones(1)
-    dist.all_reduce(total)
-    rpc.shutdown()
-    dist.destroy_process_group()
-    return int(got), float(total.item())
+BIND_ERRORS = ("failed to bind", "EADDRINUSE", "address already in use")  # c10d's words
 
 
 @pytest.mark.timeout(60)
@@ -68,11 +23,12 @@ def _pg_and_rpc(backend: str, rpc_first: bool) -> tuple[int, float]:
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("rpc_first", [False, True], ids=["pg_then_rpc", "rpc_then_pg"])
 def test_process_group_and_rpc_on_one_port(backend: str, world_size: int, rpc_first: bool) -> None:
-    results = run_workers(_both_on_one_port, world_size, backend, rpc_first, timeout=45, env=SECRET)
-    for rank, (got, total, log) in enumerate(results):
-        assert got == rank + 1
-        assert total == world_size
-        assert not [e for e in BIND_ERRORS if e in log], log
+    results = run_rpc_pattern(
+        backend, "process_group_and_rpc", rpc_first, world_size=world_size, timeout=45, env=SECRET
+    )
+    assert results == [
+        {"got": rank + 1, "total": world_size, "bind_errors": []} for rank in range(world_size)
+    ]
 
 
 SCRIPT = """
