@@ -15,11 +15,11 @@ def test_rpc_contract(backend: str) -> None:
     assert results[1] == [] and results[2] == []
 
 
-@pytest.mark.timeout(100)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("pattern", sorted(PATTERNS))
 def test_rpc_patterns_give_the_same_results_on_both_backends(pattern: str) -> None:
-    ours = run_rpc_pattern("RALLYPOINT", pattern, timeout=45)
-    theirs = run_rpc_pattern("TENSORPIPE", pattern, timeout=45)
+    ours = run_rpc_pattern("RALLYPOINT", pattern, timeout=70)
+    theirs = run_rpc_pattern("TENSORPIPE", pattern, timeout=70)
     assert ours == theirs
     if pattern == "observer_agent":
         assert len(ours[0]["rewards"]) == 6

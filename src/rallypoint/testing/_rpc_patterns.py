@@ -10,7 +10,7 @@ deterministic stand-ins, so that every backend must give *the same results*:
   (``@async_execution``: one reply per step for all observers) and unbatched.
 - ``parameter_server``: a batch-update parameter server on the master; the trainers wait
   in ``shutdown()`` while the master drives training rounds for longer than the RPC
-  timeout (1 s), so ``shutdown()`` must wait as long as the master is alive and working.
+  timeout (3 s), so ``shutdown()`` must wait as long as the master is alive and working.
 - ``process_group_and_rpc``: ``init_process_group`` and ``init_rpc`` on the same
   ``MASTER_PORT``, in both orders; no store bind error may be logged.
 """
@@ -35,6 +35,8 @@ BIND_ERRORS = ("failed to bind", "EADDRINUSE", "address already in use")
 _OBSERVERS = 4
 _STEPS = 12
 _EPISODES = 3
+_PS_RPC_TIMEOUT = 3.0
+_PS_TRAIN_SECONDS = 4.0  # longer than the RPC timeout
 
 
 def _init(backend: str, name: str, rank: int, world_size: int, rpc_timeout: float) -> None:
@@ -208,7 +210,7 @@ def _parameter_server(backend: str) -> Any:
 
     rank = int(os.environ["RANK"])
     trainers = [f"trainer{r}" for r in (1, 2)]
-    _init(backend, "ps" if rank == 0 else f"trainer{rank}", rank, 3, rpc_timeout=1)
+    _init(backend, "ps" if rank == 0 else f"trainer{rank}", rank, 3, rpc_timeout=_PS_RPC_TIMEOUT)
     start = time.monotonic()
     out: Any = None
     if rank == 0:
@@ -217,7 +219,7 @@ def _parameter_server(backend: str) -> Any:
         losses = []
         rounds = 0
         # train for longer than the RPC timeout while the trainers wait in shutdown()
-        while rounds < 10 or time.monotonic() - start < 2.5:
+        while rounds < 10 or time.monotonic() - start < _PS_TRAIN_SECONDS:
             futures = [rpc.rpc_async(t, _train_round, args=(ps_rref, rounds)) for t in trainers]
             losses.append(round(sum(f.wait() for f in futures), 5))
             rounds += 1
@@ -225,7 +227,7 @@ def _parameter_server(backend: str) -> Any:
         out = {"losses": losses[:10], "rounds_ok": rounds >= 10}
     rpc.shutdown()
     if rank != 0:
-        out = {"waited_s": round(time.monotonic() - start, 1) >= 2.5}
+        out = {"waited_s": time.monotonic() - start >= _PS_TRAIN_SECONDS}
     return out
 
 
