@@ -125,7 +125,7 @@ class RallypointAgent(RpcAgent):
 
     @property
     def stats(self) -> dict[str, int]:
-        """Tensor bytes sent inline and through shared memory."""
+        """Tensor bytes sent inline, through shared memory, and handed back (not copied)."""
         return self.connections.stats
 
     def record(self) -> WorkerRecord:

@@ -49,7 +49,11 @@ class Connections:
         on_frame: OnFrame,
         pool: SegmentPool | None,
     ) -> None:
-        self.stats: dict[str, int] = {"inline_tensor_bytes": 0, "shm_tensor_bytes": 0}
+        self.stats: dict[str, int] = {
+            "inline_tensor_bytes": 0,
+            "shm_tensor_bytes": 0,
+            "returned_tensor_bytes": 0,
+        }
         self.host_key = host_key()
         self._me = me
         self._secret = secret
