@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.launcher._cli import run_main
+from rallypoint.cli._run import run_main
 from rallypoint.testing._rpc_contract import run_rpc_pattern
 
 SECRET = {"RALLYPOINT_RPC_SECRET": "store-secret"}
