@@ -117,3 +117,49 @@ def test_exit_now_flushes_and_skips_finalization() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
     )
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "out", "err")
+
+
+_ABANDON = (
+    "import sys, time\n"
+    "from rallypoint._core.blocking import call_in_thread\n"
+    "def slow():\n"
+    "    time.sleep({sleep})\n"
+    "    open(sys.argv[1], 'w').close()\n"
+    "try:\n"
+    "    call_in_thread(slow, timeout=0.05, finishes_within={within})\n"
+    "except TimeoutError:\n"
+    "    print('gave up', flush=True)\n"
+)
+
+
+@pytest.mark.timeout(60)
+def test_exit_waits_for_an_abandoned_call_until_its_stated_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # a call returning from C++ while the interpreter finalizes aborts the process
+    # (exit 134); exit therefore lets an abandoned call end first
+    marker = tmp_path / "ended"
+    script = _ABANDON.format(sleep=1.0, within=5.0)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(marker)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert (proc.returncode, proc.stdout) == (0, "gave up\n")
+    assert marker.exists(), "the interpreter exited while the abandoned call still ran"
+    assert "waiting up to 5 s at exit" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_exit_does_not_wait_long_for_a_call_with_no_stated_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    marker = tmp_path / "ended"
+    script = _ABANDON.format(sleep=30.0, within=None)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(marker)],
+        capture_output=True,
+        text=True,
+        timeout=20,  # a wait for the whole call would run past this
+        check=False,
+    )
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "gave up\n", "")
+    assert not marker.exists()

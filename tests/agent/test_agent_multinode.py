@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -425,6 +426,8 @@ def test_launch_api_joins_a_multi_node_job(tmp_path: Path, endpoint: str) -> Non
         peer.kill()
     assert results == [6.0, 6.0]  # world of 3: ranks 1+2+3 on every rank
     assert code == 0 and "peer sum 6.0" in text, text
+    # the handler was shut down: no heartbeat thread lives on in the caller's process
+    assert [t.name for t in threading.enumerate() if t.name.startswith("rdzv-")] == []
 
 
 @pytest.mark.timeout(120)

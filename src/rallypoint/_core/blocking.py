@@ -7,32 +7,62 @@ timeout does not bound every step. :func:`call_in_thread` runs such a call in a 
 thread while the caller waits in short slices, so the caller keeps its own deadline and
 can give up when ``poll()`` raises (a signal arrived). A call given up on is left to
 finish in its thread (nothing can interrupt it), and its result is dropped.
+
+A call that finishes while the interpreter shuts down would kill the process: the thread
+returning from C++ finds the interpreter gone, CPython ends the thread with
+``pthread_exit``, and its forced unwind through a ``noexcept`` frame calls
+``std::terminate`` ("terminate called without an active exception", exit status 134).
+So at exit, calls still running are waited for, each until the time by which it is known
+to end (``finishes_within``), never longer than :data:`EXIT_WAIT_MAX` in all; one that has
+no such bound is given :data:`EXIT_WAIT_UNBOUNDED` (it is most likely blocked for good,
+and a thread still blocked when the process ends is harmless).
 """
 
 from __future__ import annotations
 
+import atexit
+import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-__all__ = ["InThread", "call_in_thread"]
+__all__ = ["InThread", "call_in_thread", "running_calls"]
 
 T = TypeVar("T")
 
 POLL_EVERY = 0.05
 """Seconds between two ``poll()`` calls while a call runs in its thread."""
 
+EXIT_WAIT_MAX = 60.0
+"""Most seconds the interpreter waits at exit for calls still running in their threads."""
+
+EXIT_WAIT_UNBOUNDED = 1.0
+"""Seconds waited at exit for a running call that states no ``finishes_within``."""
+
+_RUNNING: set[InThread[Any]] = set()
+_RUNNING_LOCK = threading.Lock()
+
 
 class InThread(Generic[T]):
-    """``fn()`` started in a daemon thread; :meth:`wait` for it, then take its :meth:`result`."""
+    """``fn()`` started in a daemon thread; :meth:`wait` for it, then take its :meth:`result`.
 
-    def __init__(self, fn: Callable[[], T], *, name: str) -> None:
+    ``finishes_within``: seconds by which ``fn`` is known to return (its own timeout),
+    or ``None``; the interpreter waits for it at exit until then (see the module's doc).
+    """
+
+    def __init__(
+        self, fn: Callable[[], T], *, name: str, finishes_within: float | None = None
+    ) -> None:
         self._fn = fn
         self._done = threading.Event()
         self._value: T | None = None
         self._error: BaseException | None = None
+        self.name = name
         self.started = time.monotonic()
+        self.ends_by = None if finishes_within is None else self.started + finishes_within
+        with _RUNNING_LOCK:
+            _RUNNING.add(self)
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def _run(self) -> None:
@@ -41,6 +71,8 @@ class InThread(Generic[T]):
         except BaseException as exc:  # handed to the caller
             self._error = exc
         finally:
+            with _RUNNING_LOCK:
+                _RUNNING.discard(self)
             self._done.set()
 
     @property
@@ -67,14 +99,15 @@ def call_in_thread(
     timeout: float | None = None,
     poll: Callable[[], None] | None = None,
     name: str = "rallypoint-blocking",
+    finishes_within: float | None = None,
 ) -> T:
     """``fn()`` in a daemon thread; returns its result or raises its exception.
 
     While it runs, ``poll()`` is called every 50 ms (raise from it to give up); after
     ``timeout`` seconds :class:`TimeoutError` is raised. Either way the call is abandoned,
-    not stopped.
+    not stopped; ``finishes_within`` is as for :class:`InThread`.
     """
-    call = InThread(fn, name=name)
+    call = InThread(fn, name=name, finishes_within=finishes_within)
     deadline = None if timeout is None else call.started + timeout
     while True:
         step = POLL_EVERY
@@ -86,3 +119,34 @@ def call_in_thread(
             poll()
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(f"no result within {timeout:g} s")
+
+
+def running_calls() -> list[str]:
+    """Names of the calls still running in their threads (abandoned or not)."""
+    with _RUNNING_LOCK:
+        return sorted(call.name for call in _RUNNING)
+
+
+def _wait_for_running_calls() -> None:
+    """At exit: let calls still running end before the interpreter goes away."""
+    with _RUNNING_LOCK:
+        calls = list(_RUNNING)
+    if not calls:
+        return
+    now = time.monotonic()
+    give_up = now + EXIT_WAIT_MAX
+    ends = [now + EXIT_WAIT_UNBOUNDED if c.ends_by is None else c.ends_by for c in calls]
+    ends = [min(end, give_up) for end in ends]
+    if max(ends) - now > 1.0:
+        names = ", ".join(sorted({c.name for c in calls}))
+        print(
+            f"rallypoint: waiting up to {max(ends) - now:.0f} s at exit for a call still "
+            f"running in a thread ({names}); ending sooner would abort the interpreter",
+            file=sys.stderr,
+            flush=True,
+        )
+    for call, ends_by in zip(calls, ends, strict=True):
+        call.wait(max(0.0, ends_by - time.monotonic()))
+
+
+atexit.register(_wait_for_running_calls)

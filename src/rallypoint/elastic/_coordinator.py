@@ -137,6 +137,7 @@ class ElasticCoordinator:
             try:
                 info = self._next_rendezvous()
             except (RendezvousClosedError, RendezvousGracefulExitError) as exc:
+                self.job.handler.shutdown()  # stop its heartbeats, as torch's agent does
                 self._ended_elsewhere(exc)
                 return []
             except RendezvousError as exc:
@@ -332,6 +333,9 @@ class ElasticCoordinator:
         try:
             self.job.run.set_status(status)
             self.job.handler.set_closed()
+            # stop its heartbeats now, while the store is surely up (torch's agent calls
+            # shutdown() at the end too); an in-process launch() leaves no thread behind
+            self.job.handler.shutdown()
             left = self.job.run.leave(rnd.number)
             deadline = time.monotonic() + EXIT_BARRIER
             while left < rnd.nnodes and time.monotonic() < deadline:

@@ -51,7 +51,12 @@ def _why_no_answer(host: str, port: int) -> str:
             return f"no answer ({exc.strerror or type(exc).__name__})"
 
     try:
-        return call_in_thread(probe, timeout=_PROBE_TIMEOUT, name="rallypoint-tcpstore-probe")
+        return call_in_thread(
+            probe,
+            timeout=_PROBE_TIMEOUT,
+            name="rallypoint-tcpstore-probe",
+            finishes_within=_PROBE_TIMEOUT + 1.0,
+        )
     except TimeoutError:
         return "no answer"
 
@@ -264,6 +269,7 @@ def tcp_kv(
                 lambda: TCPStore(host, port, is_master=False, timeout=timeout),
                 timeout=seconds,
                 name="rallypoint-tcpstore-connect",
+                finishes_within=2 * seconds + 1.0,
             )
         except TimeoutError:
             raise _NoAnswer(_why_no_answer(host, port)) from None

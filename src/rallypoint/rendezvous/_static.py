@@ -74,6 +74,7 @@ class StaticRendezvousHandler(RendezvousHandler):
                     ),
                     timeout=seconds,
                     name="rallypoint-static-store",
+                    finishes_within=2 * seconds + 1.0,
                 )
             except TimeoutError:
                 raise RendezvousConnectionError(
