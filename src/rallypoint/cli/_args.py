@@ -13,6 +13,7 @@ from typing import Any, Literal
 from rallypoint.cli._parser import PROG, UsageError
 from rallypoint.elastic._options import parse_nnodes
 from rallypoint.launcher._config import LaunchConfig
+from rallypoint.observe._stragglers import parse_threshold
 from rallypoint.supervise._worker import Target
 
 __all__ = ["config_from_args", "parse_nproc"]
@@ -41,8 +42,17 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
         signals_to_handle=args.signals_to_handle,
         on_hang=args.on_hang,
         events=args.events,
+        straggler_threshold=_straggler_threshold(args.straggler_threshold),
+        straggler_window=_seconds(args.straggler_window),
     )
     return LaunchConfig(**options), target
+
+
+def _straggler_threshold(value: str) -> float | None:
+    try:
+        return parse_threshold(value, "--straggler-threshold")
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _check_flags(args: argparse.Namespace) -> None:

@@ -176,3 +176,18 @@ def _rallypoint(o: _Options) -> None:
         help="after printing the stacks of a hang: restart (counts as one) or fail",
     )
     o.opt("--events", default=None, help="append the job's events (JSON lines) to FILE")
+    o.opt(
+        "--straggler-threshold",
+        "--straggler_threshold",
+        default="1.5",
+        help="report a rank or node whose step time (between rallypoint.progress() calls) "
+        "exceeds this many times the median of the others: a number > 1, or off "
+        "(default 1.5)",
+    )
+    o.opt(
+        "--straggler-window",
+        "--straggler_window",
+        default=30.0,
+        type=float,
+        help="seconds of recent steps a step time is averaged over (default 30)",
+    )

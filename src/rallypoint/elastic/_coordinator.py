@@ -143,7 +143,13 @@ class ElasticCoordinator:
             except RendezvousError as exc:
                 raise RendezvousFailedError(f"rendezvous failed: {exc}") from None
             rnd = self._setup_round(info)
-            policy = ElasticPolicy(rnd, host=self.supervisor.host)
+            stragglers = self.observer.straggler_watch(
+                round=rnd.number,
+                rank_offset=rnd.group.rank_offset,
+                group_rank=rnd.group_rank,
+                nnodes=rnd.nnodes,
+            )
+            policy = ElasticPolicy(rnd, host=self.supervisor.host, stragglers=stragglers)
             outcome = self.supervisor.run_attempt(rnd.group, rnd.number, policy)
             if self.job.blocking(functools.partial(self._after_round, rnd, outcome)):
                 return self.supervisor.results(outcome)

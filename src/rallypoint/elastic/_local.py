@@ -65,7 +65,14 @@ class LocalCoordinator:
                 "round", round=attempt, world_size=group.world_size, nnodes=1, run_id=self.run_id
             )
             self.observer.emit("members", round=attempt, members=[self.supervisor.host])
-            policy = LocalPolicy(self.observer, attempt=attempt, on_hang=self.restarts.on_hang)
+            policy = LocalPolicy(
+                self.observer,
+                attempt=attempt,
+                on_hang=self.restarts.on_hang,
+                stragglers=self.observer.straggler_watch(
+                    round=attempt, rank_offset=group.rank_offset
+                ),
+            )
             outcome = self.supervisor.run_attempt(group, attempt, policy)
             if outcome.kind is OutcomeKind.OK:
                 return self.supervisor.results(outcome)

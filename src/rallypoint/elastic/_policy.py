@@ -2,10 +2,12 @@
 
 Each tick (at most every ``poll_every`` seconds, about four store round trips): answer
 stack requests, follow a decision another node wrote (``restart``), restart when nodes wait
-to join or members were lost (without spending budget). A hang is the whole job's: the
-first node to see it asks every node for its workers' stacks and prints them grouped, the
-others keep answering until it has them; then the round is decided (a restart that spends
-budget, or a failure with ``on_hang="fail"``). A store error is :attr:`OutcomeKind.LOST`.
+to join or members were lost (without spending budget), and every few seconds exchange
+the nodes' step-time summaries for straggler detection (``observe._straggler_watch``). A
+hang is the whole job's: the first node to see it asks every node for its workers' stacks
+and prints them grouped, the others keep answering until it has them; then the round is
+decided (a restart that spends budget, or a failure with ``on_hang="fail"``). A store
+error is :attr:`OutcomeKind.LOST`.
 
 The store calls never hold the supervisor's loop: a tick's checks run in a thread
 (``rallypoint._core.blocking.InThread``) and :meth:`ElasticPolicy.poll` waits for them at
@@ -26,6 +28,7 @@ from rallypoint._core.blocking import InThread, call_in_thread
 from rallypoint.elastic._round import Round
 from rallypoint.observe._stacks_exchange import request_stacks
 from rallypoint.observe._stacks_format import format_grouped_stacks
+from rallypoint.observe._straggler_watch import StragglerWatch
 from rallypoint.supervise._output import write_console
 from rallypoint.supervise._state import OutcomeKind, Stop
 
@@ -47,10 +50,11 @@ class _Interrupted(Exception):
 class ElasticPolicy:
     """The checks of one round's attempt on this node (see the module docstring)."""
 
-    def __init__(self, rnd: Round, *, host: str) -> None:
+    def __init__(self, rnd: Round, *, host: str, stragglers: StragglerWatch | None = None) -> None:
         self.rnd = rnd
         self.job = rnd.job
         self.host = host
+        self.stragglers = stragglers
         self._next_poll = 0.0
         self._checks: InThread[Stop | None] | None = None
 
@@ -80,6 +84,8 @@ class ElasticPolicy:
     def _check(self, running: Mapping[int, int]) -> Stop | None:
         """One tick's store checks (see the module docstring)."""
         self.job.answer_stacks(running, self.rnd.group_rank)
+        if self.stragglers is not None:
+            self.stragglers.exchange(self.job.run.store, running)
         if self.rnd.store.decided():
             return Stop(OutcomeKind.RESTART, self.rnd.store.decision().reason)
         waiting = self.job.nodes_waiting()

@@ -5,8 +5,9 @@ The round store (``rallypoint/round<k>/`` in the round's store) holds ``node/<g>
 The run store (``rallypoint/<run_id>/job/`` on the rendezvous backend, from
 ``handler.open_run_store()``) outlives rounds: ``restarts`` (the job's budget counter, so
 every node and every worker sees the same ``TORCHELASTIC_RESTART_COUNT``), ``status``,
-``left/<k>``, ``hang/<k>`` and the ``stacks/*`` exchange (so ``rallypoint stacks`` finds it
-without knowing the round).
+``left/<k>``, ``hang/<k>``, ``pace/<k>/<g>`` (each node's step-time summary,
+``observe._straggler_watch``) and the ``stacks/*`` exchange (so ``rallypoint stacks`` finds
+it without knowing the round).
 """
 
 from __future__ import annotations

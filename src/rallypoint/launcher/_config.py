@@ -13,7 +13,8 @@ group                     options                                              d
                           signals_to_handle
 ``world``                 master_addr, master_port, rank_offset, world_size,   supervise
                           run_id
-``watch``                 hang_timeout, events                                 observe
+``watch``                 hang_timeout, events, straggler_threshold,           observe
+                          straggler_window
 ``restarts``              max_restarts, on_hang                                elastic
 ``rendezvous``            nnodes (as min_nodes/max_nodes), rdzv_backend,       elastic
                           rdzv_endpoint, rdzv_conf, node_rank
@@ -60,6 +61,8 @@ class LaunchOptions(TypedDict, total=False):
     hang_timeout: timedelta | None
     on_hang: Literal["restart", "fail"]
     events: str | os.PathLike[str] | None
+    straggler_threshold: float | str | None
+    straggler_window: timedelta | float
     max_restarts: int
     monitor_interval: timedelta
     master_addr: str
@@ -157,7 +160,7 @@ def _world(o: Mapping[str, Any]) -> WorldOptions:
 
 
 def _watch(o: Mapping[str, Any]) -> WatchOptions:
-    kw = _pick(o, "hang_timeout", "events")
+    kw = _pick(o, "hang_timeout", "events", "straggler_threshold", "straggler_window")
     if "events" in kw:
         kw["events"] = _path(kw["events"])
     return WatchOptions(**kw)
@@ -249,6 +252,8 @@ class LaunchConfig:
     run_id = _Flat[str | None]("world")
     hang_timeout = _Flat[timedelta | None]("watch")
     events = _Flat[str | None]("watch")
+    straggler_threshold = _Flat[float | None]("watch")
+    straggler_window = _Flat[timedelta]("watch")
     max_restarts = _Flat[int]("restarts")
     on_hang = _Flat[Literal["restart", "fail"]]("restarts")
     rdzv_backend = _Flat[str]("rendezvous", "backend")

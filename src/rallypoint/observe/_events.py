@@ -16,6 +16,11 @@ kind           fields
 ``restart``    ``round`` (the new round), ``restart_count``, ``reason``
 ``hang``       ``round``, ``idle_s`` (seconds without progress), ``action``
 ``failure``    ``round``, ``rank``, ``exitcode``, ``message`` -- the job's root cause
+``straggler``  ``round``, ``scope`` (``rank`` / ``node``), ``state`` (``slow`` / ``recovered``),
+               ``rank`` (scope ``rank``), ``group_rank``, ``host``, ``ranks``, ``step_s``,
+               ``median_s`` (of the others), ``threshold``
+``step_times`` ``round``, ``step_s`` (``{"rank": seconds per step}``), ``median_s`` -- at most
+               every 10 s (or the window), written by the node that judges stragglers
 ``job_end``    ``status`` (``succeeded`` / ``failed``), ``exitcode``
 ============== ==============================================================================
 
@@ -44,7 +49,18 @@ from rallypoint._core.closing import Closing
 __all__ = ["EVENT_KINDS", "Event", "EventLog", "EventLogError", "iter_events", "read_events"]
 
 EVENT_KINDS = frozenset(
-    {"round", "members", "worker_start", "worker_exit", "restart", "hang", "failure", "job_end"}
+    {
+        "round",
+        "members",
+        "worker_start",
+        "worker_exit",
+        "restart",
+        "hang",
+        "failure",
+        "straggler",
+        "step_times",
+        "job_end",
+    }
 )
 """The kinds the agent writes (others are allowed and carried through unchanged)."""
 

@@ -1,9 +1,10 @@
-"""What the agent watches besides exits: progress (hang detection), stacks and the event log.
+"""What the agent watches besides exits: progress (hangs, stragglers), stacks and the event log.
 
 One :class:`Observer` per agent owns the three building blocks and keeps the agent loop
 free of their details:
 
-- a :class:`~rallypoint.observe.ProgressBoard` when ``hang_timeout`` is set;
+- a :class:`~rallypoint.observe.ProgressBoard` when ``hang_timeout`` is set or straggler
+  detection is on (the default), and a :class:`StragglerWatch` per attempt for the latter;
 - a directory for the workers' stack dumps (``RALLYPOINT_STACKS_DIR``, always set, so that
   ``rallypoint stacks`` works on any running job);
 - an :class:`~rallypoint.observe.EventLog` when ``events`` is set.
@@ -20,12 +21,19 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from rallypoint._core.checks import check_seconds
+from rallypoint._core.checks import check_int, check_seconds
 from rallypoint._core.closing import Closing
 from rallypoint.observe._events import EventLog
 from rallypoint.observe._progress import ProgressBoard
 from rallypoint.observe._stacks import StackDump, collect_stacks, remove_dump_file, stacks_env
 from rallypoint.observe._stacks_format import format_grouped_stacks
+from rallypoint.observe._straggler_watch import StragglerWatch
+from rallypoint.observe._stragglers import (
+    DEFAULT_THRESHOLD,
+    WINDOW_S,
+    check_window,
+    parse_threshold,
+)
 
 __all__ = ["Observer", "WatchOptions"]
 
@@ -41,9 +49,18 @@ class WatchOptions:
     """No progress from any worker for this long is a hang (``None``: not watched)."""
     events: str | None = None
     """Append the job's events (JSON lines) to this file; ``rallypoint report`` draws them."""
+    straggler_threshold: float | None = DEFAULT_THRESHOLD
+    """A rank (or node) whose step time exceeds this many times the median of the others'
+    is reported once (``None``, also given as ``"off"``: not watched)."""
+    straggler_window: timedelta = timedelta(seconds=WINDOW_S)
+    """Step times are averaged over this much recent history (at least 5 steps)."""
 
     def __post_init__(self) -> None:
         check_seconds(self.hang_timeout, "hang_timeout", allow_none=True)
+        threshold = parse_threshold(self.straggler_threshold)
+        object.__setattr__(self, "straggler_threshold", threshold)
+        window = check_window(self.straggler_window)
+        object.__setattr__(self, "straggler_window", timedelta(seconds=window))
         if self.events is not None and not isinstance(self.events, str):
             raise TypeError(f"events must be a path, got {type(self.events).__name__}")
 
@@ -54,9 +71,12 @@ class Observer(Closing):
     def __init__(self, *, nproc: int, watch: WatchOptions, node: str) -> None:
         hang_timeout = watch.hang_timeout
         self.hang_timeout = hang_timeout
+        self.straggler_threshold = watch.straggler_threshold
+        self.straggler_window = watch.straggler_window.total_seconds()
         self.node = node
         self.stacks_dir = Path(tempfile.mkdtemp(prefix="rallypoint-stacks-"))
-        self.board = ProgressBoard(nproc) if hang_timeout is not None else None
+        wants_board = hang_timeout is not None or self.straggler_threshold is not None
+        self.board = ProgressBoard(nproc) if wants_board else None
         self.log: EventLog | None = None
         try:
             self.log = EventLog(watch.events, node=node) if watch.events else None
@@ -82,6 +102,25 @@ class Observer(Closing):
         """A new attempt/round starts: idle time counts from now."""
         if self.board is not None:
             self.board.reset()
+
+    def straggler_watch(
+        self, *, round: int, rank_offset: int, group_rank: int = 0, nnodes: int = 1
+    ) -> StragglerWatch | None:
+        """Straggler detection for one attempt (``None`` when it is off)."""
+        if self.board is None or self.straggler_threshold is None:
+            return None
+        check_int(rank_offset, "rank_offset", minimum=0)
+        return StragglerWatch(
+            self.board,
+            threshold=self.straggler_threshold,
+            host=self.node,
+            round=round,
+            rank_offset=rank_offset,
+            emit=self.emit,
+            group_rank=group_rank,
+            nnodes=nnodes,
+            window_s=self.straggler_window,
+        )
 
     def hung(self) -> bool:
         return (

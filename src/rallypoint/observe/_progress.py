@@ -1,11 +1,12 @@
-"""Progress heartbeats for hang detection: ``rallypoint.progress()`` and the agent's board.
+"""Progress heartbeats: ``rallypoint.progress()`` and the agent's board.
 
 A worker calls :func:`progress` in its training loop (Join and rallypoint's collective
-helpers call it too). Each call stores ``time.monotonic()`` into this worker's 8-byte slot
-of a small shared file that the agent created and mapped; no syscall, no lock, no
-allocation (about 0.1 µs). The agent's :class:`ProgressBoard` reads the slots and answers
-"how long since any worker (or this one) made progress"; with ``--hang-timeout`` the
-agent collects stacks and restarts or fails when that exceeds the timeout.
+helpers call it too). Each call stores ``time.monotonic()`` into this worker's time slot
+and adds one to its step counter, in a small shared file that the agent created and
+mapped; no syscall, no lock, no allocation (about 0.1 µs). The agent's
+:class:`ProgressBoard` reads the slots: "how long since any worker (or this one) made
+progress" for ``--hang-timeout``, and "how many steps by when" (:meth:`ProgressBoard.sample`)
+for straggler detection (``--straggler-threshold``, ``_stragglers``).
 
 The worker finds its slot through two variables the agent sets::
 
@@ -16,10 +17,13 @@ Without them :func:`progress` is a no-op, so a script can call it unconditionall
 file that is missing or not a board gives one ``RuntimeWarning`` and no-ops: progress
 reporting never breaks training.
 
-File layout: ``b"RPPROG\\x00\\x01"`` magic, ``uint32`` slot count, ``uint32`` padding, then one
-``float64`` per slot (``0.0`` = no progress since the last :meth:`ProgressBoard.reset`).
+File layout: ``b"RPPROG\\x00\\x02"`` magic, ``uint32`` slot count ``n``, ``uint32`` padding,
+then ``n`` ``float64`` times (``0.0`` = no progress since the last
+:meth:`ProgressBoard.reset`), then ``n`` ``float64`` step counters (exact up to 2**53).
 ``CLOCK_MONOTONIC`` is shared by all processes of a machine, so the agent compares the
-slots with its own ``time.monotonic()``.
+slots with its own ``time.monotonic()``. The two stores of one call are not atomic
+together: a reader can see the new time with the old count, which moves one step across
+the edge of a measuring window (``_stragglers`` averages over several).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ __all__ = [
 PROGRESS_FILE_ENV = envvars.PROGRESS_FILE
 PROGRESS_SLOT_ENV = envvars.PROGRESS_SLOT
 
-_MAGIC = b"RPPROG\x00\x01"
+_MAGIC = b"RPPROG\x00\x02"
 _HEADER = struct.Struct("<8sII")
 _SLOT_SIZE = 8
 _MAX_SLOTS = 1 << 16
@@ -58,6 +62,7 @@ _MAX_SLOTS = 1 << 16
 # know this process was not started with a board.
 _view: memoryview[float] | None = None
 _slot = 0
+_count_slot = 0
 _disabled = False
 _keep_alive: mmap.mmap | None = None
 _fork_hook_installed = False
@@ -67,11 +72,13 @@ _monotonic = time.monotonic
 def progress() -> None:
     """Report that this worker made progress (cheap enough to call every step).
 
-    A no-op when the process was not started by a rallypoint agent with hang detection.
+    Call it once per training step: the agent's hang detection and straggler detection
+    read it. A no-op when the process was not started by a rallypoint agent.
     """
     view = _view
     if view is not None:
         view[_slot] = _monotonic()
+        view[_count_slot] += 1.0
     elif not _disabled:
         _init_worker()
 
@@ -86,7 +93,7 @@ def _forget_after_fork() -> None:
 
 
 def _init_worker() -> None:
-    global _view, _slot, _disabled, _keep_alive, _fork_hook_installed
+    global _view, _slot, _count_slot, _disabled, _keep_alive, _fork_hook_installed
     if not _fork_hook_installed:
         os.register_at_fork(after_in_child=_forget_after_fork)
         _fork_hook_installed = True
@@ -108,7 +115,7 @@ def _init_worker() -> None:
         )
         return
     view = memoryview(mm)[_HEADER.size :].cast("d")
-    nslots = len(view)
+    nslots = len(view) // 2
     if not 0 <= slot < nslots:
         view.release()
         mm.close()
@@ -120,9 +127,10 @@ def _init_worker() -> None:
             stacklevel=3,
         )
         return
-    _keep_alive, _slot = mm, slot
+    _keep_alive, _slot, _count_slot = mm, slot, nslots + slot
     _view = view
     view[slot] = _monotonic()
+    view[_count_slot] += 1.0
 
 
 def _map(path: str) -> mmap.mmap:
@@ -135,7 +143,7 @@ def _map(path: str) -> mmap.mmap:
     finally:
         os.close(fd)
     magic, nslots, _ = _HEADER.unpack_from(mm, 0)
-    if magic != _MAGIC or size != _HEADER.size + nslots * _SLOT_SIZE:
+    if magic != _MAGIC or size != _HEADER.size + 2 * nslots * _SLOT_SIZE:
         mm.close()
         raise ValueError("file is not a rallypoint progress board")
     return mm
@@ -180,7 +188,7 @@ class ProgressBoard(Closing):
             dir=os.fspath(directory) if directory is not None else _default_directory(),
         )
         try:
-            size = _HEADER.size + nslots * _SLOT_SIZE
+            size = _HEADER.size + 2 * nslots * _SLOT_SIZE
             os.ftruncate(fd, size)
             self._mm: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED)
         except BaseException:
@@ -192,7 +200,10 @@ class ProgressBoard(Closing):
         # when a process forked from it exits)
         self._finalizer = weakref.finalize(self, _unlink_if_owner, self.path, os.getpid())
         _HEADER.pack_into(self._mm, 0, _MAGIC, nslots, 0)
-        self._slots: memoryview[float] = memoryview(self._mm)[_HEADER.size :].cast("d")
+        both = memoryview(self._mm)[_HEADER.size :].cast("d")
+        self._slots: memoryview[float] = both[:nslots]
+        self._counts: memoryview[float] = both[nslots:]
+        both.release()
         self._reset_at = clock()
 
     def env(self, local_rank: int) -> dict[str, str]:
@@ -205,6 +216,7 @@ class ProgressBoard(Closing):
         self._require_open()
         for i in range(self.nslots):
             self._slots[i] = 0.0
+            self._counts[i] = 0.0
         self._reset_at = self._clock()
 
     def last_progress(self, local_rank: int) -> float | None:
@@ -212,6 +224,17 @@ class ProgressBoard(Closing):
         self._check_rank(local_rank)
         value = float(self._slots[local_rank])
         return value if value > 0.0 else None
+
+    def steps(self, local_rank: int) -> int:
+        """How many times this worker called :func:`progress` since :meth:`reset`."""
+        self._check_rank(local_rank)
+        return int(self._counts[local_rank])
+
+    def sample(self) -> list[tuple[float, int]]:
+        """``(time of the last progress, steps)`` of every slot since :meth:`reset`
+        (``(0.0, 0)`` for a worker that did not report yet)."""
+        self._require_open()
+        return [(float(self._slots[i]), int(self._counts[i])) for i in range(self.nslots)]
 
     def reported(self) -> list[int]:
         """Local ranks that reported progress at least once since :meth:`reset`."""
@@ -245,6 +268,7 @@ class ProgressBoard(Closing):
         if self._mm is None:
             return
         self._slots.release()
+        self._counts.release()
         self._mm.close()
         self._mm = None
         self._finalizer()

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rallypoint.observe._events import Event
+from rallypoint.observe._report_lanes import SLOW_COLOR, draw_lanes, lane_tooltips
 from rallypoint.observe._timeline import (
     FAILURE_COLOR,
     MARK_STYLES,
@@ -86,6 +87,8 @@ def _matplotlib() -> Any:
 def _tooltips(tl: Timeline) -> dict[str, str]:
     tips = {f"bar-{i}": bar.label for i, bar in enumerate(tl.bars)}
     tips.update({f"mark-{i}": mark.label for i, mark in enumerate(tl.marks)})
+    if tl.lanes is not None:
+        tips.update(lane_tooltips(tl.lanes))
     return tips
 
 
@@ -123,9 +126,18 @@ def _figure(tl: Timeline) -> Any:
     from matplotlib.figure import Figure
 
     n = max(len(tl.ranks), 1)
-    fig = Figure(figsize=(11, 1.6 + 0.4 * n), layout="constrained")
+    lanes = tl.lanes
+    if lanes is None:
+        fig = Figure(figsize=(11, 1.6 + 0.4 * n), layout="constrained")
+        ax = fig.add_subplot()
+    else:
+        m = len(lanes.ranks)
+        fig = Figure(figsize=(11, 2.8 + 0.4 * n + 0.3 * m), layout="constrained")
+        ax, lanes_ax = fig.subplots(2, 1, sharex=True, height_ratios=[n + 0.6, 0.75 * m + 1.2])
+        draw_lanes(fig, lanes_ax, lanes, tl.span)
+        lanes_ax.set_xlabel("seconds since the first event")
+        lanes_ax.grid(axis="x", color="#eeeeee")
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
     y_of = {r: i for i, r in enumerate(tl.ranks)}
     for i, bar in enumerate(tl.bars):
         bars = ax.barh(
@@ -141,10 +153,11 @@ def _figure(tl: Timeline) -> Any:
     ax.set_yticks(range(len(tl.ranks)), [f"rank {r}" for r in tl.ranks])
     ax.set_ylim(n - 0.5, -0.5)
     ax.set_xlim(0, tl.span * 1.02)
-    ax.set_xlabel("seconds since the first event")
+    if lanes is None:
+        ax.set_xlabel("seconds since the first event")
     ax.set_title(_text(tl.title), loc="left", pad=40, parse_math=False)
     ax.grid(axis="x", color="#eeeeee")
-    _legend(fig)
+    _legend(fig, stragglers=lanes is not None)
     return fig
 
 
@@ -172,7 +185,7 @@ def _draw_marks(ax: Any, tl: Timeline, y_of: dict[int, int]) -> None:
         )
 
 
-def _legend(fig: Any) -> None:
+def _legend(fig: Any, *, stragglers: bool) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -183,6 +196,10 @@ def _legend(fig: Any) -> None:
     handles.append(
         Line2D([], [], color=FAILURE_COLOR, marker="x", mew=3, ls="", label="root-cause failure")
     )
+    if stragglers:
+        handles.append(
+            Patch(facecolor="none", edgecolor=SLOW_COLOR, linewidth=1.8, label="straggler")
+        )
     fig.legend(handles=handles, loc="outside lower center", ncols=5, fontsize=8, frameon=False)
 
 

@@ -4,6 +4,7 @@ Ranks on the y axis, time (seconds since the first event) on the x axis, one bar
 worker lifetime (``worker_start`` -> ``worker_exit``) coloured by how it ended; rounds,
 restarts, hangs and the end of the job as vertical marks; the root-cause ``failure`` as a
 mark on its rank. Several files (one per node) are merged by time before this step.
+Step times and stragglers become lanes below (``_lanes``) when the events hold them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rallypoint.observe._events import Event
+from rallypoint.observe._lanes import StepLanes, build_lanes
 
 __all__ = [
     "FAILURE_COLOR",
@@ -69,6 +71,8 @@ class Timeline:
     bars: list[Bar] = field(default_factory=list)
     marks: list[Mark] = field(default_factory=list)
     title: str = "rallypoint job timeline"
+    lanes: StepLanes | None = None
+    """Step time per rank with the stragglers (``None`` without ``step_times`` events)."""
 
 
 def _state_of(event: Event) -> str:
@@ -145,6 +149,7 @@ def build_timeline(events: Sequence[Event]) -> Timeline:
         bar = Bar(r, begin, max(end, begin), state, f"{_bar_label(start, r)}: {note}")
         timeline.bars.append(bar)
     timeline.ranks = sorted(ranks)
+    timeline.lanes = build_lanes(ordered, t0, end)
     run_ids = {e.get("run_id") for e in ordered if e.get("run_id")}
     if len(run_ids) == 1:
         timeline.title = f"rallypoint job {run_ids.pop()}"

@@ -9,8 +9,8 @@ an elastic job alike (composition, not subclassing):
 - :meth:`AttemptPolicy.on_hang`, when no worker reported progress for ``hang_timeout``,
   while the workers still run (so that their stacks can be collected first).
 
-:class:`LocalPolicy` is the single-node one: nothing to poll; a hang prints the local
-workers' stacks.
+:class:`LocalPolicy` is the single-node one: each tick feeds straggler detection (when
+on); a hang prints the local workers' stacks.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from rallypoint.observe._observer import Observer
+from rallypoint.observe._straggler_watch import StragglerWatch
 from rallypoint.supervise._output import write_console
 from rallypoint.supervise._state import OutcomeKind, Stop
 
@@ -38,14 +39,25 @@ class AttemptPolicy(Protocol):
 
 
 class LocalPolicy:
-    """One node on its own: a hang prints the workers' stacks, grouped, and stops them."""
+    """One node on its own: stragglers among its ranks are reported; a hang prints the
+    workers' stacks, grouped, and stops them."""
 
-    def __init__(self, observer: Observer, *, attempt: int, on_hang: str) -> None:
+    def __init__(
+        self,
+        observer: Observer,
+        *,
+        attempt: int,
+        on_hang: str,
+        stragglers: StragglerWatch | None = None,
+    ) -> None:
         self.observer = observer
         self.attempt = attempt
         self.action = on_hang
+        self.stragglers = stragglers
 
     def poll(self, running: Mapping[int, int]) -> Stop | None:
+        if self.stragglers is not None:
+            self.stragglers.tick(running)
         return None
 
     def on_hang(self, running: Mapping[int, int], idle_s: float) -> Stop:
