@@ -5,6 +5,7 @@ The parts, each with its own small interface:
 - :class:`~rallypoint.rpc._peers.PeerTable`: the group (names, ranks, device maps, dead peers);
 - :class:`~rallypoint.rpc._calls.PendingCalls`: our calls awaiting a reply, with timeouts;
 - :class:`~rallypoint.rpc._rref_table.RRefTable`: values we own, forks in flight, decrements;
+- :class:`~rallypoint.rpc._autograd.DistAutograd`: distributed autograd contexts;
 - :class:`~rallypoint.rpc._codec.Codec`: messages pickled for a peer;
 - :class:`~rallypoint.rpc._dispatch.Dispatcher`: frames in (run calls, complete futures);
 - :class:`~rallypoint.rpc._connections.Connections`: the listener and the sockets;
@@ -32,6 +33,12 @@ from rallypoint._core.checks import check_seconds
 from rallypoint._core.envvars import RPC_ADDR
 from rallypoint.rpc import _groups, _wire
 from rallypoint.rpc._auth import resolve_secret
+from rallypoint.rpc._autograd import (
+    CURRENT_AUTOGRAD,
+    AutogradContext,
+    DistAutograd,
+    current_context,
+)
 from rallypoint.rpc._backend import CURRENT_AGENT, Args, Func, Fut, Kwargs, RpcAgent
 from rallypoint.rpc._calls import PendingCalls, fail
 from rallypoint.rpc._codec import Codec
@@ -85,7 +92,8 @@ class RallypointAgent(RpcAgent):
         self.peers = PeerTable(self.info, dict(options.device_maps))  # type: ignore[arg-type]
         self.calls = PendingCalls(options.rpc_timeout)
         self.rrefs = RRefTable(self.info, caller=self)
-        self.codec = Codec(self.peers, self.rrefs)
+        self.autograd = DistAutograd(self.info, caller=self)
+        self.codec = Codec(self.peers, self.rrefs, self.autograd)
         self.dispatcher = Dispatcher(self.info, self.calls, self.codec)
         self._pool = SegmentPool(options.shm_pool_bytes) if options.shared_memory else None
         host = (
@@ -171,7 +179,7 @@ class RallypointAgent(RpcAgent):
             raise TypeError("function should be callable.")
         seconds = self._default_timeout if timeout == UNSET_RPC_TIMEOUT else self._timeout(timeout)
         info = self.peers.resolve(to)
-        return self._send(info.name, (func, args, kwargs), seconds, _CALL)
+        return self._send(info.name, (func, args, kwargs), seconds, _CALL, current_context())
 
     def remote(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> RRef[Any]:
         self.check_open()
@@ -183,9 +191,14 @@ class RallypointAgent(RpcAgent):
             self._send(self.peers.resolve(to).name, (func, args, {}), 0, _ONEWAY)
 
     def _send(
-        self, dst: str, payload: tuple[Func, Args, Kwargs], seconds: float, kind: _wire.FrameKind
+        self,
+        dst: str,
+        payload: tuple[Func, Args, Kwargs],
+        seconds: float,
+        kind: _wire.FrameKind,
+        ctx: AutogradContext | None = None,
     ) -> Fut:
-        data, raws = self.codec.call(dst, payload)
+        data, raws = self.codec.call(dst, payload, ctx)
         # torch's own rpc_async returns the C++ future type too: it costs no Python
         # __init__ and, unlike the Python subclass, is not tracked by the GC
         future = _CFuture([])
@@ -236,6 +249,7 @@ class RallypointAgent(RpcAgent):
         CURRENT_AGENT.set(self)
         CURRENT_TABLE.set(self.rrefs)
         CURRENT_GROUP.set(self.group)
+        CURRENT_AUTOGRAD.set(self.autograd)
         try:
             self.group.join(self.record(), timeout)
         except BaseException:
@@ -286,6 +300,8 @@ class RallypointAgent(RpcAgent):
         CURRENT_AGENT.clear(self)
         CURRENT_TABLE.clear(self.rrefs)
         CURRENT_GROUP.clear(self.group)
+        CURRENT_AUTOGRAD.clear(self.autograd)
+        self.autograd.close()
         self.group.close()
 
 
