@@ -44,9 +44,12 @@ from rallypoint.rpc.functions import async_execution
 
 Grad: TypeAlias = "torch.Tensor | None"
 Items: TypeAlias = "list[tuple[int, int, Grad]]"  # (message id, tensor index, gradient)
-Report: TypeAlias = "tuple[str | None, list[str], list[str]] | None"
-"""A pass's outcome: ``None`` if it went well and every worker it reached is done; else
-``(error, unsettled workers, the workers they exchanged messages with)``."""
+Status: TypeAlias = "tuple[str, int, bool, list[str]]"
+"""A worker's state in a round: name, passes run, settled, the workers it talked to."""
+Report: TypeAlias = "tuple[str | None, list[Status]] | None"
+"""A pass's outcome: ``None`` if it went well and no worker it reached ever reported
+being unsettled; else ``(error, statuses)``. The status with the most passes is the
+latest, so a worker that was waiting and is done by the end is seen as done."""
 
 _ID_BITS = 48
 _tls = threading.local()
@@ -256,22 +259,28 @@ class DistAutograd:
         except Exception as exc:
             raise RuntimeError(self._error(exc)) from exc
         report = self._fan_out(ctx, round_id, retain_graph, outgoing).wait()
-        contacted = {self.me.name}
+        latest: dict[str, Status] = {}
+        asked = {self.me.name}
         while report is not None and report[0] is None:
-            # some workers wait for gradients from workers no pass reached yet: ask those
-            # (their received tensors that nothing reaches send "no gradient")
-            _, unsettled, known = report
-            contacted.update(unsettled)
-            targets = [w for w in dict.fromkeys(known) if w not in contacted]
+            # workers wait for gradients from workers no pass reached: ask those (their
+            # received tensors that no source reaches answer "no gradient")
+            for status in report[1]:
+                if status[1] >= latest.get(status[0], status)[1]:
+                    latest[status[0]] = status
+            waiting = [s for s in latest.values() if not s[2]]
+            if not waiting:
+                return
+            targets = [w for s in waiting for w in s[3] if w not in asked]
             if not targets:
                 raise RuntimeError(
                     f"Error on Node {self.me.id}: the distributed backward pass of context "
-                    f"{context_id} cannot finish: workers {sorted(set(unsettled))} still wait "
-                    "for gradients of tensors they sent, and every worker they exchanged "
-                    "messages with has been asked"
+                    f"{context_id} cannot finish: workers {sorted(s[0] for s in waiting)} "
+                    "still wait for gradients of tensors they sent, and every worker they "
+                    "exchanged messages with has been asked"
                 )
-            contacted.update(targets)
-            report = self._fan_out(ctx, round_id, retain_graph, {t: [] for t in targets}).wait()
+            asked.update(targets)
+            outgoing: dict[str, Items] = {target: [] for target in targets}
+            report = self._fan_out(ctx, round_id, retain_graph, outgoing).wait()
         if report is not None:
             raise RuntimeError(report[0])
 
@@ -284,7 +293,7 @@ class DistAutograd:
             arrivals: list[tuple[SourceKey, Grad]] = [((m, i), g) for m, i, g in items]
             outgoing = self._step(ctx, round_id, retain_graph, arrivals, ())
         except Exception as exc:
-            return _done((self._error(exc), [], []))
+            return _done((self._error(exc), []))
         return self._fan_out(ctx, round_id, retain_graph, outgoing)
 
     def _step(
@@ -336,7 +345,7 @@ class DistAutograd:
                         )
                     )
                 except Exception as exc:
-                    futures.append(_done((f"{exc}", [], [])))
+                    futures.append(_done((f"{exc}", [])))
         finally:
             _tls.ctx = saved
         if not futures:
@@ -348,27 +357,28 @@ class DistAutograd:
         self, ctx: AutogradContext, round_id: int, done: list[torch.futures.Future[Any]]
     ) -> Report:
         error: str | None = None
-        unsettled: list[str] = []
-        known: list[str] = []
+        statuses: list[Status] = []
         for future in done:
             try:
                 report: Report = future.value()
             except Exception as exc:
-                report = (f"{exc}", [], [])
+                report = (f"{exc}", [])
             if report is None:
                 continue
             if report[0] is not None and error is None:
                 error = f"Error on Node {self.me.id}: {report[0]}"
-            unsettled.extend(report[1])
-            known.extend(report[2])
+            statuses.extend(report[1])
         with ctx.lock:
             rnd = ctx.round
-            if rnd is not None and rnd.id == round_id and not rnd.settled:
-                unsettled.append(self.me.name)
-                known.extend(sorted(ctx.known))
-        if error is None and not unsettled:
+            if rnd is not None and rnd.id == round_id:
+                if not rnd.settled:
+                    rnd.reported_unsettled = True
+                    statuses.append((self.me.name, rnd.passes, False, sorted(ctx.known)))
+                elif rnd.reported_unsettled:
+                    statuses.append((self.me.name, rnd.passes, True, []))
+        if error is None and not statuses:
             return None
-        return (error, unsettled, known)
+        return (error, statuses)
 
     def _error(self, exc: BaseException) -> str:
         return f"Error on Node {self.me.id}: {exc}"

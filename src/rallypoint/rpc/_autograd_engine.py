@@ -93,6 +93,8 @@ class Round:
                 self._count(node, stack)
         self._walk(stack)
         self._unarrived = len(self._edges)
+        self.passes = 0  # passes run so far: orders this worker's reports of the round
+        self.reported_unsettled = False
 
     # ---- the graph ---------------------------------------------------------------------
     def _count(self, node: Node, stack: list[Node]) -> None:
@@ -133,6 +135,7 @@ class Round:
     # ---- one pass ----------------------------------------------------------------------
     def plan(self, arrivals: Iterable[tuple[SourceKey, torch.Tensor | None]]) -> Plan:
         """Deliver ``arrivals`` (``None``: that source gets no gradient) and plan the pass."""
+        self.passes += 1
         plan = Plan()
         ready: list[Node] = []
         touched: dict[Node, set[int]] = {}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -60,7 +61,11 @@ class _LocalOptimizer:
     ) -> None:
         self._params = [rref.local_value() for rref in params_rref]
         self._functional = functional
-        self.optim = optim_cls(self._params, *args, **kwargs)
+        with warnings.catch_warnings():
+            # torch's functional optimizers warn that TorchScript support is deprecated;
+            # rallypoint does not script them
+            warnings.filterwarnings("ignore", "`TorchScript` support", DeprecationWarning)
+            self.optim = optim_cls(self._params, *args, **kwargs)
 
     def step(self, context_id: int) -> None:
         grads = dist_autograd.get_gradients(context_id)
