@@ -279,7 +279,7 @@ class DistAutograd:
                     "exchanged messages with has been asked"
                 )
             asked.update(targets)
-            outgoing: dict[str, Items] = {target: [] for target in targets}
+            outgoing = {target: [] for target in targets}
             report = self._fan_out(ctx, round_id, retain_graph, outgoing).wait()
         if report is not None:
             raise RuntimeError(report[0])
