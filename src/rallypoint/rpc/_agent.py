@@ -18,7 +18,6 @@ timeouts, detects stalled readers and sends batched RRef decrements.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -92,7 +91,12 @@ class RallypointAgent(RpcAgent):
         self.peers = PeerTable(self.info, dict(options.device_maps))  # type: ignore[arg-type]
         self.calls = PendingCalls(options.rpc_timeout)
         self.rrefs = RRefTable(self.info, caller=self)
-        self.autograd = DistAutograd(self.info, caller=self)
+        self.autograd = DistAutograd(
+            self.info,
+            caller=self,
+            timeout=options.rpc_timeout,
+            dead_workers=lambda: [n for n in self.peers.names() if self.peers.is_dead(n)],
+        )
         self.codec = Codec(self.peers, self.rrefs, self.autograd)
         self.dispatcher = Dispatcher(self.info, self.calls, self.codec)
         self._pool = SegmentPool(options.shm_pool_bytes) if options.shared_memory else None
@@ -185,10 +189,14 @@ class RallypointAgent(RpcAgent):
         self.check_open()
         return remote_rref(self.rrefs, self.peers.resolve(to), (func, args, kwargs), timeout)
 
-    def oneway(self, to: str, func: Func, *args: Any) -> None:
-        with contextlib.suppress(RpcError):
+    def oneway(self, to: str, func: Func, *args: Any) -> bool:
+        try:
             self.check_open()
-            self._send(self.peers.resolve(to).name, (func, args, {}), 0, _ONEWAY)
+            sent = self._send(self.peers.resolve(to).name, (func, args, {}), 0, _ONEWAY)
+            sent.wait()  # a one-way call's future is complete once the frame is queued
+        except RpcError:
+            return False
+        return True
 
     def _send(
         self,
@@ -241,6 +249,8 @@ class RallypointAgent(RpcAgent):
         self.calls.expire(now)
         if self.rrefs.has_releases():
             self.rrefs.send_releases(self.peers.reachable)
+        if self.autograd.has_releases():
+            self.autograd.send_releases()
 
     # ---- lifecycle -----------------------------------------------------------------
     def start(self, timeout: float) -> None:
@@ -284,6 +294,7 @@ class RallypointAgent(RpcAgent):
         """Wait for outstanding work, then leave (dynamic) or meet everyone (static)."""
         self._wait_quiet(deadline)
         self.rrefs.send_releases(self.peers.reachable)
+        self.autograd.send_releases()
         return self.group.leave(deadline, seconds, self._wait_quiet)
 
     def close(self) -> None:

@@ -7,16 +7,20 @@ torch's design (FAST mode), in Python:
   The thread that created it has it as its current context; a worker that receives a
   call made in a context creates its own copy (same id) and runs the call in it, so
   nested calls carry it on. Leaving the ``with`` block releases the context here and,
-  through one-way messages, on every worker it touched.
+  through one-way messages batched by the agent's monitor, on every worker it touched.
 - In a context, every call carries the context id; a message with tensors that require
   grad also carries a *message id*. The sender records a *send* (the tensors' gradient
   edges); the receiver wraps each such tensor in a ``RecvRpcBackward`` node and records
   a *receive*. The codec does both (:class:`~rallypoint.rpc._codec.Codec`).
 - ``backward(context_id, roots)`` runs the local pass from the roots; every received
-  tensor it reaches sends its gradient to the sender (``_propagate``), which runs its own
-  pass from the matching send, and so on. A ``_propagate`` call returns only when the
-  passes it caused, on every worker, are done, so ``backward`` returns when the whole
-  distributed pass is. The dependency counting lives in :mod:`._autograd_engine`.
+  tensor it reaches sends its gradient to the sender (``_propagate``, one-way), which
+  runs its own pass from the matching send, and so on. The dependency counting lives in
+  :mod:`._autograd_engine`.
+- Termination by credit: ``backward`` hands out a credit of 1; every propagation carries
+  a share (an exact fraction), a worker splits its share among the propagations its pass
+  sends and gives it back to the caller of ``backward`` (``_credit``) when it sends none.
+  ``backward`` returns when all of the credit is back, so when the pass is done on every
+  worker (one message per hop, none for replies); errors come back with the credit.
 - Leaf gradients accumulate in the context (``get_gradients``), never in ``.grad``.
 
 Unlike torch, a send whose gradient never comes (its result was unused) does not hang the
@@ -27,9 +31,12 @@ from __future__ import annotations
 
 import itertools
 import numbers
+import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, NamedTuple, TypeAlias
 
 import torch
@@ -37,19 +44,22 @@ from torch.autograd.graph import Node, get_gradient_edge
 
 from rallypoint.rpc._autograd_engine import Round, SourceKey, execute
 from rallypoint.rpc._backend import Caller
-from rallypoint.rpc._constants import UNSET_RPC_TIMEOUT
 from rallypoint.rpc._current import Current
 from rallypoint.rpc._groups import WorkerInfo
-from rallypoint.rpc.functions import async_execution
 
 Grad: TypeAlias = "torch.Tensor | None"
 Items: TypeAlias = "list[tuple[int, int, Grad]]"  # (message id, tensor index, gradient)
 Status: TypeAlias = "tuple[str, int, bool, list[str]]"
-"""A worker's state in a round: name, passes run, settled, the workers it talked to."""
-Report: TypeAlias = "tuple[str | None, list[Status]] | None"
-"""A pass's outcome: ``None`` if it went well and no worker it reached ever reported
-being unsettled; else ``(error, statuses)``. The status with the most passes is the
-latest, so a worker that was waiting and is done by the end is seen as done."""
+"""A worker's state in a round: name, passes run, settled, the workers it talked to. Only
+workers that waited at some point report; the status with the most passes is the latest."""
+Weight: TypeAlias = "tuple[int, int]"
+"""A share of a round's credit, as a fraction (numerator, denominator)."""
+_Message: TypeAlias = "tuple[Items, str, Weight, tuple[int, ...], list[Status]]"
+"""A propagation: gradients, the worker that called backward, the credit share, the ranks
+the gradients came through (torch's error text names them), statuses on their way."""
+
+_ONE: Weight = (1, 1)
+_POLL = 0.05
 
 _ID_BITS = 48
 _tls = threading.local()
@@ -155,18 +165,23 @@ def check_roots(roots: list[torch.Tensor]) -> list[torch.Tensor]:
     return roots
 
 
-def _done(value: Any) -> torch.futures.Future[Any]:
-    future: torch.futures.Future[Any] = torch.futures.Future()
-    future.set_result(value)
-    return future
-
-
 class DistAutograd:
     """One worker's distributed autograd: its contexts, and the backward protocol."""
 
-    def __init__(self, me: WorkerInfo, caller: Caller) -> None:
+    def __init__(
+        self,
+        me: WorkerInfo,
+        caller: Caller,
+        *,
+        timeout: float,
+        dead_workers: Callable[[], list[str]],
+    ) -> None:
         self.me = me
         self._caller = caller
+        self._timeout = timeout  # bounds a whole backward pass, as torch's RPC timeout does
+        self._dead_workers = dead_workers
+        self._waiters: dict[tuple[int, int], _Waiter] = {}
+        self._releases: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
         self._contexts: dict[int, AutogradContext] = {}
         self._lock = threading.Lock()
         base = me.id << _ID_BITS
@@ -207,14 +222,29 @@ class DistAutograd:
             raise RuntimeError(f"Could not find autograd context with id: {context_id}")
 
     def release(self, context_id: int, sender: str | None = None) -> bool:
-        """Drop a context and tell the workers it exchanged messages with."""
+        """Drop a context; the workers it exchanged messages with hear of it in batches."""
         with self._lock:
             ctx = self._contexts.pop(context_id, None)
         if ctx is None:
             return False
-        for peer in sorted(ctx.known - {self.me.name, sender}):
-            self._caller.oneway(peer, _release, context_id, self.me.name)
+        for peer in ctx.known - {self.me.name, sender}:
+            self._releases.put((peer, context_id))
         return True
+
+    def send_releases(self) -> None:
+        """Tell peers which contexts were released (the agent's monitor calls this)."""
+        batches: dict[str, list[int]] = {}
+        while True:
+            try:
+                peer, context_id = self._releases.get_nowait()
+            except queue.Empty:
+                break
+            batches.setdefault(peer, []).append(context_id)
+        for peer, ids in batches.items():
+            self._caller.oneway(peer, _release, ids, self.me.name)
+
+    def has_releases(self) -> bool:
+        return not self._releases.empty()
 
     def __len__(self) -> int:
         return len(self._contexts)
@@ -254,47 +284,75 @@ class DistAutograd:
         arrivals: list[tuple[SourceKey, Grad]] = [
             ((-1, i), torch.ones_like(r)) for i, r in enumerate(roots)
         ]
+        waiter = self._waiters[(context_id, round_id)] = _Waiter()
         try:
-            outgoing = self._step(ctx, round_id, retain_graph, arrivals, roots)
-        except Exception as exc:
-            raise RuntimeError(self._error(exc)) from exc
-        report = self._fan_out(ctx, round_id, retain_graph, outgoing).wait()
-        latest: dict[str, Status] = {}
-        asked = {self.me.name}
-        while report is not None and report[0] is None:
-            # workers wait for gradients from workers no pass reached: ask those (their
-            # received tensors that no source reaches answer "no gradient")
-            for status in report[1]:
-                if status[1] >= latest.get(status[0], status)[1]:
-                    latest[status[0]] = status
-            waiting = [s for s in latest.values() if not s[2]]
-            if not waiting:
-                return
-            targets = [w for s in waiting for w in s[3] if w not in asked]
-            if not targets:
+            try:
+                outgoing = self._step(ctx, round_id, retain_graph, arrivals, roots)
+            except Exception as exc:
+                raise RuntimeError(self._error((), exc)) from exc
+            trail = (self.me.id,)
+            statuses = self._status(ctx, round_id)
+            self._forward(ctx, round_id, retain_graph, outgoing, _ONE, trail, statuses)
+            self._wait(waiter, context_id)
+            asked = {self.me.name}
+            while (targets := self._unheard(waiter, asked, context_id)) is not None:
+                # workers wait for gradients from workers no pass reached: ask those
+                # (their received tensors that no source reaches answer "no gradient")
+                asked.update(targets)
+                waiter = self._waiters[(context_id, round_id)] = _Waiter(waiter.latest)
+                asking: dict[str, Items] = {target: [] for target in targets}
+                self._forward(ctx, round_id, retain_graph, asking, _ONE, trail, [])
+                self._wait(waiter, context_id)
+        finally:
+            self._waiters.pop((context_id, round_id), None)
+
+    def _wait(self, waiter: _Waiter, context_id: int) -> None:
+        """Until every share of the credit came back; raise the first error."""
+        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        already = set(self._dead_workers())
+        while not waiter.done.wait(_POLL):
+            dead = sorted(set(self._dead_workers()) - already)
+            if dead:
+                raise RuntimeError(
+                    f"Error on Node {self.me.id}: workers {dead} died during the distributed "
+                    f"backward pass of context {context_id}"
+                )
+            if deadline is not None and time.monotonic() > deadline:
                 raise RuntimeError(
                     f"Error on Node {self.me.id}: the distributed backward pass of context "
-                    f"{context_id} cannot finish: workers {sorted(s[0] for s in waiting)} "
-                    "still wait for gradients of tensors they sent, and every worker they "
-                    "exchanged messages with has been asked"
+                    f"{context_id} did not finish within the RPC timeout ({self._timeout} s)"
                 )
-            asked.update(targets)
-            outgoing = {target: [] for target in targets}
-            report = self._fan_out(ctx, round_id, retain_graph, outgoing).wait()
-        if report is not None:
-            raise RuntimeError(report[0])
+        if waiter.error is not None:
+            raise RuntimeError(f"Error on Node {self.me.id}: {waiter.error}")
 
-    def serve(
-        self, context_id: int, round_id: int, retain_graph: bool, items: Items
-    ) -> torch.futures.Future[Report]:
+    def _unheard(self, waiter: _Waiter, asked: set[str], context_id: int) -> list[str] | None:
+        """Workers to ask because others still wait for them; ``None``: all is done."""
+        waiting = [s for s in waiter.latest.values() if not s[2]]
+        if not waiting:
+            return None
+        targets = [w for s in waiting for w in s[3] if w not in asked]
+        if not targets:
+            raise RuntimeError(
+                f"Error on Node {self.me.id}: the distributed backward pass of context "
+                f"{context_id} cannot finish: workers {sorted(s[0] for s in waiting)} still "
+                "wait for gradients of tensors they sent, and every worker they exchanged "
+                "messages with has been asked"
+            )
+        return list(dict.fromkeys(targets))
+
+    def serve(self, context_id: int, round_id: int, retain_graph: bool, message: _Message) -> None:
         """Gradients for tensors this worker sent arrived: run the pass they start."""
+        items, origin, weight, trail, statuses = message
         try:
             ctx = self.retrieve(context_id)
             arrivals: list[tuple[SourceKey, Grad]] = [((m, i), g) for m, i, g in items]
             outgoing = self._step(ctx, round_id, retain_graph, arrivals, ())
         except Exception as exc:
-            return _done((self._error(exc), []))
-        return self._fan_out(ctx, round_id, retain_graph, outgoing)
+            self._give_back(origin, context_id, round_id, weight, self._error(trail, exc), statuses)
+            return
+        statuses = [*statuses, *self._status(ctx, round_id)]
+        trail = (*trail, self.me.id)
+        self._forward(ctx, round_id, retain_graph, outgoing, weight, trail, statuses, origin)
 
     def _step(
         self,
@@ -323,79 +381,135 @@ class DistAutograd:
                 outgoing.setdefault(record.peer, []).append(
                     (record.message_id, record.position, sent)
                 )
+            if ctx.round is rnd and not rnd.settled:
+                rnd.reported_unsettled = True
             return outgoing
 
-    def _fan_out(
-        self, ctx: AutogradContext, round_id: int, retain_graph: bool, outgoing: dict[str, Items]
-    ) -> torch.futures.Future[Report]:
-        """Send the gradients; the future completes with the merged report of every pass."""
-        futures = []
+    def _status(self, ctx: AutogradContext, round_id: int) -> list[Status]:
+        """This worker's status, if the initiator must hear it (it waited at some point)."""
+        with ctx.lock:
+            rnd = ctx.round
+            if rnd is None or rnd.id != round_id or not rnd.reported_unsettled:
+                return []
+            known = [] if rnd.settled else sorted(ctx.known)
+            return [(self.me.name, rnd.passes, rnd.settled, known)]
+
+    def _forward(
+        self,
+        ctx: AutogradContext,
+        round_id: int,
+        retain_graph: bool,
+        outgoing: dict[str, Any],
+        weight: Weight,
+        trail: tuple[int, ...],
+        statuses: list[Status],
+        origin: str | None = None,
+    ) -> None:
+        """Send the gradients on, each with a share of the credit (or give the credit back)."""
+        origin = origin or self.me.name
+        if not outgoing:
+            self._give_back(origin, ctx.id, round_id, weight, None, statuses)
+            return
+        share = weight if len(outgoing) == 1 else _split(weight, len(outgoing))
         saved = getattr(_tls, "ctx", None)
         _tls.ctx = None  # protocol messages are not part of the context's forward pass
         try:
             for peer, items in outgoing.items():
-                try:
-                    futures.append(
-                        self._caller.rpc_async(
-                            peer,
-                            _propagate,
-                            (ctx.id, round_id, retain_graph, items),
-                            {},
-                            UNSET_RPC_TIMEOUT,
-                        )
-                    )
-                except Exception as exc:
-                    futures.append(_done((f"{exc}", [])))
+                message: _Message = (list(items), origin, share, trail, statuses)
+                if not self._caller.oneway(
+                    peer, _propagate, ctx.id, round_id, retain_graph, message
+                ):
+                    error = f"Error on Node {self.me.id}: cannot reach worker {peer}"
+                    self._give_back(origin, ctx.id, round_id, share, error, statuses)
+                statuses = []
         finally:
             _tls.ctx = saved
-        if not futures:
-            return _done(self._report(ctx, round_id, []))
-        merged: torch.futures.Future[Any] = torch.futures.collect_all(futures)
-        return merged.then(lambda done: self._report(ctx, round_id, done.value()))
 
-    def _report(
-        self, ctx: AutogradContext, round_id: int, done: list[torch.futures.Future[Any]]
-    ) -> Report:
-        error: str | None = None
-        statuses: list[Status] = []
-        for future in done:
-            try:
-                report: Report = future.value()
-            except Exception as exc:
-                report = (f"{exc}", [])
-            if report is None:
-                continue
-            if report[0] is not None and error is None:
-                error = f"Error on Node {self.me.id}: {report[0]}"
-            statuses.extend(report[1])
-        with ctx.lock:
-            rnd = ctx.round
-            if rnd is not None and rnd.id == round_id:
-                if not rnd.settled:
-                    rnd.reported_unsettled = True
-                    statuses.append((self.me.name, rnd.passes, False, sorted(ctx.known)))
-                elif rnd.reported_unsettled:
-                    statuses.append((self.me.name, rnd.passes, True, []))
-        if error is None and not statuses:
-            return None
-        return (error, statuses)
+    def _give_back(
+        self,
+        origin: str,
+        context_id: int,
+        round_id: int,
+        weight: Weight,
+        error: str | None,
+        statuses: list[Status],
+    ) -> None:
+        if origin == self.me.name:
+            self.credit(context_id, round_id, weight, error, statuses)
+        else:
+            # only atomic arguments in the common case: the codec's fastest path
+            num, den = weight
+            self._caller.oneway(
+                origin, _credit, context_id, round_id, num, den, error, statuses or None
+            )
 
-    def _error(self, exc: BaseException) -> str:
-        return f"Error on Node {self.me.id}: {exc}"
+    def credit(
+        self,
+        context_id: int,
+        round_id: int,
+        weight: Weight,
+        error: str | None,
+        statuses: list[Status],
+    ) -> None:
+        """A share of a round's credit came back (to the worker that called backward)."""
+        with self._lock:
+            waiter = self._waiters.get((context_id, round_id))
+            if waiter is not None:
+                waiter.add(Fraction(*weight), error, statuses)
+
+    def _error(self, trail: tuple[int, ...], exc: BaseException) -> str:
+        """torch's text: ``Error on Node N: `` for every worker the gradient came through."""
+        via = "".join(f"Error on Node {node}: " for node in trail[1:])
+        return f"{via}Error on Node {self.me.id}: {exc}"
+
+
+def _split(weight: Weight, n: int) -> Weight:
+    share = Fraction(*weight) / n
+    return (share.numerator, share.denominator)
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    """The worker that called backward: the credit that came back, errors, statuses."""
+
+    latest: dict[str, Status] = field(default_factory=dict)
+    credit: Fraction = Fraction(0)
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def add(self, weight: Fraction, error: str | None, statuses: list[Status]) -> None:
+        self.credit += weight
+        if error is not None and self.error is None:
+            self.error = error
+        for status in statuses:
+            seen = self.latest.get(status[0])
+            if seen is None or status[1] >= seen[1]:
+                self.latest[status[0]] = status
+        if self.credit >= 1:
+            self.done.set()
 
 
 CURRENT_AUTOGRAD: Current[DistAutograd] = Current()
 
 
 # ---- functions that run on the other workers ---------------------------------------------
-@async_execution
-def _propagate(
-    context_id: int, round_id: int, retain_graph: bool, items: Items
-) -> torch.futures.Future[Report]:
-    return CURRENT_AUTOGRAD.get().serve(context_id, round_id, retain_graph, items)
+def _propagate(context_id: int, round_id: int, retain_graph: bool, message: _Message) -> None:
+    CURRENT_AUTOGRAD.get().serve(context_id, round_id, retain_graph, message)
 
 
-def _release(context_id: int, sender: str) -> None:
+def _credit(
+    context_id: int,
+    round_id: int,
+    num: int,
+    den: int,
+    error: str | None,
+    statuses: list[Status] | None,
+) -> None:
+    CURRENT_AUTOGRAD.get().credit(context_id, round_id, (num, den), error, statuses or [])
+
+
+def _release(context_ids: list[int], sender: str) -> None:
     autograd = CURRENT_AUTOGRAD.peek()
     if autograd is not None:
-        autograd.release(context_id, sender)
+        for context_id in context_ids:
+            autograd.release(context_id, sender)

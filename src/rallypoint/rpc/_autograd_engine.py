@@ -36,6 +36,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 _ACC: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
+_ENGINE: Any = torch.autograd.Variable._execution_engine
 
 SourceKey = tuple[int, int]
 """``(message id, tensor index)`` of a sent tensor; ``(-1, i)`` for the i-th root."""
@@ -56,6 +57,7 @@ class Plan:
     leaves: dict[Node, None] = field(default_factory=dict)  # AccumulateGrad nodes, ordered
     recv_done: list[Node] = field(default_factory=list)  # received tensors: gradient complete
     recv_dead: list[Node] = field(default_factory=list)  # received tensors: no gradient
+    recv_passed: list[tuple[Node, torch.Tensor]] = field(default_factory=list)  # no engine
     pending: list[tuple[Node, int]] = field(default_factory=list)  # (node, input) to capture
     direct: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # leaf, grad
 
@@ -187,6 +189,10 @@ class Round:
                 if type(child) is not _ACC:
                     self._arrive(child, ready)
             return
+        if is_recv and node not in touched and buffered:
+            # a received tensor sent on as it was: its gradient is what came back for it
+            plan.recv_passed.append((node, buffered[0]))
+            return
         if buffered:
             for input_nr, grad in buffered.items():
                 plan.outputs.append(GradientEdge(node, input_nr))
@@ -229,6 +235,7 @@ def execute(rnd: Round, plan: Plan) -> Outcome:
     """Run the local engine over ``plan``; leaf gradients and received tensors' gradients."""
     leaves = list(plan.direct)
     recv: list[tuple[Node, torch.Tensor | None]] = [(node, None) for node in plan.recv_dead]
+    recv.extend(plan.recv_passed)
     if not plan.outputs:
         return Outcome(leaves, recv)
     leaf_nodes = list(plan.leaves)
@@ -247,8 +254,10 @@ def execute(rnd: Round, plan: Plan) -> Outcome:
     if not inputs:
         return Outcome(leaves, recv)
     try:
-        grads = torch.autograd.grad(
-            plan.outputs, inputs, plan.grads, retain_graph=retain, allow_unused=True
+        # torch.autograd.grad without its argument checks: every gradient here has its
+        # tensor's shape already (a third of the cost of a small pass)
+        grads = _ENGINE.run_backward(
+            tuple(plan.outputs), tuple(plan.grads), retain, False, tuple(inputs), True, False
         )
     finally:
         for handle in handles:

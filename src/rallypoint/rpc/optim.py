@@ -23,8 +23,10 @@ is torch's ``DistributedOptimizer``.
 from __future__ import annotations
 
 import importlib
+import itertools
 import threading
 import warnings
+import weakref
 from collections import defaultdict
 from typing import Any
 
@@ -78,14 +80,29 @@ class _LocalOptimizer:
             self.optim.step()
 
 
+# the local optimizers of this worker, by key, alive as long as their RRef's owner entry:
+# a step names its optimizer by key, so it carries no RRef to fork (two fewer messages)
+_LOCAL: weakref.WeakValueDictionary[int, _LocalOptimizer] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
 def _new_local_optimizer(
     optim_cls: Any, functional: bool, params_rref: list[Any], *args: Any, **kwargs: Any
-) -> RRef[_LocalOptimizer]:
-    return RRef(_LocalOptimizer(optim_cls, functional, params_rref, *args, **kwargs))
+) -> tuple[RRef[_LocalOptimizer], int]:
+    local = _LocalOptimizer(optim_cls, functional, params_rref, *args, **kwargs)
+    key = next(_KEYS)
+    _LOCAL[key] = local
+    return RRef(local), key
 
 
-def _local_optimizer_step(local_optim_rref: RRef[_LocalOptimizer], context_id: int) -> None:
-    local_optim_rref.local_value().step(context_id)
+def _local_optimizer_step(key: int, context_id: int) -> None:
+    local = _LOCAL.get(key)
+    if local is None:
+        raise RuntimeError(
+            "the local optimizer of this DistributedOptimizer is gone from this worker "
+            "(RPC was restarted since it was created)"
+        )
+    local.step(context_id)
 
 
 def _wait_for_all(futures: list[torch.futures.Future[Any]]) -> list[Any]:
@@ -133,7 +150,9 @@ class DistributedOptimizer:
             )
             for worker, rrefs in per_worker.items()
         ]
-        self.remote_optimizers = _wait_for_all(futures)
+        created = _wait_for_all(futures)
+        self.remote_optimizers = [rref for rref, _ in created]
+        self._keys = [(rref.owner(), key) for rref, key in created]
 
     def step(self, context_id: int) -> None:
         """One optimizer step on every owner with the gradients of context ``context_id``."""
@@ -142,7 +161,7 @@ class DistributedOptimizer:
             return
         dist_autograd._is_valid_context(context_id)
         futures = [
-            rpc_async(optimizer.owner(), _local_optimizer_step, args=(optimizer, context_id))
-            for optimizer in self.remote_optimizers
+            rpc_async(owner, _local_optimizer_step, args=(key, context_id))
+            for owner, key in self._keys
         ]
         _wait_for_all(futures)
