@@ -116,9 +116,25 @@ class AutogradContext:
     known: set[str] = field(default_factory=set)
     round: Round | None = None
 
-    def accumulate(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
-        old = self.grads.get(tensor)
-        self.grads[tensor] = grad if old is None else old + grad
+    def accumulate(self, leaves: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Add a pass's leaf gradients, as torch's context does (``AccumulateGrad``).
+
+        The first gradient of a leaf is kept as it is if nothing else can see it (else a
+        copy); later ones are added to it in place, so a dict from ``get_gradients``
+        sees later passes, as torch's does.
+        """
+        storages: set[int] = set()
+        for tensor, grad in leaves:
+            old = self.grads.get(tensor)
+            if old is not None:
+                old.add_(grad)
+                continue
+            storage = grad.untyped_storage().data_ptr()
+            if grad.is_contiguous() and storage not in storages:
+                self.grads[tensor] = grad.detach()
+            else:  # an expanded view, or the same gradient given to two leaves
+                self.grads[tensor] = grad.clone(memory_format=torch.contiguous_format)
+            storages.add(storage)
 
     def sources(self, roots: Sequence[torch.Tensor]) -> list[tuple[SourceKey, Node, int]]:
         """Where a round's gradients enter: the roots, and every tensor sent in the context."""
@@ -373,8 +389,7 @@ class DistAutograd:
             plan = rnd.plan(arrivals)
             plan.recv_dead.extend(dead)
             outcome = execute(rnd, plan)
-            for tensor, grad in outcome.leaves:
-                ctx.accumulate(tensor, grad)
+            ctx.accumulate(outcome.leaves)
             outgoing: dict[str, Items] = {}
             for node, sent in outcome.recv:
                 record = ctx.recvs[node]
