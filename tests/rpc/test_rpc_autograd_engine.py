@@ -185,7 +185,7 @@ def test_a_round_starts_by_answering_received_tensors_nothing_reaches() -> None:
     used = _received(ctx.recvs, torch.randn(3), message=4)
     y = used * 2
     ctx.sends[11] = SendRecord("w0", [_edge(y)])
-    outgoing = autograd._step(ctx, 1, False, [((11, 0), torch.ones(3))], ())
+    outgoing, _ = autograd._step(ctx, 1, False, [((11, 0), torch.ones(3))], ())
     items = {m: g for m, _, g in outgoing["peer"]}
     assert items[3] is None and torch.equal(items[4], torch.full((3,), 2.0))
     assert unused.grad_fn in ctx.recvs

@@ -104,17 +104,19 @@ class SendRecord:
     edges: list[tuple[Node, int]]
 
 
-@dataclass(slots=True, eq=False)
 class AutogradContext:
     """One worker's part of a distributed autograd context."""
 
-    id: int
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    sends: dict[int, SendRecord] = field(default_factory=dict)
-    recvs: dict[Node, RecvRecord] = field(default_factory=dict)
-    grads: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
-    known: set[str] = field(default_factory=set)
-    round: Round | None = None
+    __slots__ = ("grads", "id", "known", "lock", "recvs", "round", "sends")
+
+    def __init__(self, context_id: int) -> None:
+        self.id = context_id
+        self.lock = threading.Lock()
+        self.sends: dict[int, SendRecord] = {}
+        self.recvs: dict[Node, RecvRecord] = {}
+        self.grads: dict[torch.Tensor, torch.Tensor] = {}
+        self.known: set[str] = set()
+        self.round: Round | None = None
 
     def accumulate(self, leaves: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Add a pass's leaf gradients, as torch's context does (``AccumulateGrad``).
@@ -284,8 +286,11 @@ class DistAutograd:
         recvs = ctx.recvs
 
         def receive(raw: torch.Tensor) -> torch.Tensor:
-            with torch.enable_grad():
+            if torch.is_grad_enabled():  # it is on the reader threads that decode
                 out: torch.Tensor = RecvRpc.apply(raw)  # type: ignore[no-untyped-call]
+            else:
+                with torch.enable_grad():
+                    out = RecvRpc.apply(raw)  # type: ignore[no-untyped-call]
             recvs[out.grad_fn] = RecvRecord(src, message_id, next(counter))  # type: ignore[index]
             return out
 
@@ -303,11 +308,10 @@ class DistAutograd:
         waiter = self._waiters[(context_id, round_id)] = _Waiter()
         try:
             try:
-                outgoing = self._step(ctx, round_id, retain_graph, arrivals, roots)
+                outgoing, statuses = self._step(ctx, round_id, retain_graph, arrivals, roots)
             except Exception as exc:
                 raise RuntimeError(self._error((), exc)) from exc
             trail = (self.me.id,)
-            statuses = self._status(ctx, round_id)
             self._forward(ctx, round_id, retain_graph, outgoing, _ONE, trail, statuses)
             self._wait(waiter, context_id)
             asked = {self.me.name}
@@ -362,11 +366,12 @@ class DistAutograd:
         try:
             ctx = self.retrieve(context_id)
             arrivals: list[tuple[SourceKey, Grad]] = [((m, i), g) for m, i, g in items]
-            outgoing = self._step(ctx, round_id, retain_graph, arrivals, ())
+            outgoing, status = self._step(ctx, round_id, retain_graph, arrivals, ())
         except Exception as exc:
             self._give_back(origin, context_id, round_id, weight, self._error(trail, exc), statuses)
             return
-        statuses = [*statuses, *self._status(ctx, round_id)]
+        if status:
+            statuses = [*statuses, *status]
         trail = (*trail, self.me.id)
         self._forward(ctx, round_id, retain_graph, outgoing, weight, trail, statuses, origin)
 
@@ -377,8 +382,9 @@ class DistAutograd:
         retain_graph: bool,
         arrivals: list[tuple[SourceKey, Grad]],
         roots: Sequence[torch.Tensor],
-    ) -> dict[str, Items]:
-        """One local pass (under the context's lock); the gradients to send, per peer."""
+    ) -> tuple[dict[str, Items], list[Status]]:
+        """One local pass (under the context's lock): the gradients to send, per peer, and
+        this worker's status if the initiator must hear it (it waited at some point)."""
         with ctx.lock:
             rnd = ctx.round
             dead: list[Node] = []
@@ -396,18 +402,13 @@ class DistAutograd:
                 outgoing.setdefault(record.peer, []).append(
                     (record.message_id, record.position, sent)
                 )
-            if ctx.round is rnd and not rnd.settled:
+            settled = rnd.settled
+            if not settled:
                 rnd.reported_unsettled = True
-            return outgoing
-
-    def _status(self, ctx: AutogradContext, round_id: int) -> list[Status]:
-        """This worker's status, if the initiator must hear it (it waited at some point)."""
-        with ctx.lock:
-            rnd = ctx.round
-            if rnd is None or rnd.id != round_id or not rnd.reported_unsettled:
-                return []
-            known = [] if rnd.settled else sorted(ctx.known)
-            return [(self.me.name, rnd.passes, rnd.settled, known)]
+            elif not rnd.reported_unsettled:
+                return outgoing, []
+            known = [] if settled else sorted(ctx.known)
+            return outgoing, [(self.me.name, rnd.passes, settled, known)]
 
     def _forward(
         self,

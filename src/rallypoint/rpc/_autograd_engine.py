@@ -95,6 +95,8 @@ class Round:
                 self._count(node, stack)
         self._walk(stack)
         self._unarrived = len(self._edges)
+        # one source (the common case: a stage's reply): every node runs in its one pass
+        self._single = next(iter(self._edges)) if self._unarrived == 1 else None
         self.passes = 0  # passes run so far: orders this worker's reports of the round
         self.reported_unsettled = False
 
@@ -138,6 +140,11 @@ class Round:
     def plan(self, arrivals: Iterable[tuple[SourceKey, torch.Tensor | None]]) -> Plan:
         """Deliver ``arrivals`` (``None``: that source gets no gradient) and plan the pass."""
         self.passes += 1
+        if self._single is not None:
+            single = list(arrivals)
+            if len(single) == 1 and single[0][0] == self._single:
+                return self._plan_single(single[0][1])
+            arrivals = single
         plan = Plan()
         ready: list[Node] = []
         touched: dict[Node, set[int]] = {}
@@ -163,6 +170,34 @@ class Round:
         for node, inputs in touched.items():
             if remaining[node] > 0:
                 plan.pending.extend((node, nr) for nr in sorted(inputs))
+        return plan
+
+    def _plan_single(self, grad: torch.Tensor | None) -> Plan:
+        """The only source arrived: everything it reaches runs (or dies) now."""
+        node, input_nr = self._edges.pop(self._single)  # type: ignore[arg-type]
+        self._single = None
+        self._unarrived = self._unresolved = 0
+        plan = Plan()
+        if type(node) is _ACC:
+            if grad is not None:
+                plan.direct.append((leaf_of(node), grad))
+            return plan
+        recvs = self._recvs
+        if grad is None:
+            plan.recv_dead.extend(n for n in self._children if n in recvs)
+            return plan
+        if node in recvs:
+            plan.recv_passed.append((node, grad))
+            return plan
+        plan.outputs.append(GradientEdge(node, input_nr))
+        plan.grads.append(grad)
+        for n, kids in self._children.items():
+            if n in recvs:
+                plan.recv_done.append(n)
+            else:
+                for child, _ in kids:
+                    if type(child) is _ACC:
+                        plan.leaves[child] = None
         return plan
 
     def _buffer(self, node: Node, input_nr: int, grad: torch.Tensor) -> None:
