@@ -47,16 +47,21 @@ def _options(backend: str) -> Any:
     return rpc.construct_rpc_backend_options(rpc.BackendType[backend], rpc_timeout=120)
 
 
-def _pair(backend: str, quick: bool, only: str = "all") -> dict[str, float]:
+def _init(backend: str, world_size: int) -> int:
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     rpc.init_rpc(
         f"worker{rank}",
         backend=rpc.BackendType[backend],
         rank=rank,
-        world_size=2,
+        world_size=world_size,
         rpc_backend_options=_options(backend),
     )
+    return rank
+
+
+def _pair(backend: str, quick: bool, only: str = "all") -> dict[str, float]:
+    rank = _init(backend, 2)
     out: dict[str, float] = {}
     if rank == 0:
         peer = "worker1"
@@ -133,15 +138,7 @@ def _autograd_step(backend: str, steps: int, width: int = 64) -> float:
     """Median seconds of one training step (forward, dist backward, optimizer step)."""
     from rallypoint.rpc import dist_autograd
 
-    rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)
-    rpc.init_rpc(
-        f"worker{rank}",
-        backend=rpc.BackendType[backend],
-        rank=rank,
-        world_size=3,
-        rpc_backend_options=_options(backend),
-    )
+    rank = _init(backend, 3)
     median = float("nan")
     if rank == 0:
         stage1 = rpc.remote("worker1", _Stage, args=(width,))
