@@ -132,6 +132,45 @@ def _dies_in_backward(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _slow_double(x: torch.Tensor) -> torch.Tensor:
+    class _Slow(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.5)
+            return grad * 2
+
+    out: torch.Tensor = _Slow.apply(x)  # type: ignore[no-untyped-call]
+    return out
+
+
+def _concurrent_backward() -> str | None:
+    message = None
+    if _init(2) == 0:
+        w = torch.ones(2, requires_grad=True)
+        with dist_autograd.context() as cid:
+            y = rpc.rpc_sync("w1", _slow_double, args=(w,))
+            first = threading.Thread(target=dist_autograd.backward, args=(cid, [y.sum()], True))
+            first.start()
+            time.sleep(0.2)
+            try:
+                dist_autograd.backward(cid, [y.sum()])
+            except RuntimeError as exc:
+                message = str(exc)
+            first.join()
+    rpc.shutdown()
+    return message
+
+
+@pytest.mark.timeout(60)
+def test_a_second_backward_while_one_runs_in_the_context_is_refused() -> None:
+    message = run_workers(_concurrent_backward, 2, timeout=50, env=ENV)[0]
+    assert message is not None and "is already running" in message
+
+
 def _worker_dies() -> str | None:
     rank = _init(2)
     if rank == 1:

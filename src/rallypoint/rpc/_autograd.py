@@ -301,6 +301,11 @@ class DistAutograd:
         """Run the distributed backward pass from ``roots``; returns when it is done."""
         ctx = self.retrieve(context_id)
         roots = check_roots(roots)
+        if any(key[0] == context_id for key in list(self._waiters)):
+            raise RuntimeError(
+                f"a distributed backward pass of context {context_id} is already running "
+                "(on another thread); run one pass at a time in a context"
+            )
         round_id = next(self._message_ids)
         arrivals: list[tuple[SourceKey, Grad]] = [
             ((-1, i), torch.ones_like(r)) for i, r in enumerate(roots)
