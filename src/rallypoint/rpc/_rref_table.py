@@ -174,12 +174,14 @@ CURRENT_TABLE: Current[RRefTable] = Current()
 def _settle(
     entry: _Entry, done: torch.futures.Future[Any], value: Any, exc: BaseException | None
 ) -> None:
+    # the creation's reply goes out before any to_here() reply waiting on the value, so a
+    # caller whose to_here() returned sees its RRef confirmed by the owner
     if exc is not None:
-        entry.future.set_exception(exc)
         done.set_exception(exc)
+        entry.future.set_exception(exc)
     else:
-        entry.future.set_result(value)
         done.set_result(None)
+        entry.future.set_result(value)
 
 
 @async_execution
