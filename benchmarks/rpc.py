@@ -14,7 +14,7 @@ processes (torch's RPC state is global per process):
   backward and a ``DistributedOptimizer`` (SGD) step, in one context. The median step of
   each run; runs alternate between the backends and the row reports the median of runs.
 
-Usage: ``python benchmarks/rpc.py [--quick] [--only throughput|lifecycle|autograd]
+Usage: ``python benchmarks/rpc.py [--quick] [--only calls|throughput|lifecycle|autograd]
 [--plot rpc.png]``. Prints a markdown table.
 """
 
@@ -69,7 +69,7 @@ def _pair(backend: str, quick: bool, only: str = "all") -> dict[str, float]:
         for _ in range(100):
             rpc.rpc_sync(peer, _noop)
         samples = []
-        for _ in range(n if only == "all" else 0):
+        for _ in range(n if only in ("all", "calls") else 0):
             t0 = time.perf_counter()
             rpc.rpc_sync(peer, _noop)
             samples.append(time.perf_counter() - t0)
@@ -85,7 +85,8 @@ def _pair(backend: str, quick: bool, only: str = "all") -> dict[str, float]:
             rates.append(outstanding / (time.perf_counter() - t0))
         out["async_calls_per_s"] = statistics.median(rates[1:])
 
-        sizes = (("1MiB", 1 << 20, 50), ("64MiB", 64 << 20, 10)) if only == "all" else ()
+        every = only in ("all", "calls")
+        sizes = (("1MiB", 1 << 20, 50), ("64MiB", 64 << 20, 10)) if every else ()
         for label, nbytes, reps in sizes:
             reps = max(3, reps // (5 if quick else 1))
             x = torch.ones(nbytes // 4)
@@ -187,7 +188,7 @@ def measure(quick: bool, only: str = "all") -> dict[str, dict[str, float]]:
             results[backend]["autograd_step_us"] = step
     for backend in BACKENDS if only != "autograd" else ():
         res: dict[str, float] = {}
-        if only in ("all", "throughput"):
+        if only in ("all", "calls", "throughput"):
             res = run_workers(_pair, 2, backend, quick, only, timeout=600, env=_env)[0]
         for ws in (2, 4, 8) if only in ("all", "lifecycle") else ():
             # slowest worker of each run, median of runs (one run is at the mercy of noise)
@@ -254,10 +255,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument(
         "--only",
-        choices=("all", "throughput", "lifecycle", "autograd"),
+        choices=("all", "calls", "throughput", "lifecycle", "autograd"),
         default="all",
-        help="throughput: only the rpc_async metric; lifecycle: only init_rpc/shutdown; "
-        "autograd: only the distributed-autograd training step",
+        help="calls: round trip, rpc_async and echo (no init/shutdown); throughput: only "
+        "the rpc_async metric; lifecycle: only init_rpc/shutdown; autograd: only the "
+        "distributed-autograd training step",
     )
     parser.add_argument("--plot", metavar="FILE", help="write a bar chart (needs matplotlib)")
     args = parser.parse_args()

@@ -7,7 +7,7 @@ Run it with rallypoint (or torchrun: the script only reads the standard environm
     rallypoint run --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
         --rdzv-id demo --max-restarts 2 --hang-timeout 60 examples/train.py   # on every node
 
-Each step calls ``rallypoint.launcher.progress()``, so ``--hang-timeout`` notices a stuck step.
+Each step calls ``rallypoint.progress()``, so ``--hang-timeout`` notices a stuck step.
 
 The data are synthetic and deterministic (a fixed random teacher network labels fixed random
 inputs), so every run computes the same losses. Rank 0 writes a checkpoint after every
@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 try:  # rallypoint's hang detection (--hang-timeout); a no-op outside rallypoint
-    from rallypoint.launcher import progress
+    from rallypoint import progress
 except ImportError:  # run by torchrun without rallypoint installed
 
     def progress() -> None:

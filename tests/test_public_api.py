@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
@@ -10,7 +11,9 @@ import pytest
 
 import rallypoint
 
-PARTS = ["distributed", "join", "launcher", "rendezvous", "rpc", "testing"]
+PARTS = ["distributed", "join", "launcher", "observe", "rendezvous", "rpc", "testing"]
+HOMED = ["launcher", "observe"]
+"""Parts whose classes and functions report the public module that documents them."""
 
 
 def test_top_level_names_resolve() -> None:
@@ -44,12 +47,55 @@ def test_launch_and_progress_are_the_launcher_functions() -> None:
     rallypoint.progress()  # outside a launch: a cheap no-op, never an error
 
 
+@pytest.mark.parametrize("part", HOMED)
+def test_public_names_report_their_public_module(part: str) -> None:
+    """As trio does: ``repr``, tracebacks and pickles name the module users import."""
+    module = importlib.import_module(f"rallypoint.{part}")
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if not (isinstance(obj, type) or callable(obj)):
+            continue
+        home = obj.__module__
+        assert not any(p.startswith("_") for p in home.split(".")), f"{part}.{name}: {home}"
+        assert getattr(importlib.import_module(home), name) is obj, f"{part}.{name}: {home}"
+
+
+def test_launch_names_live_in_rallypoint_launcher() -> None:
+    from rallypoint import launcher
+
+    for obj in (launcher.WorkerFailedError, launcher.LaunchConfig, launcher.launch):
+        assert obj.__module__ == "rallypoint.launcher"
+    assert rallypoint.WorkerFailedError.__module__ == "rallypoint.launcher"
+    assert rallypoint.progress.__module__ == "rallypoint.observe"
+    assert launcher.EventLog.__module__ == "rallypoint.observe"
+    assert repr(launcher.WarmErrorKind.PRELOAD).startswith("<WarmErrorKind.PRELOAD")
+
+
 @pytest.mark.parametrize(
     "statement",
-    ["import rallypoint", "import rallypoint.testing", "import rallypoint.launcher"],
+    [
+        "import rallypoint",
+        "import rallypoint.testing",
+        "import rallypoint.launcher",
+        "import rallypoint.observe",
+    ],
 )
 def test_import_does_not_load_torch(statement: str) -> None:
     code = f"import sys; {statement}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_progress_from_the_launcher_loads_only_progress() -> None:
+    """Training scripts import it in every worker: it must not pull in the launcher."""
+    code = (
+        "import sys; from rallypoint.launcher import progress; progress(); "
+        "print(sorted(m for m in sys.modules if m.startswith('rallypoint.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    loaded = set(ast.literal_eval(out.stdout))
+    assert "rallypoint.observe._progress" in loaded
+    parts = ("launcher", "supervise", "elastic", "cli")
+    assert {m for m in loaded if m.split(".")[1] in parts} == {"rallypoint.launcher"}

@@ -3,7 +3,9 @@
 The parts live in subpackages, each with its own public surface:
 
 - ``rallypoint.launch`` / ``rallypoint run``: start workers fast, single- and multi-node
-  (``rallypoint.launcher``); ``rallypoint.progress()`` feeds its hang detection
+  (``rallypoint.launcher``)
+- ``rallypoint.observe``: ``rallypoint.progress()`` heartbeats for hang detection, the
+  event log and its timeline report
 - ``rallypoint.rendezvous``: who is in the job (torchelastic's handler API)
 - ``rallypoint.distributed``: process groups and parallel layouts
 - ``rallypoint.rpc``: torch.distributed.rpc's API on an authenticated transport
@@ -17,8 +19,9 @@ resolved lazily on first access.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rallypoint._core.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -28,9 +31,11 @@ _LAZY_NAMES: dict[str, str] = {
     "LaunchConfig": "rallypoint.launcher",
     "LaunchError": "rallypoint.launcher",
     "WorkerFailedError": "rallypoint.launcher",
-    "progress": "rallypoint._progress",
+    "progress": "rallypoint.observe",
 }
-_SUBPACKAGES = frozenset({"distributed", "join", "launcher", "rendezvous", "rpc", "testing"})
+_SUBPACKAGES = frozenset(
+    {"distributed", "join", "launcher", "observe", "rendezvous", "rpc", "testing"}
+)
 
 __all__ = [
     "LaunchConfig",
@@ -41,6 +46,7 @@ __all__ = [
     "join",
     "launch",
     "launcher",
+    "observe",
     "progress",
     "rendezvous",
     "rpc",
@@ -48,20 +54,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from rallypoint import distributed, join, launcher, rendezvous, rpc, testing
-    from rallypoint._progress import progress
+    from rallypoint import distributed, join, launcher, observe, rendezvous, rpc, testing
     from rallypoint.launcher import LaunchConfig, LaunchError, WorkerFailedError, launch
+    from rallypoint.observe import progress
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY_NAMES:
-        value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
-        globals()[name] = value
-        return value
-    if name in _SUBPACKAGES:
-        return importlib.import_module(f"rallypoint.{name}")
-    raise AttributeError(f"module 'rallypoint' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY_NAMES, submodules=_SUBPACKAGES)

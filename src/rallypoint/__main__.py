@@ -12,15 +12,15 @@ import sys
 # subcommand -> ("module" with ``main(argv) -> int``, or "module:function"; one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": (
-        "rallypoint.launcher._cli",
+        "rallypoint.cli._run",
         "start workers on this node or as one node of a job (torchrun's options)",
     ),
     "report": (
-        "rallypoint.launcher._report:report_main",
+        "rallypoint.cli._report:report_main",
         "draw a job's timeline from its --events files (PNG, HTML or SVG)",
     ),
     "stacks": (
-        "rallypoint.launcher._stacks_cli:stacks_main",
+        "rallypoint.cli._stacks:stacks_main",
         "print the Python stacks of every worker of a running job, grouped",
     ),
 }
@@ -37,12 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "run":
         # Fork the warm process first: it imports torch while we parse arguments.
-        from rallypoint.launcher._warm import WarmProcess
+        from rallypoint.supervise._warm import WarmProcess
 
         warm = WarmProcess.fork()
-        from rallypoint.launcher._cli import run_main
+        from rallypoint._core.procs import exit_now
+        from rallypoint.cli._run import run_main
 
-        return run_main(args[1:], warm)
+        # Not a return: daemon threads may still sit in torch's C++ store calls, and one
+        # waking during interpreter finalization aborts the process (see exit_now).
+        exit_now(run_main(args[1:], warm, owns_process=True))
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2

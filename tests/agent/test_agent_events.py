@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rallypoint.launcher._events import Event, EventLog, EventLogError, read_events
+from rallypoint.observe._events import Event, EventLog, EventLogError, read_events
 
 
 def test_emit_and_read_back(tmp_path: Path) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint import _progress
-from rallypoint._progress import (
+from rallypoint.observe import _progress
+from rallypoint.observe._progress import (
     PROGRESS_FILE_ENV,
     PROGRESS_SLOT_ENV,
     ProgressBoard,
@@ -168,7 +168,7 @@ def test_board_bad_input(tmp_path: Path) -> None:
 def test_unclosed_board_is_removed_at_exit_but_not_by_forked_children(tmp_path: Path) -> None:
     code = (
         "import os, sys\n"
-        "from rallypoint._progress import ProgressBoard\n"
+        "from rallypoint.observe import ProgressBoard\n"
         f"b = ProgressBoard(2, directory={str(tmp_path)!r})\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"

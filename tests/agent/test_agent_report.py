@@ -11,8 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rallypoint.launcher._events import Event, EventLog, read_events
-from rallypoint.launcher._report import _render_svg, build_timeline, render_report, report_main
+from rallypoint.cli._report import report_main
+from rallypoint.observe._events import Event, EventLog, read_events
+from rallypoint.observe._report import render_report, timeline_svg
+from rallypoint.observe._timeline import build_timeline
 
 
 def _write_job(directory: Path) -> list[Path]:
@@ -121,8 +123,9 @@ def test_html_is_self_contained_svg(job: list[Path], tmp_path: Path) -> None:
     assert any("killed by SIGKILL" in t for t in titles)
     assert any(t.startswith("restart 1: rank 3 failed") for t in titles)
     assert any("hang (2 s without progress)" in t for t in titles)
-    bars = [r for r in root.iter(f"{ns}rect") if r.find(f"{ns}title") is not None]
+    bars = [g for g in root.iter(f"{ns}g") if g.get("id", "").startswith("bar-")]
     assert len(bars) == 8
+    assert all(g.find(f"{ns}title") is not None for g in bars)  # a tooltip on each
     # no external assets: the only URL is the SVG namespace
     assert re.findall(r"https?://[^\"' ]+", text) == ["http://www.w3.org/2000/svg"]
     assert "<script" not in text and "<link" not in text
@@ -243,4 +246,31 @@ def test_any_events_render(events: list[Event]) -> None:
     timeline builds and the SVG is well-formed."""
     tl = build_timeline(events)
     assert all(b.start <= b.end + 1e-9 for b in tl.bars)
-    ET.fromstring(_render_svg(tl))
+    ET.fromstring(timeline_svg(tl))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("suffix", [".html", ".png", ".svg"])
+def test_without_matplotlib_one_line_says_what_to_install(
+    job: list[Path], tmp_path: Path, suffix: str
+) -> None:
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "sys.modules['matplotlib'] = None  # as if the plot extra were not installed\n"
+        "from rallypoint.__main__ import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    out = tmp_path / f"t{suffix}"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "report", str(job[0]), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr  # one line, no traceback
+    assert proc.stderr.startswith("rallypoint report: error: ")
+    assert "pip install 'rallypoint[plot]'" in proc.stderr
+    assert not out.exists()

@@ -20,23 +20,24 @@ from pathlib import Path
 import pytest
 
 from rallypoint._core.net import free_port
-from rallypoint.launcher._stacks import (
+from rallypoint.observe._stacks import (
     DEFAULT_STACKS_SIGNAL,
     STACKS_DIR_ENV,
     STACKS_SIGNAL_ENV,
     Frame,
     StackDump,
-    answer_stacks_request,
     collect_stacks,
-    format_grouped_stacks,
     install_stack_dumper,
-    latest_stacks_request,
     parse_faulthandler_dump,
-    publish_node_count,
-    request_stacks,
-    stack_summary,
     stacks_env,
 )
+from rallypoint.observe._stacks_exchange import (
+    answer_stacks_request,
+    latest_stacks_request,
+    publish_node_count,
+    request_stacks,
+)
+from rallypoint.observe._stacks_format import format_grouped_stacks, stack_summary
 
 _ctx = multiprocessing.get_context("fork")
 _HERE = Path(__file__).read_text().splitlines()

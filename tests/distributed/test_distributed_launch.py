@@ -77,7 +77,7 @@ def test_parallel_worker_bad_input_fails_in_the_parent() -> None:
         rd.parallel_worker(_layout, {"tensor_parallel": 4}, world_size=6)
     with pytest.raises(ValueError, match=r"the launch has 4 processes"):
         rd.parallel_worker(_layout, {"world_size": 2}, world_size=4)
-    with pytest.raises(ValueError, match=r"world_size must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"world_size must be >= 1, got 0"):
         rd.parallel_worker(_layout, True, world_size=0)
     checked = rd.parallel_worker(_layout, {"tensor_parallel": 2}, world_size=4)
     assert checked.config.world_size is None

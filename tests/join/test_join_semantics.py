@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rallypoint._progress import ProgressBoard
 from rallypoint.join import (
     CollectiveJoinable,
     EarlyTerminationError,
@@ -27,6 +26,7 @@ from rallypoint.join import (
     JoinSummary,
     even_batches,
 )
+from rallypoint.observe import ProgressBoard
 from rallypoint.testing import run_workers
 
 W = 3

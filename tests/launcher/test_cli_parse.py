@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.launcher._cli import UsageError, build_parser, config_from_args, parse_nproc
+from rallypoint.cli._args import config_from_args, parse_nproc
+from rallypoint.cli._parser import UsageError, build_parser
 
 
 @pytest.fixture
@@ -138,7 +139,10 @@ def test_the_launcher_process_never_imports_torch() -> None:
 
     code = (
         "import sys\n"
-        "from rallypoint.launcher import _agent, _cli, _warm, LaunchConfig\n"
+        "from rallypoint.cli import _args, _parser, _run\n"
+        "from rallypoint.elastic import _coordinator, _local\n"
+        "from rallypoint.supervise import _supervisor, _warm\n"
+        "from rallypoint.launcher import LaunchConfig\n"
         "import rallypoint.__main__\n"
         "print('torch' in sys.modules)\n"
     )

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.launcher._cli import run_main
+from rallypoint.cli._run import run_main
 
 pytestmark = pytest.mark.timeout(60)
 

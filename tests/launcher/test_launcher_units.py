@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.launcher._config import parse_std_spec
-from rallypoint.launcher._errors import WorkerState
-from rallypoint.launcher._output import OutputRouter
-from rallypoint.launcher._summary import describe_status, format_summary
+from rallypoint.launcher import WorkerState
+from rallypoint.supervise._options import parse_std_spec
+from rallypoint.supervise._output import OutputRouter
+from rallypoint.supervise._summary import describe_status, format_summary
 
 
 @pytest.mark.parametrize(

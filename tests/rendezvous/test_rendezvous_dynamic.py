@@ -23,6 +23,7 @@ from rallypoint.rendezvous import (
     RendezvousConnectionError,
     RendezvousGracefulExitError,
     RendezvousInfo,
+    RendezvousParameters,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -218,6 +219,56 @@ def test_shutdown_closes_like_torch(memory: Cluster) -> None:
     node.next_rendezvous()
     assert node.shutdown() is True
     assert node.is_closed()
+
+
+class SilentKV(MemoryKV):
+    """A store that stops answering: once ``silent`` is set, every write blocks for up to
+    ``hang`` seconds (a TCPStore or etcd whose host vanished, before its own timeout)."""
+
+    def __init__(self, hang: float) -> None:
+        super().__init__()
+        self.silent = threading.Event()
+        self.hang = hang
+        self.released = threading.Event()
+
+    def set(self, key: str, value: bytes) -> None:
+        if self.silent.is_set():
+            self.released.wait(self.hang)
+        super().set(key, value)
+
+
+@pytest.mark.timeout(30)
+def test_close_timeout_bounds_set_closed_and_shutdown() -> None:
+    kv = SilentKV(hang=20)
+    config = DynamicRendezvousConfig(
+        run_id="job", min_nodes=1, max_nodes=1, **{**FAST, "close_timeout": timedelta(seconds=0.5)}
+    )
+    node = DynamicRendezvousHandler(kv, config)
+    node.next_rendezvous()
+    kv.silent.set()
+    try:
+        start = time.monotonic()
+        with pytest.raises(RendezvousTimeoutError, match=r"close_timeout=0\.5 s.*memory"):
+            node.set_closed()
+        assert time.monotonic() - start < 3  # not the store's 20 s
+        start = time.monotonic()
+        assert node.shutdown() is False  # torch's shutdown also reports a failed close
+        assert time.monotonic() - start < 8  # close_timeout + stopping the heartbeats
+    finally:
+        kv.released.set()
+    deadline = time.monotonic() + 10
+    while not node.is_closed() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert node.is_closed()  # the close went on once the store answered again
+
+
+def test_close_timeout_comes_from_parameters() -> None:
+    params = RendezvousParameters("c10d", "", "r", 1, 1, close_timeout="0.25")
+    assert DynamicRendezvousConfig.from_parameters(params).close_timeout == timedelta(seconds=0.25)
+    with pytest.raises(ValueError, match="'close_timeout'"):
+        DynamicRendezvousConfig.from_parameters(
+            RendezvousParameters("c10d", "", "r", 1, 1, close_timeout="0")
+        )
 
 
 def test_each_round_has_its_own_store(memory: Cluster) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -21,8 +22,10 @@ from rallypoint.rendezvous import (
     KVConnectionError,
     RendezvousConnectionError,
     RendezvousParameters,
+    RendezvousTimeoutError,
     get_rendezvous_handler,
 )
+from rallypoint.rendezvous._etcd_gateway import EtcdGateway
 from rallypoint.rendezvous._kv_etcd import EtcdKV, EtcdOptions
 from rallypoint.testing._etcd import EtcdServer, etcd_binary, make_tls_files
 from rallypoint.testing._rendezvous_contract import KVContract
@@ -143,6 +146,48 @@ def test_etcd_down_is_connection_error_naming_endpoint() -> None:
     handler._bg.stop()
 
 
+def test_set_if_absent_racing_a_delete(etcd: EtcdServer) -> None:
+    """One node keeps writing and deleting a key while another creates it if absent: the
+    creator always learns the value that was stored, never a missing one."""
+    kv, other = _kv(etcd, lease_ttl=0), _kv(etcd, lease_ttl=0)
+    other._prefix = kv._prefix  # the same keys, another client
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            other.set("contended", b"theirs")
+            other.delete("contended")
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        seen = {kv.set_if_absent("contended", b"mine") for _ in range(100)}
+        for _ in range(50):
+            kv.delete("contended")
+            seen.add(kv.set_if_absent("contended", b"mine"))
+    finally:
+        stop.set()
+        thread.join(10)
+    assert seen <= {b"mine", b"theirs"}
+    assert b"mine" in seen
+
+
+@pytest.mark.timeout(30)
+def test_close_timeout_bounds_set_closed_against_a_silent_etcd() -> None:
+    params = RendezvousParameters(
+        "etcd", f"127.0.0.1:{free_port()}", "job", 1, 1,
+        read_timeout="20", close_timeout="1", **FAST,
+    )  # fmt: skip
+    handler = get_rendezvous_handler(params)
+    start = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError, match=r"close_timeout=1 s"):
+        handler.set_closed()
+    assert time.monotonic() - start < 5  # not read_timeout's 20 s
+    start = time.monotonic()
+    assert handler.shutdown() is False
+    assert time.monotonic() - start < 10
+
+
 def test_lease_expires_keys_of_a_dead_job(etcd: EtcdServer) -> None:
     kv = _kv(etcd, lease_ttl=2)
     kv.set("alive", b"1")
@@ -159,6 +204,23 @@ def test_lease_expires_keys_of_a_dead_job(etcd: EtcdServer) -> None:
         time.sleep(0.2)
     assert reader.get("alive") is None
     assert reader.get("second") is None
+
+
+def test_a_lease_found_gone_is_replaced(etcd: EtcdServer) -> None:
+    """A keep-alive told "requested lease not found" (revoked, or expired while etcd was
+    away) takes a new lease instead of renewing a dead one forever."""
+    kv = _kv(etcd, lease_ttl=3)  # renewed every second
+    kv.set("before", b"1")
+    lease = kv._lease
+    _post(etcd, "/v3/lease/revoke", {"ID": str(lease)})
+    deadline = time.monotonic() + 10
+    while kv._lease == lease:
+        assert time.monotonic() < deadline, "the keep-alive kept the revoked lease"
+        time.sleep(0.1)
+    kv.set("after", b"1")
+    assert kv.get("after") == b"1"
+    assert kv.get("before") is None  # gone with its lease
+    kv.close()
 
 
 def _post(server: EtcdServer, path: str, body: dict[str, Any], token: str | None = None) -> Any:
@@ -181,8 +243,15 @@ def test_user_password_auth() -> None:
         good = _kv(server, username="root", password="s3cret", lease_ttl=0)
         good.set("k", b"v")
         assert good.get("k") == b"v"
-        good._token = "expired-token"  # a stale token is renewed transparently
+        gateway = good._gateway
+        assert isinstance(gateway, EtcdGateway)
+        gateway._token = "expired-token"  # a stale token is renewed transparently
         assert good.get("k") == b"v"
+        assert gateway.authentications == 2
+        gateway._token = "expired-again"  # now eight threads find it stale at once
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(lambda _: good.get("k"), range(8))) == [b"v"] * 8
+        assert gateway.authentications == 3  # one new token for all of them
         with pytest.raises(KVConnectionError, match="rejected user 'root'"):
             _kv(server, username="root", password="wrong", lease_ttl=0).get("k")
         with pytest.raises((KVConnectionError, Exception)):
@@ -196,6 +265,8 @@ def test_user_password_auth() -> None:
         ("127.0.0.1:abc", {}, "rendezvous endpoint"),
         ("127.0.0.1:2379", {"protocol": "gopher"}, "'protocol'"),
         ("127.0.0.1:2379", {"lease_ttl": "long"}, "'lease_ttl'"),
+        ("127.0.0.1:2379", {"request_timeout": "soon"}, "'request_timeout'"),
+        ("127.0.0.1:2379", {"request_timeout": "0"}, "'request_timeout' must be > 0"),
         ("127.0.0.1:2379", {"username": "u"}, "both 'username' and 'password'"),
         ("127.0.0.1:2379", {"cert": "c.pem"}, "both 'cert' and 'key'"),
     ],

@@ -19,9 +19,10 @@ Importing this package does not import torch; the collectives load it on first a
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from rallypoint._core.lazy import lazy_attributes
+from rallypoint._core.public import set_public_module
 from rallypoint.distributed._config import DIM_NAMES, DistributedConfig
 from rallypoint.distributed._errors import (
     AlreadyInitializedError,
@@ -55,16 +56,10 @@ __all__ = [
     "reduce_scatter",
 ]
 
-_COLLECTIVES = frozenset({"all_gather", "all_to_all", "reduce_scatter"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _COLLECTIVES:
-        value = getattr(importlib.import_module("rallypoint.distributed._collectives"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'rallypoint.distributed' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(
+    __name__,
+    globals(),
+    dict.fromkeys(("all_gather", "all_to_all", "reduce_scatter"), f"{__name__}._collectives"),
+    public_home=True,
+)
+set_public_module(__name__, globals(), __all__)

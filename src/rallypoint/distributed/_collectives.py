@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from rallypoint._core.checks import check_int
 from rallypoint.distributed._mesh import get_parallel_groups
 
 if TYPE_CHECKING:
@@ -48,8 +49,7 @@ def _check_tensor(tensor: object, name: str) -> torch.Tensor:
 
 
 def _check_dim(tensor: torch.Tensor, dim: int, what: str) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"{what} must be an int, got {dim!r}")
+    check_int(dim, what)
     if not -tensor.dim() <= dim < max(tensor.dim(), 1):
         raise ValueError(
             f"{what}={dim} is out of range for a tensor with {tensor.dim()} dimensions"
@@ -104,21 +104,30 @@ class _AllToAll(torch.autograd.Function):
         return result, None, None, None, None
 
 
+def _save(
+    ctx: Any, adjoint: type[torch.autograd.Function], group: Any, size: int, dim: int
+) -> None:
+    ctx.adjoint, ctx.group, ctx.size, ctx.dim = adjoint, group, size, dim
+
+
+def _adjoint_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    """The backward of a collective along ``dim``: its adjoint collective on the gradient."""
+    return _apply(ctx.adjoint, grad, ctx.group, ctx.size, ctx.dim), None, None, None
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, tensor: torch.Tensor, group: ProcessGroup | None, size: int, dim: int
     ) -> torch.Tensor:
-        ctx.group, ctx.size, ctx.dim = group, size, dim
+        _save(ctx, _ReduceScatter, group, size, dim)
         tensor = tensor.contiguous()
         # the concatenated output form: gloo rejects the stacked one
         gathered = tensor.new_empty((size * tensor.shape[0], *tensor.shape[1:]))
         dist.all_gather_single(gathered, tensor, group=group)
         return _unstack_cat(gathered.view(size, *tensor.shape), dim)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _apply(_ReduceScatter, grad, ctx.group, ctx.size, ctx.dim), None, None, None
+    backward = staticmethod(_adjoint_backward)
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -126,15 +135,13 @@ class _ReduceScatter(torch.autograd.Function):
     def forward(
         ctx: Any, tensor: torch.Tensor, group: ProcessGroup | None, size: int, dim: int
     ) -> torch.Tensor:
-        ctx.group, ctx.size, ctx.dim = group, size, dim
+        _save(ctx, _AllGather, group, size, dim)
         send = _split_stack(tensor, dim, size)
         out = send.new_empty(send.shape[1:])
         dist.reduce_scatter_single(out, send.flatten(0, 1), group=group)
         return out
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _apply(_AllGather, grad, ctx.group, ctx.size, ctx.dim), None, None, None
+    backward = staticmethod(_adjoint_backward)
 
 
 def all_to_all(

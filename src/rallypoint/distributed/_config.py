@@ -19,8 +19,9 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
+from rallypoint._core.checks import check_int
 from rallypoint._core.net import free_port
 
 #: Mesh dimension names, outermost first (the order of the mesh shape).
@@ -41,15 +42,6 @@ BUILTIN_BACKENDS: tuple[str, ...] = ("gloo", "mpi", "nccl", "ucc", "xccl")
 INIT_METHOD_SCHEMES: tuple[str, ...] = ("env", "tcp", "file")
 
 BACKEND_ENV = "TORCH_DISTRIBUTED_BACKEND"
-
-
-def _check_int(name: str, value: object, *, minimum: int, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _product_text(sizes: Mapping[str, int], *, include_dp: bool) -> tuple[str, int]:
@@ -147,13 +139,11 @@ class DistributedConfig:
     dim_backends: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_int("rank", self.rank, minimum=0)
-        _check_int("local_rank", self.local_rank, minimum=0)
-        _check_int("world_size", self.world_size, minimum=1)
-        _check_int("local_world_size", self.local_world_size, minimum=1)
-        _check_int("master_port", self.master_port, minimum=1)
-        if self.master_port is not None and self.master_port > 65535:
-            raise ValueError(f"master_port must be <= 65535, got {self.master_port}")
+        check_int(self.rank, "rank", minimum=0, allow_none=True)
+        check_int(self.local_rank, "local_rank", minimum=0, allow_none=True)
+        check_int(self.world_size, "world_size", minimum=1, allow_none=True)
+        check_int(self.local_world_size, "local_world_size", minimum=1, allow_none=True)
+        check_int(self.master_port, "master_port", minimum=1, maximum=65535, allow_none=True)
         if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
             raise ValueError(
                 f"rank {self.rank} is out of range for world_size {self.world_size}: "
@@ -200,8 +190,8 @@ class DistributedConfig:
             if self.timeout <= timedelta(0):
                 raise ValueError(f"timeout must be positive, got {self.timeout}")
         for dim in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
-            _check_int(dim, getattr(self, dim), minimum=1, allow_none=False)
-        _check_int("data_parallel", self.data_parallel, minimum=-1, allow_none=False)
+            check_int(getattr(self, dim), dim, minimum=1)
+        check_int(self.data_parallel, "data_parallel", minimum=-1)
         if self.data_parallel == 0:
             raise ValueError("data_parallel must be >= 1, or -1 to infer it from world_size")
         if not isinstance(self.dim_backends, Mapping):
@@ -250,6 +240,20 @@ class DistributedConfig:
         return _resolve(self, os.environ if environ is None else environ, free_port)
 
 
+def with_overrides(
+    config: DistributedConfig | None, overrides: Mapping[str, Any]
+) -> DistributedConfig:
+    """``config`` (a default one if ``None``) with the ``overrides`` that are not ``None``."""
+    base = DistributedConfig() if config is None else config
+    if not isinstance(base, DistributedConfig):
+        raise TypeError(
+            f"config must be a DistributedConfig, got {type(base).__name__}; "
+            f"e.g. config=DistributedConfig(tensor_parallel=2)"
+        )
+    changes = {key: value for key, value in overrides.items() if value is not None}
+    return base.replace(**changes) if changes else base
+
+
 def _resolve(
     config: DistributedConfig,
     environ: Mapping[str, str],
@@ -261,10 +265,43 @@ def _resolve(
     import torch
 
     cuda = torch.cuda.is_available()
+    identity = _resolve_identity(config, environ, cuda)
+    backend = _resolve_backend(config, environ, cuda)
+    init_method = config.init_method or "env://"
+    master_addr, master_port = _resolve_master(
+        config, environ, init_method, identity.world_size, pick_port, need_master=need_master
+    )
+    resolved = dataclasses.replace(
+        config,
+        **identity._asdict(),
+        timeout=config.timeout if config.timeout is not None else _default_timeout(backend),
+        master_addr=master_addr,
+        master_port=master_port,
+        init_method=init_method,
+        backend=backend,
+    )
+    dp = check_layout(identity.world_size, resolved.sizes)
+    return dataclasses.replace(resolved, data_parallel=dp)
+
+
+class _Identity(NamedTuple):
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+
+
+def _resolve_identity(
+    config: DistributedConfig, environ: Mapping[str, str], cuda: bool
+) -> _Identity:
+    """``rank``, ``local_rank``, ``world_size``, ``local_world_size``: given, from the
+    environment, or defaulted."""
     world_size = config.world_size
     if world_size is None:
         world_size = _env_int(environ, "WORLD_SIZE")
     if world_size is None:
+        import torch
+
         world_size = torch.cuda.device_count() if cuda else 1
     rank = config.rank if config.rank is not None else _env_int(environ, "RANK")
     if rank is None:
@@ -282,7 +319,12 @@ def _resolve(
         local_rank = _env_int(environ, "LOCAL_RANK")
     if local_rank is None:
         local_rank = rank % local_world_size
+    return _Identity(rank, local_rank, world_size, local_world_size)
 
+
+def _resolve_backend(config: DistributedConfig, environ: Mapping[str, str], cuda: bool) -> str:
+    """The backend given, else ``TORCH_DISTRIBUTED_BACKEND``, else nccl/gloo; checks the
+    per-dimension backends too."""
     if config.backend:
         backend = check_backend_name(config.backend)
     elif environ.get(BACKEND_ENV):
@@ -291,10 +333,21 @@ def _resolve(
         backend = "nccl" if cuda else "gloo"
     for dim, dim_backend in config.dim_backends.items():
         check_backend_name(dim_backend, f" (dim_backends[{dim!r}])")
+    return backend
 
-    init_method = config.init_method or "env://"
-    master_addr = config.master_addr
-    master_port = config.master_port
+
+def _resolve_master(
+    config: DistributedConfig,
+    environ: Mapping[str, str],
+    init_method: str,
+    world_size: int,
+    pick_port: Callable[[], int],
+    *,
+    need_master: bool,
+) -> tuple[str | None, int | None]:
+    """``MASTER_ADDR``/``MASTER_PORT`` for ``env://`` (loopback and a free port for one
+    process), or the host and port of a ``tcp://`` init method."""
+    master_addr, master_port = config.master_addr, config.master_port
     if init_method.startswith("env://") and need_master:
         master_addr = master_addr or environ.get("MASTER_ADDR") or None
         if master_port is None:
@@ -318,29 +371,14 @@ def _resolve(
         if not host or not port.isdigit():
             raise ValueError(f"init_method {init_method!r} must look like 'tcp://HOST:PORT'")
         master_addr, master_port = host.strip("[]"), int(port)
+    return master_addr, master_port
 
-    timeout = config.timeout
-    if timeout is None:
-        from torch.distributed import constants
 
-        nccl_timeout = constants.default_pg_nccl_timeout
-        timeout = (
-            nccl_timeout
-            if backend == "nccl" and nccl_timeout is not None
-            else constants.default_pg_timeout
-        )
+def _default_timeout(backend: str) -> timedelta:
+    """torch's default: its NCCL timeout for ``nccl``, else the process-group timeout."""
+    from torch.distributed import constants
 
-    resolved = dataclasses.replace(
-        config,
-        timeout=timeout,
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        local_world_size=local_world_size,
-        master_addr=master_addr,
-        master_port=master_port,
-        init_method=init_method,
-        backend=backend,
-    )
-    dp = check_layout(world_size, resolved.sizes)
-    return dataclasses.replace(resolved, data_parallel=dp)
+    nccl_timeout = constants.default_pg_nccl_timeout
+    if backend == "nccl" and nccl_timeout is not None:
+        return nccl_timeout
+    return constants.default_pg_timeout

@@ -19,7 +19,12 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from rallypoint._core.net import free_port
-from rallypoint.distributed._config import DistributedConfig, _resolve, check_backend_name
+from rallypoint.distributed._config import (
+    DistributedConfig,
+    _resolve,
+    check_backend_name,
+    with_overrides,
+)
 from rallypoint.distributed._errors import AlreadyInitializedError, BackendUnavailableError
 from rallypoint.distributed._state import STATE
 
@@ -87,15 +92,7 @@ def _requested(
     config: DistributedConfig | None, overrides: dict[str, Any]
 ) -> tuple[DistributedConfig, dict[str, Any]]:
     """The config to resolve and the fields the caller set explicitly."""
-    base = config if config is not None else DistributedConfig()
-    if not isinstance(base, DistributedConfig):
-        raise TypeError(
-            f"config must be a DistributedConfig, got {type(base).__name__}; "
-            f"e.g. config=DistributedConfig(tensor_parallel=2)"
-        )
-    changes = {key: value for key, value in overrides.items() if value is not None}
-    if changes:
-        base = base.replace(**changes)
+    base = with_overrides(config, overrides)
     explicit = {key: getattr(base, key) for key in _COMPARED if getattr(base, key) is not None}
     if "backend" in explicit:
         explicit["backend"] = check_backend_name(explicit["backend"])
@@ -207,7 +204,6 @@ def init_process_group(
     """
     import os
 
-    import torch
     import torch.distributed as dist
 
     overrides: dict[str, Any] = {
@@ -229,34 +225,14 @@ def init_process_group(
     assert resolved.backend is not None and resolved.timeout is not None
     _check_available(resolved.backend)
     device = _set_device(resolved)
-
-    kwargs: dict[str, Any] = {
-        "backend": resolved.backend,
-        "timeout": resolved.timeout,
-        "world_size": resolved.world_size,
-        "rank": resolved.rank,
-    }
-    if device.type != "cpu":
-        kwargs["device_id"] = device
-    if store is not None:
-        kwargs["store"] = store
-        method = "store"
-    elif resolved.init_method == "env://":
-        kwargs["store"] = _make_store(resolved, environ, STATE.generation)
-        method = f"env:// ({resolved.master_addr}:{resolved.master_port})"
-    else:
-        kwargs["init_method"] = resolved.init_method
-        method = str(resolved.init_method)
+    kwargs, method = _torch_arguments(resolved, device, store, environ)
     dist.init_process_group(**kwargs)
     STATE.generation += 1
     world = dist.group.WORLD
     assert world is not None
     STATE.config, STATE.group = resolved, world
     if warmup:
-        probe = torch.ones(1, device=device)
-        dist.all_reduce(probe)
-        if int(probe.item()) != resolved.world_size:
-            raise AssertionError(f"warm-up all_reduce returned {probe.item()}")
+        _warm_up(device, resolved.world_size)
     log.info(
         "initialised process group: rank %d of %d (local %d of %d), backend %s, init %s",
         resolved.rank,
@@ -267,6 +243,43 @@ def init_process_group(
         method,
     )
     return world
+
+
+def _torch_arguments(
+    resolved: DistributedConfig,
+    device: torch.device,
+    store: Store | None,
+    environ: dict[str, str],
+) -> tuple[dict[str, Any], str]:
+    """The keyword arguments of torch's ``init_process_group`` and how it rendezvouses
+    (for the log): the given store, a TCPStore for ``env://``, or the init method."""
+    kwargs: dict[str, Any] = {
+        "backend": resolved.backend,
+        "timeout": resolved.timeout,
+        "world_size": resolved.world_size,
+        "rank": resolved.rank,
+    }
+    if device.type != "cpu":
+        kwargs["device_id"] = device
+    if store is not None:
+        kwargs["store"] = store
+        return kwargs, "store"
+    if resolved.init_method == "env://":
+        kwargs["store"] = _make_store(resolved, environ, STATE.generation)
+        return kwargs, f"env:// ({resolved.master_addr}:{resolved.master_port})"
+    kwargs["init_method"] = resolved.init_method
+    return kwargs, str(resolved.init_method)
+
+
+def _warm_up(device: torch.device, world_size: int | None) -> None:
+    """One ``all_reduce`` that proves the group works before ``init_process_group`` returns."""
+    import torch
+    import torch.distributed as dist
+
+    probe = torch.ones(1, device=device)
+    dist.all_reduce(probe)
+    if int(probe.item()) != world_size:
+        raise AssertionError(f"warm-up all_reduce returned {probe.item()}")
 
 
 def destroy_process_group() -> None:

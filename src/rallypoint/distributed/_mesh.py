@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rallypoint.distributed._config import (
     DIM_FIELDS,
@@ -19,6 +19,7 @@ from rallypoint.distributed._config import (
     DistributedConfig,
     check_backend_name,
     check_layout,
+    with_overrides,
 )
 from rallypoint.distributed._errors import AlreadyInitializedError, NotInitializedError
 from rallypoint.distributed._init import _check_available, _uses_cuda, init_process_group
@@ -156,17 +157,6 @@ class ParallelGroups:
         return f"ParallelGroups({sizes}, coordinate={self.coordinate})"
 
 
-def _as_config(config: DistributedConfig | None, overrides: Mapping[str, Any]) -> DistributedConfig:
-    base = DistributedConfig() if config is None else config
-    if not isinstance(base, DistributedConfig):
-        raise TypeError(
-            f"config must be a DistributedConfig, got {type(base).__name__}; "
-            f"e.g. DistributedConfig(tensor_parallel=2)"
-        )
-    changes = {key: value for key, value in overrides.items() if value is not None}
-    return base.replace(**changes) if changes else base
-
-
 def init_parallel_groups(
     config: DistributedConfig | None = None,
     *,
@@ -184,11 +174,18 @@ def init_parallel_groups(
 
     Calling it again with the same layout returns the existing groups; another layout
     raises :class:`AlreadyInitializedError` (call :func:`destroy_process_group` first).
+
+    A collective over the whole world: it returns on a rank only once every rank has
+    created all of its groups (one 1-element all-reduce on the default group). torch's
+    ``new_group`` does not synchronise the ranks, and gloo's pair handshake can finish on
+    one side first, so a rank that went on and exited at once could otherwise close a
+    socket, or the store it hosts, while a peer is still connecting (``Gloo
+    connectFullMesh failed ... Connection closed by peer``).
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    base = _as_config(
+    base = with_overrides(
         config,
         {
             "data_parallel": data_parallel,
@@ -228,6 +225,7 @@ def init_parallel_groups(
         backend_override=dict(backends) if backends else None,  # type: ignore[arg-type]
     )
     groups = ParallelGroups(mesh, sizes, backends)
+    _wait_for_every_rank(device_type)  # every rank has created every group (see above)
     STATE.parallel = groups
     log.info(
         "parallel groups on rank %d: %s",
@@ -235,6 +233,17 @@ def init_parallel_groups(
         ", ".join(f"{DIM_FIELDS[dim]}={sizes[dim]} (rank {groups.rank(dim)})" for dim in DIM_NAMES),
     )
     return groups
+
+
+def _wait_for_every_rank(device_type: str) -> None:
+    """Return once every rank got here: one 1-element all-reduce on the default group;
+    ``.item()`` waits on the host also where the collective is asynchronous to it (NCCL)."""
+    import torch
+    import torch.distributed as dist
+
+    probe = torch.zeros(1, device=device_type)
+    dist.all_reduce(probe)
+    probe.item()
 
 
 def get_parallel_groups() -> ParallelGroups:

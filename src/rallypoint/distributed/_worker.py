@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
+from rallypoint._core.checks import check_int
 from rallypoint.distributed._config import DistributedConfig, check_layout
 from rallypoint.distributed._init import destroy_process_group
 from rallypoint.distributed._mesh import init_parallel_groups
@@ -81,8 +82,7 @@ def parallel_worker(
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     config = _as_config(parallel)
     if world_size is not None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        check_int(world_size, "world_size", minimum=1)
         if config.world_size is not None and config.world_size != world_size:
             raise ValueError(
                 f"parallel.world_size is {config.world_size} but the launch has {world_size} "

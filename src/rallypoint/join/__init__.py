@@ -10,10 +10,12 @@ top of torch's semantics: a rank that raises inside the context makes the others
 collectives, and :func:`even_batches` for users who prefer padding to joining.
 """
 
+from rallypoint._core.public import set_public_module
+from rallypoint.join._collective import CollectiveJoinable
 from rallypoint.join._errors import EarlyTerminationError, JoinError, RankFailedError
 from rallypoint.join._even_batches import EvenBatches, even_batches
-from rallypoint.join._join import Join, Joinable, JoinHook, JoinSummary, SupportsJoin
-from rallypoint.join._joinables import CollectiveJoinable
+from rallypoint.join._interface import Joinable, JoinHook, SupportsJoin
+from rallypoint.join._join import Join, JoinSummary
 from rallypoint.join._options import JoinOptions
 
 __all__ = [
@@ -30,3 +32,5 @@ __all__ = [
     "SupportsJoin",
     "even_batches",
 ]
+
+set_public_module(__name__, globals(), __all__)

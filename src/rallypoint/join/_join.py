@@ -12,9 +12,10 @@ join loop of a joined rank matches with ``zeros(1)`` (and ``ones(1)``).
 
 Differences from torch (all additive):
 
-- an exception inside the context is published to the other ranks, which raise
-  :class:`RankFailedError` within about ``2 * poll_interval`` instead of hanging
-  (see :mod:`rallypoint.join._failure` for what is covered);
+- an exception inside the context is published to the other ranks; the ranks agree on
+  an iteration to stop at, the failing rank shadows the others' collectives up to it with
+  the join hooks, and the others raise :class:`RankFailedError` within about a second
+  instead of hanging (see :mod:`rallypoint.join._failure` for what is covered);
 - no ``warnings.simplefilter`` call: the skew warning is issued once per Join;
 - ``notify_join_context`` returns a ``torch.futures.Future`` (pytorch#61661);
 - ``Join.summary`` says how many iterations each rank shadowed;
@@ -30,20 +31,17 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Joinable as _TorchJoinable
-from torch.distributed.algorithms.join import JoinHook as _TorchJoinHook
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.futures import Future
 
-from rallypoint._progress import progress
+from rallypoint.join._collective import CollectiveJoinable
 from rallypoint.join._deferred import DeferredJoinMode, deferred_join_mode_blocker
 from rallypoint.join._errors import EarlyTerminationError, JoinError, RankFailedError
 from rallypoint.join._failure import (
@@ -53,83 +51,21 @@ from rallypoint.join._failure import (
     run_watched,
     wait_work,
 )
+from rallypoint.join._interface import (
+    THROW_MESSAGE,
+    SupportsJoin,
+    notify_join_context,
+    register_channel,
+    unregister_channel,
+)
 from rallypoint.join._options import JoinOptions
+from rallypoint.join._shadow import GatedJoinConfig, shadow_iterations
+from rallypoint.observe._progress import progress
 
-__all__ = ["Join", "JoinHook", "JoinSummary", "Joinable", "SupportsJoin"]
+__all__ = ["Join", "JoinSummary"]
 
 logger = logging.getLogger("rallypoint.join")
 _T = TypeVar("_T")
-
-_THROW_MESSAGE = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
-
-# id(joinable) -> (the joinable, or a weak reference to it; the failure channel of the Join
-# it is in), for notify_join_context and CollectiveJoinable's interruptible waits
-_channels: dict[int, tuple[Any, FailureChannel]] = {}
-
-
-def _register_channel(joinable: object, channel: FailureChannel) -> None:
-    try:
-        ref: Any = weakref.ref(joinable)
-    except TypeError:  # no weak references (__slots__): keep it alive while registered
-        ref = lambda: joinable  # noqa: E731
-    _channels[id(joinable)] = (ref, channel)
-
-
-def _unregister_channel(joinable: object, channel: FailureChannel) -> None:
-    entry = _channels.get(id(joinable))
-    if entry is not None and entry[1] is channel:
-        del _channels[id(joinable)]
-
-
-def channel_for(joinable: object) -> FailureChannel | None:
-    """The failure channel of the Join context ``joinable`` is in, if any."""
-    entry = _channels.get(id(joinable))
-    if entry is None or entry[0]() is not joinable:
-        return None
-    return entry[1]
-
-
-class JoinHook(_TorchJoinHook):
-    """The two entry points a joinable gives the join context manager.
-
-    ``main_hook()`` runs once per iteration on a rank that has joined while some rank has
-    not, to shadow that iteration's collectives; ``post_hook(is_last_joiner)`` runs once
-    after every rank has joined. Both default to doing nothing. A subclass of torch's
-    ``JoinHook``, so hooks written for either work with either ``Join``.
-    """
-
-    def main_hook(self) -> None:
-        """Shadow the collectives of one training iteration of a rank that has not joined."""
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        """Run once all ranks have joined; ``is_last_joiner`` is ``True`` on the rank(s)
-        that joined last (the ones that never shadowed an iteration)."""
-
-
-class Joinable(_TorchJoinable):
-    """Base class for objects that take part in a :class:`Join`.
-
-    Subclasses call ``super().__init__()`` (which sets the ``_join_config`` the context
-    manager reads), implement :meth:`join_hook`, :attr:`join_device` and
-    :attr:`join_process_group`, and call :meth:`Join.notify_join_context` before each
-    iteration's collectives. A subclass of torch's ``Joinable``: it also works in torch's
-    ``Join``.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-
-
-class SupportsJoin(Protocol):
-    """What :class:`Join` needs from a joinable (torch's DDP and ZeRO qualify)."""
-
-    def join_hook(self, **kwargs: Any) -> Any: ...
-
-    @property
-    def join_device(self) -> Any: ...
-
-    @property
-    def join_process_group(self) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +206,7 @@ class Join:
         self._iterate_state: list[int] | None = None  # [common length, yielded]
         self._entered = False
         self._watcher: BodyWatcher | None = None
+        self._published = False
         self._warned = False
         self.summary: JoinSummary | None = None
         """Set after a context that ran to its end (``JoinOptions(summary=True)``)."""
@@ -310,8 +247,6 @@ class Join:
             return "no failure channel (detect_failures=False, one rank, or no store)"
         if self._device.type != "cpu":
             return f"join device {self._device} (deferred join mode is validated on CPU/gloo)"
-        from rallypoint.join._joinables import CollectiveJoinable
-
         return deferred_join_mode_blocker(self._joinables, CollectiveJoinable)
 
     def _set_joinable_configs(self) -> None:
@@ -321,15 +256,22 @@ class Join:
         self._apply_enable(self._enable)
         for joinable in self._joinables:
             if self._channel is not None:
-                _register_channel(joinable, self._channel)
+                register_channel(joinable, self._channel)
 
     def _apply_enable(self, enable: bool) -> None:
+        gated = self._channel if self._device.type == "cpu" else None
+        throw = self._throw_on_early_termination
         for index, joinable in enumerate(self._joinables):
-            joinable._join_config = _JoinConfig(  # type: ignore[attr-defined]
-                enable=enable,
-                throw_on_early_termination=self._throw_on_early_termination,
-                is_first_joinable=index == 0,
+            first = index == 0
+            config = (
+                _JoinConfig(enable, throw, first)
+                if gated is None
+                else GatedJoinConfig.make(gated, enable=enable, throw=throw, first=first)
             )
+            joinable._join_config = config  # type: ignore[attr-defined]
+
+    def _in_join_mode(self) -> bool:
+        return bool(getattr(self._joinables[0], "_join_config").enable)  # noqa: B009
 
     def _restore_joinable_configs(self) -> None:
         if self._saved_configs is None:
@@ -337,7 +279,7 @@ class Join:
         for joinable, saved in zip(self._joinables, self._saved_configs, strict=True):
             joinable._join_config = saved  # type: ignore[attr-defined]
             if self._channel is not None:
-                _unregister_channel(joinable, self._channel)
+                unregister_channel(joinable, self._channel)
         self._saved_configs = None
 
     # -- context -----------------------------------------------------------------------
@@ -399,6 +341,8 @@ class Join:
         self._set_joinable_configs()
         self._entered = True
         self._entries += 1
+        if self._channel is not None:
+            self._channel.begin()
         if not self._deferred_blocker and self._channel is not None:
             self._apply_enable(False)
             self._deferred = DeferredJoinMode(
@@ -432,7 +376,7 @@ class Join:
         deferred, self._deferred = self._deferred, None
         try:
             if exc is not None:
-                self._on_error(exc, deferred)
+                self._on_body_error(exc, deferred)
                 return
             if not self._enable:
                 return
@@ -460,21 +404,75 @@ class Join:
             self._iterate_state = None
             self._restore_joinable_configs()
 
-    def _on_error(self, exc: BaseException, deferred: DeferredJoinMode | None = None) -> None:
+    def _on_body_error(self, exc: BaseException, deferred: DeferredJoinMode | None) -> None:
+        """The body raised: publish it and agree with the other ranks where to stop, then
+        shadow their iterations up to there (or, out of join mode, release DDP's backward),
+        so that no rank is left blocked in a collective this rank never issues. Raises
+        RankFailedError when ``exc`` follows another rank's failure."""
+        channel = self._channel
+        if deferred is not None:
+            deferred.stop()  # this rank records nothing after its failure
+        try:
+            self._on_error(exc, publish_only=False)
+        except RankFailedError:
+            # another rank failed first: this rank still shadows up to the stop point
+            if channel is not None and self._others_in_join_mode(channel, deferred):
+                self._shadow_up_to(channel, channel.stop_point())
+            raise
+        if channel is None or is_consequence(exc) or not self._published:
+            return
+        in_join_mode = self._others_in_join_mode(channel, deferred)
+        stop = channel.agree_on_stop_point(self._world_size)
+        if in_join_mode:
+            self._shadow_up_to(channel, stop)
+        elif deferred is not None:
+            deferred.release_others()
+        channel.mark_served()
+
+    def _others_in_join_mode(
+        self, channel: FailureChannel, deferred: DeferredJoinMode | None
+    ) -> bool:
+        """Whether the others' current iteration is in join mode (so the join hooks can
+        shadow it); on CPU only, as the failure channel's waits."""
+        if self._device.type != "cpu":
+            return False
+        if deferred is None or deferred.in_join_mode:
+            return self._in_join_mode()
+        # the others may have switched at the forward this rank did not run
+        return deferred.others_switched(channel.agreement_timeout)
+
+    def _shadow_up_to(self, channel: FailureChannel, stop: int) -> None:
+        shadow_iterations(
+            self._join_hooks,
+            self._process_group,
+            self._device,
+            self._throw_on_early_termination,
+            stop - channel.iterations,
+            channel.agreement_timeout,
+        )
+
+    def _on_error(self, exc: BaseException, *, publish_only: bool = True) -> None:
         """Publish this rank's failure, or raise RankFailedError if ``exc`` follows
         another rank's (a collective that failed because the failed rank exited or timed
         out)."""
-        if type(exc) is RuntimeError and str(exc) == _THROW_MESSAGE:
+        self._published = False
+        if type(exc) is RuntimeError and str(exc) == THROW_MESSAGE:
             # torch's notify_join_context (called by DDP/ZeRO) raises a plain RuntimeError
-            raise EarlyTerminationError(_THROW_MESSAGE) from exc
+            raise EarlyTerminationError(THROW_MESSAGE) from exc
         if self._channel is None or is_consequence(exc):
             return
         found = self._channel.failure(force=True)
         if found is not None:  # this rank's error follows another rank's failure
             raise self._channel_error(found) from exc
-        self._channel.publish(exc)
-        if deferred is not None:
-            deferred.release_others()
+        self._published = self._channel.publish(exc)
+        if not self._published:  # another rank's failure was published first
+            found = self._channel.failure(force=True)
+            if found is not None:
+                raise self._channel_error(found) from exc
+        if publish_only and self._published:
+            # an error outside the body (the join loop, iterate()): nothing to shadow
+            self._channel.agree_on_stop_point(self._world_size)
+            self._channel.mark_served()
 
     def _channel_error(self, found: tuple[int, str]) -> JoinError:
         return RankFailedError(found[0], found[1], self._rank)
@@ -492,8 +490,12 @@ class Join:
                 shadowed += 1
                 self._after_shadowed(shadowed)
         while True:
-            if cancel.is_set():
+            # after a failure, keep shadowing up to the agreed stop point (enter_iteration)
+            # even though the calling thread has raised already: the others need it
+            if cancel.is_set() and (channel is None or channel.failure() is None):
                 raise RankFailedError(-1, "join loop cancelled", self._rank)
+            if channel is not None:
+                channel.enter_iteration()
             if self._get_num_nonjoined_procs(channel) == 0:
                 break
             if self._throw_on_early_termination:
@@ -502,6 +504,8 @@ class Join:
                 hook.main_hook()
             shadowed += 1
             self._after_shadowed(shadowed)
+        if channel is not None:  # the failed rank's shadow ends the loop like a join
+            channel.raise_if_failed(force=True)
         is_last_joiner = shadowed == 0
         if self._options.summary:
             counts = torch.zeros(self._world_size, device=self._device)
@@ -553,23 +557,4 @@ class Join:
             of ranks that have not joined (torch returns the ``Work`` handle instead;
             ``Future.wait()`` works the same), or ``None``.
         """
-        config = getattr(joinable, "_join_config", None)
-        if config is None:
-            raise TypeError(
-                f"Check that the {type(joinable)} constructor calls the ``Joinable`` "
-                "constructor (super().__init__() or Joinable.__init__(self))"
-            )
-        if not config.is_first_joinable or not config.enable:
-            return None
-        device = joinable.join_device
-        group = joinable.join_process_group
-        ones = torch.ones(1, device=device)
-        work = dist.all_reduce(ones, group=group, async_op=True)
-        if config.throw_on_early_termination:
-            zeros = torch.zeros(1, device=device)
-            channel = channel_for(joinable) if zeros.device.type == "cpu" else None
-            wait_work(dist.all_reduce(zeros, group=group, async_op=True), channel)
-            if zeros.item():
-                raise EarlyTerminationError(_THROW_MESSAGE)
-        future: Future[list[torch.Tensor]] = work.get_future()
-        return future
+        return notify_join_context(joinable)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+from rallypoint._core.checks import check_int
+
 __all__ = ["JoinOptions"]
 
 
@@ -22,9 +24,9 @@ class JoinOptions:
         poll_interval: how often a waiting rank checks the store for a failed rank; the
             detection latency is at most about twice this.
         watch_body: while the ``with`` body runs, poll the store from a daemon thread
-            every ``5 * poll_interval`` and log (ERROR, logger ``rallypoint.join``) another
-            rank's failure at once, even while this rank is blocked in a collective that
-            cannot be interrupted.
+            every ``2 * poll_interval``: a rank blocked in a collective acknowledges another
+            rank's failure through it (so that the failed rank shadows that collective),
+            and it logs the failure (ERROR, logger ``rallypoint.join``).
         summary: after the context, all-reduce how many iterations each rank shadowed and
             expose it as ``Join.summary`` (one extra all-reduce of ``world_size`` floats).
         warn_threshold: warn (once per Join) when this rank has shadowed more than this
@@ -56,13 +58,8 @@ class JoinOptions:
             raise ValueError(
                 f"JoinOptions.poll_interval must be between 1 ms and 60 s, got {seconds} s"
             )
-        if isinstance(self.warn_threshold, bool) or not isinstance(self.warn_threshold, int):
-            raise TypeError(
-                f"JoinOptions.warn_threshold must be an int, got {self.warn_threshold!r}"
-            )
+        check_int(self.warn_threshold, "JoinOptions.warn_threshold", minimum=0)
         if not isinstance(self.defer_join_mode, bool):
             raise TypeError(
                 f"JoinOptions.defer_join_mode must be a bool, got {self.defer_join_mode!r}"
             )
-        if self.warn_threshold < 0:
-            raise ValueError(f"JoinOptions.warn_threshold must be >= 0, got {self.warn_threshold}")

@@ -3,7 +3,9 @@
 Workers are forked from a warm process that has already imported torch, get the
 environment torchrun sets, are watched by a supervisor that notices every exit at once,
 and are stopped together (whole process trees) on the first failure. See
-``docs/launcher.md``.
+``docs/launcher.md``; the layers underneath are ``rallypoint.elastic`` (attempts, rounds,
+restarts), ``rallypoint.supervise`` (one node's workers) and :mod:`rallypoint.observe`
+(progress, stacks, events, report), whose public names are re-exported here.
 
 Exception tree::
 
@@ -16,18 +18,22 @@ Exception tree::
     ├── WarmProcessError                  the warm process died or a ``preload`` failed
     ├── PortInUseError(ValueError)        an explicit master port is busy
     └── BadTargetError(ValueError)        the script/module/command cannot be started
+
+Importing this package loads nothing (not torch, not its own modules): training scripts
+import ``progress`` from here, so each name is imported on first access.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rallypoint._core.lazy import lazy_attributes
 
 if TYPE_CHECKING:
-    from rallypoint._progress import progress
     from rallypoint.launcher._api import launch
-    from rallypoint.launcher._config import DEFAULT_PREFIX, LaunchConfig
-    from rallypoint.launcher._errors import (
+    from rallypoint.launcher._config import DEFAULT_PREFIX, LaunchConfig, LaunchOptions
+    from rallypoint.observe import EventLog, progress, read_events, render_report
+    from rallypoint.supervise._errors import (
         BadTargetError,
         HangError,
         LaunchError,
@@ -35,39 +41,32 @@ if TYPE_CHECKING:
         LaunchTimeoutError,
         PortInUseError,
         RendezvousFailedError,
+        WarmErrorKind,
         WarmProcessError,
         WorkerFailedError,
         WorkerState,
     )
-    from rallypoint.launcher._events import EventLog, read_events
-    from rallypoint.launcher._report import render_report
 
-# Resolved on first access: ``rallypoint run`` imports ``rallypoint.launcher._warm`` and
-# forks its warm process before anything else, so this package must import nothing.
-_NAMES: dict[str, str] = {
-    "launch": "_api",
-    "DEFAULT_PREFIX": "_config",
-    "LaunchConfig": "_config",
-    "progress": "rallypoint._progress",  # shared with join, which must not import launch
-    "EventLog": "_events",
-    "read_events": "_events",
-    "render_report": "_report",
-    **dict.fromkeys(
-        [
-            "BadTargetError",
-            "HangError",
-            "LaunchError",
-            "LaunchInterruptedError",
-            "LaunchTimeoutError",
-            "PortInUseError",
-            "RendezvousFailedError",
-            "WarmProcessError",
-            "WorkerFailedError",
-            "WorkerState",
-        ],
-        "_errors",
+# module -> the public names it defines (each resolved on first access)
+_MODULES = {
+    "rallypoint.launcher._api": ("launch",),
+    "rallypoint.launcher._config": ("DEFAULT_PREFIX", "LaunchConfig", "LaunchOptions"),
+    "rallypoint.observe": ("EventLog", "progress", "read_events", "render_report"),
+    "rallypoint.supervise._errors": (
+        "BadTargetError",
+        "HangError",
+        "LaunchError",
+        "LaunchInterruptedError",
+        "LaunchTimeoutError",
+        "PortInUseError",
+        "RendezvousFailedError",
+        "WarmErrorKind",
+        "WarmProcessError",
+        "WorkerFailedError",
+        "WorkerState",
     ),
 }
+_HOME = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -77,9 +76,11 @@ __all__ = [
     "LaunchConfig",
     "LaunchError",
     "LaunchInterruptedError",
+    "LaunchOptions",
     "LaunchTimeoutError",
     "PortInUseError",
     "RendezvousFailedError",
+    "WarmErrorKind",
     "WarmProcessError",
     "WorkerFailedError",
     "WorkerState",
@@ -90,16 +91,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        module = _NAMES[name]
-        if not module.startswith("rallypoint."):
-            module = f"rallypoint.launcher.{module}"
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'rallypoint.launcher' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _HOME)

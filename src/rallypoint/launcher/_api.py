@@ -6,22 +6,22 @@ import importlib
 import pickle
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
-from rallypoint.launcher._config import LaunchConfig
+from rallypoint.launcher._config import OPTION_NAMES, LaunchConfig, LaunchOptions
 
 __all__ = ["launch"]
 
 
-def launch(fn: Callable[..., Any], *args: Any, nproc: int = 1, **options: Any) -> list[Any]:
+def launch(fn: Callable[..., Any], *args: Any, **options: Unpack[LaunchOptions]) -> list[Any]:
     """Run ``fn(*args)`` in ``nproc`` workers and return their return values by local rank.
 
     Each worker gets the environment torchrun sets (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``, ...), so ``torch.distributed.init_process_group()``
-    works unchanged. ``options`` are the fields of :class:`LaunchConfig`. By default the
-    workers are forked from a copy of the calling process (which already holds ``fn`` and
-    has imported torch); ``start_method="spawn"`` starts fresh interpreters instead, and
-    then ``fn`` and ``args`` must pickle.
+    works unchanged. ``options`` are the options of :class:`LaunchConfig` (``nproc=1`` by
+    default). By default the workers are forked from a copy of the calling process (which
+    already holds ``fn`` and has imported torch); ``start_method="spawn"`` starts fresh
+    interpreters instead, and then ``fn`` and ``args`` must pickle.
 
     With ``nnodes`` above 1 (and ``rdzv_endpoint``), this call is one node of an elastic
     job (see ``docs/multinode.md``) and returns this node's results of the last round.
@@ -34,19 +34,14 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int = 1, **options: Any) -
         raise TypeError(f"launch() needs a callable as its first argument, got {fn!r}")
     if "config" in options:
         raise TypeError("pass LaunchConfig fields as keyword arguments, not config=")
-    try:
-        config = LaunchConfig(nproc=nproc, **options)
-    except TypeError as exc:
-        if "unexpected keyword argument" in str(exc):
-            fields = ", ".join(sorted(LaunchConfig.__dataclass_fields__))
-            raise TypeError(f"launch(): {exc}; LaunchConfig fields are: {fields}") from None
-        raise
-    if config.parallel is not None:
-        distributed = importlib.import_module("rallypoint.distributed")
-        if not hasattr(distributed, "parallel_worker"):
-            raise NotImplementedError("rallypoint.distributed.parallel_worker is not available")
-        # validates the layout here, before any worker starts
-        fn = distributed.parallel_worker(fn, config.parallel)
+    unknown = sorted(set(options) - OPTION_NAMES)
+    if unknown:
+        raise TypeError(
+            f"launch() got an unexpected keyword argument {unknown[0]!r}; "
+            f"LaunchConfig fields are: {', '.join(sorted(OPTION_NAMES))}"
+        )
+    config = LaunchConfig(**options)
+    fn = _wrap_parallel(fn, config)
     if config.start_method == "spawn":
         try:
             pickle.dumps((fn, args))
@@ -55,27 +50,36 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int = 1, **options: Any) -
                 f"start_method='spawn' needs a picklable fn and args (define fn at module "
                 f"level, or use start_method='fork'): cannot pickle {fn!r}: {exc}"
             ) from exc
+    return _run(fn, tuple(args), config)
 
-    from rallypoint.launcher._agent import Agent
-    from rallypoint.launcher._warm import WarmProcess
-    from rallypoint.launcher._worker import CALLABLES, Target
+
+def _wrap_parallel(fn: Callable[..., Any], config: LaunchConfig) -> Callable[..., Any]:
+    if config.parallel is None:
+        return fn
+    distributed = importlib.import_module("rallypoint.distributed")
+    if not hasattr(distributed, "parallel_worker"):
+        raise NotImplementedError("rallypoint.distributed.parallel_worker is not available")
+    wrapped: Callable[..., Any] = distributed.parallel_worker(fn, config.parallel)  # validates now
+    return wrapped
+
+
+def _run(fn: Callable[..., Any], args: tuple[Any, ...], config: LaunchConfig) -> list[Any]:
+    from rallypoint.launcher._run import run_job
+    from rallypoint.supervise._warm import WarmProcess
+    from rallypoint.supervise._worker import CALLABLES, Target
 
     key = uuid.uuid4().hex
-    CALLABLES[key] = (fn, tuple(args))
+    CALLABLES[key] = (fn, args)
     try:
         warm = WarmProcess.fork(import_torch=True)
         try:
             name = getattr(fn, "__qualname__", type(fn).__name__)
-            kind = Agent
-            if config.multi_node:
-                from rallypoint.launcher._elastic import ElasticAgent
-
-                kind = ElasticAgent
-            agent = kind(
-                config, Target("callable", key), warm, title=f"launch({name})", collect_results=True
-            )
-            return agent.run()
+            target = Target("callable", key)
+            return run_job(config, target, warm, title=f"launch({name})", collect_results=True)
         finally:
             warm.close()
     finally:
         CALLABLES.pop(key, None)
+
+
+launch.__module__ = "rallypoint.launcher"  # documented there

@@ -11,11 +11,16 @@ Drop-in for ``torch.distributed.elastic.rendezvous``: the same errors, ``Rendezv
 - plugins from the entry-point group ``rallypoint.rendezvous_backends``.
 
 Every dynamic backend implements one small :class:`KeyValueStore`; the handler does O(1)
-store round trips per node per round (see ``_dynamic.py``).
+store round trips per node per round (see ``_dynamic.py``). Modules, bottom up: ``_api``
+(errors, handler ABC), ``_kv`` (the interface) and one ``_kv_*`` per store (etcd's HTTP side
+in ``_etcd_gateway``), ``_config`` (settings and options), ``_rounds`` (key layout, records,
+rank assignment), ``_background`` (the handler's thread), ``_dynamic`` (the handler),
+``_backends``/``_static`` (creators), ``_registry``.
 """
 
 from __future__ import annotations
 
+from rallypoint._core.public import set_public_module
 from rallypoint.rendezvous._api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -29,7 +34,8 @@ from rallypoint.rendezvous._api import (
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
-from rallypoint.rendezvous._dynamic import DynamicRendezvousConfig, DynamicRendezvousHandler
+from rallypoint.rendezvous._config import DynamicRendezvousConfig
+from rallypoint.rendezvous._dynamic import DynamicRendezvousHandler
 from rallypoint.rendezvous._endpoint import parse_rendezvous_config, parse_rendezvous_endpoint
 from rallypoint.rendezvous._kv import KeyValueStore, KVConnectionError, KVError, KVStateError
 from rallypoint.rendezvous._kv_memory import MemoryKV
@@ -68,3 +74,5 @@ __all__ = [
     "parse_rendezvous_endpoint",
     "rendezvous_handler_registry",
 ]
+
+set_public_module(__name__, globals(), __all__)

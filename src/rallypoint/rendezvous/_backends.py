@@ -1,22 +1,7 @@
 """Creators of the built-in dynamic handlers (``c10d``, ``file``, ``etcd``) from parameters.
 
-Options (``RendezvousParameters`` keyword arguments, or ``--rdzv-conf k=v,...``), the same
-names torch reads plus a few of ours:
-
-=======================  ================================================================
-``join_timeout``         seconds a round may take (600)
-``last_call_timeout``    seconds to wait for more nodes once ``min_nodes`` joined (30)
-``close_timeout``        seconds for closing (30)
-``keep_alive_interval``  seconds between heartbeats (5)
-``keep_alive_max_attempt``  missed heartbeats before a node is presumed dead (3)
-``read_timeout``         seconds a store operation / connection may take (60)
-``is_host``              c10d: whether this node hosts the TCPStore (default: the endpoint
-                         names this machine)
-``store_type``           c10d: ``tcp`` (default) or ``file``
-``use_agent_store``      rank 0 hosts a TCPStore for the workers (true)
-=======================  ================================================================
-
-Durations accept fractions of a second (``last_call_timeout=0.5``); torch accepts integers.
+The options every handler reads are listed in ``_config.py``; the backend-specific ones
+here (``is_host``, ``store_type``) and in ``_kv_etcd.py``.
 """
 
 from __future__ import annotations
@@ -30,70 +15,18 @@ from rallypoint.rendezvous._api import (
     RendezvousError,
     RendezvousParameters,
 )
-from rallypoint.rendezvous._dynamic import DynamicRendezvousConfig, DynamicRendezvousHandler
+from rallypoint.rendezvous._config import config_from_params, seconds_option
+from rallypoint.rendezvous._dynamic import DynamicRendezvousHandler
 from rallypoint.rendezvous._endpoint import matches_machine_hostname, parse_rendezvous_endpoint
 from rallypoint.rendezvous._kv import KeyValueStore, KVConnectionError
 
 DEFAULT_PORT = 29400
 
 
-def get_seconds(params: RendezvousParameters, key: str, default: float | None) -> float | None:
-    """Read a duration option in seconds (int, float, numeric string or timedelta)."""
-    value = params.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, timedelta):
-        return value.total_seconds()
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(
-            f"The rendezvous configuration option '{key}' does not represent a valid number of "
-            "seconds."
-        ) from exc
-    if seconds <= 0:
-        raise ValueError(
-            f"The rendezvous configuration option '{key}' must be a positive number of seconds, "
-            f"got {value!r}."
-        )
-    return seconds
-
-
-def config_from_params(params: RendezvousParameters) -> DynamicRendezvousConfig:
-    """The handler settings the parameters describe (``ValueError`` names a bad option)."""
-    timeouts: dict[str, Any] = {}
-    for name in ("join", "last_call", "close"):
-        seconds = get_seconds(params, f"{name}_timeout", None)
-        if seconds is not None:
-            timeouts[f"{name}_timeout"] = timedelta(seconds=seconds)
-    if "keep_alive_interval" in params.config and params.get("keep_alive_interval") is None:
-        raise TypeError(
-            "You passed 'keep_alive_interval=None' as a rendezvous configuration option"
-        )
-    if "keep_alive_max_attempt" in params.config and params.get("keep_alive_max_attempt") is None:
-        raise TypeError(
-            "You passed 'keep_alive_max_attempt=None' as a rendezvous configuration option"
-        )
-    interval = get_seconds(params, "keep_alive_interval", 5.0)
-    attempts = params.get_as_int("keep_alive_max_attempt", 3)
-    agent_store = params.get_as_bool("use_agent_store", True)
-    assert interval is not None and attempts is not None and agent_store is not None
-    return DynamicRendezvousConfig(
-        run_id=params.run_id,
-        min_nodes=params.min_nodes,
-        max_nodes=params.max_nodes,
-        keep_alive_interval=timedelta(seconds=interval),
-        keep_alive_max_attempt=attempts,
-        local_addr=params.local_addr,
-        use_agent_store=agent_store,
-        **timeouts,
-    )
-
-
 def _read_timeout(params: RendezvousParameters) -> timedelta:
-    seconds = get_seconds(params, "read_timeout", 60.0)
-    assert seconds is not None
-    return timedelta(seconds=seconds)
+    timeout = seconds_option(params, "read_timeout", 60.0)
+    assert timeout is not None
+    return timeout
 
 
 def _handler(

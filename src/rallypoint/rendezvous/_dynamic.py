@@ -29,7 +29,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -41,12 +41,12 @@ from rallypoint.rendezvous._api import (
     RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
-    RendezvousParameters,
     RendezvousStateError,
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
 from rallypoint.rendezvous._background import Background
+from rallypoint.rendezvous._config import DynamicRendezvousConfig
 from rallypoint.rendezvous._endpoint import local_fqdn
 from rallypoint.rendezvous._kv import KeyValueStore, KVConnectionError, KVStateError
 from rallypoint.rendezvous._rounds import (
@@ -69,68 +69,22 @@ _SPARE_WAIT = timedelta(days=1)
 _SLOT_WAIT = timedelta(seconds=5)
 
 
-@dataclass(kw_only=True, slots=True)
-class DynamicRendezvousConfig:
-    """Settings of a :class:`DynamicRendezvousHandler` (durations as ``timedelta``)."""
-
-    run_id: str
-    min_nodes: int
-    max_nodes: int
-    join_timeout: timedelta = timedelta(seconds=600)
-    last_call_timeout: timedelta = timedelta(seconds=30)
-    close_timeout: timedelta = timedelta(seconds=30)
-    keep_alive_interval: timedelta = timedelta(seconds=5)
-    keep_alive_max_attempt: int = 3
-    local_addr: str | None = None
-    use_agent_store: bool = True
-
-    @staticmethod
-    def from_parameters(params: RendezvousParameters) -> DynamicRendezvousConfig:
-        """The settings ``RendezvousParameters`` describe (options as in ``_backends.py``)."""
-        from rallypoint.rendezvous._backends import config_from_params
-
-        return config_from_params(params)
-
-    def __post_init__(self) -> None:
-        if not self.run_id:
-            raise ValueError("The run id must be a non-empty string.")
-        if any(c in self.run_id for c in "/\x00"):
-            raise ValueError(f"The run id {self.run_id!r} must not contain '/' or NUL.")
-        if self.min_nodes < 1:
-            raise ValueError(
-                f"The minimum number of nodes ({self.min_nodes}) must be greater than zero."
-            )
-        if self.max_nodes < self.min_nodes:
-            raise ValueError(
-                f"The maximum number of nodes ({self.max_nodes}) must be greater than or equal "
-                f"to the minimum number of nodes ({self.min_nodes})."
-            )
-        for name in ("join", "last_call", "close"):
-            value = getattr(self, f"{name}_timeout")
-            if not isinstance(value, timedelta):
-                raise TypeError(f"{name}_timeout must be a datetime.timedelta, got {value!r}")
-            if value <= timedelta(0):
-                raise ValueError(f"The {name} timeout ({value}) must be positive.")
-        if not isinstance(self.keep_alive_interval, timedelta) or (
-            self.keep_alive_interval <= timedelta(0)
-        ):
-            raise ValueError(
-                f"keep_alive_interval ({self.keep_alive_interval!r}) must be a positive timedelta."
-            )
-        if self.keep_alive_max_attempt < 1:
-            raise ValueError(
-                f"keep_alive_max_attempt ({self.keep_alive_max_attempt}) must be at least 1."
-            )
-
-
 @dataclass(slots=True)
 class _Watch:
-    """What the heartbeat thread watches: neighbours' counters and when they last moved."""
+    """What the heartbeat thread watches: neighbours' counters and when they last moved,
+    and when this node last read them (``read_at``)."""
 
     round: int
     neighbours: list[str] = field(default_factory=list)
     seen: dict[str, tuple[bytes | None, float]] = field(default_factory=dict)
     marked: set[str] = field(default_factory=set)
+    read_at: float | None = None
+
+    def forgive(self, blind: float) -> None:
+        """This node could not read the store for ``blind`` seconds (the store was away:
+        an etcd election, a member lost): its neighbours' beats could not land either, so
+        that time does not count towards their silence."""
+        self.seen = {node: (value, since + blind) for node, (value, since) in self.seen.items()}
 
 
 class DynamicRendezvousHandler(RendezvousHandler):
@@ -243,8 +197,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return self._side().get(self._keys.closed) is not None
 
     def set_closed(self) -> None:
-        with self._errors():
-            self._close(self._side())
+        """Close the run for every node within ``close_timeout``.
+
+        Raises:
+            RendezvousTimeoutError: the store did not take the close within
+                ``close_timeout`` (the close goes on in the background).
+            RendezvousConnectionError: the store cannot be reached.
+        """
+        self._close_within_timeout()
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to be admitted, plus members presumed dead: > 0 means re-rendezvous.
@@ -276,9 +236,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Stop heartbeats and close the run (as torch's handler does)."""
         self._bg.stop()
         try:
-            with self._errors():
-                self._close(self._side())
-        except (RendezvousConnectionError, RendezvousStateError) as exc:
+            self._close_within_timeout()
+        except (RendezvousConnectionError, RendezvousStateError, RendezvousTimeoutError) as exc:
             logger.warning("node %s failed to close the rendezvous: %s", self._node, exc)
             return False
         return True
@@ -337,6 +296,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Take a slot in round ``k`` and wait for it to finish; ``None`` if not admitted."""
         kv, keys, cfg = self._kv, self._keys, self._config
         index = kv.enroll(keys.r(k, "joined"), self._node) - 1
+        self._start_heartbeats()
         with self._lock:
             prev_round, prev_rank = self._round, self._rank
         slot = Slot(index, self._node, self._addr, prev_round, prev_rank)
@@ -484,7 +444,16 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with self._lock:
             self._round, self._rank, self._world = k, rank, world
             self._watch.pop(False, None)
+        self._start_heartbeats()
+
+    def _start_heartbeats(self) -> None:
+        """Beat from the moment this node takes a slot, not only once admitted: a node
+        slow to see its round complete (its watch on an etcd member that went silent) is
+        alive, and the members admitted before it must not presume it dead."""
+        with self._lock:
             start = self._heartbeat_task is None
+            if start:
+                self._heartbeat_task = -1  # claimed; the id follows
         if start:
             self._heartbeat_task = self._bg.call_at(
                 time.monotonic(),
@@ -529,6 +498,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._watch[all_members] = watch
         values = kv.multi_get([self._keys.hb(n) for n in watch.neighbours])
         now = time.monotonic()
+        interval = self._config.keep_alive_interval.total_seconds()
+        if watch.read_at is not None and now - watch.read_at > 2 * interval:
+            watch.forgive(now - watch.read_at - interval)
+        watch.read_at = now
         for node, value in zip(watch.neighbours, values, strict=True):
             old = watch.seen.get(node)
             if old is None or old[0] != value:
@@ -544,6 +517,32 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if side is None:
             side = self._side_kv = self._kv.clone()
         return side
+
+    def _close_within_timeout(self) -> None:
+        """:meth:`_close` bounded by ``close_timeout`` (torch's bound for ``set_closed`` and
+        ``shutdown``): the store calls run in a helper thread, so a store that stopped
+        answering cannot hold the caller for its own, longer, timeout."""
+        failure: list[BaseException] = []
+        done = threading.Event()
+
+        def close() -> None:
+            try:
+                with self._errors():
+                    self._close(self._side())
+            except BaseException as exc:  # handed to the caller
+                failure.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=close, name=f"rdzv-close-{self._node}", daemon=True).start()
+        limit = self._config.close_timeout.total_seconds()
+        if not done.wait(limit):
+            raise RendezvousTimeoutError(
+                f"The rendezvous '{self._config.run_id}' could not be closed within "
+                f"close_timeout={limit:g} s: the store at {self._kv.endpoint} did not answer."
+            )
+        if failure:
+            raise failure[0]
 
     def _close(self, kv: KeyValueStore) -> None:
         keys = self._keys
@@ -592,9 +591,3 @@ class DynamicRendezvousHandler(RendezvousHandler):
             raise RendezvousConnectionError(str(exc)) from exc
         except KVStateError as exc:
             raise RendezvousStateError(str(exc)) from exc
-
-
-def timeout_from(params_get: Callable[[str], int | None], name: str) -> timedelta | None:
-    """Read ``<name>_timeout`` (seconds) from rendezvous parameters."""
-    seconds = params_get(f"{name}_timeout")
-    return None if seconds is None else timedelta(seconds=seconds)

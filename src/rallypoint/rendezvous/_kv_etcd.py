@@ -1,9 +1,7 @@
-"""The key-value interface over etcd v3, through etcd's JSON gateway, standard library only.
+"""The key-value interface over etcd v3 (the HTTP side is ``_etcd_gateway.py``).
 
-Why the gateway and not a gRPC client: etcd serves the v3 API as JSON over HTTP at
-``/v3/...`` (3.4 and later), so ``http.client`` is all we need: no grpcio/protobuf
-(whose versions fight with torch's), nothing to compile, and the same code talks to
-etcd 3.4 through 3.6 (torch's etcd backends use the v2 API, which 3.6 removed).
+Why etcd's JSON gateway and not a gRPC client: see ``_etcd_gateway.py``; the same code
+talks to etcd 3.4 through 3.6 (torch's etcd backends use the v2 API, which 3.6 removed).
 
 Mapping: ``add``/``set_if_absent``/``compare_and_swap`` are transactions comparing the
 key's revision or value (``add`` retries on a lost race); ``multi_get``/``multi_set`` are
@@ -12,15 +10,22 @@ next revision (a server push, no polling). Every key we write carries the job's 
 (one lease per run, shared by its nodes, whose id is stored under ``<prefix>lease`` and
 kept alive by every live node): when every node of a job is gone, the keys expire after
 ``lease_ttl`` seconds. Requests that fail to connect are retried across the endpoints
-until ``timeout`` (an etcd restart is ridden out), then :class:`KVConnectionError` names
-the endpoints. TLS (CA, client cert and key) and user/password auth are supported.
+until ``timeout`` (an etcd restart or a leader election is ridden out; one try at one
+member is bounded by ``request_timeout``), then :class:`KVConnectionError` names the
+endpoints. TLS (CA, client cert and key) and user/password auth are supported.
+
+Retries and exactly-once: a request whose answer is lost may have been applied, and the
+gateway sends it again. Every operation here is idempotent under that (a put, a delete,
+a create-if-absent that reads back what is stored, ``enroll``'s put with ``prev_kv``)
+except ``add``; so each ``add`` transaction also writes a nonce under this client's
+marker key (one per client and thread, with the lease) and, when its comparison fails,
+reads the marker back: finding its own nonce means an earlier try of the same
+transaction went through, and the add is not applied twice.
 """
 
 from __future__ import annotations
 
 import base64
-import http.client
-import json
 import os
 import random
 import ssl
@@ -29,9 +34,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from rallypoint.rendezvous._config import seconds_option
 from rallypoint.rendezvous._endpoint import parse_rendezvous_endpoint
+from rallypoint.rendezvous._etcd_gateway import (
+    ATTEMPT_TIMEOUT,
+    GRPC_NOT_FOUND,
+    WATCH_SLICE,
+    EtcdGateway,
+    GatewayError,
+    WatchBroken,
+)
 from rallypoint.rendezvous._kv import KeyValueStore, KVConnectionError, KVError, KVStateError
 
 if TYPE_CHECKING:
@@ -41,6 +55,7 @@ if TYPE_CHECKING:
 
 DEFAULT_PORT = 2379
 _MAX_TXN_OPS = 100  # etcd's default --max-txn-ops is 128
+_SET_IF_ABSENT_TRIES = 8
 
 
 def _b64(data: str | bytes) -> str:
@@ -50,6 +65,15 @@ def _b64(data: str | bytes) -> str:
 
 def _unb64(data: str) -> bytes:
     return base64.b64decode(data)
+
+
+def _range_value(txn: dict[str, Any], index: int) -> bytes | None:
+    """The value read by the ``index``-th ``request_range`` of a transaction's answer."""
+    responses = txn.get("responses") or []
+    if index >= len(responses):
+        return None
+    kvs = responses[index].get("response_range", {}).get("kvs") or []
+    return _unb64(kvs[0].get("value", "")) if kvs else None
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -76,6 +100,7 @@ class EtcdOptions:
     password: str | None = None
     lease_ttl: int = 60
     timeout: timedelta = timedelta(seconds=60)
+    request_timeout: timedelta = timedelta(seconds=ATTEMPT_TIMEOUT)
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -86,106 +111,54 @@ class EtcdOptions:
             raise ValueError("etcd client TLS needs both 'cert' and 'key'.")
         if self.lease_ttl < 0:
             raise ValueError(f"lease_ttl ({self.lease_ttl}) must be >= 0 (0 disables leases).")
+        if self.request_timeout <= timedelta(0):
+            raise ValueError(f"request_timeout ({self.request_timeout}) must be positive.")
 
 
-class _EtcdHTTPError(KVError):
-    def __init__(self, status: int, body: dict[str, Any]) -> None:
-        super().__init__(f"etcd answered {status}: {body.get('error') or body.get('message')}")
-        self.status = status
-        self.body = body
+class Gateway(Protocol):
+    """What :class:`EtcdKV` needs from its transport (:class:`EtcdGateway`, or a fake)."""
+
+    endpoint: str
+
+    def post(self, path: str, body: dict[str, Any], *, timeout: float | None = None) -> Any: ...
+
+    def watch_put(self, key: str, start_revision: int, timeout: float) -> bool: ...
+
+
+def gateway_for(options: EtcdOptions) -> EtcdGateway:
+    """The gateway client that ``options`` describe."""
+    context: ssl.SSLContext | None = None
+    if options.tls:
+        context = ssl.create_default_context(cafile=options.cacert)
+        if options.cert and options.key:
+            context.load_cert_chain(options.cert, options.key)
+    return EtcdGateway(
+        options.endpoints,
+        ssl_context=context,
+        username=options.username,
+        password=options.password,
+        timeout=options.timeout.total_seconds(),
+        attempt_timeout=options.request_timeout.total_seconds(),
+    )
 
 
 class EtcdKV(KeyValueStore):
-    """:class:`KeyValueStore` over etcd v3 (thread-safe: one HTTP connection per thread)."""
+    """:class:`KeyValueStore` over etcd v3 (thread-safe: the gateway keeps one HTTP
+    connection per thread). ``gateway`` replaces the HTTP client (tests pass a fake)."""
 
-    def __init__(self, options: EtcdOptions) -> None:
+    def __init__(self, options: EtcdOptions, *, gateway: Gateway | None = None) -> None:
         self._opts = options
         self._prefix = options.prefix.encode()
-        scheme = "https" if options.tls else "http"
-        self.endpoint = ",".join(f"{scheme}://{h}:{p}" for h, p in options.endpoints)
-        self._local = threading.local()
-        self._ssl: ssl.SSLContext | None = None
-        if options.tls:
-            ctx = ssl.create_default_context(cafile=options.cacert)
-            if options.cert and options.key:
-                ctx.load_cert_chain(options.cert, options.key)
-            self._ssl = ctx
-        self._token: str | None = None
+        self._gateway = gateway_for(options) if gateway is None else gateway
+        self.endpoint = self._gateway.endpoint
         self._lock = threading.Lock()
         self._lease: int | None = None
         self._keepalive: threading.Thread | None = None
         self._closed = threading.Event()
-        self._preferred = 0
-
-    # ------------------------------------------------------------------ transport
-
-    def _connection(self, index: int, timeout: float) -> http.client.HTTPConnection:
-        host, port = self._opts.endpoints[index]
-        if self._ssl is not None:
-            return http.client.HTTPSConnection(host, port, timeout=timeout, context=self._ssl)
-        return http.client.HTTPConnection(host, port, timeout=timeout)
-
-    def _authenticate(self, conn: http.client.HTTPConnection) -> None:
-        body = json.dumps({"name": self._opts.username, "password": self._opts.password})
-        conn.request("POST", "/v3/auth/authenticate", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        data = json.loads(resp.read() or b"{}")
-        if resp.status != 200 or "token" not in data:
-            raise KVConnectionError(
-                f"etcd at {self.endpoint} rejected user {self._opts.username!r}: "
-                f"{data.get('error') or data.get('message')}"
-            )
-        self._token = str(data["token"])
+        self._client = os.urandom(6).hex()  # names this client's add markers
 
     def _post(self, path: str, body: dict[str, Any], *, timeout: float | None = None) -> Any:
-        """POST JSON to ``path``; retry connection failures across endpoints until the timeout."""
-        limit = self._opts.timeout.total_seconds() if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        payload = json.dumps(body)
-        last: BaseException | None = None
-        attempt = 0
-        while True:
-            index = (self._preferred + attempt) % len(self._opts.endpoints)
-            conns: dict[int, http.client.HTTPConnection] = self._local.__dict__.setdefault(
-                "conns", {}
-            )
-            try:
-                conn = conns.get(index)
-                if conn is None:
-                    conn = conns[index] = self._connection(index, max(1.0, min(limit, 30.0)))
-                if self._opts.username is not None and self._token is None:
-                    self._authenticate(conn)
-                headers = {"Content-Type": "application/json"}
-                if self._token is not None:
-                    headers["Authorization"] = self._token
-                conn.request("POST", path, payload, headers)
-                resp = conn.getresponse()
-                raw = resp.read()
-                data = json.loads(raw) if raw else {}
-                if resp.status == 200:
-                    self._preferred = index
-                    return data
-                message = str(data.get("error") or data.get("message") or "")
-                if self._opts.username is not None and (
-                    resp.status == 401 or "token" in message or data.get("code") == 16
-                ):
-                    self._token = None  # expired token: authenticate again
-                    last = _EtcdHTTPError(resp.status, data)
-                elif resp.status in (502, 503) or data.get("code") in (14, 4):
-                    last = _EtcdHTTPError(resp.status, data)  # unavailable / deadline: retry
-                else:
-                    raise _EtcdHTTPError(resp.status, data)
-            except (OSError, http.client.HTTPException, ValueError) as exc:
-                conns.pop(index, None)
-                last = exc
-            attempt += 1
-            if time.monotonic() >= deadline:
-                raise KVConnectionError(
-                    f"Cannot reach etcd at {self.endpoint} within {limit:g} s: "
-                    f"{type(last).__name__}: {last}"
-                ) from last
-            if attempt % len(self._opts.endpoints) == 0:
-                time.sleep(min(0.5, 0.05 * attempt) * random.uniform(0.5, 1.0))
+        return self._gateway.post(path, body, timeout=timeout)
 
     def _key(self, key: str) -> bytes:
         return self._prefix + key.encode()
@@ -231,23 +204,32 @@ class EtcdKV(KeyValueStore):
                             }
                         }
                     ],
+                    "failure": [{"request_range": {"key": lease_key}}],
                 },
             )
-            if txn.get("succeeded"):
-                return granted
+            if txn.get("succeeded") or _range_value(txn, 0) == str(granted).encode():
+                return granted  # (the second: an earlier try of this txn went through)
             self._post("/v3/lease/revoke", {"ID": str(granted)})
         raise KVConnectionError(f"Cannot agree on a lease for {self._opts.prefix!r} at etcd")
 
     def _keep_alive(self) -> None:
+        """Renew the lease every ``lease_ttl / 3`` s (through whichever member answers: a
+        member loss or an election costs a retried keep-alive, well within the TTL); a
+        lease that expired anyway (etcd away for longer than the TTL) is replaced."""
         interval = max(0.5, self._opts.lease_ttl / 3)
         while not self._closed.wait(interval):
             lease = self._lease
             if lease is None:
                 continue
             try:
-                data = self._post("/v3/lease/keepalive", {"ID": str(lease)}, timeout=interval)
-                result = data.get("result", data)
-                if int(result.get("TTL", 0)) <= 0:
+                try:
+                    data = self._post("/v3/lease/keepalive", {"ID": str(lease)}, timeout=interval)
+                    expired = int(data.get("result", data).get("TTL", 0)) <= 0
+                except GatewayError as exc:
+                    if exc.code != GRPC_NOT_FOUND:
+                        raise
+                    expired = True  # "requested lease not found"
+                if expired:
                     with self._lock:
                         self._lease = self._acquire_lease()
             except KVError:
@@ -293,30 +275,46 @@ class EtcdKV(KeyValueStore):
             ops = [{"request_put": self._put(self._key(k), v)} for k, v in chunk]
             self._post("/v3/kv/txn", {"success": ops})
 
-    def _cas(self, key: bytes, compare: dict[str, Any], value: bytes) -> tuple[bool, bytes | None]:
-        """Put ``value`` if ``compare`` holds; return (succeeded, value now stored)."""
+    def _cas(
+        self,
+        key: bytes,
+        compare: dict[str, Any],
+        value: bytes,
+        marker: tuple[bytes, bytes] | None = None,
+    ) -> tuple[bool, bytes | None]:
+        """Put ``value`` if ``compare`` holds; return (succeeded, value now stored).
+
+        ``marker`` (key, nonce): also put the nonce there on success, and on failure count
+        it as a success if the marker already holds the nonce (a retried try whose first
+        send went through)."""
+        success = [{"request_put": self._put(key, value)}]
+        failure = [{"request_range": {"key": _b64(key)}}]
+        if marker is not None:
+            success.append({"request_put": self._put(*marker)})
+            failure.append({"request_range": {"key": _b64(marker[0])}})
         data = self._post(
             "/v3/kv/txn",
-            {
-                "compare": [{"key": _b64(key), **compare}],
-                "success": [{"request_put": self._put(key, value)}],
-                "failure": [{"request_range": {"key": _b64(key)}}],
-            },
+            {"compare": [{"key": _b64(key), **compare}], "success": success, "failure": failure},
         )
         if data.get("succeeded"):
             return True, value
-        kvs = data.get("responses", [{}])[0].get("response_range", {}).get("kvs") or []
-        return False, (_unb64(kvs[0].get("value", "")) if kvs else None)
+        if marker is not None and _range_value(data, 1) == marker[1]:
+            return True, value
+        return False, _range_value(data, 0)
+
+    def _marker(self) -> bytes:
+        """This client's (and thread's) add marker key."""
+        return self._prefix + f".adds/{self._client}-{threading.get_ident()}".encode()
 
     def add(self, key: str, amount: int) -> int:
         full = self._key(key)
+        marker = self._marker()
         current, _ = self._range(full)
         for attempt in range(10_000):
+            nonce = os.urandom(8).hex().encode()
             if current is None:
                 new = amount
-                ok, current = self._cas(
-                    full, {"target": "CREATE", "create_revision": "0"}, b"%d" % new
-                )
+                compare: dict[str, Any] = {"target": "CREATE", "create_revision": "0"}
             else:
                 try:
                     new = int(current) + amount
@@ -325,9 +323,8 @@ class EtcdKV(KeyValueStore):
                         f"The key {key!r} in etcd at {self.endpoint} holds {current[:40]!r}, "
                         "not an integer counter."
                     ) from None
-                ok, current = self._cas(
-                    full, {"target": "VALUE", "value": _b64(current)}, b"%d" % new
-                )
+                compare = {"target": "VALUE", "value": _b64(current)}
+            ok, current = self._cas(full, compare, b"%d" % new, (marker, nonce))
             if ok:
                 return new
             if attempt > 2:
@@ -351,7 +348,7 @@ class EtcdKV(KeyValueStore):
         try:  # the count as of our revision: one small answer
             data = self._post("/v3/kv/range", {**span, "count_only": True, "revision": revision})
             return int(data.get("count", 0))
-        except _EtcdHTTPError:  # that revision was compacted: filter the keys instead
+        except GatewayError:  # that revision was compacted: filter the keys instead
             data = self._post(
                 "/v3/kv/range",
                 {**span, "keys_only": True, "max_create_revision": str(revision)},
@@ -365,10 +362,16 @@ class EtcdKV(KeyValueStore):
         if not value:
             raise ValueError("set_if_absent needs a non-empty value")
         full = self._key(key)
-        _, stored = self._cas(full, {"target": "CREATE", "create_revision": "0"}, value)
-        if stored is None:  # deleted between the compare and the read: try again
-            return self.set_if_absent(key, value)
-        return stored
+        for _ in range(_SET_IF_ABSENT_TRIES):
+            _, stored = self._cas(full, {"target": "CREATE", "create_revision": "0"}, value)
+            if stored is not None:
+                return stored
+            # the create failed, so the key existed, yet the read found none: it is gone
+            # again (deleted, or its lease expired); try to create it once more
+        raise KVStateError(
+            f"set_if_absent on {key!r} at etcd {self.endpoint}: the key existed but could "
+            f"not be read, {_SET_IF_ABSENT_TRIES} times in a row"
+        )
 
     def compare_and_swap(self, key: str, expected: bytes, desired: bytes) -> bytes:
         full = self._key(key)
@@ -385,6 +388,9 @@ class EtcdKV(KeyValueStore):
         return all(self._wait_one(self._key(key), deadline) for key in missing)
 
     def _wait_one(self, key: bytes, deadline: float) -> bool:
+        """Read ``key``; while it is missing, watch it from the next revision for at most a
+        slice (a silent member holds a watch without a word), then read again: no put is
+        missed, since every watch starts right after the revision just read."""
         while True:
             value, revision = self._range(key)
             if value is not None:
@@ -393,40 +399,10 @@ class EtcdKV(KeyValueStore):
             if remaining <= 0:
                 return False
             try:
-                if self._watch_for_put(key, revision + 1, remaining):
+                if self._gateway.watch_put(_b64(key), revision + 1, min(remaining, WATCH_SLICE)):
                     return True
-            except (OSError, http.client.HTTPException, ValueError):
+            except WatchBroken:
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-
-    def _watch_for_put(self, key: bytes, start_revision: int, timeout: float) -> bool:
-        """Stream ``/v3/watch`` until a put on ``key`` arrives (True) or ``timeout`` (False)."""
-        conn = self._connection(self._preferred, timeout)
-        try:
-            headers = {"Content-Type": "application/json"}
-            if self._opts.username is not None:
-                if self._token is None:
-                    self._authenticate(conn)
-                assert self._token is not None
-                headers["Authorization"] = self._token
-            request = {"create_request": {"key": _b64(key), "start_revision": str(start_revision)}}
-            conn.request("POST", "/v3/watch", json.dumps(request), headers)
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise http.client.HTTPException(f"watch answered {resp.status}")
-            while True:
-                line = resp.readline()
-                if not line:
-                    raise http.client.HTTPException("watch stream closed")
-                result = json.loads(line).get("result", {})
-                for event in result.get("events") or []:
-                    if event.get("type", "PUT") == "PUT":
-                        return True
-                if result.get("canceled"):
-                    raise http.client.HTTPException(str(result.get("cancel_reason")))
-        except TimeoutError:  # socket.timeout is TimeoutError
-            return False
-        finally:
-            conn.close()
 
     def delete(self, key: str) -> bool:
         data = self._post("/v3/kv/deleterange", {"key": _b64(self._key(key))})
@@ -478,10 +454,9 @@ def etcd_kv_from_params(params: RendezvousParameters) -> EtcdKV:
     ``endpoint``: ``host[:port]`` or a comma-separated list (``http://``/``https://``
     allowed). Options: ``protocol`` (``http``/``https``), ``cacert``, ``cert``, ``key``,
     ``username``, ``password``, ``key_prefix`` (``/rallypoint/``), ``lease_ttl`` (60 s, 0
-    disables), ``read_timeout`` (60 s: how long a request retries an unreachable etcd).
+    disables), ``read_timeout`` (60 s: how long a request retries an unreachable etcd),
+    ``request_timeout`` (2 s: how long one try at one member may take before the next).
     """
-    from rallypoint.rendezvous._backends import get_seconds
-
     if not params.endpoint or not params.endpoint.strip():
         raise ValueError("The etcd rendezvous backend needs an endpoint: host[:port][,...].")
     hosts, tls = _split_endpoints(params.endpoint)
@@ -492,8 +467,9 @@ def etcd_kv_from_params(params: RendezvousParameters) -> EtcdKV:
             f"got {protocol!r}."
         )
     ttl = params.get_as_int("lease_ttl", 60)
-    timeout = get_seconds(params, "read_timeout", 60.0)
-    assert ttl is not None and timeout is not None
+    timeout = seconds_option(params, "read_timeout", 60.0)
+    attempt = seconds_option(params, "request_timeout", ATTEMPT_TIMEOUT)
+    assert ttl is not None and timeout is not None and attempt is not None
     prefix = str(params.get("key_prefix", "/rallypoint/"))
     if not prefix.endswith("/"):
         prefix += "/"
@@ -508,6 +484,7 @@ def etcd_kv_from_params(params: RendezvousParameters) -> EtcdKV:
             username=params.get("username", params.get("user")),
             password=params.get("password"),
             lease_ttl=ttl,
-            timeout=timedelta(seconds=timeout),
+            timeout=timeout,
+            request_timeout=attempt,
         )
     )

@@ -31,6 +31,10 @@ CLOSED = b'{"closed":true}'
 LEFT = b'{"left":true}'
 
 
+def _corrupt(where: str, raw: bytes) -> RendezvousStateError:
+    return RendezvousStateError(f"The rendezvous key {where} is corrupt: {raw[:80]!r}")
+
+
 class Keys:
     """Key names of one run."""
 
@@ -87,9 +91,7 @@ class Slot:
                 prev_rank=None if prev is None else int(prev[1]),
             )
         except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise RendezvousStateError(
-                f"The rendezvous key {where} is corrupt: {raw[:80]!r}"
-            ) from exc
+            raise _corrupt(where, raw) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,13 +116,7 @@ class Final:
         try:
             return Final(n=int(data["n"]), world_size=int(data["world_size"]))
         except (KeyError, TypeError, ValueError) as exc:
-            raise RendezvousStateError(
-                f"The rendezvous key {where} is corrupt: {raw[:80]!r}"
-            ) from exc
-
-
-def _corrupt(where: str, raw: bytes) -> RendezvousStateError:
-    return RendezvousStateError(f"The rendezvous key {where} is corrupt: {raw[:80]!r}")
+            raise _corrupt(where, raw) from exc
 
 
 def corrupt_record(reason: str) -> bytes:
@@ -131,9 +127,9 @@ def parse_json(raw: bytes, where: str) -> dict[str, Any]:
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise RendezvousStateError(f"The rendezvous key {where} is corrupt: {raw[:80]!r}") from exc
+        raise _corrupt(where, raw) from exc
     if not isinstance(data, dict):
-        raise RendezvousStateError(f"The rendezvous key {where} is corrupt: {raw[:80]!r}")
+        raise _corrupt(where, raw)
     return data
 
 

@@ -18,6 +18,7 @@ advertises ``socket.getfqdn()`` -- torchrun's agents, gloo without
         server = net.hosts[0].popen([sys.executable, "server.py"])
         net.hosts[2].cut()       # host 2 loses its link (packets dropped, no RST)
         net.hosts[2].restore()
+        net.hosts[1].call(lambda: socket.create_connection(("198.18.0.1", 80)).close())
 
 Cleanup is guaranteed by the context manager, by an ``atexit`` hook, and, for a test
 process that was SIGKILLed, by removing namespaces whose creating process is gone the
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import functools
 import os
 import re
@@ -46,9 +48,12 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
-from types import TracebackType
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from rallypoint._core.checks import check_int
+from rallypoint._core.closing import Closing
+from rallypoint._core.procs import pid_alive
 
 __all__ = ["Host", "NetnsError", "Network", "netns_available", "remove_stale_namespaces"]
 
@@ -57,6 +62,9 @@ SUBNET = "198.18.0.0/24"
 MAX_HOSTS = 250
 _NAME = re.compile(r"^rpn(?P<pid>\d+)-[0-9a-f]{4}-(?:h\d+|br)$")
 _ETC_NETNS = "/etc/netns"
+_NETNS_DIR = "/run/netns"  # where ``ip netns add`` mounts a namespace
+_CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
 
 
 class NetnsError(RuntimeError):
@@ -80,19 +88,21 @@ def _run_ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+def _enter_netns(path: str) -> None:
+    """Move the calling thread into the network namespace at ``path``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def _list_namespaces() -> list[str]:
     out = _run_ip("netns", "list").stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_stale_namespaces() -> list[str]:
@@ -100,14 +110,14 @@ def remove_stale_namespaces() -> list[str]:
     removed = []
     for name in _list_namespaces():
         m = _NAME.match(name)
-        if m is None or _pid_alive(int(m.group("pid"))):
+        if m is None or pid_alive(int(m.group("pid"))):
             continue
         if _run_ip("netns", "delete", name, check=False).returncode == 0:
             removed.append(name)
     with contextlib.suppress(OSError):
         for name in os.listdir(_ETC_NETNS):
             m = _NAME.match(name)
-            if m is not None and not _pid_alive(int(m.group("pid"))):
+            if m is not None and not pid_alive(int(m.group("pid"))):
                 shutil.rmtree(os.path.join(_ETC_NETNS, name), ignore_errors=True)
         with contextlib.suppress(OSError):
             os.rmdir(_ETC_NETNS)  # only if empty: it may hold other tools' files
@@ -190,6 +200,31 @@ class Host:
         self.network._require_open()
         return subprocess.run(self.command(cmd), timeout=timeout, check=False, **kwargs)
 
+    def call(self, fn: Callable[[], T], *, timeout: float = 30.0) -> T:
+        """Run ``fn()`` in a new thread of this process that has entered this host's
+        network namespace (``setns``: the namespace is per thread), and return its result:
+        a socket call into a fake host without starting a process. Name lookups still see
+        the machine's ``/etc/hosts``: use addresses."""
+        self.network._require_open()
+        result: list[T] = []
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                _enter_netns(f"{_NETNS_DIR}/{self.name}")
+                result.append(fn())
+            except BaseException as exc:  # handed to the caller
+                failure.append(exc)
+
+        thread = threading.Thread(target=run, name=f"netns-{self.hostname}", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            raise TimeoutError(f"{fn!r} did not return within {timeout} s inside {self.name}")
+        if failure:
+            raise failure[0]
+        return result[0]
+
     def cut(self) -> None:
         """Drop this host's link: its packets are lost, connections time out (no reset)."""
         self.network._require_open()
@@ -203,13 +238,11 @@ class Host:
         self._cut = False
 
 
-class Network:
+class Network(Closing):
     """``nhosts`` namespaces on one bridge. Use as a context manager, or call :meth:`close`."""
 
     def __init__(self, nhosts: int, *, prefix: str | None = None) -> None:
-        if isinstance(nhosts, bool) or not isinstance(nhosts, int):
-            raise TypeError(f"nhosts must be an int, got {type(nhosts).__name__}")
-        if not 1 <= nhosts <= MAX_HOSTS:
+        if not 1 <= check_int(nhosts, "nhosts") <= MAX_HOSTS:
             raise ValueError(f"nhosts must be between 1 and {MAX_HOSTS}, got {nhosts}")
         if prefix is None:
             prefix = f"rpn{os.getpid()}-{secrets.token_hex(2)}"
@@ -313,14 +346,3 @@ class Network:
             os.rmdir(_ETC_NETNS)  # only if empty
         if errors:
             raise NetnsError("could not delete namespaces: " + "; ".join(errors))
-
-    def __enter__(self) -> Network:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

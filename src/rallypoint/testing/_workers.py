@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from rallypoint._core.checks import check_int
 from rallypoint._core.net import free_port
 
 
@@ -85,81 +86,114 @@ def run_workers(
     ``WorkerError``). Workers still running at ``timeout`` seconds are killed and
     ``TimeoutError`` names them.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = multiprocessing.get_context("fork")
+    check_int(world_size, "world_size", minimum=1)
     port = free_port()
     procs: list[Any] = []  # multiprocessing's fork-context Process type is not exported
     conns: dict[Connection, int] = {}
-    for rank in range(world_size):
-        child_env = {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "GROUP_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        extra = env(rank) if callable(env) else env
-        if extra:
-            child_env.update(extra)
-        reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=_child_main, args=(rank, writer, child_env, fn, args), daemon=True
-        )
-        proc.start()
-        writer.close()
-        procs.append(proc)
-        conns[reader] = rank
+    try:
+        for rank in range(world_size):
+            child_env = _child_env(rank, world_size, port, env)
+            conns[_start(rank, child_env, fn, args, procs)] = rank
+        return _collect(procs, conns, timeout, return_exceptions)
+    finally:
+        _stop(procs, conns)
 
-    results: list[Any] = [None] * world_size
+
+def _child_env(
+    rank: int,
+    world_size: int,
+    port: int,
+    env: Mapping[str, str] | Callable[[int], Mapping[str, str]] | None,
+) -> dict[str, str]:
+    """What a launcher would set for ``rank``, plus the caller's ``env``."""
+    child_env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+    extra = env(rank) if callable(env) else env
+    if extra:
+        child_env.update(extra)
+    return child_env
+
+
+def _start(
+    rank: int,
+    env: dict[str, str],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    procs: list[Any],
+) -> Connection:
+    """Fork the worker of ``rank`` (appended to ``procs``); return the end it reports on."""
+    ctx = multiprocessing.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child_main, args=(rank, writer, env, fn, args), daemon=True)
+    proc.start()
+    writer.close()
+    procs.append(proc)
+    return reader
+
+
+def _collect(
+    procs: list[Any], conns: dict[Connection, int], timeout: float, return_exceptions: bool
+) -> list[Any]:
+    """Each worker's result by rank, as their reports arrive, within ``timeout`` seconds."""
+    results: list[Any] = [None] * len(procs)
     deadline = time.monotonic() + timeout
     pending = dict(conns)
-    try:
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                ranks = sorted(pending.values())
-                raise TimeoutError(f"workers {ranks} still running after {timeout:.1f} s")
-            for conn in wait(list(pending), timeout=remaining):
-                assert isinstance(conn, Connection)
-                rank = pending.pop(conn)
-                try:
-                    message = pickle.loads(conn.recv_bytes())
-                except EOFError:
-                    procs[rank].join(5)
-                    code = procs[rank].exitcode
-                    if code is not None and code < 0:
-                        how = f"died by signal {signal.Signals(-code).name}"
-                    else:
-                        how = f"exited with code {code} without a result"
-                    failure = WorkerError(rank, how)
-                    if not return_exceptions:
-                        raise failure from None
-                    results[rank] = failure
-                    continue
-                if message[0] == "ok":
-                    results[rank] = message[1]
-                    continue
-                _, text, tb, pickled_exc = message
-                original: BaseException | None = None
-                if pickled_exc is not None:
-                    try:
-                        original = pickle.loads(pickled_exc)
-                    except Exception:
-                        original = None
-                failure = WorkerError(rank, text, remote_traceback=tb, exception=original)
-                if not return_exceptions:
-                    raise failure
-                results[rank] = original if original is not None else failure
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in procs:
-            proc.join(5)
-        for conn in conns:
-            conn.close()
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            ranks = sorted(pending.values())
+            raise TimeoutError(f"workers {ranks} still running after {timeout:.1f} s")
+        for conn in wait(list(pending), timeout=remaining):
+            assert isinstance(conn, Connection)
+            rank = pending.pop(conn)
+            ok, value = _report(rank, conn, procs[rank])
+            if ok:
+                results[rank] = value
+            elif return_exceptions:  # the worker's own exception when it pickled
+                results[rank] = value.exception or value
+            else:
+                raise value
     return results
+
+
+def _report(rank: int, conn: Connection, proc: Any) -> tuple[bool, Any]:
+    """``(True, result)``, or ``(False, WorkerError)`` for a worker that failed."""
+    try:
+        message = pickle.loads(conn.recv_bytes())
+    except EOFError:
+        proc.join(5)
+        code = proc.exitcode
+        if code is not None and code < 0:
+            how = f"died by signal {signal.Signals(-code).name}"
+        else:
+            how = f"exited with code {code} without a result"
+        return False, WorkerError(rank, how)
+    if message[0] == "ok":
+        return True, message[1]
+    _, text, tb, pickled_exc = message
+    original: BaseException | None = None
+    if pickled_exc is not None:
+        try:
+            original = pickle.loads(pickled_exc)
+        except Exception:
+            original = None
+    return False, WorkerError(rank, text, remote_traceback=tb, exception=original)
+
+
+def _stop(procs: list[Any], conns: dict[Connection, int]) -> None:
+    """Kill the workers still running, reap them and close the pipes."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(5)
+    for conn in conns:
+        conn.close()

@@ -1,0 +1,28 @@
+"""Public names report their public module (``RendezvousError.__module__`` is
+``"rallypoint.rendezvous"``, not the private module that defines it), as trio does.
+
+Tracebacks, ``repr`` and pickles then name the module users import from; pickling still
+works because the package re-exports every name it claims.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["set_public_module"]
+
+
+def set_public_module(package: str, namespace: Mapping[str, Any], names: Iterable[str]) -> None:
+    """Set ``__module__`` to ``package`` on every class and function among ``names``.
+
+    Only objects defined in a private module under ``package`` are touched: a name that
+    ``package`` merely re-exports from elsewhere (torch, another part) keeps its module.
+    """
+    for name in names:
+        obj = namespace.get(name)
+        if not isinstance(obj, type | types.FunctionType):
+            continue
+        if obj.__module__.startswith(package + "._"):
+            obj.__module__ = package

@@ -1,0 +1,348 @@
+"""The elastic coordinator: one node of a multi-node job, round after round.
+
+Every node runs the same command; each node's coordinator loops over rounds:
+
+1. ``next_rendezvous()`` on a ``rallypoint.rendezvous`` handler gives the group rank and
+   the node count. In the round's own store the nodes exchange their ``--nproc-per-node``
+   (global ``RANK`` = sum of the local world sizes of lower group ranks + local rank, so
+   nodes may differ, as with torchrun) and group rank 0 starts a fresh worker store in
+   its warm process (bound on all interfaces) and publishes ``addr:port``.
+2. The node's supervisor runs the local workers under an :class:`ElasticPolicy`: every
+   monitor tick also checks the round's decision, ``num_nodes_waiting()`` (newcomers or
+   members that missed their heartbeats), stack requests, and the hang watchdog.
+3. A local failure is published as a record in the round store (time, host, ranks, exit
+   code or signal, traceback); then the first node to claim the round spends one restart
+   of the job's budget (an atomic counter in the run's store, so every node and every
+   worker sees the same ``TORCHELASTIC_RESTART_COUNT``) and writes the round's decision.
+   Every node sees it, stops its workers and either re-rendezvouses or, when the budget is
+   spent, raises the same root cause (the earliest failure record) after the rendezvous is
+   closed. Membership changes (scale-up, node loss) restart without spending budget.
+4. When every node's workers succeeded the job's status is written, the rendezvous is
+   closed and every node returns its results.
+
+The stores and their keys: ``_stores``; the records: ``_records``.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from rallypoint.elastic._job import Job, interruptible
+from rallypoint.elastic._options import RestartOptions
+from rallypoint.elastic._policy import MEMBERSHIP_CHANGED, ElasticPolicy
+from rallypoint.elastic._protocols import NodeSupervisor
+from rallypoint.elastic._records import Action, Decision, FailureRecord, NodeRecord
+from rallypoint.elastic._round import Round
+from rallypoint.elastic._stores import RoundStore, prefixed
+from rallypoint.elastic._verdict import raise_failure, root_cause
+from rallypoint.observe._observer import Observer
+from rallypoint.observe._stacks_exchange import publish_node_count
+from rallypoint.supervise._errors import (
+    LaunchError,
+    LaunchInterruptedError,
+    LaunchTimeoutError,
+    RendezvousFailedError,
+)
+from rallypoint.supervise._output import write_console
+from rallypoint.supervise._state import Failure, GroupInfo, Outcome, OutcomeKind
+from rallypoint.supervise._summary import PEER_LOSS
+
+if TYPE_CHECKING:
+    from rallypoint.rendezvous import RendezvousHandler, RendezvousInfo
+
+__all__ = ["EXIT_BARRIER", "POLL_EVERY", "ElasticCoordinator"]
+
+POLL_EVERY = 0.1
+"""Least seconds between the store checks of the monitor loop (restart key, waiting nodes,
+stack requests: about four round trips); ``--monitor-interval`` raises it, which large jobs
+on one TCPStore should do."""
+EXIT_BARRIER = 10.0
+"""Seconds a node waits for the others to see the job's end before it returns (the node
+hosting the rendezvous store must not take it away while others still read it)."""
+
+
+class ElasticCoordinator:
+    """One node of a multi-node job (see the module docstring); owns the node's supervisor."""
+
+    def __init__(
+        self,
+        supervisor: NodeSupervisor,
+        connect: Callable[[], RendezvousHandler],
+        observer: Observer,
+        *,
+        restarts: RestartOptions,
+        run_id: str,
+        endpoint: str,
+        title: str,
+        monitor_interval: float,
+        timeout: timedelta | None = None,
+        store_timeout: float = 60.0,
+    ) -> None:
+        self.supervisor = supervisor
+        self.connect = connect
+        self.observer = observer
+        self.restarts = restarts
+        self.run_id = run_id
+        self.endpoint = endpoint
+        self.title = title
+        self.timeout = timeout
+        self.poll_every = max(POLL_EVERY, monitor_interval)
+        self.store_timeout = store_timeout
+        self._local_round = 0
+        self._job: Job | None = None
+
+    @property
+    def job(self) -> Job:
+        assert self._job is not None, "run() connects first"
+        return self._job
+
+    def run(self) -> list[Any]:
+        """Rounds until the job ends; returns this node's results of the last round."""
+        self.supervisor.init_warm()
+        sup = self.supervisor
+        self._job = Job(
+            interruptible(self.connect, sup.next_signal, "the rendezvous store"),
+            run_id=self.run_id,
+            endpoint=self.endpoint,
+            observer=self.observer,
+            restarts=self.restarts,
+            poll_every=self.poll_every,
+            next_signal=sup.next_signal,
+            signal_pending=sup.signal_pending,
+            store_timeout=self.store_timeout,
+        )
+        interruptible(self._job.open, sup.next_signal, "the rendezvous store")
+        try:
+            return self._rounds()
+        except (LaunchError, ValueError, TypeError):
+            raise
+        except Exception as exc:  # the store went away between rounds
+            raise RendezvousFailedError(
+                f"lost the rendezvous store ({type(exc).__name__}: {exc}); this node stopped"
+            ) from exc
+
+    def _rounds(self) -> list[Any]:
+        from rallypoint.rendezvous import (
+            RendezvousClosedError,
+            RendezvousError,
+            RendezvousGracefulExitError,
+        )
+
+        while True:
+            try:
+                info = self._next_rendezvous()
+            except (RendezvousClosedError, RendezvousGracefulExitError) as exc:
+                self._ended_elsewhere(exc)
+                return []
+            except RendezvousError as exc:
+                raise RendezvousFailedError(f"rendezvous failed: {exc}") from None
+            rnd = self._setup_round(info)
+            policy = ElasticPolicy(rnd, host=self.supervisor.host)
+            outcome = self.supervisor.run_attempt(rnd.group, rnd.number, policy)
+            if self.job.blocking(functools.partial(self._after_round, rnd, outcome)):
+                return self.supervisor.results(outcome)
+
+    # ------------------------------------------------------------------ joining a round
+    def _next_rendezvous(self) -> RendezvousInfo:
+        """``next_rendezvous()`` in a thread, so that SIGINT/SIGTERM still stop this node
+        while it blocks inside the store (a blocked C call does not return for signals)."""
+        return self.job.blocking(self.job.handler.next_rendezvous)
+
+    def _ended_elsewhere(self, exc: Exception) -> None:
+        status = ""
+        if self.job.has_run_store:
+            try:
+                status = self.job.blocking(self.job.run.status)
+            except LaunchInterruptedError:
+                raise
+            except Exception:
+                status = ""
+        if status == "succeeded":
+            write_console(2, b"rallypoint: the job already finished successfully\n")
+            return
+        raise RendezvousFailedError(
+            f"{exc} (job status: {status or 'unknown'}); this node did not run"
+        )
+
+    def _setup_round(self, info: RendezvousInfo) -> Round:
+        """The round's group: its store calls in threads (``Job.blocking``), the warm
+        process's (the worker store of group rank 0) on this thread."""
+        k = self.job.handler.round
+        if k is None:
+            k = self._local_round
+        self._local_round = k + 1
+        job = self.job
+        job.blocking(lambda: job.adopt_round_store(info.store))
+        store = RoundStore(prefixed(f"rallypoint/round{k}", info.store))
+        group_rank, nnodes = int(info.rank), int(info.world_size)
+        sup = self.supervisor
+
+        def join_round() -> tuple[int, list[NodeRecord]]:
+            # read before this node counts as present: no node starts its workers (and so
+            # no failure spends budget) until every node is, so all see the same count
+            restart_count = job.run.restarts()
+            store.publish_node(group_rank, NodeRecord(sup.nproc, sup.host))
+            return restart_count, store.nodes(nnodes)
+
+        restart_count, nodes = job.blocking(join_round)
+        if group_rank == 0:
+            assert info.bootstrap_store_info is not None
+            master = info.bootstrap_store_info.master_addr
+            port = sup.start_store(master, 0)
+            job.blocking(lambda: store.publish_master(master, port))
+        addr, port = job.blocking(store.master)
+        sizes = [n.nproc for n in nodes]
+        group = GroupInfo(
+            group_rank=group_rank,
+            group_world_size=nnodes,
+            world_size=sum(sizes),
+            rank_offset=sum(sizes[:group_rank]),
+            master_addr=addr,
+            master_port=port,
+            run_id=self.run_id,
+            restart_count=restart_count,
+            max_restarts=self.restarts.max_restarts,
+        )
+        job.blocking(lambda: publish_node_count(job.run.store, nnodes))
+        members = [n.host for n in nodes]
+        self.observer.emit(
+            "round",
+            round=k,
+            world_size=group.world_size,
+            nnodes=nnodes,
+            run_id=self.run_id,
+            group_rank=group_rank,
+        )
+        self.observer.emit("members", round=k, members=members, group_rank=group_rank)
+        return Round(number=k, group=group, members=members, store=store, job=self.job)
+
+    # ------------------------------------------------------------------ after a round
+    def _after_round(self, rnd: Round, outcome: Outcome) -> bool:
+        """True when the job is over for this node (success); raises on failure."""
+        match outcome.kind:
+            case OutcomeKind.SIGNAL:
+                name = signal.Signals(outcome.signum).name
+                raise LaunchInterruptedError(
+                    f"received {name}: forwarded it to the workers and stopped",
+                    signum=outcome.signum,
+                )
+            case OutcomeKind.TIMEOUT:
+                rnd.claim("the job ran past --timeout", spend=True, force_fail=True)
+                raise LaunchTimeoutError(f"the job did not finish within {self.timeout}")
+            case OutcomeKind.LOST:
+                raise RendezvousFailedError(outcome.reason + "; stopped this node's workers")
+            case OutcomeKind.FAILED | OutcomeKind.BAD_TARGET:
+                assert outcome.failure is not None
+                self._on_failure(rnd, outcome.failure, outcome.kind)
+            case OutcomeKind.OK:
+                if self._wait_job_done(rnd):
+                    self._finish(rnd, "succeeded")
+                    return True
+            case OutcomeKind.HANG | OutcomeKind.RESTART:
+                pass  # the round is decided already
+        decision = rnd.store.decision()
+        if decision.action is Action.RESTART:
+            self._announce_restart(rnd, decision)
+            return False
+        self._fail(rnd, outcome, decision)
+
+    def _on_failure(self, rnd: Round, failure: Failure, kind: OutcomeKind) -> None:
+        w = failure.worker
+        rnd.store.publish_failure(
+            FailureRecord(
+                time=failure.time,
+                elapsed=failure.elapsed,
+                host=self.supervisor.host,
+                group_rank=rnd.group_rank,
+                rank=w.rank,
+                local_rank=w.local_rank,
+                pid=w.pid,
+                exitcode=w.exitcode,
+                detail=w.detail,
+                traceback=failure.traceback,
+            )
+        )
+        if not self._peer_loss(rnd, failure):  # else: a restart is decided; follow it
+            rnd.claim(
+                f"rank {w.rank} on {self.supervisor.host} {w.detail}",
+                spend=True,
+                force_fail=kind is OutcomeKind.BAD_TARGET,
+            )
+
+    def _peer_loss(self, rnd: Round, failure: Failure) -> bool:
+        """A worker that failed in a collective because a peer vanished is not a job failure
+        when that peer's node is gone: wait up to the liveness window for another node's
+        decision or a membership change (which restarts without spending budget)."""
+        if rnd.store.decided():
+            return True
+        window = self.job.handler.liveness_window()
+        if not PEER_LOSS.search(failure.traceback) or window is None:
+            return False
+        deadline = time.monotonic() + window.total_seconds()
+        while time.monotonic() < deadline:
+            if rnd.store.decided() or self._membership_changed(rnd, MEMBERSHIP_CHANGED):
+                return True
+            self.job.check_signals()
+            time.sleep(self.poll_every)
+        return False
+
+    def _membership_changed(self, rnd: Round, reason: str) -> bool:
+        waiting = self.job.nodes_waiting()
+        if waiting > 0:
+            rnd.claim(reason.format(waiting=waiting), spend=False)
+        return waiting > 0
+
+    def _wait_job_done(self, rnd: Round) -> bool:
+        """This node succeeded: wait until every node did (True) or a restart was decided."""
+        done = rnd.store.node_done()
+        while done < rnd.nnodes:
+            if rnd.store.decided():
+                return False
+            if self._membership_changed(rnd, "membership changed after this node finished"):
+                return False
+            self.job.answer_stacks({}, rnd.group_rank)
+            self.job.check_signals()
+            time.sleep(self.poll_every)
+            done = rnd.store.done()
+        return True
+
+    def _announce_restart(self, rnd: Round, decision: Decision) -> None:
+        write_console(
+            2,
+            f"rallypoint: {decision.reason}; restarting the workers on every node "
+            f"(restarts used: {decision.count} of {self.restarts.max_restarts})\n".encode(),
+        )
+        self.observer.emit(
+            "restart", round=rnd.number + 1, restart_count=decision.count, reason=decision.reason
+        )
+
+    def _finish(self, rnd: Round, status: str) -> None:
+        """Write the job's status, close the rendezvous, and wait briefly for the others."""
+        try:
+            self.job.run.set_status(status)
+            self.job.handler.set_closed()
+            left = self.job.run.leave(rnd.number)
+            deadline = time.monotonic() + EXIT_BARRIER
+            while left < rnd.nnodes and time.monotonic() < deadline:
+                time.sleep(0.02)
+                left = self.job.run.leave(rnd.number, 0)
+        except Exception:  # the node hosting the store saw everyone leave and went first
+            return
+
+    def _fail(self, rnd: Round, outcome: Outcome, decision: Decision) -> NoReturn:
+        root = root_cause(rnd)
+        failure = root.failure
+        self.observer.emit(
+            "failure",
+            round=rnd.number,
+            rank=None if failure is None else failure.rank,
+            exitcode=None if failure is None else failure.exitcode,
+            message=decision.reason,
+        )
+        self._finish(rnd, "failed")
+        raise_failure(rnd, outcome, decision, root, title=self.title)

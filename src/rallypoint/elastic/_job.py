@@ -1,0 +1,135 @@
+"""What one node's elastic coordinator keeps across rounds: the handler and the run store.
+
+Every store call the coordinator makes goes through :meth:`Job.blocking` (or, before the
+job exists, :func:`interruptible`): a daemon thread runs it while the main thread checks
+for SIGINT/SIGTERM every 50 ms, because a TCPStore call blocked in C++ ``recv`` would not
+return for Python's signal handlers (``rallypoint._core.blocking``).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from rallypoint._core.blocking import call_in_thread
+from rallypoint.elastic._options import RestartOptions
+from rallypoint.elastic._rendezvous import open_run_store
+from rallypoint.elastic._stores import RunStore, prefixed
+from rallypoint.observe._observer import Observer
+from rallypoint.observe._stacks_exchange import answer_stacks_request, latest_stacks_request
+from rallypoint.supervise._errors import LaunchInterruptedError, RendezvousFailedError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+    from rallypoint.rendezvous import RendezvousHandler
+
+__all__ = ["Job", "interruptible", "stop_on_signal"]
+
+T = TypeVar("T")
+
+
+def stop_on_signal(signum: int | None, waiting_for: str = "the other nodes") -> None:
+    """Raise :class:`LaunchInterruptedError` if the launcher received ``signum``."""
+    if signum is not None:
+        name = signal.Signals(signum).name
+        raise LaunchInterruptedError(
+            f"received {name} while waiting for {waiting_for}; stopped", signum=signum
+        )
+
+
+def interruptible(
+    fn: Callable[[], T],
+    next_signal: Callable[[], int | None],
+    waiting_for: str = "the other nodes",
+) -> T:
+    """``fn()`` (store calls) in a thread; a signal to the launcher meanwhile raises
+    :class:`LaunchInterruptedError` at once, leaving the call behind."""
+    return call_in_thread(
+        fn, poll=lambda: stop_on_signal(next_signal(), waiting_for), name="rallypoint-store"
+    )
+
+
+class Job:
+    """The run-level state of one node: handler, run store, stack requests answered."""
+
+    def __init__(
+        self,
+        handler: RendezvousHandler,
+        *,
+        run_id: str,
+        endpoint: str,
+        observer: Observer,
+        restarts: RestartOptions,
+        poll_every: float,
+        next_signal: Callable[[], int | None],
+        signal_pending: Callable[[], bool] = lambda: False,
+        store_timeout: float = 60.0,
+    ) -> None:
+        self.handler = handler
+        self.run_id = run_id
+        self.endpoint = endpoint
+        self.observer = observer
+        self.restarts = restarts
+        self.poll_every = poll_every
+        self._next_signal = next_signal
+        self.signal_pending = signal_pending
+        """Whether a signal waits for the supervisor (peeks; the supervisor takes it)."""
+        self.store_timeout = store_timeout
+        """Seconds a store call may take (``read_timeout``) before the store counts as lost."""
+        self._run: RunStore | None = None
+        self.stacks_store: Any = None  # a second connection, for a blocking stacks request
+        self.answered = 0
+
+    def open(self) -> None:
+        """Open the run store through the handler (the ``static`` backend has none yet)."""
+        store = open_run_store(self.handler, self.run_id, self.endpoint)
+        if store is not None:
+            self._adopt(store, open_run_store(self.handler, self.run_id, self.endpoint))
+
+    def adopt_round_store(self, store: Store) -> None:
+        """Without a run store of its own, the backend's round store plays that role."""
+        if self._run is None:
+            run = prefixed("rallypoint/job", store)
+            self._adopt(run, run)
+
+    def _adopt(self, store: Store, second: Store | None) -> None:
+        from rallypoint.rendezvous import KVError
+
+        try:
+            self.answered = latest_stacks_request(store)
+        except (RuntimeError, KVError) as exc:
+            raise RendezvousFailedError(f"rendezvous {self.endpoint!r}: {exc}") from None
+        self._run = RunStore(store)
+        self.stacks_store = second
+
+    @property
+    def run(self) -> RunStore:
+        assert self._run is not None, "no run store before the first round"
+        return self._run
+
+    @property
+    def has_run_store(self) -> bool:
+        return self._run is not None
+
+    def answer_stacks(self, running: Mapping[int, int], node_rank: int) -> None:
+        """Answer another agent's (or ``rallypoint stacks``') request for stacks, if any."""
+        self.answered = answer_stacks_request(
+            self.run.store,
+            node_rank=node_rank,
+            answered=self.answered,
+            collect=lambda: self.observer.collect(running),
+        )
+
+    def nodes_waiting(self) -> int:
+        """Nodes waiting to join, or members that missed their heartbeats (> 0: re-round)."""
+        return int(self.handler.num_nodes_waiting())
+
+    def check_signals(self) -> None:
+        """Between attempts: a signal to the launcher stops this node."""
+        stop_on_signal(self._next_signal())
+
+    def blocking(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (store calls) in a thread, stopped by a signal (:func:`interruptible`)."""
+        return interruptible(fn, self._next_signal)

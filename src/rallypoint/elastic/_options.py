@@ -1,0 +1,93 @@
+"""The option groups of job-level coordination, stored parsed and validated."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rallypoint._core.checks import check_int
+
+__all__ = ["BACKENDS", "RendezvousOptions", "RestartOptions", "parse_nnodes"]
+
+BACKENDS = ("c10d", "etcd", "etcd-v3", "file", "static")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RestartOptions:
+    """What a failure or a hang does to the job."""
+
+    max_restarts: int = 0
+    """Restart the workers this many times after a failure (one budget for the whole job)."""
+    on_hang: Literal["restart", "fail"] = "restart"
+    """What a hang does: restart the workers (counts as a restart) or fail the job."""
+
+    def __post_init__(self) -> None:
+        check_int(self.max_restarts, "max_restarts", minimum=0)
+        if self.on_hang not in ("restart", "fail"):
+            raise ValueError(f"on_hang must be 'restart' or 'fail', got {self.on_hang!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RendezvousOptions:
+    """How the nodes of a job find each other (``nnodes`` parsed: ``min_nodes``, ``max_nodes``)."""
+
+    min_nodes: int = 1
+    max_nodes: int = 1
+    backend: str = "c10d"
+    """Rendezvous backend of a multi-node job: ``c10d``, ``etcd``, ``file`` or ``static``."""
+    endpoint: str = ""
+    """``HOST:PORT`` of the rendezvous store (a path for ``file``)."""
+    conf: Mapping[str, str] = field(default_factory=dict)
+    """Rendezvous options (``join_timeout``, ``last_call_timeout``, ``keep_alive_interval``...)."""
+    node_rank: int | None = None
+    """This node's rank with the ``static`` backend."""
+
+    def __post_init__(self) -> None:
+        lo = check_int(self.min_nodes, "min_nodes", minimum=1)
+        hi = check_int(self.max_nodes, "max_nodes", minimum=lo)
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"rdzv_backend must be one of c10d, etcd, file, static, got {self.backend!r}"
+            )
+        if hi > 1 and self.backend != "file" and not self.endpoint:
+            raise ValueError(
+                f"nnodes={self.nnodes!r} needs a rendezvous endpoint: pass --rdzv-endpoint "
+                "HOST:PORT (rdzv_endpoint=), the same on every node"
+            )
+        if not isinstance(self.conf, Mapping):
+            raise TypeError("rdzv_conf must be a mapping of option names to values")
+        check_int(self.node_rank, "node_rank", allow_none=True)
+        if self.backend == "static" and hi > 1:
+            if self.node_rank is None or not 0 <= self.node_rank < hi:
+                raise ValueError(
+                    f"the static rendezvous needs --node-rank in [0, {hi}), got {self.node_rank}"
+                )
+            if lo != hi:
+                raise ValueError(f"the static rendezvous needs a fixed --nnodes, got {lo}:{hi}")
+
+    @property
+    def nnodes(self) -> str:
+        """``N`` or ``MIN:MAX``, as on the command line."""
+        return (
+            str(self.min_nodes)
+            if self.min_nodes == self.max_nodes
+            else f"{self.min_nodes}:{self.max_nodes}"
+        )
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether the job runs the elastic coordinator (a rendezvous of several nodes)."""
+        return self.max_nodes > 1
+
+
+def parse_nnodes(value: str | int) -> tuple[int, int]:
+    """``--nnodes``: ``N`` or ``MIN:MAX`` as ``(min, max)``; ``ValueError`` otherwise."""
+    text = str(value)
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"nnodes must be N or MIN:MAX, got {text!r}")
+    lo, hi = int(parts[0]), int(parts[-1])
+    if not 0 < lo <= hi:
+        raise ValueError(f"nnodes must satisfy 0 < MIN <= MAX, got {text!r}")
+    return lo, hi

@@ -1,0 +1,131 @@
+"""What the agents of a job write into the store for each other: typed records as JSON.
+
+- :class:`NodeRecord` (``node/<group rank>``): a node's local world size and host;
+- :class:`FailureRecord` (``failure/<group rank>``): a node's first worker failure;
+- :class:`Decision` (``restart``): the round's fate, decided once for the whole job;
+- :class:`RootRecord` (``root``): the job's root cause, the earliest failure, if any.
+
+Each has ``to_json()`` and ``from_json()``; a malformed record raises
+``RendezvousStateError`` naming the key, since every agent of a job runs the same code.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rallypoint.rendezvous import RendezvousStateError
+from rallypoint.supervise._errors import WorkerState
+
+__all__ = ["Action", "Decision", "FailureRecord", "NodeRecord", "RootRecord"]
+
+
+def _load(data: str | bytes, what: str) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RendezvousStateError(f"the store holds a malformed {what} record: {exc}") from None
+
+
+def _fields(obj: Any, what: str, names: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(obj, dict) or not set(names) <= set(obj):
+        raise RendezvousStateError(f"the store holds a malformed {what} record: {obj!r}")
+    return {name: obj[name] for name in names}
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    """One node of a round: how many workers it runs and on which host."""
+
+    nproc: int
+    host: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> NodeRecord:
+        f = _fields(_load(data, "node"), "node", ("nproc", "host"))
+        return cls(nproc=int(f["nproc"]), host=str(f["host"]))
+
+
+@dataclass(frozen=True, slots=True)
+class FailureRecord:
+    """A node's first worker failure of a round, with what it left behind."""
+
+    time: float
+    """Unix time of the worker's exit (the earliest is the job's root cause)."""
+    elapsed: float
+    """Seconds from that node's start to the exit."""
+    host: str
+    group_rank: int
+    rank: int
+    local_rank: int
+    pid: int
+    exitcode: int | None
+    detail: str
+    traceback: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> FailureRecord:
+        names = tuple(cls.__dataclass_fields__)
+        return cls(**_fields(_load(data, "failure"), "failure", names))
+
+    def worker_state(self) -> WorkerState:
+        return WorkerState(
+            self.rank, self.local_rank, self.pid, "failed", self.exitcode, self.detail
+        )
+
+
+class Action(enum.Enum):
+    """What every node does after a round that did not succeed."""
+
+    RESTART = "restart"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The round's fate, written once by the node that claimed it."""
+
+    action: Action
+    reason: str
+    count: int
+    """Restarts of the job's budget spent, this one included."""
+    by: int
+    """Group rank of the node that decided."""
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "action": self.action.value})
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> Decision:
+        f = _fields(_load(data, "decision"), "decision", ("action", "reason", "count", "by"))
+        try:
+            action = Action(f["action"])
+        except ValueError:
+            raise RendezvousStateError(
+                f"the store holds an unknown action {f['action']!r}"
+            ) from None
+        return cls(action=action, reason=str(f["reason"]), count=int(f["count"]), by=int(f["by"]))
+
+
+@dataclass(frozen=True, slots=True)
+class RootRecord:
+    """The job's root cause: the earliest failure record, or ``None`` (a hang, a timeout)."""
+
+    failure: FailureRecord | None
+
+    def to_json(self) -> str:
+        return "null" if self.failure is None else self.failure.to_json()
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> RootRecord:
+        if _load(data, "root") is None:
+            return cls(None)
+        return cls(FailureRecord.from_json(data))

@@ -1,0 +1,53 @@
+"""One round of an elastic job as this node sees it, and the one decision about its fate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rallypoint.elastic._job import Job
+from rallypoint.elastic._records import Action, Decision
+from rallypoint.elastic._stores import RoundStore
+from rallypoint.supervise._state import GroupInfo
+
+__all__ = ["Round"]
+
+
+@dataclass(slots=True)
+class Round:
+    """Round ``number``: this node's group, the members' hosts, and the round's store."""
+
+    number: int
+    group: GroupInfo
+    members: list[str]
+    store: RoundStore
+    job: Job
+    claimed: bool = field(default=False)
+    """Whether this node wrote the round's decision (then it also writes the root cause)."""
+
+    @property
+    def nnodes(self) -> int:
+        return self.group.group_world_size
+
+    @property
+    def group_rank(self) -> int:
+        return self.group.group_rank
+
+    def claim(self, reason: str, *, spend: bool, force_fail: bool = False) -> None:
+        """Decide the round's fate once for the whole job (the first claim wins).
+
+        ``spend`` counts a restart against the job's budget; with the budget spent, or with
+        ``force_fail``, the decision is to fail. Membership changes do not spend.
+        """
+        if not self.store.claim():
+            return
+        limit = self.job.restarts.max_restarts
+        count = self.job.run.restarts(1 if spend and not force_fail else 0)
+        fail = force_fail or (spend and count > limit)
+        decision = Decision(
+            action=Action.FAIL if fail else Action.RESTART,
+            reason=reason,
+            count=min(count, limit),
+            by=self.group_rank,
+        )
+        self.claimed = True
+        self.store.decide(decision)

@@ -1,0 +1,122 @@
+"""Typed access to the two stores the agents of a job share.
+
+The round store (``rallypoint/round<k>/`` in the round's store) holds ``node/<g>``,
+``master``, ``failure/<g>``, ``claim``, ``restart`` (the decision), ``root`` and ``done``.
+The run store (``rallypoint/<run_id>/job/`` on the rendezvous backend, from
+``handler.open_run_store()``) outlives rounds: ``restarts`` (the job's budget counter, so
+every node and every worker sees the same ``TORCHELASTIC_RESTART_COUNT``), ``status``,
+``left/<k>``, ``hang/<k>`` and the ``stacks/*`` exchange (so ``rallypoint stacks`` finds it
+without knowing the round).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from rallypoint.elastic._records import Decision, FailureRecord, NodeRecord, RootRecord
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+__all__ = ["RoundStore", "RunStore", "prefixed"]
+
+
+def prefixed(prefix: str, store: Store) -> Store:
+    """``store`` with every key under ``prefix/`` (torch's ``PrefixStore``)."""
+    from torch._C._distributed_c10d import PrefixStore
+
+    return PrefixStore(prefix, store)
+
+
+class RoundStore:
+    """The keys of one round."""
+
+    def __init__(self, store: Store) -> None:
+        self.store: Any = store
+
+    def publish_node(self, group_rank: int, node: NodeRecord) -> None:
+        self.store.set(f"node/{group_rank}", node.to_json())
+
+    def nodes(self, nnodes: int) -> list[NodeRecord]:
+        """Every node's record, by group rank (waits until all are there)."""
+        keys = [f"node/{g}" for g in range(nnodes)]
+        self.store.wait(keys)  # one blocking round trip, then one read of every entry
+        return [NodeRecord.from_json(bytes(v)) for v in self.store.multi_get(keys)]
+
+    def publish_master(self, addr: str, port: int) -> None:
+        self.store.set("master", f"{addr}:{port}")
+
+    def master(self) -> tuple[str, int]:
+        addr, _, port = bytes(self.store.get("master")).decode().rpartition(":")
+        return addr, int(port)
+
+    def publish_failure(self, record: FailureRecord) -> None:
+        self.store.set(f"failure/{record.group_rank}", record.to_json())
+
+    def earliest_failure(self, nnodes: int) -> FailureRecord | None:
+        records = [
+            FailureRecord.from_json(bytes(self.store.get(key)))
+            for key in (f"failure/{g}" for g in range(nnodes))
+            if self.store.check([key])
+        ]
+        return min(records, key=lambda r: r.time) if records else None
+
+    def claim(self) -> bool:
+        """Whether this node is the first to claim the round's decision."""
+        return int(self.store.add("claim", 1)) == 1
+
+    def decide(self, decision: Decision) -> None:
+        self.store.set("restart", decision.to_json())
+
+    def decided(self) -> bool:
+        return bool(self.store.check(["restart"]))
+
+    def decision(self) -> Decision:
+        return Decision.from_json(bytes(self.store.get("restart")))
+
+    def publish_root(self, root: RootRecord) -> None:
+        self.store.set("root", root.to_json())
+
+    def root(self, timeout: timedelta) -> RootRecord:
+        self.store.wait(["root"], timeout)
+        return RootRecord.from_json(bytes(self.store.get("root")))
+
+    def node_done(self) -> int:
+        """Count this node as finished; returns how many are."""
+        return int(self.store.add("done", 1))
+
+    def done(self) -> int:
+        return int(self.store.add("done", 0))
+
+
+class RunStore:
+    """The keys of the whole run (every round)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store: Any = store
+
+    def restarts(self, spend: int = 0) -> int:
+        """The job's restart counter after adding ``spend``."""
+        return int(self.store.add("restarts", spend))
+
+    def status(self) -> str:
+        if self.store.check(["status"]):
+            return bytes(self.store.get("status")).decode()
+        return ""
+
+    def set_status(self, status: str) -> None:
+        self.store.set("status", status)
+
+    def leave(self, round_number: int, count: int = 1) -> int:
+        """Count this node as leaving after ``round_number``; returns how many left."""
+        return int(self.store.add(f"left/{round_number}", count))
+
+    def first_to_see_hang(self, round_number: int) -> bool:
+        return int(self.store.add(f"hang/{round_number}", 1)) == 1
+
+    def hang_reported(self, round_number: int) -> None:
+        self.store.set(f"hang/{round_number}/done", "1")
+
+    def hang_is_reported(self, round_number: int) -> bool:
+        return bool(self.store.check([f"hang/{round_number}/done"]))

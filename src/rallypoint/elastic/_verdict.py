@@ -1,0 +1,72 @@
+"""The end of a failed job on every node: the same root cause, the same error.
+
+The node that decided the round writes the root cause (the earliest failure record of the
+round, or none after a hang or a timeout); every node reads it and raises the same error,
+with the failure screen of the node where it happened.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import NoReturn
+
+from rallypoint.elastic._records import Decision, RootRecord
+from rallypoint.elastic._round import Round
+from rallypoint.supervise._errors import (
+    BadTargetError,
+    HangError,
+    RendezvousFailedError,
+    WorkerFailedError,
+)
+from rallypoint.supervise._state import Outcome, OutcomeKind
+from rallypoint.supervise._summary import format_summary
+
+__all__ = ["ROOT_WAIT", "raise_failure", "root_cause"]
+
+ROOT_WAIT = timedelta(seconds=30)
+"""How long a node waits for the deciding node to write the root cause."""
+
+
+def root_cause(rnd: Round) -> RootRecord:
+    """The round's root cause: written by the node that decided, read by every node."""
+    if rnd.claimed:
+        root = RootRecord(rnd.store.earliest_failure(rnd.nnodes))
+        rnd.store.publish_root(root)
+        return root
+    return rnd.store.root(ROOT_WAIT)
+
+
+def raise_failure(
+    rnd: Round, outcome: Outcome, decision: Decision, root: RootRecord, *, title: str
+) -> NoReturn:
+    """Raise the job's error on this node: the same root cause as on every other node."""
+    failure = root.failure
+    if failure is None:
+        if outcome.kind is OutcomeKind.HANG:
+            raise HangError(f"{decision.reason}; stopped the workers on every node")
+        raise RendezvousFailedError(f"the job failed: {decision.reason}")
+    if outcome.kind is OutcomeKind.BAD_TARGET:
+        raise BadTargetError(failure.traceback or failure.detail)
+    others = [w for w in outcome.workers if w.rank != failure.rank]
+    restarts = rnd.job.restarts.max_restarts
+    summary = format_summary(
+        title=title,
+        root=failure.worker_state(),
+        host=failure.host,
+        when=failure.time,
+        elapsed=failure.elapsed,
+        traceback_text=failure.traceback,
+        others=others,
+        attempts=f"{restarts} restart(s) used of {restarts}" if restarts else "no restarts",
+    )
+    raise WorkerFailedError(
+        f"rank {failure.rank} on {failure.host} {failure.detail}",
+        rank=failure.rank,
+        local_rank=failure.local_rank,
+        pid=failure.pid,
+        host=failure.host,
+        exitcode=failure.exitcode,
+        remote_traceback=failure.traceback,
+        summary=summary,
+        others=tuple(others),
+    )

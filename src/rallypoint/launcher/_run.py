@@ -1,0 +1,129 @@
+"""Run one job on this node: the observer, the supervisor, and the coordinator that owns it.
+
+Shared by :func:`~rallypoint.launcher.launch` and ``rallypoint run``: a single-node launch
+gets a :class:`~rallypoint.elastic._local.LocalCoordinator`, a multi-node one an
+:class:`~rallypoint.elastic._coordinator.ElasticCoordinator` (imported only then, with the
+rendezvous part).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import uuid
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Protocol
+
+from rallypoint.elastic._local import LocalCoordinator
+from rallypoint.launcher._config import LaunchConfig
+from rallypoint.observe._observer import Observer
+from rallypoint.supervise._errors import LaunchInterruptedError
+from rallypoint.supervise._signals import SignalQueue
+from rallypoint.supervise._supervisor import Supervisor, prepare_warm
+from rallypoint.supervise._warm import WarmProcess
+from rallypoint.supervise._worker import Target
+
+__all__ = ["run_job"]
+
+
+class _Coordinator(Protocol):
+    def run(self) -> list[Any]: ...
+
+
+def run_job(
+    config: LaunchConfig,
+    target: Target,
+    warm: WarmProcess,
+    *,
+    title: str,
+    collect_results: bool = False,
+    warn_omp: bool = False,
+) -> list[Any]:
+    """Run the job to its end; returns this node's per-rank results (``None`` for scripts).
+
+    Writes ``job_end`` to the event log however it ends. Waits for the warm process's
+    imports first, so that it can clean up after this process from the moment anything
+    temporary exists (``supervise._warm_server``).
+    """
+    run_id = config.world.run_id or uuid.uuid4().hex[:12]
+    with SignalQueue(config.stop.signal_numbers) as signals:
+        prepare_warm(warm, config.workers.preload, signals)
+        return _run(config, target, warm, signals, run_id, title, collect_results, warn_omp)
+
+
+def _run(
+    config: LaunchConfig,
+    target: Target,
+    warm: WarmProcess,
+    signals: SignalQueue,
+    run_id: str,
+    title: str,
+    collect_results: bool,
+    warn_omp: bool,
+) -> list[Any]:
+    status, code = "failed", 1
+    with Observer(nproc=config.workers.nproc, watch=config.watch, node=socket.gethostname()) as obs:
+        try:
+            with Supervisor(
+                warm,
+                target,
+                workers=config.workers,
+                output=config.output,
+                stop=config.stop,
+                observer=obs,
+                run_id=run_id,
+                collect_results=collect_results,
+                warn_omp=warn_omp,
+                signals=signals,
+            ) as supervisor:
+                results = _coordinator(config, supervisor, obs, run_id, title).run()
+            status, code = "succeeded", 0
+            return results
+        except LaunchInterruptedError as exc:
+            status, code = "interrupted", 128 + exc.signum
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                obs.emit("job_end", status=status, exitcode=code)
+
+
+def _coordinator(
+    config: LaunchConfig, supervisor: Supervisor, observer: Observer, run_id: str, title: str
+) -> _Coordinator:
+    if not config.rendezvous.multi_node:
+        return LocalCoordinator(
+            supervisor,
+            observer,
+            world=config.world,
+            restarts=config.restarts,
+            run_id=run_id,
+            title=title,
+            timeout=config.stop.timeout,
+        )
+    from rallypoint.elastic._coordinator import ElasticCoordinator
+    from rallypoint.elastic._rendezvous import connect
+
+    job_id = config.world.run_id or "none"
+    return ElasticCoordinator(
+        supervisor,
+        lambda: connect(config.rendezvous, job_id),
+        observer,
+        restarts=config.restarts,
+        run_id=job_id,
+        endpoint=config.rendezvous.endpoint,
+        title=title,
+        monitor_interval=config.stop.monitor_interval.total_seconds(),
+        timeout=config.stop.timeout,
+        store_timeout=_read_timeout(config.rendezvous.conf),
+    )
+
+
+def _read_timeout(conf: Mapping[str, Any]) -> float:
+    """``--rdzv-conf read_timeout=`` in seconds (the handler validates it when it connects)."""
+    value = conf.get("read_timeout", 60.0)
+    try:
+        seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    except (TypeError, ValueError):
+        return 60.0
+    return seconds if seconds > 0 else 60.0

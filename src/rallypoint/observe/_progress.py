@@ -1,0 +1,264 @@
+"""Progress heartbeats for hang detection: ``rallypoint.progress()`` and the agent's board.
+
+A worker calls :func:`progress` in its training loop (Join and rallypoint's collective
+helpers call it too). Each call stores ``time.monotonic()`` into this worker's 8-byte slot
+of a small shared file that the agent created and mapped; no syscall, no lock, no
+allocation (about 0.1 µs). The agent's :class:`ProgressBoard` reads the slots and answers
+"how long since any worker (or this one) made progress"; with ``--hang-timeout`` the
+agent collects stacks and restarts or fails when that exceeds the timeout.
+
+The worker finds its slot through two variables the agent sets::
+
+    RALLYPOINT_PROGRESS_FILE=/dev/shm/rallypoint-progress-XXXX   (the board's file)
+    RALLYPOINT_PROGRESS_SLOT=3                                   (default: LOCAL_RANK)
+
+Without them :func:`progress` is a no-op, so a script can call it unconditionally. A
+file that is missing or not a board gives one ``RuntimeWarning`` and no-ops: progress
+reporting never breaks training.
+
+File layout: ``b"RPPROG\\x00\\x01"`` magic, ``uint32`` slot count, ``uint32`` padding, then one
+``float64`` per slot (``0.0`` = no progress since the last :meth:`ProgressBoard.reset`).
+``CLOCK_MONOTONIC`` is shared by all processes of a machine, so the agent compares the
+slots with its own ``time.monotonic()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+import tempfile
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from datetime import timedelta
+
+from rallypoint._core import envvars
+from rallypoint._core.checks import check_int
+from rallypoint._core.closing import Closing
+
+__all__ = [
+    "PROGRESS_FILE_ENV",
+    "PROGRESS_SLOT_ENV",
+    "ProgressBoard",
+    "progress",
+]
+
+PROGRESS_FILE_ENV = envvars.PROGRESS_FILE
+PROGRESS_SLOT_ENV = envvars.PROGRESS_SLOT
+
+_MAGIC = b"RPPROG\x00\x01"
+_HEADER = struct.Struct("<8sII")
+_SLOT_SIZE = 8
+_MAX_SLOTS = 1 << 16
+
+# worker-side state: _view is the mapped slot array once initialised, _disabled once we
+# know this process was not started with a board.
+_view: memoryview[float] | None = None
+_slot = 0
+_disabled = False
+_keep_alive: mmap.mmap | None = None
+_fork_hook_installed = False
+_monotonic = time.monotonic
+
+
+def progress() -> None:
+    """Report that this worker made progress (cheap enough to call every step).
+
+    A no-op when the process was not started by a rallypoint agent with hang detection.
+    """
+    view = _view
+    if view is not None:
+        view[_slot] = _monotonic()
+    elif not _disabled:
+        _init_worker()
+
+
+def _forget_after_fork() -> None:
+    # a child forked from a process that looked at the variables (a warm process, a
+    # DataLoader worker) decides again from its own environment on its first call
+    global _view, _disabled, _keep_alive
+    _view = None
+    _disabled = False
+    _keep_alive = None
+
+
+def _init_worker() -> None:
+    global _view, _slot, _disabled, _keep_alive, _fork_hook_installed
+    if not _fork_hook_installed:
+        os.register_at_fork(after_in_child=_forget_after_fork)
+        _fork_hook_installed = True
+    path = os.environ.get(PROGRESS_FILE_ENV)
+    if not path:
+        _disabled = True
+        return
+    slot_text = os.environ.get(PROGRESS_SLOT_ENV) or os.environ.get("LOCAL_RANK", "")
+    try:
+        slot = int(slot_text)
+        mm = _map(path)
+    except (OSError, ValueError) as exc:
+        _disabled = True
+        warnings.warn(
+            f"rallypoint.progress() is disabled: {exc} ({PROGRESS_FILE_ENV}={path!r}, "
+            f"slot {slot_text!r}); hang detection will not see this worker's progress",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return
+    view = memoryview(mm)[_HEADER.size :].cast("d")
+    nslots = len(view)
+    if not 0 <= slot < nslots:
+        view.release()
+        mm.close()
+        _disabled = True
+        warnings.warn(
+            f"rallypoint.progress() is disabled: slot {slot} is outside the board's "
+            f"{nslots} slots ({PROGRESS_FILE_ENV}={path!r})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return
+    _keep_alive, _slot = mm, slot
+    _view = view
+    view[slot] = _monotonic()
+
+
+def _map(path: str) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size < _HEADER.size:
+            raise ValueError("file is too small to be a progress board")
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    magic, nslots, _ = _HEADER.unpack_from(mm, 0)
+    if magic != _MAGIC or size != _HEADER.size + nslots * _SLOT_SIZE:
+        mm.close()
+        raise ValueError("file is not a rallypoint progress board")
+    return mm
+
+
+def _unlink_if_owner(path: str, owner: int) -> None:
+    if os.getpid() == owner:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _default_directory() -> str:
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK):
+        return shm
+    return tempfile.gettempdir()
+
+
+class ProgressBoard(Closing):
+    """The agent's side: a shared file with one progress slot per local worker.
+
+    Create it before starting workers, pass :meth:`env` into each worker's environment,
+    call :meth:`reset` at the start of each attempt (after the previous attempt's workers
+    are gone), and poll :meth:`seconds_since_progress` from the monitor loop.
+    ``clock`` must be ``time.monotonic`` outside tests (the workers write that clock).
+    """
+
+    def __init__(
+        self,
+        nslots: int,
+        *,
+        directory: str | os.PathLike[str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        check_int(nslots, "nslots")
+        if not 1 <= nslots <= _MAX_SLOTS:
+            raise ValueError(f"nslots must be between 1 and {_MAX_SLOTS}, got {nslots}")
+        self.nslots = nslots
+        self._clock = clock
+        fd, self.path = tempfile.mkstemp(
+            prefix="rallypoint-progress-",
+            dir=os.fspath(directory) if directory is not None else _default_directory(),
+        )
+        try:
+            size = _HEADER.size + nslots * _SLOT_SIZE
+            os.ftruncate(fd, size)
+            self._mm: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+        # a board that is never closed still disappears when this process exits (but not
+        # when a process forked from it exits)
+        self._finalizer = weakref.finalize(self, _unlink_if_owner, self.path, os.getpid())
+        _HEADER.pack_into(self._mm, 0, _MAGIC, nslots, 0)
+        self._slots: memoryview[float] = memoryview(self._mm)[_HEADER.size :].cast("d")
+        self._reset_at = clock()
+
+    def env(self, local_rank: int) -> dict[str, str]:
+        """The variables that point the worker with ``local_rank`` at its slot."""
+        self._check_rank(local_rank)
+        return {PROGRESS_FILE_ENV: self.path, PROGRESS_SLOT_ENV: str(local_rank)}
+
+    def reset(self) -> None:
+        """Forget all progress; idle time counts from now (call once per attempt)."""
+        self._require_open()
+        for i in range(self.nslots):
+            self._slots[i] = 0.0
+        self._reset_at = self._clock()
+
+    def last_progress(self, local_rank: int) -> float | None:
+        """``time.monotonic()`` of this worker's last report since :meth:`reset`, or ``None``."""
+        self._check_rank(local_rank)
+        value = float(self._slots[local_rank])
+        return value if value > 0.0 else None
+
+    def reported(self) -> list[int]:
+        """Local ranks that reported progress at least once since :meth:`reset`."""
+        self._require_open()
+        return [i for i in range(self.nslots) if self._slots[i] > 0.0]
+
+    def seconds_since_progress(self, local_rank: int | None = None) -> float:
+        """Seconds since the last progress of any worker (``local_rank=None``) or of one.
+
+        Counts from the last :meth:`reset` when there was no progress since: a worker that
+        hangs before its first report is a hang too.
+        """
+        if local_rank is None:
+            self._require_open()
+            latest = max(self._reset_at, max(self._slots))
+        else:
+            self._check_rank(local_rank)
+            latest = max(self._reset_at, self._slots[local_rank])
+        return max(0.0, self._clock() - latest)
+
+    def is_hung(self, timeout: timedelta) -> bool:
+        """Whether no worker has made progress for ``timeout``."""
+        if not isinstance(timeout, timedelta):
+            raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+        if timeout <= timedelta(0):
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        return self.seconds_since_progress() >= timeout.total_seconds()
+
+    def close(self) -> None:
+        """Unmap and delete the file (workers that still map it keep their pages)."""
+        if self._mm is None:
+            return
+        self._slots.release()
+        self._mm.close()
+        self._mm = None
+        self._finalizer()
+
+    def _require_open(self) -> None:
+        if self._mm is None:
+            raise ValueError("the progress board is closed")
+
+    def _check_rank(self, local_rank: int) -> None:
+        self._require_open()
+        check_int(local_rank, "local_rank")
+        if not 0 <= local_rank < self.nslots:
+            raise ValueError(f"local_rank must be in [0, {self.nslots}), got {local_rank}")
+
+
+for _public in (ProgressBoard, progress):
+    _public.__module__ = "rallypoint.observe"  # documented there

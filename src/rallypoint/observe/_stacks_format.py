@@ -1,0 +1,150 @@
+"""Stacks for people: one line per stack, and ranks grouped by identical main-thread stacks.
+
+:func:`format_grouped_stacks` turns the dumps of many workers (any nodes) into::
+
+    ranks 0,2,3: all_reduce at train.py:42
+    rank 1: sleep at train.py:17
+
+each followed once by the full stack with source lines. :func:`stack_summary` names what the
+innermost user frame is waiting in.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import re
+import sys
+import sysconfig
+from collections.abc import Mapping
+from typing import Any
+
+from rallypoint.observe._stacks import Frame, StackDump
+
+__all__ = ["format_grouped_stacks", "stack_summary"]
+
+
+@functools.cache
+def _library_prefixes() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    roots.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # rallypoint
+    roots.update(p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) if p)
+    return tuple(sorted(os.path.join(r, "") for r in roots))
+
+
+_WRAPPER_NAMES = frozenset(
+    {"wrapper", "inner", "wrapped", "_fn", "decorate_context", "<lambda>", "<genexpr>", "__call__"}
+)
+
+
+def _is_library(filename: str) -> bool:
+    return filename.startswith("<") or filename.startswith(_library_prefixes())
+
+
+def _called_in(source: str) -> str | None:
+    """The outermost call's name in a line of source (``dist.all_reduce(t)`` → ``all_reduce``)."""
+    try:
+        tree = ast.parse(source.rstrip(":").strip() or "pass")
+    except SyntaxError:
+        m = re.search(r"([A-Za-z_]\w*)\s*\(", source)
+        return m.group(1) if m else None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute):
+                return func.attr
+            if isinstance(func, ast.Name):
+                return func.id
+    return None
+
+
+def stack_summary(frames: tuple[Frame, ...]) -> str:
+    """One line for a stack (innermost first): what the innermost user frame is waiting in.
+
+    ``all_reduce at train.py:42`` when user code called into a library; for a frame blocked
+    in C (``time.sleep``), the call named on its source line; ``in f at x.py:3`` otherwise.
+    """
+    if not frames:
+        return "no Python frames"
+    user = next((i for i, f in enumerate(frames) if not _is_library(f.filename)), None)
+    if user is None:
+        f = frames[0]
+        return f"{f.name} at {os.path.basename(f.filename)}:{f.lineno}"
+    at = f"{os.path.basename(frames[user].filename)}:{frames[user].lineno}"
+    for callee in reversed(frames[:user]):  # from the frame user code called, inwards
+        if callee.name not in _WRAPPER_NAMES and not re.match(r"_[^_]", callee.name):
+            return f"{callee.name} at {at}"
+    if user > 0:
+        return f"{frames[user - 1].name} at {at}"
+    called = _called_in(frames[user].source) if frames[user].source else None
+    if called is not None:
+        return f"{called} at {at}"
+    return f"in {frames[user].name} at {at}"
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    parts: list[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{ranks[i]}-{ranks[j]}")
+        else:
+            parts.extend(str(r) for r in ranks[i : j + 1])
+        i = j + 1
+    return ("ranks " if len(ranks) > 1 else "rank ") + ",".join(parts)
+
+
+def _format_frames(frames: tuple[Frame, ...], indent: str) -> list[str]:
+    out = []
+    for f in reversed(frames):  # traceback order: most recent call last
+        out.append(f'{indent}File "{f.filename}", line {f.lineno}, in {f.name}')
+        if f.source:
+            out.append(f"{indent}  {f.source}")
+    return out
+
+
+def format_grouped_stacks(stacks_by_rank: Mapping[int, StackDump]) -> str:
+    """Group ranks (global, across nodes) whose main-thread stacks are identical.
+
+    One headline per group (``ranks 0,2,3: all_reduce at train.py:42``), the hosts and
+    pids, then the group's full main-thread stack once (most recent call last) and the
+    innermost frame of each other thread. Workers without a dump are grouped by reason.
+    """
+    groups: dict[tuple[Any, ...], list[StackDump]] = {}
+    for rank in sorted(stacks_by_rank):
+        dump = stacks_by_rank[rank]
+        main = dump.main
+        if dump.error is not None or main is None:
+            key: tuple[Any, ...] = ("error", dump.error or "empty dump")
+        else:
+            key = ("stack", tuple((f.filename, f.lineno, f.name) for f in main.frames))
+        groups.setdefault(key, []).append(dump)
+    lines: list[str] = []
+    for key, dumps in groups.items():
+        ranks = [d.rank for d in dumps]
+        first = dumps[0]
+        main = first.main
+        if key[0] == "error" or main is None:
+            lines.append(f"{_ranks_text(ranks)}: no stack: {key[1]}")
+        else:
+            lines.append(f"{_ranks_text(ranks)}: {stack_summary(main.frames)}")
+        by_host: dict[str, list[str]] = {}
+        for d in dumps:
+            by_host.setdefault(d.host, []).append(
+                f"{d.rank}" + (f" (pid {d.pid})" if d.pid else "")
+            )
+        lines.append("  on " + "; ".join(f"{h}: {', '.join(rs)}" for h, rs in by_host.items()))
+        if key[0] == "stack" and main is not None:
+            lines.append("  Stack (most recent call last):")
+            lines.extend(_format_frames(main.frames, "    "))
+            others = [t for t in first.threads if t is not main]
+            for t in others:
+                where = stack_summary(t.frames) if t.frames else "no Python frames"
+                lines.append(f"  other thread {t.thread_id}: {where}")
+        lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n" if lines else ""

@@ -1,0 +1,56 @@
+"""What the caller of :meth:`Supervisor.run_attempt` decides while the workers run.
+
+The supervisor notices exits, signals and the deadline on its own; a policy adds the
+caller's reasons to stop, so that one supervisor serves a single-node launch and a node of
+an elastic job alike (composition, not subclassing):
+
+- :meth:`AttemptPolicy.poll`, each monitor tick: another reason to stop the workers now
+  (a restart decided elsewhere, a membership change, a lost store), or ``None``;
+- :meth:`AttemptPolicy.on_hang`, when no worker reported progress for ``hang_timeout``,
+  while the workers still run (so that their stacks can be collected first).
+
+:class:`LocalPolicy` is the single-node one: nothing to poll; a hang prints the local
+workers' stacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from rallypoint.observe._observer import Observer
+from rallypoint.supervise._output import write_console
+from rallypoint.supervise._state import OutcomeKind, Stop
+
+__all__ = ["AttemptPolicy", "LocalPolicy"]
+
+
+class AttemptPolicy(Protocol):
+    """The caller's part of one attempt; ``running`` maps global rank to pid."""
+
+    def poll(self, running: Mapping[int, int]) -> Stop | None:
+        """Called each monitor tick while workers run: a reason to stop them, or ``None``."""
+        ...
+
+    def on_hang(self, running: Mapping[int, int], idle_s: float) -> Stop:
+        """No worker reported progress for ``idle_s`` seconds; the workers still run."""
+        ...
+
+
+class LocalPolicy:
+    """One node on its own: a hang prints the workers' stacks, grouped, and stops them."""
+
+    def __init__(self, observer: Observer, *, attempt: int, on_hang: str) -> None:
+        self.observer = observer
+        self.attempt = attempt
+        self.action = on_hang
+
+    def poll(self, running: Mapping[int, int]) -> Stop | None:
+        return None
+
+    def on_hang(self, running: Mapping[int, int], idle_s: float) -> Stop:
+        reason = f"no worker reported progress for {idle_s:.1f} s (--hang-timeout)"
+        self.observer.emit("hang", round=self.attempt, idle_s=round(idle_s, 3), action=self.action)
+        text = self.observer.local_stacks_text(running)
+        write_console(2, f"rallypoint: {reason}; stacks:\n{text}\n".encode())
+        return Stop(OutcomeKind.HANG, reason)

@@ -1,0 +1,148 @@
+"""Starting one attempt's workers: their specs, their pipes, and where their output goes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from rallypoint.observe._observer import Observer
+from rallypoint.supervise._env import worker_env
+from rallypoint.supervise._options import OutputOptions, WorkerOptions
+from rallypoint.supervise._output import OutputRouter
+from rallypoint.supervise._state import GroupInfo, Worker
+from rallypoint.supervise._warm import WarmProcess
+from rallypoint.supervise._worker import CALLABLES, Target, WorkerSpec
+
+__all__ = ["WorkerStarter"]
+
+_SPAWNED = [sys.executable, "-u", "-m", "rallypoint.supervise._spawned"]
+
+
+@dataclass(slots=True)
+class _Pipes:
+    """The supervisor's read ends of one worker's stdout, stderr and result pipes."""
+
+    out: int
+    err: int
+    res: int
+
+    def close(self) -> None:
+        for fd in (self.out, self.err, self.res):
+            os.close(fd)
+
+
+class WorkerStarter:
+    """Forks the workers of one attempt from the warm process and routes their output."""
+
+    def __init__(
+        self,
+        warm: WarmProcess,
+        target: Target,
+        *,
+        workers: WorkerOptions,
+        output: OutputOptions,
+        observer: Observer,
+        base_env: dict[str, str],
+        log_root: Path | None,
+        scratch: Path,
+    ) -> None:
+        self.warm = warm
+        self.workers = workers
+        self.output = output
+        self.observer = observer
+        self.base_env = base_env
+        self.log_root = log_root
+        self.scratch = scratch
+        self.target, self.exec_argv = self._prepare(target, scratch)
+
+    def _prepare(self, target: Target, scratch: Path) -> tuple[Target, list[str] | None]:
+        """What each worker runs in its process, or execs instead (``--no-python``, spawn)."""
+        if target.kind == "exec":
+            return target, [target.name, *target.args]
+        if self.workers.start_method != "spawn":
+            return target, None
+        if target.kind == "callable":  # a fresh interpreter gets fn and args pickled
+            payload = scratch / "payload.pkl"
+            payload.write_bytes(pickle.dumps(CALLABLES[target.name]))
+            target = Target("payload", str(payload))
+        return target, [*_SPAWNED, target.kind, target.name, *target.args]
+
+    def start(self, group: GroupInfo, attempt: int, router: OutputRouter) -> list[Worker]:
+        """Fork every local worker of ``group`` for ``attempt``; their output goes to ``router``."""
+        attempt_dir = (self.log_root or self.scratch) / f"attempt_{attempt}"
+        specs = [self._spec(group, local_rank, attempt_dir) for local_rank in range(self.nproc)]
+        pids, pipes = self._fork(specs)
+        started = []
+        for spec, pid, p in zip(specs, pids, pipes, strict=True):
+            rank_dir = attempt_dir / str(spec.local_rank)
+            self._route(router, spec, p, rank_dir)
+            os.set_blocking(p.res, False)
+            started.append(Worker(spec.local_rank, spec.rank, pid, rank_dir / "error.json", p.res))
+        return started
+
+    @property
+    def nproc(self) -> int:
+        return self.workers.nproc
+
+    def _spec(self, group: GroupInfo, local_rank: int, attempt_dir: Path) -> WorkerSpec:
+        rank_dir = attempt_dir / str(local_rank)
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        error_file = rank_dir / "error.json"
+        for stale in (error_file, Path(f"{error_file}.fault")):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
+        env = worker_env(
+            self.base_env, group, local_rank=local_rank, workers=self.workers, error_file=error_file
+        )
+        env.update(self.observer.worker_env(local_rank))
+        return WorkerSpec(
+            local_rank=local_rank,
+            rank=group.rank_offset + local_rank,
+            env=env,
+            cwd=self.workers.cwd if self.workers.cwd is not None else os.getcwd(),
+            target=self.target,
+            exec_argv=self.exec_argv,
+        )
+
+    def _fork(self, specs: list[WorkerSpec]) -> tuple[list[int], list[_Pipes]]:
+        requests: list[tuple[WorkerSpec, list[int]]] = []
+        readers: list[_Pipes] = []
+        try:
+            for spec in specs:
+                (out_r, out_w), (err_r, err_w), (res_r, res_w) = (os.pipe() for _ in range(3))
+                readers.append(_Pipes(out_r, err_r, res_r))
+                requests.append((spec, [out_w, err_w, res_w]))
+            return self.warm.spawn_many(requests), readers
+        except BaseException:
+            for p in readers:
+                p.close()
+            raise
+        finally:
+            for _, write_ends in requests:
+                for fd in write_ends:
+                    os.close(fd)
+
+    def _route(self, router: OutputRouter, spec: WorkerSpec, pipes: _Pipes, rank_dir: Path) -> None:
+        out = self.output
+        local_rank = spec.local_rank
+        redirect = out.std_mask("redirects", local_rank)
+        mask = redirect | out.std_mask("tee", local_rank)
+        for fd, stream, name in ((pipes.out, 1, "stdout"), (pipes.err, 2, "stderr")):
+            shown = not (redirect & stream)
+            if out.local_ranks_filter is not None:
+                shown = shown and local_rank in out.local_ranks_filter
+            to_file = self.log_root is not None and (out.log_dir is not None or bool(mask & stream))
+            router.add(
+                fd,
+                stream=stream,
+                prefix_template=out.prefix,
+                rank=spec.rank,
+                local_rank=local_rank,
+                role=self.workers.role,
+                console=shown,
+                file=rank_dir / f"{name}.log" if to_file else None,
+            )

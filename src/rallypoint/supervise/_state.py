@@ -1,0 +1,115 @@
+"""The supervisor's records: who this node is in the job (:class:`GroupInfo`), one running
+worker (:class:`Worker`), and how an attempt ended (:class:`Outcome`)."""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rallypoint.supervise._errors import WorkerState
+from rallypoint.supervise._summary import describe_status
+
+__all__ = ["Failure", "GroupInfo", "Outcome", "OutcomeKind", "Stop", "Worker"]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """This node's place in the job for one attempt: what the workers' environment says."""
+
+    group_rank: int
+    group_world_size: int
+    world_size: int
+    rank_offset: int
+    """Global rank of local rank 0."""
+    master_addr: str
+    master_port: int
+    run_id: str
+    restart_count: int = 0
+    """``TORCHELASTIC_RESTART_COUNT``: restarts of the job's budget spent so far."""
+    max_restarts: int = 0
+
+
+class OutcomeKind(enum.Enum):
+    """How one attempt of the local workers ended."""
+
+    OK = "ok"
+    """Every worker exited 0."""
+    FAILED = "failed"
+    """A worker raised, exited non-zero or died by a signal (``Outcome.failure``)."""
+    BAD_TARGET = "bad_target"
+    """The script, module or command could not be started; never restarted."""
+    SIGNAL = "signal"
+    """The launcher received a signal (``Outcome.signum``) and forwarded it."""
+    TIMEOUT = "timeout"
+    """The job ran past its ``timeout``."""
+    HANG = "hang"
+    """No worker reported progress for ``hang_timeout``."""
+    RESTART = "restart"
+    """The policy stopped the workers for a restart (a decision, or a membership change)."""
+    LOST = "lost"
+    """The policy lost the job's store: this node cannot go on."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """A policy's reason to stop the running workers."""
+
+    kind: OutcomeKind
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """The first worker failure of an attempt (its root cause) and what it left behind."""
+
+    worker: WorkerState
+    traceback: str
+    exception: BaseException | None
+    time: float
+    """Unix time of the worker's exit."""
+    elapsed: float
+    """Seconds from the supervisor's start to that exit."""
+    bad_target: str = ""
+    """Why the target could not start (``BAD_TARGET`` only)."""
+
+
+@dataclass(slots=True)
+class Outcome:
+    kind: OutcomeKind
+    workers: list[WorkerState]
+    failure: Failure | None = None
+    signum: int = 0
+    reason: str = ""
+    results: list[bytes] = field(default_factory=list)
+    """Each worker's raw result message by local rank (``launch()`` only)."""
+
+
+@dataclass(slots=True)
+class Worker:
+    """One running (or exited) worker of the current attempt."""
+
+    local_rank: int
+    rank: int
+    pid: int
+    error_file: Path
+    res_fd: int
+    status: int | None = None
+    exited_at: float = 0.0
+    signalled: int | None = None
+    result: bytearray = field(default_factory=bytearray)
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.status is None else describe_status(self.status)[0]
+
+    def state(self) -> WorkerState:
+        if self.status is None:
+            return WorkerState(self.rank, self.local_rank, self.pid, "running", None, "running")
+        code, text = describe_status(self.status)
+        kind = "succeeded" if code == 0 else "failed"
+        if code != 0 and self.signalled is not None:
+            kind = "terminated"
+            text = f"{text} (stopped by rallypoint with {signal.Signals(self.signalled).name})"
+        return WorkerState(self.rank, self.local_rank, self.pid, kind, code, text)

@@ -1,0 +1,206 @@
+"""The supervisor: one node's workers, one attempt at a time, under the caller's policy.
+
+:class:`Supervisor` owns the warm process's side of a launch (the store it hosts, the
+workers' environment, where their output goes, the launcher's signals) and runs attempts:
+:meth:`Supervisor.run_attempt` starts the local workers of a group from the warm process,
+watches them (``_attempt``) and returns how the attempt ended, an
+:class:`~rallypoint.supervise._state.Outcome`. It never decides about restarts: the
+coordinator that owns it does (``rallypoint.elastic``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rallypoint._core.closing import Closing
+from rallypoint._core.net import port_is_free
+from rallypoint.observe._observer import Observer
+from rallypoint.supervise._attempt import Attempt
+from rallypoint.supervise._env import base_env
+from rallypoint.supervise._errors import (
+    BadTargetError,
+    PortInUseError,
+    WarmErrorKind,
+    WarmProcessError,
+    WorkerFailedError,
+)
+from rallypoint.supervise._options import OutputOptions, StopOptions, WorkerOptions
+from rallypoint.supervise._output import OutputRouter, write_console
+from rallypoint.supervise._policy import AttemptPolicy
+from rallypoint.supervise._signals import SignalQueue
+from rallypoint.supervise._spawn import WorkerStarter
+from rallypoint.supervise._state import GroupInfo, Outcome, Worker
+from rallypoint.supervise._stop import Stopper
+from rallypoint.supervise._warm import WarmProcess
+from rallypoint.supervise._worker import Target
+
+__all__ = ["Supervisor", "prepare_warm"]
+
+
+def prepare_warm(warm: WarmProcess, preload: tuple[str, ...], signals: SignalQueue) -> None:
+    """Wait for the warm process's imports (``preload``); a signal stops the wait.
+
+    Call it before anything makes temporary files: until it answers, the warm process
+    dies with its parent and could not remove them (``_warm_server``).
+    """
+    try:
+        warm.init(preload, poll=lambda: signals.raise_if_signalled("the warm process"))
+    except WarmProcessError as exc:
+        if exc.kind is WarmErrorKind.PRELOAD:
+            raise BadTargetError(str(exc)) from None
+        raise
+
+
+class Supervisor(Closing):
+    """Runs attempts of this node's workers; :meth:`close` restores the signal handlers.
+
+    ``run_id`` names the log directory (``LOG_DIR/RUN_ID/attempt_N/LOCAL_RANK/``);
+    ``collect_results`` makes :meth:`results` return what ``launch()`` workers returned.
+    """
+
+    def __init__(
+        self,
+        warm: WarmProcess,
+        target: Target,
+        *,
+        workers: WorkerOptions,
+        output: OutputOptions,
+        stop: StopOptions,
+        observer: Observer,
+        run_id: str,
+        collect_results: bool = False,
+        warn_omp: bool = False,
+        signals: SignalQueue | None = None,
+    ) -> None:
+        self.warm = warm
+        self.workers = workers
+        self.stop_options = stop
+        self.observer = observer
+        self.host = observer.node
+        self.collect_results = collect_results
+        self.started = time.monotonic()
+        self.deadline = (
+            None if stop.timeout is None else self.started + stop.timeout.total_seconds()
+        )
+        self.stopper = Stopper(warm, stop.shutdown_timeout)
+        self._scratch = Path(tempfile.mkdtemp(prefix="rallypoint_"))
+        # removed by the warm process should this process be killed (close() does it else);
+        # a warm process that is gone already is reported by the first real request
+        with contextlib.suppress(WarmProcessError):
+            warm.remove_on_exit([str(self._scratch), *observer.temp_paths()])
+        self.starter = WorkerStarter(
+            warm,
+            target,
+            workers=workers,
+            output=output,
+            observer=observer,
+            base_env=base_env(workers, warn_omp=warn_omp, signals_to_handle=stop.signals_to_handle),
+            log_root=self._log_root(output, run_id),
+            scratch=self._scratch,
+        )
+        self.signals = SignalQueue(stop.signal_numbers) if signals is None else signals
+
+    @property
+    def nproc(self) -> int:
+        return self.workers.nproc
+
+    def _log_root(self, output: OutputOptions, run_id: str) -> Path | None:
+        if output.log_dir is not None:
+            return Path(output.log_dir) / run_id
+        if output.wants_files(self.workers.nproc):
+            root = Path(tempfile.mkdtemp(prefix="torchelastic_")) / run_id
+            write_console(2, f"rallypoint: log directory is {root}\n".encode())
+            return root
+        return None
+
+    # ------------------------------------------------------------------ the warm process
+    def init_warm(self) -> None:
+        """Wait for the warm process's imports (``preload``); once."""
+        prepare_warm(self.warm, self.workers.preload, self.signals)
+
+    def start_store(self, host: str, port: int) -> int:
+        """Host the workers' store on ``host:port`` (0: a free port); returns the port."""
+        if port and not port_is_free(port):
+            raise PortInUseError(port)
+        self.init_warm()
+        try:
+            bound, self.stopper.store_pid = self.warm.start_store(host, port)
+        except WarmProcessError as exc:
+            if exc.kind is WarmErrorKind.PORT_IN_USE:
+                raise PortInUseError(port) from None
+            raise
+        return bound
+
+    def reset_store(self) -> None:
+        """An empty store on the same port, for the next attempt."""
+        self.warm.reset_store()
+
+    def next_signal(self) -> int | None:
+        """A signal the launcher received while no attempt was running, or ``None``."""
+        return self.signals.pop()
+
+    def signal_pending(self) -> bool:
+        """Whether the launcher received a signal not handled yet (it stays queued)."""
+        return self.signals.pending()
+
+    # ------------------------------------------------------------------ attempts
+    def run_attempt(self, group: GroupInfo, number: int, policy: AttemptPolicy) -> Outcome:
+        """Start the local workers of ``group``, watch them until they are gone."""
+        router = OutputRouter()
+        workers: list[Worker] = []
+        try:
+            workers = self.starter.start(group, number, router)
+        except BaseException:
+            self.stopper.kill_trees(workers, signal.SIGKILL)
+            self.stopper.wait_all(workers, 5.0)
+            router.close()
+            raise
+        self.observer.reset()
+        for w in workers:
+            self.observer.emit(
+                "worker_start", round=number, rank=w.rank, local_rank=w.local_rank, pid=w.pid
+            )
+        return Attempt(
+            warm=self.warm,
+            workers=workers,
+            router=router,
+            stopper=self.stopper,
+            signals=self.signals,
+            observer=self.observer,
+            policy=policy,
+            number=number,
+            interval=self.stop_options.monitor_interval.total_seconds(),
+            deadline=self.deadline,
+            started=self.started,
+        ).run()
+
+    def results(self, outcome: Outcome) -> list[Any]:
+        """What each worker of a successful attempt returned (``None`` for scripts)."""
+        if not self.collect_results:
+            return [None] * len(outcome.workers)
+        values = []
+        for state, raw in zip(outcome.workers, outcome.results, strict=True):
+            if len(raw) < 8:
+                raise WorkerFailedError(
+                    f"rank {state.rank} exited with 0 without sending a result",
+                    rank=state.rank,
+                    local_rank=state.local_rank,
+                    pid=state.pid,
+                    host=self.host,
+                    exitcode=0,
+                    remote_traceback="",
+                    summary="",
+                )
+            values.append(pickle.loads(raw[8:])[1])
+        return values
+
+    def close(self) -> None:
+        self.signals.close()
+        shutil.rmtree(self._scratch, ignore_errors=True)

@@ -1,0 +1,271 @@
+"""The warm process's side: import torch once, then fork workers and run the store on command.
+
+:func:`serve` runs in the child that :meth:`WarmProcess.fork` made. It stays clean (it never
+initialises a process group, runs a tensor op or starts a thread), so it can fork again for
+every restart. It is a child subreaper: workers and anything they start stay its
+descendants, and it reaps them on ``SIGCHLD`` and reports each worker's exit
+(:class:`~rallypoint.supervise._messages.Exited`) the moment it happens.
+
+The job's ``TCPStore`` server lives in a separate child (forked after ``import torch``), so
+that workers never inherit its listening socket and a restart can rebind the same port
+with an empty store.
+
+If the supervisor dies without a word (``kill -9``, the OOM killer), the warm process hears
+it at once. Until it is ready (its imports done: nothing else exists yet, and a Python
+handler would wait for ``import torch``'s long C calls) its parent-death signal is
+``SIGKILL``; from :class:`~rallypoint.supervise._messages.Ready` on it is ``SIGTERM``,
+which it catches (as it does the end of its socket). It then SIGKILLs every descendant it
+has, found in ``/proc`` (workers, their children, whatever daemonized or started its own
+session: as a child subreaper it inherits those orphans), reaps them, removes the
+supervisor's temporary paths (:class:`~rallypoint.supervise._messages.RemoveOnExit`; the
+supervisor makes them only after ``Ready``) and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib
+import os
+import selectors
+import shutil
+import signal
+import socket
+import traceback
+from typing import Any, NoReturn
+
+from rallypoint._core.net import port_is_free
+from rallypoint._core.procs import kill_descendants
+from rallypoint.supervise._errors import WarmErrorKind
+from rallypoint.supervise._messages import (
+    Exited,
+    Failed,
+    Init,
+    Ready,
+    RemoveOnExit,
+    Reply,
+    Request,
+    ResetStore,
+    Shutdown,
+    Spawn,
+    Spawned,
+    StartStore,
+    StoreStarted,
+    recv,
+    send,
+)
+from rallypoint.supervise._worker import WorkerSpec, child_main, set_parent_death_signal
+
+__all__ = ["WARM_MODULES", "serve"]
+
+WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel")
+_PR_SET_CHILD_SUBREAPER = 36
+_ORPHANED_KILL_TIMEOUT = 1.5
+"""Seconds the warm process of a dead supervisor spends killing its descendants."""
+
+
+def serve(sock: socket.socket, import_torch: bool) -> NoReturn:
+    """Run the warm process on ``sock`` until the supervisor shuts it down or goes away."""
+    _Server(sock, import_torch).serve()
+
+
+def _store_main(conn: socket.socket) -> NoReturn:
+    """The store process: hosts one TCPStore server at a time, replaced on each reset."""
+    set_parent_death_signal(signal.SIGKILL)
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported at runtime
+
+    store: Any = None
+    host, port = "127.0.0.1", 0
+    while True:
+        msg, _ = recv(conn)
+        match msg:
+            case None:
+                os._exit(0)
+            case StartStore(host=host, port=port):
+                pass
+            case ResetStore():
+                pass  # the same host and port, an empty store
+            case _:
+                send(conn, Failed(WarmErrorKind.PROTOCOL, f"store: unexpected {msg!r}"))
+                continue
+        store = None  # closes the previous server before rebinding its port
+        try:
+            store = TCPStore(host, port, None, True, wait_for_workers=False, use_libuv=True)
+            port = store.port
+            send(conn, StoreStarted(port, os.getpid()))
+        except Exception as exc:
+            busy = port != 0 and not port_is_free(port)
+            kind = WarmErrorKind.PORT_IN_USE if busy else WarmErrorKind.STORE
+            send(conn, Failed(kind, f"{type(exc).__name__}: {exc}"))
+
+
+class _Server:
+    def __init__(self, sock: socket.socket, import_torch: bool) -> None:
+        self.sock = sock
+        self.import_torch = import_torch
+        self.workers: dict[int, int] = {}
+        self.store_pid = 0
+        self.store_sock: socket.socket | None = None
+        self.wake_r, self.wake_w = os.pipe()
+        self.remove_on_exit: list[str] = []
+        self.pid = os.getpid()
+        self.parent = 0
+
+    def serve(self) -> NoReturn:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's ^C is the supervisor's
+        set_parent_death_signal(signal.SIGKILL)  # until Ready (see the module docstring)
+        self.parent = os.getppid()
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        if self.import_torch:
+            for name in WARM_MODULES:
+                importlib.import_module(name)
+        sel = selectors.DefaultSelector()
+        sel.register(self.sock, selectors.EVENT_READ)
+        sel.register(self.wake_r, selectors.EVENT_READ)
+        while True:
+            for key, _ in sel.select():
+                if key.fileobj is self.sock:
+                    self._on_message()
+                else:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wake_r, 4096)
+                    self._reap()
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid in self.workers:
+                del self.workers[pid]
+                send(self.sock, Exited(pid, status))
+
+    def _on_message(self) -> None:
+        msg, fds = recv(self.sock, maxfds=3)
+        match msg:
+            case None:
+                self._orphaned()
+            case Shutdown():
+                self._shutdown()
+            case RemoveOnExit(paths=paths):
+                self.remove_on_exit.extend(paths)
+            case Init(preload=preload):
+                send(self.sock, self._init(preload))
+            case StartStore() | ResetStore():
+                send(self.sock, self._store(msg))
+            case Spawn(spec=spec):
+                send(self.sock, self._spawn(spec, fds))
+            case _:
+                send(self.sock, Failed(WarmErrorKind.PROTOCOL, f"unexpected {msg!r}"))
+
+    def _init(self, preload: tuple[str, ...]) -> Reply:
+        try:
+            for name in preload:
+                importlib.import_module(name)
+        except BaseException as exc:
+            text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            return Failed(WarmErrorKind.PRELOAD, f"--preload: cannot import: {text}")
+        # children then share the warm heap without copy-on-write churn from their
+        # collections (no gc.collect() first: it costs ~80 ms on the critical path)
+        gc.freeze()
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != self.parent:  # it died before the signal was armed
+            self._orphaned()
+        return Ready(os.getpid())
+
+    def _spawn(self, spec: WorkerSpec, fds: list[int]) -> Reply:
+        close = [self.sock.fileno(), self.wake_r, self.wake_w]
+        if self.store_sock is not None:
+            close.append(self.store_sock.fileno())
+        pid = os.fork()
+        if pid == 0:
+            child_main(spec, fds, close)
+        for fd in fds:
+            os.close(fd)
+        self.workers[pid] = spec.local_rank
+        return Spawned(spec.local_rank, pid)
+
+    def _store(self, msg: Request) -> Reply:
+        if self.store_sock is None:
+            if not isinstance(msg, StartStore):
+                return Failed(WarmErrorKind.STORE, "store reset before start")
+            self.store_sock = self._fork_store()
+        send(self.store_sock, msg)
+        reply, _ = recv(self.store_sock)
+        if reply is None:
+            return Failed(WarmErrorKind.STORE, "the store process died")
+        assert isinstance(reply, StoreStarted | Failed), reply
+        return reply
+
+    def _fork_store(self) -> socket.socket:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                parent.close()
+                self.sock.close()
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                _store_main(child)
+            finally:
+                os._exit(1)
+        child.close()
+        self.store_pid = pid
+        return parent
+
+    def _on_sigterm(self, signum: int, _frame: object) -> None:
+        if os.getpid() != self.pid:  # a worker just forked, before it reset its handlers
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self._orphaned()
+
+    def _orphaned(self) -> NoReturn:
+        """The supervisor is gone (parent-death signal, or the end of the socket): leave
+        nothing of the job behind (see the module docstring)."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with contextlib.suppress(BaseException):
+            kill_descendants(_ORPHANED_KILL_TIMEOUT)
+        with contextlib.suppress(BaseException):
+            self._take_pending_paths()
+        for path in self.remove_on_exit:
+            with contextlib.suppress(BaseException):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
+        os._exit(1)
+
+    def _take_pending_paths(self) -> None:
+        """Paths the supervisor sent that the main loop has not read yet."""
+        self.sock.setblocking(False)
+        while True:
+            try:
+                msg, fds = recv(self.sock, maxfds=3)
+            except BlockingIOError:
+                return
+            for fd in fds:
+                os.close(fd)
+            if msg is None:
+                return
+            if isinstance(msg, RemoveOnExit):
+                self.remove_on_exit.extend(msg.paths)
+
+    def _shutdown(self) -> NoReturn:
+        for pid in list(self.workers):
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+        if self.store_pid:
+            with contextlib.suppress(OSError):
+                os.kill(self.store_pid, signal.SIGKILL)
+        os._exit(0)

@@ -1,0 +1,92 @@
+"""Public classes and functions report the module users import them from (as trio's do).
+
+``RendezvousError.__module__`` is ``"rallypoint.rendezvous"``, not the private module that
+defines it, so tracebacks and reprs name the documented place, and pickles refer to it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pickle
+
+import pytest
+
+PARTS = ["distributed", "join", "rendezvous", "testing"]
+
+
+def _public_objects(part: str) -> list[tuple[str, object]]:
+    module = importlib.import_module(f"rallypoint.{part}")
+    objects = [(name, getattr(module, name)) for name in module.__all__]
+    return [(n, o) for n, o in objects if inspect.isclass(o) or inspect.isfunction(o)]
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_classes_and_functions_report_their_public_module(part: str) -> None:
+    objects = _public_objects(part)
+    assert objects, part
+    wrong = {
+        name: obj.__module__ for name, obj in objects if obj.__module__ != f"rallypoint.{part}"
+    }  # type: ignore[attr-defined]
+    assert wrong == {}, f"rallypoint.{part}: {wrong}"
+
+
+def test_examples_of_the_issue() -> None:
+    from rallypoint.distributed import DistributedConfig, init_process_group
+    from rallypoint.join import Join, RankFailedError
+    from rallypoint.rendezvous import RendezvousError, get_rendezvous_handler
+    from rallypoint.testing import WorkerError, run_workers
+
+    assert RendezvousError.__module__ == "rallypoint.rendezvous"
+    assert get_rendezvous_handler.__module__ == "rallypoint.rendezvous"
+    assert Join.__module__ == RankFailedError.__module__ == "rallypoint.join"
+    assert DistributedConfig.__module__ == init_process_group.__module__ == "rallypoint.distributed"
+    assert WorkerError.__module__ == run_workers.__module__ == "rallypoint.testing"
+    assert repr(RendezvousError("x")) == "RendezvousError('x')"
+
+
+def test_public_errors_pickle_by_their_public_name() -> None:
+    from rallypoint.join import RankFailedError
+    from rallypoint.rendezvous import RendezvousTimeoutError
+
+    assert b"rallypoint.rendezvous._" not in pickle.dumps(RendezvousTimeoutError)
+    again = pickle.loads(pickle.dumps(RendezvousTimeoutError("too slow")))
+    assert type(again) is RendezvousTimeoutError and str(again) == "too slow"
+    failed = pickle.loads(pickle.dumps(RankFailedError(1, "boom", 0)))
+    assert type(failed) is RankFailedError
+
+
+def test_lazy_attributes_import_on_first_use_and_cache() -> None:
+    from rallypoint._core import lazy_attributes
+
+    namespace: dict[str, object] = {"__all__": ["check_int", "Closing"]}
+    getattr_, dir_ = lazy_attributes(
+        "rallypoint._core",
+        namespace,
+        {"check_int": "rallypoint._core.checks", "Closing": "rallypoint._core.closing"},
+        submodules=["net"],
+    )
+    from rallypoint._core.checks import check_int
+
+    assert getattr_("check_int") is check_int
+    assert namespace["check_int"] is check_int  # cached: __getattr__ runs once per name
+    assert getattr_("net").__name__ == "rallypoint._core.net"
+    assert "net" not in namespace  # a submodule is not a public attribute
+    assert dir_() == ["Closing", "__all__", "check_int"]
+    with pytest.raises(AttributeError, match=r"module 'rallypoint\._core' has no attribute 'x'"):
+        getattr_("x")
+
+
+def test_set_public_module_leaves_names_defined_elsewhere() -> None:
+    import datetime
+
+    from rallypoint._core import set_public_module
+
+    class Local:
+        pass
+
+    Local.__module__ = "pkg._private"
+    namespace = {"Local": Local, "timedelta": datetime.timedelta, "VALUE": 3}
+    set_public_module("pkg", namespace, ["Local", "timedelta", "VALUE", "missing"])
+    assert Local.__module__ == "pkg"
+    assert datetime.timedelta.__module__ == "datetime"
