@@ -8,9 +8,14 @@ processes (torch's RPC state is global per process):
 - tensor echo bandwidth for 1 MiB and 64 MiB (payload bytes / round-trip time)
 - ``init_rpc`` and ``shutdown`` wall time for 2, 4 and 8 workers (slowest worker, median
   of 3 runs)
+- one training step with distributed autograd of a two-stage model-parallel model:
+  stage 1 (``Linear(64, 64)`` + ReLU) on worker1 and stage 2 on worker2, both created with
+  ``remote``, driven by worker0 with ``rpc_sync`` (batch 32); forward, ``dist_autograd``
+  backward and a ``DistributedOptimizer`` (SGD) step, in one context. The median step of
+  each run; runs alternate between the backends and the row reports the median of runs.
 
-Usage: ``python benchmarks/rpc.py [--quick] [--only calls|throughput|lifecycle] [--plot rpc.png]``.
-Prints a markdown table.
+Usage: ``python benchmarks/rpc.py [--quick] [--only calls|throughput|lifecycle|autograd]
+[--plot rpc.png]``. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -42,16 +47,21 @@ def _options(backend: str) -> Any:
     return rpc.construct_rpc_backend_options(rpc.BackendType[backend], rpc_timeout=120)
 
 
-def _pair(backend: str, quick: bool, only: str = "all") -> dict[str, float]:
+def _init(backend: str, world_size: int) -> int:
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     rpc.init_rpc(
         f"worker{rank}",
         backend=rpc.BackendType[backend],
         rank=rank,
-        world_size=2,
+        world_size=world_size,
         rpc_backend_options=_options(backend),
     )
+    return rank
+
+
+def _pair(backend: str, quick: bool, only: str = "all") -> dict[str, float]:
+    rank = _init(backend, 2)
     out: dict[str, float] = {}
     if rank == 0:
         peer = "worker1"
@@ -107,13 +117,76 @@ def _lifecycle(backend: str, world_size: int) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
+class _Stage(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+def _stage_forward(stage: Any, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = stage.local_value()(x)
+    return out
+
+
+def _stage_params(stage: Any) -> list[Any]:
+    return [rpc.RRef(p) for p in stage.local_value().parameters()]
+
+
+def _autograd_step(backend: str, steps: int, width: int = 64) -> float:
+    """Median seconds of one training step (forward, dist backward, optimizer step)."""
+    from rallypoint.rpc import dist_autograd
+
+    rank = _init(backend, 3)
+    median = float("nan")
+    if rank == 0:
+        stage1 = rpc.remote("worker1", _Stage, args=(width,))
+        stage2 = rpc.remote("worker2", _Stage, args=(width,))
+        params = rpc.rpc_sync("worker1", _stage_params, args=(stage1,))
+        params += rpc.rpc_sync("worker2", _stage_params, args=(stage2,))
+        opt = rpc.DistributedOptimizer(torch.optim.SGD, params, lr=0.01)
+        x = torch.randn(32, width)
+        times = []
+        for i in range(steps + 20):
+            t0 = time.perf_counter()
+            with dist_autograd.context() as context_id:
+                h = rpc.rpc_sync("worker1", _stage_forward, args=(stage1, x))
+                y = rpc.rpc_sync("worker2", _stage_forward, args=(stage2, h))
+                dist_autograd.backward(context_id, [y.square().mean()])
+                opt.step(context_id)
+            if i >= 20:
+                times.append(time.perf_counter() - t0)
+        median = statistics.median(times)
+    rpc.shutdown()
+    if rank == 0 and backend == "TENSORPIPE":
+        time.sleep(0.5)  # torch's shutdown: the store host must outlive the others' barrier
+    return median
+
+
+def _autograd(quick: bool) -> dict[str, float]:
+    """Median step time per backend over runs that alternate the order of the backends."""
+    runs: dict[str, list[float]] = {b: [] for b in BACKENDS}
+    for r in range(2 if quick else 5):
+        for backend in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:
+            step = run_workers(
+                _autograd_step, 3, backend, 100 if quick else 300, timeout=600, env=_env
+            )[0]
+            runs[backend].append(step)
+    return {b: statistics.median(v) * 1e6 for b, v in runs.items()}
+
+
 def _env(rank: int) -> dict[str, str]:
     return {RPC_SECRET: "benchmark-secret"}
 
 
 def measure(quick: bool, only: str = "all") -> dict[str, dict[str, float]]:
-    results: dict[str, dict[str, float]] = {}
-    for backend in BACKENDS:
+    results: dict[str, dict[str, float]] = {b: {} for b in BACKENDS}
+    if only in ("all", "autograd"):
+        for backend, step in _autograd(quick).items():
+            results[backend]["autograd_step_us"] = step
+    for backend in BACKENDS if only != "autograd" else ():
         res: dict[str, float] = {}
         if only in ("all", "calls", "throughput"):
             res = run_workers(_pair, 2, backend, quick, only, timeout=600, env=_env)[0]
@@ -125,7 +198,7 @@ def measure(quick: bool, only: str = "all") -> dict[str, dict[str, float]]:
             ]
             res[f"init_{ws}_s"] = statistics.median(max(t[0] for t in ts) for ts in runs)
             res[f"shutdown_{ws}_s"] = statistics.median(max(t[1] for t in ts) for ts in runs)
-        results[backend] = res
+        results[backend].update(res)
     return results
 
 
@@ -136,6 +209,7 @@ ROWS = [
     ("64 MiB echo (GB/s, payload / round trip)", "echo_64MiB_GBps", True),
     *[(f"init_rpc, {ws} workers (s)", f"init_{ws}_s", False) for ws in (2, 4, 8)],
     *[(f"shutdown, {ws} workers (s)", f"shutdown_{ws}_s", False) for ws in (2, 4, 8)],
+    ("dist-autograd training step, 2 stages (µs)", "autograd_step_us", False),
 ]
 
 
@@ -181,10 +255,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument(
         "--only",
-        choices=("all", "calls", "throughput", "lifecycle"),
+        choices=("all", "calls", "throughput", "lifecycle", "autograd"),
         default="all",
         help="calls: round trip, rpc_async and echo (no init/shutdown); throughput: only "
-        "the rpc_async metric; lifecycle: only init_rpc/shutdown",
+        "the rpc_async metric; lifecycle: only init_rpc/shutdown; autograd: only the "
+        "distributed-autograd training step",
     )
     parser.add_argument("--plot", metavar="FILE", help="write a bar chart (needs matplotlib)")
     args = parser.parse_args()

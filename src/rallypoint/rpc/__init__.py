@@ -7,15 +7,24 @@ Same names, signatures and errors as ``torch.distributed.rpc``; change the impor
     ret = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
     rpc.shutdown()
 
+Distributed autograd and ``DistributedOptimizer`` (torch's API, both backends)::
+
+    import rallypoint.rpc.dist_autograd as dist_autograd
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("worker1", stage, args=(x,)).sum()
+        dist_autograd.backward(context_id, [loss])
+        rpc.DistributedOptimizer(torch.optim.SGD, param_rrefs, lr=0.1).step(context_id)
+
 Backends: ``BackendType.RALLYPOINT`` (default: HMAC-authenticated TCP, Unix sockets and
 shared memory on one host) and ``BackendType.TENSORPIPE`` (torch's agent). Every connection
 must know the job's secret (``RALLYPOINT_RPC_SECRET``, set by ``rallypoint run``).
 
 Imports point down these lines, and within a line from left to right (no cycles)::
 
-    _api -> _registry -> _agent (RALLYPOINT) | _tensorpipe (TENSORPIPE)
+    optim -> dist_autograd -> _api -> _registry -> _agent (RALLYPOINT) | _tensorpipe
     the agent's parts:  _membership, _dispatch, _connections, _codec
-    its bookkeeping:    _rref, _rref_table, _liveness, _peers, _calls
+    its bookkeeping:    _rref, _rref_table, _autograd, _autograd_engine, _liveness, _peers,
+                        _calls
     bytes and store:    _acceptor, _transport, _auth, _wire, _shm, _groups, _store
     shared:             _backend, _current, _options, _device_maps, _errors, _constants,
                         functions  ->  rallypoint._core
@@ -26,7 +35,7 @@ from __future__ import annotations
 import types
 from typing import TYPE_CHECKING, Any
 
-from rallypoint.rpc import functions
+from rallypoint.rpc import dist_autograd, functions, optim
 from rallypoint.rpc._api import (
     get_rpc_timeout,
     get_worker_info,
@@ -61,6 +70,7 @@ from rallypoint.rpc._registry import (
     register_backend,
 )
 from rallypoint.rpc._rref import RRef
+from rallypoint.rpc.optim import DistributedOptimizer
 
 if TYPE_CHECKING:
     from torch.distributed.rpc import TensorPipeRpcBackendOptions
@@ -74,6 +84,7 @@ __all__ = [
     "UNSET_RPC_TIMEOUT",
     "BackendType",
     "BackendValue",
+    "DistributedOptimizer",
     "RRef",
     "RallypointRpcBackendOptions",
     "RpcAgent",
@@ -88,12 +99,14 @@ __all__ = [
     "WorkerInfo",
     "backend_registered",
     "construct_rpc_backend_options",
+    "dist_autograd",
     "functions",
     "get_rpc_timeout",
     "get_worker_info",
     "init_backend",
     "init_rpc",
     "is_available",
+    "optim",
     "register_backend",
     "remote",
     "rpc_async",

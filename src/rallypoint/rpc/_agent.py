@@ -5,6 +5,7 @@ The parts, each with its own small interface:
 - :class:`~rallypoint.rpc._peers.PeerTable`: the group (names, ranks, device maps, dead peers);
 - :class:`~rallypoint.rpc._calls.PendingCalls`: our calls awaiting a reply, with timeouts;
 - :class:`~rallypoint.rpc._rref_table.RRefTable`: values we own, forks in flight, decrements;
+- :class:`~rallypoint.rpc._autograd.DistAutograd`: distributed autograd contexts;
 - :class:`~rallypoint.rpc._codec.Codec`: messages pickled for a peer;
 - :class:`~rallypoint.rpc._dispatch.Dispatcher`: frames in (run calls, complete futures);
 - :class:`~rallypoint.rpc._connections.Connections`: the listener and the sockets;
@@ -17,7 +18,6 @@ timeouts, detects stalled readers and sends batched RRef decrements.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
@@ -33,6 +33,12 @@ from rallypoint._core.checks import check_seconds
 from rallypoint._core.envvars import RPC_ADDR
 from rallypoint.rpc import _groups, _wire
 from rallypoint.rpc._auth import resolve_secret
+from rallypoint.rpc._autograd import (
+    CURRENT_AUTOGRAD,
+    AutogradContext,
+    DistAutograd,
+    current_context,
+)
 from rallypoint.rpc._backend import CURRENT_AGENT, Args, Func, Fut, Kwargs, RpcAgent
 from rallypoint.rpc._calls import PendingCalls, fail
 from rallypoint.rpc._codec import Codec
@@ -86,7 +92,13 @@ class RallypointAgent(RpcAgent):
         self.peers = PeerTable(self.info, dict(options.device_maps))  # type: ignore[arg-type]
         self.calls = PendingCalls(options.rpc_timeout)
         self.rrefs = RRefTable(self.info, caller=self)
-        self.codec = Codec(self.peers, self.rrefs)
+        self.autograd = DistAutograd(
+            self.info,
+            caller=self,
+            timeout=options.rpc_timeout,
+            dead_workers=lambda: [n for n in self.peers.names() if self.peers.is_dead(n)],
+        )
+        self.codec = Codec(self.peers, self.rrefs, self.autograd)
         self.dispatcher = Dispatcher(self.info, self.calls, self.codec)
         self._pool = SegmentPool(options.shm_pool_bytes) if options.shared_memory else None
         host = (
@@ -173,21 +185,30 @@ class RallypointAgent(RpcAgent):
             raise TypeError("function should be callable.")
         seconds = self._default_timeout if timeout == UNSET_RPC_TIMEOUT else self._timeout(timeout)
         info = self.peers.resolve(to)
-        return self._send(info.name, (func, args, kwargs), seconds, _CALL)
+        return self._send(info.name, (func, args, kwargs), seconds, _CALL, current_context())
 
     def remote(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> RRef[Any]:
         self.check_open()
         return remote_rref(self.rrefs, self.peers.resolve(to), (func, args, kwargs), timeout)
 
-    def oneway(self, to: str, func: Func, *args: Any) -> None:
-        with contextlib.suppress(RpcError):
+    def oneway(self, to: str, func: Func, *args: Any) -> bool:
+        try:
             self.check_open()
-            self._send(self.peers.resolve(to).name, (func, args, {}), 0, _ONEWAY)
+            sent = self._send(self.peers.resolve(to).name, (func, args, {}), 0, _ONEWAY)
+            sent.wait()  # a one-way call's future is complete once the frame is queued
+        except RpcError:
+            return False
+        return True
 
     def _send(
-        self, dst: str, payload: tuple[Func, Args, Kwargs], seconds: float, kind: _wire.FrameKind
+        self,
+        dst: str,
+        payload: tuple[Func, Args, Kwargs],
+        seconds: float,
+        kind: _wire.FrameKind,
+        ctx: AutogradContext | None = None,
     ) -> Fut:
-        data, raws = self.codec.call(dst, payload)
+        data, raws = self.codec.call(dst, payload, ctx)
         # torch's own rpc_async returns the C++ future type too: it costs no Python
         # __init__ and, unlike the Python subclass, is not tracked by the GC
         future = _CFuture([])
@@ -230,6 +251,8 @@ class RallypointAgent(RpcAgent):
         self.calls.expire(now)
         if self.rrefs.has_releases():
             self.rrefs.send_releases(self.peers.reachable)
+        if self.autograd.has_releases():
+            self.autograd.send_releases()
 
     # ---- lifecycle -----------------------------------------------------------------
     def start(self, timeout: float) -> None:
@@ -238,6 +261,7 @@ class RallypointAgent(RpcAgent):
         CURRENT_AGENT.set(self)
         CURRENT_TABLE.set(self.rrefs)
         CURRENT_GROUP.set(self.group)
+        CURRENT_AUTOGRAD.set(self.autograd)
         try:
             self.group.join(self.record(), timeout)
         except BaseException:
@@ -276,6 +300,7 @@ class RallypointAgent(RpcAgent):
         """Wait for outstanding work, then leave (dynamic) or meet everyone (static)."""
         self._wait_quiet(deadline)
         self.rrefs.send_releases(self.peers.reachable)
+        self.autograd.send_releases()
         return self.group.leave(deadline, seconds, self._wait_quiet)
 
     def close(self) -> None:
@@ -292,6 +317,8 @@ class RallypointAgent(RpcAgent):
         CURRENT_AGENT.clear(self)
         CURRENT_TABLE.clear(self.rrefs)
         CURRENT_GROUP.clear(self.group)
+        CURRENT_AUTOGRAD.clear(self.autograd)
+        self.autograd.close()
         self.group.close()
 
 

@@ -65,6 +65,10 @@ class Caller(Protocol):
 
     def remote(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> Any: ...
 
-    def oneway(self, to: str, func: Func, *args: Any) -> None:
-        """Send ``func(*args)`` to ``to`` without waiting for, or expecting, a reply."""
+    def oneway(self, to: str, func: Func, *args: Any) -> bool:
+        """Send ``func(*args)`` to ``to`` without waiting for, or expecting, a reply.
+
+        Returns whether the call went out (``False``: the agent is closed or ``to`` is
+        unknown or unreachable); it never raises.
+        """
         ...

@@ -4,6 +4,10 @@ A call's exception travels as an :class:`ErrorReply`: torch's text (``On
 WorkerInfo(...):``, its repr and the remote traceback) plus its pickled type, and is
 raised on the caller with that type; if the type cannot be rebuilt there, a
 ``RuntimeError`` carries the same text.
+
+A call that arrived in a distributed autograd context runs in it (the serving thread's
+current context while it runs), and its reply is encoded in it, also when an
+``@async_execution`` call replies later from another thread.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 import torch
 
 from rallypoint.rpc import _wire
+from rallypoint.rpc._autograd import AutogradContext, run_in
 from rallypoint.rpc._calls import PendingCalls, fail
 from rallypoint.rpc._codec import Codec
 from rallypoint.rpc._errors import RpcError
@@ -106,7 +111,7 @@ class Dispatcher:
                 error: ErrorReply = pickle.loads(frame.data)
                 fail(future, error.rebuild())
                 return
-            value = _wire.decode(frame.data, frame.tensors)
+            value, _ = self._codec.decode(conn.peer_name, frame.data, frame.tensors)
         except BaseException as exc:
             fail(future, exc)
             return
@@ -116,22 +121,25 @@ class Dispatcher:
         with self._lock:
             self._inflight += 1
         finished = True
+        ctx: AutogradContext | None = None
         try:
             try:
-                func, args, kwargs = _wire.decode(frame.data, frame.tensors)
+                (func, args, kwargs), ctx = self._codec.decode(
+                    conn.peer_name, frame.data, frame.tensors
+                )
             except AttributeError as exc:
                 raise AttributeError(
                     f"{exc} Default RPC pickler does not serialize function code. Ensure that "
                     "UDFs are defined on both caller and callee modules."
                 ) from exc
-            result = func(*args, **kwargs)
+            result = func(*args, **kwargs) if ctx is None else run_in(ctx, func, args, kwargs)
             if frame.kind is _ONEWAY:
                 return
             if is_async_execution(func):
-                self._reply_later(conn, frame.request_id, func, result)
+                self._reply_later(conn, frame.request_id, func, result, ctx)
                 finished = False
                 return
-            self._reply(conn, frame.request_id, result, flush=False)
+            self._reply(conn, frame.request_id, result, flush=False, ctx=ctx)
         except BaseException as exc:
             if frame.kind is _ONEWAY:
                 logger.warning(
@@ -147,7 +155,9 @@ class Dispatcher:
         with self._lock:
             self._inflight -= 1
 
-    def _reply_later(self, conn: Connection, rid: int, func: Any, result: Any) -> None:
+    def _reply_later(
+        self, conn: Connection, rid: int, func: Any, result: Any, ctx: AutogradContext | None
+    ) -> None:
         """An ``@async_execution`` call: reply when the future it returned completes."""
         if not isinstance(result, torch._C.Future):
             raise TypeError(
@@ -155,22 +165,36 @@ class Dispatcher:
                 f"@async_execution but returned {type(result).__name__}; it must "
                 "return a torch.futures.Future"
             )
-        result.add_done_callback(lambda fut: self._reply_future(conn, rid, fut))
+        result.add_done_callback(lambda fut: self._reply_future(conn, rid, fut, ctx))
 
-    def _reply_future(self, conn: Connection, rid: int, fut: torch.futures.Future[Any]) -> None:
+    def _reply_future(
+        self,
+        conn: Connection,
+        rid: int,
+        fut: torch.futures.Future[Any],
+        ctx: AutogradContext | None,
+    ) -> None:
         try:
             try:
                 value = fut.wait()
             except BaseException as exc:
                 self._reply_error(conn, rid, exc, flush=True)
                 return
-            self._reply(conn, rid, value, flush=True)
+            self._reply(conn, rid, value, flush=True, ctx=ctx)
         finally:
             self._done()
 
-    def _reply(self, conn: Connection, rid: int, value: Any, *, flush: bool) -> None:
+    def _reply(
+        self,
+        conn: Connection,
+        rid: int,
+        value: Any,
+        *,
+        flush: bool,
+        ctx: AutogradContext | None = None,
+    ) -> None:
         try:
-            data, raws = self._codec.reply(conn.peer_name, value)
+            data, raws = self._codec.reply(conn.peer_name, value, ctx)
         except BaseException as exc:
             self._reply_error(conn, rid, exc, flush=flush)
             return

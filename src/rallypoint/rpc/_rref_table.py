@@ -95,6 +95,7 @@ class RRefTable:
         self._fork_ids = itertools.count(1)
         self._pins: dict[int, RRef[Any]] = {}
         self._releases: queue.SimpleQueue[tuple[str, RRefId]] = queue.SimpleQueue()
+        self._unpins: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
         self._closed = False
 
     def __len__(self) -> int:
@@ -115,11 +116,15 @@ class RRefTable:
         self._pins.pop(fork_id, None)
 
     def unpin_at(self, sender: str, fork_id: int) -> None:
-        """Tell ``sender`` (maybe this worker) that its fork ``fork_id`` is registered."""
+        """Tell ``sender`` (maybe this worker) that its fork ``fork_id`` is registered.
+
+        A remote sender hears it with the next batch of decrements: its RRef stays pinned
+        a few milliseconds longer, and a call that forks RRefs costs no extra message.
+        """
         if sender == self.me.name:
             self.unpin(fork_id)
-        else:
-            self.caller.oneway(sender, owner_unpin, fork_id)
+        elif not self._closed:
+            self._unpins.put((sender, fork_id))
 
     # ---- decrements --------------------------------------------------------------------
     def release(self, owner: str, rref_id: RRefId) -> None:
@@ -128,10 +133,20 @@ class RRefTable:
             self._releases.put((owner, rref_id))
 
     def has_releases(self) -> bool:
-        return not self._releases.empty()
+        return not self._releases.empty() or not self._unpins.empty()
 
     def send_releases(self, reachable: Callable[[str], bool]) -> None:
-        """Apply this worker's own decrements; send the others to ``reachable`` owners."""
+        """Apply this worker's own decrements; send the others (and unpins) in batches."""
+        unpins: dict[str, list[int]] = {}
+        while True:
+            try:
+                sender, fork_id = self._unpins.get_nowait()
+            except queue.Empty:
+                break
+            unpins.setdefault(sender, []).append(fork_id)
+        for sender, fork_ids in unpins.items():
+            if reachable(sender):
+                self.caller.oneway(sender, owner_unpin_many, fork_ids)
         batches: dict[str, list[RRefId]] = {}
         while True:
             try:
@@ -159,12 +174,14 @@ CURRENT_TABLE: Current[RRefTable] = Current()
 def _settle(
     entry: _Entry, done: torch.futures.Future[Any], value: Any, exc: BaseException | None
 ) -> None:
+    # the creation's reply goes out before any to_here() reply waiting on the value, so a
+    # caller whose to_here() returned sees its RRef confirmed by the owner
     if exc is not None:
-        entry.future.set_exception(exc)
         done.set_exception(exc)
+        entry.future.set_exception(exc)
     else:
-        entry.future.set_result(value)
         done.set_result(None)
+        entry.future.set_result(value)
 
 
 @async_execution
@@ -215,8 +232,10 @@ def owner_decref_many(rref_ids: list[RRefId]) -> None:
         owned.decref(rref_id)
 
 
-def owner_unpin(fork_id: int) -> None:
-    CURRENT_TABLE.get().unpin(fork_id)
+def owner_unpin_many(fork_ids: list[int]) -> None:
+    table = CURRENT_TABLE.get()
+    for fork_id in fork_ids:
+        table.unpin(fork_id)
 
 
 @async_execution

@@ -11,7 +11,7 @@ import importlib
 from datetime import timedelta
 from typing import Any
 
-from rallypoint.rpc._backend import Args, Func, Fut, Kwargs, RpcAgent
+from rallypoint.rpc._backend import CURRENT_AGENT, Args, Func, Fut, Kwargs, RpcAgent
 
 
 def _rpc() -> Any:
@@ -67,8 +67,13 @@ def start_tensorpipe(
     store.set_timeout(timedelta(seconds=options.rpc_timeout))
     dist_autograd._init(rank)
     rpc._set_profiler_node_id(rank)
+    # peers may call us (and make us create RRefs) as soon as torch's agent serves,
+    # before init_rpc returns: be this process's agent from the start
+    adapter = TensorPipeAgentAdapter(None)
+    CURRENT_AGENT.set(adapter)
     agent = rpc.backend_registry._tensorpipe_init_backend_handler(
         store, name, rank, world_size, options
     )
     rpc.api._init_rpc_states(agent)
-    return TensorPipeAgentAdapter(agent)
+    adapter.agent = agent
+    return adapter

@@ -12,6 +12,10 @@ Tensors never go through pickle: the pickler swaps each dense tensor for a small
 reference (dtype, shape, target device) and hands its bytes to the transport, which sends
 them raw after the pickle (across hosts) or places them in a shared-memory segment (same
 host). Nothing here is unpickled before the connection has authenticated.
+
+Distributed autograd hooks in at both ends: ``encode(grad_sink=...)`` collects the tensors
+that need a gradient (in pickle order), and ``decode(recv_hook=...)`` hands each received
+tensor that needs one to the hook (in the same order), which returns the tensor to use.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class _Encoder(pickle.Pickler):
         dst: str,
         rref_type: type | None,
         rref_hook: Callable[[Any], ReduceValue] | None,
+        grad_sink: list[torch.Tensor] | None,
     ) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._tensors = tensors
@@ -88,6 +93,7 @@ class _Encoder(pickle.Pickler):
         self._dst = dst
         self._rref_type = rref_type
         self._rref_hook = rref_hook
+        self._grad_sink = grad_sink
 
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
@@ -106,6 +112,8 @@ class _Encoder(pickle.Pickler):
                 else raw.new_empty(0, dtype=_RAW)
             )
             self._tensors.append(raw)
+            if self._grad_sink is not None and obj.requires_grad:
+                self._grad_sink.append(obj)
             args = (
                 len(self._tensors) - 1,
                 obj.dtype,
@@ -147,26 +155,38 @@ def encode(
     device_map: DeviceMap | None = None,
     rref_type: type | None = None,
     rref_hook: Callable[[Any], ReduceValue] | None = None,
+    grad_sink: list[torch.Tensor] | None = None,
 ) -> tuple[bytes, list[torch.Tensor]]:
-    """Pickle ``obj``; its dense tensors come back separately as raw ``uint8`` tensors."""
+    """Pickle ``obj``; its dense tensors come back separately as raw ``uint8`` tensors.
+
+    ``grad_sink``, if given, receives every dense tensor that requires grad, in order.
+    """
     if _is_simple(obj):
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), []
     buffer = io.BytesIO()
     tensors: list[torch.Tensor] = []
-    _Encoder(buffer, tensors, device_map, dst, rref_type, rref_hook).dump(obj)
+    _Encoder(buffer, tensors, device_map, dst, rref_type, rref_hook, grad_sink).dump(obj)
     return buffer.getvalue(), tensors
 
 
-def decode(data: bytes | memoryview, tensors: list[torch.Tensor]) -> Any:
-    """Unpickle a message produced by :func:`encode` with its raw tensors."""
+def decode(
+    data: bytes | memoryview,
+    tensors: list[torch.Tensor],
+    recv_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Any:
+    """Unpickle a message produced by :func:`encode` with its raw tensors.
+
+    ``recv_hook``, if given, replaces every received tensor that requires grad.
+    """
     if not tensors:
         return pickle.loads(data)
-    saved = getattr(_state, "tensors", None)
+    saved = getattr(_state, "tensors", None), getattr(_state, "recv_hook", None)
     _state.tensors = tensors
+    _state.recv_hook = recv_hook
     try:
         return pickle.loads(data)
     finally:
-        _state.tensors = saved
+        _state.tensors, _state.recv_hook = saved
 
 
 def _rebuild_tensor(
@@ -187,6 +207,11 @@ def _rebuild_tensor(
         if target.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"tensor was mapped to {target} but this worker has no CUDA")
         tensor = tensor.to(target)
+    if requires_grad:
+        hook = getattr(_state, "recv_hook", None)
+        if hook is not None:
+            received: torch.Tensor = hook(tensor.requires_grad_(True))
+            return received
     if is_parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     if (requires_grad and tensor.is_floating_point()) or (requires_grad and tensor.is_complex()):

@@ -13,6 +13,8 @@ Public names (resolved lazily: importing ``rallypoint.testing`` loads nothing he
 - :class:`KVContract`: the behaviour every rendezvous key-value backend must pass (subclass
   it in a pytest module and provide a ``kv`` fixture).
 - :func:`run_rpc_contract`: the checks every RPC backend must pass, in fresh processes.
+- :func:`run_rpc_autograd_contract`: distributed autograd and ``DistributedOptimizer``
+  patterns every RPC backend must pass (gradients against one process, errors, training).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ _LAZY_NAMES: dict[str, str] = {
     "TLSFiles": "rallypoint.testing._etcd",
     "KVContract": "rallypoint.testing._rendezvous_contract",
     "run_rpc_contract": "rallypoint.testing._rpc_contract",
+    "run_rpc_autograd_contract": "rallypoint.testing._rpc_autograd_contract",
 }
 
 __all__ = [
@@ -49,6 +52,7 @@ __all__ = [
     "etcd_binary",
     "make_tls_files",
     "netns_available",
+    "run_rpc_autograd_contract",
     "run_rpc_contract",
     "run_workers",
 ]
@@ -58,6 +62,7 @@ if TYPE_CHECKING:
     from rallypoint.testing._etcd_cluster import EtcdCluster
     from rallypoint.testing._netns import Host, NetnsError, Network, netns_available
     from rallypoint.testing._rendezvous_contract import KVContract
+    from rallypoint.testing._rpc_autograd_contract import run_rpc_autograd_contract
     from rallypoint.testing._rpc_contract import run_rpc_contract
     from rallypoint.testing._workers import WorkerError, run_workers
 

@@ -13,6 +13,9 @@ deterministic stand-ins, so that every backend must give *the same results*:
   timeout (3 s), so ``shutdown()`` must wait as long as the master is alive and working.
 - ``process_group_and_rpc``: ``init_process_group`` and ``init_rpc`` on the same
   ``MASTER_PORT``, in both orders; no store bind error may be logged.
+- ``model_parallel_rnn``: the model-parallel RNN trained with distributed autograd and
+  ``DistributedOptimizer`` (:mod:`rallypoint.testing._rpc_program_rnn`, a torch program
+  with only its imports changed).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 from rallypoint._core.envvars import RPC_SECRET
 from rallypoint.rpc.functions import async_execution
+from rallypoint.testing._rpc_program_rnn import run_program as _model_parallel_rnn
 from rallypoint.testing._workers import run_workers
 
 BIND_ERRORS = ("failed to bind", "EADDRINUSE", "address already in use")
@@ -270,6 +274,7 @@ PATTERNS: dict[str, tuple[Callable[..., Any], int]] = {
     "observer_agent": (_observer_agent, _OBSERVERS + 1),
     "parameter_server": (_parameter_server, 3),
     "process_group_and_rpc": (_process_group_and_rpc, 3),
+    "model_parallel_rnn": (_model_parallel_rnn, 2),
 }
 
 

@@ -1,0 +1,536 @@
+"""Distributed autograd on the rallypoint agent: contexts, sends and receives, backward.
+
+torch's design (FAST mode), in Python:
+
+- A *context* (:class:`AutogradContext`) is created by ``dist_autograd.context()`` and
+  named by an id unique in the job (the worker's rank in the high 16 bits, as torch's).
+  The thread that created it has it as its current context; a worker that receives a
+  call made in a context creates its own copy (same id) and runs the call in it, so
+  nested calls carry it on. Leaving the ``with`` block releases the context here and,
+  through one-way messages batched by the agent's monitor, on every worker it touched.
+- In a context, every call carries the context id; a message with tensors that require
+  grad also carries a *message id*. The sender records a *send* (the tensors' gradient
+  edges); the receiver wraps each such tensor in a ``RecvRpcBackward`` node and records
+  a *receive*. The codec does both (:class:`~rallypoint.rpc._codec.Codec`).
+- ``backward(context_id, roots)`` runs the local pass from the roots; every received
+  tensor it reaches sends its gradient to the sender (``_propagate``, one-way), which
+  runs its own pass from the matching send, and so on. The dependency counting lives in
+  :mod:`._autograd_engine`.
+- Termination by credit: ``backward`` hands out a credit of 1; every propagation carries
+  a share (an exact fraction), a worker splits its share among the propagations its pass
+  sends and gives it back to the caller of ``backward`` (``_credit``) when it sends none.
+  ``backward`` returns when all of the credit is back, so when the pass is done on every
+  worker (one message per hop, none for replies); errors come back with the credit.
+- Leaf gradients accumulate in the context (``get_gradients``), never in ``.grad``.
+
+Unlike torch, a send whose gradient never comes (its result was unused) does not hang the
+pass: a received tensor that no source reaches tells its sender "no gradient".
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, NamedTuple, TypeAlias
+
+import torch
+from torch.autograd.graph import Node, get_gradient_edge
+
+from rallypoint.rpc._autograd_engine import Round, SourceKey, execute
+from rallypoint.rpc._backend import Caller
+from rallypoint.rpc._current import Current
+from rallypoint.rpc._groups import WorkerInfo
+
+Grad: TypeAlias = "torch.Tensor | None"
+Items: TypeAlias = "list[tuple[int, int, Grad]]"  # (message id, tensor index, gradient)
+Status: TypeAlias = "tuple[str, int, bool, list[str]]"
+"""A worker's state in a round: name, passes run, settled, the workers it talked to. Only
+workers that waited at some point report; the status with the most passes is the latest."""
+Weight: TypeAlias = "tuple[int, int]"
+"""A share of a round's credit, as a fraction (numerator, denominator)."""
+_Message: TypeAlias = "tuple[Items, str, Weight, tuple[int, ...], list[Status]]"
+"""A propagation: gradients, the worker that called backward, the credit share, the ranks
+the gradients came through (torch's error text names them), statuses on their way."""
+
+_ONE: Weight = (1, 1)
+_POLL = 0.05
+
+_ID_BITS = 48
+_tls = threading.local()
+
+
+def current_context() -> AutogradContext | None:
+    """The context of the calling thread, if any."""
+    return getattr(_tls, "ctx", None)
+
+
+def run_in(ctx: AutogradContext, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Run ``func`` with ``ctx`` as the thread's context (a call that arrived in it)."""
+    saved = getattr(_tls, "ctx", None)
+    _tls.ctx = ctx
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _tls.ctx = saved
+
+
+class RecvRpc(torch.autograd.Function):
+    """Wraps a received tensor; its node (``RecvRpcBackward``) marks where gradients leave."""
+
+    @staticmethod
+    def forward(ctx: Any, raw: torch.Tensor) -> torch.Tensor:
+        return raw.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class RecvRecord(NamedTuple):
+    peer: str
+    message_id: int
+    position: int  # of the tensor among the message's tensors that require grad
+
+
+@dataclass(slots=True)
+class SendRecord:
+    peer: str
+    edges: list[tuple[Node, int]]
+
+
+class AutogradContext:
+    """One worker's part of a distributed autograd context."""
+
+    __slots__ = ("grads", "id", "known", "lock", "recvs", "round", "sends")
+
+    def __init__(self, context_id: int) -> None:
+        self.id = context_id
+        self.lock = threading.Lock()
+        self.sends: dict[int, SendRecord] = {}
+        self.recvs: dict[Node, RecvRecord] = {}
+        self.grads: dict[torch.Tensor, torch.Tensor] = {}
+        self.known: set[str] = set()
+        self.round: Round | None = None
+
+    def accumulate(self, leaves: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Add a pass's leaf gradients, as torch's context does (``AccumulateGrad``).
+
+        The first gradient of a leaf is kept as it is if nothing else can see it (else a
+        copy); later ones are added to it in place, so a dict from ``get_gradients``
+        sees later passes, as torch's does.
+        """
+        storages: set[int] = set()
+        for tensor, grad in leaves:
+            old = self.grads.get(tensor)
+            if old is not None:
+                old.add_(grad)
+                continue
+            storage = grad.untyped_storage().data_ptr()
+            if grad.is_contiguous() and storage not in storages:
+                self.grads[tensor] = grad.detach()
+            else:  # an expanded view, or the same gradient given to two leaves
+                self.grads[tensor] = grad.clone(memory_format=torch.contiguous_format)
+            storages.add(storage)
+
+    def sources(self, roots: Sequence[torch.Tensor]) -> list[tuple[SourceKey, Node, int]]:
+        """Where a round's gradients enter: the roots, and every tensor sent in the context."""
+        found: list[tuple[SourceKey, Node, int]] = [
+            ((-1, i), root.grad_fn, root.output_nr)  # type: ignore[misc]
+            for i, root in enumerate(roots)
+        ]
+        for message_id, send in list(self.sends.items()):
+            found.extend(((message_id, i), node, nr) for i, (node, nr) in enumerate(send.edges))
+        return found
+
+
+def _edge(tensor: torch.Tensor) -> tuple[Node, int]:
+    edge = get_gradient_edge(tensor)
+    return edge.node, edge.output_nr
+
+
+def check_context_id(context_id: object) -> int:
+    if not isinstance(context_id, numbers.Integral) or isinstance(context_id, bool):
+        raise TypeError(f"context_id must be an int, got {type(context_id).__name__}")
+    return int(context_id)
+
+
+def root_list(roots: object) -> list[torch.Tensor]:
+    """``roots`` as a list of tensors (a ``TypeError`` otherwise, as torch's binding)."""
+    if not isinstance(roots, Sequence) or not all(isinstance(r, torch.Tensor) for r in roots):
+        raise TypeError(
+            f"backward(): roots must be a sequence of tensors, got {type(roots).__name__}"
+        )
+    return list(roots)
+
+
+def check_roots(roots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """torch's checks and messages, in torch's order."""
+    if not roots:
+        raise RuntimeError("No tensors provided for gradient computation.")
+    for root in roots:
+        if not root.requires_grad:
+            raise RuntimeError("requires_grad not set on root")
+        if root.numel() != 1:
+            raise RuntimeError(" is not a scalar, all roots need to be scalar")
+        if root.grad_fn is None:
+            raise RuntimeError(" does not have a valid gradient function.")
+    return roots
+
+
+class DistAutograd:
+    """One worker's distributed autograd: its contexts, and the backward protocol."""
+
+    def __init__(
+        self,
+        me: WorkerInfo,
+        caller: Caller,
+        *,
+        timeout: float,
+        dead_workers: Callable[[], list[str]],
+    ) -> None:
+        self.me = me
+        self._caller = caller
+        self._timeout = timeout  # bounds a whole backward pass, as torch's RPC timeout does
+        self._dead_workers = dead_workers
+        self._waiters: dict[tuple[int, int], _Waiter] = {}
+        self._releases: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
+        self._contexts: dict[int, AutogradContext] = {}
+        self._lock = threading.Lock()
+        base = me.id << _ID_BITS
+        self._context_ids = itertools.count(base)
+        self._message_ids = itertools.count(base + 1)
+
+    # ---- contexts ----------------------------------------------------------------------
+    def new_context(self) -> AutogradContext:
+        """A context for the calling thread (``dist_autograd.context().__enter__``)."""
+        if current_context() is not None:
+            raise RuntimeError("Already have an autograd context id for this thread.")
+        ctx = AutogradContext(next(self._context_ids))
+        with self._lock:
+            self._contexts[ctx.id] = ctx
+        _tls.ctx = ctx
+        return ctx
+
+    def retrieve(self, context_id: int) -> AutogradContext:
+        ctx = self._contexts.get(context_id)
+        if ctx is None:
+            raise RuntimeError(f"Could not find autograd context with id: {context_id}")
+        return ctx
+
+    def get_or_create(self, context_id: int) -> AutogradContext:
+        """This worker's copy of a context that a message arrived in."""
+        ctx = self._contexts.get(context_id)
+        if ctx is None:
+            with self._lock:
+                ctx = self._contexts.setdefault(context_id, AutogradContext(context_id))
+        return ctx
+
+    def exit_context(self, context_id: int) -> None:
+        """The ``with`` block ended: forget the thread's context and release it everywhere."""
+        ctx = current_context()
+        if ctx is not None and ctx.id == context_id:
+            _tls.ctx = None
+        if not self.release(context_id):
+            raise RuntimeError(f"Could not find autograd context with id: {context_id}")
+
+    def release(self, context_id: int, sender: str | None = None) -> bool:
+        """Drop a context; the workers it exchanged messages with hear of it in batches."""
+        with self._lock:
+            ctx = self._contexts.pop(context_id, None)
+        if ctx is None:
+            return False
+        for peer in ctx.known - {self.me.name, sender}:
+            self._releases.put((peer, context_id))
+        return True
+
+    def send_releases(self) -> None:
+        """Tell peers which contexts were released (the agent's monitor calls this)."""
+        batches: dict[str, list[int]] = {}
+        while True:
+            try:
+                peer, context_id = self._releases.get_nowait()
+            except queue.Empty:
+                break
+            batches.setdefault(peer, []).append(context_id)
+        for peer, ids in batches.items():
+            self._caller.oneway(peer, _release, ids, self.me.name)
+
+    def has_releases(self) -> bool:
+        return not self._releases.empty()
+
+    def __len__(self) -> int:
+        return len(self._contexts)
+
+    def close(self) -> None:
+        with self._lock:
+            self._contexts.clear()
+
+    # ---- the codec's hooks ---------------------------------------------------------------
+    def record_send(self, ctx: AutogradContext, dst: str, tensors: list[torch.Tensor]) -> int:
+        """A message to ``dst`` carries ``tensors`` that require grad: its message id."""
+        message_id = next(self._message_ids)
+        ctx.sends[message_id] = SendRecord(dst, [_edge(t) for t in tensors])
+        return message_id
+
+    def receiver(
+        self, ctx: AutogradContext, src: str, message_id: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The hook that wraps the tensors of message ``message_id`` from ``src``."""
+        counter = itertools.count()
+        recvs = ctx.recvs
+
+        def receive(raw: torch.Tensor) -> torch.Tensor:
+            if torch.is_grad_enabled():  # it is on the reader threads that decode
+                out: torch.Tensor = RecvRpc.apply(raw)  # type: ignore[no-untyped-call]
+            else:
+                with torch.enable_grad():
+                    out = RecvRpc.apply(raw)  # type: ignore[no-untyped-call]
+            recvs[out.grad_fn] = RecvRecord(src, message_id, next(counter))  # type: ignore[index]
+            return out
+
+        return receive
+
+    # ---- backward ------------------------------------------------------------------------
+    def backward(self, context_id: int, roots: list[torch.Tensor], retain_graph: bool) -> None:
+        """Run the distributed backward pass from ``roots``; returns when it is done."""
+        ctx = self.retrieve(context_id)
+        roots = check_roots(roots)
+        if any(key[0] == context_id for key in list(self._waiters)):
+            raise RuntimeError(
+                f"a distributed backward pass of context {context_id} is already running "
+                "(on another thread); run one pass at a time in a context"
+            )
+        round_id = next(self._message_ids)
+        arrivals: list[tuple[SourceKey, Grad]] = [
+            ((-1, i), torch.ones_like(r)) for i, r in enumerate(roots)
+        ]
+        waiter = self._waiters[(context_id, round_id)] = _Waiter()
+        try:
+            try:
+                outgoing, statuses = self._step(ctx, round_id, retain_graph, arrivals, roots)
+            except Exception as exc:
+                raise RuntimeError(self._error((), exc)) from exc
+            trail = (self.me.id,)
+            self._forward(ctx, round_id, retain_graph, outgoing, _ONE, trail, statuses)
+            self._wait(waiter, context_id)
+            asked = {self.me.name}
+            while (targets := self._unheard(waiter, asked, context_id)) is not None:
+                # workers wait for gradients from workers no pass reached: ask those
+                # (their received tensors that no source reaches answer "no gradient")
+                asked.update(targets)
+                waiter = self._waiters[(context_id, round_id)] = _Waiter(waiter.latest)
+                asking: dict[str, Items] = {target: [] for target in targets}
+                self._forward(ctx, round_id, retain_graph, asking, _ONE, trail, [])
+                self._wait(waiter, context_id)
+        finally:
+            self._waiters.pop((context_id, round_id), None)
+
+    def _wait(self, waiter: _Waiter, context_id: int) -> None:
+        """Until every share of the credit came back; raise the first error."""
+        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        already = set(self._dead_workers())
+        while not waiter.done.wait(_POLL):
+            dead = sorted(set(self._dead_workers()) - already)
+            if dead:
+                raise RuntimeError(
+                    f"Error on Node {self.me.id}: workers {dead} died during the distributed "
+                    f"backward pass of context {context_id}"
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"Error on Node {self.me.id}: the distributed backward pass of context "
+                    f"{context_id} did not finish within the RPC timeout ({self._timeout} s)"
+                )
+        if waiter.error is not None:
+            raise RuntimeError(f"Error on Node {self.me.id}: {waiter.error}")
+
+    def _unheard(self, waiter: _Waiter, asked: set[str], context_id: int) -> list[str] | None:
+        """Workers to ask because others still wait for them; ``None``: all is done."""
+        waiting = [s for s in waiter.latest.values() if not s[2]]
+        if not waiting:
+            return None
+        targets = [w for s in waiting for w in s[3] if w not in asked]
+        if not targets:
+            raise RuntimeError(
+                f"Error on Node {self.me.id}: the distributed backward pass of context "
+                f"{context_id} cannot finish: workers {sorted(s[0] for s in waiting)} still "
+                "wait for gradients of tensors they sent, and every worker they exchanged "
+                "messages with has been asked"
+            )
+        return list(dict.fromkeys(targets))
+
+    def serve(self, context_id: int, round_id: int, retain_graph: bool, message: _Message) -> None:
+        """Gradients for tensors this worker sent arrived: run the pass they start."""
+        items, origin, weight, trail, statuses = message
+        try:
+            ctx = self.retrieve(context_id)
+            arrivals: list[tuple[SourceKey, Grad]] = [((m, i), g) for m, i, g in items]
+            outgoing, status = self._step(ctx, round_id, retain_graph, arrivals, ())
+        except Exception as exc:
+            self._give_back(origin, context_id, round_id, weight, self._error(trail, exc), statuses)
+            return
+        if status:
+            statuses = [*statuses, *status]
+        trail = (*trail, self.me.id)
+        self._forward(ctx, round_id, retain_graph, outgoing, weight, trail, statuses, origin)
+
+    def _step(
+        self,
+        ctx: AutogradContext,
+        round_id: int,
+        retain_graph: bool,
+        arrivals: list[tuple[SourceKey, Grad]],
+        roots: Sequence[torch.Tensor],
+    ) -> tuple[dict[str, Items], list[Status]]:
+        """One local pass (under the context's lock): the gradients to send, per peer, and
+        this worker's status if the initiator must hear it (it waited at some point)."""
+        with ctx.lock:
+            rnd = ctx.round
+            dead: list[Node] = []
+            if rnd is None or rnd.id != round_id:
+                rnd = ctx.round = Round(round_id, retain_graph, ctx.sources(roots), ctx.recvs)
+                # received tensors that no source reaches get no gradient in this round
+                dead = [node for node in list(ctx.recvs) if not rnd.reaches(node)]
+            plan = rnd.plan(arrivals)
+            plan.recv_dead.extend(dead)
+            outcome = execute(rnd, plan)
+            ctx.accumulate(outcome.leaves)
+            outgoing: dict[str, Items] = {}
+            for node, sent in outcome.recv:
+                record = ctx.recvs[node]
+                outgoing.setdefault(record.peer, []).append(
+                    (record.message_id, record.position, sent)
+                )
+            settled = rnd.settled
+            if not settled:
+                rnd.reported_unsettled = True
+            elif not rnd.reported_unsettled:
+                return outgoing, []
+            known = [] if settled else sorted(ctx.known)
+            return outgoing, [(self.me.name, rnd.passes, settled, known)]
+
+    def _forward(
+        self,
+        ctx: AutogradContext,
+        round_id: int,
+        retain_graph: bool,
+        outgoing: dict[str, Any],
+        weight: Weight,
+        trail: tuple[int, ...],
+        statuses: list[Status],
+        origin: str | None = None,
+    ) -> None:
+        """Send the gradients on, each with a share of the credit (or give the credit back)."""
+        origin = origin or self.me.name
+        if not outgoing:
+            self._give_back(origin, ctx.id, round_id, weight, None, statuses)
+            return
+        share = weight if len(outgoing) == 1 else _split(weight, len(outgoing))
+        saved = getattr(_tls, "ctx", None)
+        _tls.ctx = None  # protocol messages are not part of the context's forward pass
+        try:
+            for peer, items in outgoing.items():
+                message: _Message = (list(items), origin, share, trail, statuses)
+                if not self._caller.oneway(
+                    peer, _propagate, ctx.id, round_id, retain_graph, message
+                ):
+                    error = f"Error on Node {self.me.id}: cannot reach worker {peer}"
+                    self._give_back(origin, ctx.id, round_id, share, error, statuses)
+                statuses = []
+        finally:
+            _tls.ctx = saved
+
+    def _give_back(
+        self,
+        origin: str,
+        context_id: int,
+        round_id: int,
+        weight: Weight,
+        error: str | None,
+        statuses: list[Status],
+    ) -> None:
+        if origin == self.me.name:
+            self.credit(context_id, round_id, weight, error, statuses)
+        else:
+            # only atomic arguments in the common case: the codec's fastest path
+            num, den = weight
+            self._caller.oneway(
+                origin, _credit, context_id, round_id, num, den, error, statuses or None
+            )
+
+    def credit(
+        self,
+        context_id: int,
+        round_id: int,
+        weight: Weight,
+        error: str | None,
+        statuses: list[Status],
+    ) -> None:
+        """A share of a round's credit came back (to the worker that called backward)."""
+        with self._lock:
+            waiter = self._waiters.get((context_id, round_id))
+            if waiter is not None:
+                waiter.add(Fraction(*weight), error, statuses)
+
+    def _error(self, trail: tuple[int, ...], exc: BaseException) -> str:
+        """torch's text: ``Error on Node N: `` for every worker the gradient came through."""
+        via = "".join(f"Error on Node {node}: " for node in trail[1:])
+        return f"{via}Error on Node {self.me.id}: {exc}"
+
+
+def _split(weight: Weight, n: int) -> Weight:
+    share = Fraction(*weight) / n
+    return (share.numerator, share.denominator)
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    """The worker that called backward: the credit that came back, errors, statuses."""
+
+    latest: dict[str, Status] = field(default_factory=dict)
+    credit: Fraction = Fraction(0)
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def add(self, weight: Fraction, error: str | None, statuses: list[Status]) -> None:
+        self.credit += weight
+        if error is not None and self.error is None:
+            self.error = error
+        for status in statuses:
+            seen = self.latest.get(status[0])
+            if seen is None or status[1] >= seen[1]:
+                self.latest[status[0]] = status
+        if self.credit >= 1:
+            self.done.set()
+
+
+CURRENT_AUTOGRAD: Current[DistAutograd] = Current()
+
+
+# ---- functions that run on the other workers ---------------------------------------------
+def _propagate(context_id: int, round_id: int, retain_graph: bool, message: _Message) -> None:
+    CURRENT_AUTOGRAD.get().serve(context_id, round_id, retain_graph, message)
+
+
+def _credit(
+    context_id: int,
+    round_id: int,
+    num: int,
+    den: int,
+    error: str | None,
+    statuses: list[Status] | None,
+) -> None:
+    CURRENT_AUTOGRAD.get().credit(context_id, round_id, (num, den), error, statuses or [])
+
+
+def _release(context_ids: list[int], sender: str) -> None:
+    autograd = CURRENT_AUTOGRAD.peek()
+    if autograd is not None:
+        for context_id in context_ids:
+            autograd.release(context_id, sender)

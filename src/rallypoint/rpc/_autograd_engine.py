@@ -1,0 +1,307 @@
+"""One distributed backward pass, as one worker runs its share of it (torch's FAST mode).
+
+A *round* is one ``dist_autograd.backward`` call. On each worker it touches, the round
+works on the local autograd graph between the worker's *sources* (the roots, on the
+worker that called ``backward``, and every tensor this worker sent in the context: their
+gradients come back from the receivers) and its *sinks* (leaves, whose gradients go into
+the context, and received tensors, whose gradients go back to their senders).
+
+torch counts, for every node, the edges that reach it from all sources, and runs a node
+once all of them delivered its gradient; a node shared by two sources (a tensor used in
+the loss and also sent away) therefore runs once, with the summed gradient. This module
+does the same on top of the local engine, one ``torch.autograd.grad`` call per arrival:
+
+- :meth:`Round.plan` simulates the counting: starting from the gradients that arrived, a
+  node whose count reaches zero *executes* (if it received any gradient) or is *dead*
+  (it received none: a dead received tensor tells its sender "no gradient"). A node with
+  a gradient but a non-zero count is *pending*: the engine captures the gradient that
+  reached it so far and the node runs in a later pass, when its count reaches zero.
+- :func:`execute` runs the engine once over the plan: outputs are the arrived and the
+  buffered gradients, inputs are the leaves, the received tensors that completed and the
+  pending nodes. A pending node that leads to a captured node would be executed by the
+  engine with a partial gradient: a pre-hook turns its gradient into ``None`` for that
+  pass and the pass keeps the graph (the node runs again later).
+
+Leaves (``AccumulateGrad``) are never pending: their gradients are added to the context
+in every pass, so a leaf reached from several sources accumulates their sum, as in torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+_ACC: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
+_ENGINE: Any = torch.autograd.Variable._execution_engine
+
+SourceKey = tuple[int, int]
+"""``(message id, tensor index)`` of a sent tensor; ``(-1, i)`` for the i-th root."""
+
+
+def leaf_of(node: Node) -> torch.Tensor:
+    """The leaf tensor of an ``AccumulateGrad`` node."""
+    leaf: torch.Tensor = node.variable  # type: ignore[attr-defined]
+    return leaf
+
+
+@dataclass(slots=True)
+class Plan:
+    """What one pass does: the engine call's outputs and inputs, and what to report."""
+
+    outputs: list[GradientEdge] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    leaves: dict[Node, None] = field(default_factory=dict)  # AccumulateGrad nodes, ordered
+    recv_done: list[Node] = field(default_factory=list)  # received tensors: gradient complete
+    recv_dead: list[Node] = field(default_factory=list)  # received tensors: no gradient
+    recv_passed: list[tuple[Node, torch.Tensor]] = field(default_factory=list)  # no engine
+    pending: list[tuple[Node, int]] = field(default_factory=list)  # (node, input) to capture
+    direct: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # leaf, grad
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the engine computed for a plan."""
+
+    leaves: list[tuple[torch.Tensor, torch.Tensor]]
+    recv: list[tuple[Node, torch.Tensor | None]]  # None: the received tensor gets no gradient
+
+
+class Round:
+    """One worker's state for one backward round of one context."""
+
+    def __init__(
+        self,
+        round_id: int,
+        retain_graph: bool,
+        sources: Iterable[tuple[SourceKey, Node, int]],
+        recvs: dict[Node, Any],
+    ) -> None:
+        self.id = round_id
+        self.retain_graph = retain_graph
+        self._recvs = recvs
+        self._edges: dict[SourceKey, tuple[Node, int]] = {}
+        self._children: dict[Node, list[tuple[Node, int]]] = {}
+        self._remaining: dict[Node, int] = {}
+        self._buffers: dict[Node, dict[int, torch.Tensor]] = {}
+        self._unresolved = 0
+        stack: list[Node] = []
+        for key, node, input_nr in sources:
+            self._edges[key] = (node, input_nr)
+            if type(node) is not _ACC:
+                self._count(node, stack)
+        self._walk(stack)
+        self._unarrived = len(self._edges)
+        # one source (the common case: a stage's reply): every node runs in its one pass
+        self._single = next(iter(self._edges)) if self._unarrived == 1 else None
+        self.passes = 0  # passes run so far: orders this worker's reports of the round
+        self.reported_unsettled = False
+
+    # ---- the graph ---------------------------------------------------------------------
+    def _count(self, node: Node, stack: list[Node]) -> None:
+        count = self._remaining.get(node)
+        if count is None:
+            self._remaining[node] = 1
+            self._unresolved += 1
+            stack.append(node)
+        else:
+            self._remaining[node] = count + 1
+
+    def _walk(self, stack: list[Node]) -> None:
+        """Count, for every node reachable from the sources, the edges that reach it."""
+        children, recvs, count = self._children, self._recvs, self._count
+        while stack:
+            node = stack.pop()
+            if node in recvs:  # a received tensor: its gradient leaves this worker
+                children[node] = []
+                continue
+            kids = [(child, nr) for child, nr in node.next_functions if child is not None]
+            children[node] = kids
+            for child, _ in kids:
+                if type(child) is not _ACC:
+                    count(child, stack)
+
+    def reaches(self, node: Node) -> bool:
+        """Whether ``node`` is in this round's graph."""
+        return node in self._remaining
+
+    @property
+    def settled(self) -> bool:
+        """Every source arrived and every node ran or died: nothing more will happen here."""
+        return not self._unarrived and not self._unresolved
+
+    def has_source(self, key: SourceKey) -> bool:
+        return key in self._edges
+
+    # ---- one pass ----------------------------------------------------------------------
+    def plan(self, arrivals: Iterable[tuple[SourceKey, torch.Tensor | None]]) -> Plan:
+        """Deliver ``arrivals`` (``None``: that source gets no gradient) and plan the pass."""
+        self.passes += 1
+        if self._single is not None:
+            single = list(arrivals)
+            if len(single) == 1 and single[0][0] == self._single:
+                return self._plan_single(single[0][1])
+            arrivals = single
+        plan = Plan()
+        ready: list[Node] = []
+        touched: dict[Node, set[int]] = {}
+        for key, grad in arrivals:
+            edge = self._edges.pop(key, None)
+            if edge is None:
+                raise RuntimeError(
+                    f"distributed autograd: no pending send for message {key[0]} (tensor "
+                    f"{key[1]}) in round {self.id}; its gradient arrived twice or too late"
+                )
+            self._unarrived -= 1
+            node, input_nr = edge
+            if type(node) is _ACC:
+                if grad is not None:
+                    plan.direct.append((leaf_of(node), grad))
+                continue
+            if grad is not None:
+                self._buffer(node, input_nr, grad)
+            self._arrive(node, ready)
+        while ready:
+            self._resolve(ready.pop(), plan, ready, touched)
+        remaining = self._remaining
+        for node, inputs in touched.items():
+            if remaining[node] > 0:
+                plan.pending.extend((node, nr) for nr in sorted(inputs))
+        return plan
+
+    def _plan_single(self, grad: torch.Tensor | None) -> Plan:
+        """The only source arrived: everything it reaches runs (or dies) now."""
+        node, input_nr = self._edges.pop(self._single)  # type: ignore[arg-type]
+        self._single = None
+        self._unarrived = self._unresolved = 0
+        plan = Plan()
+        if type(node) is _ACC:
+            if grad is not None:
+                plan.direct.append((leaf_of(node), grad))
+            return plan
+        recvs = self._recvs
+        if grad is None:
+            plan.recv_dead.extend(n for n in self._children if n in recvs)
+            return plan
+        if node in recvs:
+            plan.recv_passed.append((node, grad))
+            return plan
+        plan.outputs.append(GradientEdge(node, input_nr))
+        plan.grads.append(grad)
+        for n, kids in self._children.items():
+            if n in recvs:
+                plan.recv_done.append(n)
+            else:
+                for child, _ in kids:
+                    if type(child) is _ACC:
+                        plan.leaves[child] = None
+        return plan
+
+    def _buffer(self, node: Node, input_nr: int, grad: torch.Tensor) -> None:
+        slots = self._buffers.setdefault(node, {})
+        old = slots.get(input_nr)
+        slots[input_nr] = grad if old is None else old + grad
+
+    def _arrive(self, node: Node, ready: list[Node]) -> None:
+        count = self._remaining[node] - 1
+        self._remaining[node] = count
+        if count == 0:
+            self._unresolved -= 1
+            ready.append(node)
+
+    def _resolve(
+        self, node: Node, plan: Plan, ready: list[Node], touched: dict[Node, set[int]]
+    ) -> None:
+        buffered = self._buffers.pop(node, None)
+        is_recv = node in self._recvs
+        if buffered is None and node not in touched:  # dead: no gradient reached it
+            if is_recv:
+                plan.recv_dead.append(node)
+            for child, _ in self._children[node]:
+                if type(child) is not _ACC:
+                    self._arrive(child, ready)
+            return
+        if is_recv and node not in touched and buffered:
+            # a received tensor sent on as it was: its gradient is what came back for it
+            plan.recv_passed.append((node, buffered[0]))
+            return
+        if buffered:
+            for input_nr, grad in buffered.items():
+                plan.outputs.append(GradientEdge(node, input_nr))
+                plan.grads.append(grad)
+        if is_recv:
+            plan.recv_done.append(node)
+            return
+        for child, input_nr in self._children[node]:
+            if type(child) is _ACC:
+                plan.leaves[child] = None
+            else:
+                touched.setdefault(child, set()).add(input_nr)
+                self._arrive(child, ready)
+
+    def capture(self, node: Node, input_nr: int, grad: torch.Tensor | None) -> None:
+        """Keep the partial gradient a pending node received in a pass."""
+        if grad is not None:
+            self._buffer(node, input_nr, grad)
+
+    def leads_to(self, start: Node, targets: set[Node]) -> bool:
+        """Whether a node below ``start`` is in ``targets``."""
+        stack = [start]
+        seen: set[Node] = set()
+        children = self._children
+        while stack:
+            for child, _ in children.get(stack.pop(), ()):
+                if child in targets:
+                    return True
+                if child not in seen and type(child) is not _ACC:
+                    seen.add(child)
+                    stack.append(child)
+        return False
+
+
+def _no_gradient(grads: tuple[torch.Tensor | None, ...]) -> tuple[None, ...]:
+    return tuple(None for _ in grads)
+
+
+def execute(rnd: Round, plan: Plan) -> Outcome:
+    """Run the local engine over ``plan``; leaf gradients and received tensors' gradients."""
+    leaves = list(plan.direct)
+    recv: list[tuple[Node, torch.Tensor | None]] = [(node, None) for node in plan.recv_dead]
+    recv.extend(plan.recv_passed)
+    if not plan.outputs:
+        return Outcome(leaves, recv)
+    leaf_nodes = list(plan.leaves)
+    inputs: list[Any] = [leaf_of(node) for node in leaf_nodes]
+    inputs += [GradientEdge(node, 0) for node in plan.recv_done]
+    inputs += [GradientEdge(node, nr) for node, nr in plan.pending]
+    retain = rnd.retain_graph
+    handles = []
+    if plan.pending:
+        targets: set[Node] = {*leaf_nodes, *plan.recv_done, *(n for n, _ in plan.pending)}
+        for node in dict.fromkeys(n for n, _ in plan.pending):
+            if rnd.leads_to(node, targets):
+                # the engine would run it (something below it is captured): not yet
+                handles.append(node.register_prehook(_no_gradient))
+        retain = retain or bool(handles)
+    if not inputs:
+        return Outcome(leaves, recv)
+    try:
+        # torch.autograd.grad without its argument checks: every gradient here has its
+        # tensor's shape already (a third of the cost of a small pass)
+        grads = _ENGINE.run_backward(
+            tuple(plan.outputs), tuple(plan.grads), retain, False, tuple(inputs), True, False
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    n_leaves, n_recv = len(leaf_nodes), len(plan.recv_done)
+    for node, grad in zip(leaf_nodes, grads[:n_leaves], strict=True):
+        if grad is not None:
+            leaves.append((leaf_of(node), grad))
+    recv.extend(zip(plan.recv_done, grads[n_leaves : n_leaves + n_recv], strict=True))
+    for (node, input_nr), grad in zip(plan.pending, grads[n_leaves + n_recv :], strict=True):
+        rnd.capture(node, input_nr, grad)
+    return Outcome(leaves, recv)
