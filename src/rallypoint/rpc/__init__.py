@@ -32,9 +32,9 @@ Imports point down these lines, and within a line from left to right (no cycles)
 
 from __future__ import annotations
 
-import types
 from typing import TYPE_CHECKING, Any
 
+from rallypoint._core.public import set_public_module
 from rallypoint.rpc import dist_autograd, functions, optim
 from rallypoint.rpc._api import (
     get_rpc_timeout,
@@ -115,22 +115,13 @@ __all__ = [
 ]
 
 
-def _report_public_module() -> None:
-    """Public names say ``rallypoint.rpc`` (where users import them), not a private module."""
-    for name in __all__:
-        obj = globals().get(name)
-        if isinstance(obj, type | types.FunctionType) and obj.__module__.startswith(
-            f"{__name__}._"
-        ):
-            obj.__module__ = __name__
-
-
 def is_available() -> bool:
     """Always true: the rallypoint backend needs only sockets (TENSORPIPE needs torch RPC)."""
     return True
 
 
-_report_public_module()
+# public names say rallypoint.rpc (where users import them), not a private module
+set_public_module(__name__, globals(), __all__)
 
 
 def __getattr__(name: str) -> Any:
