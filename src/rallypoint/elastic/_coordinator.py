@@ -81,6 +81,7 @@ class ElasticCoordinator:
         title: str,
         monitor_interval: float,
         timeout: timedelta | None = None,
+        share_rpc_secret: bool = True,
     ) -> None:
         self.supervisor = supervisor
         self.connect = connect
@@ -91,6 +92,8 @@ class ElasticCoordinator:
         self.title = title
         self.timeout = timeout
         self.poll_every = max(POLL_EVERY, monitor_interval)
+        self.share_rpc_secret = share_rpc_secret
+        """Give every node's workers the run store's RPC secret (False: the user set one)."""
         self._local_round = 0
         self._job: Job | None = None
 
@@ -208,6 +211,7 @@ class ElasticCoordinator:
             run_id=self.run_id,
             restart_count=restart_count,
             max_restarts=self.restarts.max_restarts,
+            rpc_secret=self.job.rpc_secret() if self.share_rpc_secret else "",
         )
         publish_node_count(self.job.run.store, nnodes)
         members = [n.host for n in nodes]

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from rallypoint.elastic._local import LocalCoordinator
 from rallypoint.launcher._config import LaunchConfig
 from rallypoint.observe._observer import Observer
+from rallypoint.supervise._env import user_rpc_secret
 from rallypoint.supervise._errors import LaunchInterruptedError
 from rallypoint.supervise._supervisor import Supervisor
 from rallypoint.supervise._warm import WarmProcess
@@ -94,4 +95,5 @@ def _coordinator(
         title=title,
         monitor_interval=config.stop.monitor_interval.total_seconds(),
         timeout=config.stop.timeout,
+        share_rpc_secret=not user_rpc_secret(config.workers),
     )
