@@ -16,6 +16,9 @@ __all__ = [
     "RPC_ALLOW_STORE_SECRET",
     "RPC_SECRET",
     "RUN_ID",
+    "SNAPSHOT_DIR",
+    "SNAPSHOT_EVERY",
+    "SNAPSHOT_SOCKET",
     "STACKS_DIR",
     "STACKS_SIGNAL",
     "USE_AGENT_STORE",
@@ -37,3 +40,9 @@ PROGRESS_SLOT = "RALLYPOINT_PROGRESS_SLOT"
 STACKS_DIR = "RALLYPOINT_STACKS_DIR"
 STACKS_SIGNAL = "RALLYPOINT_STACKS_SIGNAL"
 IGNORE_SLURM = "RALLYPOINT_IGNORE_SLURM"
+SNAPSHOT_SOCKET = "RALLYPOINT_SNAPSHOT_SOCKET"
+"""The Unix socket of this node's snapshot server (``rallypoint run`` sets it)."""
+SNAPSHOT_DIR = "RALLYPOINT_SNAPSHOT_DIR"
+"""``--snapshot-dir``: where every Kth snapshot is persisted with torch.distributed.checkpoint."""
+SNAPSHOT_EVERY = "RALLYPOINT_SNAPSHOT_EVERY"
+"""``--snapshot-every``: K."""

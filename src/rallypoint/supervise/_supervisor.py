@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rallypoint._core import envvars
 from rallypoint._core.closing import Closing
 from rallypoint._core.net import port_is_free
 from rallypoint.observe._observer import Observer
@@ -113,6 +114,19 @@ class Supervisor(Closing):
                 raise BadTargetError(str(exc)) from None
             raise
         self._warm_ready = True
+        self._start_snapshots()
+
+    def _start_snapshots(self) -> None:
+        """The node's snapshot server (``rallypoint.snapshot``); without it, workers keep
+        snapshots in their own memory and say so."""
+        try:
+            path, self.stopper.snapshot_pid = self.warm.start_snapshots()
+        except WarmProcessError as exc:
+            if exc.kind is not WarmErrorKind.SNAPSHOTS:
+                raise
+            write_console(2, f"rallypoint: no snapshot server on this node: {exc}\n".encode())
+            return
+        self.starter.base_env[envvars.SNAPSHOT_SOCKET] = path
 
     def start_store(self, host: str, port: int) -> int:
         """Host the workers' store on ``host:port`` (0: a free port); returns the port."""

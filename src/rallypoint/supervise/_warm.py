@@ -95,6 +95,13 @@ class WarmProcess:
 
         return self._request(ResetStore(), StoreStarted).port
 
+    def start_snapshots(self) -> tuple[str, int]:
+        """Start the node's snapshot server (idempotent); returns ``(socket path, pid)``."""
+        from rallypoint.supervise._messages import SnapshotsStarted, StartSnapshots
+
+        reply = self._request(StartSnapshots(), SnapshotsStarted)
+        return reply.path, reply.pid
+
     def spawn_many(self, requests: list[tuple[WorkerSpec, list[int]]]) -> list[int]:
         """Start several workers: all requests go out first, so forks start back to back."""
         from rallypoint.supervise._messages import Spawn, Spawned
