@@ -176,3 +176,16 @@ def _rallypoint(o: _Options) -> None:
         help="after printing the stacks of a hang: restart (counts as one) or fail",
     )
     o.opt("--events", default=None, help="append the job's events (JSON lines) to FILE")
+    o.opt(
+        "--snapshot-dir",
+        "--snapshot_dir",
+        default=None,
+        help="persist every Kth rallypoint.snapshot with torch.distributed.checkpoint in DIR",
+    )
+    o.opt(
+        "--snapshot-every",
+        "--snapshot_every",
+        default=None,
+        type=int,
+        help="K for --snapshot-dir (default 10)",
+    )

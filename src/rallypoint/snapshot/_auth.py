@@ -71,7 +71,12 @@ def client_handshake(sock: socket.socket, secret: bytes, deadline: float) -> Non
     client_nonce = secrets.token_bytes(_NONCE)
     mac = _mac(secret, b"rallypoint-snapshot-client", server_nonce, client_nonce)
     sock.sendall(client_nonce + mac)
-    answer = _read(sock, _MAC, deadline)
+    try:
+        answer = _read(sock, _MAC, deadline)
+    except AuthError as exc:
+        raise AuthError(
+            f"the snapshot server refused our answer: the secrets differ ({exc})"
+        ) from None
     want = _mac(secret, b"rallypoint-snapshot-server", client_nonce, server_nonce)
     if not hmac.compare_digest(answer, want):
         raise AuthError("the snapshot server failed the HMAC challenge (secrets differ)")

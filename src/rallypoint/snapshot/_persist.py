@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,9 @@ class Persister:
         import torch.distributed as dist
 
         if self.world == 1:
+            warnings.filterwarnings(  # DCP says it on every no_dist save; we chose it
+                "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+            )
             return None, True
         if not dist.is_available() or not dist.is_initialized():
             return None

@@ -15,8 +15,9 @@ Two listening sockets:
   replica has it; ``inventory``/``open``/``fetch``/``restored`` serve a restore.
 - a TCP socket on every interface: the other nodes' servers, which must pass the HMAC
   challenge over the job's secret (``_auth``) within :data:`HANDSHAKE_SECONDS` before
-  a header is read; at most :data:`MAX_HANDSHAKES` unauthenticated connections at a time
-  and :data:`MAX_PEERS` in all. ``put`` stores a replica, ``get`` sends a snapshot.
+  a header is read; at most :data:`MAX_HANDSHAKES` handshakes at a time (a connection
+  waits up to that long for its turn, so strangers delay a peer by at most that much)
+  and :data:`MAX_PEERS` connections in all. ``put`` stores a replica, ``get`` sends a snapshot.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from rallypoint.snapshot._wire import (
 __all__ = ["HANDSHAKE_SECONDS", "MAX_HANDSHAKES", "MAX_PEERS", "serve"]
 
 HANDSHAKE_SECONDS = 5.0
+CONNECT_SECONDS = 2 * HANDSHAKE_SECONDS + 1
+"""A client's limit for connect and handshake: a server may queue it for a handshake slot."""
 MAX_HANDSHAKES = 16
 MAX_PEERS = 256
 PEER_TIMEOUT = 30.0
@@ -130,9 +133,12 @@ class Server:
     def _peer(self, conn: socket.socket) -> None:
         with conn:
             secret = self.secret
-            if secret is None or not self._handshakes.acquire(blocking=False):
-                return  # no worker told us the secret yet, or too many strangers at once
+            if secret is None:
+                return  # no worker told us the job's secret yet
+            if not self._handshakes.acquire(timeout=HANDSHAKE_SECONDS + 1):
+                return  # strangers hold every handshake slot: this one waited its turn
             try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 server_handshake(conn, secret, time.monotonic() + HANDSHAKE_SECONDS)
             except (AuthError, OSError) as exc:
                 self.log(f"rejected a connection: {exc}")
@@ -308,9 +314,10 @@ class LocalSession:
         if secret is None:
             raise AuthError("no secret yet")
         host, _, port = addr.rpartition(":")
-        sock = socket.create_connection((host, int(port)), timeout=HANDSHAKE_SECONDS)
+        deadline = time.monotonic() + CONNECT_SECONDS
+        sock = socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS)
         try:
-            client_handshake(sock, secret, time.monotonic() + HANDSHAKE_SECONDS)
+            client_handshake(sock, secret, deadline)
         except BaseException:
             sock.close()
             raise
