@@ -1,0 +1,171 @@
+"""Snapshots across nodes: a whole node SIGKILLed (loopback) and a cut link (network
+namespaces), each replaced by a new node running the same command; and a job that grows."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from _jobs import TRAIN, same_params, starts
+
+from rallypoint.testing._netns import Network, netns_available
+
+CONF = "read_timeout=20,keep_alive_interval=0.5,keep_alive_max_attempt=3"
+
+
+def agent_cmd(endpoint: str, run_id: str, out: Path, mode: str, nnodes: str = "2") -> list[str]:
+    return [
+        sys.executable, "-m", "rallypoint", "run", "--nnodes", nnodes, "--nproc-per-node",
+        "1" if mode == "grow" else "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+        "--rdzv-id", run_id, "--rdzv-conf", CONF + ",last_call_timeout=1",
+        "--max-restarts", "0", "--shutdown-timeout", "2",
+        str(TRAIN), str(out), mode, "60",
+    ]  # fmt: skip
+
+
+def _wait_for(path: Path, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+def _finish(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[str]:
+    texts = []
+    for p in procs:
+        text, _ = p.communicate(timeout=timeout)
+        assert p.returncode == 0, text
+        texts.append(text)
+    return texts
+
+
+def _node_of(pid: int, agents: list[subprocess.Popen[str]]) -> int:
+    for i, agent in enumerate(agents):
+        if pid in {c.pid for c in psutil.Process(agent.pid).children(recursive=True)}:
+            return i
+    raise AssertionError(f"worker {pid} belongs to no agent")
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a whole node at once: its agent and every process under it."""
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGKILL)
+
+
+def _check_resumed_at_37(out: Path, texts: list[str], reference: Path) -> None:
+    joined = "".join(texts)
+    assert "restored step 37 from memory on every rank (4 ranks" in joined, joined
+    resumed = [s for s in starts(out) if s[0]]
+    assert resumed == [(37, 37, 4)] * 4, starts(out)
+    same_params(out / "final.pt", reference)
+
+
+@pytest.mark.timeout(240)
+def test_whole_node_killed_at_37_replacement_resumes_at_37_bit_identical(
+    tmp_path: Path, reference4: Path
+) -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    endpoint = f"127.0.0.1:{store.port}"
+
+    def start() -> subprocess.Popen[str]:
+        cmd = agent_cmd(endpoint, "nodeloss", tmp_path, "node")
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    agents = [start(), start()]
+    try:
+        _wait_for(tmp_path / "at37")  # rank 3 saved step 37 (on every copy) and sleeps
+        lost = _node_of(int((tmp_path / "at37").read_text()), agents)
+        _kill_tree(agents[lost].pid)
+        agents[lost].communicate(timeout=30)
+        replacement = start()  # the same command on a new node
+        texts = _finish([agents[1 - lost], replacement])
+    finally:
+        for p in agents:
+            p.kill()
+    _check_resumed_at_37(tmp_path, texts, reference4)
+
+
+_ok, _why = netns_available()
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not _ok, reason=_why)
+@pytest.mark.timeout(240)
+def test_cut_link_at_37_replacement_host_resumes_at_37_bit_identical(
+    tmp_path: Path, reference4: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with Network(3) as net:
+
+        def start(host: int) -> subprocess.Popen[Any]:
+            cmd = agent_cmd("h0:29400", "netcut", tmp_path, "node")
+            return net.hosts[host].popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+
+        first = start(0)
+        time.sleep(0.5)  # h0 hosts the rendezvous store
+        second = start(1)
+        _wait_for(tmp_path / "at37")
+        lost = _node_of(int((tmp_path / "at37").read_text()), [first, second])
+        assert lost == 1, "h0 hosts the rendezvous store; the last rank runs on h1"
+        net.hosts[1].cut()  # its link goes down: no reset, packets vanish
+        replacement = start(2)
+        texts = _finish([first, replacement])
+        second.kill()
+    _check_resumed_at_37(tmp_path, texts, reference4)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("persisted", [False, True], ids=["memory-only", "snapshot-dir"])
+def test_a_grown_world_restores_from_disk_or_says_why_not(tmp_path: Path, persisted: bool) -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    endpoint = f"127.0.0.1:{store.port}"
+    extra = ["--snapshot-dir", str(tmp_path / "ck"), "--snapshot-every", "5"] if persisted else []
+
+    def start() -> subprocess.Popen[str]:
+        cmd = agent_cmd(endpoint, "grow", tmp_path, "grow", nnodes="1:2")
+        cmd[cmd.index("--shutdown-timeout") : cmd.index("--shutdown-timeout")] = extra
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    first = start()
+    try:
+        _wait_until(lambda: len(list((tmp_path / "ck").glob("step-*/.metadata"))) >= 2
+                    if persisted else bool(list(tmp_path.glob("start-*"))))  # fmt: skip
+        time.sleep(0.5)
+        second = start()
+        texts = _finish([first, second])
+    finally:
+        first.kill()
+    joined = "".join(texts)
+    grown = [s for s in starts(tmp_path) if s[2] == 2]
+    assert len(grown) == 2
+    if persisted:  # DCP reshards the one-rank checkpoint for two ranks
+        assert "from disk on every rank (2 ranks" in joined, joined
+        step = grown[0][0]
+        assert step >= 10 and step % 5 == 0 and grown == [(step, step, 2)] * 2
+    else:
+        assert "saved by a world of 1 ranks and this world has 2" in joined, joined
+        assert grown == [(0, 0, 2)] * 2
+
+
+def _wait_until(ready: Callable[[], bool], timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
