@@ -89,7 +89,9 @@ class NodeClient:
             index, fid = int(reply["slot"]), int(reply["fid"])
             cached = self._maps.get(index)
             if cached is None or cached.fid != fid:
-                mm = mmap.mmap(fd, int(reply["size"]))
+                # MAP_POPULATE: the pages are mapped now, in one go, not faulted one by one
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                mm = mmap.mmap(fd, int(reply["size"]), flags=flags)
                 base = torch.frombuffer(mm, dtype=torch.uint8)
                 cached = self._maps[index] = SlotBuffer(index, fid, 0, mm, base)
             cached.nbytes = int(reply["nbytes"])

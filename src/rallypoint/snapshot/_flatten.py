@@ -163,6 +163,34 @@ def _resolve(obj: Any, get: Callable[[int], torch.Tensor]) -> Any:
     return obj
 
 
+def _into(saved: Any, live: Any, tensors: _Tensors) -> Any:
+    """Like :func:`_resolve` with private tensors, but a saved tensor whose live
+    counterpart (the same place in the object's current state dict) has its shape and dtype
+    is copied into that tensor, which is reused: an optimizer with state gets its moments
+    back without a new allocation."""
+    if isinstance(saved, Ref):
+        view = tensors.views[saved.index]
+        if isinstance(live, torch.Tensor) and live.shape == view.shape and live.dtype == view.dtype:
+            with torch.no_grad():
+                live.copy_(view)
+            return live
+        return tensors.owned(saved.index)
+    if type(saved) in (list, tuple):
+        same = isinstance(live, list | tuple) and len(live) == len(saved)
+        return type(saved)(
+            _into(v, live[i] if same else None, tensors) for i, v in enumerate(saved)
+        )
+    if type(saved) in _DICTS:
+        current = live if isinstance(live, Mapping) else {}
+        out = type(saved)()
+        for k, v in saved.items():
+            out[k] = _into(v, current.get(k), tensors)
+        if hasattr(saved, "_metadata"):
+            out._metadata = saved._metadata
+        return out
+    return saved
+
+
 class _Tensors:
     """The restored tensors: the views themselves where the consumer copies (modules,
     in-place tensors), private copies on their device where it keeps them (optimizers).
@@ -204,9 +232,10 @@ def apply(
     notes = []
     for key, kind, saved in items:
         live: Any = state.get(key)
-        if kind == "stateful" and _stateful(live):
-            copies = isinstance(live, torch.nn.Module)  # load_state_dict copies: no copy here
-            live.load_state_dict(_resolve(saved, tensors.view if copies else tensors.owned))
+        if kind == "stateful" and isinstance(live, torch.nn.Module):
+            live.load_state_dict(_resolve(saved, tensors.view))  # it copies: views will do
+        elif kind == "stateful" and _stateful(live):
+            live.load_state_dict(_into(saved, live.state_dict(), tensors))
         elif kind == "tensor" and isinstance(live, torch.Tensor):
             value = _resolve(saved, tensors.view)
             if live.shape == value.shape and live.dtype == value.dtype:
