@@ -151,4 +151,4 @@ def test_the_socket_directory_is_private_and_slots_have_no_name(
     links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
     memfds = [link for link in links if link.startswith("/memfd:")]
     assert memfds and all(link.endswith("(deleted)") for link in memfds), links
-    assert not [p for p in os.listdir("/dev/shm") if "rallypoint" in p]
+    assert not [p for p in os.listdir("/dev/shm") if "snapshot" in p]

@@ -62,6 +62,17 @@ def test_model_optimizer_tensor_and_values_come_back_in_place() -> None:
     assert mine.untyped_storage().nbytes() == mine.nbytes
 
 
+def test_an_optimizer_with_state_gets_it_back_in_its_own_tensors() -> None:
+    model, opt = _model_and_optimizer(0)
+    model2, opt2 = _model_and_optimizer(1)
+    before = [t for st in opt2.state.values() for t in st.values()]
+    _roundtrip({"model": model, "optimizer": opt}, {"model": model2, "optimizer": opt2})
+    after = [t for st in opt2.state.values() for t in st.values()]
+    assert all(a is b for a, b in zip(before, after, strict=True))  # no new allocation
+    for a, b in zip(opt.state.values(), opt2.state.values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_tied_tensors_stay_tied_and_metadata_survives() -> None:
     w = torch.randn(3, 3)
     sd = OrderedDict(a=w, b=w)
@@ -142,6 +153,15 @@ def test_slot_choice_keeps_the_restore_point_and_never_three_copies() -> None:
     records.begin(1, 4, ("g3", 1), 10, None)
     records.restored(0, 2, ("g1", 36))
     assert {r["world"] for r in records.inventory()} == {2}
+
+
+def test_prune_keeps_only_this_nodes_and_its_upstreams_ranks() -> None:
+    records = Records()
+    for rank, world in ((0, 4), (1, 4), (2, 4), (3, 4), (5, 8)):
+        records.commit(rank, ("g", 1), records.begin(rank, world, ("g", 1), 10, None).index)
+    records.prune(4, {0, 1, 3})
+    assert sorted((r["rank"], r["world"]) for r in records.inventory()) == [(0, 4), (1, 4), (3, 4)]
+    assert records.held_bytes() == 3 * 4096  # the dropped slots' memory is released
 
 
 def test_a_pinned_slot_makes_a_write_wait() -> None:

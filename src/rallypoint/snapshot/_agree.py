@@ -6,7 +6,9 @@ round, so no key of an earlier round is ever read. Keys, under ``rallypoint/snap
 
 - ``server/<group rank>``: ``host:port`` of that node's snapshot server (the replica of
   node ``g`` is node ``g + 1`` mod the node count);
-- ``gen``: this round's generation, set once with ``compare_set``. A snapshot is known by
+- ``ranks/<group rank>``: ``first count``, the global ranks of that node's workers;
+- ``gen/<n>``: the generation of the saves after the ``n``-th restore of this round (``0``:
+  no restore), set once with ``compare_set``. A snapshot is known by
   ``(generation, step)``: steps saved after a restore form a new generation, so a step
   written before a restore is never mixed with the same step written after it;
 - ``r<n>/where/<rank>``: every node's local rank 0 appends one line per complete
@@ -14,7 +16,9 @@ round, so no key of an earlier round is ever read. Keys, under ``rallypoint/snap
   that did; ``r<n>/have/<gen>/<step>`` and ``r<n>/disk/<step>`` count the ranks that can
   restore that snapshot from memory or from ``--snapshot-dir``; ``r<n>/voted`` counts the
   ranks that voted. The answer is the newest snapshot every rank counted, the same on
-  every rank (any snapshot every rank has is in each rank's own list);
+  every rank (any snapshot every rank has is in each rank's own list). ``r<n>/loaded``
+  counts the ranks that loaded theirs: after it, each node's server may drop what it no
+  longer needs (no rank fetches from it any more);
 - ``<gen>/done/<step>``: ranks whose save of ``step`` is complete (local copy and
   replica); the last one sets ``<gen>/all/<step>``. A rank writes its next snapshot only
   after that, so the slot it overwrites never holds the only complete copy of a step some
@@ -102,8 +106,18 @@ class Agreement:
         self.store.wait([done], self.timeout)
 
     # ------------------------------------------------------------------ servers
-    def publish_server(self, addr: str) -> None:
+    def publish_server(self, addr: str, first_rank: int, local_world: int) -> None:
         self.store.set(f"server/{self.group_rank}", addr)
+        self.store.set(f"ranks/{self.group_rank}", f"{first_rank} {local_world}")
+
+    def upstream_ranks(self) -> list[int]:
+        """The ranks of the node this node holds the replicas of (none on one node)."""
+        if self.group_world < 2:
+            return []
+        key = f"ranks/{(self.group_rank - 1) % self.group_world}"
+        self.store.wait([key], self.timeout)
+        first, count = map(int, bytes(self.store.get(key)).decode().split())
+        return list(range(first, first + count))
 
     def replica_server(self) -> str | None:
         """The server that holds this node's replicas (``None`` on a one-node job)."""
@@ -113,8 +127,13 @@ class Agreement:
         self.store.wait([key], self.timeout)
         return bytes(self.store.get(key)).decode()
 
-    def generation(self, candidate: str) -> str:
-        return bytes(self.store.compare_set("gen", "", candidate)).decode()
+    def generation(self, n: int, candidate: str) -> str:
+        """The generation after the ``n``-th restore (the first rank's ``candidate``)."""
+        return bytes(self.store.compare_set(f"gen/{n}", "", candidate)).decode()
+
+    def loaded(self, n: int) -> None:
+        """This rank loaded its part of the ``n``-th restore; waits for every rank."""
+        self._count_and_wait(f"r{n}/loaded", self.world, f"r{n}/loaded_all")
 
     # ------------------------------------------------------------------ restoring
     def choose(

@@ -131,5 +131,8 @@ class NodeClient:
         msg = {"op": "fetch", **self._where(rank, world, key), "source": source}
         return self._mapped(*self._call(msg))
 
+    def prune(self, world: int, ranks: list[int]) -> None:
+        self._call({"op": "prune", "world": world, "ranks": ranks})
+
     def restored(self, rank: int, world: int, key: Key) -> None:
         self._call({"op": "restored", **self._where(rank, world, key)})

@@ -15,12 +15,14 @@ snapshot in memory, a complete ``--snapshot-dir`` checkpoint is loaded with DCP.
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import time
 from collections.abc import MutableMapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,6 +47,32 @@ from rallypoint.snapshot._records import Key
 from rallypoint.snapshot._report import Reporter
 
 __all__ = ["NodeSession"]
+
+_T = TypeVar("_T")
+
+
+class _Background:
+    """One daemon thread that runs jobs in order (a process never waits for it at exit:
+    a save whose peers died must not keep a finished worker alive)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Any, tuple[Any, ...]]] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(target=self._run, daemon=True, name="rallypoint-snapshot").start()
+
+    def submit(self, fn: Any, *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
 
 
 def _worker_store(timeout: float) -> Any:
@@ -73,11 +101,13 @@ class NodeSession:
             raise SnapshotError(f"{envvars.RPC_SECRET} is not set")
         self.client = NodeClient(path, secret.encode(), options.timeout)
         self.server = f"{local_address_towards(env['MASTER_ADDR'])}:{self.client.port}"
+        self.first_rank = self.rank - self.local_rank
+        self.local_world = int(env.get("LOCAL_WORLD_SIZE", "1"))
         self.agree = self._agreement()
-        self.agree.publish_server(self.server)
-        self._bg = ThreadPoolExecutor(1, thread_name_prefix="rallypoint-snapshot")
+        self.agree.publish_server(self.server, self.first_rank, self.local_world)
+        self._bg = _Background()
         self._bg_agree: Agreement | None = None
-        self.pending: Future[None] | None = None
+        self.pending: Future[Any] | None = None
         self.gen: str | None = None
         self.keep: Key | None = None
         self.restores = 0
@@ -148,7 +178,7 @@ class NodeSession:
 
     def _generation(self) -> str:
         if self.gen is None:
-            self.gen = self.agree.generation(next_generation(None))
+            self.gen = self.agree.generation(self.restores, next_generation(None))
         return self.gen
 
     def _replica_server(self) -> str | None:
@@ -202,19 +232,10 @@ class NodeSession:
         except (ServerError, OSError, RuntimeError) as exc:  # before any rank decided
             self.report.always(f"rank {self.rank}: cannot agree on a snapshot ({exc}); None")
             return None
-        memory = choice.memory
-        disk = choice.disk
-        if memory is not None and (disk is None or memory[1] >= disk):
-            step: int | None = self._from_memory(state, memory, choice.holders)
-            source = "memory"
-        elif disk is not None:
-            step, source = self._from_disk(state, disk), "disk"
-            memory = None
-        else:
-            self._explain(choice)
-            step, source = None, ""
+        step, source, memory = self._load(state, choice)
         self.keep = memory
-        self.gen = self.agree.generation(next_generation(memory[0] if memory else None))
+        self.gen = self.agree.generation(n + 1, next_generation(memory[0] if memory else None))
+        self._prune(n)
         if step is not None and self.rank == 0:
             took = time.perf_counter() - start
             self.report.always(
@@ -222,6 +243,29 @@ class NodeSession:
                 f"rank 0 took {took:.3f} s)"
             )
         return step
+
+    def _load(
+        self, state: MutableMapping[str, Any], choice: Choice
+    ) -> tuple[int | None, str, Key | None]:
+        """Load what the ranks agreed on: ``(step, "memory"/"disk"/"", the key in memory)``."""
+        memory, disk = choice.memory, choice.disk
+        if memory is not None and (disk is None or memory[1] >= disk):
+            return self._from_memory(state, memory, choice.holders), "memory", memory
+        if disk is not None:
+            return self._from_disk(state, disk), "disk", None
+        self._explain(choice)
+        return None, "", None
+
+    def _prune(self, n: int) -> None:
+        """Once every rank loaded its part, the node's server drops what it no longer needs
+        (other worlds' snapshots, ranks that are neither its workers' nor its upstream's)."""
+        try:
+            self.agree.loaded(n)
+            if self.local_rank == 0:
+                mine = range(self.first_rank, self.first_rank + self.local_world)
+                self.client.prune(self.world, sorted({*mine, *self.agree.upstream_ranks()}))
+        except (ServerError, OSError, RuntimeError) as exc:
+            self.report.once("prune", f"rank {self.rank}: could not prune old snapshots ({exc})")
 
     def _choose(self, n: int) -> Choice:
         def inventory() -> list[tuple[int, int, Key]]:

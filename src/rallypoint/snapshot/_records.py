@@ -199,6 +199,17 @@ class Records:
             if record is not None:
                 record.keep = key
 
+    def prune(self, world: int, ranks: set[int]) -> None:
+        """Drop every record this node no longer needs: another world's, or a rank that is
+        neither one of its workers' nor one it is the replica of."""
+        with self.cond:
+            for record in list(self._by_rank.values()):
+                stale = record.world != world or record.rank not in ranks
+                if stale and not any(s.pins for s in record.slots):
+                    for slot in record.slots:
+                        slot.release()
+                    del self._by_rank[record.rank]
+
     def inventory(self) -> list[dict[str, Any]]:
         """Every complete snapshot here: ``{"rank", "world", "gen", "step"}``."""
         with self.cond:

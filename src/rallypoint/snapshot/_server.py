@@ -238,6 +238,12 @@ class LocalSession:
             self._reply({"ok": found is not None, "error": "not here"}, found)
         elif op == "fetch":
             self._fetch(msg)
+        elif op == "prune":
+            world, ranks = field(msg, "world", int), field(msg, "ranks", list)
+            if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+                raise ProtocolError("ranks must be ints")
+            self.records.prune(world, set(ranks))
+            self._reply({"ok": True})
         elif op == "restored":
             rank, world, key = _where(msg)
             self.records.restored(rank, world, key)
