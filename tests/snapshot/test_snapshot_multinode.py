@@ -130,38 +130,28 @@ def test_cut_link_at_37_replacement_host_resumes_at_37_bit_identical(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("persisted", [False, True], ids=["memory-only", "snapshot-dir"])
-def test_a_grown_world_restores_from_disk_or_says_why_not(tmp_path: Path, persisted: bool) -> None:
+def test_a_grown_world_cannot_be_mapped_from_memory_and_says_why(tmp_path: Path) -> None:
+    """(With --snapshot-dir, DCP reshards instead: test_snapshot_dir_restores_a_fresh_job...)"""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     endpoint = f"127.0.0.1:{store.port}"
-    extra = ["--snapshot-dir", str(tmp_path / "ck"), "--snapshot-every", "5"] if persisted else []
 
     def start() -> subprocess.Popen[str]:
         cmd = agent_cmd(endpoint, "grow", tmp_path, "grow", nnodes="1:2")
-        cmd[cmd.index("--shutdown-timeout") : cmd.index("--shutdown-timeout")] = extra
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     first = start()
     try:
-        _wait_until(lambda: len(list((tmp_path / "ck").glob("step-*/.metadata"))) >= 2
-                    if persisted else bool(list(tmp_path.glob("start-*"))))  # fmt: skip
-        time.sleep(0.5)
+        _wait_until(lambda: bool(list(tmp_path.glob("start-*"))))
+        time.sleep(0.5)  # a few snapshots of the one-rank world
         second = start()
         texts = _finish([first, second])
     finally:
         first.kill()
     joined = "".join(texts)
-    grown = [s for s in starts(tmp_path) if s[2] == 2]
-    assert len(grown) == 2
-    if persisted:  # DCP reshards the one-rank checkpoint for two ranks
-        assert "from disk on every rank (2 ranks" in joined, joined
-        step = grown[0][0]
-        assert step >= 10 and step % 5 == 0 and grown == [(step, step, 2)] * 2
-    else:
-        assert "saved by a world of 1 ranks and this world has 2" in joined, joined
-        assert grown == [(0, 0, 2)] * 2
+    assert "saved by a world of 1 ranks and this world has 2" in joined, joined
+    assert [s for s in starts(tmp_path) if s[2] == 2] == [(0, 0, 2)] * 2
 
 
 def _wait_until(ready: Callable[[], bool], timeout: float = 90) -> None:
