@@ -20,7 +20,7 @@ import torch
 from rallypoint.snapshot._flatten import Flat, apply
 from rallypoint.snapshot._layout import Meta, plan
 from rallypoint.snapshot._options import Options
-from rallypoint.snapshot._persist import Persister
+from rallypoint.snapshot._persist import Persister, persister_for
 from rallypoint.snapshot._report import Reporter
 
 __all__ = ["LocalSession"]
@@ -44,13 +44,7 @@ class LocalSession:
 
     def configure(self, options: Options) -> None:
         self.options = options
-        if self.persister is not None:
-            self.persister.join()
-        self.persister = (
-            None
-            if options.dir is None
-            else Persister(options.dir, options.every, rank=self.rank, world=self.world)
-        )
+        self.persister = persister_for(options, self.persister, rank=self.rank, world=self.world)
 
     def save(self, flat: Flat, step: int) -> None:
         self.report.once("outside", self.why)

@@ -42,7 +42,7 @@ from rallypoint.snapshot._layout import (
     write_meta,
 )
 from rallypoint.snapshot._options import Options
-from rallypoint.snapshot._persist import Persister
+from rallypoint.snapshot._persist import Persister, persister_for
 from rallypoint.snapshot._records import Key
 from rallypoint.snapshot._report import Reporter
 
@@ -128,13 +128,7 @@ class NodeSession:
 
     def configure(self, options: Options) -> None:
         self.options = options
-        if self.persister is not None:
-            self.persister.join()
-        self.persister = (
-            None
-            if options.dir is None
-            else Persister(options.dir, options.every, rank=self.rank, world=self.world)
-        )
+        self.persister = persister_for(options, self.persister, rank=self.rank, world=self.world)
 
     # ------------------------------------------------------------------ saving
     def save(self, flat: Flat, step: int) -> None:

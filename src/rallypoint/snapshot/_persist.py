@@ -30,7 +30,7 @@ import torch
 
 from rallypoint.snapshot._layout import Meta, decode_meta, encode_meta
 
-__all__ = ["KEEP", "Persister"]
+__all__ = ["KEEP", "Persister", "persister_for"]
 
 KEEP = 2
 _DIR = re.compile(r"^step-(\d{12})$")
@@ -154,3 +154,15 @@ class Persister:
         if tensors:
             load(tensors, checkpoint_id=path, no_dist=True)
         return meta, [tensors[f"tensors/{e.path}"] for e in meta.entries]
+
+
+def persister_for(
+    options: Any, previous: Persister | None, *, rank: int, world: int
+) -> Persister | None:
+    """The persister for ``options`` (``None`` without a directory), after ``previous``
+    finished what it was writing."""
+    if previous is not None:
+        previous.join()
+    if options.dir is None:
+        return None
+    return Persister(options.dir, options.every, rank=rank, world=world)
