@@ -328,7 +328,8 @@ def plot(
     base = _median(steps1["times"]["none"])
     modes = [m for m in steps1["times"] if m != "none"]
     ratios = [_median(steps1["times"][m]) / base for m in modes]
-    left.bar(modes, ratios, color=["tab:green"] + ["tab:gray"] * (len(modes) - 1))
+    bars = left.bar(modes, ratios, color=["tab:green"] + ["tab:gray"] * (len(modes) - 1))
+    left.bar_label(bars, fmt="%.2fx")
     left.axhline(1.05, color="tab:red", linestyle="--", linewidth=1, label="1.05x bar")
     left.set_ylabel("step time / step without a save")
     left.set_title(f"save every step ({steps1['bytes'] / 2**20:.0f} MiB state)")
@@ -336,7 +337,11 @@ def plot(
     names = [f"crash:\n{k}" for k in crash] + ["loss:\nreplacement", "loss:\nsurvivor"]
     values = [*crash.values(), *loss.values()]
     colors = ["tab:green" if "snapshot" in n or "loss" in n else "tab:gray" for n in names]
-    right.bar(names, values, color=colors)
+    bars = right.bar(names, values, color=colors)
+    right.bar_label(bars, fmt="%.2f s")
+    right.axhline(0.5, color="tab:red", linestyle="--", linewidth=1, label="0.5 s (crash)")
+    right.axhline(2.0, color="tab:orange", linestyle=":", linewidth=1, label="2 s (node loss)")
+    right.legend(fontsize=8)
     right.set_ylabel("seconds")
     right.set_title("restore")
     right.tick_params(axis="x", labelsize=8)
@@ -347,7 +352,7 @@ def plot(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=float, default=256, help="training state size (MiB)")
-    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=2364, help="4 layers make 256 MiB")
     parser.add_argument("--batch", type=int, default=64, help="first guess; calibrated")
     parser.add_argument("--step-seconds", type=float, default=2.0, help="target step length")
     parser.add_argument("--rounds", type=int, default=3)
@@ -356,6 +361,7 @@ def main() -> None:
     parser.add_argument("--json", metavar="FILE", help="write the raw numbers")
     args = parser.parse_args()
     base = _config(args)
+    print(f"load average at the start: {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores)")
     with tempfile.TemporaryDirectory(prefix="rp-snapbench-") as tmp:
         work = Path(tmp)
         script = work / "worker.py"
@@ -365,7 +371,9 @@ def main() -> None:
         steps2 = run_steps(script, half, work, 2)
         crash = run_crash(script, base, work)
         loss = run_loss(script, base, work)
+    loads = os.getloadavg()
     print(report(steps1, steps2, crash, loss))
+    print(f"load average at the end (1, 5, 15 min): {loads[0]:.1f} {loads[1]:.1f} {loads[2]:.1f}")
     if args.json:
         raw = {"steps1": steps1, "steps2": steps2, "crash": crash, "loss": loss}
         Path(args.json).write_text(json.dumps(raw, indent=1))
