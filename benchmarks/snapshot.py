@@ -98,7 +98,10 @@ phase = cfg["phase"]
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 if phase == "steps":
     step(8)                                   # AdamW's state exists from here on
-    t = time.perf_counter(); step(cfg["batch"]); one = time.perf_counter() - t
+    trial = []
+    for _ in range(3):
+        t = time.perf_counter(); step(cfg["batch"]); trial.append(time.perf_counter() - t)
+    one = sorted(trial)[1]
     batch = cfg["batch"]
     if cfg["calibrate"]:
         batch = max(8, int(batch * cfg["step_seconds"] / one))
