@@ -77,11 +77,25 @@ def _model(width: int) -> DDP:
     )
 
 
+def _in_group(run: Callable[..., Times], *args: int) -> Times:
+    """``run(*args)`` between init_process_group() and destroy_process_group().
+
+    The DDP models must die with ``run``'s frame, before the group is destroyed: a DDP that
+    outlives destroy_process_group() holds the last reference to the group in its C++
+    Reducer, and freeing it then destroys ProcessGroupGloo while holding the GIL, which
+    deadlocks with a gloo worker thread that needs the GIL to free the tensors of the
+    collective it is finishing (seen as a hung rank at the end of a run; docs/join.md).
+    """
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    times = run(*args)
+    dist.destroy_process_group()
+    return times
+
+
 def _worker_steps(cycles: int, width: int, batch: int) -> Times:
     """One model per variant, every context open for the whole run, one step of each
     variant per cycle (order rotating): a cycle is one paired sample."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     models = {v: _model(width) for v in VARIANTS}
     opts = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, m in models.items()}
     x = torch.randn(batch, width)
@@ -112,14 +126,11 @@ def _worker_steps(cycles: int, width: int, batch: int) -> Times:
                 times[variant].append([time.perf_counter() - start])
         for _ in iterator:  # iterate() must run to its end
             pass
-    dist.destroy_process_group()
     return times
 
 
 def _worker(iters: int, rounds: int, width: int, batch: int) -> Times:
     """One model; per round, each variant's context in turn for ``iters`` steps."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     model = _model(width)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(batch, width)
@@ -149,7 +160,6 @@ def _worker(iters: int, rounds: int, width: int, batch: int) -> Times:
             # torch's Join leaves DDP's join config enabled after the context (rallypoint's
             # restores it): reset it so that the next variant starts from a plain DDP
             model._join_config = _JoinConfig.construct_disabled_join_config()
-    dist.destroy_process_group()
     return times
 
 
@@ -231,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         worker, sizes = _worker, (args.iters, args.rounds)
         design = f"{args.rounds} rounds x {args.iters} iterations, one context at a time"
-    results = run_workers(worker, args.world_size, *sizes, args.width, args.batch, timeout=3600)
+    results = run_workers(
+        _in_group, args.world_size, worker, *sizes, args.width, args.batch, timeout=3600
+    )
     times = results[0]
     print(_table(times, args.world_size, design))
     if args.plot:

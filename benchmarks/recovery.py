@@ -1,4 +1,5 @@
-"""Benchmark: multi-node recovery after a worker dies (rallypoint vs torchrun, same run).
+"""Benchmark: multi-node recovery after a worker dies, a node dies, or the rendezvous
+store loses a member or its host (rallypoint vs torchrun, c10d vs etcd, same run).
 
 Two simulated nodes (two agents on loopback, ``--nnodes 2 --nproc-per-node 2``, c10d
 rendezvous, ``--max-restarts 1``). Rank 3 dies right after its first gloo all_reduce; the
@@ -13,6 +14,21 @@ Every worker appends ``restart_count rank unix_time`` to a file right after its 
 all_reduce; the dying rank writes its death time first. Also printed: node-loss detection
 (one agent SIGKILLed; time until the survivor restarts its workers in a one-node world),
 which is bounded by the keep-alive window configured here (0.5 s x 3 attempts).
+
+No single point of failure (``--sections spof``): three nodes x one worker train in a loop
+(``rallypoint.testing._training_log``: gloo all_reduces, each step's time logged) on a
+3-member etcd cluster (loopback; 500 ms election timeout), and lose
+- the etcd leader (SIGKILL; the nodes talk to it),
+- the etcd leader's link (network namespaces: etcd on three fake hosts, two training
+  hosts; needs root, else skipped),
+- a training node (the one whose group rank 0 hosts the workers' store; SIGKILL of its
+  agent and workers);
+the time is from the loss until every rank has logged a step after it (a job that never
+stops shows one step time). The same three nodes on the c10d backend then lose the node
+hosting the TCPStore: the job ends, as torchrun's does (time until every other agent
+exited, and how).
+
+    .venv/bin/python benchmarks/recovery.py --sections spof --repeat 3
 """
 
 from __future__ import annotations
@@ -20,14 +36,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import platform
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 WORKER = """
 import os, sys, time
@@ -57,7 +77,6 @@ dist.destroy_process_group()
 
 
 def _free_port() -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from rallypoint._core.net import free_port
 
     return free_port()
@@ -163,6 +182,211 @@ def node_loss(timeout: float) -> float | None:
             _stop(procs)
 
 
+# ---------------------------------------------------------------- no single point of failure
+
+HA_CONF = "keep_alive_interval=0.5,keep_alive_max_attempt=8,read_timeout=30,last_call_timeout=30"
+
+
+def _ha_agent(
+    tool: str,
+    name: str,
+    backend: str,
+    endpoint: str,
+    script: Path,
+    out: Path,
+    popen: Callable[..., Any] = subprocess.Popen,
+) -> Any:
+    if tool == "rallypoint":
+        cmd = [sys.executable, "-m", "rallypoint", "run", "--rdzv-conf", HA_CONF]
+        cmd += ["--shutdown-timeout", "2", "--events", str(out / f"events-{name}")]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-conf", "last_call_timeout=30"]
+    cmd += [
+        "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", backend,
+        "--rdzv-endpoint", endpoint, "--rdzv-id", "spof", "--max-restarts", "0",
+        str(script), str(out),
+    ]  # fmt: skip
+    env = dict(os.environ, NODE_NAME=name, OMP_NUM_THREADS="1")
+    log = open(out / f"agent-{name}.log", "w")  # noqa: SIM115 - handed to the child
+    try:
+        return popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        log.close()
+
+
+@contextlib.contextmanager
+def _training_dir() -> Iterator[tuple[Path, Path]]:
+    from rallypoint.testing._training_log import STEP_WORKER
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "train.py"
+        script.write_text(STEP_WORKER)
+        out = Path(tmp) / "out"
+        out.mkdir()
+        yield script, out
+
+
+def _restarts(out: Path) -> int:
+    from rallypoint.observe import read_events
+
+    return sum(1 for e in read_events(sorted(out.glob("events-*"))) if e.kind == "restart")
+
+
+def etcd_loss(kind: str, timeout: float) -> tuple[float, int] | None:
+    """(seconds from the loss until every rank stepped after it, restarts seen)."""
+    from rallypoint.testing._etcd_cluster import EtcdCluster
+    from rallypoint.testing._netns import Network
+    from rallypoint.testing._training_log import step_times, wait_training
+
+    with contextlib.ExitStack() as stack:
+        script, out = stack.enter_context(_training_dir())
+        names = ["n0", "n1", "n2"]
+        popens: list[Callable[..., Any]] = [subprocess.Popen] * 3
+        if kind == "leader-cut":
+            net = stack.enter_context(Network(5))
+            cluster = stack.enter_context(EtcdCluster(3, hosts=net.hosts[:3]))
+            names, popens = ["n3", "n4"], [net.hosts[3].popen, net.hosts[4].popen]
+        else:
+            cluster = stack.enter_context(EtcdCluster(3))
+        first = cluster.leader()
+        order = [(first + i) % 3 for i in range(3)]
+        endpoint = ",".join(cluster.members[i].endpoint for i in order)  # they use the leader
+        procs = [
+            _ha_agent("rallypoint", n, "etcd", endpoint, script, out, popen=p)
+            for n, p in zip(names, popens, strict=True)
+        ]
+        stack.callback(_stop, procs)
+        world = len(procs)
+        try:
+            wait_training(out, world, 0.0, timeout)
+            time.sleep(1)
+            if kind == "node-kill":
+                host = next(t for t in step_times(out, world) if t.startswith("0-"))
+                victim = names.index(host.rsplit("-", 1)[1])
+                os.killpg(procs[victim].pid, signal.SIGKILL)
+                world -= 1
+            elif kind == "leader-kill":
+                cluster.kill(first)
+            else:
+                cluster.cut(first)
+            lost = time.time()
+            took = wait_training(out, world, lost, timeout)
+            time.sleep(5)  # past the liveness window: did anyone restart late?
+            return took, _restarts(out)
+        except TimeoutError:
+            return None
+
+
+def rendezvous_loss(kind: str) -> float:
+    """Three thread-nodes, min = max = 3, talking to the etcd leader: two wait in round 0
+    when the leader is lost (``kill``: SIGKILL; ``freeze``: SIGSTOP, silence as behind a
+    cut link; ``none``: the baseline) and the third joins: seconds until all have ranks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rallypoint.rendezvous import RendezvousParameters, get_rendezvous_handler
+    from rallypoint.testing._etcd_cluster import EtcdCluster
+
+    with EtcdCluster(3) as cluster, ThreadPoolExecutor(3) as pool:
+        first = cluster.leader()
+        order = [(first + i) % 3 for i in range(3)]
+        endpoint = ",".join(cluster.members[i].endpoint for i in order)
+        conf = {"keep_alive_interval": "3", "use_agent_store": "false", "read_timeout": "30"}
+        handlers = [
+            get_rendezvous_handler(RendezvousParameters("etcd", endpoint, "r", 3, 3, **conf))
+            for _ in range(3)
+        ]
+        early = [pool.submit(h.next_rendezvous) for h in handlers[:2]]
+        time.sleep(1)  # both are in their watch on the leader
+        if kind == "kill":
+            cluster.kill(first)
+        elif kind == "freeze":
+            cluster.freeze(first)
+        start = time.monotonic()
+        late = pool.submit(handlers[2].next_rendezvous)
+        for f in [*early, late]:
+            f.result(60)
+        took = time.monotonic() - start
+        for h in handlers:
+            h.shutdown()
+        if kind == "freeze":
+            cluster.kill(first)
+        return took
+
+
+def c10d_host_loss(tool: str, timeout: float) -> tuple[float, list[int | None]]:
+    """Kill the node hosting the c10d store: (seconds until the others exited, exit codes)."""
+    from rallypoint.testing._training_log import wait_training
+
+    with _training_dir() as (script, out):
+        endpoint = f"127.0.0.1:{_free_port()}"
+        procs = [_ha_agent(tool, "n0", "c10d", endpoint, script, out)]
+        time.sleep(3)  # n0 binds the store's port first: it hosts the store
+        procs += [_ha_agent(tool, n, "c10d", endpoint, script, out) for n in ("n1", "n2")]
+        try:
+            wait_training(out, 3, 0.0, timeout)
+            time.sleep(1)
+            os.killpg(procs[0].pid, signal.SIGKILL)
+            lost = time.monotonic()
+            deadline = lost + timeout
+            while any(p.poll() is None for p in procs[1:]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return time.monotonic() - lost, [p.poll() for p in procs[1:]]
+        except TimeoutError:
+            return float("nan"), [None, None]
+        finally:
+            _stop(procs)
+
+
+def _fmt_loss(values: list[tuple[float, int] | None]) -> str:
+    text = _fmt([None if v is None else v[0] for v in values])
+    done = [v for v in values if v is not None]
+    if done and all(v[1] == 0 for v in done):
+        return f"{text} (no worker stopped)"
+    return f"{text} (workers restarted in the smaller world, no restart budget spent)"
+
+
+def _fmt_end(values: list[tuple[float, list[int | None]]]) -> str:
+    ended = [t for t, codes in values if all(c is not None for c in codes)]
+    codes = sorted({c for _, cs in values for c in cs}, key=str)
+    if not ended:
+        return f"did not end within the timeout (exit codes {codes})"
+    return f"job ended after {statistics.median(ended):.2f} s (exit codes {codes})"
+
+
+def spof(repeat: int, timeout: float, torchrun: bool) -> None:
+    import torch
+
+    from rallypoint.testing._netns import netns_available
+
+    rows = [
+        ("etcd leader killed (the member the nodes use)", "leader-kill"),
+        ("etcd leader's link cut (netns)", "leader-cut"),
+        ("training node killed (group rank 0: hosts the workers' store)", "node-kill"),
+    ]
+    ok, why = netns_available()
+    print(
+        f"\n{time.strftime('%Y-%m-%d')}, {platform.node()} ({os.cpu_count()} cores), torch "
+        f"{torch.__version__}, 3 nodes x 1 worker, 3-member etcd, {repeat} repeats"
+    )
+    print("| loss during training | backend | time until every rank trains again (s) |")
+    print("|---|---|---|")
+    for label, kind in rows:
+        if kind == "leader-cut" and not ok:
+            print(f"| {label} | etcd | skipped: {why} |")
+            continue
+        values = [etcd_loss(kind, timeout) for _ in range(repeat)]
+        print(f"| {label} | etcd | {_fmt_loss(values)} |", flush=True)
+    ends = [c10d_host_loss("rallypoint", timeout) for _ in range(repeat)]
+    print(f"| node hosting the store killed | c10d (rallypoint) | never: {_fmt_end(ends)} |")
+    if torchrun:
+        ends = [c10d_host_loss("torchrun", timeout) for _ in range(repeat)]
+        print(f"| node hosting the store killed | c10d (torchrun) | never: {_fmt_end(ends)} |")
+    print("\n| etcd leader lost while 2 of 3 nodes wait in a round | round complete (s) |")
+    print("|---|---|")
+    for label, kind in (("no loss (baseline)", "none"), ("killed", "kill"), ("frozen", "freeze")):
+        print(f"| {label} | {_fmt([rendezvous_loss(kind) for _ in range(repeat)])} |")
+
+
 def _fmt(values: list[float | None]) -> str:
     done = [v for v in values if v is not None]
     if not done:
@@ -178,7 +402,18 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=90.0, help="seconds per run")
     parser.add_argument("--skip-torchrun", action="store_true")
+    parser.add_argument(
+        "--sections", default="restart,spof", help="restart (worker death, node loss), spof"
+    )
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    if "restart" in sections:
+        restart_section(args)
+    if "spof" in sections:
+        spof(args.repeat, args.timeout, not args.skip_torchrun)
+
+
+def restart_section(args: argparse.Namespace) -> None:
     ours = [recovery("rallypoint", args.timeout) for _ in range(args.repeat)]
     theirs: list[float | None] = []
     if not args.skip_torchrun:

@@ -9,7 +9,7 @@ processes (torch's RPC state is global per process):
 - ``init_rpc`` and ``shutdown`` wall time for 2, 4 and 8 workers (slowest worker, median
   of 3 runs)
 
-Usage: ``python benchmarks/rpc.py [--quick] [--only throughput|lifecycle] [--plot rpc.png]``.
+Usage: ``python benchmarks/rpc.py [--quick] [--only calls|throughput|lifecycle] [--plot rpc.png]``.
 Prints a markdown table.
 """
 
@@ -59,7 +59,7 @@ def _pair(backend: str, quick: bool, only: str = "all") -> dict[str, float]:
         for _ in range(100):
             rpc.rpc_sync(peer, _noop)
         samples = []
-        for _ in range(n if only == "all" else 0):
+        for _ in range(n if only in ("all", "calls") else 0):
             t0 = time.perf_counter()
             rpc.rpc_sync(peer, _noop)
             samples.append(time.perf_counter() - t0)
@@ -75,7 +75,8 @@ def _pair(backend: str, quick: bool, only: str = "all") -> dict[str, float]:
             rates.append(outstanding / (time.perf_counter() - t0))
         out["async_calls_per_s"] = statistics.median(rates[1:])
 
-        sizes = (("1MiB", 1 << 20, 50), ("64MiB", 64 << 20, 10)) if only == "all" else ()
+        every = only in ("all", "calls")
+        sizes = (("1MiB", 1 << 20, 50), ("64MiB", 64 << 20, 10)) if every else ()
         for label, nbytes, reps in sizes:
             reps = max(3, reps // (5 if quick else 1))
             x = torch.ones(nbytes // 4)
@@ -114,7 +115,7 @@ def measure(quick: bool, only: str = "all") -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {}
     for backend in BACKENDS:
         res: dict[str, float] = {}
-        if only in ("all", "throughput"):
+        if only in ("all", "calls", "throughput"):
             res = run_workers(_pair, 2, backend, quick, only, timeout=600, env=_env)[0]
         for ws in (2, 4, 8) if only in ("all", "lifecycle") else ():
             # slowest worker of each run, median of runs (one run is at the mercy of noise)
@@ -180,9 +181,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument(
         "--only",
-        choices=("all", "throughput", "lifecycle"),
+        choices=("all", "calls", "throughput", "lifecycle"),
         default="all",
-        help="throughput: only the rpc_async metric; lifecycle: only init_rpc/shutdown",
+        help="calls: round trip, rpc_async and echo (no init/shutdown); throughput: only "
+        "the rpc_async metric; lifecycle: only init_rpc/shutdown",
     )
     parser.add_argument("--plot", metavar="FILE", help="write a bar chart (needs matplotlib)")
     args = parser.parse_args()

@@ -69,6 +69,29 @@ def test_pid_alive() -> None:
     assert not pid_alive(proc.pid)
 
 
+@pytest.mark.timeout(30)
+def test_descendants_include_a_grandchild_in_its_own_session() -> None:
+    from rallypoint._core.procs import descendants
+
+    code = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen(['sleep', '30'], start_new_session=True)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        grandchild = int(child.stdout.readline())
+        assert {child.pid, grandchild} <= set(descendants(os.getpid()))
+        assert descendants(grandchild) == []
+    finally:
+        child.kill()
+        child.wait()
+    assert child.pid not in descendants(os.getpid())  # reaped
+    os.kill(grandchild, 9)
+
+
 def test_closing_calls_close() -> None:
     closed: list[bool] = []
 
@@ -79,3 +102,18 @@ def test_closing_calls_close() -> None:
     with Thing() as thing:
         assert isinstance(thing, Thing)
     assert closed == [True]
+
+
+def test_exit_now_flushes_and_skips_finalization() -> None:
+    script = (
+        "import atexit, sys\n"
+        "from rallypoint._core import exit_now\n"
+        "atexit.register(lambda: print('finalized'))\n"
+        "print('out', end='')\n"
+        "sys.stderr.write('err')\n"
+        "exit_now(3)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "out", "err")

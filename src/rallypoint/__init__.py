@@ -21,8 +21,9 @@ resolved lazily on first access.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rallypoint._core.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -70,15 +71,4 @@ if TYPE_CHECKING:
     from rallypoint.observe import progress
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY_NAMES:
-        value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
-        globals()[name] = value
-        return value
-    if name in _SUBPACKAGES:
-        return importlib.import_module(f"rallypoint.{name}")
-    raise AttributeError(f"module 'rallypoint' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY_NAMES, submodules=_SUBPACKAGES)

@@ -40,9 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         from rallypoint.supervise._warm import WarmProcess
 
         warm = WarmProcess.fork()
+        from rallypoint._core.procs import exit_now
         from rallypoint.cli._run import run_main
 
-        return run_main(args[1:], warm)
+        # Not a return: daemon threads may still sit in torch's C++ store calls, and one
+        # waking during interpreter finalization aborts the process (see exit_now).
+        exit_now(run_main(args[1:], warm, owns_process=True))
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -95,6 +96,17 @@ def test_two_hosts_cut_and_restore() -> None:
             assert time.monotonic() < deadline, result
         assert not b.is_cut
         assert server.poll() is None
+
+        # a thread of this process inside host a's namespace reaches b without a process
+        def hello() -> bytes:
+            with socket.create_connection((b.address, 29500), timeout=2) as conn:
+                conn.sendall(b"thread")
+                return conn.recv(100)
+
+        assert a.call(hello) == b"THREAD from 198.18.0.1"
+        assert b.call(hello) == b"THREAD from 198.18.0.2"  # the thread is in b this time
+        with pytest.raises(ZeroDivisionError):  # its failure is ours
+            a.call(lambda: 1 // 0)
     # closing killed the server and removed every namespace and link
     assert server.wait(5) is not None
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

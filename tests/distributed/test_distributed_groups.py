@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -162,3 +163,47 @@ def test_bad_arguments_to_init_parallel_groups() -> None:
     with pytest.raises(ValueError, match=r"unknown backend 'glooo' \(dim_backends\['dp'\]\)"):
         rd.init_parallel_groups(dim_backends={"dp": "glooo"})
     assert not dist.is_initialized()
+
+
+SLOW_RANK = 3
+SLOW_BY = 2.0
+
+
+def _slow_group_creation() -> dict[str, float]:
+    """Rank 3 creates its tensor-parallel group SLOW_BY seconds late. torch's new_group does
+    not synchronise the ranks (no barrier unless TORCH_DIST_INIT_BARRIER=1), and ranks 0
+    and 1 share no tp group with rank 3, so without a barrier they would return from
+    init_parallel_groups (and could go on, exit, and close their sockets) while rank 3 is
+    still connecting the pairs of its groups."""
+    import torch.distributed.device_mesh as device_mesh
+
+    rd.init_process_group()
+    rank = dist.get_rank()
+    created: dict[str, float] = {}
+    if rank == SLOW_RANK:
+        make_group = device_mesh.new_group
+
+        def slow_new_group(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("group_desc") == "mesh_tp":
+                time.sleep(SLOW_BY / 2)  # once per tp group: [0, 1], then [2, 3]
+            group = make_group(*args, **kwargs)
+            created["last_group"] = time.time()
+            return group
+
+        device_mesh.new_group = slow_new_group  # type: ignore[attr-defined]
+    rd.init_parallel_groups(tensor_parallel=2)
+    out = {"returned": time.time(), **created}
+    t = torch.ones(1)
+    dist.all_reduce(t, group=rd.get_parallel_groups().tp_group)
+    out["tp_sum"] = t.item()
+    rd.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_no_rank_leaves_init_parallel_groups_before_every_rank_created_every_group() -> None:
+    results = run_workers(_slow_group_creation, 4, timeout=50)
+    done = results[SLOW_RANK]["last_group"]
+    for rank, out in enumerate(results):
+        assert out["returned"] >= done, (rank, out["returned"] - done)
+        assert out["tp_sum"] == 2.0

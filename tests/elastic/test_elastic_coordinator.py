@@ -94,6 +94,9 @@ class FakeSupervisor:
     def next_signal(self) -> int | None:
         return None
 
+    def signal_pending(self) -> bool:
+        return False
+
     def run_attempt(self, group: GroupInfo, number: int, policy: AttemptPolicy) -> Outcome:
         self.groups.append(group)
         self.in_attempt.set()

@@ -98,6 +98,18 @@ def train_ddp_zero(join_cls: Any, rank: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def throw_mode(rank: int) -> tuple[str, str] | None:
+    """torch's notify inside DDP.forward raises on the working rank."""
+    model = DDP(make_model())
+    try:
+        with Join([model], throw_on_early_termination=True):
+            for step in range(num_inputs(rank)):
+                model(batch(rank, step)).sum().backward()
+    except RuntimeError as exc:
+        return (type(exc).__name__, str(exc))
+    return None
+
+
 def max_diff(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
     return max((a - b).abs().max().item() for a, b in zip(xs, ys, strict=True))
 
@@ -125,15 +137,12 @@ def scenarios() -> dict[str, Any]:
     out["zero_moved"] = (
         (flat - torch.cat([p.reshape(-1) for p in make_model().parameters()])).abs().max().item()
     )
-    # throw mode: torch's notify inside DDP.forward raises on the working rank
-    model = DDP(make_model())
-    try:
-        with Join([model], throw_on_early_termination=True):
-            for step in range(num_inputs(rank)):
-                model(batch(rank, step)).sum().backward()
-        out["throw"] = None
-    except RuntimeError as exc:
-        out["throw"] = (type(exc).__name__, str(exc))
+    out["throw"] = throw_mode(rank)
+    # Every DDP model is gone by now (each lived in its own function): a DDP that outlives
+    # destroy_process_group() holds the last reference to the group in its C++ Reducer, and
+    # freeing it then destroys ProcessGroupGloo while holding the GIL; a gloo worker thread
+    # still finishing a collective needs the GIL to free that collective's tensors, and the
+    # two wait for each other forever (torch; see docs/join.md).
     dist.destroy_process_group()
     return out
 

@@ -206,6 +206,23 @@ def test_lease_expires_keys_of_a_dead_job(etcd: EtcdServer) -> None:
     assert reader.get("second") is None
 
 
+def test_a_lease_found_gone_is_replaced(etcd: EtcdServer) -> None:
+    """A keep-alive told "requested lease not found" (revoked, or expired while etcd was
+    away) takes a new lease instead of renewing a dead one forever."""
+    kv = _kv(etcd, lease_ttl=3)  # renewed every second
+    kv.set("before", b"1")
+    lease = kv._lease
+    _post(etcd, "/v3/lease/revoke", {"ID": str(lease)})
+    deadline = time.monotonic() + 10
+    while kv._lease == lease:
+        assert time.monotonic() < deadline, "the keep-alive kept the revoked lease"
+        time.sleep(0.1)
+    kv.set("after", b"1")
+    assert kv.get("after") == b"1"
+    assert kv.get("before") is None  # gone with its lease
+    kv.close()
+
+
 def _post(server: EtcdServer, path: str, body: dict[str, Any], token: str | None = None) -> Any:
     headers = {"Content-Type": "application/json"}
     if token:
@@ -248,6 +265,8 @@ def test_user_password_auth() -> None:
         ("127.0.0.1:abc", {}, "rendezvous endpoint"),
         ("127.0.0.1:2379", {"protocol": "gopher"}, "'protocol'"),
         ("127.0.0.1:2379", {"lease_ttl": "long"}, "'lease_ttl'"),
+        ("127.0.0.1:2379", {"request_timeout": "soon"}, "'request_timeout'"),
+        ("127.0.0.1:2379", {"request_timeout": "0"}, "'request_timeout' must be > 0"),
         ("127.0.0.1:2379", {"username": "u"}, "both 'username' and 'password'"),
         ("127.0.0.1:2379", {"cert": "c.pem"}, "both 'cert' and 'key'"),
     ],

@@ -2,13 +2,16 @@
 
 The real-etcd behaviour (TLS, auth, leases, restarts) is in ``test_rendezvous_etcd.py``;
 here each failure the client must handle is produced on purpose: an endpoint that is down,
-one that answers "unavailable", a token the server stops accepting, a create whose read
-finds nothing.
+one that answers "unavailable" (as a plain reply or inside a streamed one), one that
+accepts connections and never answers, a token the server stops accepting, a create whose
+read finds nothing, a transaction applied twice because its first answer was lost.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -21,8 +24,10 @@ import pytest
 from rallypoint._core.net import free_port
 from rallypoint.rendezvous import KVConnectionError, KVStateError
 from rallypoint.rendezvous._etcd_gateway import (
+    GRPC_NOT_FOUND,
     GRPC_UNAUTHENTICATED,
     GRPC_UNAVAILABLE,
+    GRPC_UNKNOWN,
     EtcdGateway,
     GatewayError,
 )
@@ -37,14 +42,18 @@ class Script:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.unavailable = 0  # answer this many requests with 503 / UNAVAILABLE first
+        self.streamed: list[dict[str, Any]] = []  # then these errors, streamed (200)
+        self.deadline = 0  # then this many with 500 / UNKNOWN "context deadline exceeded"
         self.bad_request = False
         self.auth = False  # require the newest token
         self.tokens = 0  # tokens handed out
         self.requests: list[str] = []
+        self.hasleader: list[str | None] = []
 
     def answer(self, path: str, headers: Any, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         with self.lock:
             self.requests.append(path)
+            self.hasleader.append(headers.get("Grpc-Metadata-Hasleader"))
             if path == "/v3/auth/authenticate":
                 if body.get("password") != "s3cret":
                     return 400, {"error": "authentication failed", "code": 3}
@@ -55,6 +64,11 @@ class Script:
             if self.unavailable > 0:
                 self.unavailable -= 1
                 return 503, {"error": "etcdserver: unavailable", "code": GRPC_UNAVAILABLE}
+            if self.streamed:
+                return 200, {"error": self.streamed.pop(0)}
+            if self.deadline > 0:
+                self.deadline -= 1
+                return 500, {"error": "context deadline exceeded", "code": GRPC_UNKNOWN}
             if self.bad_request:
                 return 400, {"error": "etcdserver: bad request", "code": 3}
             return 200, {"header": {"revision": "7"}, "echo": body}
@@ -95,6 +109,91 @@ def test_retries_unavailable_then_answers(server: tuple[Script, int]) -> None:
     gateway = EtcdGateway([("127.0.0.1", port)], timeout=10)
     assert gateway.post("/v3/kv/range", {"key": "a2V5"})["echo"] == {"key": "a2V5"}
     assert script.requests.count("/v3/kv/range") == 4
+
+
+def test_every_request_asks_for_a_member_with_a_leader(server: tuple[Script, int]) -> None:
+    script, port = server
+    gateway = EtcdGateway([("127.0.0.1", port)], timeout=10)
+    gateway.post("/v3/kv/range", {})
+    gateway.post("/v3/kv/put", {})
+    assert script.hasleader == ["true", "true"]
+
+
+def test_election_errors_are_retried(server: tuple[Script, int]) -> None:
+    """What etcd answers during an election: "no leader" inside a streamed answer (lease
+    keep-alive), "context deadline exceeded" (a write to a leaderless member)."""
+    script, port = server
+    no_leader = {"grpc_code": GRPC_UNAVAILABLE, "http_code": 503, "message": "no leader"}
+    script.streamed = [no_leader, no_leader]
+    script.deadline = 2
+    gateway = EtcdGateway([("127.0.0.1", port)], timeout=10)
+    assert gateway.post("/v3/lease/keepalive", {"ID": "1"})["echo"] == {"ID": "1"}
+    assert len(script.requests) == 5
+
+
+def test_a_streamed_error_that_retrying_cannot_cure_names_its_code(
+    server: tuple[Script, int],
+) -> None:
+    script, port = server
+    script.streamed = [
+        {"grpc_code": GRPC_NOT_FOUND, "http_code": 404, "message": "requested lease not found"}
+    ]
+    gateway = EtcdGateway([("127.0.0.1", port)], timeout=10)
+    with pytest.raises(GatewayError, match="404: requested lease not found") as info:
+        gateway.post("/v3/lease/keepalive", {"ID": "1"})
+    assert info.value.code == GRPC_NOT_FOUND
+    assert len(script.requests) == 1
+
+
+@pytest.fixture
+def silent() -> Iterator[int]:
+    """A port that accepts connections and never answers (a hung member)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    yield int(sock.getsockname()[1])
+    sock.close()
+
+
+def test_a_silent_member_costs_one_bounded_try(server: tuple[Script, int], silent: int) -> None:
+    script, port = server
+    gateway = EtcdGateway(
+        [("127.0.0.1", silent), ("127.0.0.1", port)], timeout=30, attempt_timeout=0.5
+    )
+    start = time.monotonic()
+    gateway.post("/v3/kv/range", {})
+    assert time.monotonic() - start < 3  # not the 30 s of the whole request's timeout
+    start = time.monotonic()
+    with ThreadPoolExecutor(4) as pool:  # every thread now starts at the live member
+        list(pool.map(lambda _: gateway.post("/v3/kv/range", {}), range(4)))
+    assert time.monotonic() - start < 0.5
+    assert script.requests == ["/v3/kv/range"] * 5
+
+
+def test_a_slow_cluster_gets_longer_tries(silent: int) -> None:
+    """When every member runs out of time, the next sweep waits longer (a slow etcd still
+    answers), and the whole request stays within its timeout."""
+    gateway = EtcdGateway([("127.0.0.1", silent)], timeout=2, attempt_timeout=0.2)
+    start = time.monotonic()
+    with pytest.raises(KVConnectionError, match="within 2 s"):
+        gateway.post("/v3/kv/range", {})
+    assert 1.9 < time.monotonic() - start < 4
+
+
+def test_watch_on_a_silent_member_ends_with_its_slice(silent: int) -> None:
+    gateway = EtcdGateway([("127.0.0.1", silent)], timeout=30, attempt_timeout=5)
+    start = time.monotonic()
+    assert gateway.watch_put("a2V5", 1, timeout=0.5) is False
+    assert time.monotonic() - start < 2
+
+
+def test_bad_attempt_timeout_is_rejected() -> None:
+    with pytest.raises(ValueError, match="attempt_timeout"):
+        EtcdGateway([("127.0.0.1", 1)], attempt_timeout=0)
+    with pytest.raises(ValueError, match="request_timeout"):
+        from datetime import timedelta
+
+        EtcdOptions(endpoints=[("h", 1)], request_timeout=timedelta(0))
 
 
 def test_retry_loop_is_bounded_by_the_timeout(server: tuple[Script, int]) -> None:
@@ -206,3 +305,59 @@ def test_set_if_absent_gives_up_after_a_bounded_number_of_tries() -> None:
     with pytest.raises(KVStateError, match=message):
         _fake_kv(gateway).set_if_absent("k", b"mine")
     assert gateway.txns == _SET_IF_ABSENT_TRIES  # a loop, not a recursion that runs away
+
+
+class Replaying:
+    """A fake gateway over a dict that applies every transaction twice and answers the
+    second time: what the real gateway does when a transaction's first answer is lost (a
+    member killed mid-request, a try that ran out of time) and it sends it again."""
+
+    endpoint = "fake://etcd"
+
+    def __init__(self) -> None:
+        self.data: dict[str, str] = {}  # base64 key -> base64 value
+
+    def _range(self, key: str) -> dict[str, Any]:
+        value = self.data.get(key)
+        return {"kvs": [] if value is None else [{"key": key, "value": value}]}
+
+    def _apply(self, body: dict[str, Any]) -> dict[str, Any]:
+        holds = True
+        for cmp in body.get("compare", []):
+            value = self.data.get(cmp["key"])
+            if cmp["target"] == "CREATE":
+                holds = holds and value is None
+            else:
+                holds = holds and value == cmp["value"]
+        ops = body["success"] if holds else body.get("failure", [])
+        responses: list[dict[str, Any]] = []
+        for op in ops:
+            if "request_put" in op:
+                self.data[op["request_put"]["key"]] = op["request_put"]["value"]
+                responses.append({"response_put": {}})
+            else:
+                responses.append({"response_range": self._range(op["request_range"]["key"])})
+        return {"succeeded": holds, "responses": responses}
+
+    def post(self, path: str, body: dict[str, Any], *, timeout: float | None = None) -> Any:
+        if path == "/v3/kv/range":
+            return {"header": {"revision": "1"}, **self._range(body["key"])}
+        assert path == "/v3/kv/txn", path
+        self._apply(body)  # its answer is lost
+        return self._apply(body)
+
+    def watch_put(self, key: str, start_revision: int, timeout: float) -> bool:
+        raise AssertionError("not used")
+
+
+def test_add_counts_once_when_its_transaction_is_applied_twice() -> None:
+    gateway = Replaying()
+    kv = EtcdKV(EtcdOptions(endpoints=[("fake", 1)], lease_ttl=0), gateway=gateway)
+    assert kv.add("claim", 1) == 1  # the first to claim must learn that it was first
+    assert kv.add("claim", 1) == 2
+    assert kv.add("claim", 5) == 7
+    assert kv.get("claim") == b"7"
+    other = EtcdKV(EtcdOptions(endpoints=[("fake", 1)], lease_ttl=0), gateway=gateway)
+    assert other.add("claim", 1) == 8  # another client's add is not mistaken for ours
+    stored = {base64.b64decode(k) for k in gateway.data}
+    assert sum(1 for k in stored if b".adds/" in k) == 2  # one marker per client and thread

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rallypoint.testing._rpc_contract import run_rpc_contract
+from rallypoint.testing._rpc_contract import PATTERNS, run_rpc_contract, run_rpc_pattern
 
 
 @pytest.mark.timeout(100)
@@ -13,3 +13,23 @@ def test_rpc_contract(backend: str) -> None:
     results = run_rpc_contract(backend)
     assert len(results[0]) == 28, results[0]
     assert results[1] == [] and results[2] == []
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_rpc_patterns_give_the_same_results_on_both_backends(pattern: str) -> None:
+    ours = run_rpc_pattern("RALLYPOINT", pattern, timeout=70)
+    theirs = run_rpc_pattern("TENSORPIPE", pattern, timeout=70)
+    assert ours == theirs
+    if pattern == "observer_agent":
+        assert len(ours[0]["rewards"]) == 6
+    if pattern == "parameter_server":
+        assert ours[0]["rounds_ok"] and len(ours[0]["losses"]) == 10
+        assert ours[1:] == [{"waited_s": True}] * 2  # in shutdown() while the master trained
+    if pattern == "process_group_and_rpc":
+        assert ours == [{"got": r + 1, "total": 3.0, "bind_errors": []} for r in range(3)]
+
+
+def test_unknown_pattern_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown RPC pattern 'nope'"):
+        run_rpc_pattern("RALLYPOINT", "nope")

@@ -137,3 +137,59 @@ def test_membership_token_is_released_when_the_change_fails(tmp_path: Any) -> No
         assert time.monotonic() - start < 10.0
     with _groups.membership_token(store, "c", 2.0):
         pass
+
+
+def _joiner(i: int, graceful: bool, report: int) -> None:
+    """A short-lived member: join, call both long-lived members, leave (maybe abruptly)."""
+    try:
+        opts = rpc.RallypointRpcBackendOptions(rpc_timeout=10)
+        rpc.init_rpc(f"j{i}", rank=10 + i, world_size=None, rpc_backend_options=opts)
+        names = [rpc.rpc_sync(peer, _name) for peer in ("w0", "w1")]
+        rpc.shutdown(graceful=graceful)
+        os.write(report, f"ok {names}".encode())
+    except BaseException as exc:
+        os.write(report, f"error {exc!r}".encode())
+    finally:
+        os._exit(0)
+
+
+def _run_joiner(i: int, graceful: bool) -> str:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        _joiner(i, graceful, write)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as fh:
+        return fh.read()
+
+
+def _leave_and_join_loop(done: Any) -> Any:
+    rank = int(os.environ["RANK"])
+    opts = rpc.RallypointRpcBackendOptions(rpc_timeout=10)
+    if rank < 2:
+        time.sleep(0.2 * rank)
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=None, rpc_backend_options=opts)
+        assert done.wait(50)
+        members = _members()
+        rpc.shutdown()
+        return members
+    _wait_for_member("w1")
+    # every other joiner leaves with graceful=False: it stays in the membership until the
+    # next joiner finds its address refusing connections and removes it
+    outcomes = [_run_joiner(i, graceful=i % 2 == 1) for i in range(6)]
+    done.set()
+    return outcomes
+
+
+@pytest.mark.timeout(90)
+def test_join_right_after_a_member_left_with_graceful_false() -> None:
+    import multiprocessing
+
+    from rallypoint.testing import run_workers
+
+    done = multiprocessing.get_context("fork").Event()
+    results = run_workers(_leave_and_join_loop, 3, done, timeout=75, env=SECRET)
+    assert results[2] == ["ok ['w0', 'w1']"] * 6, results[2]
+    assert results[0] == results[1] == ["w0", "w1"]  # the abrupt leavers are gone

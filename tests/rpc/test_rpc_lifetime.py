@@ -150,3 +150,90 @@ def test_tcp_and_file_init_methods(scheme: str, tmp_path: Any) -> None:
 
     init = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/store"
     assert run_workers(_init_method, 2, init, timeout=40, env=SECRET) == ["w1", "w0"]
+
+
+_STORED: list[torch.Tensor] = []
+
+
+def _store_and_echo(x: torch.Tensor) -> torch.Tensor:
+    _STORED.append(x)
+    return x
+
+
+def _stored_sum() -> float:
+    return float(sum(t.sum().item() for t in _STORED))
+
+
+def _mutate_stored() -> None:
+    for t in _STORED:
+        t.fill_(-1)
+
+
+def _forget_stored() -> None:
+    _STORED.clear()
+    gc.collect()
+
+
+def _returned_bytes() -> int:
+    return current_rallypoint_agent().stats["returned_tensor_bytes"]
+
+
+def _twice_and_halves(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return x, x, x[: x.numel() // 2], x[1:]
+
+
+def _return_to_sender_scenario() -> dict[str, Any]:
+    rank = int(os.environ["RANK"])
+    opts = rpc.RallypointRpcBackendOptions(rpc_timeout=20)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        agent = current_rallypoint_agent()
+        x = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB
+        expected = float(x.sum())
+        before = rpc.rpc_sync("worker1", _returned_bytes)
+        y = rpc.rpc_sync("worker1", _store_and_echo, args=(x,))
+        out["returned"] = rpc.rpc_sync("worker1", _returned_bytes) - before
+        out["equal"] = torch.equal(y, x)
+        # neither side sees the other's writes, although no byte was copied back
+        y.add_(1)
+        out["callee_after_caller_wrote"] = rpc.rpc_sync("worker1", _stored_sum) == expected
+        rpc.rpc_sync("worker1", _mutate_stored)
+        out["caller_after_callee_wrote"] = torch.equal(y, x + 1)
+        out["x_untouched"] = float(x.sum()) == expected
+        del y
+        rpc.rpc_sync("worker1", _forget_stored)
+        gc.collect()
+        # a tensor handed back twice in one reply, a prefix view, and an offset view
+        a, b, half, tail = rpc.rpc_sync("worker1", _twice_and_halves, args=(x,))
+        n = x.numel()
+        out["pieces"] = [
+            torch.equal(a, x),
+            torch.equal(b, x),
+            torch.equal(half, x[: n // 2]),
+            torch.equal(tail, x[1:]),
+        ]
+        a.fill_(7)  # a and b are one object (pickle keeps identity, as in torch)
+        out["pieces_private"] = a is b and torch.equal(half, x[: n // 2])
+        del a, b, half, tail
+        gc.collect()
+        # segments come back into use: many echoes need few segments
+        for _ in range(20):
+            y = rpc.rpc_sync("worker1", _echo, args=(x,))
+            assert torch.equal(y, x)
+            del y
+        out["segments"] = len(agent._pool.segments()) if agent._pool else -1
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_tensor_sent_back_to_its_sender_is_not_copied_and_never_aliased() -> None:
+    from rallypoint.testing import run_workers
+
+    out = run_workers(_return_to_sender_scenario, 2, timeout=50, env=SECRET)[0]
+    assert out["returned"] == 1 << 20, out  # handed back, not copied
+    assert out["equal"] and out["x_untouched"]
+    assert out["callee_after_caller_wrote"] and out["caller_after_callee_wrote"]
+    assert out["pieces"] == [True] * 4 and out["pieces_private"]
+    assert 0 < out["segments"] <= 4

@@ -176,3 +176,52 @@ def test_shared_memory_segments_are_passed_once_and_reused() -> None:
         sender.close()
         receiver.close()
         pool.close()
+
+
+def _wait_free(segment: Any) -> bool:
+    deadline = time.monotonic() + 5
+    while not segment.free and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    return bool(segment.free)
+
+
+def test_a_received_tensor_sent_back_is_handed_back_and_its_segment_reused() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX)
+    owner_pool, peer_pool = SegmentPool(1 << 26), SegmentPool(1 << 26)
+    stats = {"inline_tensor_bytes": 0, "shm_tensor_bytes": 0, "returned_tensor_bytes": 0}
+    kwargs: dict[str, Any] = {"peer_id": 0, "uds": True, "shm_threshold": 1024, "stats": stats}
+    at_owner, at_peer = _Collect(), _Collect()
+    owner = Connection(a, peer_name="peer", pool=owner_pool, **at_owner.callbacks(), **kwargs)
+    peer = Connection(b, peer_name="owner", pool=peer_pool, **at_peer.callbacks(), **kwargs)
+    owner.start()
+    peer.start()
+    try:
+        first = torch.arange(1 << 18, dtype=torch.int32).view(torch.uint8)  # 1 MiB
+        owner.send_frame(_wire.FrameKind.CALL, 1, b"", [first])
+        assert at_peer.event.wait(5)
+        received = at_peer.frames.pop().tensors[0]
+        peer.send_frame(_wire.FrameKind.REPLY, 1, b"", [received])  # back to its owner
+        assert at_owner.event.wait(5)
+        back = at_owner.frames.pop().tensors[0]
+        assert torch.equal(back, first) and stats["returned_tensor_bytes"] == first.numel()
+        assert peer_pool.segments() == []  # nothing was copied on the way back
+        segment = owner_pool.segments()[0]
+        # each side writes its own view; neither sees the other's write
+        received.fill_(1)
+        back.fill_(2)
+        assert bool((received == 1).all()) and bool((back == 2).all())
+        del back, received
+        assert _wait_free(segment)
+        # the peer's mapping is shared again: the segment's next bytes are visible there
+        second = torch.full((1 << 20,), 9, dtype=torch.uint8)
+        at_peer.event.clear()
+        owner.send_frame(_wire.FrameKind.CALL, 2, b"", [second])
+        assert at_peer.event.wait(5)
+        assert owner_pool.segments() == [segment]
+        assert torch.equal(at_peer.frames.pop().tensors[0], second)
+    finally:
+        owner.close()
+        peer.close()
+        owner_pool.close()
+        peer_pool.close()

@@ -7,6 +7,7 @@ torchrun's own names (``RANK``, ``TORCHELASTIC_*``...) are torch's contract; ral
 from __future__ import annotations
 
 __all__ = [
+    "AGENT_CPP_LOG_LEVEL",
     "ERROR_FILE",
     "IGNORE_SLURM",
     "PROGRESS_FILE",
@@ -16,11 +17,13 @@ __all__ = [
     "RPC_ALLOW_STORE_SECRET",
     "RPC_SECRET",
     "RUN_ID",
+    "SIGNALS_TO_HANDLE",
     "SNAPSHOT_DIR",
     "SNAPSHOT_EVERY",
     "SNAPSHOT_SOCKET",
     "STACKS_DIR",
     "STACKS_SIGNAL",
+    "TORCH_CPP_LOG_LEVEL",
     "USE_AGENT_STORE",
 ]
 
@@ -29,6 +32,11 @@ ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 RUN_ID = "TORCHELASTIC_RUN_ID"
 USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+SIGNALS_TO_HANDLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+"""The launcher's ``--signals-to-handle``, comma-separated (torch's launcher sets it)."""
+
+# torch's (c10's), read once when torch is imported
+TORCH_CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 
 # rallypoint's own
 RPC_SECRET = "RALLYPOINT_RPC_SECRET"
@@ -46,3 +54,6 @@ SNAPSHOT_DIR = "RALLYPOINT_SNAPSHOT_DIR"
 """``--snapshot-dir``: where every Kth snapshot is persisted with torch.distributed.checkpoint."""
 SNAPSHOT_EVERY = "RALLYPOINT_SNAPSHOT_EVERY"
 """``--snapshot-every``: K."""
+AGENT_CPP_LOG_LEVEL = "RALLYPOINT_AGENT_CPP_LOG_LEVEL"
+"""torch's C++ log level in the agent of a multi-node ``rallypoint run`` (``FATAL`` unless
+set: INFO, WARNING, ERROR or FATAL); the workers keep ``TORCH_CPP_LOG_LEVEL``."""

@@ -7,7 +7,7 @@ works because the package re-exports every name it claims.
 
 from __future__ import annotations
 
-import inspect
+import types
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -22,7 +22,7 @@ def set_public_module(package: str, namespace: Mapping[str, Any], names: Iterabl
     """
     for name in names:
         obj = namespace.get(name)
-        if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+        if not isinstance(obj, type | types.FunctionType):
             continue
         if obj.__module__.startswith(package + "._"):
             obj.__module__ = package

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from rallypoint._core import envvars
 from rallypoint.cli._parser import PROG, UsageError
+from rallypoint.elastic._options import parse_nnodes
 from rallypoint.launcher._config import LaunchConfig
 from rallypoint.supervise._worker import Target
 
@@ -75,10 +76,13 @@ def _check_flags(args: argparse.Namespace) -> None:
 def _multi_node(args: argparse.Namespace) -> bool:
     """torchrun's rule: several nodes unless ``--standalone`` or at most one node."""
     nnodes = str(args.nnodes).strip()
-    multi = ":" in nnodes or (nnodes.isdigit() and int(nnodes) > 1)
-    if multi and nnodes.split(":")[-1].strip() == "1":
-        multi = False
-    return multi and not args.standalone
+    try:
+        _, max_nodes = parse_nnodes(nnodes)
+    except ValueError:
+        raise UsageError(
+            f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {nnodes!r}"
+        ) from None
+    return max_nodes > 1 and not args.standalone
 
 
 def _reject_unsupported(args: argparse.Namespace) -> None:
@@ -175,8 +179,9 @@ def _target(args: argparse.Namespace) -> Target:
             raise UsageError(f"--no-python: command {script!r} not found or not executable")
     else:
         kind = "script"
-        runnable = os.path.isfile(script) or os.path.isfile(os.path.join(script, "__main__.py"))
-        if not runnable:
+        if os.path.isdir(script) and not os.path.isfile(os.path.join(script, "__main__.py")):
+            raise UsageError(f"can't find '__main__' module in {script!r}")  # python's words
+        if not os.path.isfile(script) and not os.path.isdir(script):
             raise UsageError(f"script {script!r} does not exist")
     return Target(kind, script, tuple(args.training_script_args))
 

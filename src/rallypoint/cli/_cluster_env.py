@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint._core import envvars
+from rallypoint.elastic._options import parse_nnodes
 
 __all__ = [
     "DEFAULT_RDZV_PORT",
@@ -353,6 +354,15 @@ def _nonneg_int(name: str, value: str) -> int:
     return number
 
 
+def _check_nnodes(value: str) -> None:
+    try:
+        parse_nnodes(value)
+    except ValueError:
+        raise ValueError(
+            f"PET_NNODES must be N or MIN:MAX with 0 < MIN <= MAX, got {value!r}"
+        ) from None
+
+
 def detect_cluster_env(env: Mapping[str, str]) -> ClusterDefaults:
     """Run-option defaults from ``PET_*`` and SLURM variables in ``env`` (pass ``os.environ``)."""
     found: dict[str, Any] = {}
@@ -383,5 +393,7 @@ def detect_cluster_env(env: Mapping[str, str]) -> ClusterDefaults:
             value = pet.pop(name).strip()
             if not value:
                 raise ValueError(f"PET_{name.upper()} is set but empty; unset it or give a value")
+            if name == "nnodes":
+                _check_nnodes(value)
             found[name] = value
     return ClusterDefaults(source="+".join(sources), slurm=slurm, other=pet, **found)

@@ -4,14 +4,23 @@ Every torchrun option is accepted with both spellings (``--nproc-per-node`` and
 ``--nproc_per_node``) and ``PET_<OPTION>`` environment defaults, as torchrun reads them
 (``_parser``); the arguments become a ``LaunchConfig`` (``_args``). Bad input gives one
 line on stderr and exit status 2.
+
+The screen of a failed job ends with its root cause: the agent of a multi-node job imports
+torch with its C++ log level at ``FATAL`` (``RALLYPOINT_AGENT_CPP_LOG_LEVEL`` overrides it;
+the workers keep the user's ``TORCH_CPP_LOG_LEVEL``), so torch's store warnings and their
+frame dumps from background threads stay off the screen, and once the last line is written
+nothing else of this process reaches stderr.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
+import threading
 
+from rallypoint._core import envvars
 from rallypoint.supervise._warm import WarmProcess
 
 __all__ = ["main", "run_main"]
@@ -23,8 +32,15 @@ def _fail(prog: str, message: str) -> int:
     return 2
 
 
-def run_main(argv: list[str], warm: WarmProcess | None = None) -> int:
-    """Parse ``argv`` (after ``run``) and run the job; returns the exit status."""
+def run_main(
+    argv: list[str], warm: WarmProcess | None = None, *, owns_process: bool = False
+) -> int:
+    """Parse ``argv`` (after ``run``) and run the job; returns the exit status.
+
+    ``owns_process``: this process is the ``rallypoint`` command and exits afterwards (then
+    the agent's torch is quiet and nothing follows the job's last line; see the module
+    docstring).
+    """
     if warm is None:
         warm = WarmProcess.fork()
     try:
@@ -42,14 +58,57 @@ def run_main(argv: list[str], warm: WarmProcess | None = None) -> int:
             return _fail(PROG, str(exc))
         from rallypoint.launcher._run import run_job
 
+        if owns_process and config.rendezvous.multi_node:
+            _quiet_agent_torch()
         title = f"{PROG} {'-m ' if target.kind == 'module' else ''}{target.name}"
         try:
             run_job(config, target, warm, title=title, warn_omp=True)
         except Exception as exc:
-            return _exit_status(exc, PROG)
+            code = _exit_status(exc, PROG)
+            if owns_process:
+                _last_line_written()
+            return code
         return 0
     finally:
         warm.close()
+
+
+def _quiet_agent_torch() -> None:
+    """Have torch imported in this agent process with its C++ logging at ``FATAL``.
+
+    c10 reads ``TORCH_CPP_LOG_LEVEL`` from the C environment once, when torch is imported:
+    it is set there only (``os.putenv``: ``os.environ``, from which the workers' environment
+    is built, keeps the user's value) before anything imports torch, torch is imported in a
+    thread (the main thread stays free for signals; whoever imports torch first reads the
+    level) and the variable is put back.
+    """
+    if "torch" in sys.modules:
+        return
+    name = envvars.TORCH_CPP_LOG_LEVEL
+    saved = os.environ.get(name)
+    os.putenv(name, os.environ.get(envvars.AGENT_CPP_LOG_LEVEL, "FATAL"))
+
+    def load() -> None:
+        try:
+            with contextlib.suppress(BaseException):  # the rendezvous says it properly
+                import torch  # noqa: F401
+        finally:
+            if saved is None:
+                os.unsetenv(name)
+            else:
+                os.putenv(name, saved)
+
+    threading.Thread(target=load, name="rallypoint-import-torch", daemon=True).start()
+
+
+def _last_line_written() -> None:
+    """The job's last line is on the screen: what daemon threads (a heartbeat that finds
+    the store gone, torch's C++ warnings) would print after it goes nowhere."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
 
 
 def _exit_status(exc: Exception, prog: str) -> int:

@@ -174,6 +174,13 @@ def init_parallel_groups(
 
     Calling it again with the same layout returns the existing groups; another layout
     raises :class:`AlreadyInitializedError` (call :func:`destroy_process_group` first).
+
+    A collective over the whole world: it returns on a rank only once every rank has
+    created all of its groups (one 1-element all-reduce on the default group). torch's
+    ``new_group`` does not synchronise the ranks, and gloo's pair handshake can finish on
+    one side first, so a rank that went on and exited at once could otherwise close a
+    socket, or the store it hosts, while a peer is still connecting (``Gloo
+    connectFullMesh failed ... Connection closed by peer``).
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -218,6 +225,7 @@ def init_parallel_groups(
         backend_override=dict(backends) if backends else None,  # type: ignore[arg-type]
     )
     groups = ParallelGroups(mesh, sizes, backends)
+    _wait_for_every_rank(device_type)  # every rank has created every group (see above)
     STATE.parallel = groups
     log.info(
         "parallel groups on rank %d: %s",
@@ -225,6 +233,17 @@ def init_parallel_groups(
         ", ".join(f"{DIM_FIELDS[dim]}={sizes[dim]} (rank {groups.rank(dim)})" for dim in DIM_NAMES),
     )
     return groups
+
+
+def _wait_for_every_rank(device_type: str) -> None:
+    """Return once every rank got here: one 1-element all-reduce on the default group;
+    ``.item()`` waits on the host also where the collective is asynchronous to it (NCCL)."""
+    import torch
+    import torch.distributed as dist
+
+    probe = torch.zeros(1, device=device_type)
+    dist.all_reduce(probe)
+    probe.item()
 
 
 def get_parallel_groups() -> ParallelGroups:

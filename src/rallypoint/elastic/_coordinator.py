@@ -25,14 +25,14 @@ The stores and their keys: ``_stores``; the records: ``_records``.
 
 from __future__ import annotations
 
+import functools
 import signal
-import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from rallypoint.elastic._job import Job
+from rallypoint.elastic._job import Job, interruptible
 from rallypoint.elastic._options import RestartOptions
 from rallypoint.elastic._policy import MEMBERSHIP_CHANGED, ElasticPolicy
 from rallypoint.elastic._protocols import NodeSupervisor
@@ -82,6 +82,7 @@ class ElasticCoordinator:
         monitor_interval: float,
         timeout: timedelta | None = None,
         share_rpc_secret: bool = True,
+        store_timeout: float = 60.0,
     ) -> None:
         self.supervisor = supervisor
         self.connect = connect
@@ -94,6 +95,7 @@ class ElasticCoordinator:
         self.poll_every = max(POLL_EVERY, monitor_interval)
         self.share_rpc_secret = share_rpc_secret
         """Give every node's workers the run store's RPC secret (False: the user set one)."""
+        self.store_timeout = store_timeout
         self._local_round = 0
         self._job: Job | None = None
 
@@ -105,16 +107,19 @@ class ElasticCoordinator:
     def run(self) -> list[Any]:
         """Rounds until the job ends; returns this node's results of the last round."""
         self.supervisor.init_warm()
+        sup = self.supervisor
         self._job = Job(
-            self.connect(),
+            interruptible(self.connect, sup.next_signal, "the rendezvous store"),
             run_id=self.run_id,
             endpoint=self.endpoint,
             observer=self.observer,
             restarts=self.restarts,
             poll_every=self.poll_every,
-            next_signal=self.supervisor.next_signal,
+            next_signal=sup.next_signal,
+            signal_pending=sup.signal_pending,
+            store_timeout=self.store_timeout,
         )
-        self._job.open()
+        interruptible(self._job.open, sup.next_signal, "the rendezvous store")
         try:
             return self._rounds()
         except (LaunchError, ValueError, TypeError):
@@ -142,36 +147,22 @@ class ElasticCoordinator:
             rnd = self._setup_round(info)
             policy = ElasticPolicy(rnd, host=self.supervisor.host)
             outcome = self.supervisor.run_attempt(rnd.group, rnd.number, policy)
-            if self._after_round(rnd, outcome):
+            if self.job.blocking(functools.partial(self._after_round, rnd, outcome)):
                 return self.supervisor.results(outcome)
 
     # ------------------------------------------------------------------ joining a round
     def _next_rendezvous(self) -> RendezvousInfo:
         """``next_rendezvous()`` in a thread, so that SIGINT/SIGTERM still stop this node
         while it blocks inside the store (a blocked C call does not return for signals)."""
-        result: dict[str, Any] = {}
-
-        def join() -> None:
-            try:
-                result["info"] = self.job.handler.next_rendezvous()
-            except BaseException as exc:
-                result["exc"] = exc
-
-        t = threading.Thread(target=join, name="rallypoint-rendezvous", daemon=True)
-        t.start()
-        while t.is_alive():
-            t.join(0.05)
-            self.job.check_signals()
-        if "exc" in result:
-            raise result["exc"]
-        info: RendezvousInfo = result["info"]
-        return info
+        return self.job.blocking(self.job.handler.next_rendezvous)
 
     def _ended_elsewhere(self, exc: Exception) -> None:
         status = ""
         if self.job.has_run_store:
             try:
-                status = self.job.run.status()
+                status = self.job.blocking(self.job.run.status)
+            except LaunchInterruptedError:
+                raise
             except Exception:
                 status = ""
         if status == "succeeded":
@@ -182,24 +173,33 @@ class ElasticCoordinator:
         )
 
     def _setup_round(self, info: RendezvousInfo) -> Round:
+        """The round's group: its store calls in threads (``Job.blocking``), the warm
+        process's (the worker store of group rank 0) on this thread."""
         k = self.job.handler.round
         if k is None:
             k = self._local_round
         self._local_round = k + 1
-        self.job.adopt_round_store(info.store)
+        job = self.job
+        job.blocking(lambda: job.adopt_round_store(info.store))
         store = RoundStore(prefixed(f"rallypoint/round{k}", info.store))
         group_rank, nnodes = int(info.rank), int(info.world_size)
         sup = self.supervisor
-        # read before this node counts as present: no node starts its workers (and so no
-        # failure spends budget) until every node is, so all see the same count
-        restart_count = self.job.run.restarts()
-        store.publish_node(group_rank, NodeRecord(sup.nproc, sup.host))
-        nodes = store.nodes(nnodes)
+
+        def join_round() -> tuple[int, list[NodeRecord]]:
+            # read before this node counts as present: no node starts its workers (and so
+            # no failure spends budget) until every node is, so all see the same count
+            restart_count = job.run.restarts()
+            store.publish_node(group_rank, NodeRecord(sup.nproc, sup.host))
+            return restart_count, store.nodes(nnodes)
+
+        restart_count, nodes = job.blocking(join_round)
         if group_rank == 0:
             assert info.bootstrap_store_info is not None
-            addr = info.bootstrap_store_info.master_addr
-            store.publish_master(addr, sup.start_store(addr, 0))
-        addr, port = store.master()
+            master = info.bootstrap_store_info.master_addr
+            port = sup.start_store(master, 0)
+            job.blocking(lambda: store.publish_master(master, port))
+        addr, port = job.blocking(store.master)
+        secret = job.blocking(job.rpc_secret) if self.share_rpc_secret else ""
         sizes = [n.nproc for n in nodes]
         group = GroupInfo(
             group_rank=group_rank,
@@ -211,9 +211,9 @@ class ElasticCoordinator:
             run_id=self.run_id,
             restart_count=restart_count,
             max_restarts=self.restarts.max_restarts,
-            rpc_secret=self.job.rpc_secret() if self.share_rpc_secret else "",
+            rpc_secret=secret,
         )
-        publish_node_count(self.job.run.store, nnodes)
+        job.blocking(lambda: publish_node_count(job.run.store, nnodes))
         members = [n.host for n in nodes]
         self.observer.emit(
             "round",

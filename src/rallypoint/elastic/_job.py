@@ -1,12 +1,19 @@
-"""What one node's elastic coordinator keeps across rounds: the handler and the run store."""
+"""What one node's elastic coordinator keeps across rounds: the handler and the run store.
+
+Every store call the coordinator makes goes through :meth:`Job.blocking` (or, before the
+job exists, :func:`interruptible`): a daemon thread runs it while the main thread checks
+for SIGINT/SIGTERM every 50 ms, because a TCPStore call blocked in C++ ``recv`` would not
+return for Python's signal handlers (``rallypoint._core.blocking``).
+"""
 
 from __future__ import annotations
 
 import secrets
 import signal
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from rallypoint._core.blocking import call_in_thread
 from rallypoint.elastic._options import RestartOptions
 from rallypoint.elastic._rendezvous import open_run_store
 from rallypoint.elastic._stores import RunStore, prefixed
@@ -19,7 +26,30 @@ if TYPE_CHECKING:
 
     from rallypoint.rendezvous import RendezvousHandler
 
-__all__ = ["Job"]
+__all__ = ["Job", "interruptible", "stop_on_signal"]
+
+T = TypeVar("T")
+
+
+def stop_on_signal(signum: int | None, waiting_for: str = "the other nodes") -> None:
+    """Raise :class:`LaunchInterruptedError` if the launcher received ``signum``."""
+    if signum is not None:
+        name = signal.Signals(signum).name
+        raise LaunchInterruptedError(
+            f"received {name} while waiting for {waiting_for}; stopped", signum=signum
+        )
+
+
+def interruptible(
+    fn: Callable[[], T],
+    next_signal: Callable[[], int | None],
+    waiting_for: str = "the other nodes",
+) -> T:
+    """``fn()`` (store calls) in a thread; a signal to the launcher meanwhile raises
+    :class:`LaunchInterruptedError` at once, leaving the call behind."""
+    return call_in_thread(
+        fn, poll=lambda: stop_on_signal(next_signal(), waiting_for), name="rallypoint-store"
+    )
 
 
 class Job:
@@ -35,6 +65,8 @@ class Job:
         restarts: RestartOptions,
         poll_every: float,
         next_signal: Callable[[], int | None],
+        signal_pending: Callable[[], bool] = lambda: False,
+        store_timeout: float = 60.0,
     ) -> None:
         self.handler = handler
         self.run_id = run_id
@@ -43,6 +75,10 @@ class Job:
         self.restarts = restarts
         self.poll_every = poll_every
         self._next_signal = next_signal
+        self.signal_pending = signal_pending
+        """Whether a signal waits for the supervisor (peeks; the supervisor takes it)."""
+        self.store_timeout = store_timeout
+        """Seconds a store call may take (``read_timeout``) before the store counts as lost."""
         self._run: RunStore | None = None
         self.stacks_store: Any = None  # a second connection, for a blocking stacks request
         self.answered = 0
@@ -61,9 +97,11 @@ class Job:
             self._adopt(run, run)
 
     def _adopt(self, store: Store, second: Store | None) -> None:
+        from rallypoint.rendezvous import KVError
+
         try:
             self.answered = latest_stacks_request(store)
-        except RuntimeError as exc:
+        except (RuntimeError, KVError) as exc:
             raise RendezvousFailedError(f"rendezvous {self.endpoint!r}: {exc}") from None
         self._run = RunStore(store)
         self.stacks_store = second
@@ -99,9 +137,8 @@ class Job:
 
     def check_signals(self) -> None:
         """Between attempts: a signal to the launcher stops this node."""
-        signum = self._next_signal()
-        if signum is not None:
-            name = signal.Signals(signum).name
-            raise LaunchInterruptedError(
-                f"received {name} while waiting for the other nodes; stopped", signum=signum
-            )
+        stop_on_signal(self._next_signal())
+
+    def blocking(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (store calls) in a thread, stopped by a signal (:func:`interruptible`)."""
+        return interruptible(fn, self._next_signal)

@@ -6,6 +6,12 @@ to join or members were lost (without spending budget). A hang is the whole job'
 first node to see it asks every node for its workers' stacks and prints them grouped, the
 others keep answering until it has them; then the round is decided (a restart that spends
 budget, or a failure with ``on_hang="fail"``). A store error is :attr:`OutcomeKind.LOST`.
+
+The store calls never hold the supervisor's loop: a tick's checks run in a thread
+(``rallypoint._core.blocking.InThread``) and :meth:`ElasticPolicy.poll` waits for them at
+most :data:`TICK_WAIT` seconds, taking the answer on a later tick if it is slow (a store
+that has not answered for ``read_timeout`` is lost); a hang report gives up as soon as a
+signal waits for the supervisor, which then stops the workers.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from rallypoint._core.blocking import InThread, call_in_thread
 from rallypoint.elastic._round import Round
 from rallypoint.observe._stacks_exchange import request_stacks
 from rallypoint.observe._stacks_format import format_grouped_stacks
@@ -29,6 +36,12 @@ STACKS_TIMEOUT = 10.0
 """Seconds the node that saw a hang waits for every node's stacks."""
 HANG_REPORT_WAIT = 15.0
 """Seconds the other nodes keep answering stack requests after a hang."""
+TICK_WAIT = 0.2
+"""Most seconds one :meth:`ElasticPolicy.poll` waits for its store checks."""
+
+
+class _Interrupted(Exception):
+    """A signal waits for the supervisor: give up what the policy is doing."""
 
 
 class ElasticPolicy:
@@ -39,23 +52,41 @@ class ElasticPolicy:
         self.job = rnd.job
         self.host = host
         self._next_poll = 0.0
+        self._checks: InThread[Stop | None] | None = None
 
     def poll(self, running: Mapping[int, int]) -> Stop | None:
-        now = time.monotonic()
-        if now < self._next_poll:
-            return None
-        self._next_poll = now + self.job.poll_every
+        if self._checks is None:
+            now = time.monotonic()
+            if now < self._next_poll:
+                return None
+            self._next_poll = now + self.job.poll_every
+            ranks = dict(running)
+            self._checks = InThread(lambda: self._check(ranks), name="rallypoint-monitor")
+        checks = self._checks
+        if not checks.wait(TICK_WAIT):
+            limit = self.job.store_timeout
+            if checks.age > limit:
+                return Stop(
+                    OutcomeKind.LOST,
+                    f"lost the rendezvous store: no answer within {limit:g} s (read_timeout)",
+                )
+            return None  # the answer comes on a later tick; the supervisor's loop goes on
+        self._checks = None
         try:
-            self.job.answer_stacks(running, self.rnd.group_rank)
-            if self.rnd.store.decided():
-                return Stop(OutcomeKind.RESTART, self.rnd.store.decision().reason)
-            waiting = self.job.nodes_waiting()
-            if waiting > 0:
-                reason = MEMBERSHIP_CHANGED.format(waiting=waiting)
-                self.rnd.claim(reason, spend=False)
-                return Stop(OutcomeKind.RESTART, reason)
+            return checks.result()
         except Exception as exc:
             return Stop(OutcomeKind.LOST, f"lost the rendezvous store: {exc}")
+
+    def _check(self, running: Mapping[int, int]) -> Stop | None:
+        """One tick's store checks (see the module docstring)."""
+        self.job.answer_stacks(running, self.rnd.group_rank)
+        if self.rnd.store.decided():
+            return Stop(OutcomeKind.RESTART, self.rnd.store.decision().reason)
+        waiting = self.job.nodes_waiting()
+        if waiting > 0:
+            reason = MEMBERSHIP_CHANGED.format(waiting=waiting)
+            self.rnd.claim(reason, spend=False)
+            return Stop(OutcomeKind.RESTART, reason)
         return None
 
     def on_hang(self, running: Mapping[int, int], idle_s: float) -> Stop:
@@ -64,15 +95,25 @@ class ElasticPolicy:
         self.job.observer.emit(
             "hang", round=self.rnd.number, idle_s=round(idle_s, 3), action=action
         )
-        try:
+
+        def report() -> None:
             if self.job.run.first_to_see_hang(self.rnd.number):
                 self._report_stacks(running, reason)
             else:
                 self._answer_until_reported(running)
             self.rnd.claim(reason, spend=True, force_fail=action == "fail")
+
+        try:
+            call_in_thread(report, poll=self._stop_if_signalled, name="rallypoint-hang")
+        except _Interrupted:
+            pass  # the supervisor takes the signal next and stops the workers
         except Exception as exc:
             return Stop(OutcomeKind.LOST, f"lost the rendezvous store: {exc}")
         return Stop(OutcomeKind.HANG, reason)
+
+    def _stop_if_signalled(self) -> None:
+        if self.job.signal_pending():
+            raise _Interrupted
 
     def _report_stacks(self, running: Mapping[int, int], reason: str) -> None:
         """Ask every node for its stacks (answering our own meanwhile) and print them."""

@@ -48,6 +48,10 @@ class NodeSupervisor(Protocol):
         """A signal the launcher received between attempts, or ``None``."""
         ...
 
+    def signal_pending(self) -> bool:
+        """Whether a signal was received and not handled yet (peeks, does not take it)."""
+        ...
+
     def run_attempt(self, group: GroupInfo, number: int, policy: AttemptPolicy) -> Outcome:
         """Run the local workers of ``group`` until they are gone."""
         ...

@@ -54,7 +54,7 @@ def create_rendezvous(
 
 def connect(options: RendezvousOptions, run_id: str) -> RendezvousHandler:
     """This node's handler for the job; :class:`RendezvousFailedError` if it cannot be made."""
-    from rallypoint.rendezvous import RendezvousError
+    from rallypoint.rendezvous import KVError, RendezvousError
 
     conf = {k: str(v) for k, v in options.conf.items()}
     if options.backend == "static" and options.node_rank is not None:
@@ -63,15 +63,15 @@ def connect(options: RendezvousOptions, run_id: str) -> RendezvousHandler:
         return create_rendezvous(
             options.backend, options.endpoint, run_id, options.min_nodes, options.max_nodes, conf
         )
-    except (RendezvousError, RuntimeError) as exc:
+    except (RendezvousError, KVError, RuntimeError) as exc:
         raise RendezvousFailedError(f"rendezvous {options.endpoint!r}: {exc}") from None
 
 
 def open_run_store(handler: RendezvousHandler, run_id: str, endpoint: str) -> Store | None:
     """A new connection to the run's store (``None``: the backend has none, use the round's)."""
-    from rallypoint.rendezvous import RendezvousError
+    from rallypoint.rendezvous import KVError, RendezvousError
 
     try:
         return handler.open_run_store(run_store_namespace(run_id))
-    except (RendezvousError, RuntimeError) as exc:
+    except (RendezvousError, KVError, RuntimeError) as exc:
         raise RendezvousFailedError(f"rendezvous {endpoint!r}: {exc}") from None

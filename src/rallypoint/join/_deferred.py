@@ -230,22 +230,45 @@ class DeferredJoinMode:
 
     # -- the rank that failed ----------------------------------------------------------
 
+    @property
+    def in_join_mode(self) -> bool:
+        """Whether this rank's forwards have reached the switch point."""
+        return self._in_join_mode
+
+    def others_switched(self, timeout: float) -> bool:
+        """Called on a rank that raised out of join mode: whether the others' next forward
+        is in join mode all the same (every rank recorded, and this rank had run every
+        forward before the switch point).
+
+        Stops this rank's watcher first, so that it records nothing after its failure:
+        without its record the switch never happens. If it had recorded, the others
+        record within ``poll_interval``; the switch point is awaited at most ``timeout``.
+        """
+        self.stop()
+        with self._lock:
+            recorded = self._recorded
+        if not recorded:
+            return False
+        try:
+            switch = self.switch_point(None, timeout=timeout)
+        except JoinError:  # a rank never recorded (RankFailedError included)
+            return False
+        return self._forwards >= switch
+
     def release_others(self) -> None:
-        """Called on a rank that raised inside the context, after publishing its failure:
-        complete the gradient all-reduces the others wait for in their backward.
+        """Called on a rank that raised inside the context, once every other rank has
+        acknowledged its failure: complete the gradient all-reduces the others wait for in
+        their backward.
 
         Out of join mode the others are at most one backward ahead of this rank, blocked
         in DDP's bucket all-reduces, which gloo cannot abort. Once every other rank has
-        seen the failure (their body watchers acknowledge it), this rank issues one
-        iteration of zero buckets, without waiting for them: the others' backward
-        returns, and they raise :class:`RankFailedError` before their next forward (or
-        at the end of the context). Gradients of that last step are garbage, but the job
-        is failing anyway.
+        seen the failure (so its next forward raises), this rank issues one iteration of
+        zero buckets, without waiting for them: the others' backward returns, and they
+        raise :class:`RankFailedError` before their next forward (or at the end of the
+        context). Gradients of that last step are garbage, but the job is failing anyway.
         """
         if self._in_join_mode:
             return
-        wait = max(2.0, 20 * self._channel.poll_interval)
-        self._channel.wait_for_acknowledgements(self._world_size, wait)
         ddp: Any = self._ddp
         try:
             for bucket in ddp.reducer._get_zeros_like_grad_buckets():
@@ -257,12 +280,14 @@ class DeferredJoinMode:
 
     # -- agreement ---------------------------------------------------------------------
 
-    def switch_point(self, cancel: threading.Event | None) -> int:
-        """The first forward in join mode, once every rank has published its record."""
+    def switch_point(self, cancel: threading.Event | None, timeout: float | None = None) -> int:
+        """The first forward in join mode, once every rank has published its record (within
+        ``timeout`` seconds, by default the store's timeout)."""
         if self._switch is not None:
             return self._switch
         keys = [f"{self._prefix}/record/{r}" for r in range(self._world_size)]
-        timeout = self._store.timeout.total_seconds()  # type: ignore[attr-defined]
+        if timeout is None:
+            timeout = self._store.timeout.total_seconds()  # type: ignore[attr-defined]
         deadline = time.monotonic() + timeout
         pause = 0.0005
         while not self._store.check(keys):
@@ -273,7 +298,7 @@ class DeferredJoinMode:
                 missing = [r for r, key in enumerate(keys) if not self._store.check([key])]
                 raise JoinError(
                     f"rank(s) {missing} did not report their progress within {timeout:.0f} s "
-                    "(the store timeout) after a rank ran out of inputs; are they alive?"
+                    "after a rank ran out of inputs; are they alive?"
                 )
             time.sleep(pause)
             pause = min(pause * 2, self._channel.poll_interval / 4)

@@ -3,27 +3,44 @@
 torch's ``Join.__exit__`` returns at once when the body raised, so the other ranks block in
 their next collective until the process group times out (30 minutes by default). Here the
 failing rank publishes ``"<rank>|<reason>"`` under one key per Join instance in the process
-group's store, and every wait that rallypoint controls is interruptible: the collective is
-issued with ``async_op=True`` and waited for in slices of ``poll_interval``, checking the
-key between slices (one cheap ``store.check``). The key names the Join instance by a
-counter of the Joins built on this process group, which is the same on every rank because
-every rank builds the same Joins in the same order.
+group's store, and the ranks agree on where to stop (the key names the Join instance by a
+counter of the Joins built on this process group, the same on every rank):
+
+1. every rank counts the join-mode iterations it enters (:meth:`FailureChannel.enter_iteration`,
+   called from every first joinable's ``notify_join_context``, torch's or rallypoint's, and
+   from each join-loop iteration);
+2. the first rank that sees the failure (a daemon watcher, a wait, or the next iteration's
+   check) acknowledges it with that count and enters no further iteration until the stop
+   point is known;
+3. the failing rank waits for every acknowledgement, publishes the largest count as the
+   stop point ``K``, shadows its own missing iterations up to ``K`` with the joinables'
+   join hooks (as a joined rank would, see :mod:`rallypoint.join._shadow`), and marks the
+   failure *served*;
+4. every other rank finishes iteration ``K`` and raises :class:`RankFailedError` when it
+   would enter iteration ``K + 1``; a wait that is still pending once the failure is served
+   will never complete and raises at once.
+
+So every rank stops at the same iteration and no collective is left half matched. The
+shadow is safe: iterations past the failing rank's own count are entered by another rank
+only after the failing rank completed all of its iteration, so the shadow starts at an
+iteration boundary. If the failing rank raised in the middle of an iteration (after its
+notify, before its last collective), no rank is past it, ``K`` equals its count and nothing
+is shadowed.
 
 What this covers and what it cannot (gloo cannot abort a collective in flight):
 
-- covered: the join loop's own all-reduces, the joinables' main and post hooks (they run
-  on a helper thread while the calling thread watches the store), the throw-mode check
-  in :meth:`Join.notify_join_context`, and the collectives of
-  :class:`~rallypoint.join.CollectiveJoinable`;
+- covered: every collective a joinable issues in join mode (DDP's forward flags and
+  backward all-reduces, :class:`~rallypoint.join.CollectiveJoinable`, a custom joinable's
+  own collectives), the join loop, the joinables' main and post hooks, the throw-mode
+  check;
 - DDP's backward all-reduce out of join mode (deferred join mode): the failed rank
   completes it, see :meth:`DeferredJoinMode.release_others
   <rallypoint.join._deferred.DeferredJoinMode.release_others>`;
-- not covered: other collectives that user code or torch issues inside the ``with`` body
-  on a rank that has not joined (DDP's backward all-reduce in join mode, torch's own
-  blocking throw-mode check inside ``DistributedDataParallel.forward``).
-  :class:`BodyWatcher` logs the failure at once, but such a rank stays blocked until
-  the process group's timeout (or until the failed process exits), and then
-  :class:`Join` turns the error into a :class:`RankFailedError` naming the failed rank.
+- not covered: a collective no join hook shadows (a plain ``dist.all_reduce`` in the body),
+  or an iteration the failing rank left half done. :class:`BodyWatcher` logs the failure
+  at once, but such a rank stays blocked until the process group's timeout (or until the
+  failed process exits), and then :class:`Join` turns the error into a
+  :class:`RankFailedError` naming the failed rank.
 """
 
 from __future__ import annotations
@@ -81,9 +98,22 @@ def is_consequence(exc: BaseException) -> bool:
 
 
 class FailureChannel:
-    """One Join instance's failure key in the process group's store."""
+    """One Join instance's failure key in the process group's store, and the agreement on
+    where every rank stops after a failure (see the module docstring)."""
 
-    __slots__ = ("_failure", "_last_check", "_store", "key", "poll_interval", "prefix", "rank")
+    __slots__ = (
+        "_failure",
+        "_iterations",
+        "_last_check",
+        "_lock",
+        "_stop",
+        "_store",
+        "agreement_timeout",
+        "key",
+        "poll_interval",
+        "prefix",
+        "rank",
+    )
 
     def __init__(self, store: Store, prefix: str, rank: int, poll_interval: timedelta) -> None:
         self._store = store
@@ -92,8 +122,13 @@ class FailureChannel:
         self.key = f"{prefix}/failed"
         self.rank = rank
         self.poll_interval = poll_interval.total_seconds()
+        self.agreement_timeout = max(2.0, 20 * self.poll_interval)
+        """How long the failing rank waits for the acknowledgements, and for its shadow."""
         self._failure: tuple[int, str] | None = None
         self._last_check = 0.0
+        self._lock = threading.RLock()
+        self._iterations = 0  # join-mode iterations entered in the current context
+        self._stop: int | None = None  # the agreed stop point; -1: none came in time
 
     @classmethod
     def for_group(
@@ -110,17 +145,22 @@ class FailureChannel:
         """The process group's store that the channel writes to."""
         return self._store
 
-    def publish(self, exc: BaseException) -> None:
-        """Tell the other ranks that this rank failed (first failure wins)."""
-        reason = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:2000]
-        try:
-            self._store.compare_set(self.key, "", f"{self.rank}|{reason}")
-        except Exception:  # the store itself may be what failed
-            logger.warning("rank %d could not publish its failure to the store", self.rank)
+    @property
+    def iterations(self) -> int:
+        """The join-mode iterations this rank has entered in the current context."""
+        return self._iterations
+
+    def begin(self) -> None:
+        """A context starts: no join-mode iteration entered yet."""
+        with self._lock:
+            self._iterations = 0
+
+    # -- every rank --------------------------------------------------------------------
 
     def failure(self, *, force: bool = False) -> tuple[int, str] | None:
         """The ``(rank, reason)`` another rank published, checking the store at most once per
-        ``poll_interval`` unless ``force``."""
+        ``poll_interval`` unless ``force``. The first time it is seen, this rank
+        acknowledges it with its iteration count."""
         if self._failure is not None:
             return self._failure
         now = time.monotonic()
@@ -137,42 +177,123 @@ class FailureChannel:
         failed_rank = int(rank_text)
         if failed_rank == self.rank:
             return None
-        self._failure = (failed_rank, reason)
+        with self._lock:  # atomic with enter_iteration: the count is the one we stop at
+            if self._failure is None:
+                self._failure = (failed_rank, reason)
+                self._set(f"{self.prefix}/ack/{self.rank}", str(self._iterations))
         return self._failure
-
-    def acknowledge(self) -> None:
-        """Tell the failed rank that this rank has seen its failure (see
-        :meth:`wait_for_acknowledgements`)."""
-        try:
-            self._store.set(f"{self.prefix}/ack/{self.rank}", "1")
-        except Exception:
-            logger.debug("rank %d could not acknowledge a failure", self.rank)
-
-    def wait_for_acknowledgements(self, world_size: int, timeout: float) -> bool:
-        """Wait until every other rank has seen this rank's failure (at most ``timeout``)."""
-        keys = [f"{self.prefix}/ack/{r}" for r in range(world_size) if r != self.rank]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if self._store.check(keys):
-                    return True
-            except Exception:
-                return False
-            time.sleep(0.01)
-        return False
 
     def raise_if_failed(self, *, force: bool = False) -> None:
         found = self.failure(force=force)
         if found is not None:
             raise RankFailedError(found[0], found[1], self.rank)
 
+    def enter_iteration(self) -> None:
+        """Count one join-mode iteration, or raise :class:`RankFailedError` if another rank
+        failed and the agreed stop point is reached (waiting for it if needed)."""
+        with self._lock:
+            if self.failure() is None:
+                self._iterations += 1
+                return
+        stop = self.stop_point()
+        with self._lock:
+            if self._iterations < stop:
+                self._iterations += 1
+                return
+        self.raise_if_failed()
+
+    def stop_point(self) -> int:
+        """The last iteration every rank runs after a failure (-1 if none was published in
+        time: stop now)."""
+        if self._stop is None:
+            found = self._wait_for(f"{self.prefix}/stop", self.agreement_timeout + 1.0)
+            self._stop = -1 if found is None else int(found)
+        return self._stop
+
+    def served(self) -> bool:
+        """Whether the failing rank has shadowed the iterations up to the stop point."""
+        try:
+            return bool(self._store.check([f"{self.prefix}/served"]))
+        except Exception:
+            return True  # store unreachable: nothing more will come
+
+    # -- the failing rank --------------------------------------------------------------
+
+    def publish(self, exc: BaseException) -> bool:
+        """Tell the other ranks that this rank failed; ``False`` if another rank's failure
+        was published first (the first one wins)."""
+        value = f"{self.rank}|{type(exc).__name__}: {exc}".replace("\n", " ")[:2000]
+        try:
+            now = self._store.compare_set(self.key, "", value)
+        except Exception:  # the store itself may be what failed
+            logger.warning("rank %d could not publish its failure to the store", self.rank)
+            return False
+        return bytes(now) == value.encode()
+
+    def agree_on_stop_point(self, world_size: int) -> int:
+        """Wait (at most ``agreement_timeout``) until every other rank has acknowledged this
+        rank's failure, then publish the largest acknowledged count as the stop point."""
+        keys = {r: f"{self.prefix}/ack/{r}" for r in range(world_size) if r != self.rank}
+        deadline = time.monotonic() + self.agreement_timeout
+        counts: dict[int, int] = {}
+        try:
+            while time.monotonic() < deadline and not self._store.check(list(keys.values())):
+                time.sleep(0.005)
+            for r, key in keys.items():
+                if self._store.check([key]):
+                    counts[r] = int(self._store.get(key))
+        except Exception:
+            logger.debug("rank %d could not read the acknowledgements", self.rank)
+        missing = sorted(set(keys) - set(counts))
+        if missing:
+            logger.warning(
+                "rank(s) %s did not acknowledge rank %d's failure within %.1f s; they may stay "
+                "blocked until the process group's timeout",
+                missing,
+                self.rank,
+                self.agreement_timeout,
+            )
+        stop = max(counts.values(), default=self._iterations)
+        self._set(f"{self.prefix}/stop", str(stop), first_wins=True)
+        self._stop = None
+        return self.stop_point()
+
+    def mark_served(self) -> None:
+        """The shadow is done: waits still pending on the other ranks will never complete."""
+        self._set(f"{self.prefix}/served", "1")
+
+    # -- store helpers -----------------------------------------------------------------
+
+    def _set(self, key: str, value: str, *, first_wins: bool = False) -> None:
+        try:
+            if first_wins:
+                self._store.compare_set(key, "", value)
+            else:
+                self._store.set(key, value)
+        except Exception:
+            logger.debug("rank %d could not set %s in the store", self.rank, key)
+
+    def _wait_for(self, key: str, timeout: float) -> str | None:
+        deadline = time.monotonic() + timeout
+        pause = 0.001
+        try:
+            while not self._store.check([key]):
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(pause)
+                pause = min(2 * pause, 0.02)
+            return bytes(self._store.get(key)).decode()
+        except Exception:
+            return None
+
 
 class BodyWatcher:
     """Watches the failure key while the ``with`` body runs, and logs a failure at once.
 
-    The body's own collectives cannot be interrupted (see the module docstring); this at
-    least tells the user, within about ``5 * poll_interval``, which rank failed while this
-    rank sits in a collective that will fail only at the process group's timeout. One
+    The body's own collectives cannot be interrupted (see the module docstring); this
+    thread is how a rank blocked in such a collective acknowledges another rank's failure within
+    about ``2 * poll_interval`` (so that the failing rank can shadow it), and it tells the
+    user which rank failed while this rank sits in a collective that no hook shadows. One
     daemon thread per context, stopped when the context exits.
     """
 
@@ -189,17 +310,16 @@ class BodyWatcher:
         self._thread.join(timeout=1.0)  # longer only if the store hangs; it is a daemon
 
     def _run(self) -> None:
-        interval = 5 * self._channel.poll_interval
+        interval = 2 * self._channel.poll_interval
         while not self._stop.wait(interval):
-            found = self._channel.failure(force=True)
+            found = self._channel.failure(force=True)  # also acknowledges it
             if found is not None:
-                self._channel.acknowledge()
                 if not self._stop.is_set():
                     logger.error(
-                        "rank %d failed inside the Join context: %s; rank %d raises "
-                        "RankFailedError when its current collective returns (a collective "
-                        "issued in the body, e.g. DDP's backward all-reduce, returns only "
-                        "at the process group's timeout)",
+                        "rank %d failed inside the Join context: %s; rank %d stops at the "
+                        "iteration every rank agrees on and raises RankFailedError (a "
+                        "collective that no join hook shadows, e.g. a plain dist.all_reduce "
+                        "in the body, returns only at the process group's timeout)",
                         found[0],
                         found[1],
                         self._channel.rank,
@@ -208,8 +328,9 @@ class BodyWatcher:
 
 
 def wait_work(work: dist.Work, channel: FailureChannel | None) -> None:
-    """Wait for ``work`` like ``work.wait()``, raising :class:`RankFailedError` as soon as
-    another rank publishes a failure."""
+    """Wait for ``work`` like ``work.wait()``; once another rank has published a failure,
+    wait only until the failing rank has shadowed what it agreed to, then raise
+    :class:`RankFailedError` if ``work`` is still pending."""
     if channel is None:
         work.wait()
         return
@@ -218,14 +339,37 @@ def wait_work(work: dist.Work, channel: FailureChannel | None) -> None:
         if work.is_completed():
             work.wait()  # raises the collective's own error, if any
             return
-        channel.raise_if_failed()
-        try:
-            work.wait(timeout=slice_)
+        if channel.failure() is not None:
+            break
+        if _wait_slice(work, slice_):
             return
-        except RuntimeError:
-            if work.is_completed():
-                raise  # a real error, not our time slice running out
-        channel.raise_if_failed(force=True)
+        if channel.failure(force=True) is not None:
+            break
+    # the failing rank may still shadow this collective: wait until it completes or the
+    # failing rank says it is done (bounded: it may have died)
+    deadline = time.monotonic() + 2 * channel.agreement_timeout + 1.0
+    while not work.is_completed() and not channel.served() and time.monotonic() < deadline:
+        if _wait_slice(work, timedelta(milliseconds=20)):
+            return
+    if work.is_completed():
+        work.wait()
+        return
+    channel.raise_if_failed()
+
+
+def _wait_slice(work: dist.Work, timeout: timedelta) -> bool:
+    """Wait up to ``timeout`` for ``work``: ``True`` once it completed, ``False`` if it is
+    still pending; raises the collective's own error. A timed-out ``wait`` raises
+    "Operation timed out!" and the work may complete just after it: then its own outcome
+    is what counts, not the time slice running out."""
+    try:
+        work.wait(timeout=timeout)
+        return True
+    except RuntimeError:
+        if not work.is_completed():
+            return False
+    work.wait()  # completed: returns, or raises the collective's own error
+    return True
 
 
 def run_watched(

@@ -12,9 +12,10 @@ join loop of a joined rank matches with ``zeros(1)`` (and ``ones(1)``).
 
 Differences from torch (all additive):
 
-- an exception inside the context is published to the other ranks, which raise
-  :class:`RankFailedError` within about ``2 * poll_interval`` instead of hanging
-  (see :mod:`rallypoint.join._failure` for what is covered);
+- an exception inside the context is published to the other ranks; the ranks agree on
+  an iteration to stop at, the failing rank shadows the others' collectives up to it with
+  the join hooks, and the others raise :class:`RankFailedError` within about a second
+  instead of hanging (see :mod:`rallypoint.join._failure` for what is covered);
 - no ``warnings.simplefilter`` call: the skew warning is issued once per Join;
 - ``notify_join_context`` returns a ``torch.futures.Future`` (pytorch#61661);
 - ``Join.summary`` says how many iterations each rank shadowed;
@@ -58,6 +59,7 @@ from rallypoint.join._interface import (
     unregister_channel,
 )
 from rallypoint.join._options import JoinOptions
+from rallypoint.join._shadow import GatedJoinConfig, shadow_iterations
 from rallypoint.observe._progress import progress
 
 __all__ = ["Join", "JoinSummary"]
@@ -204,6 +206,7 @@ class Join:
         self._iterate_state: list[int] | None = None  # [common length, yielded]
         self._entered = False
         self._watcher: BodyWatcher | None = None
+        self._published = False
         self._warned = False
         self.summary: JoinSummary | None = None
         """Set after a context that ran to its end (``JoinOptions(summary=True)``)."""
@@ -256,12 +259,19 @@ class Join:
                 register_channel(joinable, self._channel)
 
     def _apply_enable(self, enable: bool) -> None:
+        gated = self._channel if self._device.type == "cpu" else None
+        throw = self._throw_on_early_termination
         for index, joinable in enumerate(self._joinables):
-            joinable._join_config = _JoinConfig(  # type: ignore[attr-defined]
-                enable=enable,
-                throw_on_early_termination=self._throw_on_early_termination,
-                is_first_joinable=index == 0,
+            first = index == 0
+            config = (
+                _JoinConfig(enable, throw, first)
+                if gated is None
+                else GatedJoinConfig.make(gated, enable=enable, throw=throw, first=first)
             )
+            joinable._join_config = config  # type: ignore[attr-defined]
+
+    def _in_join_mode(self) -> bool:
+        return bool(getattr(self._joinables[0], "_join_config").enable)  # noqa: B009
 
     def _restore_joinable_configs(self) -> None:
         if self._saved_configs is None:
@@ -331,6 +341,8 @@ class Join:
         self._set_joinable_configs()
         self._entered = True
         self._entries += 1
+        if self._channel is not None:
+            self._channel.begin()
         if not self._deferred_blocker and self._channel is not None:
             self._apply_enable(False)
             self._deferred = DeferredJoinMode(
@@ -364,7 +376,7 @@ class Join:
         deferred, self._deferred = self._deferred, None
         try:
             if exc is not None:
-                self._on_error(exc, deferred)
+                self._on_body_error(exc, deferred)
                 return
             if not self._enable:
                 return
@@ -392,10 +404,58 @@ class Join:
             self._iterate_state = None
             self._restore_joinable_configs()
 
-    def _on_error(self, exc: BaseException, deferred: DeferredJoinMode | None = None) -> None:
+    def _on_body_error(self, exc: BaseException, deferred: DeferredJoinMode | None) -> None:
+        """The body raised: publish it and agree with the other ranks where to stop, then
+        shadow their iterations up to there (or, out of join mode, release DDP's backward),
+        so that no rank is left blocked in a collective this rank never issues. Raises
+        RankFailedError when ``exc`` follows another rank's failure."""
+        channel = self._channel
+        if deferred is not None:
+            deferred.stop()  # this rank records nothing after its failure
+        try:
+            self._on_error(exc, publish_only=False)
+        except RankFailedError:
+            # another rank failed first: this rank still shadows up to the stop point
+            if channel is not None and self._others_in_join_mode(channel, deferred):
+                self._shadow_up_to(channel, channel.stop_point())
+            raise
+        if channel is None or is_consequence(exc) or not self._published:
+            return
+        in_join_mode = self._others_in_join_mode(channel, deferred)
+        stop = channel.agree_on_stop_point(self._world_size)
+        if in_join_mode:
+            self._shadow_up_to(channel, stop)
+        elif deferred is not None:
+            deferred.release_others()
+        channel.mark_served()
+
+    def _others_in_join_mode(
+        self, channel: FailureChannel, deferred: DeferredJoinMode | None
+    ) -> bool:
+        """Whether the others' current iteration is in join mode (so the join hooks can
+        shadow it); on CPU only, as the failure channel's waits."""
+        if self._device.type != "cpu":
+            return False
+        if deferred is None or deferred.in_join_mode:
+            return self._in_join_mode()
+        # the others may have switched at the forward this rank did not run
+        return deferred.others_switched(channel.agreement_timeout)
+
+    def _shadow_up_to(self, channel: FailureChannel, stop: int) -> None:
+        shadow_iterations(
+            self._join_hooks,
+            self._process_group,
+            self._device,
+            self._throw_on_early_termination,
+            stop - channel.iterations,
+            channel.agreement_timeout,
+        )
+
+    def _on_error(self, exc: BaseException, *, publish_only: bool = True) -> None:
         """Publish this rank's failure, or raise RankFailedError if ``exc`` follows
         another rank's (a collective that failed because the failed rank exited or timed
         out)."""
+        self._published = False
         if type(exc) is RuntimeError and str(exc) == THROW_MESSAGE:
             # torch's notify_join_context (called by DDP/ZeRO) raises a plain RuntimeError
             raise EarlyTerminationError(THROW_MESSAGE) from exc
@@ -404,9 +464,15 @@ class Join:
         found = self._channel.failure(force=True)
         if found is not None:  # this rank's error follows another rank's failure
             raise self._channel_error(found) from exc
-        self._channel.publish(exc)
-        if deferred is not None:
-            deferred.release_others()
+        self._published = self._channel.publish(exc)
+        if not self._published:  # another rank's failure was published first
+            found = self._channel.failure(force=True)
+            if found is not None:
+                raise self._channel_error(found) from exc
+        if publish_only and self._published:
+            # an error outside the body (the join loop, iterate()): nothing to shadow
+            self._channel.agree_on_stop_point(self._world_size)
+            self._channel.mark_served()
 
     def _channel_error(self, found: tuple[int, str]) -> JoinError:
         return RankFailedError(found[0], found[1], self._rank)
@@ -424,8 +490,12 @@ class Join:
                 shadowed += 1
                 self._after_shadowed(shadowed)
         while True:
-            if cancel.is_set():
+            # after a failure, keep shadowing up to the agreed stop point (enter_iteration)
+            # even though the calling thread has raised already: the others need it
+            if cancel.is_set() and (channel is None or channel.failure() is None):
                 raise RankFailedError(-1, "join loop cancelled", self._rank)
+            if channel is not None:
+                channel.enter_iteration()
             if self._get_num_nonjoined_procs(channel) == 0:
                 break
             if self._throw_on_early_termination:
@@ -434,6 +504,8 @@ class Join:
                 hook.main_hook()
             shadowed += 1
             self._after_shadowed(shadowed)
+        if channel is not None:  # the failed rank's shadow ends the loop like a join
+            channel.raise_if_failed(force=True)
         is_last_joiner = shadowed == 0
         if self._options.summary:
             counts = torch.zeros(self._world_size, device=self._device)

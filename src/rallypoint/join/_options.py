@@ -24,9 +24,9 @@ class JoinOptions:
         poll_interval: how often a waiting rank checks the store for a failed rank; the
             detection latency is at most about twice this.
         watch_body: while the ``with`` body runs, poll the store from a daemon thread
-            every ``5 * poll_interval`` and log (ERROR, logger ``rallypoint.join``) another
-            rank's failure at once, even while this rank is blocked in a collective that
-            cannot be interrupted.
+            every ``2 * poll_interval``: a rank blocked in a collective acknowledges another
+            rank's failure through it (so that the failed rank shadows that collective),
+            and it logs the failure (ERROR, logger ``rallypoint.join``).
         summary: after the context, all-reduce how many iterations each rank shadowed and
             expose it as ``Join.summary`` (one extra all-reduce of ``world_size`` floats).
         warn_threshold: warn (once per Join) when this rank has shadowed more than this

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import socket
 import uuid
+from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any, Protocol
 
 from rallypoint.elastic._local import LocalCoordinator
@@ -18,7 +20,8 @@ from rallypoint.launcher._config import LaunchConfig
 from rallypoint.observe._observer import Observer
 from rallypoint.supervise._env import user_rpc_secret
 from rallypoint.supervise._errors import LaunchInterruptedError
-from rallypoint.supervise._supervisor import Supervisor
+from rallypoint.supervise._signals import SignalQueue
+from rallypoint.supervise._supervisor import Supervisor, prepare_warm
 from rallypoint.supervise._warm import WarmProcess
 from rallypoint.supervise._worker import Target
 
@@ -40,9 +43,26 @@ def run_job(
 ) -> list[Any]:
     """Run the job to its end; returns this node's per-rank results (``None`` for scripts).
 
-    Writes ``job_end`` to the event log however it ends.
+    Writes ``job_end`` to the event log however it ends. Waits for the warm process's
+    imports first, so that it can clean up after this process from the moment anything
+    temporary exists (``supervise._warm_server``).
     """
     run_id = config.world.run_id or uuid.uuid4().hex[:12]
+    with SignalQueue(config.stop.signal_numbers) as signals:
+        prepare_warm(warm, config.workers.preload, signals)
+        return _run(config, target, warm, signals, run_id, title, collect_results, warn_omp)
+
+
+def _run(
+    config: LaunchConfig,
+    target: Target,
+    warm: WarmProcess,
+    signals: SignalQueue,
+    run_id: str,
+    title: str,
+    collect_results: bool,
+    warn_omp: bool,
+) -> list[Any]:
     status, code = "failed", 1
     with Observer(nproc=config.workers.nproc, watch=config.watch, node=socket.gethostname()) as obs:
         try:
@@ -56,6 +76,7 @@ def run_job(
                 run_id=run_id,
                 collect_results=collect_results,
                 warn_omp=warn_omp,
+                signals=signals,
             ) as supervisor:
                 results = _coordinator(config, supervisor, obs, run_id, title).run()
             status, code = "succeeded", 0
@@ -96,4 +117,15 @@ def _coordinator(
         monitor_interval=config.stop.monitor_interval.total_seconds(),
         timeout=config.stop.timeout,
         share_rpc_secret=not user_rpc_secret(config.workers),
+        store_timeout=_read_timeout(config.rendezvous.conf),
     )
+
+
+def _read_timeout(conf: Mapping[str, Any]) -> float:
+    """``--rdzv-conf read_timeout=`` in seconds (the handler validates it when it connects)."""
+    value = conf.get("read_timeout", 60.0)
+    try:
+        seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    except (TypeError, ValueError):
+        return 60.0
+    return seconds if seconds > 0 else 60.0

@@ -11,8 +11,9 @@ Importing this package loads nothing: ``progress`` is called from training loops
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rallypoint._core.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from rallypoint.observe._events import Event, EventLog, EventLogError, read_events
@@ -25,7 +26,9 @@ _MODULES = {
     "_progress": ("ProgressBoard", "progress"),
     "_report": ("render_report",),
 }
-_HOME = {name: module for module, names in _MODULES.items() for name in names}
+_HOME = {
+    name: f"rallypoint.observe.{module}" for module, names in _MODULES.items() for name in names
+}
 
 __all__ = [
     "Event",
@@ -38,13 +41,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOME:
-        value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _HOME)

@@ -64,6 +64,10 @@ class Observer(Closing):
             self.close()
             raise
 
+    def temp_paths(self) -> list[str]:
+        """What this observer made in temporary directories (:meth:`close` removes it)."""
+        return [str(self.stacks_dir), *([self.board.path] if self.board is not None else [])]
+
     def worker_env(self, local_rank: int) -> dict[str, str]:
         env = stacks_env(self.stacks_dir)
         if self.board is not None:

@@ -71,12 +71,20 @@ _SLOT_WAIT = timedelta(seconds=5)
 
 @dataclass(slots=True)
 class _Watch:
-    """What the heartbeat thread watches: neighbours' counters and when they last moved."""
+    """What the heartbeat thread watches: neighbours' counters and when they last moved,
+    and when this node last read them (``read_at``)."""
 
     round: int
     neighbours: list[str] = field(default_factory=list)
     seen: dict[str, tuple[bytes | None, float]] = field(default_factory=dict)
     marked: set[str] = field(default_factory=set)
+    read_at: float | None = None
+
+    def forgive(self, blind: float) -> None:
+        """This node could not read the store for ``blind`` seconds (the store was away:
+        an etcd election, a member lost): its neighbours' beats could not land either, so
+        that time does not count towards their silence."""
+        self.seen = {node: (value, since + blind) for node, (value, since) in self.seen.items()}
 
 
 class DynamicRendezvousHandler(RendezvousHandler):
@@ -288,6 +296,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Take a slot in round ``k`` and wait for it to finish; ``None`` if not admitted."""
         kv, keys, cfg = self._kv, self._keys, self._config
         index = kv.enroll(keys.r(k, "joined"), self._node) - 1
+        self._start_heartbeats()
         with self._lock:
             prev_round, prev_rank = self._round, self._rank
         slot = Slot(index, self._node, self._addr, prev_round, prev_rank)
@@ -435,7 +444,16 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with self._lock:
             self._round, self._rank, self._world = k, rank, world
             self._watch.pop(False, None)
+        self._start_heartbeats()
+
+    def _start_heartbeats(self) -> None:
+        """Beat from the moment this node takes a slot, not only once admitted: a node
+        slow to see its round complete (its watch on an etcd member that went silent) is
+        alive, and the members admitted before it must not presume it dead."""
+        with self._lock:
             start = self._heartbeat_task is None
+            if start:
+                self._heartbeat_task = -1  # claimed; the id follows
         if start:
             self._heartbeat_task = self._bg.call_at(
                 time.monotonic(),
@@ -480,6 +498,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._watch[all_members] = watch
         values = kv.multi_get([self._keys.hb(n) for n in watch.neighbours])
         now = time.monotonic()
+        interval = self._config.keep_alive_interval.total_seconds()
+        if watch.read_at is not None and now - watch.read_at > 2 * interval:
+            watch.forgive(now - watch.read_at - interval)
+        watch.read_at = now
         for node, value in zip(watch.neighbours, values, strict=True):
             old = watch.seen.get(node)
             if old is None or old[0] != value:

@@ -13,6 +13,20 @@ nothing of keys, leases or the key-value interface (``_kv_etcd.py`` maps those o
   failures that another try may cure: a connection that fails, an endpoint that answers
   "unavailable", an auth token the server no longer accepts. Each retry moves to the next
   endpoint; after a sweep of all of them it backs off (jittered, at most 0.5 s).
+- Each try is bounded on its own (``attempt_timeout``, 2 s, doubled after every sweep in
+  which a try ran out of time): a member that went silent (its link cut, its process
+  frozen) or a write that etcd holds for its request timeout (a proposal lost with a
+  killed leader waits 5 s + 2 election timeouts for "request timed out") costs one
+  bounded try, then the request goes to another member. An endpoint that failed is moved
+  off the shared preference at once, so other threads do not try it first.
+- Every request carries the ``hasleader`` gRPC metadata (``Grpc-Metadata-Hasleader:
+  true``, which the gateway forwards): a member that has lost its leader answers "no
+  leader" at once instead of holding a read for its request timeout, and cancels a watch
+  after three election timeouts without one, so a client never sits on a member cut off
+  from the others. A member that is silent altogether (link cut, process hung) cannot say
+  so: :meth:`EtcdGateway.watch_put` is therefore called for short slices
+  (:data:`WATCH_SLICE`) by the key-value side, which re-reads the key (a bounded request
+  that fails over) between them.
 - Connections are per thread (``http.client`` connections are not thread-safe); the
   token and the endpoint that last answered are shared by every thread under one lock.
 - A rejected token is refreshed once for every thread that used it: a thread clears the
@@ -34,8 +48,20 @@ from typing import Any
 
 from rallypoint.rendezvous._kv import KVConnectionError, KVError
 
-# gRPC status codes that etcd's gateway puts in the ``code`` field of an error reply
+# gRPC status codes that etcd's gateway puts in the ``code`` field of an error reply (or in
+# ``error.grpc_code`` inside a streamed answer: lease keep-alive, watch). What etcd 3.4 says
+# during a leader election or a member loss (measured on a 3-member cluster):
+# - UNAVAILABLE (HTTP 503): "etcdserver: leader changed" (a read that straddled the
+#   election), "etcdserver: no leader" (the member has none; at once with ``hasleader``),
+#   "etcdserver: request timed out" and its "possibly due to previous leader failure" /
+#   "connection lost" variants (a write proposed to a leader that died: after 5 s + 2
+#   election timeouts), "etcdserver: server stopped";
+# - UNKNOWN (HTTP 500) "context deadline exceeded": a write to a member without a leader
+#   when the request lacks ``hasleader``;
+# - DEADLINE_EXCEEDED (HTTP 504).
+GRPC_UNKNOWN = 2
 GRPC_DEADLINE_EXCEEDED = 4
+GRPC_NOT_FOUND = 5  # e.g. "etcdserver: requested lease not found"
 GRPC_UNAVAILABLE = 14
 GRPC_UNAUTHENTICATED = 16
 
@@ -43,21 +69,30 @@ HTTP_OK = 200
 HTTP_UNAUTHORIZED = 401
 HTTP_BAD_GATEWAY = 502
 HTTP_SERVICE_UNAVAILABLE = 503
+HTTP_GATEWAY_TIMEOUT = 504
 
-_RETRY_STATUSES = frozenset({HTTP_BAD_GATEWAY, HTTP_SERVICE_UNAVAILABLE})
-_RETRY_CODES = frozenset({GRPC_UNAVAILABLE, GRPC_DEADLINE_EXCEEDED})
+_RETRY_STATUSES = frozenset({HTTP_BAD_GATEWAY, HTTP_SERVICE_UNAVAILABLE, HTTP_GATEWAY_TIMEOUT})
+_RETRY_CODES = frozenset({GRPC_UNKNOWN, GRPC_UNAVAILABLE, GRPC_DEADLINE_EXCEEDED})
 _MAX_BACKOFF = 0.5  # seconds between sweeps over the endpoints
-_MAX_CONNECT_TIMEOUT = 30.0
-_JSON = {"Content-Type": "application/json"}
+ATTEMPT_TIMEOUT = 2.0
+"""Seconds one try at one member may take at first (doubled after each sweep that timed out)."""
+WATCH_SLICE = 3.0
+"""Seconds a watch stream is trusted before the key is read again (a member that went silent
+holds a watch forever: no event, no error)."""
+_HEADERS = {"Content-Type": "application/json", "Grpc-Metadata-Hasleader": "true"}
 
 
 class GatewayError(KVError):
     """etcd answered a request with an error that retrying does not cure."""
 
     def __init__(self, status: int, body: dict[str, Any]) -> None:
+        status, code = _status_and_code(status, body)
         super().__init__(f"etcd answered {status}: {_reason(body)}")
         self.status = status
+        """The HTTP status (a streamed answer's own, not the stream's 200)."""
         self.body = body
+        self.code: int | None = code
+        """The gRPC status code of the answer (``None`` if it had none)."""
 
 
 class WatchBroken(KVError):
@@ -82,7 +117,19 @@ class _Reply(Enum):
 
 
 def _reason(body: dict[str, Any]) -> str:
-    return str(body.get("error") or body.get("message") or "")
+    error = body.get("error")
+    if isinstance(error, dict):  # a streamed answer's error
+        return str(error.get("message") or "")
+    return str(error or body.get("message") or "")
+
+
+def _status_and_code(status: int, body: dict[str, Any]) -> tuple[int, Any]:
+    """The HTTP status and gRPC code of an answer; a streamed answer (lease keep-alive,
+    watch) arrives as 200 with ``{"error": {"http_code": .., "grpc_code": ..}}``."""
+    error = body.get("error")
+    if isinstance(error, dict):
+        return int(error.get("http_code") or HTTP_SERVICE_UNAVAILABLE), error.get("grpc_code")
+    return status, body.get("code")
 
 
 class EtcdGateway:
@@ -94,6 +141,7 @@ class EtcdGateway:
         ssl_context: TLS settings (CA, client certificate), or ``None`` for plain HTTP.
         username, password: etcd user credentials, or ``None`` without auth.
         timeout: seconds a request keeps retrying before :class:`KVConnectionError`.
+        attempt_timeout: seconds one try at one member may take at first.
     """
 
     def __init__(
@@ -104,14 +152,18 @@ class EtcdGateway:
         username: str | None = None,
         password: str | None = None,
         timeout: float = 60.0,
+        attempt_timeout: float = ATTEMPT_TIMEOUT,
     ) -> None:
         if not endpoints:
             raise ValueError("etcd needs at least one endpoint (host:port).")
+        if not attempt_timeout > 0:
+            raise ValueError(f"attempt_timeout ({attempt_timeout!r}) must be positive.")
         self._endpoints = list(endpoints)
         self._ssl = ssl_context
         self._username = username
         self._password = password
         self._timeout = timeout
+        self._attempt_timeout = attempt_timeout
         scheme = "https" if ssl_context is not None else "http"
         self.endpoint = ",".join(f"{scheme}://{h}:{p}" for h, p in self._endpoints)
         """Every endpoint as a URL, for messages."""
@@ -138,17 +190,22 @@ class EtcdGateway:
         payload = json.dumps(body)
         last: BaseException | None = None
         attempt = 0
+        timed_out = False  # in this sweep over the endpoints
+        bound = self._attempt_timeout
         with self._lock:
             first = self._preferred
         while True:
             index = (first + attempt) % len(self._endpoints)
+            remaining = deadline - time.monotonic()
             try:
-                return self._post_once(index, path, payload, limit)
+                return self._post_once(index, path, payload, max(0.05, min(bound, remaining)))
             except _Retry as retry:
                 last = retry.cause
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 self._drop_connection(index)
+                timed_out = timed_out or isinstance(exc, TimeoutError)
                 last = exc
+            self._avoid(index)
             attempt += 1
             if time.monotonic() >= deadline:
                 raise KVConnectionError(
@@ -156,13 +213,22 @@ class EtcdGateway:
                     f"{type(last).__name__}: {last}"
                 ) from last
             if attempt % len(self._endpoints) == 0:
+                if timed_out:  # every member was slow, not silent: give the next sweep longer
+                    bound, timed_out = 2 * bound, False
                 time.sleep(min(_MAX_BACKOFF, 0.05 * attempt) * random.uniform(0.5, 1.0))
 
+    def _avoid(self, index: int) -> None:
+        """Endpoint ``index`` just failed: new requests of every thread start elsewhere."""
+        with self._lock:
+            if self._preferred == index:
+                self._preferred = (index + 1) % len(self._endpoints)
+
     def _post_once(self, index: int, path: str, payload: str, limit: float) -> Any:
-        """One request to endpoint ``index``; raises :class:`_Retry` for what may pass."""
+        """One request to endpoint ``index`` within ``limit`` seconds; raises
+        :class:`_Retry` for what may pass."""
         conn = self._connection(index, limit)
         token = self._current_token(conn)
-        headers = dict(_JSON)
+        headers = dict(_HEADERS)
         if token is not None:
             headers["Authorization"] = token
         conn.request("POST", path, payload, headers)
@@ -182,10 +248,10 @@ class EtcdGateway:
             case _Reply.FAIL:
                 raise GatewayError(resp.status, data)
 
-    def _classify(self, status: int, data: dict[str, Any]) -> _Reply:
+    def _classify(self, http_status: int, data: dict[str, Any]) -> _Reply:
+        status, code = _status_and_code(http_status, data)
         if status == HTTP_OK:
             return _Reply.DONE
-        code = data.get("code")
         if self._username is not None and (
             status == HTTP_UNAUTHORIZED or code == GRPC_UNAUTHENTICATED or "token" in _reason(data)
         ):
@@ -197,11 +263,16 @@ class EtcdGateway:
     # ------------------------------------------------------------------ connections
 
     def _connection(self, index: int, limit: float) -> http.client.HTTPConnection:
-        """This thread's connection to endpoint ``index`` (made on first use)."""
+        """This thread's connection to endpoint ``index`` (made on first use), its
+        connect and reads bounded by ``limit`` seconds."""
         conns: dict[int, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
         conn = conns.get(index)
         if conn is None:
-            conn = conns[index] = self._connect(index, max(1.0, min(limit, _MAX_CONNECT_TIMEOUT)))
+            conn = conns[index] = self._connect(index, limit)
+        else:
+            conn.timeout = limit
+            if conn.sock is not None:
+                conn.sock.settimeout(limit)
         return conn
 
     def _drop_connection(self, index: int) -> None:
@@ -211,10 +282,19 @@ class EtcdGateway:
             conn.close()
 
     def _connect(self, index: int, timeout: float) -> http.client.HTTPConnection:
+        """A connected client for endpoint ``index``."""
         host, port = self._endpoints[index]
+        conn: http.client.HTTPConnection
         if self._ssl is not None:
-            return http.client.HTTPSConnection(host, port, timeout=timeout, context=self._ssl)
-        return http.client.HTTPConnection(host, port, timeout=timeout)
+            conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=self._ssl)
+        else:
+            conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        try:
+            conn.connect()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     # ------------------------------------------------------------------ auth
 
@@ -244,7 +324,7 @@ class EtcdGateway:
 
     def _authenticate(self, conn: http.client.HTTPConnection) -> str:
         body = json.dumps({"name": self._username, "password": self._password})
-        conn.request("POST", "/v3/auth/authenticate", body, _JSON)
+        conn.request("POST", "/v3/auth/authenticate", body, _HEADERS)
         resp = conn.getresponse()
         data = json.loads(resp.read() or b"{}")
         if resp.status != HTTP_OK or "token" not in data:
@@ -259,17 +339,21 @@ class EtcdGateway:
         """Stream ``/v3/watch`` on ``key`` (base64) from ``start_revision`` until a put
         arrives (``True``) or ``timeout`` seconds pass (``False``).
 
-        Uses its own connection (a watch holds it for the whole stream). Raises
-        :class:`WatchBroken` when the stream fails or etcd cancels it; the caller re-reads
-        the key and watches again.
+        Uses its own connection to the preferred member (a watch holds it for the whole
+        stream). Raises :class:`WatchBroken` when the stream fails, the member loses its
+        leader, or etcd cancels the watch; that member is moved off the preference, and
+        the caller re-reads the key (from another member) and watches again from the
+        revision it read. A silent member looks like a quiet key: keep ``timeout`` short
+        (:data:`WATCH_SLICE`) and re-read between calls.
         """
+        deadline = time.monotonic() + timeout
         with self._lock:
             index = self._preferred
-        conn = self._connect(index, timeout)
-        token: str | None = None
+        conn: http.client.HTTPConnection | None = None
         try:
+            conn = self._connect(index, max(0.05, min(self._attempt_timeout, timeout)))
             token = self._current_token(conn)
-            headers = dict(_JSON)
+            headers = dict(_HEADERS)
             if token is not None:
                 headers["Authorization"] = token
             request = {"create_request": {"key": key, "start_revision": str(start_revision)}}
@@ -279,13 +363,26 @@ class EtcdGateway:
                 if resp.status == HTTP_UNAUTHORIZED:
                     self._invalidate(token)
                 raise WatchBroken(f"watch answered {resp.status}")
+            if conn.sock is not None:  # events may take until the deadline
+                conn.sock.settimeout(max(0.05, deadline - time.monotonic()))
             return self._read_events(resp)
-        except TimeoutError:  # socket.timeout is TimeoutError
-            return False
-        except (OSError, http.client.HTTPException, ValueError) as exc:
+        except TimeoutError:  # socket.timeout: the watch creation or the slice ran out
+            if time.monotonic() >= deadline - 0.01:
+                return False
+            self._avoid(index)
+            raise WatchBroken(f"watch on {self._url(index)} was not created in time") from None
+        except (OSError, http.client.HTTPException, ValueError, KVError) as exc:
+            self._avoid(index)
+            if isinstance(exc, WatchBroken):
+                raise
             raise WatchBroken(f"watch stream failed: {type(exc).__name__}: {exc}") from exc
         finally:
-            conn.close()
+            if conn is not None:
+                conn.close()
+
+    def _url(self, index: int) -> str:
+        host, port = self._endpoints[index]
+        return f"{'https' if self._ssl is not None else 'http'}://{host}:{port}"
 
     @staticmethod
     def _read_events(resp: http.client.HTTPResponse) -> bool:
@@ -293,7 +390,10 @@ class EtcdGateway:
             line = resp.readline()
             if not line:
                 raise WatchBroken("watch stream closed")
-            result = json.loads(line).get("result", {})
+            answer = json.loads(line)
+            if "error" in answer:  # e.g. "etcdserver: no leader" (hasleader)
+                raise WatchBroken(f"watch ended: {_reason(answer)}")
+            result = answer.get("result", {})
             for event in result.get("events") or []:
                 if event.get("type", "PUT") == "PUT":
                     return True

@@ -13,12 +13,14 @@ from a lost server (:class:`KVConnectionError`).
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from rallypoint._core.blocking import call_in_thread
 from rallypoint.rendezvous._kv import KeyValueStore, KVConnectionError, KVStateError
 
 if TYPE_CHECKING:
@@ -26,6 +28,32 @@ if TYPE_CHECKING:
 
 _SIDE: dict[tuple[int, str], C10dKV] = {}
 _SIDE_LOCK = threading.Lock()
+
+
+class _NoAnswer(RuntimeError):
+    """A TCPStore connect that did not finish within its timeout."""
+
+
+_PROBE_TIMEOUT = 0.2
+"""Seconds spent finding out why a TCPStore did not answer, after its timeout."""
+
+
+def _why_no_answer(host: str, port: int) -> str:
+    """Why a connect to a TCPStore did not finish: one plain TCP connect tells."""
+
+    def probe() -> str:
+        try:
+            with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT):
+                return "it accepts connections but does not answer like a TCPStore"
+        except ConnectionRefusedError:
+            return "connection refused"
+        except OSError as exc:
+            return f"no answer ({exc.strerror or type(exc).__name__})"
+
+    try:
+        return call_in_thread(probe, timeout=_PROBE_TIMEOUT, name="rallypoint-tcpstore-probe")
+    except TimeoutError:
+        return "no answer"
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -225,15 +253,27 @@ def tcp_kv(
             f"Cannot host the TCPStore at {host}:{port}: {type(exc).__name__}: {exc}"
         ) from exc
 
+    seconds = timeout.total_seconds()
+
     def connect() -> Store:
-        return TCPStore(host, port, is_master=False, timeout=timeout)
+        # torch's connect can take twice its timeout (a retry after the first one ran
+        # out), and its ping blocks in recv for good on a server that accepted and never
+        # answers; a thread bounds both (see rallypoint._core.blocking)
+        try:
+            return call_in_thread(
+                lambda: TCPStore(host, port, is_master=False, timeout=timeout),
+                timeout=seconds,
+                name="rallypoint-tcpstore-connect",
+            )
+        except TimeoutError:
+            raise _NoAnswer(_why_no_answer(host, port)) from None
 
     try:
         client = connect()
     except (RuntimeError, ValueError) as exc:
+        why = str(exc) if isinstance(exc, _NoAnswer) else f"{type(exc).__name__}: {str(exc)[:200]}"
         raise KVConnectionError(
-            f"Cannot reach the TCPStore at {host}:{port} within "
-            f"{timeout.total_seconds():g} s: {type(exc).__name__}: {str(exc)[:200]}"
+            f"Cannot reach the TCPStore at {host}:{port} within {seconds:g} s: {why}"
         ) from exc
     endpoint = f"{host}:{port}"
     kv = C10dKV(client, endpoint=endpoint, connect=connect, share_key=f"tcp://{endpoint}")

@@ -10,8 +10,17 @@ next revision (a server push, no polling). Every key we write carries the job's 
 (one lease per run, shared by its nodes, whose id is stored under ``<prefix>lease`` and
 kept alive by every live node): when every node of a job is gone, the keys expire after
 ``lease_ttl`` seconds. Requests that fail to connect are retried across the endpoints
-until ``timeout`` (an etcd restart is ridden out), then :class:`KVConnectionError` names
-the endpoints. TLS (CA, client cert and key) and user/password auth are supported.
+until ``timeout`` (an etcd restart or a leader election is ridden out; one try at one
+member is bounded by ``request_timeout``), then :class:`KVConnectionError` names the
+endpoints. TLS (CA, client cert and key) and user/password auth are supported.
+
+Retries and exactly-once: a request whose answer is lost may have been applied, and the
+gateway sends it again. Every operation here is idempotent under that (a put, a delete,
+a create-if-absent that reads back what is stored, ``enroll``'s put with ``prev_kv``)
+except ``add``; so each ``add`` transaction also writes a nonce under this client's
+marker key (one per client and thread, with the lease) and, when its comparison fails,
+reads the marker back: finding its own nonce means an earlier try of the same
+transaction went through, and the add is not applied twice.
 """
 
 from __future__ import annotations
@@ -29,7 +38,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rallypoint.rendezvous._config import seconds_option
 from rallypoint.rendezvous._endpoint import parse_rendezvous_endpoint
-from rallypoint.rendezvous._etcd_gateway import EtcdGateway, GatewayError, WatchBroken
+from rallypoint.rendezvous._etcd_gateway import (
+    ATTEMPT_TIMEOUT,
+    GRPC_NOT_FOUND,
+    WATCH_SLICE,
+    EtcdGateway,
+    GatewayError,
+    WatchBroken,
+)
 from rallypoint.rendezvous._kv import KeyValueStore, KVConnectionError, KVError, KVStateError
 
 if TYPE_CHECKING:
@@ -49,6 +65,15 @@ def _b64(data: str | bytes) -> str:
 
 def _unb64(data: str) -> bytes:
     return base64.b64decode(data)
+
+
+def _range_value(txn: dict[str, Any], index: int) -> bytes | None:
+    """The value read by the ``index``-th ``request_range`` of a transaction's answer."""
+    responses = txn.get("responses") or []
+    if index >= len(responses):
+        return None
+    kvs = responses[index].get("response_range", {}).get("kvs") or []
+    return _unb64(kvs[0].get("value", "")) if kvs else None
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -75,6 +100,7 @@ class EtcdOptions:
     password: str | None = None
     lease_ttl: int = 60
     timeout: timedelta = timedelta(seconds=60)
+    request_timeout: timedelta = timedelta(seconds=ATTEMPT_TIMEOUT)
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -85,6 +111,8 @@ class EtcdOptions:
             raise ValueError("etcd client TLS needs both 'cert' and 'key'.")
         if self.lease_ttl < 0:
             raise ValueError(f"lease_ttl ({self.lease_ttl}) must be >= 0 (0 disables leases).")
+        if self.request_timeout <= timedelta(0):
+            raise ValueError(f"request_timeout ({self.request_timeout}) must be positive.")
 
 
 class Gateway(Protocol):
@@ -110,6 +138,7 @@ def gateway_for(options: EtcdOptions) -> EtcdGateway:
         username=options.username,
         password=options.password,
         timeout=options.timeout.total_seconds(),
+        attempt_timeout=options.request_timeout.total_seconds(),
     )
 
 
@@ -126,6 +155,7 @@ class EtcdKV(KeyValueStore):
         self._lease: int | None = None
         self._keepalive: threading.Thread | None = None
         self._closed = threading.Event()
+        self._client = os.urandom(6).hex()  # names this client's add markers
 
     def _post(self, path: str, body: dict[str, Any], *, timeout: float | None = None) -> Any:
         return self._gateway.post(path, body, timeout=timeout)
@@ -174,23 +204,32 @@ class EtcdKV(KeyValueStore):
                             }
                         }
                     ],
+                    "failure": [{"request_range": {"key": lease_key}}],
                 },
             )
-            if txn.get("succeeded"):
-                return granted
+            if txn.get("succeeded") or _range_value(txn, 0) == str(granted).encode():
+                return granted  # (the second: an earlier try of this txn went through)
             self._post("/v3/lease/revoke", {"ID": str(granted)})
         raise KVConnectionError(f"Cannot agree on a lease for {self._opts.prefix!r} at etcd")
 
     def _keep_alive(self) -> None:
+        """Renew the lease every ``lease_ttl / 3`` s (through whichever member answers: a
+        member loss or an election costs a retried keep-alive, well within the TTL); a
+        lease that expired anyway (etcd away for longer than the TTL) is replaced."""
         interval = max(0.5, self._opts.lease_ttl / 3)
         while not self._closed.wait(interval):
             lease = self._lease
             if lease is None:
                 continue
             try:
-                data = self._post("/v3/lease/keepalive", {"ID": str(lease)}, timeout=interval)
-                result = data.get("result", data)
-                if int(result.get("TTL", 0)) <= 0:
+                try:
+                    data = self._post("/v3/lease/keepalive", {"ID": str(lease)}, timeout=interval)
+                    expired = int(data.get("result", data).get("TTL", 0)) <= 0
+                except GatewayError as exc:
+                    if exc.code != GRPC_NOT_FOUND:
+                        raise
+                    expired = True  # "requested lease not found"
+                if expired:
                     with self._lock:
                         self._lease = self._acquire_lease()
             except KVError:
@@ -236,30 +275,46 @@ class EtcdKV(KeyValueStore):
             ops = [{"request_put": self._put(self._key(k), v)} for k, v in chunk]
             self._post("/v3/kv/txn", {"success": ops})
 
-    def _cas(self, key: bytes, compare: dict[str, Any], value: bytes) -> tuple[bool, bytes | None]:
-        """Put ``value`` if ``compare`` holds; return (succeeded, value now stored)."""
+    def _cas(
+        self,
+        key: bytes,
+        compare: dict[str, Any],
+        value: bytes,
+        marker: tuple[bytes, bytes] | None = None,
+    ) -> tuple[bool, bytes | None]:
+        """Put ``value`` if ``compare`` holds; return (succeeded, value now stored).
+
+        ``marker`` (key, nonce): also put the nonce there on success, and on failure count
+        it as a success if the marker already holds the nonce (a retried try whose first
+        send went through)."""
+        success = [{"request_put": self._put(key, value)}]
+        failure = [{"request_range": {"key": _b64(key)}}]
+        if marker is not None:
+            success.append({"request_put": self._put(*marker)})
+            failure.append({"request_range": {"key": _b64(marker[0])}})
         data = self._post(
             "/v3/kv/txn",
-            {
-                "compare": [{"key": _b64(key), **compare}],
-                "success": [{"request_put": self._put(key, value)}],
-                "failure": [{"request_range": {"key": _b64(key)}}],
-            },
+            {"compare": [{"key": _b64(key), **compare}], "success": success, "failure": failure},
         )
         if data.get("succeeded"):
             return True, value
-        kvs = data.get("responses", [{}])[0].get("response_range", {}).get("kvs") or []
-        return False, (_unb64(kvs[0].get("value", "")) if kvs else None)
+        if marker is not None and _range_value(data, 1) == marker[1]:
+            return True, value
+        return False, _range_value(data, 0)
+
+    def _marker(self) -> bytes:
+        """This client's (and thread's) add marker key."""
+        return self._prefix + f".adds/{self._client}-{threading.get_ident()}".encode()
 
     def add(self, key: str, amount: int) -> int:
         full = self._key(key)
+        marker = self._marker()
         current, _ = self._range(full)
         for attempt in range(10_000):
+            nonce = os.urandom(8).hex().encode()
             if current is None:
                 new = amount
-                ok, current = self._cas(
-                    full, {"target": "CREATE", "create_revision": "0"}, b"%d" % new
-                )
+                compare: dict[str, Any] = {"target": "CREATE", "create_revision": "0"}
             else:
                 try:
                     new = int(current) + amount
@@ -268,9 +323,8 @@ class EtcdKV(KeyValueStore):
                         f"The key {key!r} in etcd at {self.endpoint} holds {current[:40]!r}, "
                         "not an integer counter."
                     ) from None
-                ok, current = self._cas(
-                    full, {"target": "VALUE", "value": _b64(current)}, b"%d" % new
-                )
+                compare = {"target": "VALUE", "value": _b64(current)}
+            ok, current = self._cas(full, compare, b"%d" % new, (marker, nonce))
             if ok:
                 return new
             if attempt > 2:
@@ -334,6 +388,9 @@ class EtcdKV(KeyValueStore):
         return all(self._wait_one(self._key(key), deadline) for key in missing)
 
     def _wait_one(self, key: bytes, deadline: float) -> bool:
+        """Read ``key``; while it is missing, watch it from the next revision for at most a
+        slice (a silent member holds a watch without a word), then read again: no put is
+        missed, since every watch starts right after the revision just read."""
         while True:
             value, revision = self._range(key)
             if value is not None:
@@ -342,7 +399,7 @@ class EtcdKV(KeyValueStore):
             if remaining <= 0:
                 return False
             try:
-                if self._gateway.watch_put(_b64(key), revision + 1, remaining):
+                if self._gateway.watch_put(_b64(key), revision + 1, min(remaining, WATCH_SLICE)):
                     return True
             except WatchBroken:
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
@@ -397,7 +454,8 @@ def etcd_kv_from_params(params: RendezvousParameters) -> EtcdKV:
     ``endpoint``: ``host[:port]`` or a comma-separated list (``http://``/``https://``
     allowed). Options: ``protocol`` (``http``/``https``), ``cacert``, ``cert``, ``key``,
     ``username``, ``password``, ``key_prefix`` (``/rallypoint/``), ``lease_ttl`` (60 s, 0
-    disables), ``read_timeout`` (60 s: how long a request retries an unreachable etcd).
+    disables), ``read_timeout`` (60 s: how long a request retries an unreachable etcd),
+    ``request_timeout`` (2 s: how long one try at one member may take before the next).
     """
     if not params.endpoint or not params.endpoint.strip():
         raise ValueError("The etcd rendezvous backend needs an endpoint: host[:port][,...].")
@@ -410,7 +468,8 @@ def etcd_kv_from_params(params: RendezvousParameters) -> EtcdKV:
         )
     ttl = params.get_as_int("lease_ttl", 60)
     timeout = seconds_option(params, "read_timeout", 60.0)
-    assert ttl is not None and timeout is not None
+    attempt = seconds_option(params, "request_timeout", ATTEMPT_TIMEOUT)
+    assert ttl is not None and timeout is not None and attempt is not None
     prefix = str(params.get("key_prefix", "/rallypoint/"))
     if not prefix.endswith("/"):
         prefix += "/"
@@ -426,5 +485,6 @@ def etcd_kv_from_params(params: RendezvousParameters) -> EtcdKV:
             password=params.get("password"),
             lease_ttl=ttl,
             timeout=timeout,
+            request_timeout=attempt,
         )
     )

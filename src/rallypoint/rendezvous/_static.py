@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from rallypoint._core.blocking import call_in_thread
 from rallypoint.rendezvous._api import (
     RendezvousConnectionError,
     RendezvousHandler,
@@ -58,15 +59,27 @@ class StaticRendezvousHandler(RendezvousHandler):
         from torch._C._distributed_c10d import PrefixStore, TCPStore
 
         if self._store is None:
+            seconds = self.timeout.total_seconds()
             try:
-                self._store = TCPStore(
-                    self.master_addr,
-                    self.master_port,
-                    self.world_size,
-                    self.rank == 0,
-                    self.timeout,
-                    multi_tenant=True,
+                # bounded by the timeout: torch's connect can retry past it, and its ping
+                # blocks for good on a server that accepted and never answers
+                self._store = call_in_thread(
+                    lambda: TCPStore(
+                        self.master_addr,
+                        self.master_port,
+                        self.world_size,
+                        self.rank == 0,
+                        self.timeout,
+                        multi_tenant=True,
+                    ),
+                    timeout=seconds,
+                    name="rallypoint-static-store",
                 )
+            except TimeoutError:
+                raise RendezvousConnectionError(
+                    f"Cannot reach the static rendezvous store at "
+                    f"{self.master_addr}:{self.master_port} within {seconds:g} s"
+                ) from None
             except (RuntimeError, ValueError) as exc:
                 raise RendezvousConnectionError(
                     f"Cannot reach the static rendezvous store at "

@@ -15,8 +15,8 @@ Imports point down these lines, and within a line from left to right (no cycles)
 
     _api -> _registry -> _agent (RALLYPOINT) | _tensorpipe (TENSORPIPE)
     the agent's parts:  _membership, _dispatch, _connections, _codec
-    its bookkeeping:    _rref, _rref_table, _peers, _calls
-    bytes and store:    _transport, _auth, _wire, _shm, _groups, _store
+    its bookkeeping:    _rref, _rref_table, _liveness, _peers, _calls
+    bytes and store:    _acceptor, _transport, _auth, _wire, _shm, _groups, _store
     shared:             _backend, _current, _options, _device_maps, _errors, _constants,
                         functions  ->  rallypoint._core
 """

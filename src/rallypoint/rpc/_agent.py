@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -111,6 +112,7 @@ class RallypointAgent(RpcAgent):
             peers=self.peers,
             connections=self.connections,
             caller=self,
+            rpc_timeout=options.rpc_timeout,
         )
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_loop, name="rpc-monitor", daemon=True)
@@ -123,7 +125,7 @@ class RallypointAgent(RpcAgent):
 
     @property
     def stats(self) -> dict[str, int]:
-        """Tensor bytes sent inline and through shared memory."""
+        """Tensor bytes sent inline, through shared memory, and handed back (not copied)."""
         return self.connections.stats
 
     def record(self) -> WorkerRecord:
@@ -243,12 +245,16 @@ class RallypointAgent(RpcAgent):
             raise
 
     def _wait_quiet(self, deadline: float) -> None:
+        delay = 0.001
         while (self.calls or self.dispatcher.busy) and time.monotonic() < deadline:
-            time.sleep(0.001)
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.01)
 
     def shutdown(self, graceful: bool, timeout: float) -> None:
-        seconds = timeout if timeout > 0 else (self._default_timeout or 60.0)
-        deadline = time.monotonic() + seconds
+        # timeout 0 (the default): wait as long as the awaited workers are alive, as torch
+        # does; a dead or unreachable one ends the wait (see _liveness)
+        seconds = timeout if timeout > 0 else 0.0
+        deadline = time.monotonic() + seconds if seconds else math.inf
         error: BaseException | None = None
         try:
             if graceful:

@@ -183,9 +183,12 @@ def get_rpc_timeout() -> float:
 def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
     """Stop the agent. Graceful: wait for every worker's outstanding work first.
 
-    Never hangs: gives up after ``timeout`` seconds (``0``: the RPC timeout) and raises
-    ``RpcShutdownError`` naming the workers that did not arrive; a worker known to have
-    died ends the wait at once. The local agent is stopped in every case.
+    With ``timeout=0`` (the default) a graceful shutdown waits as long as the workers it
+    waits for are alive, as torch's does (workers may wait here while a master trains for
+    hours). It raises ``RpcShutdownError`` naming them as soon as every worker still
+    missing is dead (its connection broke) or unreachable (it left a no-op probe
+    unanswered for the RPC timeout, at least 5 s). With ``timeout > 0`` it also gives up
+    after that many seconds. The local agent is stopped in every case.
     """
     agent = CURRENT_AGENT.get()
     try:

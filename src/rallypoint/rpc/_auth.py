@@ -28,6 +28,7 @@ import os
 import secrets
 import socket
 import struct
+import time
 from typing import Any
 
 from rallypoint._core.envvars import RPC_ALLOW_STORE_SECRET, RPC_SECRET
@@ -85,9 +86,14 @@ def _mac(secret: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes, all of them before ``deadline`` (a slow sender cannot stretch it)."""
     chunks = bytearray()
     while len(chunks) < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the peer did not finish authenticating in time")
+        sock.settimeout(remaining)
         data = sock.recv(n - len(chunks))
         if not data:
             raise RpcAuthenticationError("peer closed the connection during authentication")
@@ -95,37 +101,84 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(chunks)
 
 
+class ServerHandshake:
+    """The server's side of the challenge as a state machine fed bytes as they arrive.
+
+    It never blocks, so one thread can run many handshakes (see ``_acceptor``): send
+    :attr:`greeting`, then read at most :meth:`wanted` bytes at a time and :meth:`feed`
+    them until it returns ``(reply, hello)``; send ``reply`` and the peer is trusted.
+    """
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+        self._server_nonce = secrets.token_bytes(_NONCE)
+        self.greeting = _MAGIC + self._server_nonce
+        self._buf = bytearray()
+        self._total = _NONCE + _LEN.size  # grows once the hello length is known
+
+    def wanted(self) -> int:
+        """How many bytes the next step needs (never more than the handshake has left)."""
+        return self._total - len(self._buf)
+
+    def feed(self, data: bytes) -> tuple[bytes, dict[str, Any]] | None:
+        """Take bytes; ``(reply, hello)`` once the client proved it knows the secret."""
+        if len(data) > self.wanted():
+            raise RpcAuthenticationError("client sent more than the handshake")
+        self._buf += data
+        head = _NONCE + _LEN.size
+        if len(self._buf) == head and self._total == head:
+            (hello_len,) = _LEN.unpack_from(self._buf, _NONCE)
+            if hello_len > _MAX_HELLO:
+                raise RpcAuthenticationError(
+                    f"hello of {hello_len} bytes is larger than {_MAX_HELLO}"
+                )
+            self._total = head + hello_len + _MAC
+        if len(self._buf) < self._total:
+            return None
+        client_nonce = bytes(self._buf[:_NONCE])
+        hello = bytes(self._buf[head : self._total - _MAC])
+        mac = bytes(self._buf[self._total - _MAC :])
+        expected = _mac(self._secret, b"client", self._server_nonce, client_nonce, hello)
+        if not hmac.compare_digest(mac, expected):
+            raise RpcAuthenticationError("client failed the HMAC challenge (wrong RPC secret)")
+        reply = b"OK" + _mac(self._secret, b"server", client_nonce, self._server_nonce)
+        try:
+            info = json.loads(hello)
+        except ValueError as exc:
+            raise RpcAuthenticationError("authenticated client sent a malformed hello") from exc
+        if not isinstance(info, dict):
+            raise RpcAuthenticationError("authenticated client sent a malformed hello")
+        return reply, info
+
+
 def server_handshake(sock: socket.socket, secret: bytes, timeout: float) -> dict[str, Any]:
-    """Challenge a freshly accepted connection; return the client's hello on success."""
+    """Challenge a connection (blocking); the client's hello once it authenticated.
+
+    ``timeout`` bounds the whole handshake, not each read.
+    """
+    deadline = time.monotonic() + timeout
+    handshake = ServerHandshake(secret)
     sock.settimeout(timeout)
-    server_nonce = secrets.token_bytes(_NONCE)
-    sock.sendall(_MAGIC + server_nonce)
-    head = _recv_exact(sock, _NONCE + _LEN.size)
-    client_nonce = head[:_NONCE]
-    (hello_len,) = _LEN.unpack(head[_NONCE:])
-    if hello_len > _MAX_HELLO:
-        raise RpcAuthenticationError(f"hello of {hello_len} bytes is larger than {_MAX_HELLO}")
-    hello = _recv_exact(sock, hello_len)
-    mac = _recv_exact(sock, _MAC)
-    if not hmac.compare_digest(mac, _mac(secret, b"client", server_nonce, client_nonce, hello)):
-        raise RpcAuthenticationError("client failed the HMAC challenge (wrong RPC secret)")
-    sock.sendall(b"OK" + _mac(secret, b"server", client_nonce, server_nonce))
-    try:
-        info = json.loads(hello)
-    except ValueError as exc:
-        raise RpcAuthenticationError("authenticated client sent a malformed hello") from exc
-    if not isinstance(info, dict):
-        raise RpcAuthenticationError("authenticated client sent a malformed hello")
-    sock.settimeout(None)
-    return info
+    sock.sendall(handshake.greeting)
+    while True:
+        done = handshake.feed(_recv_exact(sock, handshake.wanted(), deadline))
+        if done is not None:
+            reply, info = done
+            sock.sendall(reply)
+            sock.settimeout(None)
+            return info
 
 
 def client_handshake(
     sock: socket.socket, secret: bytes, hello: dict[str, Any], timeout: float
 ) -> None:
-    """Answer the server's challenge and check that the server knows the secret too."""
+    """Answer the server's challenge and check that the server knows the secret too.
+
+    ``timeout`` bounds the whole handshake, not each read.
+    """
+    deadline = time.monotonic() + timeout
     sock.settimeout(timeout)
-    first = _recv_exact(sock, len(_MAGIC) + _NONCE)
+    first = _recv_exact(sock, len(_MAGIC) + _NONCE, deadline)
     if first[: len(_MAGIC)] != _MAGIC:
         raise RpcAuthenticationError("the peer is not a rallypoint RPC server")
     server_nonce = first[len(_MAGIC) :]
@@ -134,7 +187,7 @@ def client_handshake(
     mac = _mac(secret, b"client", server_nonce, client_nonce, body)
     sock.sendall(client_nonce + _LEN.pack(len(body)) + body + mac)
     try:
-        answer = _recv_exact(sock, 2 + _MAC)
+        answer = _recv_exact(sock, 2 + _MAC, deadline)
     except RpcAuthenticationError:
         raise RpcAuthenticationError(
             "the server closed the connection during authentication: the RPC secrets differ"

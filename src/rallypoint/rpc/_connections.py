@@ -1,11 +1,13 @@
 """The authenticated sockets of one worker: the ones it accepts and the ones it opens.
 
 Every connection answers the HMAC challenge (:mod:`rallypoint.rpc._auth`) before its
-first frame. A worker opens at most one connection to each peer for its own calls (on
-first use, over the abstract Unix socket when the peer shares the host) and accepts the
-peers' connections for theirs; frames from accepted connections wait until the group is
-known (:meth:`Connections.accept_calls`). When a connection breaks, the calls pending on
-it fail at once, naming the peer.
+first frame; accepted ones authenticate on the acceptor's thread
+(:mod:`rallypoint.rpc._acceptor`, which also bounds what unauthenticated peers cost). A
+worker opens at most one connection to each peer for its own calls (on first use, over
+the abstract Unix socket when the peer shares the host) and accepts the peers'
+connections for theirs; frames from accepted connections wait until the group is known
+(:meth:`Connections.accept_calls`). When a connection breaks, the calls pending on it
+fail at once, naming the peer.
 """
 
 from __future__ import annotations
@@ -16,18 +18,20 @@ import socket
 import threading
 from typing import Any
 
-from rallypoint.rpc._auth import client_handshake, server_handshake
+from rallypoint.rpc._acceptor import Acceptor
+from rallypoint.rpc._auth import client_handshake
 from rallypoint.rpc._calls import PendingCalls
 from rallypoint.rpc._errors import NOT_INITIALIZED, RpcConnectionError, RpcError
 from rallypoint.rpc._groups import WorkerInfo, host_key
 from rallypoint.rpc._options import RallypointRpcBackendOptions
 from rallypoint.rpc._peers import PeerTable
 from rallypoint.rpc._shm import SegmentPool
-from rallypoint.rpc._transport import Connection, Listener, OnFrame, connect
+from rallypoint.rpc._transport import Connection, OnFrame, connect
 
 logger = logging.getLogger("rallypoint.rpc")
 
 HANDSHAKE_TIMEOUT = 10.0
+"""Seconds a whole handshake may take, either way (connecting included when we open)."""
 
 
 class Connections:
@@ -45,7 +49,11 @@ class Connections:
         on_frame: OnFrame,
         pool: SegmentPool | None,
     ) -> None:
-        self.stats: dict[str, int] = {"inline_tensor_bytes": 0, "shm_tensor_bytes": 0}
+        self.stats: dict[str, int] = {
+            "inline_tensor_bytes": 0,
+            "shm_tensor_bytes": 0,
+            "returned_tensor_bytes": 0,
+        }
         self.host_key = host_key()
         self._me = me
         self._secret = secret
@@ -68,9 +76,9 @@ class Connections:
         self._inbound: set[Connection] = set()
         self._lock = threading.Lock()
         self._closed = False
-        self._listener = Listener(host, self._on_accept)
-        self.address = (host, self._listener.port)
-        self.uds_name = self._listener.uds_name
+        self._acceptor = Acceptor(host, secret, self._admit, deadline=HANDSHAKE_TIMEOUT)
+        self.address = (host, self._acceptor.port)
+        self.uds_name = self._acceptor.uds_name
 
     def accept_calls(self) -> None:
         """The group is known: let the frames of accepted connections run."""
@@ -114,6 +122,10 @@ class Connections:
             hello = {"name": self._me.name, "id": self._me.id}
             client_handshake(sock, self._secret, hello, HANDSHAKE_TIMEOUT)
         except (OSError, RpcError) as exc:
+            if isinstance(exc, ConnectionRefusedError):
+                # nothing listens at its address: the process is gone (a dynamic member
+                # that left with shutdown(graceful=False) or crashed is still listed)
+                self._peers.mark_dead(name, "refused the connection (its process is gone)")
             reason = self._peers.dead_reason(name)
             detail = f" (it {reason})" if reason else ""
             raise RpcConnectionError(
@@ -129,19 +141,13 @@ class Connections:
             conn.close()
 
     # ---- inbound -----------------------------------------------------------------------
-    def _on_accept(self, sock: socket.socket, uds: bool, addr: Any) -> None:
-        threading.Thread(
-            target=self._serve_new, args=(sock, uds, addr), name="rpc-handshake", daemon=True
-        ).start()
-
-    def _serve_new(self, sock: socket.socket, uds: bool, addr: Any) -> None:
+    def _admit(self, sock: socket.socket, uds: bool, hello: dict[str, Any]) -> None:
+        """A peer authenticated (on the acceptor's thread): its frames get a reader."""
         try:
-            hello = server_handshake(sock, self._secret, HANDSHAKE_TIMEOUT)
             peer_name, peer_id = str(hello["name"]), int(hello["id"])
-        except (OSError, RpcError, KeyError, TypeError, ValueError) as exc:
-            where = "a local process" if uds else f"{addr[0]}:{addr[1]}"
+        except (KeyError, TypeError, ValueError) as exc:
             logger.warning(
-                "rallypoint.rpc: %s rejected a connection from %s: %s", self._me.name, where, exc
+                "rallypoint.rpc: %s rejected a connection with a bad hello: %r", self._me.name, exc
             )
             sock.close()
             return
@@ -194,7 +200,7 @@ class Connections:
             self._out.clear()
             self._inbound.clear()
         self._ready.set()
-        self._listener.close()
+        self._acceptor.close()
         for conn in conns:
             conn.flush()
             conn.close()

@@ -3,8 +3,10 @@
 - :meth:`Group.join`: static groups publish a record and wait for every rank; dynamic
   groups take the membership token, register, and notify the current members.
 - :meth:`Group.leave`: a dynamic member leaves under the token (rank 0, the store host,
-  leaves last); a static group meets at a store barrier that gives up at the deadline, or
-  at once when a missing worker is known dead.
+  leaves last); a static group meets at a store barrier. Without a deadline (torch's
+  default) both wait as long as the awaited workers are alive; they give up at once when
+  every awaited worker is dead or unreachable (:mod:`rallypoint.rpc._liveness`), naming
+  them, and at the deadline when one was given.
 
 The group changes the :class:`~rallypoint.rpc._peers.PeerTable`, opens and drops
 connections through :class:`~rallypoint.rpc._connections.Connections`, and notifies
@@ -15,6 +17,7 @@ worker's group through :data:`CURRENT_GROUP`.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,8 +27,9 @@ from rallypoint.rpc import _groups
 from rallypoint.rpc._backend import Caller
 from rallypoint.rpc._connections import Connections
 from rallypoint.rpc._current import Current
-from rallypoint.rpc._errors import RpcError, RpcShutdownError
+from rallypoint.rpc._errors import RpcConnectionError, RpcError, RpcShutdownError
 from rallypoint.rpc._groups import WorkerInfo, WorkerRecord
+from rallypoint.rpc._liveness import Prober, probe_timeout
 from rallypoint.rpc._peers import PeerTable
 from rallypoint.rpc._store import wait_for_names
 
@@ -46,6 +50,7 @@ class Group:
     peers: PeerTable
     connections: Connections
     caller: Caller
+    rpc_timeout: float
 
     # ---- joining -----------------------------------------------------------------------
     def join(self, record: WorkerRecord, timeout: float) -> None:
@@ -96,29 +101,50 @@ class Group:
             _groups.write_members(store, [*members, me.name])
             self.connections.accept_calls()
             try:
-                self._notify(members, _on_member_joined, record, timeout)
+                gone = self._notify_joined(members, record, timeout)
             except BaseException:
                 _groups.write_members(store, members)
                 _groups.delete_record(store, me.name)
-                self._notify(members, _on_member_left, me.name, timeout, every=True)
+                self._tell_left(members, me.name, timeout)
                 raise
+            if gone:
+                self._remove_gone(gone, [m for m in members if m not in gone], timeout)
 
-    def _notify(
-        self,
-        members: list[str],
-        func: Callable[[Any], None],
-        arg: Any,
-        timeout: float,
-        *,
-        every: bool = False,
-    ) -> None:
-        """Run ``func(arg)`` on each member in turn (``every``: go on past failures)."""
+    def _notify_joined(self, members: list[str], record: WorkerRecord, timeout: float) -> list[str]:
+        """Tell each member that we joined; the members that are gone (refuse connections)."""
+        gone: list[str] = []
         for member in members:
             try:
-                self.caller.rpc_async(member, func, (arg,), {}, timeout).wait()
-            except Exception:
-                if not every:
+                self.caller.rpc_async(member, _on_member_joined, (record,), {}, timeout).wait()
+            except RpcConnectionError:
+                if not self.peers.is_dead(member):
                     raise
+                gone.append(member)
+        return gone
+
+    def _remove_gone(self, gone: list[str], alive: list[str], timeout: float) -> None:
+        """Remove members that left without leaving (under the token), and tell the rest."""
+        logger.warning(
+            "rallypoint.rpc: %s removed workers %s from the group: they refuse connections "
+            "(left with shutdown(graceful=False), or died)",
+            self.me.name,
+            gone,
+        )
+        _groups.write_members(self.store, [*alive, self.me.name])
+        for name in gone:
+            _groups.delete_record(self.store, name)
+            self.peers.remove(name)
+            self._tell_left(alive, name, timeout)
+
+    def _tell_left(self, members: list[str], name: str, timeout: float) -> None:
+        """Tell each member that ``name`` left (best effort: go on past failures)."""
+        for member in members:
+            try:
+                self.caller.rpc_async(member, _on_member_left, (name,), {}, timeout).wait()
+            except Exception as exc:
+                logger.warning(
+                    "rallypoint.rpc: could not tell %s that %s left: %s", member, name, exc
+                )
 
     # ---- notices from other members ----------------------------------------------------
     def member_joined(self, record: WorkerRecord) -> None:
@@ -134,28 +160,44 @@ class Group:
     ) -> RpcShutdownError | None:
         """Leave (dynamic) or meet everyone at the shutdown barrier (static).
 
+        ``deadline`` is ``math.inf`` when no timeout was given (``seconds`` is then 0);
         ``wait_quiet(deadline)`` waits for this worker's outstanding work.
         """
+        prober = Prober(self.caller, self.peers, probe_timeout(self.rpc_timeout))
         if self.world_size is None:
-            return self._leave_dynamic(deadline, wait_quiet)
-        return self._shutdown_barrier(deadline, seconds, wait_quiet)
+            return self._leave_dynamic(deadline, prober, wait_quiet)
+        return self._shutdown_barrier(deadline, seconds, prober, wait_quiet)
+
+    def _bounded(self, deadline: float) -> float:
+        """Seconds left for one step (a store token, a notice) that needs a finite bound."""
+        if math.isinf(deadline):
+            return probe_timeout(self.rpc_timeout)
+        return max(deadline - time.monotonic(), 0.1)
 
     def _leave_dynamic(
-        self, deadline: float, wait_quiet: Callable[[float], None]
+        self, deadline: float, prober: Prober, wait_quiet: Callable[[float], None]
     ) -> RpcShutdownError | None:
         store, me = self.store, self.me.name
         errors: list[str] = []
         if self.hosts_store:
             # rank 0 hosts the store: stay in the group (reachable) until the others left
-            while _groups.read_members(store) != [me] and time.monotonic() < deadline:
-                time.sleep(0.01)
-        with _groups.membership_token(store, me, max(deadline - time.monotonic(), 0.1)):
+            delay = 0.001
+            while time.monotonic() < deadline:
+                others = [m for m in _groups.read_members(store) if m != me]
+                if not others or prober.all_dead(others):
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 0.02)
+        with _groups.membership_token(store, me, self._bounded(deadline)):
             members = [m for m in _groups.read_members(store) if m != me]
             _groups.write_members(store, members)
             _groups.delete_record(store, me)
             for member in members:
+                if self.peers.is_dead(member):
+                    errors.append(member)
+                    continue
                 try:
-                    timeout = max(deadline - time.monotonic(), 0.1)
+                    timeout = self._bounded(deadline)
                     self.caller.rpc_async(member, _on_member_left, (me,), {}, timeout).wait()
                 except Exception as exc:
                     errors.append(member)
@@ -170,12 +212,16 @@ class Group:
         return None
 
     def _shutdown_barrier(
-        self, deadline: float, seconds: float, wait_quiet: Callable[[float], None]
+        self,
+        deadline: float,
+        seconds: float,
+        prober: Prober,
+        wait_quiet: Callable[[float], None],
     ) -> RpcShutdownError | None:
         store, me, peers = self.store, self.me.name, self.peers
         names = peers.names()
         store.set(f"shutdown/{me}", "1")
-        gone = wait_for_names(store, "shutdown", names, deadline, dead=peers.is_dead)
+        gone = wait_for_names(store, "shutdown", names, deadline, all_dead=prober.all_dead)
         error: RpcShutdownError | None = None
         if gone:
             dead = [n for n in gone if peers.is_dead(n)]
@@ -197,7 +243,13 @@ class Group:
         if self.hosts_store:
             alive = [n for n in names if not self.peers.is_dead(n)]
             deadline = time.monotonic() + seconds
-            wait_for_names(self.store, prefix, alive, deadline, dead=self.peers.is_dead)
+            wait_for_names(
+                self.store,
+                prefix,
+                alive,
+                deadline,
+                all_dead=lambda names: all(self.peers.is_dead(n) for n in names),
+            )
 
     def close(self) -> None:
         self.store = None

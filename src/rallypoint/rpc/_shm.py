@@ -1,13 +1,23 @@
 """Same-host tensor transfer through shared memory (memfd segments passed as fds).
 
 The sender owns a pool of segments (``memfd_create`` files, mapped once). To send a
-tensor it copies the bytes into a free segment, marks the segment busy in its first
+tensor it copies the bytes into a free segment, marks the segment lent in its first
 byte, and sends only a descriptor; the segment's file descriptor travels once per
 connection over the Unix socket (``SCM_RIGHTS``). The receiver maps the segment once and
 hands the caller a tensor that *views* the segment: no copy through the socket and none
-on receipt. When that tensor's storage is freed, the receiver clears the busy byte and
+on receipt. When that tensor's storage is freed, the receiver clears the lent byte and
 the sender can reuse the segment. Segments have no name in the filesystem, so a crash
 leaks nothing.
+
+**Return to sender.** A received tensor sent back, whole, to the worker that owns its
+segment (an echo, a parameter server handing a tensor back) is not copied again: the
+receiver sends a reference to the owner's own segment. Copy semantics hold because
+neither side can write the shared pages any more: the receiver first remaps its view
+copy-on-write (``MAP_PRIVATE | MAP_FIXED`` over the same addresses, so its tensor keeps
+working and its later writes stay private; the shared mapping comes back when the view
+dies), and the owner gets a fresh copy-on-write mapping of the segment. The segment's
+second byte says "handed back"; the owner clears it when that mapping dies, and reuses a
+segment only when both bytes are clear.
 
 Copy semantics are those of torch's RPC: the receiver's tensor never aliases the
 sender's tensor (the sender copies once into the segment).
@@ -27,6 +37,20 @@ import torch
 
 HEADER_BYTES = 4096
 _MIN_SEGMENT = 1 << 16
+_LENT = 0  # header byte: the peer holds a view (set by the owner, cleared by the peer)
+_RETURNED = 1  # header byte: the peer handed the segment back (cleared by the owner)
+_PAGE = mmap.PAGESIZE
+_MAP_FIXED = 0x10  # Linux; memfd segments are Linux-only anyway
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 
 
 def _round_up(n: int) -> int:
@@ -49,7 +73,14 @@ class Segment:
 
     @property
     def free(self) -> bool:
-        return self.mm[0] == 0
+        return self.mm[_LENT] == 0 and self.mm[_RETURNED] == 0
+
+    def returned_view(self, nbytes: int) -> torch.Tensor:
+        """The bytes a peer handed back: a copy-on-write mapping of this segment."""
+        mm = mmap.mmap(self.fd, self.capacity, flags=mmap.MAP_PRIVATE, offset=HEADER_BYTES)
+        slot = _slot_type(nbytes).from_buffer(mm)
+        weakref.finalize(slot, _clear, self.mm, _RETURNED)
+        return torch.frombuffer(slot, dtype=torch.uint8)
 
     def close(self) -> None:
         del self.view
@@ -66,6 +97,7 @@ class SegmentPool:
     def __init__(self, max_bytes: int) -> None:
         self._max_bytes = max_bytes
         self._segments: list[Segment] = []
+        self._by_id: dict[int, Segment] = {}
         self._bytes = 0
         self._next_id = 1
         self._lock = threading.Lock()
@@ -77,7 +109,7 @@ class SegmentPool:
             segment = self._find(nbytes)
             if segment is None:
                 return None
-            segment.mm[0] = 1
+            segment.mm[_LENT] = 1
         segment.view[:nbytes].copy_(raw)
         return segment
 
@@ -98,6 +130,7 @@ class SegmentPool:
             for seg in list(self._segments):
                 if seg.free and self._bytes + capacity > self._max_bytes:
                     self._segments.remove(seg)
+                    del self._by_id[seg.id]
                     self._bytes -= seg.capacity
                     seg.close()
             if self._bytes + capacity > self._max_bytes:
@@ -105,8 +138,17 @@ class SegmentPool:
         seg = Segment(self._next_id, capacity)
         self._next_id += 1
         self._segments.append(seg)
+        self._by_id[seg.id] = seg
         self._bytes += capacity
         return seg
+
+    def returned(self, seg_id: int, nbytes: int) -> torch.Tensor:
+        """A tensor for segment ``seg_id`` that a peer handed back (see the module doc)."""
+        with self._lock:
+            seg = self._by_id.get(seg_id)
+        if seg is None or not seg.mm[_RETURNED] or nbytes > seg.capacity:
+            raise KeyError(f"segment {seg_id} was not handed back")
+        return seg.returned_view(nbytes)
 
     def segments(self) -> list[Segment]:
         """The segments the pool holds now (free or busy)."""
@@ -118,6 +160,7 @@ class SegmentPool:
             for seg in self._segments:
                 seg.close()
             self._segments.clear()
+            self._by_id.clear()
             self._bytes = 0
 
 
@@ -127,36 +170,105 @@ def _slot_type(nbytes: int) -> type[ctypes.Array[ctypes.c_uint8]]:
     return type(f"Slot{nbytes}", (base,), {})
 
 
-def _release(mm: mmap.mmap) -> None:
+def _clear(mm: mmap.mmap, index: int) -> None:
     with contextlib.suppress(ValueError, IndexError):  # mapping already closed at shutdown
-        mm[0] = 0
+        mm[index] = 0
+
+
+def _remap(address: int, length: int, flags: int, fd: int, offset: int) -> None:
+    """Replace ``[address, address + length)`` by a mapping of ``fd`` (same addresses)."""
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    got = _libc.mmap(address, length, prot, flags | _MAP_FIXED, fd, offset)
+    if got != address:
+        raise OSError(ctypes.get_errno(), "mmap(MAP_FIXED) of a shared-memory view failed")
+
+
+class _Mapped:
+    """One peer segment as this worker maps it, and the view it currently lends out."""
+
+    __slots__ = ("base", "fd", "mm", "private", "view_bytes")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        self.view_bytes = -1  # bytes of the live view (-1: none)
+        self.private = 0  # bytes remapped copy-on-write while the view is handed back
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):  # still viewed by live tensors
+            self.mm.close()
+        os.close(self.fd)
 
 
 class RemoteSegments:
     """The receiver's view of one peer's segments (mapped once, by id)."""
 
     def __init__(self) -> None:
-        self._maps: dict[int, mmap.mmap] = {}
+        self._maps: dict[int, _Mapped] = {}
+        self._lock = threading.RLock()  # _released may run from a GC pass inside hand_back
 
     def add(self, seg_id: int, fd: int) -> None:
         try:
-            size = os.fstat(fd).st_size
-            self._maps[seg_id] = mmap.mmap(fd, size)
-        finally:
+            self._maps[seg_id] = _Mapped(fd)
+        except BaseException:
             os.close(fd)
+            raise
 
     def tensor(self, seg_id: int, nbytes: int) -> torch.Tensor:
-        mm = self._maps.get(seg_id)
-        if mm is None:
+        mapped = self._maps.get(seg_id)
+        if mapped is None:
             raise KeyError(f"unknown shared-memory segment {seg_id}")
-        slot = _slot_type(nbytes).from_buffer(mm, HEADER_BYTES)
-        weakref.finalize(slot, _release, mm)
+        slot = _slot_type(nbytes).from_buffer(mapped.mm, HEADER_BYTES)
+        mapped.view_bytes = nbytes
+        weakref.finalize(slot, self._released, mapped)
         return torch.frombuffer(slot, dtype=torch.uint8)
 
+    def _released(self, mapped: _Mapped) -> None:
+        """The view died: share the pages again, then let the owner reuse the segment."""
+        with self._lock:
+            mapped.view_bytes = -1
+            if mapped.private:
+                with contextlib.suppress(OSError, ValueError):
+                    if not mapped.mm.closed:
+                        _remap(
+                            mapped.base + HEADER_BYTES,
+                            mapped.private,
+                            mmap.MAP_SHARED,
+                            mapped.fd,
+                            HEADER_BYTES,
+                        )
+                mapped.private = 0
+        _clear(mapped.mm, _LENT)
+
+    def hand_back(self, raw: torch.Tensor) -> int | None:
+        """If ``raw`` is exactly a live view of one of these segments, hand it back.
+
+        Returns the segment id to send instead of the bytes, or ``None`` (send a copy).
+        Afterwards this worker's view is copy-on-write and the owner may map the segment.
+        """
+        address, nbytes = raw.data_ptr(), raw.numel()
+        with self._lock:
+            for seg_id, mapped in self._maps.items():
+                if address != mapped.base + HEADER_BYTES or mapped.view_bytes < nbytes:
+                    continue
+                if mapped.mm.closed or mapped.mm[_RETURNED]:
+                    return None  # handed back already and still held there: copy
+                if not mapped.private:
+                    length = -(-mapped.view_bytes // _PAGE) * _PAGE
+                    _remap(address, length, mmap.MAP_PRIVATE, mapped.fd, HEADER_BYTES)
+                    mapped.private = length
+                mapped.mm[_RETURNED] = 1
+                return seg_id
+        return None
+
+    def keep(self, seg_id: int) -> None:
+        """Undo :meth:`hand_back` (the frame was never sent): the owner will not map it."""
+        mapped = self._maps.get(seg_id)
+        if mapped is not None:
+            _clear(mapped.mm, _RETURNED)
+
     def close(self) -> None:
-        for mm in self._maps.values():
-            with contextlib.suppress(
-                BufferError
-            ):  # still viewed by live tensors; unmapped when they die
-                mm.close()
+        for mapped in self._maps.values():
+            mapped.close()
         self._maps.clear()

@@ -1,9 +1,14 @@
 """The rendezvous store behind ``init_method``, and waiting for keys in it.
 
-``env://`` and ``tcp://`` give a c10d ``TCPStore`` hosted by rank 0; ``file://`` a
-``FileStore``. One ``TCPStore`` per endpoint and process is kept across
-``init_rpc``/``shutdown`` cycles (each cycle uses its own key prefix, as in torch):
-re-creating it would race with peers that still talk to the previous one.
+``env://`` and ``tcp://`` give a c10d ``TCPStore``, made as torch's
+``_create_c10d_store`` makes it: rank 0 hosts a *multi-tenant* server, so a process group
+and RPC on the same ``MASTER_PORT`` share one server whichever starts first; under a
+launcher that hosts the store itself (``TORCHELASTIC_USE_AGENT_STORE=True``, set by
+torchrun and ``rallypoint run``) every rank, rank 0 included, is a client of the
+launcher's store at ``MASTER_PORT``. ``file://`` gives a ``FileStore``. One ``TCPStore``
+per endpoint and process is kept across ``init_rpc``/``shutdown`` cycles (each cycle uses
+its own key prefix, as in torch): re-creating it would race with peers that still talk
+to the previous one.
 """
 
 from __future__ import annotations
@@ -18,11 +23,15 @@ from urllib.parse import ParseResult, urlparse
 
 import torch.distributed as dist_module
 
+from rallypoint._core.envvars import USE_AGENT_STORE
+
 # torch.distributed does not re-export its store classes in its stubs
 dist: Any = dist_module
 
 _STORES: dict[tuple[str, int, bool], Any] = {}
 _POLL_MAX = 0.002
+_POLL_SLOW = 0.02  # after _SLOW_AFTER seconds of waiting (a long wait costs the store little)
+_SLOW_AFTER = 1.0
 _NO_TIMEOUT = 1800.0
 
 
@@ -38,7 +47,23 @@ def store_host(init_method: str) -> str:
 
 def hosts_store(init_method: str, rank: int) -> bool:
     """Whether ``rank`` hosts the store (rank 0 with a TCPStore): it must exit last."""
-    return rank == 0 and urlparse(init_method).scheme in ("env", "tcp")
+    url = urlparse(init_method)
+    if rank != 0 or url.scheme not in ("env", "tcp"):
+        return False
+    port = os.environ.get("MASTER_PORT") if url.scheme == "env" else url.port
+    return not _launcher_hosts_store(str(port))
+
+
+def _launcher_hosts_store(port: str | None) -> bool:
+    """Whether a launcher hosts the store at ``port`` (torch's agent-store rule).
+
+    torch applies ``TORCHELASTIC_USE_AGENT_STORE`` to any ``tcp://`` address; here only to
+    the launcher's own port (``MASTER_PORT``), so a ``tcp://`` store on another port is
+    still hosted by rank 0 instead of by nobody.
+    """
+    if os.environ.get(USE_AGENT_STORE) != str(True):
+        return False
+    return port is not None and port == os.environ.get("MASTER_PORT")
 
 
 def create_store(
@@ -91,14 +116,19 @@ def _tcp_store(host: str, port: int, rank: int, world_size: int | None, timeout:
             return cached
         except RuntimeError:
             del _STORES[key]
-    store = dist.TCPStore(
-        host,
-        port,
-        world_size,
-        rank == 0,
-        timeout=timedelta(seconds=timeout if timeout > 0 else _NO_TIMEOUT),
-        wait_for_workers=False,
-    )
+    seconds = timedelta(seconds=timeout if timeout > 0 else _NO_TIMEOUT)
+    if _launcher_hosts_store(str(port)):
+        store = dist.TCPStore(host, port, world_size, False, timeout=seconds)
+    else:
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            rank == 0,
+            timeout=seconds,
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
     _STORES[key] = store
     return store
 
@@ -114,8 +144,9 @@ def wait_for_keys(
 
     ``dead`` (a callable that says whether all the missing keys belong to workers known
     to have died) ends the wait early. Without it the store wakes the wait as soon as the
-    last key is set; with it, the keys are polled every 0.25 to 2 ms (a ``store.wait``
-    that times out makes c10d log a warning, so it cannot be sliced to check ``dead``).
+    last key is set (``deadline`` must then be finite); with it, the keys are polled every
+    0.25 to 2 ms, and every 20 ms after the first second (a ``store.wait`` that times out
+    makes c10d log a warning, so it cannot be sliced to check ``dead``).
     """
     keys = list(keys)
     if dead is None:
@@ -126,6 +157,7 @@ def wait_for_keys(
                 return []
         return [k for k in keys if not store.check([k])]
     delay = 0.00025
+    slow_after = time.monotonic() + _SLOW_AFTER
     while True:
         if store.check(keys):
             return []
@@ -137,7 +169,7 @@ def wait_for_keys(
             # the check above and ``dead``: only keys still missing now count
             return [k for k in missing if not store.check([k])]
         time.sleep(delay)
-        delay = min(delay * 2, _POLL_MAX)
+        delay = min(delay * 2, _POLL_MAX if time.monotonic() < slow_after else _POLL_SLOW)
 
 
 def wait_for_names(
@@ -146,14 +178,14 @@ def wait_for_names(
     names: Sequence[str],
     deadline: float,
     *,
-    dead: Callable[[str], bool],
+    all_dead: Callable[[list[str]], bool],
 ) -> list[str]:
     """Wait for the keys ``prefix/name``; the names still missing at the deadline.
 
-    Ends early when every missing name is ``dead``.
+    Ends early when ``all_dead(missing names)`` says every missing name is dead.
     """
     by_key = {f"{prefix}/{name}": name for name in names}
     missing = wait_for_keys(
-        store, list(by_key), deadline, dead=lambda keys: all(dead(by_key[k]) for k in keys)
+        store, list(by_key), deadline, dead=lambda keys: all_dead([by_key[k] for k in keys])
     )
     return [by_key[k] for k in missing]

@@ -59,9 +59,10 @@ OnLost: TypeAlias = "Callable[[Connection, BaseException | None], None]"
 class _Reader:
     """Buffered frame parser over a blocking socket (collects passed fds on Unix sockets)."""
 
-    def __init__(self, sock: socket.socket, uds: bool) -> None:
+    def __init__(self, sock: socket.socket, uds: bool, pool: SegmentPool | None = None) -> None:
         self._sock = sock
         self._uds = uds
+        self._pool = pool  # ours: the segments a peer may hand back
         self._buf = bytearray(_BUFFER)
         self._view = memoryview(self._buf)
         self._start = 0
@@ -158,6 +159,8 @@ class _Reader:
                             raise RpcProtocolError("shared-memory segment arrived without its fd")
                         self.segments.add(seg_id, self.fds.popleft())
                     tensors.append(self.segments.tensor(seg_id, nbytes))
+                elif where == _wire.WHERE_RETURNED and self._pool is not None:
+                    tensors.append(self._pool.returned(seg_id, nbytes))
                 else:
                     raise RpcProtocolError(f"bad tensor descriptor (where={where})")
         return Frame(kind, flags, request_id, data, tensors)
@@ -224,7 +227,7 @@ class Connection:
         self._pool = pool if uds else None
         self._threshold = shm_threshold
         self._stats = stats
-        self._reader = _Reader(sock, uds)
+        self._reader = _Reader(sock, uds, self._pool)
         # frames waiting for a sendmsg: buffers in order, fds to pass, tensors to keep alive
         self._bufs: list[bytes | memoryview] = []
         self._fds: list[int] = []
@@ -263,11 +266,13 @@ class Connection:
             if flush:
                 self.flush()
             return
-        segments: list[Segment | None] = []
+        segments: list[Segment | int | None] = []  # ours, the peer's handed back, or inline
         for raw in raws:
-            seg = None
-            if self._pool is not None and raw.numel() >= self._threshold and raw.numel():
-                seg = self._pool.put(raw)
+            seg: Segment | int | None = None
+            if self.uds and raw.numel() >= self._threshold and raw.numel():
+                seg = self._reader.segments.hand_back(raw)
+                if seg is None and self._pool is not None:
+                    seg = self._pool.put(raw)
             segments.append(seg)
         header = _wire.HEADER.pack(_wire.MAGIC, kind, 0, len(raws), request_id, len(data))
         buffers = [memoryview(header), memoryview(data)]
@@ -277,8 +282,10 @@ class Connection:
         with self._qlock:
             if self.closed:
                 for seg in segments:
-                    if seg is not None:
+                    if isinstance(seg, Segment):
                         seg.mm[0] = 0
+                    elif isinstance(seg, int):
+                        self._reader.segments.keep(seg)
                 raise RpcConnectionError(
                     f"connection to {self.peer_name} is closed", peer=self.peer_name
                 )
@@ -287,6 +294,11 @@ class Connection:
                     descs += _wire.DESC.pack(_wire.WHERE_INLINE, 0, 0, 0, raw.numel())
                     inline.append(_tensor_view(raw))
                     self._stats["inline_tensor_bytes"] += raw.numel()
+                elif isinstance(seg, int):
+                    descs += _wire.DESC.pack(_wire.WHERE_RETURNED, 0, 0, seg, raw.numel())
+                    self._stats["returned_tensor_bytes"] = (
+                        self._stats.get("returned_tensor_bytes", 0) + raw.numel()
+                    )
                 else:
                     new = seg.id not in self._sent_segments
                     if new:
@@ -353,8 +365,10 @@ class Connection:
                 finally:
                     del frame  # do not pin the frame's tensors (and segments) until the next one
                     with self._state_lock:
-                        self._exec_since = 0.0
                         stolen = generation != self._generation
+                        if not stolen:
+                            # after a hand-over the clock is the new reader's: leave it
+                            self._exec_since = 0.0
                 if stolen:
                     self.flush()
                     if generation in self._handed_off:
@@ -422,57 +436,3 @@ def connect(
     sock = socket.create_connection(address, timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock, False
-
-
-class Listener:
-    """TCP and abstract-Unix listening sockets, with one accept thread."""
-
-    def __init__(self, host: str, on_accept: Callable[[socket.socket, bool, Any], None]) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.tcp = socket.socket(family, socket.SOCK_STREAM)
-        self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.tcp.bind((host, 0))
-        self.tcp.listen(1024)
-        self.port = int(self.tcp.getsockname()[1])
-        self.uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        import secrets
-
-        self.uds_name = f"\0rallypoint-rpc-{secrets.token_hex(8)}"
-        self.uds.bind(self.uds_name)
-        self.uds.listen(1024)
-        self._on_accept = on_accept
-        self._closed = False
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._thread = threading.Thread(target=self._loop, name="rpc-accept", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        import selectors
-
-        sel = selectors.DefaultSelector()
-        sel.register(self.tcp, selectors.EVENT_READ, False)
-        sel.register(self.uds, selectors.EVENT_READ, True)
-        sel.register(self._wake_r, selectors.EVENT_READ, None)
-        try:
-            while not self._closed:
-                for key, _ in sel.select():
-                    if key.data is None:
-                        return
-                    listener: socket.socket = key.fileobj  # type: ignore[assignment]
-                    try:
-                        conn, addr = listener.accept()
-                    except OSError:
-                        continue
-                    if not key.data:
-                        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    self._on_accept(conn, bool(key.data), addr)
-        finally:
-            sel.close()
-
-    def close(self) -> None:
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
-        self._thread.join(5)
-        for sock in (self.tcp, self.uds, self._wake_r, self._wake_w):
-            sock.close()

@@ -4,8 +4,8 @@ A frame is::
 
     header (24 bytes)  magic b"RP", kind, flags, tensor count, request id, pickle length
     pickle             the message, tensors replaced by references into the table
-    descriptors        16 bytes per tensor: where (inline / shared memory), new-fd flag,
-                       segment id, byte count
+    descriptors        16 bytes per tensor: where (inline / shared memory / handed back),
+                       new-fd flag, segment id, byte count
     inline bytes       the raw bytes of every inline tensor, in order
 
 Tensors never go through pickle: the pickler swaps each dense tensor for a small
@@ -46,6 +46,7 @@ KINDS: dict[int, FrameKind] = {int(kind): kind for kind in FrameKind}
 
 WHERE_INLINE = 0
 WHERE_SHM = 1
+WHERE_RETURNED = 2  # the receiver's own segment, handed back (see _shm)
 
 MAX_PICKLE_BYTES = 1 << 34
 MAX_TENSORS = 1 << 20

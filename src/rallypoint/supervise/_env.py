@@ -23,15 +23,20 @@ _OMP_WARNING = (
 )
 
 
-def base_env(workers: WorkerOptions, *, warn_omp: bool) -> dict[str, str]:
+def base_env(
+    workers: WorkerOptions, *, warn_omp: bool, signals_to_handle: tuple[str, ...] = ()
+) -> dict[str, str]:
     """What every worker of this node starts from, the same for every attempt.
 
     The launcher's environment and ``env``; ``OMP_NUM_THREADS=1`` with several workers (with
-    torchrun's warning when ``warn_omp``); an RPC secret (the user's, or a generated one that
-    a multi-node job replaces by the run's, see :func:`worker_env`); ``PYTHONPATH``
-    for spawned interpreters so they import what this process imports.
+    torchrun's warning when ``warn_omp``); ``TORCHELASTIC_SIGNALS_TO_HANDLE`` (the signals
+    the launcher forwards, as torch's launcher sets it); an RPC secret (the user's, or a
+    generated one that a multi-node job replaces by the run's, see :func:`worker_env`);
+    ``PYTHONPATH`` for spawned interpreters so they import what this process imports.
     """
     env = dict(os.environ)
+    if signals_to_handle:
+        env[envvars.SIGNALS_TO_HANDLE] = ",".join(signals_to_handle)
     env.update(workers.env)
     if "OMP_NUM_THREADS" not in env and workers.nproc > 1:
         if warn_omp:

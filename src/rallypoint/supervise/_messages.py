@@ -6,7 +6,8 @@ Supervisor -> warm process, and the reply:
 - :class:`StartStore`, :class:`ResetStore` -> :class:`StoreStarted` | :class:`Failed`;
 - :class:`Spawn` with three file descriptors (stdout, stderr, result) -> :class:`Spawned`;
 - :class:`StartSnapshots` -> :class:`SnapshotsStarted` | :class:`Failed` (``SNAPSHOTS``);
-- :class:`Shutdown` (no reply: the warm process kills its workers and exits).
+- :class:`Shutdown` (no reply: the warm process kills its workers and exits);
+- :class:`RemoveOnExit` (no reply): paths the warm process removes if the supervisor dies.
 
 Unsolicited, warm process -> supervisor: :class:`Exited` the moment a worker is reaped.
 The warm process and its store process speak :class:`StartStore`/:class:`ResetStore` ->
@@ -31,6 +32,7 @@ __all__ = [
     "Failed",
     "Init",
     "Ready",
+    "RemoveOnExit",
     "Reply",
     "Request",
     "ResetStore",
@@ -87,7 +89,15 @@ class Shutdown:
     """Kill every worker, the store and the snapshot server, then exit."""
 
 
-Request = Init | StartStore | ResetStore | Spawn | StartSnapshots | Shutdown
+@dataclass(frozen=True, slots=True)
+class RemoveOnExit:
+    """Temporary files and directories of the supervisor: if it dies without a
+    :class:`Shutdown` (``kill -9``, the OOM killer), the warm process removes them."""
+
+    paths: tuple[str, ...]
+
+
+Request = Init | StartStore | ResetStore | Spawn | StartSnapshots | Shutdown | RemoveOnExit
 
 
 # ---------------------------------------------------------------- warm process -> supervisor
@@ -159,6 +169,7 @@ _TYPES = (
     Spawn,
     StartSnapshots,
     Shutdown,
+    RemoveOnExit,
     Ready,
     StoreStarted,
     SnapshotsStarted,

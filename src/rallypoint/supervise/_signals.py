@@ -44,6 +44,21 @@ class SignalQueue(Closing):
         """The oldest signal not yet handled, or ``None``."""
         return self._queue.popleft() if self._queue else None
 
+    def raise_if_signalled(self, waiting_for: str) -> None:
+        """Raise :class:`LaunchInterruptedError` for the oldest signal not handled yet."""
+        signum = self.pop()
+        if signum is not None:
+            from rallypoint.supervise._errors import LaunchInterruptedError
+
+            raise LaunchInterruptedError(
+                f"received {signal.Signals(signum).name} while waiting for {waiting_for}; stopped",
+                signum=signum,
+            )
+
+    def pending(self) -> bool:
+        """Whether a signal waits to be handled (without taking it)."""
+        return bool(self._queue)
+
     def drain_wake_fd(self) -> None:
         if self._pipe is not None:
             with contextlib.suppress(BlockingIOError):

@@ -10,6 +10,7 @@ coordinator that owns it does (``rallypoint.elastic``).
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import shutil
 import signal
@@ -41,7 +42,21 @@ from rallypoint.supervise._stop import Stopper
 from rallypoint.supervise._warm import WarmProcess
 from rallypoint.supervise._worker import Target
 
-__all__ = ["Supervisor"]
+__all__ = ["Supervisor", "prepare_warm"]
+
+
+def prepare_warm(warm: WarmProcess, preload: tuple[str, ...], signals: SignalQueue) -> None:
+    """Wait for the warm process's imports (``preload``); a signal stops the wait.
+
+    Call it before anything makes temporary files: until it answers, the warm process
+    dies with its parent and could not remove them (``_warm_server``).
+    """
+    try:
+        warm.init(preload, poll=lambda: signals.raise_if_signalled("the warm process"))
+    except WarmProcessError as exc:
+        if exc.kind is WarmErrorKind.PRELOAD:
+            raise BadTargetError(str(exc)) from None
+        raise
 
 
 class Supervisor(Closing):
@@ -63,6 +78,7 @@ class Supervisor(Closing):
         run_id: str,
         collect_results: bool = False,
         warn_omp: bool = False,
+        signals: SignalQueue | None = None,
     ) -> None:
         self.warm = warm
         self.workers = workers
@@ -75,19 +91,23 @@ class Supervisor(Closing):
             None if stop.timeout is None else self.started + stop.timeout.total_seconds()
         )
         self.stopper = Stopper(warm, stop.shutdown_timeout)
-        self._warm_ready = False
         self._scratch = Path(tempfile.mkdtemp(prefix="rallypoint_"))
+        # removed by the warm process should this process be killed (close() does it else);
+        # a warm process that is gone already is reported by the first real request
+        with contextlib.suppress(WarmProcessError):
+            warm.remove_on_exit([str(self._scratch), *observer.temp_paths()])
         self.starter = WorkerStarter(
             warm,
             target,
             workers=workers,
             output=output,
             observer=observer,
-            base_env=base_env(workers, warn_omp=warn_omp),
+            base_env=base_env(workers, warn_omp=warn_omp, signals_to_handle=stop.signals_to_handle),
             log_root=self._log_root(output, run_id),
             scratch=self._scratch,
         )
-        self.signals = SignalQueue(stop.signal_numbers)
+        self.signals = SignalQueue(stop.signal_numbers) if signals is None else signals
+        self._snapshots_tried = False
 
     @property
     def nproc(self) -> int:
@@ -105,16 +125,10 @@ class Supervisor(Closing):
     # ------------------------------------------------------------------ the warm process
     def init_warm(self) -> None:
         """Wait for the warm process's imports (``preload``); once."""
-        if self._warm_ready:
-            return
-        try:
-            self.warm.init(self.workers.preload)
-        except WarmProcessError as exc:
-            if exc.kind is WarmErrorKind.PRELOAD:
-                raise BadTargetError(str(exc)) from None
-            raise
-        self._warm_ready = True
-        self._start_snapshots()
+        prepare_warm(self.warm, self.workers.preload, self.signals)
+        if not self._snapshots_tried:
+            self._snapshots_tried = True
+            self._start_snapshots()
 
     def _start_snapshots(self) -> None:
         """The node's snapshot server (``rallypoint.snapshot``); without it, workers keep
@@ -125,6 +139,7 @@ class Supervisor(Closing):
             if exc.kind is not WarmErrorKind.SNAPSHOTS:
                 raise
             write_console(2, f"rallypoint: no snapshot server on this node: {exc}\n".encode())
+            self.starter.base_env.pop(envvars.SNAPSHOT_SOCKET, None)
             return
         self.starter.base_env[envvars.SNAPSHOT_SOCKET] = path
 
@@ -148,6 +163,10 @@ class Supervisor(Closing):
     def next_signal(self) -> int | None:
         """A signal the launcher received while no attempt was running, or ``None``."""
         return self.signals.pop()
+
+    def signal_pending(self) -> bool:
+        """Whether the launcher received a signal not handled yet (it stays queued)."""
+        return self.signals.pending()
 
     # ------------------------------------------------------------------ attempts
     def run_attempt(self, group: GroupInfo, number: int, policy: AttemptPolicy) -> Outcome:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import socket
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
@@ -41,6 +43,16 @@ def _error(message: str, kind: WarmErrorKind | None = None) -> WarmProcessError:
     return WarmProcessError(message, kind=kind or WarmErrorKind.DIED)
 
 
+def _die_with(parent: int) -> None:
+    """First thing in the warm process: die with ``parent`` (``serve`` arms it again)."""
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before that
+        os._exit(1)
+
+
 class WarmProcess:
     """The supervisor's handle on its warm process."""
 
@@ -49,6 +61,8 @@ class WarmProcess:
         self.sock = sock
         self.events: deque[Exited] = deque()
         self.started = time.monotonic()
+        self.ready = False
+        """Whether the warm process answered :meth:`init` (its imports are done)."""
         self._closed = False
 
     @classmethod
@@ -57,9 +71,11 @@ class WarmProcess:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         for s in (parent, child):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _MAX_MESSAGE)
+        launcher = os.getpid()
         pid = os.fork()
         if pid == 0:
             try:
+                _die_with(launcher)
                 parent.close()
                 from rallypoint.supervise._warm_server import serve
 
@@ -76,11 +92,21 @@ class WarmProcess:
         return self.sock.fileno()
 
     # ------------------------------------------------------------------ requests
-    def init(self, preload: tuple[str, ...]) -> None:
-        """Import ``preload`` in the warm process; waits for its ``import torch`` too."""
+    def init(self, preload: tuple[str, ...], *, poll: Callable[[], None] | None = None) -> None:
+        """Import ``preload`` in the warm process; waits for its ``import torch`` too.
+
+        ``poll()`` is called every 50 ms while waiting (raise from it to stop waiting).
+        Does nothing once the warm process is :attr:`ready`.
+        """
         from rallypoint.supervise._messages import Init, Ready
 
-        self._request(Init(tuple(preload)), Ready)
+        if self.ready:
+            return
+        self._send(Init(tuple(preload)))
+        while poll is not None and not select.select([self.sock], [], [], 0.05)[0]:
+            poll()
+        self._reply(Ready)
+        self.ready = True
 
     def start_store(self, host: str, port: int) -> tuple[int, int]:
         """Start the store server; returns ``(port, store_pid)``."""
@@ -101,6 +127,12 @@ class WarmProcess:
 
         reply = self._request(StartSnapshots(), SnapshotsStarted)
         return reply.path, reply.pid
+
+    def remove_on_exit(self, paths: list[str]) -> None:
+        """Have the warm process remove ``paths`` should this process die without closing."""
+        from rallypoint.supervise._messages import RemoveOnExit
+
+        self._send(RemoveOnExit(tuple(paths)))
 
     def spawn_many(self, requests: list[tuple[WorkerSpec, list[int]]]) -> list[int]:
         """Start several workers: all requests go out first, so forks start back to back."""
@@ -191,6 +223,9 @@ class WarmProcess:
     def close(self) -> None:
         """Shut the warm process (and its store process) down and reap it."""
         if self._closed:
+            return
+        if not self.ready:  # busy importing (nothing to stop yet): it would answer late
+            self.kill()
             return
         self._closed = True
         from rallypoint.supervise._messages import Shutdown, send

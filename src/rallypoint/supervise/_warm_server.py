@@ -9,6 +9,16 @@ descendants, and it reaps them on ``SIGCHLD`` and reports each worker's exit
 The job's ``TCPStore`` server lives in a separate child (forked after ``import torch``), so
 that workers never inherit its listening socket and a restart can rebind the same port
 with an empty store.
+
+If the supervisor dies without a word (``kill -9``, the OOM killer), the warm process hears
+it at once. Until it is ready (its imports done: nothing else exists yet, and a Python
+handler would wait for ``import torch``'s long C calls) its parent-death signal is
+``SIGKILL``; from :class:`~rallypoint.supervise._messages.Ready` on it is ``SIGTERM``,
+which it catches (as it does the end of its socket). It then SIGKILLs every descendant it
+has, found in ``/proc`` (workers, their children, whatever daemonized or started its own
+session: as a child subreaper it inherits those orphans), reaps them, removes the
+supervisor's temporary paths (:class:`~rallypoint.supervise._messages.RemoveOnExit`; the
+supervisor makes them only after ``Ready``) and exits.
 """
 
 from __future__ import annotations
@@ -19,18 +29,21 @@ import gc
 import importlib
 import os
 import selectors
+import shutil
 import signal
 import socket
 import traceback
 from typing import Any, NoReturn
 
 from rallypoint._core.net import port_is_free
+from rallypoint._core.procs import kill_descendants
 from rallypoint.supervise._errors import WarmErrorKind
 from rallypoint.supervise._messages import (
     Exited,
     Failed,
     Init,
     Ready,
+    RemoveOnExit,
     Reply,
     Request,
     ResetStore,
@@ -51,6 +64,8 @@ __all__ = ["WARM_MODULES", "serve"]
 
 WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel")
 _PR_SET_CHILD_SUBREAPER = 36
+_ORPHANED_KILL_TIMEOUT = 1.5
+"""Seconds the warm process of a dead supervisor spends killing its descendants."""
 
 
 def serve(sock: socket.socket, import_torch: bool) -> NoReturn:
@@ -97,10 +112,14 @@ class _Server:
         self.store_sock: socket.socket | None = None
         self.snapshots: SnapshotServer | None = None
         self.wake_r, self.wake_w = os.pipe()
+        self.remove_on_exit: list[str] = []
+        self.pid = os.getpid()
+        self.parent = 0
 
     def serve(self) -> NoReturn:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's ^C is the supervisor's
-        set_parent_death_signal(signal.SIGKILL)
+        set_parent_death_signal(signal.SIGKILL)  # until Ready (see the module docstring)
+        self.parent = os.getppid()
         with contextlib.suppress(Exception):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         os.set_blocking(self.wake_w, False)
@@ -136,8 +155,12 @@ class _Server:
     def _on_message(self) -> None:
         msg, fds = recv(self.sock, maxfds=3)
         match msg:
-            case None | Shutdown():
+            case None:
+                self._orphaned()
+            case Shutdown():
                 self._shutdown()
+            case RemoveOnExit(paths=paths):
+                self.remove_on_exit.extend(paths)
             case Init(preload=preload):
                 send(self.sock, self._init(preload))
             case StartStore() | ResetStore():
@@ -159,6 +182,10 @@ class _Server:
         # children then share the warm heap without copy-on-write churn from their
         # collections (no gc.collect() first: it costs ~80 ms on the critical path)
         gc.freeze()
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != self.parent:  # it died before the signal was armed
+            self._orphaned()
         return Ready(os.getpid())
 
     def _spawn(self, spec: WorkerSpec, fds: list[int]) -> Reply:
@@ -192,6 +219,7 @@ class _Server:
                 close.append(self.store_sock.fileno())
             try:
                 self.snapshots = fork_snapshot_server(close)
+                self.remove_on_exit.append(self.snapshots.directory)
             except OSError as exc:
                 return Failed(WarmErrorKind.SNAPSHOTS, f"{type(exc).__name__}: {exc}")
         return SnapshotsStarted(self.snapshots.path, self.snapshots.pid)
@@ -212,6 +240,44 @@ class _Server:
         child.close()
         self.store_pid = pid
         return parent
+
+    def _on_sigterm(self, signum: int, _frame: object) -> None:
+        if os.getpid() != self.pid:  # a worker just forked, before it reset its handlers
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self._orphaned()
+
+    def _orphaned(self) -> NoReturn:
+        """The supervisor is gone (parent-death signal, or the end of the socket): leave
+        nothing of the job behind (see the module docstring)."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with contextlib.suppress(BaseException):
+            kill_descendants(_ORPHANED_KILL_TIMEOUT)
+        with contextlib.suppress(BaseException):
+            self._take_pending_paths()
+        for path in self.remove_on_exit:
+            with contextlib.suppress(BaseException):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
+        os._exit(1)
+
+    def _take_pending_paths(self) -> None:
+        """Paths the supervisor sent that the main loop has not read yet."""
+        self.sock.setblocking(False)
+        while True:
+            try:
+                msg, fds = recv(self.sock, maxfds=3)
+            except BlockingIOError:
+                return
+            for fd in fds:
+                os.close(fd)
+            if msg is None:
+                return
+            if isinstance(msg, RemoveOnExit):
+                self.remove_on_exit.extend(msg.paths)
 
     def _shutdown(self) -> NoReturn:
         for pid in list(self.workers):

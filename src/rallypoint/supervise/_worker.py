@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
 
 from rallypoint._core import envvars
+from rallypoint.supervise._identity import show_identity
 
 __all__ = ["BAD_TARGET_EXIT", "RESULT_FD", "Target", "WorkerSpec", "child_main", "execute"]
 
@@ -198,6 +199,7 @@ def execute(target: Target, result_fd: int) -> NoReturn:
     """Run the user's target in this process with fresh interpreter state, then exit."""
     _fresh_stdio()
     atexit._clear()
+    _show_rank(target)
     _install_stack_dumper()
     if target.kind in ("script", "module") and result_fd >= 0:
         with contextlib.suppress(OSError):
@@ -262,6 +264,19 @@ def execute(target: Target, result_fd: int) -> NoReturn:
         code = 1
     _finish()
     _exit(code, fault_file)
+
+
+def _show_rank(target: Target) -> None:
+    """Let ``ps`` and ``/proc/PID/environ`` show this worker's rank (``_identity``)."""
+    if target.kind == "module":
+        argv = ["-m", target.name, *target.args]
+    elif target.kind == "callable":
+        fn = CALLABLES[target.name][0]
+        argv = [f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)!s}"]
+    else:
+        argv = [target.name, *target.args]
+    rank, local_rank = os.environ.get("RANK", "?"), os.environ.get("LOCAL_RANK", "?")
+    show_identity([f"rallypoint worker rank {rank} (local {local_rank})", *argv], dict(os.environ))
 
 
 def _install_stack_dumper() -> None:

@@ -8,6 +8,8 @@ Public names (resolved lazily: importing ``rallypoint.testing`` loads nothing he
   hosts in network namespaces (addresses from 198.18.0.0/15), links that can be cut.
 - :class:`EtcdServer` / :func:`etcd_binary` / :func:`make_tls_files`: a real etcd server on
   free loopback ports with a temporary data dir (and TLS material for it).
+- :class:`EtcdCluster`: several etcd members forming one cluster, on loopback or on fake
+  hosts; find, kill, freeze or move the leader, cut a member's link.
 - :class:`KVContract`: the behaviour every rendezvous key-value backend must pass (subclass
   it in a pytest module and provide a ``kv`` fixture).
 - :func:`run_rpc_contract`: the checks every RPC backend must pass, in fresh processes.
@@ -27,6 +29,7 @@ _LAZY_NAMES: dict[str, str] = {
     "Network": "rallypoint.testing._netns",
     "netns_available": "rallypoint.testing._netns",
     "EtcdServer": "rallypoint.testing._etcd",
+    "EtcdCluster": "rallypoint.testing._etcd_cluster",
     "etcd_binary": "rallypoint.testing._etcd",
     "make_tls_files": "rallypoint.testing._etcd",
     "TLSFiles": "rallypoint.testing._etcd",
@@ -35,6 +38,7 @@ _LAZY_NAMES: dict[str, str] = {
 }
 
 __all__ = [
+    "EtcdCluster",
     "EtcdServer",
     "Host",
     "KVContract",
@@ -51,6 +55,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from rallypoint.testing._etcd import EtcdServer, TLSFiles, etcd_binary, make_tls_files
+    from rallypoint.testing._etcd_cluster import EtcdCluster
     from rallypoint.testing._netns import Host, NetnsError, Network, netns_available
     from rallypoint.testing._rendezvous_contract import KVContract
     from rallypoint.testing._rpc_contract import run_rpc_contract

@@ -2,7 +2,8 @@
 
 ``EtcdServer`` starts ``etcd`` (Debian's ``etcd-server`` package) as a single-member
 cluster on 127.0.0.1, waits until ``/health`` answers, and can be stopped and started
-again on the same ports and data dir (to test a restart mid-rendezvous).
+again on the same ports and data dir (to test a restart mid-rendezvous). Several members
+forming one cluster (leader kills, cut links): ``_etcd_cluster.EtcdCluster``.
 """
 
 from __future__ import annotations
@@ -68,6 +69,33 @@ def make_tls_files(directory: str) -> TLSFiles:
     )
 
 
+def member_args(
+    binary: str,
+    *,
+    name: str,
+    data_dir: str,
+    client_url: str,
+    peer_url: str,
+    initial_cluster: str,
+    state: str,
+    extra: list[str],
+) -> list[str]:
+    """The command line of one etcd member (``state``: ``new`` or ``existing``)."""
+    return [
+        binary,
+        "--name", name,
+        "--data-dir", data_dir,
+        "--listen-client-urls", client_url,
+        "--advertise-client-urls", client_url,
+        "--listen-peer-urls", peer_url,
+        "--initial-advertise-peer-urls", peer_url,
+        "--initial-cluster", initial_cluster,
+        "--initial-cluster-state", state,
+        "--log-level", "error",
+        *extra,
+    ]  # fmt: skip
+
+
 def etcd_binary() -> str | None:
     """Path of the ``etcd`` binary, or ``None`` when it is not installed."""
     return shutil.which("etcd")
@@ -110,19 +138,16 @@ class EtcdServer(Closing):
         if self._proc is not None:
             raise RuntimeError("etcd is already running")
         peer = f"http://127.0.0.1:{self.peer_port}"
-        args = [
+        args = member_args(
             self._binary,
-            "--name", "rallypoint-test",
-            "--data-dir", os.path.join(self.data_dir, "data"),
-            "--listen-client-urls", self.url,
-            "--advertise-client-urls", self.url,
-            "--listen-peer-urls", peer,
-            "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"rallypoint-test={peer}",
-            "--initial-cluster-state", "new",
-            "--log-level", "error",
-            *self._extra,
-        ]  # fmt: skip
+            name="rallypoint-test",
+            data_dir=os.path.join(self.data_dir, "data"),
+            client_url=self.url,
+            peer_url=peer,
+            initial_cluster=f"rallypoint-test={peer}",
+            state="new",
+            extra=self._extra,
+        )
         context: ssl.SSLContext | None = None
         if self.tls is not None:
             args += [

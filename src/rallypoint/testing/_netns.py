@@ -18,6 +18,7 @@ advertises ``socket.getfqdn()`` -- torchrun's agents, gloo without
         server = net.hosts[0].popen([sys.executable, "server.py"])
         net.hosts[2].cut()       # host 2 loses its link (packets dropped, no RST)
         net.hosts[2].restore()
+        net.hosts[1].call(lambda: socket.create_connection(("198.18.0.1", 80)).close())
 
 Cleanup is guaranteed by the context manager, by an ``atexit`` hook, and, for a test
 process that was SIGKILLed, by removing namespaces whose creating process is gone the
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import functools
 import os
 import re
@@ -46,8 +48,8 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from rallypoint._core.checks import check_int
 from rallypoint._core.closing import Closing
@@ -60,6 +62,9 @@ SUBNET = "198.18.0.0/24"
 MAX_HOSTS = 250
 _NAME = re.compile(r"^rpn(?P<pid>\d+)-[0-9a-f]{4}-(?:h\d+|br)$")
 _ETC_NETNS = "/etc/netns"
+_NETNS_DIR = "/run/netns"  # where ``ip netns add`` mounts a namespace
+_CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
 
 
 class NetnsError(RuntimeError):
@@ -81,6 +86,18 @@ def _run_ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     if check and proc.returncode != 0:
         raise NetnsError(f"{' '.join(cmd)} failed: {proc.stderr.strip() or proc.returncode}")
     return proc
+
+
+def _enter_netns(path: str) -> None:
+    """Move the calling thread into the network namespace at ``path``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def _list_namespaces() -> list[str]:
@@ -182,6 +199,31 @@ class Host:
         """Run ``cmd`` inside this host to completion (``subprocess.run`` arguments)."""
         self.network._require_open()
         return subprocess.run(self.command(cmd), timeout=timeout, check=False, **kwargs)
+
+    def call(self, fn: Callable[[], T], *, timeout: float = 30.0) -> T:
+        """Run ``fn()`` in a new thread of this process that has entered this host's
+        network namespace (``setns``: the namespace is per thread), and return its result:
+        a socket call into a fake host without starting a process. Name lookups still see
+        the machine's ``/etc/hosts``: use addresses."""
+        self.network._require_open()
+        result: list[T] = []
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                _enter_netns(f"{_NETNS_DIR}/{self.name}")
+                result.append(fn())
+            except BaseException as exc:  # handed to the caller
+                failure.append(exc)
+
+        thread = threading.Thread(target=run, name=f"netns-{self.hostname}", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            raise TimeoutError(f"{fn!r} did not return within {timeout} s inside {self.name}")
+        if failure:
+            raise failure[0]
+        return result[0]
 
     def cut(self) -> None:
         """Drop this host's link: its packets are lost, connections time out (no reset)."""

@@ -5,6 +5,11 @@
 of torch.distributed.rpc's public API that both backends share; it returns the checks
 that ran, per rank, and raises (naming the check) on the first failure. Backends differ
 in error classes and wording beyond what is checked here.
+
+``run_rpc_pattern(backend, pattern)`` runs one pattern of real RPC programs
+(:mod:`rallypoint.testing._rpc_patterns`: an RRef-heavy observer/agent, a parameter
+server whose workers wait in ``shutdown()``, a process group and RPC on one port); every
+backend must return the same results.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ import torch
 
 from rallypoint._core.envvars import RPC_SECRET
 from rallypoint.rpc.functions import async_execution
+from rallypoint.testing._rpc_patterns import PATTERNS, run_rpc_pattern
 from rallypoint.testing._workers import run_workers
+
+__all__ = ["PATTERNS", "run_rpc_contract", "run_rpc_pattern"]
 
 
 def _add(a: Any, b: Any) -> Any:

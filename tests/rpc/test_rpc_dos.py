@@ -1,0 +1,181 @@
+"""Unauthenticated peers cannot take a worker down: slowloris, idle floods, fd exhaustion.
+
+In each scenario w1 is the target and w0 both attacks it (raw sockets that never
+authenticate) and checks that it still serves legitimate calls within 1 s, over its
+existing connection and over a new one (a fresh handshake).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from rallypoint import rpc
+from rallypoint.rpc import _auth, _connections, _wire
+from rallypoint.rpc._agent import current_rallypoint_agent
+from rallypoint.testing import run_workers
+
+SECRET = {"RALLYPOINT_RPC_SECRET": "dos-secret"}
+_HOGGED: list[int] = []
+
+
+def _init(handshake_seconds: float | None = None, max_fds: int | None = None) -> int:
+    rank = int(os.environ["RANK"])
+    if rank == 1 and handshake_seconds is not None:
+        _connections.HANDSHAKE_TIMEOUT = handshake_seconds
+    if rank == 1 and max_fds is not None:
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max_fds, hard))
+    opts = rpc.RallypointRpcBackendOptions(rpc_timeout=20)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    return rank
+
+
+def _target_tcp() -> tuple[str, int]:
+    record = current_rallypoint_agent().peers.record("w1")
+    return record.host, record.port
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "the target closed the connection"
+        data += chunk
+    return data
+
+
+def _fresh_call_seconds() -> float:
+    """A legitimate call over a new connection: connect, handshake, one call, its reply."""
+    secret = SECRET["RALLYPOINT_RPC_SECRET"].encode()
+    start = time.monotonic()
+    with socket.create_connection(_target_tcp(), timeout=5) as sock:
+        _auth.client_handshake(sock, secret, {"name": "w0-fresh", "id": 99}, 5)
+        data, _ = _wire.encode((max, (1, 2), {}))
+        header = _wire.HEADER.pack(_wire.MAGIC, _wire.FrameKind.CALL, 0, 0, 1, len(data))
+        sock.sendall(header + data)
+        _, kind, _, _, rid, size = _wire.HEADER.unpack(_recv_exact(sock, _wire.HEADER.size))
+        assert (kind, rid) == (_wire.FrameKind.REPLY, 1)
+        assert _wire.decode(_recv_exact(sock, size), []) == 2
+    return time.monotonic() - start
+
+
+def _call_seconds() -> float:
+    start = time.monotonic()
+    assert rpc.rpc_sync("w1", max, args=(1, 2)) == 2
+    return time.monotonic() - start
+
+
+def _slowloris() -> dict[str, Any]:
+    rank = _init(handshake_seconds=2.0)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        with socket.create_connection(_target_tcp(), timeout=5) as sock:
+            sock.recv(40)  # the challenge
+            sock.settimeout(0.5)
+            start = time.monotonic()
+            # one byte every 0.4 s: every read is quick, the handshake never ends
+            while time.monotonic() - start < 8.0:
+                try:
+                    sock.send(b"\x01")
+                    if sock.recv(1) == b"":
+                        break
+                except TimeoutError:
+                    continue
+                except OSError:
+                    break
+            out["cut_after_s"] = time.monotonic() - start
+        out["call_s"] = _call_seconds()
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.timeout(40)
+def test_a_slowloris_handshake_is_cut_at_the_handshake_deadline() -> None:
+    out = run_workers(_slowloris, 2, timeout=30, env=SECRET)[0]
+    assert out["cut_after_s"] < 5.0, out  # the 2 s deadline, not one read's timeout
+    assert out["call_s"] < 1.0, out
+
+
+def _threads() -> int:
+    return threading.active_count()
+
+
+def _idle_flood() -> dict[str, Any]:
+    rank = _init()
+    out: dict[str, Any] = {}
+    if rank == 0:
+        before = rpc.rpc_sync("w1", _threads)
+        idle = [socket.create_connection(_target_tcp(), timeout=5) for _ in range(200)]
+        time.sleep(0.5)  # let the target accept them all
+        out["extra_threads"] = rpc.rpc_sync("w1", _threads) - before
+        out["call_s"] = _call_seconds()
+        out["fresh_call_s"] = _fresh_call_seconds()
+        for sock in idle:
+            sock.close()
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.timeout(40)
+def test_idle_unauthenticated_connections_cost_no_thread_each() -> None:
+    out = run_workers(_idle_flood, 2, timeout=30, env=SECRET)[0]
+    assert out["extra_threads"] < 10, out  # not one thread per connection
+    assert out["call_s"] < 1.0 and out["fresh_call_s"] < 1.0, out
+
+
+def _hog_fds() -> int:
+    while True:
+        try:
+            _HOGGED.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            return len(_HOGGED)
+
+
+def _free_fds() -> None:
+    while _HOGGED:
+        os.close(_HOGGED.pop())
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _fd_exhaustion() -> dict[str, Any]:
+    rank = _init(max_fds=256)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        pid = rpc.rpc_sync("w1", os.getpid)
+        quiet_start = _cpu_seconds(pid)
+        time.sleep(2.0)
+        out["idle_cpu_s"] = _cpu_seconds(pid) - quiet_start
+        out["hogged"] = rpc.rpc_sync("w1", _hog_fds)
+        # these wait in the backlog: accept() fails with EMFILE while the fds are gone
+        pending = [socket.create_connection(_target_tcp(), timeout=5) for _ in range(5)]
+        start_cpu = _cpu_seconds(pid)
+        time.sleep(2.0)
+        out["exhausted_cpu_s"] = _cpu_seconds(pid) - start_cpu
+        out["call_s"] = _call_seconds()
+        for sock in pending:
+            sock.close()
+        rpc.rpc_sync("w1", _free_fds)
+        out["fresh_call_s"] = _fresh_call_seconds()
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.timeout(40)
+def test_fd_exhaustion_does_not_spin_and_service_resumes_when_fds_free_up() -> None:
+    out = run_workers(_fd_exhaustion, 2, timeout=30, env=SECRET)[0]
+    assert out["hogged"] > 0
+    # an accept loop that spins burns ~2 s of CPU in these 2 s
+    assert out["exhausted_cpu_s"] < out["idle_cpu_s"] + 0.5, out
+    assert out["call_s"] < 1.0 and out["fresh_call_s"] < 1.0, out

@@ -1,0 +1,136 @@
+"""Graceful shutdown waits while the peers are alive and fails promptly when one is gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from rallypoint import rpc
+from rallypoint.testing import WorkerError, run_workers
+
+SECRET = {"RALLYPOINT_RPC_SECRET": "shutdown-secret"}
+
+
+def _step(i: int) -> int:
+    return i + 1
+
+
+_READY = threading.Event()
+
+
+def _ready() -> bool:
+    return _READY.is_set()
+
+
+def _wait_until_everyone_started(rank: int) -> None:
+    """Every other worker's init_rpc returned (its connections are all set up)."""
+    deadline = time.monotonic() + 20
+    for other in (r for r in range(3) if r != rank):
+        while not rpc.rpc_sync(f"w{other}", _ready) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _init(backend: str, rpc_timeout: float, world_size: int = 3) -> int:
+    rank = int(os.environ["RANK"])
+    kind = rpc.BackendType[backend]
+    opts = rpc.construct_rpc_backend_options(kind, rpc_timeout=rpc_timeout)
+    rpc.init_rpc(
+        f"w{rank}", backend=kind, rank=rank, world_size=world_size, rpc_backend_options=opts
+    )
+    _READY.set()
+    return rank
+
+
+def _master_keeps_calling(backend: str, seconds: float) -> dict[str, Any]:
+    """Workers wait in shutdown() while the master calls them for longer than rpc_timeout."""
+    rank = _init(backend, rpc_timeout=3)
+    out: dict[str, Any] = {}
+    start = time.monotonic()
+    if rank == 0:
+        calls = 0
+        while time.monotonic() - start < seconds:
+            for worker in ("w1", "w2"):
+                calls += rpc.rpc_sync(worker, _step, args=(0,))
+            time.sleep(0.02)
+        out["calls"] = calls
+    rpc.shutdown()
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["RALLYPOINT", "TENSORPIPE"])
+def test_workers_wait_in_shutdown_while_the_master_works_longer_than_rpc_timeout(
+    backend: str,
+) -> None:
+    results = run_workers(_master_keeps_calling, 3, backend, 8.0, timeout=45, env=SECRET)
+    assert results[0]["calls"] > 20
+    for out in results[1:]:
+        assert out["seconds"] >= 8.0  # they waited for the master, and exited cleanly
+
+
+def _killed_in_shutdown(victim_sleeps: float) -> dict[str, Any]:
+    rank = _init("RALLYPOINT", rpc_timeout=60)  # the default: promptness is not the timeout
+    out: dict[str, Any] = {}
+    if rank == 2:
+        _wait_until_everyone_started(rank)
+        time.sleep(victim_sleeps)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        rpc.shutdown()
+        out["error"] = None
+    except rpc.RpcShutdownError as exc:
+        out["error"] = str(exc)
+        out["missing"] = exc.missing
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_killed_while_the_others_wait_in_shutdown_is_named_promptly() -> None:
+    results = run_workers(
+        _killed_in_shutdown, 3, 1.0, timeout=45, env=SECRET, return_exceptions=True
+    )
+    assert isinstance(results[2], WorkerError) and "SIGKILL" in str(results[2])
+    for out in results[:2]:
+        assert out["missing"] == ["w2"], out
+        assert "w2" in out["error"] and "did not reach shutdown" in out["error"]
+        assert out["seconds"] < 8.0, out  # seconds, not the 60 s RPC timeout
+
+
+def _frozen_in_shutdown() -> dict[str, Any]:
+    rank = _init("RALLYPOINT", rpc_timeout=2)
+    out: dict[str, Any] = {}
+    if rank == 2:
+        # alive but unreachable for 15 s (a helper process wakes it up), then gone
+        _wait_until_everyone_started(rank)
+        pid = os.getpid()
+        subprocess.Popen(["sh", "-c", f"sleep 15; kill -CONT {pid}"])
+        os.kill(pid, signal.SIGSTOP)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        rpc.shutdown()
+        out["error"] = None
+    except rpc.RpcShutdownError as exc:
+        out["error"] = str(exc)
+        out["missing"] = exc.missing
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_stops_answering_is_named_after_the_probe_timeout() -> None:
+    results = run_workers(_frozen_in_shutdown, 3, timeout=40, env=SECRET, return_exceptions=True)
+    assert isinstance(results[2], WorkerError)
+    for out in results[:2]:
+        assert out["missing"] == ["w2"], out
+        assert "did not answer" in out["error"], out
+        assert out["seconds"] < 12.0, out  # before the frozen worker wakes up
