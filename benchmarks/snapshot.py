@@ -98,13 +98,12 @@ phase = cfg["phase"]
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 if phase == "steps":
     step(8)                                   # AdamW's state exists from here on
-    trial = []
-    for _ in range(3):
-        t = time.perf_counter(); step(cfg["batch"]); trial.append(time.perf_counter() - t)
-    one = sorted(trial)[1]
     batch = cfg["batch"]
-    if cfg["calibrate"]:
-        batch = max(8, int(batch * cfg["step_seconds"] / one))
+    for _ in range(3 if cfg["calibrate"] else 0):  # the first steps at a size run slow
+        trial = []
+        for _ in range(3):
+            t = time.perf_counter(); step(batch); trial.append(time.perf_counter() - t)
+        batch = max(8, int(batch * cfg["step_seconds"] / sorted(trial)[1]))
     modes = cfg["modes"]
     times = {m: [] for m in modes}
     first = []

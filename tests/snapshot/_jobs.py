@@ -1,27 +1,46 @@
-"""Shared by the snapshot tests: running the training script of ``_train.py`` under
-``rallypoint run``, reading what its workers wrote, and the uninterrupted references."""
+"""Shared by the snapshot tests: running the training of ``_train.py`` (one node: with
+:func:`rallypoint.launcher.launch`, which starts the same processes as ``rallypoint run``),
+reading what its workers wrote, and the uninterrupted references."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+from _train import train
+
+from rallypoint._core import envvars
+from rallypoint.launcher import launch
 
 TRAIN = Path(__file__).with_name("_train.py")
 
 
-def run(nproc: int, out: Path, mode: str, steps: int, *flags: str, timeout: float = 120) -> str:
+def run(
+    nproc: int,
+    out: Path,
+    mode: str,
+    steps: int,
+    *,
+    max_restarts: int = 0,
+    snapshot_dir: Path | None = None,
+    every: int = 10,
+) -> str:
+    """The job of ``rallypoint run --nproc-per-node NPROC _train.py OUT MODE STEPS``, with
+    workers forked from this process (torch already imported: no interpreter start per
+    worker); returns what the workers wrote."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", str(nproc),
-        "--shutdown-timeout", "2", *flags, str(TRAIN), str(out), mode, str(steps),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout + proc.stderr
+    env = {}
+    if snapshot_dir is not None:
+        env = {envvars.SNAPSHOT_DIR: str(snapshot_dir), envvars.SNAPSHOT_EVERY: str(every)}
+    logs = out / "logs"
+    launch(
+        train, str(out), mode, steps,
+        nproc=nproc, max_restarts=max_restarts, shutdown_timeout=timedelta(seconds=2),
+        timeout=timedelta(seconds=120), env=env, log_dir=logs, redirects="3",
+    )  # fmt: skip
+    return "".join(p.read_text() for p in sorted(logs.rglob("*.log")))
 
 
 def starts(out: Path) -> list[tuple[int, int, int]]:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import runpy
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+
+from rallypoint.launcher import launch
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "snapshot_train.py"
 
@@ -26,6 +30,12 @@ def test_example_killed_at_37_ends_with_the_uninterrupted_model(tmp_path: Path) 
     )
     assert "restored step 37 from memory on every rank (2 ranks" in crashed, crashed
     assert "starting at step 37 (restart 1)" in crashed
-    _run(str(EXAMPLE), "--out", str(tmp_path / "a.pt"))
+    # uninterrupted: the same script in workers forked from this process (torch imported)
+    launch(_example, "--out", str(tmp_path / "a.pt"), nproc=2, timeout=timedelta(seconds=120))
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _example(*argv: str) -> None:
+    sys.argv = [str(EXAMPLE), *argv]
+    runpy.run_path(str(EXAMPLE), run_name="__main__")

@@ -14,7 +14,7 @@ from _jobs import run, same_params, starts
 
 @pytest.mark.timeout(150)
 def test_worker_killed_at_37_resumes_at_37_bit_identical(tmp_path: Path, reference: Path) -> None:
-    text = run(2, tmp_path, "crash", 60, "--max-restarts", "1")
+    text = run(2, tmp_path, "crash", 60, max_restarts=1)
     assert "restored step 37 from memory on every rank (2 ranks" in text, text
     assert starts(tmp_path) == [(0, 0, 2), (0, 0, 2), (37, 37, 2), (37, 37, 2)]
     same_params(tmp_path / "final.pt", reference)
@@ -24,7 +24,7 @@ def test_worker_killed_at_37_resumes_at_37_bit_identical(tmp_path: Path, referen
 def test_crash_during_a_save_restores_the_previous_complete_step(
     tmp_path: Path, reference: Path
 ) -> None:
-    text = run(2, tmp_path, "savecrash", 60, "--max-restarts", "1")
+    text = run(2, tmp_path, "savecrash", 60, max_restarts=1)
     assert "restored step 36 from memory" in text, text
     assert starts(tmp_path) == [(0, 0, 2), (0, 0, 2), (36, 36, 2), (36, 36, 2)]
     same_params(tmp_path / "final.pt", reference)
@@ -96,17 +96,16 @@ def test_memory_stays_two_snapshots_per_rank_per_copy_after_1000_saves(
 def test_snapshot_dir_restores_a_fresh_job_and_reshards_for_another_world(
     tmp_path: Path, reference: Path
 ) -> None:
-    ck = str(tmp_path / "ck")
-    flags = ["--snapshot-dir", ck, "--snapshot-every", "10"]
-    run(2, tmp_path / "a", "none", 45, *flags)  # persisted steps 30 and 40 (the last two)
-    assert sorted(p.name for p in Path(ck).iterdir()) == ["step-000000000030", "step-000000000040"]
+    ck = tmp_path / "ck"
+    run(2, tmp_path / "a", "none", 45, snapshot_dir=ck)  # persisted steps 30 and 40 (the last two)
+    assert sorted(p.name for p in ck.iterdir()) == ["step-000000000030", "step-000000000040"]
     # a new job (nothing in memory): the same world resumes at 40 and ends where 60 steps do
-    text = run(2, tmp_path / "b", "none", 60, *flags)
+    text = run(2, tmp_path / "b", "none", 60, snapshot_dir=ck)
     assert "restored step 40 from disk on every rank" in text, text
     assert starts(tmp_path / "b") == [(40, 40, 2), (40, 40, 2)]
     same_params(tmp_path / "b" / "final.pt", reference)
     # (which persisted 50 and 60.) Three workers: DCP loads the two-rank checkpoint of step 60
-    text = run(3, tmp_path / "c", "none", 61, *flags)
+    text = run(3, tmp_path / "c", "none", 61, snapshot_dir=ck)
     assert "restored step 60 from disk on every rank (3 ranks" in text, text
     assert starts(tmp_path / "c") == [(60, 60, 3)] * 3
     same_params(tmp_path / "c" / "restored-60-3.pt", reference)
