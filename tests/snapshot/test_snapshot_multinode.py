@@ -9,17 +9,22 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 from _jobs import TRAIN, same_params, starts
+from _train import train
 
+from rallypoint.launcher import launch
 from rallypoint.testing._netns import Network, netns_available
 
 CONF = "read_timeout=20,keep_alive_interval=0.5,keep_alive_max_attempt=3"
+RDZV_CONF = {**dict(kv.split("=") for kv in CONF.split(",")), "last_call_timeout": "1"}
 
 
 def agent_cmd(endpoint: str, run_id: str, out: Path, mode: str, nnodes: str = "2") -> list[str]:
@@ -30,6 +35,38 @@ def agent_cmd(endpoint: str, run_id: str, out: Path, mode: str, nnodes: str = "2
         "--max-restarts", "0", "--shutdown-timeout", "2",
         str(TRAIN), str(out), mode, "60",
     ]  # fmt: skip
+
+
+def launch_node(endpoint: str, run_id: str, out: Path, mode: str, nnodes: str = "2") -> str:
+    """What :func:`agent_cmd` runs, as :func:`launch` in a process forked from this one
+    (torch imported already: seconds sooner than a new interpreter; it ends with
+    ``os._exit``, so no rendezvous thread outlives it here); returns its workers' output."""
+    logs = out / f"logs-{run_id}"
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            launch(
+                train, str(out), mode, 60,
+                nnodes=nnodes, nproc=1 if mode == "grow" else 2, rdzv_backend="c10d",
+                rdzv_endpoint=endpoint, run_id=run_id,
+                rdzv_conf=RDZV_CONF,
+                max_restarts=0, shutdown_timeout=timedelta(seconds=2),
+                timeout=timedelta(seconds=120), log_dir=logs, redirects="3",
+            )  # fmt: skip
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    try:
+        _, status = os.waitpid(pid, 0)
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    text = "".join(p.read_text() for p in sorted(logs.rglob("*.log")))
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    return text
 
 
 def _wait_for(path: Path, timeout: float = 90) -> None:
@@ -90,8 +127,8 @@ def test_whole_node_killed_at_37_replacement_resumes_at_37_bit_identical(
         lost = _node_of(int((tmp_path / "at37").read_text()), agents)
         _kill_tree(agents[lost].pid)
         agents[lost].communicate(timeout=30)
-        replacement = start()  # the same command on a new node
-        texts = _finish([agents[1 - lost], replacement])
+        replacement = launch_node(endpoint, "nodeloss", tmp_path, "node")  # a new node
+        texts = [*_finish([agents[1 - lost]]), replacement]
     finally:
         for p in agents:
             p.kill()
@@ -145,8 +182,8 @@ def test_a_grown_world_cannot_be_mapped_from_memory_and_says_why(tmp_path: Path)
     try:
         _wait_until(lambda: bool(list(tmp_path.glob("start-*"))))
         time.sleep(0.5)  # a few snapshots of the one-rank world
-        second = start()
-        texts = _finish([first, second])
+        joined = launch_node(endpoint, "grow", tmp_path, "grow", nnodes="1:2")
+        texts = [*_finish([first]), joined]
     finally:
         first.kill()
     joined = "".join(texts)
