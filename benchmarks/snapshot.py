@@ -6,7 +6,8 @@ under ``rallypoint run`` on this machine's CPU. Measured in the same run:
 1. **A step with a save every step**, relative to the same step without one (modes
    interleaved in rounds, in one worker, so load on the machine hits all alike):
    ``rallypoint.snapshot.save``; ``torch.save`` to a local file; DCP ``save`` (sync) and
-   ``async_save`` (waiting for the previous one before the next, as DCP requires). The
+   ``async_save`` (waiting for the previous one before the next, as DCP requires; the
+   last step of each turn also waits for its own save's background part). The
    step is forward + backward + AdamW on a batch chosen so that one step takes about
    ``--step-seconds`` (default 2 s): a realistic step for a model of this size on this
    CPU. ``save()`` itself (the staging copy into the node's shared memory) is timed too:
@@ -133,11 +134,12 @@ if phase == "steps":
                         pending.result()
                     where = os.path.join(out, f"dcpa-{counter % 2}")
                     pending = dcp.async_save(dcp_state(), checkpoint_id=where, no_dist=world == 1)
+                if k == cfg["steps"] - 1:   # the block's last step also waits for its save's
+                    if m == "dcp-async":    # background part, so every save's is counted
+                        pending.result(); pending = None
+                    if m == "snapshot":
+                        snapshot.wait()
                 times[m].append(time.perf_counter() - t0)
-            if m == "dcp-async" and pending is not None:
-                pending.result(); pending = None
-            if m == "snapshot":
-                snapshot.wait()
     record("steps", {"times": times, "staging": staging, "first": first, "batch": batch,
                      "bytes": nbytes()})
 elif phase == "crash":
@@ -285,6 +287,12 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def _paired(xs: list[float], base: list[float]) -> float:
+    """The median of step i with a save over step i without (the same round and position:
+    the modes run in turns, so the pair saw about the same load)."""
+    return _median([x / b for x, b in zip(xs, base, strict=True)])
+
+
 def report(steps1: dict[str, Any], steps2: dict[str, Any], crash: dict[str, float],
            loss: dict[str, float]) -> str:  # fmt: skip
     mib = steps1["bytes"] / 2**20
@@ -296,17 +304,23 @@ def report(steps1: dict[str, Any], steps2: dict[str, Any], crash: dict[str, floa
         f"(the 1.05x bar holds for steps >= {20 * stage:.2f} s; the first save into each of "
         f"the two slots, which allocates them: {', '.join(f'{x:.2f}' for x in steps1['first'])} s)",
         "",
-        "| a step with a save every step (one node) | step (s) | vs no save |",
-        "|---|---|---|",
+        "| a step with a save every step (one node) | median step (s) | vs no save (medians) "
+        "| paired median ratio | fastest step vs fastest without |",
+        "|---|---|---|---|---|",
     ]
+    none1 = steps1["times"]["none"]
     for mode, xs in steps1["times"].items():
-        lines.append(f"| {mode} | {_median(xs):.3f} | {_median(xs) / base:.3f}x |")
+        lines.append(
+            f"| {mode} | {_median(xs):.3f} | {_median(xs) / base:.3f}x | "
+            f"{_paired(xs, none1):.3f}x | {min(xs) / min(none1):.3f}x |"
+        )
     base2 = _median(steps2["times"]["none"])
     snap2 = _median(steps2["times"]["snapshot"])
     lines += [
         "",
         f"two nodes on loopback (world 2, replicated): step {base2:.3f} s, with snapshot.save "
-        f"every step {snap2:.3f} s ({snap2 / base2:.3f}x)",
+        f"every step {snap2:.3f} s ({snap2 / base2:.3f}x; paired median ratio "
+        f"{_paired(steps2['times']['snapshot'], steps2['times']['none']):.3f}x)",
         "",
         "| restore of the whole state | seconds |",
         "|---|---|",
