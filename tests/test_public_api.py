@@ -11,8 +11,8 @@ import pytest
 
 import rallypoint
 
-PARTS = ["distributed", "join", "launcher", "observe", "rendezvous", "rpc", "testing"]
-HOMED = ["launcher", "observe"]
+PARTS = ["distributed", "join", "launcher", "observe", "rendezvous", "rpc", "snapshot", "testing"]
+HOMED = ["launcher", "observe", "snapshot"]
 """Parts whose classes and functions report the public module that documents them."""
 
 
@@ -78,6 +78,7 @@ def test_launch_names_live_in_rallypoint_launcher() -> None:
         "import rallypoint.testing",
         "import rallypoint.launcher",
         "import rallypoint.observe",
+        "from rallypoint import snapshot",
     ],
 )
 def test_import_does_not_load_torch(statement: str) -> None:

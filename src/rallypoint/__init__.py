@@ -10,6 +10,8 @@ The parts live in subpackages, each with its own public surface:
 - ``rallypoint.distributed``: process groups and parallel layouts
 - ``rallypoint.rpc``: torch.distributed.rpc's API on an authenticated transport
 - ``rallypoint.join``: uneven inputs
+- ``rallypoint.snapshot``: in-memory snapshots of the training state, kept by the node and
+  replicated to a peer, for restarts that lose no work
 - ``rallypoint.testing``: fakes, fault injection and contract suites
 
 Importing ``rallypoint`` does no work and does not import torch: the launcher must start
@@ -34,7 +36,7 @@ _LAZY_NAMES: dict[str, str] = {
     "progress": "rallypoint.observe",
 }
 _SUBPACKAGES = frozenset(
-    {"distributed", "join", "launcher", "observe", "rendezvous", "rpc", "testing"}
+    {"distributed", "join", "launcher", "observe", "rendezvous", "rpc", "snapshot", "testing"}
 )
 
 __all__ = [
@@ -50,11 +52,21 @@ __all__ = [
     "progress",
     "rendezvous",
     "rpc",
+    "snapshot",
     "testing",
 ]
 
 if TYPE_CHECKING:
-    from rallypoint import distributed, join, launcher, observe, rendezvous, rpc, testing
+    from rallypoint import (
+        distributed,
+        join,
+        launcher,
+        observe,
+        rendezvous,
+        rpc,
+        snapshot,
+        testing,
+    )
     from rallypoint.launcher import LaunchConfig, LaunchError, WorkerFailedError, launch
     from rallypoint.observe import progress
 

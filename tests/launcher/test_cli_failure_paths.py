@@ -178,6 +178,7 @@ if middle == 0:
 os.waitpid(middle, 0)
 daemon = int(os.read(r, 64))
 paths = [os.environ[k] for k in ("RALLYPOINT_STACKS_DIR", "RALLYPOINT_PROGRESS_FILE")]
+paths.append(os.path.dirname(os.environ["RALLYPOINT_SNAPSHOT_SOCKET"]))  # the snapshot server's
 family = [os.getpid(), child.pid, grandchild, session.pid, daemon]
 (out / f"family{rank}.json").write_text(json.dumps({"pids": family, "paths": paths}))
 time.sleep(120)

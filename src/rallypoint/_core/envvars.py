@@ -18,6 +18,9 @@ __all__ = [
     "RPC_SECRET",
     "RUN_ID",
     "SIGNALS_TO_HANDLE",
+    "SNAPSHOT_DIR",
+    "SNAPSHOT_EVERY",
+    "SNAPSHOT_SOCKET",
     "STACKS_DIR",
     "STACKS_SIGNAL",
     "TORCH_CPP_LOG_LEVEL",
@@ -45,6 +48,12 @@ PROGRESS_SLOT = "RALLYPOINT_PROGRESS_SLOT"
 STACKS_DIR = "RALLYPOINT_STACKS_DIR"
 STACKS_SIGNAL = "RALLYPOINT_STACKS_SIGNAL"
 IGNORE_SLURM = "RALLYPOINT_IGNORE_SLURM"
+SNAPSHOT_SOCKET = "RALLYPOINT_SNAPSHOT_SOCKET"
+"""The Unix socket of this node's snapshot server (``rallypoint run`` sets it)."""
+SNAPSHOT_DIR = "RALLYPOINT_SNAPSHOT_DIR"
+"""``--snapshot-dir``: where every Kth snapshot is persisted with torch.distributed.checkpoint."""
+SNAPSHOT_EVERY = "RALLYPOINT_SNAPSHOT_EVERY"
+"""``--snapshot-every``: K."""
 AGENT_CPP_LOG_LEVEL = "RALLYPOINT_AGENT_CPP_LOG_LEVEL"
 """torch's C++ log level in the agent of a multi-node ``rallypoint run`` (``FATAL`` unless
 set: INFO, WARNING, ERROR or FATAL); the workers keep ``TORCH_CPP_LOG_LEVEL``."""

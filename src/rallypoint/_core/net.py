@@ -1,10 +1,10 @@
-"""Ports: a free one now, and whether an explicit one is free."""
+"""Ports: a free one now, whether an explicit one is free; the address towards a host."""
 
 from __future__ import annotations
 
 import socket
 
-__all__ = ["free_port", "port_is_free"]
+__all__ = ["free_port", "local_address_towards", "port_is_free"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -30,3 +30,15 @@ def port_is_free(port: int, host: str = "0.0.0.0") -> bool:
         except OSError:
             return False
         return True
+
+
+def local_address_towards(host: str) -> str:
+    """The local IP address the kernel would use to reach ``host`` (no packet is sent);
+    ``127.0.0.1`` when there is no route."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"

@@ -10,6 +10,7 @@ import sys
 from datetime import timedelta
 from typing import Any, Literal
 
+from rallypoint._core import envvars
 from rallypoint.cli._parser import PROG, UsageError
 from rallypoint.elastic._options import parse_nnodes
 from rallypoint.launcher._config import LaunchConfig
@@ -45,6 +46,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
         straggler_threshold=_straggler_threshold(args.straggler_threshold),
         straggler_window=_seconds(args.straggler_window),
     )
+    snapshots = _snapshot_env(args)
+    if snapshots:
+        options["env"] = snapshots
     return LaunchConfig(**options), target
 
 
@@ -53,6 +57,23 @@ def _straggler_threshold(value: str) -> float | None:
         return parse_threshold(value, "--straggler-threshold")
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+
+
+def _snapshot_env(args: argparse.Namespace) -> dict[str, str]:
+    """``--snapshot-dir``/``--snapshot-every`` reach ``rallypoint.snapshot`` in the workers."""
+    env = {}
+    if args.snapshot_every is not None:
+        if args.snapshot_every < 1:
+            raise UsageError(f"--snapshot-every must be >= 1, got {args.snapshot_every}")
+        if not args.snapshot_dir:
+            raise UsageError("--snapshot-every needs --snapshot-dir")
+        env[envvars.SNAPSHOT_EVERY] = str(args.snapshot_every)
+    if args.snapshot_dir:
+        path = os.path.abspath(args.snapshot_dir)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise UsageError(f"--snapshot-dir {args.snapshot_dir!r} is not a directory")
+        env[envvars.SNAPSHOT_DIR] = path
+    return env
 
 
 def _check_flags(args: argparse.Namespace) -> None:

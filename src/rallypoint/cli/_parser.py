@@ -191,3 +191,16 @@ def _rallypoint(o: _Options) -> None:
         type=float,
         help="seconds of recent steps a step time is averaged over (default 30)",
     )
+    o.opt(
+        "--snapshot-dir",
+        "--snapshot_dir",
+        default=None,
+        help="persist every Kth rallypoint.snapshot with torch.distributed.checkpoint in DIR",
+    )
+    o.opt(
+        "--snapshot-every",
+        "--snapshot_every",
+        default=None,
+        type=int,
+        help="K for --snapshot-dir (default 10)",
+    )

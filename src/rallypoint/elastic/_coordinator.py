@@ -81,6 +81,7 @@ class ElasticCoordinator:
         title: str,
         monitor_interval: float,
         timeout: timedelta | None = None,
+        share_rpc_secret: bool = True,
         store_timeout: float = 60.0,
     ) -> None:
         self.supervisor = supervisor
@@ -92,6 +93,8 @@ class ElasticCoordinator:
         self.title = title
         self.timeout = timeout
         self.poll_every = max(POLL_EVERY, monitor_interval)
+        self.share_rpc_secret = share_rpc_secret
+        """Give every node's workers the run store's RPC secret (False: the user set one)."""
         self.store_timeout = store_timeout
         self._local_round = 0
         self._job: Job | None = None
@@ -203,6 +206,7 @@ class ElasticCoordinator:
             port = sup.start_store(master, 0)
             job.blocking(lambda: store.publish_master(master, port))
         addr, port = job.blocking(store.master)
+        secret = job.blocking(job.rpc_secret) if self.share_rpc_secret else ""
         sizes = [n.nproc for n in nodes]
         group = GroupInfo(
             group_rank=group_rank,
@@ -214,6 +218,7 @@ class ElasticCoordinator:
             run_id=self.run_id,
             restart_count=restart_count,
             max_restarts=self.restarts.max_restarts,
+            rpc_secret=secret,
         )
         job.blocking(lambda: publish_node_count(job.run.store, nnodes))
         members = [n.host for n in nodes]

@@ -8,6 +8,7 @@ return for Python's signal handlers (``rallypoint._core.blocking``).
 
 from __future__ import annotations
 
+import secrets
 import signal
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -81,6 +82,7 @@ class Job:
         self._run: RunStore | None = None
         self.stacks_store: Any = None  # a second connection, for a blocking stacks request
         self.answered = 0
+        self._rpc_secret = ""
 
     def open(self) -> None:
         """Open the run store through the handler (the ``static`` backend has none yet)."""
@@ -112,6 +114,13 @@ class Job:
     @property
     def has_run_store(self) -> bool:
         return self._run is not None
+
+    def rpc_secret(self) -> str:
+        """The job's RPC secret: the first agent's random candidate, set once in the run
+        store (so every node's workers authenticate each other); read once per node."""
+        if not self._rpc_secret:
+            self._rpc_secret = self.run.rpc_secret(secrets.token_hex(32))
+        return self._rpc_secret
 
     def answer_stacks(self, running: Mapping[int, int], node_rank: int) -> None:
         """Answer another agent's (or ``rallypoint stacks``') request for stacks, if any."""

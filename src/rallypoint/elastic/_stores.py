@@ -6,8 +6,9 @@ The run store (``rallypoint/<run_id>/job/`` on the rendezvous backend, from
 ``handler.open_run_store()``) outlives rounds: ``restarts`` (the job's budget counter, so
 every node and every worker sees the same ``TORCHELASTIC_RESTART_COUNT``), ``status``,
 ``left/<k>``, ``hang/<k>``, ``pace/<k>/<g>`` (each node's step-time summary,
-``observe._straggler_watch``) and the ``stacks/*`` exchange (so ``rallypoint stacks`` finds
-it without knowing the round).
+``observe._straggler_watch``), the ``stacks/*`` exchange (so ``rallypoint stacks`` finds
+it without knowing the round), and ``rpc_secret`` (the job's RPC secret, set once by the
+first agent, unless the user gave every node one).
 """
 
 from __future__ import annotations
@@ -100,6 +101,11 @@ class RunStore:
     def restarts(self, spend: int = 0) -> int:
         """The job's restart counter after adding ``spend``."""
         return int(self.store.add("restarts", spend))
+
+    def rpc_secret(self, candidate: str) -> str:
+        """The job's RPC secret: ``candidate`` if this node is the first to set it (an
+        atomic set-if-absent), else the one the first node set."""
+        return bytes(self.store.compare_set("rpc_secret", "", candidate)).decode()
 
     def status(self) -> str:
         if self.store.check(["status"]):

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from rallypoint.elastic._local import LocalCoordinator
 from rallypoint.launcher._config import LaunchConfig
 from rallypoint.observe._observer import Observer
+from rallypoint.supervise._env import user_rpc_secret
 from rallypoint.supervise._errors import LaunchInterruptedError
 from rallypoint.supervise._signals import SignalQueue
 from rallypoint.supervise._supervisor import Supervisor, prepare_warm
@@ -115,6 +116,7 @@ def _coordinator(
         title=title,
         monitor_interval=config.stop.monitor_interval.total_seconds(),
         timeout=config.stop.timeout,
+        share_rpc_secret=not user_rpc_secret(config.workers),
         store_timeout=_read_timeout(config.rendezvous.conf),
     )
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from rallypoint._core.net import local_address_towards as local_address_towards
 from rallypoint.rpc._device_maps import DeviceMap, device_maps_from_json, device_maps_to_json
 from rallypoint.rpc._errors import RpcError
 from rallypoint.rpc._store import wait_for_keys
@@ -72,17 +73,6 @@ def host_key() -> str:
     except OSError:
         netns = 0
     return f"{boot}:{netns}"
-
-
-def local_address_towards(host: str) -> str:
-    """The local IP address the kernel would use to reach ``host``."""
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))
-            return str(probe.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
 
 
 def device_count() -> int:

@@ -12,7 +12,7 @@ from rallypoint.supervise._options import WorkerOptions
 from rallypoint.supervise._output import write_console
 from rallypoint.supervise._state import GroupInfo
 
-__all__ = ["base_env", "worker_env"]
+__all__ = ["base_env", "user_rpc_secret", "worker_env"]
 
 _OMP_WARNING = (
     "\n*****************************************\n"
@@ -30,7 +30,8 @@ def base_env(
 
     The launcher's environment and ``env``; ``OMP_NUM_THREADS=1`` with several workers (with
     torchrun's warning when ``warn_omp``); ``TORCHELASTIC_SIGNALS_TO_HANDLE`` (the signals
-    the launcher forwards, as torch's launcher sets it); one RPC secret for the whole job;
+    the launcher forwards, as torch's launcher sets it); an RPC secret (the user's, or a
+    generated one that a multi-node job replaces by the run's, see :func:`worker_env`);
     ``PYTHONPATH`` for spawned interpreters so they import what this process imports.
     """
     env = dict(os.environ)
@@ -45,6 +46,11 @@ def base_env(
     if workers.start_method == "spawn":
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     return env
+
+
+def user_rpc_secret(workers: WorkerOptions) -> bool:
+    """Whether the user set ``RALLYPOINT_RPC_SECRET`` (then no node replaces it)."""
+    return bool(workers.env.get(envvars.RPC_SECRET) or os.environ.get(envvars.RPC_SECRET))
 
 
 def worker_env(
@@ -73,6 +79,8 @@ def worker_env(
         TORCHELASTIC_MAX_RESTARTS=str(group.max_restarts),
         TORCH_NCCL_ASYNC_ERROR_HANDLING=base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     )
+    if group.rpc_secret:  # one secret for the whole job, from the run's store
+        env[envvars.RPC_SECRET] = group.rpc_secret
     env[envvars.RESTART_COUNT] = str(group.restart_count)
     env[envvars.RUN_ID] = group.run_id
     env[envvars.USE_AGENT_STORE] = "True"

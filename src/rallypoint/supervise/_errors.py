@@ -124,6 +124,8 @@ class WarmErrorKind(enum.Enum):
     """The warm process did not answer a request in time."""
     PROTOCOL = "protocol"
     """The warm process answered something unexpected."""
+    SNAPSHOTS = "snapshots"
+    """The node's snapshot server could not start (``rallypoint.snapshot``)."""
 
 
 class WarmProcessError(LaunchError):

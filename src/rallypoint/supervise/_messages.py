@@ -5,6 +5,7 @@ Supervisor -> warm process, and the reply:
 - :class:`Init` -> :class:`Ready` | :class:`Failed` (``PRELOAD``);
 - :class:`StartStore`, :class:`ResetStore` -> :class:`StoreStarted` | :class:`Failed`;
 - :class:`Spawn` with three file descriptors (stdout, stderr, result) -> :class:`Spawned`;
+- :class:`StartSnapshots` -> :class:`SnapshotsStarted` | :class:`Failed` (``SNAPSHOTS``);
 - :class:`Shutdown` (no reply: the warm process kills its workers and exits);
 - :class:`RemoveOnExit` (no reply): paths the warm process removes if the supervisor dies.
 
@@ -36,8 +37,10 @@ __all__ = [
     "Request",
     "ResetStore",
     "Shutdown",
+    "SnapshotsStarted",
     "Spawn",
     "Spawned",
+    "StartSnapshots",
     "StartStore",
     "StoreStarted",
     "recv",
@@ -77,8 +80,13 @@ class Spawn:
 
 
 @dataclass(frozen=True, slots=True)
+class StartSnapshots:
+    """Start the node's snapshot server (once; ``rallypoint.snapshot``)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
-    """Kill every worker and the store, then exit."""
+    """Kill every worker, the store and the snapshot server, then exit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +97,7 @@ class RemoveOnExit:
     paths: tuple[str, ...]
 
 
-Request = Init | StartStore | ResetStore | Spawn | Shutdown | RemoveOnExit
+Request = Init | StartStore | ResetStore | Spawn | StartSnapshots | Shutdown | RemoveOnExit
 
 
 # ---------------------------------------------------------------- warm process -> supervisor
@@ -103,6 +111,13 @@ class StoreStarted:
     port: int
     pid: int
     """The store process (never signalled with the workers)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotsStarted:
+    path: str
+    """The server's Unix socket (in a directory only this user can enter)."""
+    pid: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +140,7 @@ class Exited:
     status: int
 
 
-Reply = Ready | StoreStarted | Spawned | Failed | Exited
+Reply = Ready | StoreStarted | SnapshotsStarted | Spawned | Failed | Exited
 
 
 def send(sock: socket.socket, msg: Request | Reply, fds: list[int] | None = None) -> None:
@@ -152,10 +167,12 @@ _TYPES = (
     StartStore,
     ResetStore,
     Spawn,
+    StartSnapshots,
     Shutdown,
     RemoveOnExit,
     Ready,
     StoreStarted,
+    SnapshotsStarted,
     Spawned,
     Failed,
     Exited,

@@ -29,6 +29,9 @@ class GroupInfo:
     restart_count: int = 0
     """``TORCHELASTIC_RESTART_COUNT``: restarts of the job's budget spent so far."""
     max_restarts: int = 0
+    rpc_secret: str = ""
+    """The job's RPC secret shared by every node (multi-node jobs); empty: the node's own
+    (the user's ``RALLYPOINT_RPC_SECRET``, or one generated for this launch)."""
 
 
 class OutcomeKind(enum.Enum):

@@ -2,8 +2,8 @@
 
 Each worker leads its own session, so ``killpg`` reaches what it started in its session;
 anything that left the session is still a descendant of the warm process (a child
-subreaper), so it is found through ``psutil`` and signalled too. The store process, also a
-child of the warm process, is never signalled with the workers.
+subreaper), so it is found through ``psutil`` and signalled too. The store process and the
+snapshot server, also children of the warm process, are never signalled with the workers.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class Stopper:
         self.warm = warm
         self.grace = shutdown_timeout.total_seconds()
         self.store_pid = 0
+        self.snapshot_pid = 0
 
     def stop(self, workers: Sequence[Worker], signum: int, *, quick: bool = False) -> float:
         """Send ``signum`` to every worker's tree; returns when to send SIGKILL."""
@@ -57,7 +58,7 @@ class Stopper:
             procs = psutil.Process(self.warm.pid).children(recursive=True)
         except psutil.Error:
             return []
-        skip = {self.store_pid}
+        skip = {self.store_pid, self.snapshot_pid} - {0}
         out = []
         for p in procs:
             with contextlib.suppress(psutil.Error):

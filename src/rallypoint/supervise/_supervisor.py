@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rallypoint._core import envvars
 from rallypoint._core.closing import Closing
 from rallypoint._core.net import port_is_free
 from rallypoint.observe._observer import Observer
@@ -106,6 +107,7 @@ class Supervisor(Closing):
             scratch=self._scratch,
         )
         self.signals = SignalQueue(stop.signal_numbers) if signals is None else signals
+        self._snapshots_tried = False
 
     @property
     def nproc(self) -> int:
@@ -124,6 +126,22 @@ class Supervisor(Closing):
     def init_warm(self) -> None:
         """Wait for the warm process's imports (``preload``); once."""
         prepare_warm(self.warm, self.workers.preload, self.signals)
+        if not self._snapshots_tried:
+            self._snapshots_tried = True
+            self._start_snapshots()
+
+    def _start_snapshots(self) -> None:
+        """The node's snapshot server (``rallypoint.snapshot``); without it, workers keep
+        snapshots in their own memory and say so."""
+        try:
+            path, self.stopper.snapshot_pid = self.warm.start_snapshots()
+        except WarmProcessError as exc:
+            if exc.kind is not WarmErrorKind.SNAPSHOTS:
+                raise
+            write_console(2, f"rallypoint: no snapshot server on this node: {exc}\n".encode())
+            self.starter.base_env.pop(envvars.SNAPSHOT_SOCKET, None)
+            return
+        self.starter.base_env[envvars.SNAPSHOT_SOCKET] = path
 
     def start_store(self, host: str, port: int) -> int:
         """Host the workers' store on ``host:port`` (0: a free port); returns the port."""

@@ -121,6 +121,13 @@ class WarmProcess:
 
         return self._request(ResetStore(), StoreStarted).port
 
+    def start_snapshots(self) -> tuple[str, int]:
+        """Start the node's snapshot server (idempotent); returns ``(socket path, pid)``."""
+        from rallypoint.supervise._messages import SnapshotsStarted, StartSnapshots
+
+        reply = self._request(StartSnapshots(), SnapshotsStarted)
+        return reply.path, reply.pid
+
     def remove_on_exit(self, paths: list[str]) -> None:
         """Have the warm process remove ``paths`` should this process die without closing."""
         from rallypoint.supervise._messages import RemoveOnExit

@@ -48,13 +48,16 @@ from rallypoint.supervise._messages import (
     Request,
     ResetStore,
     Shutdown,
+    SnapshotsStarted,
     Spawn,
     Spawned,
+    StartSnapshots,
     StartStore,
     StoreStarted,
     recv,
     send,
 )
+from rallypoint.supervise._snapshots import SnapshotServer, fork_snapshot_server
 from rallypoint.supervise._worker import WorkerSpec, child_main, set_parent_death_signal
 
 __all__ = ["WARM_MODULES", "serve"]
@@ -107,6 +110,7 @@ class _Server:
         self.workers: dict[int, int] = {}
         self.store_pid = 0
         self.store_sock: socket.socket | None = None
+        self.snapshots: SnapshotServer | None = None
         self.wake_r, self.wake_w = os.pipe()
         self.remove_on_exit: list[str] = []
         self.pid = os.getpid()
@@ -163,6 +167,8 @@ class _Server:
                 send(self.sock, self._store(msg))
             case Spawn(spec=spec):
                 send(self.sock, self._spawn(spec, fds))
+            case StartSnapshots():
+                send(self.sock, self._snapshots())
             case _:
                 send(self.sock, Failed(WarmErrorKind.PROTOCOL, f"unexpected {msg!r}"))
 
@@ -205,6 +211,18 @@ class _Server:
             return Failed(WarmErrorKind.STORE, "the store process died")
         assert isinstance(reply, StoreStarted | Failed), reply
         return reply
+
+    def _snapshots(self) -> Reply:
+        if self.snapshots is None:
+            close = [self.sock.fileno(), self.wake_r, self.wake_w]
+            if self.store_sock is not None:
+                close.append(self.store_sock.fileno())
+            try:
+                self.snapshots = fork_snapshot_server(close)
+                self.remove_on_exit.append(self.snapshots.directory)
+            except OSError as exc:
+                return Failed(WarmErrorKind.SNAPSHOTS, f"{type(exc).__name__}: {exc}")
+        return SnapshotsStarted(self.snapshots.path, self.snapshots.pid)
 
     def _fork_store(self) -> socket.socket:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -268,4 +286,6 @@ class _Server:
         if self.store_pid:
             with contextlib.suppress(OSError):
                 os.kill(self.store_pid, signal.SIGKILL)
+        if self.snapshots is not None:
+            self.snapshots.stop()
         os._exit(0)

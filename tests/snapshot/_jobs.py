@@ -1,0 +1,71 @@
+"""Shared by the snapshot tests: running the training of ``_train.py`` (one node: with
+:func:`rallypoint.launcher.launch`, which starts the same processes as ``rallypoint run``),
+reading what its workers wrote, and the uninterrupted references."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from _train import train
+
+from rallypoint._core import envvars
+from rallypoint.launcher import launch
+
+TRAIN = Path(__file__).with_name("_train.py")
+
+
+def run(
+    nproc: int,
+    out: Path,
+    mode: str,
+    steps: int,
+    *,
+    max_restarts: int = 0,
+    snapshot_dir: Path | None = None,
+    every: int = 10,
+) -> str:
+    """The job of ``rallypoint run --nproc-per-node NPROC _train.py OUT MODE STEPS``, with
+    workers forked from this process (torch already imported: no interpreter start per
+    worker); returns what the workers wrote."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {}
+    if snapshot_dir is not None:
+        env = {envvars.SNAPSHOT_DIR: str(snapshot_dir), envvars.SNAPSHOT_EVERY: str(every)}
+    logs = out / "logs"
+    launch(
+        train, str(out), mode, steps,
+        nproc=nproc, max_restarts=max_restarts, shutdown_timeout=timedelta(seconds=2),
+        timeout=timedelta(seconds=120), env=env, log_dir=logs, redirects="3",
+    )  # fmt: skip
+    return "".join(p.read_text() for p in sorted(logs.rglob("*.log")))
+
+
+def starts(out: Path) -> list[tuple[int, int, int]]:
+    """``(start step, steps seen by the restored state, world)`` of every worker started."""
+    return sorted(tuple(map(int, p.read_text().split())) for p in out.glob("start-*"))  # type: ignore[misc]
+
+
+def same_params(a: Path, b: Path) -> None:
+    x, y = torch.load(a), torch.load(b)
+    assert x.keys() == y.keys()
+    for name in x:
+        assert torch.equal(x[name], y[name]), name
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run of 60 steps, two workers."""
+    out = tmp_path_factory.mktemp("reference")
+    run(2, out, "none", 60)
+    return out / "final.pt"
+
+
+@pytest.fixture(scope="session")
+def reference4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """60 uninterrupted steps in a world of four ranks."""
+    out = tmp_path_factory.mktemp("reference4")
+    run(4, out, "none", 60)
+    return out / "final.pt"

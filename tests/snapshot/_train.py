@@ -1,0 +1,93 @@
+"""The training script of the snapshot tests: data-parallel Adam on a tiny model, gloo,
+fixed seeds, a snapshot every step (``rallypoint.snapshot``).
+
+argv: OUT MODE STEPS. MODE says how this run is interrupted at step 37:
+
+- ``none``: it is not;
+- ``crash``: rank 1 is SIGKILLed (first attempt only);
+- ``node``: the last rank writes its pid to ``OUT/at37`` and sleeps, so the test kills its
+  node;
+- ``savecrash``: rank 1 dies in the middle of the save of step 37 (after staging, before
+  the commit) on the first attempt;
+- ``grow``: a world of one rank trains until the job grows (scale-up).
+
+Every worker writes ``OUT/start-<rank>-<pid>`` (the step it resumed at, the number of steps
+its restored state had seen, the world size); rank 0 writes the parameters it restored
+(``OUT/restored-<step>-<world>.pt``) and the final ones (``OUT/final.pt``).
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from rallypoint import snapshot
+
+
+def train(out: str, mode: str, steps: int) -> None:
+    """One worker of the job: ``steps`` steps from the newest snapshot, interrupted as
+    ``mode`` says."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    state = {"model": model, "optimizer": opt, "progress": {"losses": []}}
+    start = snapshot.restore(state) or 0
+    with open(os.path.join(out, f"start-{rank}-{os.getpid()}"), "w") as fp:
+        fp.write(f"{start} {len(state['progress']['losses'])} {world}")
+    if rank == 0 and start:
+        torch.save(dict(model.state_dict()), os.path.join(out, f"restored-{start}-{world}.pt"))
+
+    if mode == "savecrash" and rank == 1 and first:
+        from rallypoint.snapshot import _node
+
+        stage = _node._copy
+
+        def dying_copy(sources, targets):  # staged, then killed before the commit is sent
+            stage(sources, targets)
+            if state["progress"]["losses"] and len(state["progress"]["losses"]) == 37:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        _node._copy = dying_copy
+
+    if mode == "grow" and world == 1:
+        steps = 10**9  # alone: train until a second node joins (the agent restarts us then)
+    for step in range(start, steps):
+        if mode == "grow" and world == 1:
+            time.sleep(0.02)
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(32, 8, generator=g)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        state["progress"]["losses"].append(loss.item())
+        snapshot.save(state, step=step + 1)
+        if step + 1 == 37 and mode == "crash" and rank == 1 and first:
+            snapshot.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step + 1 == 37 and mode == "node" and rank == world - 1:
+            marker = os.path.join(out, "at37")
+            if not os.path.exists(marker):
+                snapshot.wait()
+                with open(marker + ".tmp", "w") as fp:
+                    fp.write(str(os.getpid()))
+                os.replace(marker + ".tmp", marker)
+                time.sleep(600)
+    snapshot.wait()
+    if rank == 0:
+        final = {k: v.clone() for k, v in model.state_dict().items()}
+        torch.save(final, os.path.join(out, "final.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    train(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -1,0 +1,52 @@
+"""``--snapshot-dir`` / ``--snapshot-every``: checked on the command line, given to workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rallypoint.cli._args import config_from_args
+from rallypoint.cli._parser import UsageError, build_parser
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("pass\n")
+    return str(path)
+
+
+def _env(argv: list[str]) -> dict[str, str]:
+    config, _ = config_from_args(build_parser().parse_args(argv))
+    return dict(config.workers.env)
+
+
+def test_the_flags_reach_the_workers_environment(script: str, tmp_path: Path) -> None:
+    env = _env(["--snapshot-dir", str(tmp_path / "ck"), "--snapshot-every", "5", script])
+    assert env == {
+        "RALLYPOINT_SNAPSHOT_DIR": str(tmp_path / "ck"),
+        "RALLYPOINT_SNAPSHOT_EVERY": "5",
+    }
+    assert _env(["--snapshot_dir", "rel", script])["RALLYPOINT_SNAPSHOT_DIR"] == str(
+        Path("rel").resolve()
+    )
+    assert _env([script]) == {}
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--snapshot-every", "0", "--snapshot-dir", "d"], "--snapshot-every must be >= 1"),
+        (["--snapshot-every", "3"], "--snapshot-every needs --snapshot-dir"),
+        (["--snapshot-every", "x", "--snapshot-dir", "d"], "invalid int value"),
+    ],
+)
+def test_bad_flags_are_usage_errors(script: str, argv: list[str], match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        _env([*argv, script])
+
+
+def test_a_file_is_not_a_snapshot_dir(script: str) -> None:
+    with pytest.raises(UsageError, match="is not a directory"):
+        _env(["--snapshot-dir", script, script])
