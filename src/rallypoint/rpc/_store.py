@@ -30,7 +30,10 @@ dist: Any = dist_module
 
 _STORES: dict[tuple[str, int, bool], Any] = {}
 _POLL_MAX = 0.002
-_POLL_SLOW = 0.02  # after _SLOW_AFTER seconds of waiting (a long wait costs the store little)
+# after _SLOW_AFTER seconds of waiting: workers that wait in shutdown() while another trains
+# would otherwise wake themselves and the store's host (the trainer, rank 0) hundreds of
+# times a second, and each wake-up competes with the training step's own hops for a CPU
+_POLL_SLOW = 0.1
 _SLOW_AFTER = 1.0
 _NO_TIMEOUT = 1800.0
 
@@ -145,8 +148,9 @@ def wait_for_keys(
     ``dead`` (a callable that says whether all the missing keys belong to workers known
     to have died) ends the wait early. Without it the store wakes the wait as soon as the
     last key is set (``deadline`` must then be finite); with it, the keys are polled every
-    0.25 to 2 ms, and every 20 ms after the first second (a ``store.wait`` that times out
-    makes c10d log a warning, so it cannot be sliced to check ``dead``).
+    0.25 to 2 ms, and every 100 ms after the first second (a ``store.wait`` that times out
+    makes c10d log a warning, so it cannot be sliced to check ``dead``). A key once seen
+    stays set: only the ones still missing are checked again.
     """
     keys = list(keys)
     if dead is None:
@@ -158,10 +162,11 @@ def wait_for_keys(
         return [k for k in keys if not store.check([k])]
     delay = 0.00025
     slow_after = time.monotonic() + _SLOW_AFTER
+    missing = keys
     while True:
-        if store.check(keys):
+        if store.check(missing):
             return []
-        missing = [k for k in keys if not store.check([k])]
+        missing = [k for k in missing if not store.check([k])]
         if not missing:
             return []
         if time.monotonic() >= deadline or dead(missing):
