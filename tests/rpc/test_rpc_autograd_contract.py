@@ -51,10 +51,14 @@ def test_training_equals_torch_and_one_process(
 ) -> None:
     ours, torchs = runs["RALLYPOINT"]["train"][optimizer], runs["TENSORPIPE"]["train"][optimizer]
     reference = train_reference(optimizer)
-    assert ours["losses"] == torchs["losses"]
+    # the embedding stage runs 4 times a step, so its gradient is the sum of 4 backward
+    # messages added in arrival order (on either backend): runs agree up to float rounding
+    # after the first update, and exactly before it
+    assert ours["losses"][0] == torchs["losses"][0]
+    assert ours["losses"] == pytest.approx(torchs["losses"], rel=1e-6)
     for mine, theirs, local in zip(
         ours["params"], torchs["params"], reference["params"], strict=True
     ):
-        assert torch.equal(mine, theirs)
+        torch.testing.assert_close(mine, theirs)
         torch.testing.assert_close(mine, local)
     assert ours["losses"][-1] < ours["losses"][0]
