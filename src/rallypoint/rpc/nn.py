@@ -217,7 +217,7 @@ class RemoteModule(nn.Module):
     def eval(self) -> RemoteModule:
         return self.train(False)
 
-    def parameters(self, recurse: bool = True) -> NoReturn:  # type: ignore[override]
+    def parameters(self, recurse: bool = True) -> NoReturn:
         raise ValueError(
             "Method ``parameters`` not supported for RemoteModule. Please use "
             "``remote_parameters`` instead."
@@ -245,12 +245,38 @@ def _remote_module_receiver(
     return module
 
 
-_UNSUPPORTED = (
-    "register_buffer register_parameter add_module apply cuda ipu xpu cpu type float double "
-    "half bfloat16 to register_backward_hook register_forward_pre_hook register_forward_hook "
-    "state_dict load_state_dict named_parameters buffers named_buffers children "
-    "named_children modules named_modules requires_grad_ zero_grad share_memory extra_repr"
-).split()
+_UNSUPPORTED = [
+    "register_buffer",
+    "register_parameter",
+    "add_module",
+    "apply",
+    "cuda",
+    "ipu",
+    "xpu",
+    "cpu",
+    "type",
+    "float",
+    "double",
+    "half",
+    "bfloat16",
+    "to",
+    "register_backward_hook",
+    "register_forward_pre_hook",
+    "register_forward_hook",
+    "state_dict",
+    "load_state_dict",
+    "named_parameters",
+    "buffers",
+    "named_buffers",
+    "children",
+    "named_children",
+    "modules",
+    "named_modules",
+    "requires_grad_",
+    "zero_grad",
+    "share_memory",
+    "extra_repr",
+]
 
 
 def _unsupported_method(name: str) -> Callable[..., NoReturn]:
@@ -258,7 +284,7 @@ def _unsupported_method(name: str) -> Callable[..., NoReturn]:
         _not_supported(name)
 
     method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"Not supported for ``RemoteModule`` (``ValueError``, as in torch)."
+    method.__doc__ = "Not supported for ``RemoteModule`` (``ValueError``, as in torch)."
     return method
 
 

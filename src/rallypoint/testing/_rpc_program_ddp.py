@@ -32,13 +32,12 @@ import torch.distributed as dist
 from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rallypoint.testing import _torch_program
-
 # ---- imports (the only lines a torch program changes) ----
 from rallypoint import rpc
 from rallypoint.rpc import RRef, dist_autograd
 from rallypoint.rpc.nn import RemoteModule
 from rallypoint.rpc.optim import DistributedOptimizer
+from rallypoint.testing import _torch_program
 
 # ---- end of imports ----
 
@@ -144,9 +143,7 @@ def run_program(backend: str) -> dict[str, Any] | None:
         out = _master()
     elif rank < TRAINERS:
         store = Path(tempfile.gettempdir()) / f"ddp_rpc_{os.getppid()}_{os.environ['MASTER_PORT']}"
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=TRAINERS, init_method=store.as_uri()
-        )
+        dist.init_process_group("gloo", rank=rank, world_size=TRAINERS, init_method=store.as_uri())
         rpc.init_rpc(f"trainer{rank}", backend=kind, rank=rank, world_size=WORLD_SIZE)
     else:
         rpc.init_rpc("ps", backend=kind, rank=rank, world_size=WORLD_SIZE)

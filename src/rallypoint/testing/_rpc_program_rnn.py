@@ -23,12 +23,11 @@ from typing import Any
 import torch
 from torch import nn, optim
 
-from rallypoint.testing import _torch_program
-
 # ---- imports (the only lines a torch program changes) ----
 from rallypoint import rpc
 from rallypoint.rpc import RRef, dist_autograd
 from rallypoint.rpc.optim import DistributedOptimizer
+from rallypoint.testing import _torch_program
 
 # ---- end of imports ----
 
