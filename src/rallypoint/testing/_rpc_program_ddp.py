@@ -37,7 +37,6 @@ from rallypoint import rpc
 from rallypoint.rpc import RRef, dist_autograd
 from rallypoint.rpc.nn import RemoteModule
 from rallypoint.rpc.optim import DistributedOptimizer
-from rallypoint.testing import _torch_program
 
 # ---- end of imports ----
 
@@ -153,6 +152,23 @@ def run_program(backend: str) -> dict[str, Any] | None:
     return out
 
 
+def assert_same_training(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """The master's results of two runs agree (up to float rounding)."""
+
+    def close(got: Any, expected: Any) -> None:
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected))
+
+    close(ours["embedding"], theirs["embedding"])
+    for mine, other in zip(ours["trainers"], theirs["trainers"], strict=True):
+        close(mine["losses"], other["losses"])
+        for key in ("first_fc_grads", "fc"):
+            for got, expected in zip(mine[key], other[key], strict=True):
+                close(got, expected)
+        assert mine["fc_grad_is_none"] == other["fc_grad_is_none"] == [True, True]
+
+
 def torch_version(directory: Path, module_name: str = "torch_ddp_rpc_program") -> Path:
     """Write this program with torch's imports (and nothing else changed) into ``directory``."""
+    from rallypoint.testing import _torch_program
+
     return _torch_program.torch_version(__file__, TORCH_IMPORTS, directory, module_name)
