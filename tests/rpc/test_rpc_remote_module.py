@@ -133,7 +133,7 @@ def test_remote_module_on_the_rallypoint_backend() -> None:
         "Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>"
         in result.pop("bad_cls")
     )
-    assert result.pop("plain_pickle") == "TypeError"  # its RRef pickles only in RPC calls
+    assert result.pop("plain_pickle") == "RuntimeError"  # its RRef pickles only in RPC calls
     assert result == {
         "forward": True,
         "forward_async": True,
@@ -142,7 +142,7 @@ def test_remote_module_on_the_rallypoint_backend() -> None:
         "by_rank": True,
         "eval": False,
         "grads": True,
-        "nobody/cpu": "ValueError",  # unknown worker, from get_worker_info
-        "rank:7/cpu": "ValueError",
+        "nobody/cpu": "RpcError",  # unknown worker, from get_worker_info
+        "rank:7/cpu": "RpcError",
         "cpu": "ValueError",  # a device only: no worker
     }
