@@ -42,7 +42,7 @@ def test_bad_remote_device_gives_torchs_error(text: str) -> None:
 
 
 def test_outside_rpc_is_torchs_assertion() -> None:
-    with pytest.raises(AssertionError, match="RemoteModule only works in RPC."):
+    with pytest.raises(AssertionError, match=r"RemoteModule only works in RPC\."):
         RemoteModule("ps", torch.nn.Linear, args=(2, 2))
 
 
