@@ -69,9 +69,7 @@ def _checks(rank: int) -> dict[str, Any]:
         out["grads"].append(all(torch.allclose(g, e) for g, e in zip(got, expected, strict=True)))
         local_w = (ddp.module(x) * 2).detach().sum(0)
         out["w"].append(torch.allclose(grads[w], local_w))
-    out["grad_untouched"] = all(
-        p.grad is s and bool((s == 7).all()) for p, s in sentinels.items()
-    )
+    out["grad_untouched"] = all(p.grad is s and bool((s == 7).all()) for p, s in sentinels.items())
     unused = DDP(_OneUnused())
     with dist_autograd.context() as context_id:
         try:
