@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rallypoint.testing._rpc_contract import PATTERNS, run_rpc_contract, run_rpc_pattern
+from rallypoint.testing._rpc_program_ddp import assert_same_training
 
 
 @pytest.mark.timeout(100)
@@ -20,7 +21,11 @@ def test_rpc_contract(backend: str) -> None:
 def test_rpc_patterns_give_the_same_results_on_both_backends(pattern: str) -> None:
     ours = run_rpc_pattern("RALLYPOINT", pattern, timeout=70)
     theirs = run_rpc_pattern("TENSORPIPE", pattern, timeout=70)
-    assert ours == theirs
+    if pattern == "ddp_rpc":  # trainers' updates meet on the ps: equal up to float rounding
+        assert [r is None for r in ours] == [r is None for r in theirs]
+        assert_same_training(ours[2], theirs[2])
+    else:
+        assert ours == theirs
     if pattern == "observer_agent":
         assert len(ours[0]["rewards"]) == 6
     if pattern == "parameter_server":

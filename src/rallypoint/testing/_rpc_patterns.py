@@ -16,6 +16,9 @@ deterministic stand-ins, so that every backend must give *the same results*:
 - ``model_parallel_rnn``: the model-parallel RNN trained with distributed autograd and
   ``DistributedOptimizer`` (:mod:`rallypoint.testing._rpc_program_rnn`, a torch program
   with only its imports changed).
+- ``ddp_rpc``: pytorch/examples' DDP+RPC program: a ``RemoteModule`` embedding on a
+  parameter server, a DDP linear on two trainers over gloo, distributed autograd and
+  ``DistributedOptimizer`` (:mod:`rallypoint.testing._rpc_program_ddp`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 
 from rallypoint._core.envvars import RPC_SECRET
 from rallypoint.rpc.functions import async_execution
+from rallypoint.testing._rpc_program_ddp import run_program as _ddp_rpc
 from rallypoint.testing._rpc_program_rnn import run_program as _model_parallel_rnn
 from rallypoint.testing._workers import run_workers
 
@@ -275,6 +279,7 @@ PATTERNS: dict[str, tuple[Callable[..., Any], int]] = {
     "parameter_server": (_parameter_server, 3),
     "process_group_and_rpc": (_process_group_and_rpc, 3),
     "model_parallel_rnn": (_model_parallel_rnn, 2),
+    "ddp_rpc": (_ddp_rpc, 4),
 }
 
 
