@@ -75,6 +75,8 @@ class DDPIndex:
     def modules_of(self, leaves: Iterable[torch.Tensor]) -> dict[Any, list[int]]:
         """The DDP modules that ``leaves`` belong to, with the reducer indices reached."""
         found: dict[Any, list[int]] = {}
+        if not _process_group_exists():  # no DDP reducer can run: the common RPC-only case
+            return found
         unknown: list[torch.Tensor] = []
         for leaf in leaves:
             entry = self._owner.get(leaf)  # type: ignore[no-untyped-call]
@@ -83,7 +85,7 @@ class DDPIndex:
                     unknown.append(leaf)
                 continue
             _add(found, entry)
-        if unknown and _process_group_exists():
+        if unknown:
             with self._lock:
                 self._scan()
                 for leaf in unknown:
