@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rallypoint.testing._rpc_contract import PATTERNS, run_rpc_contract, run_rpc_pattern
+from rallypoint.testing._rpc_patterns import pipeline_reference
 from rallypoint.testing._rpc_program_ddp import assert_same_training
 
 
@@ -31,6 +33,12 @@ def test_rpc_patterns_give_the_same_results_on_both_backends(pattern: str) -> No
     if pattern == "parameter_server":
         assert ours[0]["rounds_ok"] and len(ours[0]["losses"]) == 10
         assert ours[1:] == [{"waited_s": True}] * 2  # in shutdown() while the master trained
+    if pattern == "pipeline":  # and both train as one process would
+        reference = pipeline_reference()
+        assert ours[1:] == [None, None] and len(ours[0]["losses"]) == 3
+        for key in ("losses", "first_grads", "params"):
+            for got, expected in zip(ours[0][key], reference[key], strict=True):
+                torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), msg=key)
     if pattern == "process_group_and_rpc":
         assert ours == [{"got": r + 1, "total": 3.0, "bind_errors": []} for r in range(3)]
 
