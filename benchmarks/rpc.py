@@ -17,6 +17,7 @@ processes (torch's RPC state is global per process):
   ``remote``, driven by worker0 with ``rpc_sync`` (batch 32); forward, ``dist_autograd``
   backward and a ``DistributedOptimizer`` (SGD) step, in one context. The median step of
   each run; runs alternate between the backends and the row reports the median of runs.
+  A second row gives the CPU time the three processes spent per step (all threads).
 
 Usage: ``python benchmarks/rpc.py [--quick] [--only calls|throughput|lifecycle|autograd]
 [--plot rpc.png]``. Prints a markdown table.
@@ -140,12 +141,17 @@ def _stage_params(stage: Any) -> list[Any]:
     return [rpc.RRef(p) for p in stage.local_value().parameters()]
 
 
-def _autograd_step(backend: str, steps: int, width: int = 64) -> float:
-    """Median seconds of one training step (forward, dist backward, optimizer step)."""
+def _cpu_seconds() -> float:
+    return time.process_time()
+
+
+def _autograd_step(backend: str, steps: int, width: int = 64) -> tuple[float, float]:
+    """Median seconds of one training step (forward, dist backward, optimizer step), and
+    the CPU seconds per step of the three processes together."""
     from rallypoint.rpc import dist_autograd
 
     rank = _init(backend, 3)
-    median = float("nan")
+    median = cpu = float("nan")
     if rank == 0:
         stage1 = rpc.remote("worker1", _Stage, args=(width,))
         stage2 = rpc.remote("worker2", _Stage, args=(width,))
@@ -154,7 +160,12 @@ def _autograd_step(backend: str, steps: int, width: int = 64) -> float:
         opt = rpc.DistributedOptimizer(torch.optim.SGD, params, lr=0.01)
         x = torch.randn(32, width)
         times = []
+        cpu_at: list[float] = []
         for i in range(steps + 20):
+            if i == 20:
+                cpu_at = [time.process_time()] + [
+                    rpc.rpc_sync(f"worker{r}", _cpu_seconds) for r in (1, 2)
+                ]
             t0 = time.perf_counter()
             with dist_autograd.context() as context_id:
                 h = rpc.rpc_sync("worker1", _stage_forward, args=(stage1, x))
@@ -164,22 +175,28 @@ def _autograd_step(backend: str, steps: int, width: int = 64) -> float:
             if i >= 20:
                 times.append(time.perf_counter() - t0)
         median = statistics.median(times)
+        cpu_end = [time.process_time()] + [rpc.rpc_sync(f"worker{r}", _cpu_seconds) for r in (1, 2)]
+        cpu = (sum(cpu_end) - sum(cpu_at)) / steps
     rpc.shutdown()
     if rank == 0 and backend == "TENSORPIPE":
         time.sleep(0.5)  # torch's shutdown: the store host must outlive the others' barrier
-    return median
+    return median, cpu
 
 
-def _autograd(quick: bool) -> dict[str, float]:
-    """Median step time per backend over runs that alternate the order of the backends."""
-    runs: dict[str, list[float]] = {b: [] for b in BACKENDS}
+def _autograd(quick: bool) -> dict[str, tuple[float, float]]:
+    """Median step time and CPU per step (µs) per backend, over runs that alternate the
+    order of the backends."""
+    runs: dict[str, list[tuple[float, float]]] = {b: [] for b in BACKENDS}
     for r in range(2 if quick else 5):
         for backend in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:
             step = run_workers(
                 _autograd_step, 3, backend, 100 if quick else 300, timeout=600, env=_env
             )[0]
             runs[backend].append(step)
-    return {b: statistics.median(v) * 1e6 for b, v in runs.items()}
+    return {
+        b: (statistics.median(s for s, _ in v) * 1e6, statistics.median(c for _, c in v) * 1e6)
+        for b, v in runs.items()
+    }
 
 
 def socket_floor_us(rounds: int = 3000) -> float:
@@ -212,8 +229,9 @@ def _env(rank: int) -> dict[str, str]:
 def measure(quick: bool, only: str = "all") -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {b: {} for b in BACKENDS}
     if only in ("all", "autograd"):
-        for backend, step in _autograd(quick).items():
+        for backend, (step, cpu) in _autograd(quick).items():
             results[backend]["autograd_step_us"] = step
+            results[backend]["autograd_cpu_us"] = cpu
     for backend in BACKENDS if only != "autograd" else ():
         res: dict[str, float] = {}
         if only in ("all", "calls", "throughput"):
@@ -238,6 +256,7 @@ ROWS = [
     *[(f"init_rpc, {ws} workers (s)", f"init_{ws}_s", False) for ws in (2, 4, 8)],
     *[(f"shutdown, {ws} workers (s)", f"shutdown_{ws}_s", False) for ws in (2, 4, 8)],
     ("dist-autograd training step, 2 stages (µs)", "autograd_step_us", False),
+    ("  its CPU time, 3 processes together (µs per step)", "autograd_cpu_us", False),
 ]
 
 
