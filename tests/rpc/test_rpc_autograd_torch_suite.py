@@ -106,3 +106,19 @@ def test_sparse_gradients_accumulate_as_in_torch(
     assert runs["RALLYPOINT"][case] == runs["TENSORPIPE"][case]
     torch.testing.assert_close(torch.tensor(runs["RALLYPOINT"][case]), torch.tensor(reference))
 
+
+def test_bad_arguments_say_incompatible_function_arguments_as_torch() -> None:
+    theirs: Any = pytest.importorskip("torch.distributed.autograd")
+    for ours_call, torch_call in (
+        (lambda: dist_autograd.backward(0, None), lambda: theirs.backward(0, None)),  # type: ignore[arg-type]
+        (lambda: dist_autograd.backward(None, None), lambda: theirs.backward(None, None)),  # type: ignore[arg-type]
+        (lambda: dist_autograd.backward(0, [1]), lambda: theirs.backward(0, [1])),  # type: ignore[list-item]
+        (lambda: dist_autograd.get_gradients("x"), lambda: theirs.get_gradients("x")),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(TypeError) as torchs:
+            torch_call()
+        with pytest.raises(TypeError) as ours:
+            ours_call()
+        prefix = str(torchs.value).split(". ")[0]
+        assert prefix.endswith("(): incompatible function arguments"), prefix
+        assert str(ours.value).startswith(prefix), (str(ours.value), prefix)
