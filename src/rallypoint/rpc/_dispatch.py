@@ -128,9 +128,10 @@ class Dispatcher:
                     conn.peer_name, frame.data, frame.tensors
                 )
             except AttributeError as exc:
-                raise AttributeError(
-                    f"{exc} Default RPC pickler does not serialize function code. Ensure that "
-                    "UDFs are defined on both caller and callee modules."
+                # not the function's own error: a RuntimeError on the caller, as torch's
+                raise RuntimeError(
+                    f"AttributeError: {exc} Default RPC pickler does not serialize function "
+                    "code. Ensure that UDFs are defined on both caller and callee modules."
                 ) from exc
             result = func(*args, **kwargs) if ctx is None else run_in(ctx, func, args, kwargs)
             if frame.kind is _ONEWAY:

@@ -1,0 +1,82 @@
+"""RPC behaviour found by running torch's own RpcTest against rallypoint, compared with torch.
+
+Each case runs on both backends in the same test: a function the callee does not have
+fails with torch's ``RuntimeError`` ("Default RPC pickler does not serialize function
+code"), and a duplicate worker name fails every worker with a message that says the name
+"is not unique" (torch's wording, which torch's test matches).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from rallypoint import rpc
+from rallypoint._core.envvars import RPC_SECRET
+from rallypoint.testing import run_workers
+
+ENV = {RPC_SECRET: "torch-suite-secret"}
+BACKENDS = ("RALLYPOINT", "TENSORPIPE")
+
+
+def only_on_the_caller() -> torch.Tensor:
+    return torch.ones(1)
+
+
+def _init(backend: str, name: str, world_size: int) -> None:
+    kind = rpc.BackendType[backend]
+    options = rpc.construct_rpc_backend_options(kind, rpc_timeout=20)
+    rank = int(os.environ["RANK"])
+    rpc.init_rpc(name, backend=kind, rank=rank, world_size=world_size, rpc_backend_options=options)
+
+
+def _missing_function(backend: str) -> tuple[str, str] | None:
+    rank = int(os.environ["RANK"])
+    _init(backend, f"w{rank}", 2)
+    out = None
+    try:
+        if rank == 1:
+            del globals()["only_on_the_caller"]
+        time.sleep(0.5)  # let rank 1 forget it before rank 0 calls
+        if rank == 0:
+            try:
+                rpc.rpc_sync("w1", only_on_the_caller)
+            except Exception as exc:  # the type is what is compared
+                out = (type(exc).__name__, str(exc))
+    finally:
+        rpc.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_function_missing_on_the_callee_is_torchs_runtime_error() -> None:
+    for backend in BACKENDS:
+        seen = run_workers(_missing_function, 2, backend, timeout=60, env=ENV)[0]
+        assert seen is not None, backend
+        kind, message = seen
+        assert kind == "RuntimeError", (backend, seen)
+        assert "RPC pickler does not serialize function code" in " ".join(message.split())
+        assert "only_on_the_caller" in message
+
+
+def _duplicate(backend: str) -> tuple[str, str]:
+    rank = int(os.environ["RANK"])
+    try:
+        _init(backend, f"w{rank % 2}", 3)  # ranks 0 and 2 are both "w0"
+    except RuntimeError as exc:  # torch: RuntimeError; rallypoint: RpcError, a RuntimeError
+        return ("RuntimeError", str(exc))
+    rpc.shutdown()
+    return ("no error", "")
+
+
+@pytest.mark.timeout(120)
+def test_a_duplicate_name_fails_every_worker_saying_it_is_not_unique() -> None:
+    for backend in BACKENDS:
+        seen: list[Any] = run_workers(_duplicate, 3, backend, timeout=60, env=ENV)
+        for kind, message in seen:
+            assert kind == "RuntimeError", (backend, seen)
+            assert "w0" in message and "is not unique" in message, (backend, message)
