@@ -155,7 +155,7 @@ def gather_static(store: Any, world_size: int, timeout: float) -> list[WorkerRec
         if record.name in seen:
             raise RpcError(
                 f"worker name {record.name!r} is used by ranks {seen[record.name]} and "
-                f"{record.rank}; every worker needs a unique name"
+                f"{record.rank}: the name is not unique; every worker needs a unique name"
             )
         seen[record.name] = record.rank
     return records
