@@ -3,7 +3,8 @@
 Each case runs on both backends in the same test: a function the callee does not have
 fails with torch's ``RuntimeError`` ("Default RPC pickler does not serialize function
 code"), and a duplicate worker name fails every worker with a message that says the name
-"is not unique" (torch's wording, which torch's test matches).
+"is not unique" (torch's wording, which torch's test matches). ``WorkerInfo`` checks its
+name as torch's constructor does (``RuntimeError``, torch's message).
 """
 
 from __future__ import annotations
@@ -80,3 +81,16 @@ def test_a_duplicate_name_fails_every_worker_saying_it_is_not_unique() -> None:
         for kind, message in seen:
             assert kind == "RuntimeError", (backend, seen)
             assert "w0" in message and "is not unique" in message, (backend, message)
+
+
+def test_worker_info_checks_the_name_as_torchs() -> None:
+    theirs: Any = pytest.importorskip("torch.distributed.rpc")
+    for bad in ("abc*", " ", "", "a" * 128):
+        with pytest.raises(RuntimeError) as torchs:
+            theirs.WorkerInfo(bad, 0)
+        with pytest.raises(RuntimeError) as ours:
+            rpc.WorkerInfo(bad, 0)
+        prefix = str(torchs.value).split(", but got")[0]
+        assert str(ours.value).startswith(prefix), (str(ours.value), prefix)
+    good = "worker-0:a_b"
+    assert repr(rpc.WorkerInfo(good, 3)) == repr(theirs.WorkerInfo(good, 3))
