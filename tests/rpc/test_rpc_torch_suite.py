@@ -4,7 +4,9 @@ Each case runs on both backends in the same test: a function the callee does not
 fails with torch's ``RuntimeError`` ("Default RPC pickler does not serialize function
 code"), and a duplicate worker name fails every worker with a message that says the name
 "is not unique" (torch's wording, which torch's test matches). ``WorkerInfo`` checks its
-name as torch's constructor does (``RuntimeError``, torch's message).
+name as torch's constructor does (``RuntimeError``, torch's message). ``init_rpc`` succeeds
+when a peer finished its own ``init_rpc`` and left with ``shutdown(graceful=False)`` before
+this worker opened its first connection to it.
 """
 
 from __future__ import annotations
@@ -94,3 +96,47 @@ def test_worker_info_checks_the_name_as_torchs() -> None:
         assert str(ours.value).startswith(prefix), (str(ours.value), prefix)
     good = "worker-0:a_b"
     assert repr(rpc.WorkerInfo(good, 3)) == repr(theirs.WorkerInfo(good, 3))
+
+
+def _one_leaves_right_after_init(backend: str, gone: str) -> str:
+    rank = int(os.environ["RANK"])
+    if rank == 0 and backend == "RALLYPOINT":
+        # make torch's race certain: rank 0 opens its warm-up connection to w2 only after
+        # w2 has left (torch's RpcTest.test_local_shutdown loses it now and then)
+        from rallypoint.rpc._connections import Connections
+
+        real = Connections._open
+
+        def late(self: Connections, name: str) -> Any:
+            deadline = time.monotonic() + 30
+            while name == "w2" and not os.path.exists(gone) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return real(self, name)
+
+        Connections._open = late  # type: ignore[method-assign]
+    _init(backend, f"w{rank}", 3)
+    if rank == 2:
+        rpc.shutdown(graceful=False)
+        open(gone, "w").close()
+        return "left"
+    done = f"{gone}.done"
+    if rank == 1:  # stay until rank 0 has its answer
+        deadline = time.monotonic() + 30
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rpc.shutdown(graceful=False)
+        return "served"
+    result = rpc.rpc_sync("w1", torch.add, args=(torch.ones(1), 1))
+    open(done, "w").close()
+    rpc.shutdown(graceful=False)
+    return f"{result.item():.0f}"
+
+
+@pytest.mark.timeout(150)
+def test_init_rpc_succeeds_when_a_peer_already_left_with_an_ungraceful_shutdown(
+    tmp_path: Any,
+) -> None:
+    for backend in BACKENDS:
+        gone = str(tmp_path / f"{backend}-gone")
+        seen = run_workers(_one_leaves_right_after_init, 3, backend, gone, timeout=60, env=ENV)
+        assert seen == ["2", "served", "left"], (backend, seen)
