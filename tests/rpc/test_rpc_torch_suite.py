@@ -7,7 +7,9 @@ code"), and a duplicate worker name fails every worker with a message that says 
 name as torch's constructor does (``RuntimeError``, torch's message). ``init_rpc`` succeeds
 when a peer finished its own ``init_rpc`` and left with ``shutdown(graceful=False)`` before
 this worker opened its first connection to it. ``RRef.backward`` (owner and user RRefs,
-local and distributed) and an ``RRef`` made before ``init_rpc`` behave as torch's.
+local and distributed) and an ``RRef`` made before ``init_rpc`` behave as torch's. A
+remote error's message has its escapes undone (a ``\\n`` is a new line) and the callee
+prints the error on its stderr, as torch's.
 """
 
 from __future__ import annotations
@@ -212,3 +214,40 @@ def test_an_rref_before_init_rpc_says_the_agent_is_not_set_as_torchs() -> None:
         rpc.RRef(1)
     prefix = "Current RPC agent is not set! Did you initialize the RPC framework"
     assert str(torchs.value).startswith(prefix) and str(ours.value).startswith(prefix)
+
+
+MULTILINE = "\nFirst line of error \n next line of error \n last line of error"
+
+
+def _raise_multiline() -> None:
+    raise ValueError(MULTILINE)
+
+
+def _remote_error(backend: str) -> tuple[str, str]:
+    import contextlib
+    import io
+
+    rank = int(os.environ["RANK"])
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        _init(backend, f"w{rank}", 2)
+        message = ""
+        try:
+            if rank == 0:
+                try:
+                    rpc.rpc_sync("w1", _raise_multiline)
+                except ValueError as exc:
+                    message = str(exc)
+        finally:
+            rpc.shutdown()
+    return message, stderr.getvalue()
+
+
+@pytest.mark.timeout(150)
+def test_a_remote_error_is_unescaped_and_printed_on_the_callee_as_torchs() -> None:
+    for backend in BACKENDS:
+        (message, _), (_, callee_stderr) = run_workers(_remote_error, 2, backend, env=ENV)
+        # torch's RpcTest.test_py_raise_in_user_func_escaped_str and ..._in_user_func
+        assert MULTILINE in message, (backend, message)
+        assert message == message.encode("utf-8").decode("unicode_escape"), backend
+        assert "First line of error" in callee_stderr, (backend, callee_stderr)
