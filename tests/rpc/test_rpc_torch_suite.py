@@ -9,7 +9,8 @@ when a peer finished its own ``init_rpc`` and left with ``shutdown(graceful=Fals
 this worker opened its first connection to it. ``RRef.backward`` (owner and user RRefs,
 local and distributed) and an ``RRef`` made before ``init_rpc`` behave as torch's. A
 remote error's message has its escapes undone (a ``\\n`` is a new line) and the callee
-prints the error on its stderr, as torch's.
+prints the error on its stderr, as torch's. Pickling an ``RRef`` outside RPC, an unknown
+destination and a user RRef's ``to_here`` after ``shutdown`` fail with torch's words.
 """
 
 from __future__ import annotations
@@ -251,3 +252,38 @@ def test_a_remote_error_is_unescaped_and_printed_on_the_callee_as_torchs() -> No
         assert MULTILINE in message, (backend, message)
         assert message == message.encode("utf-8").decode("unicode_escape"), backend
         assert "First line of error" in callee_stderr, (backend, callee_stderr)
+
+
+def _rref_misuse(backend: str) -> dict[str, str] | None:
+    import pickle
+
+    rank = int(os.environ["RANK"])
+    _init(backend, f"w{rank}", 2)
+    out: dict[str, str] = {}
+    rref = rpc.remote(f"w{1 - rank}", torch.add, args=(torch.ones(1), 1))
+    rref.to_here()
+    for name, call in (
+        ("pickle", lambda: pickle.dumps(rpc.RRef(35))),
+        ("unknown name", lambda: rpc.rpc_sync("nobody", torch.add, args=(1, 1))),
+    ):
+        try:
+            call()
+            out[name] = "no error"
+        except RuntimeError as exc:
+            out[name] = str(exc)
+    rpc.shutdown()
+    try:
+        rref.to_here()
+        out["after shutdown"] = "no error"
+    except RuntimeError as exc:
+        out["after shutdown"] = str(exc)
+    return out if rank == 0 else None
+
+
+@pytest.mark.timeout(150)
+def test_rref_and_destination_misuse_say_what_torch_says() -> None:
+    for backend in BACKENDS:
+        seen = run_workers(_rref_misuse, 2, backend, timeout=60, env=ENV)[0]
+        assert "Can not pickle rref in python pickler" in seen["pickle"], (backend, seen)
+        assert "could not find destination" in seen["unknown name"], (backend, seen)
+        assert "Cannot call to_here() on it after deletion." in seen["after shutdown"], seen

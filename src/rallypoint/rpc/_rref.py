@@ -128,7 +128,15 @@ class RRef(Generic[T]):
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:
         """Copy the value from the owner (the value itself on the owner)."""
         caller = self._table.caller
-        caller.check_open()
+        try:
+            caller.check_open()
+        except RpcError:
+            if self.is_owner():
+                raise
+            raise RpcError(  # torch's words: shutdown deleted the user RRefs
+                f"User RRef with RRefId={tuple(self._id)} has been deleted. Cannot call "
+                "to_here() on it after deletion."
+            ) from None
         if self.is_owner():
             return self.local_value()
         value: T = caller.rpc_async(self._owner, owner_fetch, (self._id,), {}, timeout).wait()
@@ -168,6 +176,11 @@ class RRef(Generic[T]):
         done: torch.futures.Future[Any] = torch.futures.Future()
         done.set_result(None)
         return done
+
+    def __reduce__(self) -> Any:
+        raise RuntimeError(
+            "Can not pickle rref in python pickler, rref can only be pickled when using RPC"
+        )
 
     def __repr__(self) -> str:
         kind = "OwnerRRef" if self.is_owner() else "UserRRef"
