@@ -8,6 +8,10 @@ processes (torch's RPC state is global per process):
 - tensor echo bandwidth for 1 MiB and 64 MiB (payload bytes / round-trip time)
 - ``init_rpc`` and ``shutdown`` wall time for 2, 4 and 8 workers (slowest worker, median
   of 3 runs)
+- the machine's floor for one dependent hop, with no RPC at all: the median round trip of
+  a 24-byte ping-pong between two processes over a Unix socket pair (printed under the
+  table; every cross-process hop of the training step pays at least half of it; on a VM
+  it depends on whether the scheduler puts the two processes on one vCPU)
 - one training step with distributed autograd of a two-stage model-parallel model:
   stage 1 (``Linear(64, 64)`` + ReLU) on worker1 and stage 2 on worker2, both created with
   ``remote``, driven by worker0 with ``rpc_sync`` (batch 32); forward, ``dist_autograd``
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import time
 from typing import Any
@@ -177,6 +182,29 @@ def _autograd(quick: bool) -> dict[str, float]:
     return {b: statistics.median(v) * 1e6 for b, v in runs.items()}
 
 
+def socket_floor_us(rounds: int = 3000) -> float:
+    """Median round trip (µs) of a raw ping-pong between two processes: no RPC, no torch."""
+    ours, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the echoing process
+        ours.close()
+        try:
+            while data := theirs.recv(64):
+                theirs.sendall(data)
+        finally:
+            os._exit(0)
+    theirs.close()
+    times = []
+    for _ in range(rounds + 200):
+        t0 = time.perf_counter()
+        ours.sendall(b"x" * 24)
+        ours.recv(64)
+        times.append(time.perf_counter() - t0)
+    ours.close()
+    os.waitpid(pid, 0)
+    return statistics.median(times[200:]) * 1e6
+
+
 def _env(rank: int) -> dict[str, str]:
     return {RPC_SECRET: "benchmark-secret"}
 
@@ -269,6 +297,12 @@ def main() -> None:
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
     )
     print(table(results))
+    if args.only in ("all", "autograd"):
+        floors = sorted(socket_floor_us() for _ in range(5))
+        print(
+            "\nfloor, no RPC: ping-pong between two processes over a Unix socket, round "
+            f"trip {floors[2]:.1f} µs (median of 5 runs, {floors[0]:.1f}-{floors[-1]:.1f})"
+        )
     if args.plot:
         plot(results, args.plot)
 

@@ -39,6 +39,18 @@ def _ping() -> str:
     return str(rpc.get_worker_info().name)
 
 
+_SERVED: list[threading.Thread] = []  # kept alive: their ids stay distinct
+
+
+def _slow_here(seconds: float) -> None:
+    _SERVED.append(threading.current_thread())
+    time.sleep(seconds)
+
+
+def _threads_served() -> int:
+    return len({id(thread) for thread in _SERVED})
+
+
 def _back_and_forth(to: str, n: int) -> int:
     """Calls from the callee back to the caller while the caller's request is running."""
     return sum(rpc.rpc_sync(to, _ping) == to for _ in range(n))
@@ -68,6 +80,12 @@ def _two_blocking_requests() -> dict[str, Any]:
         long = rpc.rpc_async("w1", _slow, args=(1.0,))
         out["pings"] = rpc.rpc_sync("w1", _back_and_forth, args=("w0", 50))
         out["long"] = long.wait()
+        # every one of these is handed over (30 ms > the 5 ms stall): the thread that kept
+        # a request parks and serves a later hand-over, instead of a new thread each time
+        # (a fresh thread builds torch's intra-op team again: slow model-parallel stages)
+        for _ in range(20):
+            rpc.rpc_sync("w1", _slow_here, args=(0.03,))
+        out["threads"] = rpc.rpc_sync("w1", _threads_served)
     rpc.shutdown()
     return out
 
@@ -79,3 +97,4 @@ def test_a_request_that_blocks_after_a_hand_over_is_handed_over_again() -> None:
     assert out["gated_s"] < 2.0, out  # not the 8 s the gated request waits at most
     assert out["first"] is True and out["long"] == 1.0
     assert out["pings"] == 50
+    assert out["threads"] <= 4, out  # 20 without the reader pool

@@ -183,3 +183,57 @@ def test_public_surface_mirrors_torch() -> None:
         assert getattr(rpc, name) is not None, name
     assert set(_registry.__all__) <= set(rpc.__all__)
     assert callable(rpc.functions.async_execution)
+
+
+def _tensorpipe_options_without_backend(path: str) -> dict[str, Any]:
+    from rallypoint.rpc._agent import current_rallypoint_agent
+    from rallypoint.rpc._backend import CURRENT_AGENT
+
+    out: dict[str, Any] = {}
+    options = rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=3, rpc_timeout=7, init_method=f"file://{path}-a"
+    )
+    rpc.init_rpc("solo", rank=0, world_size=1, rpc_backend_options=options)  # no backend
+    agent = current_rallypoint_agent()  # RpcError if it is torch's agent
+    out["ours"] = (agent.options.num_worker_threads, rpc.get_rpc_timeout())
+    out["sum"] = rpc.rpc_sync("solo", max, args=(2, 7))
+    rpc.shutdown()
+    options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=5, init_method=f"file://{path}-b")
+    rpc.init_rpc(
+        "solo",
+        backend=rpc.BackendType.TENSORPIPE,
+        rank=0,
+        world_size=1,
+        rpc_backend_options=options,
+    )
+    out["theirs"] = (
+        type(CURRENT_AGENT.get()).__name__,
+        rpc.get_rpc_timeout(),
+        rpc.rpc_sync("solo", max, args=(2, 7)),
+    )
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_torchs_tensorpipe_options_without_a_backend_run_on_rallypoint(tmp_path: Any) -> None:
+    env = {"RALLYPOINT_RPC_SECRET": "registry-secret"}
+    path = str(tmp_path / "s")
+    out = run_workers(_tensorpipe_options_without_backend, 1, path, timeout=50, env=env)[0]
+    assert out["ours"] == (3, 7.0) and out["sum"] == 7
+    assert out["theirs"] == ("TensorPipeAgentAdapter", 5.0, 7)  # named: torch's agent
+
+
+def test_tensorpipe_options_carry_over_to_rallypoints() -> None:
+    theirs = rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=5, rpc_timeout=9, init_method="tcp://127.0.0.1:1"
+    )
+    theirs.set_device_map("w1", {"cpu": "cpu"})
+    ours = rpc.RallypointRpcBackendOptions.from_tensorpipe(theirs)
+    assert (ours.num_worker_threads, ours.rpc_timeout, ours.init_method) == (
+        5,
+        9,
+        "tcp://127.0.0.1:1",
+    )
+    assert ours.device_maps == {"w1": {torch.device("cpu"): torch.device("cpu")}}
+    assert ours.devices == []

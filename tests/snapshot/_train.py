@@ -6,7 +6,8 @@ argv: OUT MODE STEPS. MODE says how this run is interrupted at step 37:
 - ``none``: it is not;
 - ``crash``: rank 1 is SIGKILLed (first attempt only);
 - ``node``: the last rank writes its pid to ``OUT/at37`` and sleeps, so the test kills its
-  node;
+  node (with ``SNAPSHOT_TEST_HOST`` set, the last local rank of a host other than ``h0``,
+  which hosts the rendezvous store: ranks follow the nodes' arrival order);
 - ``savecrash``: rank 1 dies in the middle of the save of step 37 (after staging, before
   the commit) on the first attempt;
 - ``grow``: a world of one rank trains until the job grows (scale-up).
@@ -25,6 +26,14 @@ import torch
 import torch.distributed as dist
 
 from rallypoint import snapshot
+
+
+def _marks_the_node(rank: int, world: int) -> bool:
+    host = os.environ.get("SNAPSHOT_TEST_HOST")
+    if host is None:
+        return rank == world - 1
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    return host != "h0" and local_rank == local_world - 1
 
 
 def train(out: str, mode: str, steps: int) -> None:
@@ -74,7 +83,7 @@ def train(out: str, mode: str, steps: int) -> None:
         if step + 1 == 37 and mode == "crash" and rank == 1 and first:
             snapshot.wait()
             os.kill(os.getpid(), signal.SIGKILL)
-        if step + 1 == 37 and mode == "node" and rank == world - 1:
+        if step + 1 == 37 and mode == "node" and _marks_the_node(rank, world):
             marker = os.path.join(out, "at37")
             if not os.path.exists(marker):
                 snapshot.wait()

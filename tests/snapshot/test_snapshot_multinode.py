@@ -150,7 +150,11 @@ def test_cut_link_at_37_replacement_host_resumes_at_37_bit_identical(
         def start(host: int) -> subprocess.Popen[Any]:
             cmd = agent_cmd("h0:29400", "netcut", tmp_path, "node")
             return net.hosts[host].popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                cmd,
+                env={**env, "SNAPSHOT_TEST_HOST": f"h{host}"},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
 
         first = start(0)
@@ -158,7 +162,7 @@ def test_cut_link_at_37_replacement_host_resumes_at_37_bit_identical(
         second = start(1)
         _wait_for(tmp_path / "at37")
         lost = _node_of(int((tmp_path / "at37").read_text()), [first, second])
-        assert lost == 1, "h0 hosts the rendezvous store; the last rank runs on h1"
+        assert lost == 1, "h0 hosts the rendezvous store; h1 marks the step (see _train)"
         net.hosts[1].cut()  # its link goes down: no reset, packets vanish
         replacement = start(2)
         texts = _finish([first, replacement])

@@ -21,7 +21,7 @@ must know the job's secret (``RALLYPOINT_RPC_SECRET``, set by ``rallypoint run``
 
 Imports point down these lines, and within a line from left to right (no cycles)::
 
-    optim -> dist_autograd -> _api -> _registry -> _agent (RALLYPOINT) | _tensorpipe
+    optim, nn -> dist_autograd -> _api -> _registry -> _agent (RALLYPOINT) | _tensorpipe
     the agent's parts:  _membership, _dispatch, _connections, _codec
     its bookkeeping:    _rref, _rref_table, _autograd, _autograd_engine, _liveness, _peers,
                         _calls
@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from rallypoint._core.public import set_public_module
-from rallypoint.rpc import dist_autograd, functions, optim
+from rallypoint.rpc import dist_autograd, functions, nn, optim
 from rallypoint.rpc._api import (
     get_rpc_timeout,
     get_worker_info,
@@ -106,6 +106,7 @@ __all__ = [
     "init_backend",
     "init_rpc",
     "is_available",
+    "nn",
     "optim",
     "register_backend",
     "remote",

@@ -20,7 +20,7 @@ from rallypoint.rpc import _registry
 from rallypoint.rpc._backend import CURRENT_AGENT
 from rallypoint.rpc._constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 from rallypoint.rpc._groups import validate_name
-from rallypoint.rpc._options import RpcBackendOptions
+from rallypoint.rpc._options import RallypointRpcBackendOptions, RpcBackendOptions
 from rallypoint.rpc._store import create_store
 
 logger = logging.getLogger("rallypoint.rpc")
@@ -63,7 +63,7 @@ def init_rpc(
         backend = _registry.resolve_backend(backend)
     if rpc_backend_options is not None and not _is_options(rpc_backend_options):
         raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
-    backend = _choose_backend(backend, rpc_backend_options)
+    backend, rpc_backend_options = _choose_backend(backend, rpc_backend_options)
     if rpc_backend_options is None:
         rpc_backend_options = _registry.construct_rpc_backend_options(backend)
     validate_name(name)
@@ -79,12 +79,27 @@ def init_rpc(
             raise
 
 
-def _choose_backend(backend: Any, options: Any) -> Any:
-    """``backend``, else the one whose options type ``options`` is, else RALLYPOINT."""
+def _choose_backend(backend: Any, options: Any) -> tuple[Any, Any]:
+    """``backend``, else the one whose options type ``options`` is, else RALLYPOINT; and
+    the options to start it with.
+
+    torch's ``TensorPipeRpcBackendOptions`` without a ``backend`` mean rallypoint's backend
+    with the same settings: programs written for torch build them, and a program whose
+    only change is its import runs on rallypoint. ``backend=BackendType.TENSORPIPE`` runs
+    torch's agent.
+    """
     if backend is not None:
-        return backend
+        return backend, options
+    rallypoint = _registry.BackendType["RALLYPOINT"]
     if options is None:
-        return _registry.BackendType["RALLYPOINT"]
+        return rallypoint, options
+    if _is_tensorpipe_options(options):
+        logger.info(
+            "init_rpc: TensorPipeRpcBackendOptions without a backend: running on "
+            "rallypoint's backend with their num_worker_threads, rpc_timeout, init_method "
+            "and device maps (pass backend=BackendType.TENSORPIPE for torch's agent)"
+        )
+        return rallypoint, RallypointRpcBackendOptions.from_tensorpipe(options)
     for candidate in _registry.BackendType:
         default = _registry.construct_rpc_backend_options(candidate)
         if isinstance(options, type(default)):
@@ -99,7 +114,13 @@ def _choose_backend(backend: Any, options: Any) -> Any:
             candidate,
             candidate,
         )
-    return candidate
+    return candidate, options
+
+
+def _is_tensorpipe_options(options: Any) -> bool:
+    rpc: Any = importlib.import_module("torch.distributed.rpc")
+    tensorpipe = getattr(rpc, "TensorPipeRpcBackendOptions", None)
+    return tensorpipe is not None and isinstance(options, tensorpipe)
 
 
 def _start(backend: Any, name: str, rank: int, world_size: int | None, options: Any) -> None:

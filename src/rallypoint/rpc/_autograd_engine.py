@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from rallypoint.rpc import _ddp
+
 _ACC: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 _ENGINE: Any = torch.autograd.Variable._execution_engine
 
@@ -282,6 +284,8 @@ def execute(rnd: Round, plan: Plan) -> Outcome:
     # a leaf's gradient that came straight from a receiver: the engine never saw it, so
     # run the leaf's hooks here (the engine runs them for the leaves it computes)
     leaves = [(leaf, _leaf_hooks(leaf, grad)) for leaf, grad in plan.direct]
+    if leaves:
+        _ddp.check_direct(leaves)
     recv: list[tuple[Node, torch.Tensor | None]] = [(node, None) for node in plan.recv_dead]
     recv.extend(plan.recv_passed)
     if not plan.outputs:
@@ -301,19 +305,28 @@ def execute(rnd: Round, plan: Plan) -> Outcome:
         retain = retain or bool(handles)
     if not inputs:
         return Outcome(leaves, recv)
+    # DDP modules among the leaves: their reducers run in this pass (see _ddp)
+    ddp = _ddp.begin(inputs[: len(leaf_nodes)]) if leaf_nodes else None
     try:
         # torch.autograd.grad without its argument checks: every gradient here has its
         # tensor's shape already (a third of the cost of a small pass)
         grads = _ENGINE.run_backward(
             tuple(plan.outputs), tuple(plan.grads), retain, False, tuple(inputs), True, False
         )
+    except BaseException:
+        if ddp is not None:
+            ddp.restore()
+        raise
     finally:
         for handle in handles:
             handle.remove()
     n_leaves, n_recv = len(leaf_nodes), len(plan.recv_done)
+    reduced = set() if ddp is None else ddp.parameter_ids
     for node, grad in zip(leaf_nodes, grads[:n_leaves], strict=True):
-        if grad is not None:
+        if grad is not None and id(leaf_of(node)) not in reduced:
             leaves.append((leaf_of(node), grad))
+    if ddp is not None:
+        leaves.extend(ddp.finish())
     recv.extend(zip(plan.recv_done, grads[n_leaves : n_leaves + n_recv], strict=True))
     for (node, input_nr), grad in zip(plan.pending, grads[n_leaves + n_recv :], strict=True):
         rnd.capture(node, input_nr, grad)

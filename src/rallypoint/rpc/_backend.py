@@ -51,6 +51,15 @@ class RpcAgent(abc.ABC):
         """``RRef(value)`` for a backend with its own RRef type; ``None``: rallypoint's RRef."""
         return None
 
+    def device_map_to(self, worker_name: str) -> dict[Any, Any]:
+        """This worker's device map for calls to ``worker_name`` (empty: none).
+
+        The default reads ``options.device_maps`` (the backend options every built-in
+        agent keeps as ``options``); a backend that keeps its maps elsewhere overrides it.
+        """
+        maps = getattr(getattr(self, "options", None), "device_maps", None) or {}
+        return dict(maps.get(worker_name, {}))
+
 
 CURRENT_AGENT: Current[RpcAgent] = Current()
 """The agent the public calls use (set by ``init_rpc``, and by a backend before it joins)."""

@@ -25,6 +25,7 @@ from rallypoint.rpc._errors import NOT_INITIALIZED, RpcConnectionError, RpcError
 from rallypoint.rpc._groups import WorkerInfo, host_key
 from rallypoint.rpc._options import RallypointRpcBackendOptions
 from rallypoint.rpc._peers import PeerTable
+from rallypoint.rpc._reader_pool import ReaderPool
 from rallypoint.rpc._shm import SegmentPool
 from rallypoint.rpc._transport import Connection, OnFrame, connect
 
@@ -61,6 +62,7 @@ class Connections:
         self._calls = calls
         self._unix_socket = options.unix_socket
         self._ready = threading.Event()
+        self._readers = ReaderPool(max_parked=options.num_worker_threads)
         # every connection, either way, shares these
         self._connection = functools.partial(
             Connection,
@@ -70,6 +72,7 @@ class Connections:
             shm_threshold=options.shm_threshold,
             stats=self.stats,
             limiter=threading.Semaphore(options.num_worker_threads),
+            readers=self._readers,
         )
         self._out: dict[str, Connection] = {}
         self._connect_locks: dict[str, threading.Lock] = {}
@@ -204,4 +207,5 @@ class Connections:
         for conn in conns:
             conn.flush()
             conn.close()
+        self._readers.close()
         return True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -130,6 +131,19 @@ class RallypointRpcBackendOptions(RpcBackendOptions):
     def set_devices(self, devices: list[DeviceLike]) -> None:
         """Set the local (CUDA) devices this worker uses for RPC."""
         self.devices = to_device_list(devices)
+
+    @classmethod
+    def from_tensorpipe(cls, options: Any) -> RallypointRpcBackendOptions:
+        """torch's ``TensorPipeRpcBackendOptions`` as ours: the fields both have carry over
+        (``num_worker_threads``, ``rpc_timeout``, ``init_method``, device maps, devices);
+        TensorPipe's transports and channels have no meaning here."""
+        return cls(
+            num_worker_threads=options.num_worker_threads,
+            rpc_timeout=options.rpc_timeout,
+            init_method=options.init_method,
+            device_maps={name: dict(map_) for name, map_ in options.device_maps.items()},
+            devices=list(options.devices),
+        )
 
     def replace(self, **changes: object) -> RallypointRpcBackendOptions:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

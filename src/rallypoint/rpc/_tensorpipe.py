@@ -55,6 +55,9 @@ class TensorPipeAgentAdapter(RpcAgent):
         """Under this backend a local RRef is torch's own."""
         return _rpc().RRef(value, type_hint)
 
+    def device_map_to(self, worker_name: str) -> dict[Any, Any]:
+        return dict(self.agent._get_device_map(self.agent.get_worker_info(worker_name)))
+
 
 def start_tensorpipe(
     store: Any, name: str, rank: int, world_size: int | None, options: Any

@@ -9,7 +9,8 @@ thread completes the futures. Hot-path rules: ``TCP_NODELAY``, one ``sendmsg`` p
 A request that blocks (a nested RPC, a lock, a slow function) would stall every later
 frame on its connection, so a monitor hands the reader role to a fresh thread once the
 current one has been busy for ``STALL_SECONDS``; the old thread finishes its request,
-sends the reply and exits. Fast calls pay no thread hand-off; blocking ones cannot
+sends the reply and parks in the agent's :class:`~rallypoint.rpc._reader_pool.ReaderPool`,
+where the next hand-over finds it. Fast calls pay no thread hand-off; blocking ones cannot
 deadlock the connection.
 """
 
@@ -31,6 +32,7 @@ import torch
 
 from rallypoint.rpc import _wire
 from rallypoint.rpc._errors import RpcConnectionError, RpcProtocolError
+from rallypoint.rpc._reader_pool import ReaderPool
 from rallypoint.rpc._shm import RemoteSegments, Segment, SegmentPool
 
 logger = logging.getLogger("rallypoint.rpc")
@@ -217,6 +219,7 @@ class Connection:
         outbound: bool = False,
         limiter: threading.Semaphore | None = None,
         gate: threading.Event | None = None,
+        readers: ReaderPool | None = None,
     ) -> None:
         self.sock = sock
         self.peer_name = peer_name
@@ -242,6 +245,7 @@ class Connection:
         self.outbound = outbound  # we opened it (our calls go out on it)
         self.limiter = limiter  # bounds the readers handed off by check_stall
         self._gate = gate  # readers wait for it before the first frame
+        self._readers = readers  # where reader threads come from (else: a new thread each)
         self._handed_off: set[int] = set()
         self.pending: dict[int, torch.futures.Future[Any]] = {}  # the caller's calls on it
 
@@ -342,13 +346,11 @@ class Connection:
         self._spawn_reader(self._generation)
 
     def _spawn_reader(self, generation: int) -> None:
-        thread = threading.Thread(
-            target=self._read_loop,
-            args=(generation,),
-            name=f"rpc-reader-{self.peer_name}",
-            daemon=True,
-        )
-        thread.start()
+        name = f"rpc-reader-{self.peer_name}"
+        if self._readers is not None:
+            self._readers.run(name, self._read_loop, generation)
+            return
+        threading.Thread(target=self._read_loop, args=(generation,), name=name, daemon=True).start()
 
     def _read_loop(self, generation: int) -> None:
         try:

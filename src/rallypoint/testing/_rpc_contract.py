@@ -8,8 +8,9 @@ in error classes and wording beyond what is checked here.
 
 ``run_rpc_pattern(backend, pattern)`` runs one pattern of real RPC programs
 (:mod:`rallypoint.testing._rpc_patterns`: an RRef-heavy observer/agent, a parameter
-server whose workers wait in ``shutdown()``, a process group and RPC on one port); every
-backend must return the same results.
+server whose workers wait in ``shutdown()``, a process group and RPC on one port, a
+model-parallel RNN and a pipeline trained with distributed autograd); every backend must
+return the same results.
 """
 
 from __future__ import annotations

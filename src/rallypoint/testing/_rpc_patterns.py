@@ -16,6 +16,18 @@ deterministic stand-ins, so that every backend must give *the same results*:
 - ``model_parallel_rnn``: the model-parallel RNN trained with distributed autograd and
   ``DistributedOptimizer`` (:mod:`rallypoint.testing._rpc_program_rnn`, a torch program
   with only its imports changed).
+- ``ddp_rpc``: pytorch/examples' DDP+RPC program: a ``RemoteModule`` embedding on a
+  parameter server, a DDP linear on two trainers over gloo, distributed autograd and
+  ``DistributedOptimizer`` (:mod:`rallypoint.testing._rpc_program_ddp`).
+- ``pipeline``: the pipeline-parallel example: two model shards held in RRefs on two
+  workers, each guarding its forward with a lock; the master splits every batch into
+  micro-batches in flight together (``RRef(x)`` -> ``shard1.remote().forward`` -> the
+  unconfirmed result RRef forked to ``shard2.rpc_async().forward``, which fetches it with
+  ``to_here``), trains with distributed autograd and ``DistributedOptimizer`` over
+  parameter RRefs listed through ``rref.remote().parameter_rrefs().to_here()``, and also
+  steps an optimizer built on a shard's owner from ``to_here()`` of its own parameter
+  RRefs (a no-op: distributed autograd leaves ``.grad`` alone). :func:`pipeline_reference`
+  trains the same model in one process.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import torch
 
 from rallypoint._core.envvars import RPC_SECRET
 from rallypoint.rpc.functions import async_execution
+from rallypoint.testing._rpc_program_ddp import run_program as _ddp_rpc
 from rallypoint.testing._rpc_program_rnn import run_program as _model_parallel_rnn
 from rallypoint.testing._workers import run_workers
 
@@ -235,6 +248,110 @@ def _parameter_server(backend: str) -> Any:
     return out
 
 
+# ---- pipeline parallelism ------------------------------------------------------------------
+_PIPE_SIZES = ((6, 8, 1), (8, 3, 2))  # (in, out, seed) of the two shards
+_PIPE_STEPS = 3
+_PIPE_MICRO = 2  # two micro-batches: their gradients add up exactly in either order
+
+
+class _Shard(torch.nn.Module):
+    def __init__(self, d_in: int, d_out: int, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lock = threading.Lock()
+        self.seq = torch.nn.Sequential(torch.nn.Linear(d_in, d_out), torch.nn.Tanh())
+
+    def forward(self, x_rref: Any) -> torch.Tensor:
+        x = x_rref.to_here()
+        with self.lock:
+            out: torch.Tensor = self.seq(x)
+        return out
+
+    def parameter_rrefs(self) -> list[Any]:
+        from rallypoint import rpc
+
+        return [rpc.RRef(p) for p in self.parameters()]
+
+    def gradients(self, context_id: int) -> list[list[Any]]:
+        from rallypoint.rpc import dist_autograd
+
+        grads = dist_autograd.get_gradients(context_id)
+        return [grads[p].tolist() for p in self.parameters()]
+
+
+def _owner_optimizer(param_rrefs: list[Any]) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p.to_here() for p in param_rrefs], lr=0.1)
+
+
+def _pipe_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    return [
+        (torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen))
+        for _ in range(_PIPE_STEPS)
+    ]
+
+
+def _pipeline_master() -> dict[str, Any]:
+    from rallypoint import rpc
+    from rallypoint.rpc import dist_autograd
+    from rallypoint.rpc.optim import DistributedOptimizer
+
+    shards = [rpc.remote(f"worker{i + 1}", _Shard, args=a) for i, a in enumerate(_PIPE_SIZES)]
+    params = [p for s in shards for p in s.remote().parameter_rrefs().to_here()]
+    owner_opt = rpc.remote("worker1", _owner_optimizer, args=(params[:2],))
+    opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
+    losses: list[float] = []
+    first_grads: list[Any] = []
+    for step, (xs, target) in enumerate(_pipe_batches()):
+        with dist_autograd.context() as context_id:
+            futures = []
+            for x in torch.chunk(xs, _PIPE_MICRO):
+                y_rref = shards[0].remote().forward(rpc.RRef(x))
+                futures.append(shards[1].rpc_async().forward(y_rref))
+            loss = torch.nn.functional.mse_loss(torch.cat(torch.futures.wait_all(futures)), target)
+            dist_autograd.backward(context_id, [loss])
+            if step == 0:
+                first_grads = [g for s in shards for g in s.rpc_sync().gradients(context_id)]
+            opt.step(context_id)
+            owner_opt.rpc_sync().step()
+            owner_opt.rpc_sync().zero_grad()
+            losses.append(loss.item())
+    return {
+        "losses": losses,
+        "first_grads": first_grads,
+        "params": [p.to_here().tolist() for p in params],
+    }
+
+
+def _pipeline(backend: str) -> Any:
+    from rallypoint import rpc
+
+    rank = int(os.environ["RANK"])
+    _init(backend, "master" if rank == 0 else f"worker{rank}", rank, 3, rpc_timeout=30)
+    out = _pipeline_master() if rank == 0 else None
+    rpc.shutdown()
+    return out
+
+
+def pipeline_reference() -> dict[str, Any]:
+    """The ``pipeline`` pattern's model and data trained with plain autograd, one process."""
+    shards = [_Shard(*a) for a in _PIPE_SIZES]
+    params = [p for s in shards for p in s.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    losses: list[float] = []
+    first_grads: list[Any] = []
+    for xs, target in _pipe_batches():
+        out = shards[1].seq(shards[0].seq(xs))
+        loss = torch.nn.functional.mse_loss(out, target)
+        opt.zero_grad()
+        torch.autograd.backward(loss)
+        if not first_grads:
+            first_grads = [p.grad.tolist() for p in params if p.grad is not None]
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "first_grads": first_grads, "params": [p.tolist() for p in params]}
+
+
 # ---- a process group and RPC on one port --------------------------------------------------
 def _next_rank(rank: int) -> int:
     return rank + 1
@@ -275,6 +392,8 @@ PATTERNS: dict[str, tuple[Callable[..., Any], int]] = {
     "parameter_server": (_parameter_server, 3),
     "process_group_and_rpc": (_process_group_and_rpc, 3),
     "model_parallel_rnn": (_model_parallel_rnn, 2),
+    "ddp_rpc": (_ddp_rpc, 4),
+    "pipeline": (_pipeline, 3),
 }
 
 

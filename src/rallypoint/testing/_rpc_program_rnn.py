@@ -17,7 +17,6 @@ plain lists so that runs compare exactly with ``==``.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +36,6 @@ import torch.distributed.rpc as rpc
 from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 """
-_MARKERS = re.compile(
-    r"(# ---- imports \(the only lines a torch program changes\) ----\n)(.*?)"
-    r"(\n# ---- end of imports ----)",
-    re.S,
-)
 
 NTOKEN, NINP, NHID, NLAYERS = 10, 4, 6, 2
 SEQ, BATCH, STEPS = 5, 3, 4
@@ -152,10 +146,6 @@ def run_program(backend: str) -> dict[str, Any] | None:
 
 def torch_version(directory: Path, module_name: str = "torch_rnn_program") -> Path:
     """Write this program with torch's imports (and nothing else changed) into ``directory``."""
-    source = Path(__file__).read_text()
-    torch_source, count = _MARKERS.subn(lambda m: m[1] + TORCH_IMPORTS + m[3], source)
-    if count != 1:
-        raise RuntimeError(f"{__file__}: the import markers are missing or repeated")
-    path = directory / f"{module_name}.py"
-    path.write_text(torch_source)
-    return path
+    from rallypoint.testing import _torch_program
+
+    return _torch_program.torch_version(__file__, TORCH_IMPORTS, directory, module_name)
