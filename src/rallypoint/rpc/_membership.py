@@ -80,8 +80,9 @@ class Group:
         for info in self.peers.infos():
             try:
                 self.connections.get(info.name)  # warm up
-            except RpcConnectionError:
-                if self.peers.dead_reason(info.name) is None:
+            except RpcConnectionError as exc:
+                closed = isinstance(exc.__cause__, ConnectionResetError | BrokenPipeError)
+                if not closed and self.peers.dead_reason(info.name) is None:
                     raise
                 # it already left (shutdown(graceful=False) right after its init_rpc):
                 # torch's init_rpc succeeds then too; a call to it names it as gone
