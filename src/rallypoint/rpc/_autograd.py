@@ -129,11 +129,16 @@ class AutogradContext:
         for tensor, grad in leaves:
             old = self.grads.get(tensor)
             if old is not None:
-                old.add_(grad)
+                if old.is_sparse and not grad.is_sparse:  # in place is impossible (torch too)
+                    self.grads[tensor] = grad + old
+                else:
+                    old.add_(grad)
                 continue
-            storage = grad.untyped_storage().data_ptr()
-            if grad.is_contiguous() and storage not in storages:
+            storage, keep = _storage(grad)
+            if keep and storage not in storages:
                 self.grads[tensor] = grad.detach()
+            elif grad.is_sparse:
+                self.grads[tensor] = grad.detach().clone()
             else:  # an expanded view, or the same gradient given to two leaves
                 self.grads[tensor] = grad.clone(memory_format=torch.contiguous_format)
             storages.add(storage)
@@ -147,6 +152,16 @@ class AutogradContext:
         for message_id, send in list(self.sends.items()):
             found.extend(((message_id, i), node, nr) for i, (node, nr) in enumerate(send.edges))
         return found
+
+
+def _storage(grad: torch.Tensor) -> tuple[int, bool]:
+    """Where a gradient's data lives, and whether it can be kept as it is (torch's rule:
+    a sparse gradient's indices and values must be contiguous, a dense one itself)."""
+    if grad.is_sparse:
+        values = grad._values()
+        keep = grad._indices().is_contiguous() and values.is_contiguous()
+        return values.untyped_storage().data_ptr(), keep
+    return grad.untyped_storage().data_ptr(), grad.is_contiguous()
 
 
 def _edge(tensor: torch.Tensor) -> tuple[Node, int]:

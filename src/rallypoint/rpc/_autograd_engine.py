@@ -268,9 +268,22 @@ def _no_gradient(grads: tuple[torch.Tensor | None, ...]) -> tuple[None, ...]:
     return tuple(None for _ in grads)
 
 
+def _leaf_hooks(leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` after the hooks of ``leaf`` (``Tensor.register_hook``), in order, as torch."""
+    hooks = leaf._backward_hooks
+    if hooks:
+        for hook in list(hooks.values()):
+            out = hook(grad)
+            if out is not None:
+                grad = out
+    return grad
+
+
 def execute(rnd: Round, plan: Plan) -> Outcome:
     """Run the local engine over ``plan``; leaf gradients and received tensors' gradients."""
-    leaves = list(plan.direct)
+    # a leaf's gradient that came straight from a receiver: the engine never saw it, so
+    # run the leaf's hooks here (the engine runs them for the leaves it computes)
+    leaves = [(leaf, _leaf_hooks(leaf, grad)) for leaf, grad in plan.direct]
     if leaves:
         _ddp.check_direct(leaves)
     recv: list[tuple[Node, torch.Tensor | None]] = [(node, None) for node in plan.recv_dead]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
+import sys
 import threading
 import traceback
 from dataclasses import dataclass
@@ -62,15 +63,25 @@ class ErrorReply:
                 kind = pickle.loads(self.exc_type)
             except Exception:
                 kind = None
+        text = _unescaped(self.text)
         if not (isinstance(kind, type) and issubclass(kind, BaseException)):
-            return RuntimeError(self.text)
+            return RuntimeError(text)
         try:
-            return kind(self.text)
+            return kind(text)
         except BaseException as exc:
             return RuntimeError(
                 f"Failed to create original exception type. Error msg was {exc}"
-                f" Original exception on remote side was {self.text}"
+                f" Original exception on remote side was {text}"
             )
+
+
+def _unescaped(text: str) -> str:
+    """The text with the escapes of its ``repr`` line undone (``\\n`` is a new line), as
+    torch's caller does; characters beyond Latin-1 survive, unlike in torch."""
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError:  # a lone backslash: keep the text as it came
+        return text
 
 
 def remote_error_text(where: str, exc: BaseException) -> str:
@@ -128,9 +139,10 @@ class Dispatcher:
                     conn.peer_name, frame.data, frame.tensors
                 )
             except AttributeError as exc:
-                raise AttributeError(
-                    f"{exc} Default RPC pickler does not serialize function code. Ensure that "
-                    "UDFs are defined on both caller and callee modules."
+                # not the function's own error: a RuntimeError on the caller, as torch's
+                raise RuntimeError(
+                    f"AttributeError: {exc} Default RPC pickler does not serialize function "
+                    "code. Ensure that UDFs are defined on both caller and callee modules."
                 ) from exc
             result = func(*args, **kwargs) if ctx is None else run_in(ctx, func, args, kwargs)
             if frame.kind is _ONEWAY:
@@ -202,6 +214,8 @@ class Dispatcher:
             conn.send_frame(_REPLY, rid, data, raws, flush=flush)
 
     def _reply_error(self, conn: Connection, rid: int, exc: BaseException, *, flush: bool) -> None:
-        data = pickle.dumps(ErrorReply.of(self._me, exc))
+        reply = ErrorReply.of(self._me, exc)
+        print(reply.text, file=sys.stderr)  # as torch's callee does: its log shows the error
+        data = pickle.dumps(reply)
         with contextlib.suppress(RpcError):
             conn.send_frame(_ERROR, rid, data, [], flush=flush)

@@ -43,20 +43,33 @@ class WorkerInfo:
     name: str
     id: int
 
+    def __post_init__(self) -> None:
+        # torch's constructor checks the name, with this type and message
+        if not isinstance(self.name, str) or not _valid_name(self.name):
+            raise RuntimeError(_name_error(self.name))
+
     def __repr__(self) -> str:
         return f"WorkerInfo(id={self.id}, name={self.name})"
 
     __str__ = __repr__
 
 
+def _valid_name(name: str) -> bool:
+    return bool(name) and len(name) < 128 and set(name) <= _NAME_CHARS
+
+
+def _name_error(name: object) -> str:
+    return (
+        "Worker name must match ^[A-Za-z0-9-_:]*$, and must be non-empty and shorter "
+        f"than 128 chars, got {name!r}"
+    )
+
+
 def validate_name(name: object) -> str:
     if not isinstance(name, str):
         raise TypeError(f"worker name must be a str, got {type(name).__name__}")
-    if not name or len(name) >= 128 or not set(name) <= _NAME_CHARS:
-        raise ValueError(
-            "Worker name must match ^[A-Za-z0-9-_:]*$, and must be non-empty and shorter "
-            f"than 128 chars, got {name!r}"
-        )
+    if not _valid_name(name):
+        raise ValueError(_name_error(name))
     return name
 
 
@@ -155,7 +168,7 @@ def gather_static(store: Any, world_size: int, timeout: float) -> list[WorkerRec
         if record.name in seen:
             raise RpcError(
                 f"worker name {record.name!r} is used by ranks {seen[record.name]} and "
-                f"{record.rank}; every worker needs a unique name"
+                f"{record.rank}: the name is not unique; every worker needs a unique name"
             )
         seen[record.name] = record.rank
     return records

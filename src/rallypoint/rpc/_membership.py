@@ -78,7 +78,14 @@ class Group:
             raise
         self.connections.accept_calls()
         for info in self.peers.infos():
-            self.connections.get(info.name)
+            try:
+                self.connections.get(info.name)  # warm up
+            except RpcConnectionError as exc:
+                closed = isinstance(exc.__cause__, ConnectionResetError | BrokenPipeError)
+                if not closed and self.peers.dead_reason(info.name) is None:
+                    raise
+                # it already left (shutdown(graceful=False) right after its init_rpc):
+                # torch's init_rpc succeeds then too; a call to it names it as gone
 
     def _join_dynamic(self, record: WorkerRecord, timeout: float) -> None:
         store, me = self.store, self.me

@@ -89,7 +89,10 @@ class PeerTable:
             name = self._by_rank.get(worker)
             if name is None:
                 known = sorted(self._by_rank)
-                raise RpcError(f"Unknown destination worker rank {worker}; known ranks: {known}")
+                raise RpcError(
+                    f"Unknown destination worker rank {worker} (could not find destination "
+                    f"id {worker}); known ranks: {known}"
+                )
             worker = name
         if not isinstance(worker, str):
             raise ValueError(f"Cannot get WorkerInfo from name {worker}")
@@ -114,7 +117,10 @@ class PeerTable:
 
     def _unknown(self, name: str) -> RpcError:
         known = sorted(self._records)
-        return RpcError(f"Unknown destination worker {name!r}; known workers: {known}")
+        return RpcError(
+            f"Unknown destination worker {name!r} (could not find destination name {name}); "
+            f"known workers: {known}"
+        )
 
     def dead_reason(self, name: str) -> str | None:
         return self._dead.get(name)

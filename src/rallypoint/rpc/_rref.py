@@ -28,8 +28,10 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from rallypoint.rpc import _wire
+from rallypoint.rpc._autograd import CURRENT_AUTOGRAD, check_context_id
 from rallypoint.rpc._backend import CURRENT_AGENT
 from rallypoint.rpc._constants import UNSET_RPC_TIMEOUT
+from rallypoint.rpc._errors import RpcError
 from rallypoint.rpc._groups import WorkerInfo
 from rallypoint.rpc._rref_table import (
     CURRENT_TABLE,
@@ -64,7 +66,12 @@ class RRef(Generic[T]):
         return super().__new__(cls)
 
     def __init__(self, value: T, type_hint: type | None = None) -> None:
-        table = CURRENT_TABLE.get()
+        table = CURRENT_TABLE.peek()
+        if table is None:  # torch's message for an RRef made before init_rpc
+            raise RpcError(
+                "Current RPC agent is not set! Did you initialize the RPC framework "
+                "(e.g. by calling `rallypoint.rpc.init_rpc`)?"
+            )
         rref_id = table.new_id()
         table.owned.incref(rref_id).future.set_result(value)
         self._setup(table, table.me, rref_id, None)
@@ -121,11 +128,35 @@ class RRef(Generic[T]):
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:
         """Copy the value from the owner (the value itself on the owner)."""
         caller = self._table.caller
-        caller.check_open()
+        try:
+            caller.check_open()
+        except RpcError:
+            if self.is_owner():
+                raise
+            raise RpcError(  # torch's words: shutdown deleted the user RRefs
+                f"User RRef with RRefId={tuple(self._id)} has been deleted. Cannot call "
+                "to_here() on it after deletion."
+            ) from None
         if self.is_owner():
             return self.local_value()
         value: T = caller.rpc_async(self._owner, owner_fetch, (self._id,), {}, timeout).wait()
         return value
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run the backward pass from the value (a scalar tensor), as torch's ``RRef.backward``.
+
+        With ``dist_autograd_ctx_id`` the owner runs a distributed backward pass in that
+        context (``dist_autograd.get_gradients`` reads the result); without it (``-1``) a
+        local pass on the owner, into ``.grad``, and only the owner may call it.
+        """
+        if self.is_owner():
+            _backward_from(self.local_value(), dist_autograd_ctx_id, retain_graph)
+            return
+        if dist_autograd_ctx_id == -1:
+            raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
+        args = (self._id, check_context_id(dist_autograd_ctx_id), retain_graph)
+        caller = self._table.caller
+        caller.rpc_async(self._owner, _owner_backward, args, {}, UNSET_RPC_TIMEOUT).wait()
 
     def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """Proxy: ``rref.rpc_sync().method(*a)`` runs ``method`` on the owner's value."""
@@ -146,9 +177,29 @@ class RRef(Generic[T]):
         done.set_result(None)
         return done
 
+    def __reduce__(self) -> Any:
+        raise RuntimeError(
+            "Can not pickle rref in python pickler, rref can only be pickled when using RPC"
+        )
+
     def __repr__(self) -> str:
         kind = "OwnerRRef" if self.is_owner() else "UserRRef"
         return f"{kind}(owner={self._owner.name}, id={tuple(self._id)})"
+
+
+def _backward_from(value: Any, context_id: int, retain_graph: bool) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError("RRef should contain a tensor for .backward()")
+    if context_id == -1:
+        torch.autograd.backward([value], retain_graph=retain_graph)
+    else:
+        CURRENT_AUTOGRAD.get().backward(check_context_id(context_id), [value], retain_graph)
+
+
+def _owner_backward(rref_id: RRefId, context_id: int, retain_graph: bool) -> None:
+    """On the owner: ``RRef.backward`` of a user RRef."""
+    value = CURRENT_TABLE.get().owned.entry(rref_id).future.wait()
+    _backward_from(value, context_id, retain_graph)
 
 
 class _Via(enum.Enum):

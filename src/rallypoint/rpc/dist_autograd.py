@@ -54,6 +54,12 @@ def _ours() -> DistAutograd | None:
     return None
 
 
+def _bad_arguments(function: str, exc: TypeError) -> TypeError:
+    # torch's binding says "incompatible function arguments" (programs and torch's own
+    # tests match that); ours also says which argument is wrong
+    return TypeError(f"{function}(): incompatible function arguments: {exc}")
+
+
 def is_available() -> bool:
     """Always true: the rallypoint backend's distributed autograd needs only torch."""
     return True
@@ -102,10 +108,13 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     :func:`get_gradients`), not in ``.grad``. Returns when the whole pass is done.
     ``retain_graph=False`` frees the graph, as torch's ``backward`` does.
     """
-    context_id = check_context_id(context_id)
-    roots = root_list(roots)
-    if not isinstance(retain_graph, bool):
-        raise TypeError(f"retain_graph must be a bool, got {type(retain_graph).__name__}")
+    try:
+        context_id = check_context_id(context_id)
+        roots = root_list(roots)
+        if not isinstance(retain_graph, bool):
+            raise TypeError(f"retain_graph must be a bool, got {type(retain_graph).__name__}")
+    except TypeError as exc:
+        raise _bad_arguments("backward", exc) from None
     ours = _ours()
     if ours is None:
         _torch().backward(context_id, roots, retain_graph)
@@ -115,7 +124,10 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     """The gradients accumulated in context ``context_id`` on this worker: tensor -> grad."""
-    context_id = check_context_id(context_id)
+    try:
+        context_id = check_context_id(context_id)
+    except TypeError as exc:
+        raise _bad_arguments("get_gradients", exc) from None
     ours = _ours()
     if ours is None:
         grads: dict[torch.Tensor, torch.Tensor] = _torch().get_gradients(context_id)
