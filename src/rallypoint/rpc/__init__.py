@@ -23,9 +23,10 @@ Imports point down these lines, and within a line from left to right (no cycles)
 
     optim, nn -> dist_autograd -> _api -> _registry -> _agent (RALLYPOINT) | _tensorpipe
     the agent's parts:  _membership, _dispatch, _connections, _codec
-    its bookkeeping:    _rref, _rref_table, _autograd, _autograd_engine, _liveness, _peers,
-                        _calls
-    bytes and store:    _acceptor, _transport, _auth, _wire, _shm, _groups, _store
+    its bookkeeping:    _rref, _rref_table, _autograd, _autograd_engine, _ddp, _liveness,
+                        _peers, _calls
+    bytes and store:    _acceptor, _transport, _reader_pool, _auth, _wire, _shm, _groups,
+                        _store
     shared:             _backend, _current, _options, _device_maps, _errors, _constants,
                         functions  ->  rallypoint._core
 """
