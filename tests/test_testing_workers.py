@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 import pytest
 import torch
@@ -71,3 +72,29 @@ def test_timeout_kills_and_names_ranks() -> None:
 def test_bad_world_size() -> None:
     with pytest.raises(ValueError, match="world_size"):
         run_workers(_env, 0)
+
+
+def _aborts_on_the_first_run(marker: str) -> int:
+    if int(os.environ["RANK"]) == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGABRT)
+    return int(os.environ["RANK"])
+
+
+def _raises(marker: str) -> int:
+    with open(marker, "a") as fp:
+        fp.write("x")
+    raise ValueError("a real failure")
+
+
+@pytest.mark.timeout(60)
+def test_a_reference_run_is_repeated_once_when_a_worker_dies_by_a_signal(tmp_path: Any) -> None:
+    from rallypoint.testing._workers import run_reference_workers
+
+    marker = str(tmp_path / "aborted")
+    assert run_reference_workers(_aborts_on_the_first_run, 2, marker, timeout=30) == [0, 1]
+    with pytest.raises(WorkerError, match="died by signal SIGABRT"):
+        run_workers(_aborts_on_the_first_run, 2, str(tmp_path / "again"), timeout=30)
+    with pytest.raises(WorkerError, match="a real failure"):  # not repeated
+        run_reference_workers(_raises, 1, str(tmp_path / "count"), timeout=30)
+    assert (tmp_path / "count").read_text() == "x"

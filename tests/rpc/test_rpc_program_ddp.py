@@ -20,7 +20,7 @@ import pytest
 from rallypoint.testing import _rpc_program_ddp as program
 from rallypoint.testing import _torch_program
 from rallypoint.testing._rpc_contract import run_rpc_pattern
-from rallypoint.testing._workers import run_workers
+from rallypoint.testing._workers import run_reference_workers
 
 
 def _load_torch_program(tmp_path: Path) -> Any:
@@ -54,7 +54,7 @@ def test_the_torch_version_differs_only_in_its_imports(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(200)
 def test_training_equals_torchs_program(tmp_path: Path) -> None:
-    torchs = run_workers(
+    torchs = run_reference_workers(
         _load_torch_program(tmp_path).run_program, program.WORLD_SIZE, "TENSORPIPE", timeout=90
     )
     ours = run_rpc_pattern("RALLYPOINT", "ddp_rpc", timeout=90)

@@ -20,7 +20,7 @@ import torch
 
 from rallypoint.testing import _rpc_program_rnn as program
 from rallypoint.testing._rpc_contract import run_rpc_pattern
-from rallypoint.testing._workers import run_workers
+from rallypoint.testing._workers import run_reference_workers
 
 
 def _torch_program(tmp_path: Path) -> Any:
@@ -76,7 +76,9 @@ def test_the_torch_version_differs_only_in_its_imports(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_training_equals_torchs_program_on_both_backends(tmp_path: Path) -> None:
-    torchs = run_workers(_torch_program(tmp_path).run_program, 2, "TENSORPIPE", timeout=90)
+    torchs = run_reference_workers(
+        _torch_program(tmp_path).run_program, 2, "TENSORPIPE", timeout=90
+    )
     ours = run_rpc_pattern("RALLYPOINT", "model_parallel_rnn", timeout=90)
     assert ours[1] is None and torchs[1] is None
     assert ours[0] == torchs[0]

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from rallypoint._core.envvars import RPC_SECRET
-from rallypoint.testing._workers import run_workers
+from rallypoint.testing._workers import run_reference_workers, run_workers
 
 _W = ("worker0", "worker1", "worker2")
 
@@ -411,5 +411,6 @@ def run_rpc_autograd_contract(
     errors by check name) and ``train`` (losses and final parameters per optimizer).
     """
     extra = {RPC_SECRET: "autograd-contract-secret", **(env or {})}
-    result: dict[str, Any] = run_workers(_worker, 3, backend, timeout=timeout, env=extra)[0]
+    run = run_reference_workers if backend == "TENSORPIPE" else run_workers
+    result: dict[str, Any] = run(_worker, 3, backend, timeout=timeout, env=extra)[0]
     return result

@@ -25,7 +25,7 @@ import torch
 from rallypoint._core.envvars import RPC_SECRET
 from rallypoint.rpc.functions import async_execution
 from rallypoint.testing._rpc_patterns import PATTERNS, run_rpc_pattern
-from rallypoint.testing._workers import run_workers
+from rallypoint.testing._workers import run_reference_workers, run_workers
 
 __all__ = ["PATTERNS", "run_rpc_contract", "run_rpc_pattern"]
 
@@ -176,4 +176,5 @@ def run_rpc_contract(
 ) -> list[list[str]]:
     """Run the contract against ``backend`` in three fresh worker processes."""
     extra = {RPC_SECRET: "contract-secret", **(env or {})}
-    return run_workers(_worker, 3, backend, timeout=timeout, env=extra)
+    run = run_reference_workers if backend == "TENSORPIPE" else run_workers
+    return run(_worker, 3, backend, timeout=timeout, env=extra)

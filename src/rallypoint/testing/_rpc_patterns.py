@@ -46,7 +46,7 @@ from rallypoint._core.envvars import RPC_SECRET
 from rallypoint.rpc.functions import async_execution
 from rallypoint.testing._rpc_program_ddp import run_program as _ddp_rpc
 from rallypoint.testing._rpc_program_rnn import run_program as _model_parallel_rnn
-from rallypoint.testing._workers import run_workers
+from rallypoint.testing._workers import run_reference_workers, run_workers
 
 BIND_ERRORS = ("failed to bind", "EADDRINUSE", "address already in use")
 _OBSERVERS = 4
@@ -410,4 +410,5 @@ def run_rpc_pattern(
         raise ValueError(f"unknown RPC pattern {pattern!r}; choose one of {sorted(PATTERNS)}")
     fn, default_size = PATTERNS[pattern]
     extra = {RPC_SECRET: "contract-secret", **(env or {})}
-    return run_workers(fn, world_size or default_size, backend, *args, timeout=timeout, env=extra)
+    run = run_reference_workers if backend == "TENSORPIPE" else run_workers
+    return run(fn, world_size or default_size, backend, *args, timeout=timeout, env=extra)
