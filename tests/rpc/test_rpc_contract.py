@@ -8,6 +8,7 @@ import torch
 from rallypoint.testing._rpc_contract import PATTERNS, run_rpc_contract, run_rpc_pattern
 from rallypoint.testing._rpc_patterns import pipeline_reference
 from rallypoint.testing._rpc_program_ddp import assert_same_training
+from rallypoint.testing._workers import run_workers
 
 
 @pytest.mark.timeout(100)
@@ -34,7 +35,7 @@ def test_rpc_patterns_give_the_same_results_on_both_backends(pattern: str) -> No
         assert ours[0]["rounds_ok"] and len(ours[0]["losses"]) == 10
         assert ours[1:] == [{"waited_s": True}] * 2  # in shutdown() while the master trained
     if pattern == "pipeline":  # and both train as one process would
-        reference = pipeline_reference()
+        reference = run_workers(pipeline_reference, 1, timeout=60)[0]  # not in this process
         assert ours[1:] == [None, None] and len(ours[0]["losses"]) == 3
         for key in ("losses", "first_grads", "params"):
             for got, expected in zip(ours[0][key], reference[key], strict=True):

@@ -20,7 +20,7 @@ import torch
 
 from rallypoint.testing import _rpc_program_rnn as program
 from rallypoint.testing._rpc_contract import run_rpc_pattern
-from rallypoint.testing._workers import run_reference_workers
+from rallypoint.testing._workers import run_reference_workers, run_workers
 
 
 def _torch_program(tmp_path: Path) -> Any:
@@ -87,7 +87,9 @@ def test_training_equals_torchs_program_on_both_backends(tmp_path: Path) -> None
     assert len(result["losses"]) == program.STEPS
     assert result["losses"][-1] < result["losses"][0]
     assert any(any(v != 0 for v in torch.tensor(g).flatten()) for g in result["first_grads"])
-    reference = _one_process()
+    # in a worker: torch's intra-op threads started in the pytest process make workers
+    # that later tests fork hang in their first parallel operator
+    reference = run_workers(_one_process, 1, timeout=60)[0]
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]))
     for got, expected in zip(result["params"], reference["params"], strict=True):
         torch.testing.assert_close(torch.tensor(got), expected)
