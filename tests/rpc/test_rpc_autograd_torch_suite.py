@@ -18,7 +18,7 @@ import torch
 from rallypoint import rpc
 from rallypoint._core.envvars import RPC_SECRET
 from rallypoint.rpc import dist_autograd
-from rallypoint.testing import run_workers
+from rallypoint.testing._workers import runner_for
 
 ENV = {RPC_SECRET: "torch-suite-secret"}
 _INPUT = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9])
@@ -89,7 +89,7 @@ def _worker(backend: str) -> dict[str, Any] | None:
 def runs() -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for backend in ("RALLYPOINT", "TENSORPIPE"):
-        first, second = run_workers(_worker, 2, backend, timeout=90, env=ENV)
+        first, second = runner_for(backend)(_worker, 2, backend, timeout=90, env=ENV)
         out[backend] = {**first, **second}
     return out
 

@@ -13,6 +13,7 @@ import pytest
 
 from rallypoint import rpc
 from rallypoint.testing import WorkerError, run_workers
+from rallypoint.testing._workers import runner_for
 
 SECRET = {"RALLYPOINT_RPC_SECRET": "shutdown-secret"}
 
@@ -79,7 +80,8 @@ def _master_keeps_calling(backend: str, seconds: float) -> dict[str, Any]:
 def test_workers_wait_in_shutdown_while_the_master_works_longer_than_rpc_timeout(
     backend: str,
 ) -> None:
-    results = run_workers(_master_keeps_calling, 3, backend, 8.0, timeout=45, env=SECRET)
+    run = runner_for(backend)
+    results = run(_master_keeps_calling, 3, backend, 8.0, timeout=45, env=SECRET)
     assert results[0]["calls"] > 20
     work_ended = results[0]["work_ended"]
     for out in results[1:]:

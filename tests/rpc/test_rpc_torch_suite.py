@@ -24,7 +24,7 @@ import torch
 
 from rallypoint import rpc
 from rallypoint._core.envvars import RPC_SECRET
-from rallypoint.testing import run_workers
+from rallypoint.testing._workers import runner_for
 
 ENV = {RPC_SECRET: "torch-suite-secret"}
 BACKENDS = ("RALLYPOINT", "TENSORPIPE")
@@ -62,7 +62,7 @@ def _missing_function(backend: str) -> tuple[str, str] | None:
 @pytest.mark.timeout(120)
 def test_a_function_missing_on_the_callee_is_torchs_runtime_error() -> None:
     for backend in BACKENDS:
-        seen = run_workers(_missing_function, 2, backend, timeout=60, env=ENV)[0]
+        seen = runner_for(backend)(_missing_function, 2, backend, timeout=60, env=ENV)[0]
         assert seen is not None, backend
         kind, message = seen
         assert kind == "RuntimeError", (backend, seen)
@@ -83,7 +83,7 @@ def _duplicate(backend: str) -> tuple[str, str]:
 @pytest.mark.timeout(120)
 def test_a_duplicate_name_fails_every_worker_saying_it_is_not_unique() -> None:
     for backend in BACKENDS:
-        seen: list[Any] = run_workers(_duplicate, 3, backend, timeout=60, env=ENV)
+        seen: list[Any] = runner_for(backend)(_duplicate, 3, backend, timeout=60, env=ENV)
         for kind, message in seen:
             assert kind == "RuntimeError", (backend, seen)
             assert "w0" in message and "is not unique" in message, (backend, message)
@@ -142,7 +142,9 @@ def test_init_rpc_succeeds_when_a_peer_already_left_with_an_ungraceful_shutdown(
 ) -> None:
     for backend in BACKENDS:
         gone = str(tmp_path / f"{backend}-gone")
-        seen = run_workers(_one_leaves_right_after_init, 3, backend, gone, timeout=60, env=ENV)
+        seen = runner_for(backend)(
+            _one_leaves_right_after_init, 3, backend, gone, timeout=60, env=ENV
+        )
         assert seen == ["2", "served", "left"], (backend, seen)
 
 
@@ -191,7 +193,7 @@ def _rref_backward(backend: str) -> dict[str, Any] | None:
 
 @pytest.mark.timeout(150)
 def test_rref_backward_as_torchs() -> None:
-    runs = {b: run_workers(_rref_backward, 2, b, timeout=60, env=ENV)[0] for b in BACKENDS}
+    runs = {b: runner_for(b)(_rref_backward, 2, b, timeout=60, env=ENV)[0] for b in BACKENDS}
     ours, torchs = runs["RALLYPOINT"], runs["TENSORPIPE"]
     # a remote error's text is quoted differently (docs/rpc.md, Differences): compare the rest
     remote = "not a tensor"
@@ -247,7 +249,7 @@ def _remote_error(backend: str) -> tuple[str, str]:
 @pytest.mark.timeout(150)
 def test_a_remote_error_is_unescaped_and_printed_on_the_callee_as_torchs() -> None:
     for backend in BACKENDS:
-        (message, _), (_, callee_stderr) = run_workers(_remote_error, 2, backend, env=ENV)
+        (message, _), (_, callee_stderr) = runner_for(backend)(_remote_error, 2, backend, env=ENV)
         # torch's RpcTest.test_py_raise_in_user_func_escaped_str and ..._in_user_func
         assert MULTILINE in message, (backend, message)
         assert message == message.encode("utf-8").decode("unicode_escape"), backend
@@ -283,7 +285,7 @@ def _rref_misuse(backend: str) -> dict[str, str] | None:
 @pytest.mark.timeout(150)
 def test_rref_and_destination_misuse_say_what_torch_says() -> None:
     for backend in BACKENDS:
-        seen = run_workers(_rref_misuse, 2, backend, timeout=60, env=ENV)[0]
+        seen = runner_for(backend)(_rref_misuse, 2, backend, timeout=60, env=ENV)[0]
         assert "Can not pickle rref in python pickler" in seen["pickle"], (backend, seen)
         assert "could not find destination" in seen["unknown name"], (backend, seen)
         assert "Cannot call to_here() on it after deletion." in seen["after shutdown"], seen

@@ -100,6 +100,12 @@ def run_workers(
         _stop(procs, conns)
 
 
+def runner_for(backend: str) -> Callable[..., list[Any]]:
+    """How to run workers on ``backend``: :func:`run_reference_workers` for torch's
+    ``TENSORPIPE`` (the reference), :func:`run_workers` for everything else."""
+    return run_reference_workers if backend == "TENSORPIPE" else run_workers
+
+
 def run_reference_workers(
     fn: Callable[..., Any],
     world_size: int,
