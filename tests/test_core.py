@@ -163,3 +163,17 @@ def test_exit_does_not_wait_long_for_a_call_with_no_stated_end(tmp_path) -> None
     )
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "gave up\n", "")
     assert not marker.exists()
+
+
+@pytest.mark.timeout(30)
+def test_free_ports_are_distinct_and_bindable() -> None:
+    import socket
+
+    from rallypoint._core.net import free_ports
+
+    for _ in range(50):  # the kernel reused a just-closed probe's port for free_port twice
+        ports = free_ports(6)
+        assert len(set(ports)) == 6
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))

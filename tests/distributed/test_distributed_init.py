@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import rallypoint.distributed as rd
-from rallypoint._core.net import free_port
+from rallypoint._core.net import free_port, free_ports
 from rallypoint.testing import WorkerError, run_workers
 
 
@@ -120,7 +120,7 @@ def _backend_override_checks(second_port: int, third_port: int) -> dict[str, Any
 
 @pytest.mark.timeout(30)
 def test_torch_distributed_backend_env_overrides_auto_selection() -> None:
-    results = run_workers(_backend_override_checks, 2, free_port(), free_port(), timeout=25)
+    results = run_workers(_backend_override_checks, 2, *free_ports(2), timeout=25)
     for out in results:
         assert out["env"] == "cpu:gloo"
         if dist.is_nccl_available():
@@ -167,7 +167,7 @@ def _torch_initialised(ports: tuple[int, int]) -> dict[str, Any]:
 
 @pytest.mark.timeout(30)
 def test_groups_on_top_of_a_group_torch_created() -> None:
-    for out in run_workers(_torch_initialised, 2, (free_port(), free_port()), timeout=25):
+    for out in run_workers(_torch_initialised, 2, tuple(free_ports(2)), timeout=25):
         assert out["same"]
         assert "by torch.distributed.init_process_group" in out["differs"]
         assert "world_size: 2 now, 3 requested" in out["differs"]

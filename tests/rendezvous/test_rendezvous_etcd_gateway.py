@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from rallypoint._core.net import free_port
+from rallypoint._core.net import free_port, free_ports
 from rallypoint.rendezvous import KVConnectionError, KVStateError
 from rallypoint.rendezvous._etcd_gateway import (
     GRPC_NOT_FOUND,
@@ -228,7 +228,7 @@ def test_fails_over_to_the_endpoint_that_answers(server: tuple[Script, int]) -> 
 
 
 def test_unreachable_endpoints_name_themselves() -> None:
-    ports = [free_port(), free_port()]
+    ports = free_ports(2)
     gateway = EtcdGateway([("127.0.0.1", p) for p in ports], timeout=0.5)
     with pytest.raises(KVConnectionError) as info:
         gateway.post("/v3/kv/range", {})

@@ -1,10 +1,10 @@
-"""Ports: a free one now, whether an explicit one is free; the address towards a host."""
+"""Ports: free ones now, whether an explicit one is free; the address towards a host."""
 
 from __future__ import annotations
 
 import socket
 
-__all__ = ["free_port", "local_address_towards", "port_is_free"]
+__all__ = ["free_port", "free_ports", "local_address_towards", "port_is_free"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -18,6 +18,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Return ``count`` distinct TCP ports that are free on ``host`` right now.
+
+    Calling :func:`free_port` twice can return the same port: the kernel may hand out a
+    port again as soon as the probe socket closes. Here every probe stays bound until all
+    ports are picked, so they differ.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    probes: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            probes.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in probes]
+    finally:
+        for sock in probes:
+            sock.close()
 
 
 def port_is_free(port: int, host: str = "0.0.0.0") -> bool:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Self
 
 from rallypoint._core.closing import Closing
-from rallypoint._core.net import free_port
+from rallypoint._core.net import free_ports
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +117,7 @@ class EtcdServer(Closing):
         self._binary = binary
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="rallypoint-etcd-")
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        self.client_port, self.peer_port = free_ports(2)
         self._extra = list(extra_args or [])
         self.tls = tls
         self._proc: subprocess.Popen[bytes] | None = None

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from rallypoint._core.checks import check_int
 from rallypoint._core.closing import Closing
-from rallypoint._core.net import free_port
+from rallypoint._core.net import free_ports
 from rallypoint.testing._etcd import etcd_binary, member_args
 
 if TYPE_CHECKING:
@@ -150,13 +150,14 @@ class EtcdCluster(Closing):
         self._binary = binary
         self.data_dir = tempfile.mkdtemp(prefix="rallypoint-etcd-cluster-")
         self.members: list[EtcdMember] = []
+        ports = free_ports(2 * size) if hosts is None else []
         for i in range(size):
             if hosts is None:
                 member = EtcdMember(
                     i,
                     address="127.0.0.1",
-                    client_port=free_port(),
-                    peer_port=free_port(),
+                    client_port=ports[2 * i],
+                    peer_port=ports[2 * i + 1],
                     data_dir=self.data_dir,
                 )
             else:
