@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import os
 import pickle
+import sys
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any, Unpack
 
@@ -41,6 +44,10 @@ def launch(fn: Callable[..., Any], *args: Any, **options: Unpack[LaunchOptions])
             f"LaunchConfig fields are: {', '.join(sorted(OPTION_NAMES))}"
         )
     config = LaunchConfig(**options)
+    if _forked_workers_would_hang(config):
+        warnings.warn(_OPENMP_WARNING, RuntimeWarning, stacklevel=2)
+        options["env"] = {**config.env, "OMP_NUM_THREADS": "1"}
+        config = LaunchConfig(**options)
     fn = _wrap_parallel(fn, config)
     if config.start_method == "spawn":
         try:
@@ -51,6 +58,31 @@ def launch(fn: Callable[..., Any], *args: Any, **options: Unpack[LaunchOptions])
                 f"level, or use start_method='fork'): cannot pickle {fn!r}: {exc}"
             ) from exc
     return _run(fn, tuple(args), config)
+
+
+_OPENMP_WARNING = (
+    "rallypoint.launch: this process ran a parallel torch CPU op before launch(), so its "
+    "OpenMP threads exist, and GNU OpenMP is not fork-safe: a forked worker would hang in "
+    "its first parallel op. The workers run with OMP_NUM_THREADS=1 instead. To keep more "
+    "intra-op threads, call launch() before running torch ops, or pass "
+    "start_method='spawn'."
+)
+
+
+def _forked_workers_would_hang(config: LaunchConfig) -> bool:
+    """Whether forked workers would use more than one intra-op thread, and a probe child
+    forked now hangs in a parallel op (see :mod:`rallypoint.supervise._fork_probe`)."""
+    from rallypoint.supervise._fork_probe import openmp_survives_fork
+
+    torch = sys.modules.get("torch")
+    if config.start_method != "fork" or torch is None:
+        return False
+    setting = config.env.get("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS"))
+    if setting is not None:
+        threads = int(setting) if setting.isdigit() else 1
+    else:
+        threads = 1 if config.nproc > 1 else int(torch.get_num_threads())
+    return not openmp_survives_fork(threads)
 
 
 def _wrap_parallel(fn: Callable[..., Any], config: LaunchConfig) -> Callable[..., Any]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rallypoint.observe._observer import Observer
 from rallypoint.supervise._env import worker_env
+from rallypoint.supervise._main_module import describe_main
 from rallypoint.supervise._options import OutputOptions, WorkerOptions
 from rallypoint.supervise._output import OutputRouter
 from rallypoint.supervise._state import GroupInfo, Worker
@@ -67,7 +68,9 @@ class WorkerStarter:
             return target, None
         if target.kind == "callable":  # a fresh interpreter gets fn and args pickled
             payload = scratch / "payload.pkl"
-            payload.write_bytes(pickle.dumps(CALLABLES[target.name]))
+            with payload.open("wb") as fp:  # the caller's __main__ first: fn may live there
+                pickle.dump(describe_main(), fp)
+                pickle.dump(CALLABLES[target.name], fp)
             target = Target("payload", str(payload))
         return target, [*_SPAWNED, target.kind, target.name, *target.args]
 

@@ -30,6 +30,7 @@ from typing import Any, Literal, NoReturn
 
 from rallypoint._core import envvars
 from rallypoint.supervise._identity import show_identity
+from rallypoint.supervise._main_module import load_main
 
 __all__ = ["BAD_TARGET_EXIT", "RESULT_FD", "Target", "WorkerSpec", "child_main", "execute"]
 
@@ -307,6 +308,9 @@ def _load_callable(target: Target) -> tuple[Callable[..., Any], tuple[Any, ...]]
     if target.kind == "callable":
         return CALLABLES[target.name]
     with open(target.name, "rb") as fp:
+        main = pickle.load(fp)
+        if main is not None:
+            load_main(main)
         fn, args = pickle.load(fp)
     return fn, tuple(args)
 
