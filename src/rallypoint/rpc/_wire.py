@@ -9,9 +9,12 @@ A frame is::
     inline bytes       the raw bytes of every inline tensor, in order
 
 Tensors never go through pickle: the pickler swaps each dense tensor for a small
-reference (dtype, shape, target device) and hands its bytes to the transport, which sends
-them raw after the pickle (across hosts) or places them in a shared-memory segment (same
-host). Nothing here is unpickled before the connection has authenticated.
+reference (dtype, shape, strides, byte offset, target device) into its storage's bytes,
+which the transport sends raw after the pickle (across hosts) or places in a shared-memory
+segment (same host). Each storage goes once per message, only the span its views cover;
+when a span does not start at the storage's first byte, the pickle is preceded by
+``b"S"``, the table size and each entry's start (``lo``). Nothing here is unpickled
+before the connection has authenticated.
 
 Distributed autograd hooks in at both ends: ``encode(grad_sink=...)`` collects the tensors
 that need a gradient (in pickle order), and ``decode(recv_hook=...)`` hands each received
@@ -56,6 +59,10 @@ MAX_PICKLE_BYTES = 1 << 34
 MAX_TENSORS = 1 << 20
 
 _RAW = torch.uint8
+_ALIGN = 16  # the largest element size (complex128)
+_PENDING = torch.empty(0, dtype=_RAW)
+_SPANS = struct.Struct("<1sI")  # b"S", entries; then one int64 ``lo`` per table entry
+_SPANS_MAGIC = b"S"
 _state = threading.local()
 
 ReduceValue = tuple[Callable[..., Any], tuple[Any, ...]]
@@ -94,6 +101,9 @@ class _Encoder(pickle.Pickler):
         self._rref_type = rref_type
         self._rref_hook = rref_hook
         self._grad_sink = grad_sink
+        # CPU storages seen in this message: (data_ptr, nbytes) -> [table index, lo, hi,
+        # storage]; their tensors arrive as views of one shared copy of bytes lo..hi
+        self.spans: dict[tuple[int, int], list[Any]] = {}
 
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
@@ -103,7 +113,11 @@ class _Encoder(pickle.Pickler):
             if obj.device.type == "meta":
                 return NotImplemented
             target = _send_device(obj, self._device_map, self._dst)
-            raw = obj.detach()
+            if self._grad_sink is not None and obj.requires_grad:
+                self._grad_sink.append(obj)
+            if obj.device.type == "cpu" and obj.numel() and not (obj.is_conj() or obj.is_neg()):
+                return self._view_of_storage(obj, target, kind is torch.nn.Parameter)
+            raw = obj.detach().resolve_conj().resolve_neg()
             if raw.device.type != "cpu":
                 raw = raw.cpu()
             raw = (
@@ -112,8 +126,6 @@ class _Encoder(pickle.Pickler):
                 else raw.new_empty(0, dtype=_RAW)
             )
             self._tensors.append(raw)
-            if self._grad_sink is not None and obj.requires_grad:
-                self._grad_sink.append(obj)
             args = (
                 len(self._tensors) - 1,
                 obj.dtype,
@@ -126,6 +138,40 @@ class _Encoder(pickle.Pickler):
         if self._rref_type is not None and kind is self._rref_type and self._rref_hook is not None:
             return self._rref_hook(obj)
         return NotImplemented
+
+    def _view_of_storage(self, obj: torch.Tensor, target: str | None, is_param: bool) -> Any:
+        """A CPU tensor travels as (shape, strides, byte offset) into its storage's bytes,
+        sent once per message for all its tensors: as in torch, views keep their strides
+        and tensors that share a storage share it on arrival."""
+        storage = obj.untyped_storage()
+        size = obj.element_size()
+        start = obj.storage_offset() * size
+        shape, stride = tuple(obj.shape), obj.stride()
+        end = start + (sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) + 1) * size
+        key = (storage.data_ptr(), storage.nbytes())
+        span = self.spans.get(key)
+        if span is None:
+            self.spans[key] = [len(self._tensors), start, end, storage]
+            self._tensors.append(_PENDING)  # the bytes are cut once every view is known
+        else:
+            span[1], span[2] = min(span[1], start), max(span[2], end)
+        index = self.spans[key][0]
+        return (
+            _rebuild_view,
+            (index, start, obj.dtype, shape, stride, bool(obj.requires_grad), target, is_param),
+        )
+
+    def cut_spans(self) -> list[int]:
+        """Replace each storage's placeholder by its bytes lo..hi (16-byte aligned: every
+        view's offset stays a multiple of its element size); the ``lo`` of every table
+        entry (0 for tensors sent whole)."""
+        los = [0] * len(self._tensors)
+        for index, lo, hi, storage in self.spans.values():
+            lo -= lo % _ALIGN
+            hi = min(hi + (-hi) % _ALIGN, storage.nbytes())
+            self._tensors[index] = torch.empty(0, dtype=_RAW).set_(storage, lo, (hi - lo,), (1,))
+            los[index] = lo
+        return los
 
 
 _ATOMIC = frozenset({int, float, bool, str, bytes, type(None), complex})
@@ -165,8 +211,15 @@ def encode(
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), []
     buffer = io.BytesIO()
     tensors: list[torch.Tensor] = []
-    _Encoder(buffer, tensors, device_map, dst, rref_type, rref_hook, grad_sink).dump(obj)
-    return buffer.getvalue(), tensors
+    encoder = _Encoder(buffer, tensors, device_map, dst, rref_type, rref_hook, grad_sink)
+    encoder.dump(obj)
+    if not encoder.spans:
+        return buffer.getvalue(), tensors
+    los = encoder.cut_spans()
+    if not any(los):
+        return buffer.getvalue(), tensors
+    prefix = _SPANS.pack(_SPANS_MAGIC, len(los)) + struct.pack(f"<{len(los)}q", *los)
+    return prefix + buffer.getvalue(), tensors
 
 
 def decode(
@@ -180,13 +233,23 @@ def decode(
     """
     if not tensors:
         return pickle.loads(data)
-    saved = getattr(_state, "tensors", None), getattr(_state, "recv_hook", None)
-    _state.tensors = tensors
-    _state.recv_hook = recv_hook
+    los: tuple[int, ...] | None = None
+    if data[0] == _SPANS_MAGIC[0]:  # a pickle starts with 0x80: these are the spans' ``lo``
+        magic, count = _SPANS.unpack_from(data)
+        if magic != _SPANS_MAGIC or count != len(tensors):
+            raise ValueError(f"bad span table ({count} entries for {len(tensors)} tensors)")
+        los = struct.unpack_from(f"<{count}q", data, _SPANS.size)
+        data = memoryview(data)[_SPANS.size + 8 * count :]
+    saved = (
+        getattr(_state, "tensors", None),
+        getattr(_state, "recv_hook", None),
+        getattr(_state, "los", None),
+    )
+    _state.tensors, _state.recv_hook, _state.los = tensors, recv_hook, los
     try:
         return pickle.loads(data)
     finally:
-        _state.tensors, _state.recv_hook = saved
+        _state.tensors, _state.recv_hook, _state.los = saved
 
 
 def _rebuild_tensor(
@@ -202,6 +265,35 @@ def _rebuild_tensor(
         raise RuntimeError("rallypoint RPC tensors can only be unpickled by the RPC agent")
     raw = tensors[index]
     tensor = torch.empty(shape, dtype=dtype) if raw.numel() == 0 else raw.view(dtype).reshape(shape)
+    return _finish(tensor, requires_grad, device, is_parameter)
+
+
+def _rebuild_view(
+    index: int,
+    start: int,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+    device: str | None,
+    is_parameter: bool,
+) -> torch.Tensor:
+    tensors = getattr(_state, "tensors", None)
+    if tensors is None:
+        raise RuntimeError("rallypoint RPC tensors can only be unpickled by the RPC agent")
+    raw = tensors[index]
+    los = getattr(_state, "los", None)
+    offset = raw.storage_offset() + start - (los[index] if los else 0)
+    size = torch.empty(0, dtype=dtype).element_size()
+    if offset < 0 or offset % size:
+        raise ValueError(f"bad tensor offset {start} into table entry {index}")
+    tensor = torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), offset // size, shape, stride)
+    return _finish(tensor, requires_grad, device, is_parameter)
+
+
+def _finish(
+    tensor: torch.Tensor, requires_grad: bool, device: str | None, is_parameter: bool
+) -> torch.Tensor:
     if device is not None:
         target = torch.device(device)
         if target.type == "cuda" and not torch.cuda.is_available():

@@ -7,7 +7,8 @@ workers from a copy of the calling process, so a program that trained or evaluat
 model before calling it would hang in its workers' first large op.
 
 :func:`openmp_survives_fork` asks the kernel rather than guessing: it forks a child that
-runs one parallel op with ``threads`` threads and waits a short while for it to exit.
+runs one parallel op with ``threads`` threads and waits a short while for it to exit. A
+broken team stays broken, so that answer is kept for the life of the process.
 """
 
 from __future__ import annotations
@@ -20,17 +21,21 @@ import time
 __all__ = ["openmp_survives_fork"]
 
 _PROBE_ELEMENTS = 1 << 18  # well above torch's grain size (32,768): the op runs in parallel
+_broken_in: set[int] = set()  # pids whose team a probe found broken (a fork keeps the set)
 
 
-def openmp_survives_fork(threads: int, timeout: float = 2.0) -> bool:
+def openmp_survives_fork(threads: int, timeout: float = 1.0) -> bool:
     """Whether a child forked now can run a parallel torch op with ``threads`` threads.
 
     True without a probe when torch is not imported yet (then nothing can be broken) or
-    ``threads`` is 1 (no team is used).
+    ``threads`` is 1 (no team is used). A healthy probe takes about 10 ms; a probe still
+    running after ``timeout`` counts as hung (then the workers merely get one thread).
     """
     torch = sys.modules.get("torch")
     if torch is None or threads <= 1:
         return True
+    if os.getpid() in _broken_in:
+        return False
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child never returns here
         code = 1
@@ -48,4 +53,5 @@ def openmp_survives_fork(threads: int, timeout: float = 2.0) -> bool:
         time.sleep(0.002)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
+    _broken_in.add(os.getpid())
     return False
