@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -98,3 +100,31 @@ def test_a_reference_run_is_repeated_once_when_a_worker_dies_by_a_signal(tmp_pat
     with pytest.raises(WorkerError, match="a real failure"):  # not repeated
         run_reference_workers(_raises, 1, str(tmp_path / "count"), timeout=30)
     assert (tmp_path / "count").read_text() == "x"
+
+
+_AFTER_PARALLEL_OPS = """
+import torch
+from rallypoint.testing import run_workers
+
+def work():
+    torch.ones(1 << 20).mul_(2.0)  # a parallel op: hangs on a broken OpenMP team
+    return torch.get_num_threads()
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    a = torch.randn(512, 512)
+    a @ a  # this process's OpenMP team now exists
+    print("RESULT", run_workers(work, 2, timeout=30), flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_workers_of_a_parent_that_ran_parallel_ops_do_not_hang(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """In a fresh interpreter: the pytest process must not break its own OpenMP team."""
+    script = tmp_path / "after_ops.py"
+    script.write_text(_AFTER_PARALLEL_OPS)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=80, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "RESULT [1, 1]" in proc.stdout  # OMP_NUM_THREADS=1 applied, as the launcher does

@@ -47,6 +47,20 @@ class WorkerError(RuntimeError):
         self.exception = exception
 
 
+def _apply_thread_count(env: Mapping[str, str]) -> None:
+    """Give torch the worker's ``OMP_NUM_THREADS`` now, as the launcher's workers do.
+
+    torch in a forked child keeps the parent's intra-op thread count; the variable alone
+    changes nothing. With the parent's count, a child of a process that already ran a
+    parallel op would hang in its own first one (GNU OpenMP is not fork-safe); with one
+    thread no OpenMP team is used.
+    """
+    threads = env.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
 def _child_main(
     rank: int,
     conn: Connection,
@@ -56,6 +70,7 @@ def _child_main(
 ) -> None:
     os.environ.update(env)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    _apply_thread_count(env)
     try:
         result: Any = fn(*args)
         payload = pickle.dumps(("ok", result))
