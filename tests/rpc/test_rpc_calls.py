@@ -48,6 +48,23 @@ def test_reply_completes_once_and_timeouts_name_the_peer_and_duration() -> None:
     assert calls.pop(2) is None  # a late reply after the timeout finds nothing
 
 
+def test_a_new_default_timeout_applies_to_new_calls_and_old_ones_keep_theirs() -> None:
+    calls = PendingCalls(default_timeout=60)
+    conn = _conn("worker1")
+    old, new = _future(), _future()
+    calls.add(1, conn, old, 60)  # heads the FIFO with a deadline an hour away
+    calls.set_default(0.05)  # rpc._set_rpc_timeout
+    calls.add(2, conn, new, 0.05)
+    calls.expire(time.monotonic() + 0.1)
+    assert new.done()  # not stuck behind the older call's later deadline
+    with pytest.raises(RpcTimeoutError, match=r"\(50 ms\)"):
+        new.wait()
+    assert not old.done()
+    calls.expire(time.monotonic() + 61)
+    with pytest.raises(RpcTimeoutError, match=r"\(60000 ms\)"):
+        old.wait()
+
+
 def test_broken_connection_and_shutdown_fail_only_their_calls() -> None:
     calls = PendingCalls(default_timeout=60)
     a, b = _conn("a"), _conn("b")

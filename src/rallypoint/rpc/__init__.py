@@ -38,6 +38,9 @@ from typing import TYPE_CHECKING, Any
 from rallypoint._core.public import set_public_module
 from rallypoint.rpc import dist_autograd, functions, nn, optim
 from rallypoint.rpc._api import (
+    _set_rpc_timeout as _set_rpc_timeout,  # torch's private helper, not in __all__
+)
+from rallypoint.rpc._api import (
     get_rpc_timeout,
     get_worker_info,
     init_rpc,

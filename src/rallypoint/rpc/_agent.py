@@ -101,6 +101,7 @@ class RallypointAgent(RpcAgent):
             caller=self,
             timeout=options.rpc_timeout,
             dead_workers=lambda: [n for n in self.peers.names() if self.peers.is_dead(n)],
+            worker_id=self.peers.rank_of,
         )
         self.codec = Codec(self.peers, self.rrefs, self.autograd)
         self.dispatcher = Dispatcher(self.info, self.calls, self.codec)
@@ -159,6 +160,14 @@ class RallypointAgent(RpcAgent):
             device_maps=dict(self.options.device_maps),  # type: ignore[arg-type]
             devices=list(self.options.devices),  # type: ignore[arg-type]
         )
+
+    def set_rpc_timeout(self, seconds: float) -> None:
+        # calls already sent keep their deadlines; backward passes and the shutdown's
+        # liveness probes started from now on use the new value, as in torch
+        self._default_timeout = seconds
+        self.calls.set_default(seconds)
+        self.autograd.timeout = seconds
+        self.group.rpc_timeout = seconds
 
     def get_worker_info(self, worker_name: str | int | None = None) -> WorkerInfo:
         return self.peers.info(worker_name)

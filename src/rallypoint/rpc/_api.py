@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rallypoint._core.checks import check_int
+from rallypoint._core.checks import check_int, check_seconds
 from rallypoint.rpc import _registry
 from rallypoint.rpc._backend import CURRENT_AGENT
 from rallypoint.rpc._constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
@@ -199,6 +199,16 @@ def get_worker_info(worker_name: str | int | None = None) -> Any:
 def get_rpc_timeout() -> float:
     """The default timeout of calls, in seconds."""
     return float(CURRENT_AGENT.get().rpc_timeout)
+
+
+def _set_rpc_timeout(rpcTimeoutSeconds: float) -> None:  # torch's argument name
+    """Set the default timeout of calls made from now on, in seconds (``0``: none).
+
+    torch's private helper (its own tests use it); calls already sent keep theirs.
+    """
+    seconds = check_seconds(rpcTimeoutSeconds, "rpcTimeoutSeconds", allow_zero=True, numbers=True)
+    assert seconds is not None
+    CURRENT_AGENT.get().set_rpc_timeout(seconds)
 
 
 def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:

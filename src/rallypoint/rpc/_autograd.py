@@ -208,11 +208,13 @@ class DistAutograd:
         *,
         timeout: float,
         dead_workers: Callable[[], list[str]],
+        worker_id: Callable[[str], int | None] = lambda name: None,
     ) -> None:
         self.me = me
         self._caller = caller
-        self._timeout = timeout  # bounds a whole backward pass, as torch's RPC timeout does
+        self.timeout = timeout  # bounds a whole backward pass, as torch's RPC timeout does
         self._dead_workers = dead_workers
+        self._worker_id = worker_id  # a peer's rank (None: not in the group any more)
         self._waiters: dict[tuple[int, int], _Waiter] = {}
         self._releases: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
         self._contexts: dict[int, AutogradContext] = {}
@@ -282,6 +284,26 @@ class DistAutograd:
     def __len__(self) -> int:
         return len(self._contexts)
 
+    # ---- what torch's private helpers show (see _autograd_inspect) ------------------------
+    def max_context_id(self) -> int:
+        """The largest context id this worker can make (torch's ``_get_max_id``)."""
+        return (self.me.id << _ID_BITS) + (1 << _ID_BITS) - 1
+
+    def known_worker_ids(self, ctx: AutogradContext) -> set[int]:
+        """The ranks of the workers ``ctx`` exchanged messages with (this one excluded)."""
+        ids = {self._worker_id(name) for name in list(ctx.known) if name != self.me.name}
+        return {i for i in ids if i is not None}
+
+    def backward_passes(self) -> int:
+        """Contexts with a backward pass running on this worker now: one it called, or
+        one whose gradients it still expects."""
+        running = {context_id for context_id, _ in list(self._waiters)}
+        for ctx in list(self._contexts.values()):
+            rnd = ctx.round
+            if rnd is not None and not rnd.settled:
+                running.add(ctx.id)
+        return len(running)
+
     def close(self) -> None:
         with self._lock:
             self._contexts.clear()
@@ -348,7 +370,7 @@ class DistAutograd:
 
     def _wait(self, waiter: _Waiter, context_id: int) -> None:
         """Until every share of the credit came back; raise the first error."""
-        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
         already = set(self._dead_workers())
         while not waiter.done.acquire(timeout=_POLL):
             dead = sorted(set(self._dead_workers()) - already)
@@ -360,7 +382,7 @@ class DistAutograd:
             if deadline is not None and time.monotonic() > deadline:
                 raise RuntimeError(
                     f"Error on Node {self.me.id}: the distributed backward pass of context "
-                    f"{context_id} did not finish within the RPC timeout ({self._timeout} s)"
+                    f"{context_id} did not finish within the RPC timeout ({self.timeout} s)"
                 )
         if waiter.error is not None:
             raise RuntimeError(f"Error on Node {self.me.id}: {waiter.error}")

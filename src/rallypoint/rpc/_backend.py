@@ -47,6 +47,12 @@ class RpcAgent(abc.ABC):
     @abc.abstractmethod
     def rpc_timeout(self) -> float: ...
 
+    def set_rpc_timeout(self, seconds: float) -> None:
+        """Change the default timeout of the calls made from now on (``0``: none)."""
+        raise NotImplementedError(
+            f"the {type(self).__name__} backend cannot change its default RPC timeout"
+        )
+
     def local_rref(self, value: Any, type_hint: type | None = None) -> Any:
         """``RRef(value)`` for a backend with its own RRef type; ``None``: rallypoint's RRef."""
         return None

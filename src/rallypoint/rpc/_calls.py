@@ -73,6 +73,15 @@ class PendingCalls:
                 else:
                     heapq.heappush(self._heap, (deadline, rid, seconds))
 
+    def set_default(self, seconds: float) -> None:
+        """A new default timeout for calls registered from now on; those pending keep
+        their deadlines (they move to the heap, so the FIFO stays in deadline order)."""
+        with self._lock:
+            for deadline, rid in self._fifo:
+                heapq.heappush(self._heap, (deadline, rid, self.default_timeout))
+            self._fifo.clear()
+            self.default_timeout = seconds
+
     def pop(self, rid: int) -> torch.futures.Future[Any] | None:
         """Take call ``rid`` out; its future, or ``None`` if someone else completed it."""
         conn = self.owners.pop(rid, None)

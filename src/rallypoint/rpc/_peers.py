@@ -101,6 +101,11 @@ class PeerTable:
             raise self._unknown(worker)
         return info
 
+    def rank_of(self, name: str) -> int | None:
+        """``name``'s rank, or ``None`` if it is not (or no longer) in the group."""
+        info = self._infos.get(name)
+        return None if info is None else info.id
+
     def resolve(self, to: Any) -> WorkerInfo:
         """The destination of a call: a name, a rank or a ``WorkerInfo``."""
         if type(to) is str:

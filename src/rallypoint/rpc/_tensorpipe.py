@@ -35,6 +35,9 @@ class TensorPipeAgentAdapter(RpcAgent):
     def rpc_timeout(self) -> float:
         return float(_rpc().get_rpc_timeout())
 
+    def set_rpc_timeout(self, seconds: float) -> None:
+        _rpc()._set_rpc_timeout(seconds)
+
     def get_worker_info(self, worker_name: str | int | None = None) -> Any:
         return _rpc().get_worker_info(worker_name)
 

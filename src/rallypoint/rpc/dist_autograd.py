@@ -28,8 +28,10 @@ from rallypoint.rpc._autograd import (
     CURRENT_AUTOGRAD,
     DistAutograd,
     check_context_id,
+    current_context,
     root_list,
 )
+from rallypoint.rpc._autograd_inspect import DistAutogradContext, debug_info
 from rallypoint.rpc._backend import CURRENT_AGENT
 
 __all__ = ["backward", "context", "get_gradients", "is_available"]
@@ -37,6 +39,10 @@ __all__ = ["backward", "context", "get_gradients", "is_available"]
 _NOT_INITIALIZED = (
     "Need to initialize distributed autograd using rallypoint.rpc.init_rpc() "
     "(it starts distributed autograd, as torch's init_rpc does)"
+)
+_NO_CONTEXT = (  # torch's text
+    "Current thread doesn't have a valid autograd context. Please wrap your code using: "
+    "`with torch.distributed.autograd.context() as context_id` to generate a valid context"
 )
 
 
@@ -135,11 +141,78 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     return dict(ours.retrieve(context_id).grads)
 
 
+def _context_id_argument(function: str, context_id: object) -> int:
+    try:
+        return check_context_id(context_id)
+    except TypeError as exc:
+        raise _bad_arguments(function, exc) from None
+
+
+# ---- torch's private helpers (torch's own tests and debugging tools use them) -------------
+# Under BackendType.TENSORPIPE each is torch's; see rallypoint.rpc._autograd_inspect.
+
+
 def _is_valid_context(context_id: int) -> None:
     """Raise torch's error if this worker has no context ``context_id``."""
-    context_id = check_context_id(context_id)
+    context_id = _context_id_argument("_is_valid_context", context_id)
     ours = _ours()
     if ours is None:
         _torch()._is_valid_context(context_id)
     else:
         ours.retrieve(context_id)
+
+
+def _current_context() -> Any:
+    """The calling thread's context (``RuntimeError`` if it has none)."""
+    ours = _ours()
+    if ours is None:
+        return _torch()._current_context()
+    ctx = current_context()
+    if ctx is None:
+        raise RuntimeError(_NO_CONTEXT)
+    return DistAutogradContext(ours, ours.retrieve(ctx.id))
+
+
+def _retrieve_context(context_id: int) -> Any:
+    """This worker's context ``context_id`` (``RuntimeError`` if it has none)."""
+    context_id = _context_id_argument("_retrieve_context", context_id)
+    ours = _ours()
+    if ours is None:
+        return _torch()._retrieve_context(context_id)
+    return DistAutogradContext(ours, ours.retrieve(context_id))
+
+
+def _new_context() -> Any:
+    """A new context, now the calling thread's (what ``context().__enter__`` does)."""
+    ours = _ours()
+    if ours is None:
+        return _torch()._new_context()
+    return DistAutogradContext(ours, ours.new_context())
+
+
+def _release_context(context_id: int) -> None:
+    """Release context ``context_id`` here and on the workers it talked to (what
+    ``context().__exit__`` does); the calling thread forgets it if it was its context."""
+    context_id = _context_id_argument("_release_context", context_id)
+    ours = _ours()
+    if ours is None:
+        _torch()._release_context(context_id)
+    else:
+        ours.exit_context(context_id)
+
+
+def _get_max_id() -> int:
+    """The largest context id this worker can make (its rank is in the high 16 bits)."""
+    ours = _ours()
+    if ours is None:
+        return int(_torch()._get_max_id())
+    return ours.max_context_id()
+
+
+def _get_debug_info() -> dict[str, Any]:
+    """``num_autograd_contexts`` and ``num_current_backward_passes`` on this worker."""
+    ours = _ours()
+    if ours is None:
+        info: dict[str, Any] = _torch()._get_debug_info()
+        return info
+    return debug_info(ours)
