@@ -52,3 +52,15 @@ def test_public_objects_pickle_by_their_public_name() -> None:
     assert again.rpc_timeout == 3.0 and again.device_maps == {
         "w1": {torch.device("cuda", 0): torch.device("cuda", 1)}
     }
+
+
+def test_constants_module_has_torchs_names_and_values() -> None:
+    theirs = importlib.import_module("torch.distributed.rpc.constants")
+    names = [n for n in vars(theirs) if n.isupper() and not n.startswith("_")]
+    assert len(names) >= 6
+    for name in names:
+        assert getattr(rpc.constants, name) == getattr(theirs, name), name
+    assert rpc.constants.UNSET_RPC_TIMEOUT == rpc.UNSET_RPC_TIMEOUT
+    from rallypoint.rpc.constants import DEFAULT_RPC_TIMEOUT_SEC  # as torch's module allows
+
+    assert DEFAULT_RPC_TIMEOUT_SEC == rpc.DEFAULT_RPC_TIMEOUT_SEC

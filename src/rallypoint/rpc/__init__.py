@@ -27,7 +27,7 @@ Imports point down these lines, and within a line from left to right (no cycles)
                         _peers, _calls
     bytes and store:    _acceptor, _transport, _reader_pool, _auth, _wire, _shm, _groups,
                         _store
-    shared:             _backend, _current, _options, _device_maps, _errors, _constants,
+    shared:             _backend, _current, _options, _device_maps, _errors, constants,
                         functions  ->  rallypoint._core
 """
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from rallypoint._core.public import set_public_module
-from rallypoint.rpc import dist_autograd, functions, nn, optim
+from rallypoint.rpc import constants, dist_autograd, functions, nn, optim
 from rallypoint.rpc._api import (
     _set_rpc_timeout as _set_rpc_timeout,  # torch's private helper, not in __all__
 )
@@ -50,12 +50,6 @@ from rallypoint.rpc._api import (
     shutdown,
 )
 from rallypoint.rpc._backend import RpcAgent
-from rallypoint.rpc._constants import (
-    DEFAULT_INIT_METHOD,
-    DEFAULT_RPC_TIMEOUT_SEC,
-    DEFAULT_SHUTDOWN_TIMEOUT,
-    UNSET_RPC_TIMEOUT,
-)
 from rallypoint.rpc._errors import (
     RpcAuthenticationError,
     RpcConnectionError,
@@ -74,6 +68,12 @@ from rallypoint.rpc._registry import (
     register_backend,
 )
 from rallypoint.rpc._rref import RRef
+from rallypoint.rpc.constants import (
+    DEFAULT_INIT_METHOD,
+    DEFAULT_RPC_TIMEOUT_SEC,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    UNSET_RPC_TIMEOUT,
+)
 from rallypoint.rpc.optim import DistributedOptimizer
 
 if TYPE_CHECKING:
@@ -102,6 +102,7 @@ __all__ = [
     "TensorPipeRpcBackendOptions",
     "WorkerInfo",
     "backend_registered",
+    "constants",
     "construct_rpc_backend_options",
     "dist_autograd",
     "functions",

@@ -43,7 +43,6 @@ from rallypoint.rpc._backend import CURRENT_AGENT, Args, Func, Fut, Kwargs, RpcA
 from rallypoint.rpc._calls import PendingCalls, fail
 from rallypoint.rpc._codec import Codec
 from rallypoint.rpc._connections import Connections
-from rallypoint.rpc._constants import UNSET_RPC_TIMEOUT
 from rallypoint.rpc._dispatch import Dispatcher
 from rallypoint.rpc._errors import NOT_INITIALIZED, RpcError, RpcShutdownError
 from rallypoint.rpc._groups import WorkerInfo, WorkerRecord
@@ -54,6 +53,7 @@ from rallypoint.rpc._rref import RRef, remote_rref
 from rallypoint.rpc._rref_table import CURRENT_TABLE, RRefTable
 from rallypoint.rpc._shm import SegmentPool
 from rallypoint.rpc._store import hosts_store, store_host
+from rallypoint.rpc.constants import UNSET_RPC_TIMEOUT
 
 logger = logging.getLogger("rallypoint.rpc")
 

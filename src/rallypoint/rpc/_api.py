@@ -18,10 +18,10 @@ import torch
 from rallypoint._core.checks import check_int, check_seconds
 from rallypoint.rpc import _registry
 from rallypoint.rpc._backend import CURRENT_AGENT
-from rallypoint.rpc._constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 from rallypoint.rpc._groups import validate_name
 from rallypoint.rpc._options import RallypointRpcBackendOptions, RpcBackendOptions
 from rallypoint.rpc._store import create_store
+from rallypoint.rpc.constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 
 logger = logging.getLogger("rallypoint.rpc")
 

@@ -16,16 +16,16 @@ from typing import Any
 import torch
 
 from rallypoint._core.checks import check_int, check_seconds
-from rallypoint.rpc._constants import (
-    DEFAULT_INIT_METHOD,
-    DEFAULT_NUM_WORKER_THREADS,
-    DEFAULT_RPC_TIMEOUT_SEC,
-)
 from rallypoint.rpc._device_maps import (
     DeviceLike,
     DeviceMap,
     to_device_list,
     to_device_map,
+)
+from rallypoint.rpc.constants import (
+    DEFAULT_INIT_METHOD,
+    DEFAULT_NUM_WORKER_THREADS,
+    DEFAULT_RPC_TIMEOUT_SEC,
 )
 
 __all__ = ["RallypointRpcBackendOptions", "RpcBackendOptions"]

@@ -20,8 +20,8 @@ import enum
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from rallypoint.rpc._constants import DEFAULT_INIT_METHOD, DEFAULT_RPC_TIMEOUT_SEC
 from rallypoint.rpc._options import RallypointRpcBackendOptions
+from rallypoint.rpc.constants import DEFAULT_INIT_METHOD, DEFAULT_RPC_TIMEOUT_SEC
 
 __all__ = [
     "BackendValue",

@@ -30,7 +30,6 @@ import torch
 from rallypoint.rpc import _wire
 from rallypoint.rpc._autograd import CURRENT_AUTOGRAD, check_context_id
 from rallypoint.rpc._backend import CURRENT_AGENT
-from rallypoint.rpc._constants import UNSET_RPC_TIMEOUT
 from rallypoint.rpc._errors import RpcError
 from rallypoint.rpc._groups import WorkerInfo
 from rallypoint.rpc._rref_table import (
@@ -42,6 +41,7 @@ from rallypoint.rpc._rref_table import (
     owner_incref,
     owner_invoke,
 )
+from rallypoint.rpc.constants import UNSET_RPC_TIMEOUT
 
 T = TypeVar("T")
 
