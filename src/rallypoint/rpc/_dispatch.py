@@ -5,8 +5,9 @@ WorkerInfo(...):``, its repr and the remote traceback) plus its pickled type, an
 raised on the caller with that type; if the type cannot be rebuilt there, a
 ``RuntimeError`` carries the same text.
 
-A call that arrived in a distributed autograd context runs in it (the serving thread's
-current context while it runs), and its reply is encoded in it, also when an
+A call runs once the owners of the RRefs in its arguments have confirmed them (torch's
+order). A call that arrived in a distributed autograd context runs in it (the serving
+thread's current context while it runs), and its reply is encoded in it, also when an
 ``@async_execution`` call replies later from another thread.
 """
 
@@ -29,6 +30,7 @@ from rallypoint.rpc._calls import PendingCalls, fail
 from rallypoint.rpc._codec import Codec
 from rallypoint.rpc._errors import RpcError
 from rallypoint.rpc._groups import WorkerInfo
+from rallypoint.rpc._rref import collecting_confirmations
 from rallypoint.rpc._transport import Connection, Frame
 from rallypoint.rpc.functions import is_async_execution
 
@@ -135,15 +137,18 @@ class Dispatcher:
         ctx: AutogradContext | None = None
         try:
             try:
-                (func, args, kwargs), ctx = self._codec.decode(
-                    conn.peer_name, frame.data, frame.tensors
-                )
+                with collecting_confirmations() as forked:
+                    (func, args, kwargs), ctx = self._codec.decode(
+                        conn.peer_name, frame.data, frame.tensors
+                    )
             except AttributeError as exc:
                 # not the function's own error: a RuntimeError on the caller, as torch's
                 raise RuntimeError(
                     f"AttributeError: {exc} Default RPC pickler does not serialize function "
                     "code. Ensure that UDFs are defined on both caller and callee modules."
                 ) from exc
+            for confirmed in forked:  # as torch: RRef arguments are confirmed by their owners
+                confirmed.wait()
             result = func(*args, **kwargs) if ctx is None else run_in(ctx, func, args, kwargs)
             if frame.kind is _ONEWAY:
                 return

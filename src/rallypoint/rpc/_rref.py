@@ -9,6 +9,9 @@ Lifetime model (documented in docs/rpc.md):
   the receiver has registered its own count at the owner (``owner_incref``), then the
   receiver tells the sender to unpin. So the count never drops to zero while a fork is
   in flight.
+- A call whose arguments carry RRefs forked from a third worker runs once their owners
+  confirmed them (:func:`collecting_confirmations`), as in torch: inside the function
+  ``confirmed_by_owner()`` is true.
 - When an RRef object is garbage-collected its worker queues a decrement; the agent
   sends decrements to owners in batches. At zero the owner drops the value.
 - Shutdown drops every table; RRefs used after shutdown raise.
@@ -19,10 +22,12 @@ values it owns, and a :class:`~rallypoint.rpc._backend.Caller` to reach the othe
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -249,6 +254,22 @@ def reduce_rref(table: RRefTable, rref: RRef[Any]) -> _wire.ReduceValue:
     return (_rref_unpickle, (owner.name, owner.id, rref._id, fork_id, table.me.name))
 
 
+_pending = threading.local()
+
+
+@contextlib.contextmanager
+def collecting_confirmations() -> Iterator[list[torch.futures.Future[Any]]]:
+    """While decoding a call: the owners' confirmations of the RRefs it forks here (the
+    caller waits for them before the call runs)."""
+    saved = getattr(_pending, "futures", None)
+    futures: list[torch.futures.Future[Any]] = []
+    _pending.futures = futures
+    try:
+        yield futures
+    finally:
+        _pending.futures = saved
+
+
 def _rref_unpickle(
     owner_name: str, owner_id: int, rref_id: RRefId, fork_id: int, sender: str
 ) -> RRef[Any]:
@@ -260,4 +281,7 @@ def _rref_unpickle(
         return RRef._make(table, owner, rref_id, None)
     confirmed = table.caller.rpc_async(owner, owner_incref, (rref_id,), {}, 0)
     confirmed.add_done_callback(lambda _: table.unpin_at(sender, fork_id))
+    pending = getattr(_pending, "futures", None)
+    if pending is not None:
+        pending.append(confirmed)
     return RRef._make(table, owner, rref_id, confirmed)

@@ -63,6 +63,10 @@ def _fetch(rref: Any) -> Any:
     return rref.to_here()
 
 
+def _confirmed(rref: Any) -> bool:
+    return bool(rref.confirmed_by_owner())
+
+
 class _Counter:
     def __init__(self, start: int) -> None:
         self.value = start
@@ -134,6 +138,12 @@ def _checks(rank: int, backend: str) -> list[str]:
     check("rref remote proxy", rref.remote().get().to_here() == 10)
     check("rref to_here copy", rref.to_here().value == 10)
     check("rref fork to third worker", rpc.rpc_sync("worker2", _fetch, args=(rref,)).value == 10)
+    # torch runs a call once the RRefs forked into its arguments are confirmed by the owner
+    check("forked rref confirmed in call", rpc.rpc_sync("worker2", _confirmed, args=(rref,)))
+    check(
+        "forked rref confirmed in remote",
+        rpc.remote("worker2", _confirmed, args=(rref,)).to_here(),
+    )
     local = rpc.RRef(torch.arange(3))
     check("local rref is owner", local.is_owner() and local.owner_name() == me)
     check("local rref value", torch.equal(local.local_value(), torch.arange(3)))
