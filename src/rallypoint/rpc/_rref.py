@@ -45,6 +45,7 @@ from rallypoint.rpc._rref_table import (
     owner_fetch,
     owner_incref,
     owner_invoke,
+    owner_type,
 )
 from rallypoint.rpc.constants import UNSET_RPC_TIMEOUT
 
@@ -58,7 +59,7 @@ class RRef(Generic[T]):
     by the callee.
     """
 
-    __slots__ = ("__weakref__", "_confirmed", "_id", "_owner", "_table")
+    __slots__ = ("__weakref__", "_confirmed", "_id", "_owner", "_table", "_type")
 
     def __new__(cls, *args: Any, **kwargs: Any) -> RRef[Any]:
         if args or kwargs:
@@ -104,6 +105,7 @@ class RRef(Generic[T]):
         self._owner = owner
         self._id = rref_id
         self._confirmed = confirmed
+        self._type: torch.futures.Future[Any] | None = None
         weakref.finalize(self, table.release, owner.name, rref_id)
 
     def owner(self) -> WorkerInfo:
@@ -175,6 +177,20 @@ class RRef(Generic[T]):
         """Proxy returning RRefs owned by this RRef's owner."""
         return _Proxy(self, _Via.REMOTE, timeout)
 
+    def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
+        """The type of the value (torch's private helper; its proxies use it): asked of the
+        owner once and cached. With ``blocking=False`` a future of it (the same one on
+        every call). A failed creation raises its error."""
+        fut = self._type
+        if fut is None:
+            if self.is_owner():
+                fut = owner_type(self._id)
+            else:
+                caller = self._table.caller
+                fut = caller.rpc_async(self._owner, owner_type, (self._id,), {}, timeout)
+            self._type = fut
+        return fut.wait() if blocking else fut
+
     def _get_future(self) -> torch.futures.Future[Any]:
         if self._confirmed is not None:
             return self._confirmed
@@ -233,6 +249,7 @@ def _proxy_call(
     caller = rref._table.caller
     call_args = (rref, name, args, kwargs)
     if via is _Via.REMOTE:
+        getattr(rref._get_type(timeout), name)  # as torch's: a missing method raises here
         return caller.remote(rref.owner(), owner_invoke, call_args, {}, timeout)
     fut = caller.rpc_async(rref.owner(), owner_invoke, call_args, {}, timeout)
     return fut.wait() if via is _Via.SYNC else fut

@@ -222,6 +222,22 @@ def owner_fetch(rref_id: RRefId) -> torch.futures.Future[Any]:
     return CURRENT_TABLE.get().owned.entry(rref_id).future
 
 
+@async_execution
+def owner_type(rref_id: RRefId) -> torch.futures.Future[Any]:
+    """The type of an owned value, once it exists (its creation's error otherwise)."""
+    created = CURRENT_TABLE.get().owned.entry(rref_id).future
+    out: torch.futures.Future[Any] = torch.futures.Future()
+
+    def done(fut: torch.futures.Future[Any]) -> None:
+        try:
+            out.set_result(type(fut.wait()))
+        except Exception as exc:
+            out.set_exception(exc)
+
+    created.add_done_callback(done)
+    return out
+
+
 def owner_incref(rref_id: RRefId) -> None:
     CURRENT_TABLE.get().owned.incref(rref_id)
 

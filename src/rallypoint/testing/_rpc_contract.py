@@ -136,6 +136,14 @@ def _checks(rank: int, backend: str) -> list[str]:
     check("rref rpc_sync proxy", rref.rpc_sync().add(2) == 7)
     check("rref rpc_async proxy", rref.rpc_async().add(3).wait() == 10)
     check("rref remote proxy", rref.remote().get().to_here() == 10)
+    typed = rref._get_type(blocking=False)  # torch's private helper, which its proxies use
+    check("rref _get_type", typed.wait() is _Counter)
+    check("rref _get_type cached", rref._get_type(blocking=False) is typed)
+    try:
+        rref.remote().no_such_method()
+        check("remote proxy of a missing method raises at once", False)
+    except AttributeError as exc:
+        check("remote proxy missing method", "has no attribute 'no_such_method'" in str(exc))
     check("rref to_here copy", rref.to_here().value == 10)
     check("rref fork to third worker", rpc.rpc_sync("worker2", _fetch, args=(rref,)).value == 10)
     # torch runs a call once the RRefs forked into its arguments are confirmed by the owner
@@ -147,6 +155,7 @@ def _checks(rank: int, backend: str) -> list[str]:
     local = rpc.RRef(torch.arange(3))
     check("local rref is owner", local.is_owner() and local.owner_name() == me)
     check("local rref value", torch.equal(local.local_value(), torch.arange(3)))
+    check("local rref _get_type", local._get_type() is torch.Tensor)
     check(
         "local rref fork",
         torch.equal(rpc.rpc_sync("worker2", _fetch, args=(local,)), torch.arange(3)),
@@ -159,6 +168,11 @@ def _checks(rank: int, backend: str) -> list[str]:
         check("failed remote raises on to_here", False)
     except ValueError as exc:
         check("failed remote error", "rref-boom" in str(exc))
+    try:
+        bad._get_type()
+        check("failed remote _get_type raises", False)
+    except ValueError as exc:
+        check("failed remote _get_type error", "rref-boom" in str(exc))
     return done
 
 
