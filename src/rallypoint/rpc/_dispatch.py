@@ -30,7 +30,7 @@ from rallypoint.rpc._calls import PendingCalls, fail
 from rallypoint.rpc._codec import Codec
 from rallypoint.rpc._errors import RpcError
 from rallypoint.rpc._groups import WorkerInfo
-from rallypoint.rpc._rref import collecting_confirmations
+from rallypoint.rpc._rref import collect_confirmations
 from rallypoint.rpc._transport import Connection, Frame
 from rallypoint.rpc.functions import is_async_execution
 
@@ -136,17 +136,20 @@ class Dispatcher:
         finished = True
         ctx: AutogradContext | None = None
         try:
+            forked: list[torch.futures.Future[Any]] = []
+            saved = collect_confirmations(forked)
             try:
-                with collecting_confirmations() as forked:
-                    (func, args, kwargs), ctx = self._codec.decode(
-                        conn.peer_name, frame.data, frame.tensors
-                    )
+                (func, args, kwargs), ctx = self._codec.decode(
+                    conn.peer_name, frame.data, frame.tensors
+                )
             except AttributeError as exc:
                 # not the function's own error: a RuntimeError on the caller, as torch's
                 raise RuntimeError(
                     f"AttributeError: {exc} Default RPC pickler does not serialize function "
                     "code. Ensure that UDFs are defined on both caller and callee modules."
                 ) from exc
+            finally:
+                collect_confirmations(saved)
             for confirmed in forked:  # as torch: RRef arguments are confirmed by their owners
                 confirmed.wait()
             result = func(*args, **kwargs) if ctx is None else run_in(ctx, func, args, kwargs)

@@ -10,7 +10,7 @@ Lifetime model (documented in docs/rpc.md):
   receiver tells the sender to unpin. So the count never drops to zero while a fork is
   in flight.
 - A call whose arguments carry RRefs forked from a third worker runs once their owners
-  confirmed them (:func:`collecting_confirmations`), as in torch: inside the function
+  confirmed them (:func:`collect_confirmations`), as in torch: inside the function
   ``confirmed_by_owner()`` is true.
 - When an RRef object is garbage-collected its worker queues a decrement; the agent
   sends decrements to owners in batches. At zero the owner drops the value.
@@ -22,12 +22,11 @@ values it owns, and a :class:`~rallypoint.rpc._backend.Caller` to reach the othe
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -274,17 +273,15 @@ def reduce_rref(table: RRefTable, rref: RRef[Any]) -> _wire.ReduceValue:
 _pending = threading.local()
 
 
-@contextlib.contextmanager
-def collecting_confirmations() -> Iterator[list[torch.futures.Future[Any]]]:
-    """While decoding a call: the owners' confirmations of the RRefs it forks here (the
-    caller waits for them before the call runs)."""
-    saved = getattr(_pending, "futures", None)
-    futures: list[torch.futures.Future[Any]] = []
-    _pending.futures = futures
-    try:
-        yield futures
-    finally:
-        _pending.futures = saved
+def collect_confirmations(
+    into: list[torch.futures.Future[Any]] | None,
+) -> list[torch.futures.Future[Any]] | None:
+    """Decoding a call: put the owners' confirmations of the RRefs it forks here into
+    ``into`` (the caller waits for them before the call runs); ``None`` stops. Returns
+    the list collected into before (a plain swap: it runs for every call served)."""
+    saved: list[torch.futures.Future[Any]] | None = getattr(_pending, "futures", None)
+    _pending.futures = into
+    return saved
 
 
 def _rref_unpickle(
