@@ -1,7 +1,8 @@
 """The distributed autograd engine, one worker at a time, without processes.
 
-A received tensor is made as the codec makes it (``RecvRpc``); a "send" is a gradient
-edge given to the round as a source, as the codec records it.
+A received tensor is made as the codec makes it (``receive_message``: one node per
+message); a "send" is a gradient edge given to the round as a source, as the codec records
+it.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from rallypoint.rpc._autograd import (
     AutogradContext,
     DistAutograd,
     RecvRecord,
-    RecvRpc,
     SendRecord,
     _edge,
+    receive_message,
 )
 from rallypoint.rpc._autograd_engine import Round, execute
 from rallypoint.rpc._codec import TAG_MAGIC, Codec
@@ -25,8 +26,7 @@ from rallypoint.rpc._groups import WorkerInfo
 
 
 def _received(recvs: dict[Any, RecvRecord], raw: torch.Tensor, message: int = 9) -> torch.Tensor:
-    out: torch.Tensor = RecvRpc.apply(raw.requires_grad_(True))  # type: ignore[no-untyped-call]
-    recvs[out.grad_fn] = RecvRecord("peer", message, len(recvs))
+    (out,) = receive_message(recvs, "peer", message, [raw.requires_grad_(True)])
     return out
 
 
@@ -59,7 +59,7 @@ def test_one_source_gives_leaf_and_received_gradients() -> None:
     assert [t for t, _ in out.leaves] == [w]
     torch.testing.assert_close(out.leaves[0][1], ref_w)
     assert len(out.recv) == 1 and out.recv[0][0] is x.grad_fn
-    torch.testing.assert_close(out.recv[0][1], ref_x)
+    torch.testing.assert_close(out.recv[0][1][0], ref_x)
     assert rnd.settled
 
 
@@ -93,7 +93,7 @@ def test_a_source_without_gradient_kills_what_only_it_reaches() -> None:
     y = x * 2
     rnd = Round(1, False, [((5, 0), *_edge(y))], recvs)
     out = execute(rnd, rnd.plan([((5, 0), None)]))
-    assert out.leaves == [] and out.recv == [(x.grad_fn, None)]
+    assert out.leaves == [] and out.recv == [(x.grad_fn, {})]
     assert rnd.settled
 
 
@@ -111,8 +111,8 @@ def test_a_received_tensor_sent_on_passes_its_gradient_without_the_engine() -> N
     g = torch.randn(3)
     rnd = Round(1, False, [((5, 0), *_edge(x))], recvs)
     plan = rnd.plan([((5, 0), g)])
-    assert plan.outputs == [] and plan.recv_passed == [(x.grad_fn, g)]
-    assert execute(rnd, plan).recv == [(x.grad_fn, g)]
+    assert plan.outputs == [] and plan.recv_passed == [(x.grad_fn, {0: g})]
+    assert execute(rnd, plan).recv == [(x.grad_fn, {0: g})]
 
 
 def test_context_gradients_accumulate_in_place_without_aliasing() -> None:
@@ -167,8 +167,9 @@ def test_codec_tags_only_messages_in_a_context() -> None:
         assert data[:2] == TAG_MAGIC and len(ctx.sends) == 1 and ctx.known == {"w1"}
         (_, (got,), _), remote = in_codec.decode("w0", data, raws)
         assert remote is not None and remote.id == ctx.id and len(receiver) == 1
-        assert type(got.grad_fn).__name__ == "RecvRpcBackward" and remote.known == {"w0"}
-        assert list(remote.recvs.values()) == [RecvRecord("w0", next(iter(ctx.sends)), 0)]
+        assert got.grad_fn.name() == "torch::distributed::autograd::RecvRpcBackward"
+        assert remote.known == {"w0"}
+        assert list(remote.recvs.values()) == [RecvRecord("w0", next(iter(ctx.sends)), 1)]
         plain, _ = in_codec.reply("w0", 5, remote)  # no tensor that needs grad: untagged
         assert plain[:2] != TAG_MAGIC
     finally:

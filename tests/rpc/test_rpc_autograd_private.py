@@ -54,11 +54,20 @@ def _callee_view(context_id: int) -> dict[str, Any]:
     """What the callee's copy of the context shows (runs on w1)."""
     ctx = dist_autograd._retrieve_context(context_id)
     recvs = ctx._recv_functions()
+    (send,) = ctx._send_functions().values()  # the reply: torch.add(t1, t2)
+    (add, _), *_ = send.next_functions
     return {
         "id": ctx._context_id() == context_id,
         "sends": len(ctx._send_functions()),
         "recvs": len(recvs),
-        "recv_names": sorted(node.name().split("::")[-1] for node in recvs.values()),
+        "recv_names": sorted(node.name() for node in recvs.values()),
+        # torch: one RecvRpcBackward node per message, one output per tensor
+        "graph": {
+            "send": [(node.name(), nr) for node, nr in send.next_functions],
+            "add": [(node.name(), nr) for node, nr in add.next_functions],
+            "one_recv_node": add.next_functions[0][0] is add.next_functions[1][0],
+            "is_the_message_node": add.next_functions[0][0] in list(recvs.values()),
+        },
         "known": sorted(ctx._known_worker_ids()),
         "contexts": int(dist_autograd._get_debug_info()["num_autograd_contexts"]),
     }
@@ -183,6 +192,13 @@ def test_private_helpers_show_what_torchs_show(runs: dict[str, list[dict[str, An
     assert context["send_edges"] == [("torch::autograd::AccumulateGrad", 0)] * 2
     assert context["send_variables"] == [True, True] and context["recv_is_grad_fn"]
     assert context["callee"]["sends"] == 1 and context["callee"]["known"] == [0]
+    recv_name = "torch::distributed::autograd::RecvRpcBackward"
+    assert context["callee"]["graph"] == {
+        "send": [("AddBackward0", 0)],
+        "add": [(recv_name, 0), (recv_name, 1)],
+        "one_recv_node": True,
+        "is_the_message_node": True,
+    }
     assert first["during_backward"] == [
         {"num_autograd_contexts": 1, "num_current_backward_passes": 1}
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import pickle
 import socket
 import threading
 import time
@@ -53,6 +54,50 @@ def test_requires_grad_parameter_and_shared_tensor() -> None:
     assert out[0].requires_grad and torch.equal(out[0], leaf)
     assert isinstance(out[1], torch.nn.Parameter)
     assert torch.equal(out[2][0], shared) and torch.equal(out[2][1], shared)
+
+
+def test_tensors_that_need_grad_reach_the_receive_hook_together_in_sender_order() -> None:
+    base = torch.randn(4, 3, requires_grad=True) * 1  # two views of one storage need grad
+    row, col = base[1], base.t()
+    param = torch.nn.Parameter(torch.ones(2))
+    plain = torch.arange(3.0)
+    sink: list[torch.Tensor] = []
+    data, raws = _wire.encode((row, plain, {"p": param, "again": row}, col), grad_sink=sink)
+    assert (
+        len(sink) == 3
+        and [a is b for a, b in zip(sink, (row, param, col), strict=True)] == [True] * 3
+    )
+    seen: list[list[torch.Tensor]] = []
+
+    def hook(received: list[torch.Tensor]) -> list[torch.Tensor]:
+        seen.append(received)
+        return [t * 10 for t in received]
+
+    copies = [r.clone() for r in raws]
+    a, p, d, t = _wire.decode(data, copies, recv_hook=hook)
+    (received,) = seen  # one call per message, with every tensor that needs grad
+    assert [r.requires_grad for r in received] == [True, True, True]
+    assert isinstance(received[1], torch.nn.Parameter) and torch.equal(received[2], col)
+    assert torch.equal(a, row * 10) and d["again"] is a and torch.equal(t, col * 10)
+    assert torch.equal(d["p"], param * 10) and torch.equal(p, plain) and not p.requires_grad
+    # without a hook (outside distributed autograd) they arrive as tensors that need grad
+    a, p, d, t = _wire.decode(data, [r.clone() for r in raws])
+    assert a.requires_grad and isinstance(d["p"], torch.nn.Parameter) and d["again"] is a
+
+
+def test_a_bad_grad_table_is_refused() -> None:
+    x = torch.randn(2, requires_grad=True)
+    data, raws = _wire.encode([x], grad_sink=[])
+    assert data[:1] == b"G"
+    size = int.from_bytes(data[1:5], "little")
+    not_a_table = pickle.dumps(5)
+    forged = b"G" + len(not_a_table).to_bytes(4, "little") + not_a_table + data[5 + size :]
+    with pytest.raises(ValueError, match="bad grad table"):
+        _wire.decode(forged, raws)
+    with pytest.raises(RuntimeError, match="can only be unpickled by the RPC agent"):
+        _wire._rebuild_view(0, 0, torch.float32, (2,), (1,), True, None, False)
+    with pytest.raises(ValueError, match="bad grad table reference 3"):
+        _wire._received(3)
 
 
 def test_sparse_tensors_pickle_with_their_parts_out_of_band() -> None:

@@ -80,22 +80,43 @@ def run_in(ctx: AutogradContext, func: Callable[..., Any], args: Any, kwargs: An
         _tls.ctx = saved
 
 
-class RecvRpc(torch.autograd.Function):
-    """Wraps a received tensor; its node (``RecvRpcBackward``) marks where gradients leave."""
+class _RecvRpc(torch.autograd.Function):
+    """Wraps the tensors of one received message that require grad; their node (one per
+    message, named as torch's: ``torch::distributed::autograd::RecvRpcBackward``) marks
+    where their gradients leave this worker."""
 
     @staticmethod
-    def forward(ctx: Any, raw: torch.Tensor) -> torch.Tensor:
-        return raw.detach()
+    def forward(ctx: Any, *raws: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(raw.detach() for raw in raws)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return grads
+
+
+# torch's node name: a Function's node is named after its class, plus "Backward"
+RecvRpc: type[_RecvRpc] = type(
+    "torch::distributed::autograd::RecvRpc", (_RecvRpc,), {"__module__": __name__}
+)
 
 
 class RecvRecord(NamedTuple):
     peer: str
     message_id: int
-    position: int  # of the tensor among the message's tensors that require grad
+    outputs: int  # the message's tensors that require grad: the node's outputs
+
+
+def receive_message(
+    recvs: dict[Node, RecvRecord], src: str, message_id: int, raws: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Wrap a message's tensors that require grad in one ``RecvRpcBackward`` node."""
+    if torch.is_grad_enabled():  # it is on the reader threads that decode
+        outs: tuple[torch.Tensor, ...] = RecvRpc.apply(*raws)  # type: ignore[no-untyped-call]
+    else:
+        with torch.enable_grad():
+            outs = RecvRpc.apply(*raws)  # type: ignore[no-untyped-call]
+    recvs[outs[0].grad_fn] = RecvRecord(src, message_id, len(outs))  # type: ignore[index]
+    return list(outs)
 
 
 @dataclass(slots=True)
@@ -317,19 +338,11 @@ class DistAutograd:
 
     def receiver(
         self, ctx: AutogradContext, src: str, message_id: int
-    ) -> Callable[[torch.Tensor], torch.Tensor]:
+    ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
         """The hook that wraps the tensors of message ``message_id`` from ``src``."""
-        counter = itertools.count()
-        recvs = ctx.recvs
 
-        def receive(raw: torch.Tensor) -> torch.Tensor:
-            if torch.is_grad_enabled():  # it is on the reader threads that decode
-                out: torch.Tensor = RecvRpc.apply(raw)  # type: ignore[no-untyped-call]
-            else:
-                with torch.enable_grad():
-                    out = RecvRpc.apply(raw)  # type: ignore[no-untyped-call]
-            recvs[out.grad_fn] = RecvRecord(src, message_id, next(counter))  # type: ignore[index]
-            return out
+        def receive(raws: list[torch.Tensor]) -> list[torch.Tensor]:
+            return receive_message(ctx.recvs, src, message_id, raws)
 
         return receive
 
@@ -441,8 +454,9 @@ class DistAutograd:
             outgoing: dict[str, Items] = {}
             for node, sent in outcome.recv:
                 record = ctx.recvs[node]
-                outgoing.setdefault(record.peer, []).append(
-                    (record.message_id, record.position, sent)
+                outgoing.setdefault(record.peer, []).extend(
+                    (record.message_id, position, sent.get(position))
+                    for position in range(record.outputs)
                 )
             settled = rnd.settled
             if not settled:

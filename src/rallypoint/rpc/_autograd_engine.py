@@ -4,7 +4,8 @@ A *round* is one ``dist_autograd.backward`` call. On each worker it touches, the
 works on the local autograd graph between the worker's *sources* (the roots, on the
 worker that called ``backward``, and every tensor this worker sent in the context: their
 gradients come back from the receivers) and its *sinks* (leaves, whose gradients go into
-the context, and received tensors, whose gradients go back to their senders).
+the context, and received messages, whose gradients go back to their senders: one
+``RecvRpcBackward`` node per message, with one output per tensor that requires grad).
 
 torch counts, for every node, the edges that reach it from all sources, and runs a node
 once all of them delivered its gradient; a node shared by two sources (a tensor used in
@@ -13,14 +14,14 @@ does the same on top of the local engine, one ``torch.autograd.grad`` call per a
 
 - :meth:`Round.plan` simulates the counting: starting from the gradients that arrived, a
   node whose count reaches zero *executes* (if it received any gradient) or is *dead*
-  (it received none: a dead received tensor tells its sender "no gradient"). A node with
+  (it received none: a dead received message tells its sender "no gradient"). A node with
   a gradient but a non-zero count is *pending*: the engine captures the gradient that
   reached it so far and the node runs in a later pass, when its count reaches zero.
 - :func:`execute` runs the engine once over the plan: outputs are the arrived and the
-  buffered gradients, inputs are the leaves, the received tensors that completed and the
-  pending nodes. A pending node that leads to a captured node would be executed by the
-  engine with a partial gradient: a pre-hook turns its gradient into ``None`` for that
-  pass and the pass keeps the graph (the node runs again later).
+  buffered gradients, inputs are the leaves, every output of the received messages that
+  completed and the pending nodes. A pending node that leads to a captured node would be
+  executed by the engine with a partial gradient: a pre-hook turns its gradient into
+  ``None`` for that pass and the pass keeps the graph (the node runs again later).
 
 Leaves (``AccumulateGrad``) are never pending: their gradients are added to the context
 in every pass, so a leaf reached from several sources accumulates their sum, as in torch.
@@ -42,6 +43,8 @@ _ENGINE: Any = torch.autograd.Variable._execution_engine
 
 SourceKey = tuple[int, int]
 """``(message id, tensor index)`` of a sent tensor; ``(-1, i)`` for the i-th root."""
+Grads = dict[int, torch.Tensor]
+"""Gradients by position: a received message's node has one output per tensor."""
 
 
 def leaf_of(node: Node) -> torch.Tensor:
@@ -57,9 +60,9 @@ class Plan:
     outputs: list[GradientEdge] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
     leaves: dict[Node, None] = field(default_factory=dict)  # AccumulateGrad nodes, ordered
-    recv_done: list[Node] = field(default_factory=list)  # received tensors: gradient complete
-    recv_dead: list[Node] = field(default_factory=list)  # received tensors: no gradient
-    recv_passed: list[tuple[Node, torch.Tensor]] = field(default_factory=list)  # no engine
+    recv_done: list[Node] = field(default_factory=list)  # received messages: gradients done
+    recv_dead: list[Node] = field(default_factory=list)  # received messages: no gradient
+    recv_passed: list[tuple[Node, Grads]] = field(default_factory=list)  # no engine
     pending: list[tuple[Node, int]] = field(default_factory=list)  # (node, input) to capture
     direct: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # leaf, grad
 
@@ -69,7 +72,7 @@ class Outcome:
     """What the engine computed for a plan."""
 
     leaves: list[tuple[torch.Tensor, torch.Tensor]]
-    recv: list[tuple[Node, torch.Tensor | None]]  # None: the received tensor gets no gradient
+    recv: list[tuple[Node, Grads]]  # a received message's gradients (missing: none)
 
 
 class Round:
@@ -189,7 +192,7 @@ class Round:
             plan.recv_dead.extend(n for n in self._children if n in recvs)
             return plan
         if node in recvs:
-            plan.recv_passed.append((node, grad))
+            plan.recv_passed.append((node, {input_nr: grad}))
             return plan
         plan.outputs.append(GradientEdge(node, input_nr))
         plan.grads.append(grad)
@@ -227,8 +230,8 @@ class Round:
                     self._arrive(child, ready)
             return
         if is_recv and node not in touched and buffered:
-            # a received tensor sent on as it was: its gradient is what came back for it
-            plan.recv_passed.append((node, buffered[0]))
+            # received tensors sent on as they were: their gradients are what came back
+            plan.recv_passed.append((node, buffered))
             return
         if buffered:
             for input_nr, grad in buffered.items():
@@ -264,6 +267,11 @@ class Round:
         return False
 
 
+def _outputs(node: Node) -> int:
+    """A received message's node: one output per input (every input requires grad)."""
+    return len(node.next_functions)
+
+
 def _no_gradient(grads: tuple[torch.Tensor | None, ...]) -> tuple[None, ...]:
     return tuple(None for _ in grads)
 
@@ -286,13 +294,14 @@ def execute(rnd: Round, plan: Plan) -> Outcome:
     leaves = [(leaf, _leaf_hooks(leaf, grad)) for leaf, grad in plan.direct]
     if leaves:
         _ddp.check_direct(leaves)
-    recv: list[tuple[Node, torch.Tensor | None]] = [(node, None) for node in plan.recv_dead]
+    recv: list[tuple[Node, Grads]] = [(node, {}) for node in plan.recv_dead]
     recv.extend(plan.recv_passed)
     if not plan.outputs:
         return Outcome(leaves, recv)
     leaf_nodes = list(plan.leaves)
     inputs: list[Any] = [leaf_of(node) for node in leaf_nodes]
-    inputs += [GradientEdge(node, 0) for node in plan.recv_done]
+    recv_edges = [(node, nr) for node in plan.recv_done for nr in range(_outputs(node))]
+    inputs += [GradientEdge(node, nr) for node, nr in recv_edges]
     inputs += [GradientEdge(node, nr) for node, nr in plan.pending]
     retain = rnd.retain_graph
     handles = []
@@ -320,14 +329,18 @@ def execute(rnd: Round, plan: Plan) -> Outcome:
     finally:
         for handle in handles:
             handle.remove()
-    n_leaves, n_recv = len(leaf_nodes), len(plan.recv_done)
+    n_leaves, n_recv = len(leaf_nodes), len(recv_edges)
     reduced = set() if ddp is None else ddp.parameter_ids
     for node, grad in zip(leaf_nodes, grads[:n_leaves], strict=True):
         if grad is not None and id(leaf_of(node)) not in reduced:
             leaves.append((leaf_of(node), grad))
     if ddp is not None:
         leaves.extend(ddp.finish())
-    recv.extend(zip(plan.recv_done, grads[n_leaves : n_leaves + n_recv], strict=True))
+    done: dict[Node, Grads] = {node: {} for node in plan.recv_done}
+    for (node, nr), grad in zip(recv_edges, grads[n_leaves : n_leaves + n_recv], strict=True):
+        if grad is not None:
+            done[node][nr] = grad
+    recv.extend(done.items())
     for (node, input_nr), grad in zip(plan.pending, grads[n_leaves + n_recv :], strict=True):
         rnd.capture(node, input_nr, grad)
     return Outcome(leaves, recv)

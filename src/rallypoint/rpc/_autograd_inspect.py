@@ -12,9 +12,9 @@ torch puts a ``SendRpcBackward`` node into the graph for every message that carr
 tensors which require grad. rallypoint records a send as the gradient edges of those
 tensors instead (see :mod:`rallypoint.rpc._autograd`), so :meth:`DistAutogradContext.
 _send_functions` shows each send as a :class:`SendRpcBackward` whose ``next_functions``
-are those edges, as the node's are in torch. A received tensor has its own
-``RecvRpcBackward`` node in rallypoint (torch has one per message):
-:meth:`DistAutogradContext._recv_functions` gives each message's first one.
+are those edges, as the node's are in torch. Received tensors get a real node, one per
+message as in torch (``torch::distributed::autograd::RecvRpcBackward``, see
+:func:`rallypoint.rpc._autograd.receive_message`).
 """
 
 from __future__ import annotations
@@ -59,13 +59,9 @@ class DistAutogradContext:
         return {message_id: SendRpcBackward(send.edges) for message_id, send in sends}
 
     def _recv_functions(self) -> dict[int, Node]:
-        """Message id -> the ``RecvRpcBackward`` node of the message's first tensor."""
-        firsts: dict[int, tuple[int, Node]] = {}
-        for node, record in list(self._ctx.recvs.items()):
-            seen = firsts.get(record.message_id)
-            if seen is None or record.position < seen[0]:
-                firsts[record.message_id] = (record.position, node)
-        return {message_id: node for message_id, (_, node) in sorted(firsts.items())}
+        """Message id -> the ``RecvRpcBackward`` node of that message's tensors."""
+        recvs = list(self._ctx.recvs.items())
+        return {record.message_id: node for node, record in sorted(recvs, key=_message_id)}
 
     def _known_worker_ids(self) -> set[int]:
         """The ranks of the workers this context sent messages to or got messages from."""
@@ -73,6 +69,11 @@ class DistAutogradContext:
 
     def __repr__(self) -> str:
         return f"DistAutogradContext(context_id={self._ctx.id})"
+
+
+def _message_id(item: tuple[Node, Any]) -> int:
+    message_id: int = item[1].message_id
+    return message_id
 
 
 def debug_info(autograd: DistAutograd) -> dict[str, Any]:

@@ -17,8 +17,11 @@ when a span does not start at the storage's first byte, the pickle is preceded b
 before the connection has authenticated.
 
 Distributed autograd hooks in at both ends: ``encode(grad_sink=...)`` collects the tensors
-that need a gradient (in pickle order), and ``decode(recv_hook=...)`` hands each received
-tensor that needs one to the hook (in the same order), which returns the tensor to use.
+that need a gradient (in pickle order) and moves their references out of the pickle into a
+*grad table*, pickled ahead of it (``b"G"``, its length, the table); the pickle names them
+by position. ``decode(recv_hook=...)`` rebuilds the grad table first and hands all its
+tensors to the hook at once (torch makes one ``RecvRpcBackward`` node per message), which
+returns the tensors to use in their place.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ _ALIGN = 16  # the largest element size (complex128)
 _PENDING = torch.empty(0, dtype=_RAW)
 _SPANS = struct.Struct("<1sI")  # b"S", entries; then one int64 ``lo`` per table entry
 _SPANS_MAGIC = b"S"
+_GRADS = struct.Struct("<1sI")  # b"G", the grad table's pickle length; then that pickle
+_GRADS_MAGIC = b"G"
 _state = threading.local()
 
 ReduceValue = tuple[Callable[..., Any], tuple[Any, ...]]
@@ -101,6 +106,7 @@ class _Encoder(pickle.Pickler):
         self._rref_type = rref_type
         self._rref_hook = rref_hook
         self._grad_sink = grad_sink
+        self.grad_table: list[ReduceValue] = []  # how to rebuild each tensor of grad_sink
         # CPU storages seen in this message: (data_ptr, nbytes) -> [table index, lo, hi,
         # storage]; their tensors arrive as views of one shared copy of bytes lo..hi
         self.spans: dict[tuple[int, int], list[Any]] = {}
@@ -113,31 +119,36 @@ class _Encoder(pickle.Pickler):
             if obj.device.type == "meta":
                 return NotImplemented
             target = _send_device(obj, self._device_map, self._dst)
+            rebuild = self._reduce_tensor(obj, target, kind is torch.nn.Parameter)
             if self._grad_sink is not None and obj.requires_grad:
                 self._grad_sink.append(obj)
-            if obj.device.type == "cpu" and obj.numel() and not (obj.is_conj() or obj.is_neg()):
-                return self._view_of_storage(obj, target, kind is torch.nn.Parameter)
-            raw = obj.detach().resolve_conj().resolve_neg()
-            if raw.device.type != "cpu":
-                raw = raw.cpu()
-            raw = (
-                raw.contiguous().reshape(-1).view(_RAW)
-                if raw.numel()
-                else raw.new_empty(0, dtype=_RAW)
-            )
-            self._tensors.append(raw)
-            args = (
-                len(self._tensors) - 1,
-                obj.dtype,
-                tuple(obj.shape),
-                bool(obj.requires_grad),
-                target,
-                kind is torch.nn.Parameter,
-            )
-            return (_rebuild_tensor, args)
+                self.grad_table.append(rebuild)
+                return (_received, (len(self.grad_table) - 1,))
+            return rebuild
         if self._rref_type is not None and kind is self._rref_type and self._rref_hook is not None:
             return self._rref_hook(obj)
         return NotImplemented
+
+    def _reduce_tensor(self, obj: torch.Tensor, target: str | None, is_param: bool) -> Any:
+        """How ``obj`` travels: a reference into the tensor table."""
+        if obj.device.type == "cpu" and obj.numel() and not (obj.is_conj() or obj.is_neg()):
+            return self._view_of_storage(obj, target, is_param)
+        raw = obj.detach().resolve_conj().resolve_neg()
+        if raw.device.type != "cpu":
+            raw = raw.cpu()
+        raw = (
+            raw.contiguous().reshape(-1).view(_RAW) if raw.numel() else raw.new_empty(0, dtype=_RAW)
+        )
+        self._tensors.append(raw)
+        args = (
+            len(self._tensors) - 1,
+            obj.dtype,
+            tuple(obj.shape),
+            bool(obj.requires_grad),
+            target,
+            is_param,
+        )
+        return (_rebuild_tensor, args)
 
     def _view_of_storage(self, obj: torch.Tensor, target: str | None, is_param: bool) -> Any:
         """A CPU tensor travels as (shape, strides, byte offset) into its storage's bytes,
@@ -172,6 +183,18 @@ class _Encoder(pickle.Pickler):
             self._tensors[index] = torch.empty(0, dtype=_RAW).set_(storage, lo, (hi - lo,), (1,))
             los[index] = lo
         return los
+
+
+class _Rebuild:
+    """Pickles as the reduce value it holds (the grad table's entries)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: ReduceValue) -> None:
+        self.value = value
+
+    def __reduce__(self) -> ReduceValue:
+        return self.value
 
 
 _ATOMIC = frozenset({int, float, bool, str, bytes, type(None), complex})
@@ -213,23 +236,29 @@ def encode(
     tensors: list[torch.Tensor] = []
     encoder = _Encoder(buffer, tensors, device_map, dst, rref_type, rref_hook, grad_sink)
     encoder.dump(obj)
+    body = buffer.getvalue()
+    if encoder.grad_table:
+        rebuilds = [_Rebuild(value) for value in encoder.grad_table]
+        table = pickle.dumps(rebuilds, protocol=pickle.HIGHEST_PROTOCOL)
+        body = _GRADS.pack(_GRADS_MAGIC, len(table)) + table + body
     if not encoder.spans:
-        return buffer.getvalue(), tensors
+        return body, tensors
     los = encoder.cut_spans()
     if not any(los):
-        return buffer.getvalue(), tensors
+        return body, tensors
     prefix = _SPANS.pack(_SPANS_MAGIC, len(los)) + struct.pack(f"<{len(los)}q", *los)
-    return prefix + buffer.getvalue(), tensors
+    return prefix + body, tensors
 
 
 def decode(
     data: bytes | memoryview,
     tensors: list[torch.Tensor],
-    recv_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    recv_hook: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
 ) -> Any:
     """Unpickle a message produced by :func:`encode` with its raw tensors.
 
-    ``recv_hook``, if given, replaces every received tensor that requires grad.
+    ``recv_hook``, if given, gets all the received tensors that require grad at once (in
+    the sender's order) and returns the tensors to use in their place.
     """
     if not tensors:
         return pickle.loads(data)
@@ -242,14 +271,21 @@ def decode(
         data = memoryview(data)[_SPANS.size + 8 * count :]
     saved = (
         getattr(_state, "tensors", None),
-        getattr(_state, "recv_hook", None),
+        getattr(_state, "received", None),
         getattr(_state, "los", None),
     )
-    _state.tensors, _state.recv_hook, _state.los = tensors, recv_hook, los
+    _state.tensors, _state.received, _state.los = tensors, None, los
     try:
+        if data[0] == _GRADS_MAGIC[0]:
+            magic, size = _GRADS.unpack_from(data)
+            table = pickle.loads(memoryview(data)[_GRADS.size : _GRADS.size + size])
+            if magic != _GRADS_MAGIC or type(table) is not list or not table:
+                raise ValueError("bad grad table")
+            _state.received = table if recv_hook is None else recv_hook(table)
+            data = memoryview(data)[_GRADS.size + size :]
         return pickle.loads(data)
     finally:
-        _state.tensors, _state.recv_hook, _state.los = saved
+        _state.tensors, _state.received, _state.los = saved
 
 
 def _rebuild_tensor(
@@ -291,6 +327,15 @@ def _rebuild_view(
     return _finish(tensor, requires_grad, device, is_parameter)
 
 
+def _received(position: int) -> torch.Tensor:
+    """The ``position``-th tensor of the message's grad table (see :func:`decode`)."""
+    received = getattr(_state, "received", None)
+    if received is None or not 0 <= position < len(received):
+        raise ValueError(f"bad grad table reference {position}")
+    tensor: torch.Tensor = received[position]
+    return tensor
+
+
 def _finish(
     tensor: torch.Tensor, requires_grad: bool, device: str | None, is_parameter: bool
 ) -> torch.Tensor:
@@ -299,11 +344,6 @@ def _finish(
         if target.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"tensor was mapped to {target} but this worker has no CUDA")
         tensor = tensor.to(target)
-    if requires_grad:
-        hook = getattr(_state, "recv_hook", None)
-        if hook is not None:
-            received: torch.Tensor = hook(tensor.requires_grad_(True))
-            return received
     if is_parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     if (requires_grad and tensor.is_floating_point()) or (requires_grad and tensor.is_complex()):
