@@ -3,8 +3,9 @@
 Each case runs on both backends in the same test and the results are compared with
 torch's TensorPipe run and with one process: a leaf's ``register_hook`` when its gradient
 comes straight back from another worker, sparse gradients (``EmbeddingBag(sparse=True)``)
-accumulated over several passes, locally and through another worker, and the
-``TypeError`` text of bad arguments.
+accumulated over several passes, locally and through another worker, ``@torch.jit.script``
+functions as call targets (torch sends them by qualified name), and the ``TypeError`` text
+of bad arguments.
 """
 
 from __future__ import annotations
@@ -61,6 +62,28 @@ def _sparse(rpc_: Any, autograd: Any, remote: bool, passes: int = 3) -> list[lis
     return dense
 
 
+@torch.jit.script
+def _scripted(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(x, y).tanh()
+
+
+def _script_targets(rpc_: Any, autograd: Any) -> dict[str, Any]:
+    """A ``@torch.jit.script`` function as the target of each call kind, in a context."""
+    t1 = torch.linspace(-1, 1, 9).reshape(3, 3).requires_grad_()
+    t2 = torch.eye(3, requires_grad=True)
+    with autograd.context() as cid:
+        a = rpc_.rpc_sync("w1", _scripted, args=(t1, t2))
+        b = rpc_.rpc_async("w1", _scripted, args=(t2,), kwargs={"y": t1}).wait()
+        c = rpc_.remote("w1", _scripted, args=(t1, t1)).to_here()
+        autograd.backward(cid, [(a + b * c).sum()])
+        grads = autograd.get_gradients(cid)
+        return {
+            "values": [v.tolist() for v in (a, b, c)],
+            "grads": [grads[t1].tolist(), grads[t2].tolist()],
+            "node": a.grad_fn.name(),
+        }
+
+
 def _worker(backend: str) -> dict[str, Any] | None:
     rank = int(os.environ["RANK"])
     kind = rpc.BackendType[backend]
@@ -73,6 +96,7 @@ def _worker(backend: str) -> dict[str, Any] | None:
                 "hooked": _hooked(rpc, dist_autograd),
                 "sparse_local": _sparse(rpc, dist_autograd, remote=False),
                 "sparse_remote": _sparse(rpc, dist_autograd, remote=True),
+                "script": _script_targets(rpc, dist_autograd),
             }
         else:  # one process, plain autograd (never in the pytest process: a process that
             # ran a backward pass must not fork workers that run one)
@@ -109,6 +133,17 @@ def test_sparse_gradients_accumulate_as_in_torch(
     reference = runs["RALLYPOINT"]["reference"]
     assert runs["RALLYPOINT"][case] == runs["TENSORPIPE"][case]
     torch.testing.assert_close(torch.tensor(runs["RALLYPOINT"][case]), torch.tensor(reference))
+
+
+@pytest.mark.timeout(200)
+def test_torchscript_functions_are_call_targets_as_in_torch(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    ours, theirs = runs["RALLYPOINT"]["script"], runs["TENSORPIPE"]["script"]
+    assert ours["node"] == theirs["node"] == "torch::distributed::autograd::RecvRpcBackward"
+    for key in ("values", "grads"):
+        for mine, torchs in zip(ours[key], theirs[key], strict=True):
+            torch.testing.assert_close(torch.tensor(mine), torch.tensor(torchs))
 
 
 def test_bad_arguments_say_incompatible_function_arguments_as_torch() -> None:

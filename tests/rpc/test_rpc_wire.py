@@ -100,6 +100,23 @@ def test_a_bad_grad_table_is_refused() -> None:
         _wire._received(3)
 
 
+@torch.jit.script
+def _scripted(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def test_torchscript_functions_travel_by_qualified_name() -> None:
+    data, _ = _wire.encode((_scripted, (1,), {}))
+    assert _scripted.qualified_name.encode() in data and b"TorchScript" not in data
+    func, args, kwargs = _wire.decode(data, [])
+    assert (
+        type(func) is torch.jit.ScriptFunction and func.qualified_name == _scripted.qualified_name
+    )
+    assert args == (1,) and kwargs == {} and torch.equal(func(torch.zeros(2)), torch.ones(2))
+    with pytest.raises(RuntimeError, match=r"__torch__\.nowhere is not compiled on this worker"):
+        _wire._script_function("__torch__.nowhere")
+
+
 def test_sparse_tensors_pickle_with_their_parts_out_of_band() -> None:
     sparse = torch.eye(3).to_sparse()
     data, raws = _wire.encode(sparse)

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.jit._state
 
 from rallypoint.rpc._device_maps import DeviceMap
 
@@ -127,6 +128,8 @@ class _Encoder(pickle.Pickler):
             return rebuild
         if self._rref_type is not None and kind is self._rref_type and self._rref_hook is not None:
             return self._rref_hook(obj)
+        if kind is _SCRIPT_FUNCTION:  # by its qualified name, as torch's RPC sends it
+            return (_script_function, (obj.qualified_name,))
         return NotImplemented
 
     def _reduce_tensor(self, obj: torch.Tensor, target: str | None, is_param: bool) -> Any:
@@ -195,6 +198,20 @@ class _Rebuild:
 
     def __reduce__(self) -> ReduceValue:
         return self.value
+
+
+_SCRIPT_FUNCTION: type = torch.jit.ScriptFunction
+
+
+def _script_function(qualified_name: str) -> Any:
+    """A ``@torch.jit.script`` function compiled in this process, by its qualified name."""
+    function = torch.jit._state._python_cu.find_function(qualified_name)
+    if function is None:
+        raise RuntimeError(
+            f"TorchScript function {qualified_name} is not compiled on this worker: define it "
+            "with @torch.jit.script in a module that every worker imports"
+        )
+    return function
 
 
 _ATOMIC = frozenset({int, float, bool, str, bytes, type(None), complex})

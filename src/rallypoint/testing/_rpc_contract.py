@@ -79,6 +79,16 @@ class _Counter:
         return self.value
 
 
+@torch.jit.script
+def _scripted_affine(x: torch.Tensor, scale: float, shift: float = 0.0) -> torch.Tensor:
+    return x * scale + shift
+
+
+@torch.jit.script
+def _scripted_raise(message: str) -> torch.Tensor:
+    raise ValueError(message)
+
+
 @async_execution
 def _async_add_chained(to: str, x: torch.Tensor, y: int, z: int) -> Any:
     from rallypoint import rpc
@@ -160,6 +170,18 @@ def _checks(rank: int, backend: str) -> list[str]:
         "local rref fork",
         torch.equal(rpc.rpc_sync("worker2", _fetch, args=(local,)), torch.arange(3)),
     )
+    x = torch.arange(3.0)
+    scripted = rpc.rpc_sync("worker1", _scripted_affine, args=(x, 2.0), kwargs={"shift": 1.0})
+    check("torchscript rpc_sync", torch.equal(scripted, x * 2 + 1))
+    scripted = rpc.rpc_async("worker2", _scripted_affine, args=(x, 3.0)).wait()
+    check("torchscript rpc_async", torch.equal(scripted, x * 3))
+    scripted = rpc.remote("worker1", _scripted_affine, args=(x, 0.5)).to_here()
+    check("torchscript remote", torch.equal(scripted, x * 0.5))
+    try:
+        rpc.rpc_sync("worker2", _scripted_raise, args=("script-boom",))
+        check("torchscript error raises", False)
+    except Exception as exc:
+        check("torchscript error", "script-boom" in str(exc))
     tensor_rref = rpc.remote("worker2", torch.add, args=(torch.ones(3), 2))
     check("remote builtin to_here", torch.equal(tensor_rref.to_here(), torch.full((3,), 3.0)))
     bad = rpc.remote("worker1", _raise_value_error, args=("rref-boom",))
