@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from rallypoint import rpc
 from rallypoint._core.envvars import RPC_SECRET
 from rallypoint.rpc import dist_autograd
-from rallypoint.testing._workers import run_workers
+from rallypoint.testing._workers import run_workers, runner_for
 
 
 class _OneUnused(torch.nn.Module):
@@ -95,10 +95,75 @@ def _worker() -> dict[str, Any]:
 def test_ddp_gradients_in_the_context_are_all_reduced_and_grad_is_untouched() -> None:
     results = run_workers(_worker, 2, timeout=60, env={RPC_SECRET: "ddp"})
     for result in results:
-        assert "did not finish in the local pass" in result.pop("unused")
+        assert "did not finish by the end of the distributed backward" in result.pop("unused")
         assert result == {
             "grads": [True, True],
             "w": [True, True],
             "grad_untouched": True,
             "unused_grad_none": True,
         }
+
+
+class _WrapsRemote(torch.nn.Module):
+    """DDP wraps the whole model; its middle runs on the other worker (torch's "DDP
+    outside"): ``last``'s gradients come in the first local pass, ``first``'s only after
+    the gradient went through the other worker and back, in a second pass."""
+
+    def __init__(self, peer: str) -> None:
+        super().__init__()
+        self.peer = peer
+        self.first = torch.nn.Linear(3, 4)
+        self.last = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from rallypoint import rpc as rpc_
+
+        hidden = rpc_.rpc_sync(self.peer, _remote_double, args=(self.first(x),))
+        out: torch.Tensor = self.last(hidden)
+        return out
+
+
+def _outside_and_sparse(backend: str) -> dict[str, Any]:
+    rank = int(os.environ["RANK"])
+    kind = rpc.BackendType[backend]
+    dist.init_process_group("gloo")
+    rpc.init_rpc(f"w{rank}", backend=kind, rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)  # the same initial model on both workers, as DDP requires
+        model = DDP(_WrapsRemote(f"w{1 - rank}"))
+        x = torch.randn(5, 3, generator=torch.Generator().manual_seed(rank))
+        with dist_autograd.context() as context_id:
+            dist_autograd.backward(context_id, [model(x).square().sum()])
+            grads = dist_autograd.get_gradients(context_id)
+            outside = [grads[p].tolist() for p in model.parameters()]
+        torch.manual_seed(rank)  # different embeddings: the all-reduce changes them
+        bag = DDP(torch.nn.EmbeddingBag(10, 3, sparse=True))
+        words, offsets = torch.randint(0, 10, (10,)), torch.tensor([0, 4])
+        bag(words, offsets).sum().backward()  # plain DDP: the reference
+        with dist_autograd.context() as context_id:
+            dist_autograd.backward(context_id, [bag(words, offsets).sum()])
+            sparse = dist_autograd.get_gradients(context_id)[bag.module.weight]
+        reference = bag.module.weight.grad
+        assert reference is not None
+        return {
+            "outside": outside,
+            "sparse_is_sparse": sparse.is_sparse,
+            "sparse_equals_ddp": torch.equal(sparse.to_dense(), reference.to_dense()),
+        }
+    finally:
+        rpc.shutdown()
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(150)
+def test_ddp_around_a_model_with_a_remote_middle_and_sparse_gradients_as_in_torch() -> None:
+    env = {RPC_SECRET: "ddp-outside"}
+    ours = run_workers(_outside_and_sparse, 2, "RALLYPOINT", timeout=60, env=env)
+    theirs = runner_for("TENSORPIPE")(_outside_and_sparse, 2, "TENSORPIPE", timeout=60, env=env)
+    for mine, torchs in zip(ours, theirs, strict=True):
+        assert mine["sparse_is_sparse"] and mine["sparse_equals_ddp"]
+        assert torchs["sparse_is_sparse"] and torchs["sparse_equals_ddp"]
+        for got, expected in zip(mine["outside"], torchs["outside"], strict=True):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(expected))
+    # all-reduced: both workers hold the same gradients
+    assert ours[0]["outside"] == ours[1]["outside"]

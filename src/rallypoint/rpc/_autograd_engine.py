@@ -103,6 +103,7 @@ class Round:
         # one source (the common case: a stage's reply): every node runs in its one pass
         self._single = next(iter(self._edges)) if self._unarrived == 1 else None
         self.passes = 0  # passes run so far: orders this worker's reports of the round
+        self.ddp: _ddp.DDPRound | None = None  # DDP reducers running in this round
         self.reported_unsettled = False
 
     # ---- the graph ---------------------------------------------------------------------
@@ -288,7 +289,20 @@ def _leaf_hooks(leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 
 def execute(rnd: Round, plan: Plan) -> Outcome:
-    """Run the local engine over ``plan``; leaf gradients and received tensors' gradients."""
+    """Run the local engine over ``plan``; leaf gradients and received tensors' gradients.
+
+    Once the round is settled here, a DDP reducer that has not finished is an error."""
+    outcome = _run(rnd, plan)
+    if rnd.ddp is not None and rnd.settled:
+        unfinished = rnd.ddp.unfinished()
+        rnd.ddp.restore()
+        rnd.ddp = None
+        if unfinished:
+            raise _ddp.unfinished_error(unfinished)
+    return outcome
+
+
+def _run(rnd: Round, plan: Plan) -> Outcome:
     # a leaf's gradient that came straight from a receiver: the engine never saw it, so
     # run the leaf's hooks here (the engine runs them for the leaves it computes)
     leaves = [(leaf, _leaf_hooks(leaf, grad)) for leaf, grad in plan.direct]
@@ -314,8 +328,13 @@ def execute(rnd: Round, plan: Plan) -> Outcome:
         retain = retain or bool(handles)
     if not inputs:
         return Outcome(leaves, recv)
-    # DDP modules among the leaves: their reducers run in this pass (see _ddp)
-    ddp = _ddp.begin(inputs[: len(leaf_nodes)]) if leaf_nodes else None
+    # DDP modules among the leaves: their reducers run in the round's passes (see _ddp)
+    modules = _ddp.modules_of(inputs[: len(leaf_nodes)]) if leaf_nodes else None
+    if modules:
+        if rnd.ddp is None:
+            rnd.ddp = _ddp.DDPRound()
+        rnd.ddp.reach(modules)
+    ddp = rnd.ddp
     try:
         # torch.autograd.grad without its argument checks: every gradient here has its
         # tensor's shape already (a third of the cost of a small pass)
@@ -325,6 +344,7 @@ def execute(rnd: Round, plan: Plan) -> Outcome:
     except BaseException:
         if ddp is not None:
             ddp.restore()
+            rnd.ddp = None
         raise
     finally:
         for handle in handles:
@@ -335,7 +355,7 @@ def execute(rnd: Round, plan: Plan) -> Outcome:
         if grad is not None and id(leaf_of(node)) not in reduced:
             leaves.append((leaf_of(node), grad))
     if ddp is not None:
-        leaves.extend(ddp.finish())
+        leaves.extend(ddp.collect())
     done: dict[Node, Grads] = {node: {} for node in plan.recv_done}
     for (node, nr), grad in zip(recv_edges, grads[n_leaves : n_leaves + n_recv], strict=True):
         if grad is not None:

@@ -9,17 +9,19 @@ gradients without running ``AccumulateGrad`` (:mod:`._autograd_engine`), so noth
 would reach the reducer: the replicas would silently train on their local gradients.
 This module does the reducer's part, for the parameters of DDP modules only:
 
-- Before a local pass that reaches a DDP parameter, every parameter of that module has
-  its ``.grad`` set aside (``None``). A tensor hook on each reached one puts its gradient
-  into ``.grad`` and calls the reducer's autograd hook (``Reducer._autograd_hook``, the
-  entry DDP's own Python paths use). It runs inside the engine's run, so the reducer's
-  final callback (all-reduce done, averaged gradients written to ``.grad``) runs before
-  the pass returns.
-- After the pass, the ``.grad`` of the module's parameters are the pass's leaf
-  gradients for them (also those of parameters the reducer wrote that the pass did not
-  reach), and every ``.grad`` gets back what it held: ``.grad`` is never changed.
-- A reducer that did not finish in the pass (the module's gradients came in more than one
-  local pass, or some never came) is an error that names the module.
+- Before the first local pass of a round that reaches a DDP parameter, every parameter
+  of that module has its ``.grad`` set aside (``None``). A tensor hook on each reached
+  one puts its gradient into ``.grad`` and calls the reducer's autograd hook
+  (``Reducer._autograd_hook``, the entry DDP's own Python paths use). It runs inside the
+  engine's run, so when the last gradient of the module comes, the reducer's final
+  callback (all-reduce done, averaged gradients written to ``.grad``) runs before that
+  pass returns. The gradients may come in several local passes of the round (when DDP
+  wraps a model whose output goes through other workers and back, torch's "DDP outside").
+- After the pass in which the reducer finished, the ``.grad`` of the module's parameters
+  are the leaf gradients for them (also those of parameters the reducer wrote that no
+  pass reached), and every ``.grad`` gets back what it held: ``.grad`` is never changed.
+- A reducer that has not finished when the round is settled on this worker (some of the
+  module's gradients never came) is an error that names the module.
 
 DDP modules are found by one scan of the garbage collector's objects, the first time a
 pass reaches an ``nn.Parameter`` that is not classified yet while a default process group
@@ -141,60 +143,86 @@ def _check_supported(ddp: Any) -> None:
 def _fire(reducer: Any, index: int, param: torch.Tensor, grad: torch.Tensor) -> None:
     """A reached DDP parameter's gradient: into ``.grad``, then the reducer's hook."""
     with torch.no_grad():
-        param.grad = torch.empty_like(param).copy_(grad)
+        if grad.is_sparse:  # an embedding's (sparse=True): the reducer reads it as it is
+            param.grad = grad.detach().clone()
+        else:
+            param.grad = torch.empty_like(param).copy_(grad)
     reducer._autograd_hook(index)
 
 
-class DDPPass:
-    """One local pass's dealings with DDP reducers: set up before, collected after."""
+class DDPRound:
+    """One backward round's dealings with DDP reducers on this worker, over its local
+    passes: a module's gradients may come in several passes (its output went through
+    other workers and back, as when DDP wraps a model that calls remote modules), and
+    its reducer finishes in the pass that brings the last of them."""
 
-    def __init__(self, modules: dict[Any, list[int]]) -> None:
-        self._modules = list(modules)
-        self._saved: dict[torch.Tensor, torch.Tensor | None] = {}
-        self._handles: list[Any] = []
-        for ddp in modules:
-            _check_supported(ddp)
+    def __init__(self) -> None:
+        self._saved: dict[torch.Tensor, torch.Tensor | None] = {}  # in-progress modules' params
+        self._modules: dict[Any, list[Any]] = {}  # module in progress -> its hook handles
+        self._hooked: set[tuple[int, int]] = set()  # (id(module), reducer index)
+
+    def reach(self, modules: dict[Any, list[int]]) -> None:
+        """Before a pass: hook the parameters it reaches (a new module's ``.grad`` set aside)."""
         for ddp, indices in modules.items():
             params = INDEX.parameters(ddp)
-            for param in params:
-                self._saved[param] = param.grad
-                param.grad = None
+            handles = self._modules.get(ddp)
+            if handles is None:
+                _check_supported(ddp)
+                handles = self._modules[ddp] = []
+                for param in params:
+                    self._saved[param] = param.grad
+                    param.grad = None
             for index in indices:
-                hook = _hook(ddp.reducer, index, params[index])
-                self._handles.append(params[index].register_hook(hook))  # type: ignore[no-untyped-call]
+                if (id(ddp), index) not in self._hooked:
+                    self._hooked.add((id(ddp), index))
+                    hook = _hook(ddp.reducer, index, params[index])
+                    handles.append(params[index].register_hook(hook))  # type: ignore[no-untyped-call]
 
     @property
     def parameter_ids(self) -> set[int]:
-        """``id()`` of every parameter of the modules (their gradients come from ``finish``)."""
+        """``id()`` of every parameter of the modules in progress (their gradients come
+        from :meth:`collect`)."""
         return {id(p) for p in self._saved}
 
-    def restore(self) -> None:
-        """Remove the hooks and give every ``.grad`` back what it held."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for param, grad in self._saved.items():
-            param.grad = grad
-
-    def finish(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The reduced gradients (as the pass's leaf gradients); ``.grad`` restored."""
-        unfinished = []
-        for ddp in self._modules:
+    def collect(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """After a pass: the reduced gradients of the modules whose reducer finished (as
+        the pass's leaf gradients), their ``.grad`` given back what it held."""
+        reduced: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for ddp in list(self._modules):
             try:
                 ddp.reducer._check_reducer_finalized()
             except RuntimeError:
-                unfinished.append(ddp)
-        reduced = [(p, p.grad) for p in self._saved if p.grad is not None]
-        self.restore()
-        if unfinished:
-            raise RuntimeError(
-                "distributed autograd: the reducer of DistributedDataParallel module "
-                f"{type(unfinished[0].module).__name__} did not finish in the local pass that "
-                "reached its parameters: all of a DDP module's gradients on a worker must "
-                "come from one local pass of the distributed backward (torch's reducer "
-                "fails the same way at the next iteration)"
-            )
+                continue
+            params = INDEX.parameters(ddp)
+            reduced.extend((p, p.grad) for p in params if p.grad is not None)
+            self._drop(ddp)
         return reduced
+
+    def unfinished(self) -> list[str]:
+        """Class names of the modules whose reducer has not finished."""
+        return [type(ddp.module).__name__ for ddp in self._modules]
+
+    def restore(self) -> None:
+        """Remove every hook and give every ``.grad`` back what it held."""
+        for ddp in list(self._modules):
+            self._drop(ddp)
+
+    def _drop(self, ddp: Any) -> None:
+        for handle in self._modules.pop(ddp):
+            handle.remove()
+        self._hooked = {key for key in self._hooked if key[0] != id(ddp)}
+        for param in INDEX.parameters(ddp):
+            if param in self._saved:
+                param.grad = self._saved.pop(param)
+
+
+def unfinished_error(names: list[str]) -> RuntimeError:
+    return RuntimeError(
+        "distributed autograd: the reducer of DistributedDataParallel module "
+        f"{names[0]} did not finish by the end of the distributed backward pass: some of "
+        "its parameters got no gradient (torch's reducer fails the same way at the next "
+        "iteration; see find_unused_parameters)"
+    )
 
 
 def _hook(reducer: Any, index: int, param: torch.Tensor) -> Any:
@@ -204,10 +232,9 @@ def _hook(reducer: Any, index: int, param: torch.Tensor) -> Any:
     return hook
 
 
-def begin(leaves: Iterable[torch.Tensor]) -> DDPPass | None:
-    """Set up the DDP reducers that a pass with these leaves reaches (``None``: none)."""
-    modules = INDEX.modules_of(leaves)
-    return DDPPass(modules) if modules else None
+def modules_of(leaves: Iterable[torch.Tensor]) -> dict[Any, list[int]]:
+    """The DDP modules a pass with these leaves reaches, with the reducer indices."""
+    return INDEX.modules_of(leaves)
 
 
 def check_direct(leaves: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
