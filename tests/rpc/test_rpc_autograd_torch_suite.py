@@ -4,7 +4,8 @@ Each case runs on both backends in the same test and the results are compared wi
 torch's TensorPipe run and with one process: a leaf's ``register_hook`` when its gradient
 comes straight back from another worker, sparse gradients (``EmbeddingBag(sparse=True)``)
 accumulated over several passes, locally and through another worker, ``@torch.jit.script``
-functions as call targets (torch sends them by qualified name), and the ``TypeError`` text
+functions as call targets (torch sends them by qualified name), when a context copies a
+gradient (one gradient given to two leaves: both get a copy), and the ``TypeError`` text
 of bad arguments.
 """
 
@@ -84,6 +85,52 @@ def _script_targets(rpc_: Any, autograd: Any) -> dict[str, Any]:
         }
 
 
+class _Fork(torch.autograd.Function):
+    """``a + b`` whose backward hands the same gradient tensor to both inputs."""
+
+    seen: list[int] = []
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _Fork.seen.append(grad.data_ptr())
+        return grad, grad
+
+
+class _Pass(torch.autograd.Function):
+    seen: list[int] = []
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        return a.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _Pass.seen.append(grad.data_ptr())
+        return grad
+
+
+def _grad_copies(autograd: Any) -> dict[str, bool]:
+    """torch's rule for when a context keeps a gradient as it is and when it copies it."""
+    a = torch.randn(2, 3, requires_grad=True)
+    b = torch.randn(2, 3, requires_grad=True)
+    with autograd.context() as cid:
+        autograd.backward(cid, [_Fork.apply(a, b)[1][0]])
+        grads = autograd.get_gradients(cid)
+        shared = {
+            "a_is_b": grads[a].data_ptr() == grads[b].data_ptr(),
+            "a_kept": grads[a].data_ptr() == _Fork.seen[-1],
+            "b_kept": grads[b].data_ptr() == _Fork.seen[-1],
+        }
+    with autograd.context() as cid:
+        autograd.backward(cid, [_Pass.apply(a)[1][0]])
+        alone = autograd.get_gradients(cid)[a].data_ptr() == _Pass.seen[-1]
+    return {**shared, "alone_kept": alone}
+
+
 def _worker(backend: str) -> dict[str, Any] | None:
     rank = int(os.environ["RANK"])
     kind = rpc.BackendType[backend]
@@ -97,6 +144,7 @@ def _worker(backend: str) -> dict[str, Any] | None:
                 "sparse_local": _sparse(rpc, dist_autograd, remote=False),
                 "sparse_remote": _sparse(rpc, dist_autograd, remote=True),
                 "script": _script_targets(rpc, dist_autograd),
+                "copies": _grad_copies(dist_autograd),
             }
         else:  # one process, plain autograd (never in the pytest process: a process that
             # ran a backward pass must not fork workers that run one)
@@ -144,6 +192,12 @@ def test_torchscript_functions_are_call_targets_as_in_torch(
     for key in ("values", "grads"):
         for mine, torchs in zip(ours[key], theirs[key], strict=True):
             torch.testing.assert_close(torch.tensor(mine), torch.tensor(torchs))
+
+
+@pytest.mark.timeout(200)
+def test_gradients_are_copied_or_kept_as_in_torch(runs: dict[str, dict[str, Any]]) -> None:
+    expected = {"a_is_b": False, "a_kept": False, "b_kept": False, "alone_kept": True}
+    assert runs["RALLYPOINT"]["copies"] == runs["TENSORPIPE"]["copies"] == expected
 
 
 def test_bad_arguments_say_incompatible_function_arguments_as_torch() -> None:

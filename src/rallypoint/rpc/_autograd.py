@@ -143,10 +143,16 @@ class AutogradContext:
         """Add a pass's leaf gradients, as torch's context does (``AccumulateGrad``).
 
         The first gradient of a leaf is kept as it is if nothing else can see it (else a
-        copy); later ones are added to it in place, so a dict from ``get_gradients``
-        sees later passes, as torch's does.
+        copy: also when the pass gives one gradient to several leaves, every one of them
+        gets a copy, as torch's engine holds them all until it is done); later ones are
+        added to it in place, so a dict from ``get_gradients`` sees later passes, as
+        torch's does.
         """
-        storages: set[int] = set()
+        shared: dict[int, int] = {}
+        for tensor, grad in leaves:
+            if tensor not in self.grads:
+                key = _storage(grad)[0]
+                shared[key] = shared.get(key, 0) + 1
         for tensor, grad in leaves:
             old = self.grads.get(tensor)
             if old is not None:
@@ -156,13 +162,12 @@ class AutogradContext:
                     old.add_(grad)
                 continue
             storage, keep = _storage(grad)
-            if keep and storage not in storages:
+            if keep and shared[storage] == 1:
                 self.grads[tensor] = grad.detach()
             elif grad.is_sparse:
                 self.grads[tensor] = grad.detach().clone()
             else:  # an expanded view, or the same gradient given to two leaves
                 self.grads[tensor] = grad.clone(memory_format=torch.contiguous_format)
-            storages.add(storage)
 
     def sources(self, roots: Sequence[torch.Tensor]) -> list[tuple[SourceKey, Node, int]]:
         """Where a round's gradients enter: the roots, and every tensor sent in the context."""
