@@ -30,7 +30,6 @@ pass: a received tensor that no source reaches tells its sender "no gradient".
 from __future__ import annotations
 
 import itertools
-import numbers
 import queue
 import threading
 import time
@@ -42,6 +41,7 @@ from typing import Any, NamedTuple, TypeAlias
 import torch
 from torch.autograd.graph import Node, get_gradient_edge
 
+from rallypoint.rpc._autograd_checks import check_roots
 from rallypoint.rpc._autograd_engine import Round, SourceKey, execute
 from rallypoint.rpc._backend import Caller
 from rallypoint.rpc._current import Current
@@ -193,35 +193,6 @@ def _storage(grad: torch.Tensor) -> tuple[int, bool]:
 def _edge(tensor: torch.Tensor) -> tuple[Node, int]:
     edge = get_gradient_edge(tensor)
     return edge.node, edge.output_nr
-
-
-def check_context_id(context_id: object) -> int:
-    if not isinstance(context_id, numbers.Integral) or isinstance(context_id, bool):
-        raise TypeError(f"context_id must be an int, got {type(context_id).__name__}")
-    return int(context_id)
-
-
-def root_list(roots: object) -> list[torch.Tensor]:
-    """``roots`` as a list of tensors (a ``TypeError`` otherwise, as torch's binding)."""
-    if not isinstance(roots, Sequence) or not all(isinstance(r, torch.Tensor) for r in roots):
-        raise TypeError(
-            f"backward(): roots must be a sequence of tensors, got {type(roots).__name__}"
-        )
-    return list(roots)
-
-
-def check_roots(roots: list[torch.Tensor]) -> list[torch.Tensor]:
-    """torch's checks and messages, in torch's order."""
-    if not roots:
-        raise RuntimeError("No tensors provided for gradient computation.")
-    for root in roots:
-        if not root.requires_grad:
-            raise RuntimeError("requires_grad not set on root")
-        if root.numel() != 1:
-            raise RuntimeError(" is not a scalar, all roots need to be scalar")
-        if root.grad_fn is None:
-            raise RuntimeError(" does not have a valid gradient function.")
-    return roots
 
 
 class DistAutograd:

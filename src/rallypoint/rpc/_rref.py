@@ -32,7 +32,8 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from rallypoint.rpc import _wire
-from rallypoint.rpc._autograd import CURRENT_AUTOGRAD, check_context_id
+from rallypoint.rpc._autograd import CURRENT_AUTOGRAD
+from rallypoint.rpc._autograd_checks import check_context_id
 from rallypoint.rpc._backend import CURRENT_AGENT
 from rallypoint.rpc._errors import RpcError
 from rallypoint.rpc._groups import WorkerInfo

@@ -24,13 +24,8 @@ from typing import Any
 
 import torch
 
-from rallypoint.rpc._autograd import (
-    CURRENT_AUTOGRAD,
-    DistAutograd,
-    check_context_id,
-    current_context,
-    root_list,
-)
+from rallypoint.rpc._autograd import CURRENT_AUTOGRAD, DistAutograd, current_context
+from rallypoint.rpc._autograd_checks import check_context_id, root_list
 from rallypoint.rpc._autograd_inspect import DistAutogradContext, debug_info
 from rallypoint.rpc._backend import CURRENT_AGENT
 

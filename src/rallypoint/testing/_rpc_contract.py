@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -140,6 +140,28 @@ def _checks(rank: int, backend: str) -> list[str]:
     check("nested call back to caller", rpc.rpc_sync("worker1", _call_back, args=(me,)) == me)
     ret = rpc.rpc_sync("worker1", _async_add_chained, args=("worker2", torch.ones(2), 1, 1))
     check("async_execution", torch.equal(ret, torch.full((2,), 3.0)))
+    _rref_checks(check, me)
+    _script_checks(check)
+    tensor_rref = rpc.remote("worker2", torch.add, args=(torch.ones(3), 2))
+    check("remote builtin to_here", torch.equal(tensor_rref.to_here(), torch.full((3,), 3.0)))
+    bad = rpc.remote("worker1", _raise_value_error, args=("rref-boom",))
+    try:
+        bad.to_here()
+        check("failed remote raises on to_here", False)
+    except ValueError as exc:
+        check("failed remote error", "rref-boom" in str(exc))
+    try:
+        bad._get_type()
+        check("failed remote _get_type raises", False)
+    except ValueError as exc:
+        check("failed remote _get_type error", "rref-boom" in str(exc))
+    return done
+
+
+def _rref_checks(check: Callable[[str, bool], None], me: str) -> None:
+    """RRefs: owners, proxies, forks to a third worker, confirmations, local RRefs."""
+    from rallypoint import rpc
+
     rref = rpc.remote("worker1", _Counter, args=(5,))
     check("rref owner", rref.owner().name == "worker1" and rref.owner_name() == "worker1")
     check("rref is_owner false", not rref.is_owner())
@@ -170,6 +192,12 @@ def _checks(rank: int, backend: str) -> list[str]:
         "local rref fork",
         torch.equal(rpc.rpc_sync("worker2", _fetch, args=(local,)), torch.arange(3)),
     )
+
+
+def _script_checks(check: Callable[[str, bool], None]) -> None:
+    """``@torch.jit.script`` functions as call targets (torch sends them by name)."""
+    from rallypoint import rpc
+
     x = torch.arange(3.0)
     scripted = rpc.rpc_sync("worker1", _scripted_affine, args=(x, 2.0), kwargs={"shift": 1.0})
     check("torchscript rpc_sync", torch.equal(scripted, x * 2 + 1))
@@ -182,20 +210,6 @@ def _checks(rank: int, backend: str) -> list[str]:
         check("torchscript error raises", False)
     except Exception as exc:
         check("torchscript error", "script-boom" in str(exc))
-    tensor_rref = rpc.remote("worker2", torch.add, args=(torch.ones(3), 2))
-    check("remote builtin to_here", torch.equal(tensor_rref.to_here(), torch.full((3,), 3.0)))
-    bad = rpc.remote("worker1", _raise_value_error, args=("rref-boom",))
-    try:
-        bad.to_here()
-        check("failed remote raises on to_here", False)
-    except ValueError as exc:
-        check("failed remote error", "rref-boom" in str(exc))
-    try:
-        bad._get_type()
-        check("failed remote _get_type raises", False)
-    except ValueError as exc:
-        check("failed remote _get_type error", "rref-boom" in str(exc))
-    return done
 
 
 def _worker(backend: str) -> list[str]:
