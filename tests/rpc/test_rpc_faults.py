@@ -168,7 +168,7 @@ def _blocking_scenario() -> dict[str, Any]:
         rpc.rpc_sync("worker1", _open_gate)
         out["gate"] = blocked.wait()
         out["depth"] = rpc.rpc_sync("worker1", _ping_pong, args=(8,))
-        with pytest.raises(TypeError, match=r"must return a torch\.futures\.Future"):
+        with pytest.raises(RuntimeError, match=r"must return a torch\.futures\.Future object"):
             rpc.rpc_sync("worker1", _not_async_but_marked)
     rpc.shutdown()
     return out

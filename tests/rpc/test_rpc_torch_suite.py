@@ -11,6 +11,10 @@ local and distributed) and an ``RRef`` made before ``init_rpc`` behave as torch'
 remote error's message has its escapes undone (a ``\\n`` is a new line) and the callee
 prints the error on its stderr, as torch's. Pickling an ``RRef`` outside RPC, an unknown
 destination and a user RRef's ``to_here`` after ``shutdown`` fail with torch's words.
+Every ``except`` clause that catches torch's remote exception catches ours (torch turns
+all but ``ValueError``/``TypeError`` into ``RuntimeError``), ``rpc_async`` futures join
+torch's ``rpc.api._wait_all()``, and an ``@async_execution`` function that returns no
+future fails with torch's ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -289,3 +293,76 @@ def test_rref_and_destination_misuse_say_what_torch_says() -> None:
         assert "Can not pickle rref in python pickler" in seen["pickle"], (backend, seen)
         assert "could not find destination" in seen["unknown name"], (backend, seen)
         assert "Cannot call to_here() on it after deletion." in seen["after shutdown"], seen
+
+
+class AppError(Exception):
+    """A user's own exception type, raised by a remote function."""
+
+
+_KINDS = {"KeyError": KeyError, "ZeroDivisionError": ZeroDivisionError, "AppError": AppError}
+_KINDS.update({"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError})
+_CLAUSES = (RuntimeError, ValueError, TypeError)
+
+
+def _raise_kind(kind: str) -> None:
+    raise _KINDS[kind]("remote boom")
+
+
+@rpc.functions.async_execution
+def _returns_no_future() -> int:
+    return 1
+
+
+def _remote_errors(backend: str) -> dict[str, Any] | None:
+    import torch.distributed.rpc.api as torch_rpc_api
+
+    rank = int(os.environ["RANK"])
+    _init(backend, f"w{rank}", 2)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        calls = {
+            "sync": lambda k: rpc.rpc_sync("w1", _raise_kind, args=(k,)),
+            "async": lambda k: rpc.rpc_async("w1", _raise_kind, args=(k,)).wait(),
+            "remote": lambda k: rpc.remote("w1", _raise_kind, args=(k,)).to_here(),
+        }
+        for kind, cls in _KINDS.items():
+            for mode, call in calls.items():
+                try:
+                    call(kind)
+                    out[f"{kind} {mode}"] = "no error"
+                except Exception as exc:  # which of torch's except clauses catch it
+                    caught = {c.__name__ for c in (*_CLAUSES, cls) if isinstance(exc, c)}
+                    out[f"{kind} {mode}"] = (sorted(caught), "remote boom" in str(exc))
+        with torch_rpc_api._wait_all():
+            future = rpc.rpc_async("w1", torch.add, args=(torch.ones(2), 1))
+            collected = list(torch_rpc_api._thread_local_var.future_list)
+        out["wait_all"] = (len(collected), collected[0] is future, future.done())
+        try:
+            rpc.rpc_sync("w1", _returns_no_future)
+        except Exception as exc:
+            out["no future"] = (type(exc).__name__, str(exc))
+    rpc.shutdown()
+    return out if rank == 0 else None
+
+
+@pytest.mark.timeout(150)
+def test_remote_errors_are_caught_by_torchs_except_clauses_and_by_their_own_type() -> None:
+    seen = {b: runner_for(b)(_remote_errors, 2, b, timeout=60, env=ENV)[0] for b in BACKENDS}
+    ours, torchs = seen["RALLYPOINT"], seen["TENSORPIPE"]
+    for case in _cases(torchs):
+        caught, has_text = ours[case]
+        torch_caught, _ = torchs[case]
+        kind = case.split()[0]
+        # every clause that catches torch's exception catches ours, and so does its own type
+        assert set(torch_caught) <= set(caught) and kind in caught, (case, caught, torch_caught)
+        assert has_text, case
+    assert "RuntimeError" in ours["KeyError sync"][0]  # torch raises RuntimeError for it
+    assert ours["wait_all"] == torchs["wait_all"] == (1, True, True)
+    # torch's words for an @async_execution function that returned no future, its type too
+    for backend, (kind, text) in ((b, s["no future"]) for b, s in seen.items()):
+        assert kind == "RuntimeError", (backend, kind)
+        assert "must return a torch.futures.Future object" in text, (backend, text)
+
+
+def _cases(results: dict[str, Any]) -> list[str]:
+    return [case for case in results if case not in ("wait_all", "no future")]

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed.rpc.api as _torch_rpc_api
 
 from rallypoint._core.checks import check_int, check_seconds
 from rallypoint.rpc import _registry
@@ -174,7 +175,18 @@ def rpc_async(
 ) -> torch.futures.Future[Any]:
     """Like :func:`rpc_sync` but returns a ``torch.futures.Future`` at once."""
     agent = CURRENT_AGENT.get()
-    return agent.rpc_async(to, func, *_check_args(args, kwargs), timeout)
+    future = agent.rpc_async(to, func, *_check_args(args, kwargs), timeout)
+    if agent.joins_wait_all:
+        _join_wait_all(future)
+    return future
+
+
+def _join_wait_all(future: torch.futures.Future[Any]) -> None:
+    """Inside torch's ``with rpc.api._wait_all():`` the future joins the ones it waits
+    for on exit, as torch's ``rpc_async`` does."""
+    collected = getattr(_torch_rpc_api._thread_local_var, "future_list", None)
+    if collected is not None:
+        collected.append(future)
 
 
 def remote(

@@ -28,6 +28,10 @@ class RpcAgent(abc.ABC):
     ``UNSET_RPC_TIMEOUT`` (``-1``) meaning the agent's default and ``0`` no timeout.
     """
 
+    # whether rpc_async's futures join torch's ``rpc.api._wait_all()`` collection here
+    # (torch's own agent does that itself)
+    joins_wait_all = True
+
     @abc.abstractmethod
     def get_worker_info(self, worker_name: str | int | None = None) -> Any: ...
 

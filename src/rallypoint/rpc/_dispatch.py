@@ -2,7 +2,8 @@
 
 A call's exception travels as an :class:`ErrorReply`: torch's text (``On
 WorkerInfo(...):``, its repr and the remote traceback) plus its pickled type, and is
-raised on the caller with that type; if the type cannot be rebuilt there, a
+raised on the caller with that type (also a ``RuntimeError`` where torch raises one,
+see :mod:`rallypoint.rpc._remote_errors`); if the type cannot be rebuilt there, a
 ``RuntimeError`` carries the same text.
 
 A call runs once the owners of the RRefs in its arguments have confirmed them (torch's
@@ -30,9 +31,10 @@ from rallypoint.rpc._calls import PendingCalls, fail
 from rallypoint.rpc._codec import Codec
 from rallypoint.rpc._errors import RpcError
 from rallypoint.rpc._groups import WorkerInfo
+from rallypoint.rpc._remote_errors import catchable_as_torch
 from rallypoint.rpc._rref import collect_confirmations
 from rallypoint.rpc._transport import Connection, Frame
-from rallypoint.rpc.functions import is_async_execution
+from rallypoint.rpc.functions import is_async_execution, no_future_error
 
 logger = logging.getLogger("rallypoint.rpc")
 
@@ -69,7 +71,7 @@ class ErrorReply:
         if not (isinstance(kind, type) and issubclass(kind, BaseException)):
             return RuntimeError(text)
         try:
-            return kind(text)
+            return catchable_as_torch(kind)(text)
         except BaseException as exc:
             return RuntimeError(
                 f"Failed to create original exception type. Error msg was {exc}"
@@ -180,11 +182,7 @@ class Dispatcher:
     ) -> None:
         """An ``@async_execution`` call: reply when the future it returned completes."""
         if not isinstance(result, torch._C.Future):
-            raise TypeError(
-                f"{getattr(func, '__qualname__', func)} is decorated with "
-                f"@async_execution but returned {type(result).__name__}; it must "
-                "return a torch.futures.Future"
-            )
+            raise no_future_error(func, result)
         result.add_done_callback(lambda fut: self._reply_future(conn, rid, fut, ctx))
 
     def _reply_future(

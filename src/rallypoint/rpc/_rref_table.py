@@ -21,7 +21,7 @@ import torch
 from rallypoint.rpc._backend import Caller
 from rallypoint.rpc._current import Current
 from rallypoint.rpc._groups import WorkerInfo
-from rallypoint.rpc.functions import async_execution, is_async_execution
+from rallypoint.rpc.functions import async_execution, is_async_execution, no_future_error
 
 if TYPE_CHECKING:
     from rallypoint.rpc._rref import RRef
@@ -209,11 +209,7 @@ def owner_create(
     elif isinstance(value, torch._C.Future):
         value.add_done_callback(finish)
     else:
-        error = TypeError(
-            f"{getattr(func, '__qualname__', func)} is decorated with @async_execution "
-            f"but returned {type(value).__name__}; it must return a torch.futures.Future"
-        )
-        _settle(entry, done, None, error)
+        _settle(entry, done, None, no_future_error(func, value))
     return done
 
 

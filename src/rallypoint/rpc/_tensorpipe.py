@@ -28,6 +28,8 @@ def construct_options(rpc_timeout: float, init_method: str, **kwargs: Any) -> An
 class TensorPipeAgentAdapter(RpcAgent):
     """Forwards rallypoint's agent interface to ``torch.distributed.rpc``."""
 
+    joins_wait_all = False
+
     def __init__(self, agent: Any) -> None:
         self.agent = agent
 

@@ -38,3 +38,12 @@ def async_execution(fn: _F) -> _F:
 def is_async_execution(fn: object) -> bool:
     """Whether ``fn`` was decorated with :func:`async_execution`."""
     return hasattr(fn, ASYNC_MARKER)
+
+
+def no_future_error(fn: object, returned: object) -> RuntimeError:
+    """The error of an :func:`async_execution` function that returned no future: torch's
+    type and words, naming the function too."""
+    return RuntimeError(
+        "Functions decorated with @rpc.async_function must return a torch.futures.Future "
+        f"object, but got {type(returned).__name__} from {getattr(fn, '__qualname__', fn)}"
+    )
