@@ -335,6 +335,7 @@ def _remote_errors(backend: str) -> dict[str, Any] | None:
                     out[f"{kind} {mode}"] = (sorted(caught), "remote boom" in str(exc))
         with torch_rpc_api._wait_all():
             future = rpc.rpc_async("w1", torch.add, args=(torch.ones(2), 1))
+            rpc.rpc_sync("w1", torch.add, args=(torch.ones(2), 1))  # does not join
             collected = list(torch_rpc_api._thread_local_var.future_list)
         out["wait_all"] = (len(collected), collected[0] is future, future.done())
         try:

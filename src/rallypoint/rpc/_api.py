@@ -163,7 +163,8 @@ def rpc_sync(
     timeout: float = UNSET_RPC_TIMEOUT,
 ) -> Any:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result."""
-    return rpc_async(to, func, args, kwargs, timeout).wait()
+    # not through rpc_async: torch's rpc_sync future does not join rpc.api._wait_all()
+    return CURRENT_AGENT.get().rpc_sync(to, func, *_check_args(args, kwargs), timeout)
 
 
 def rpc_async(

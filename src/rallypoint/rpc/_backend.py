@@ -41,6 +41,9 @@ class RpcAgent(abc.ABC):
     @abc.abstractmethod
     def rpc_async(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> Fut: ...
 
+    def rpc_sync(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> Any:
+        return self.rpc_async(to, func, args, kwargs, timeout).wait()
+
     @abc.abstractmethod
     def remote(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> Any: ...
 

@@ -50,6 +50,9 @@ class TensorPipeAgentAdapter(RpcAgent):
         future: Fut = _rpc().rpc_async(to, func, args, kwargs, timeout)
         return future
 
+    def rpc_sync(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> Any:
+        return _rpc().rpc_sync(to, func, args, kwargs, timeout)
+
     def remote(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> Any:
         return _rpc().remote(to, func, args, kwargs, timeout)
 
