@@ -14,7 +14,8 @@ destination and a user RRef's ``to_here`` after ``shutdown`` fail with torch's w
 Every ``except`` clause that catches torch's remote exception catches ours (torch turns
 all but ``ValueError``/``TypeError`` into ``RuntimeError``), ``rpc_async`` futures join
 torch's ``rpc.api._wait_all()``, and an ``@async_execution`` function that returns no
-future fails with torch's ``RuntimeError``.
+future fails with torch's ``RuntimeError``. The calls also work through torch's
+``rpc.api`` path, and ``_get_current_rpc_agent()`` lists the workers.
 """
 
 from __future__ import annotations
@@ -367,3 +368,26 @@ def test_remote_errors_are_caught_by_torchs_except_clauses_and_by_their_own_type
 
 def _cases(results: dict[str, Any]) -> list[str]:
     return [case for case in results if case not in ("wait_all", "no future")]
+
+
+def _through_api_module(backend: str) -> dict[str, Any] | None:
+    rank = int(os.environ["RANK"])
+    _init(backend, f"w{rank}", 2)
+    infos = rpc._get_current_rpc_agent().get_worker_infos()
+    out = {
+        "me": rpc.api.get_worker_info() == rpc.get_worker_info(),
+        "infos": sorted((info.name, info.id) for info in infos),
+        "sum": rpc.api.rpc_sync(f"w{1 - rank}", torch.add, args=(1, 2)),
+    }
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_calls_through_torchs_api_module_path() -> None:
+    # torch's RpcTest.test_worker_info_pickle and test_get_worker_infos reach them there
+    for backend in BACKENDS:
+        got = runner_for(backend)(_through_api_module, 2, backend, timeout=60, env=ENV)
+        assert got == [{"me": True, "infos": [("w0", 0), ("w1", 1)], "sum": 3}] * 2, backend
+    with pytest.raises(RuntimeError, match="RPC has not been initialized"):
+        rpc.api._get_current_rpc_agent()

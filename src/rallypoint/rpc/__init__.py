@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from rallypoint._core.public import set_public_module
+from rallypoint.rpc import api as api  # torch's rpc.api path (not in torch's __all__)
 from rallypoint.rpc import constants, dist_autograd, functions, nn, optim
 from rallypoint.rpc._api import (
     _set_rpc_timeout as _set_rpc_timeout,  # torch's private helper, not in __all__
@@ -68,6 +69,9 @@ from rallypoint.rpc._registry import (
     register_backend,
 )
 from rallypoint.rpc._rref import RRef
+from rallypoint.rpc.api import (
+    _get_current_rpc_agent as _get_current_rpc_agent,  # torch's private helper, as above
+)
 from rallypoint.rpc.constants import (
     DEFAULT_INIT_METHOD,
     DEFAULT_RPC_TIMEOUT_SEC,

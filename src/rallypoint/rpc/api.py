@@ -1,0 +1,25 @@
+"""torch's ``torch.distributed.rpc.api`` path, for programs that reach the calls through it.
+
+``rpc.api.rpc_sync`` and the other calls in torch's ``api.__all__`` are
+``rallypoint.rpc``'s. Two of torch's private helpers that programs use are here too:
+``_wait_all()``, torch's own context manager (``rpc_async`` futures join its list, see
+:mod:`rallypoint.rpc._api`), and ``_get_current_rpc_agent()``, the running agent
+(``get_worker_info``, ``get_worker_infos``). torch's other internals (its all-gather,
+barrier and shutdown steps) are not: rallypoint's shutdown works differently.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.rpc.api import _thread_local_var, _wait_all
+
+from rallypoint.rpc._api import get_worker_info, remote, rpc_async, rpc_sync, shutdown
+from rallypoint.rpc._backend import CURRENT_AGENT, RpcAgent
+from rallypoint.rpc._rref import RRef
+
+__all__ = ["RRef", "get_worker_info", "remote", "rpc_async", "rpc_sync", "shutdown"]
+__all__ += ["_get_current_rpc_agent", "_thread_local_var", "_wait_all"]
+
+
+def _get_current_rpc_agent() -> RpcAgent:
+    """The running agent; torch's "not initialized" error if there is none."""
+    return CURRENT_AGENT.get()
