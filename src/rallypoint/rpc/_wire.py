@@ -73,6 +73,15 @@ _state = threading.local()
 
 ReduceValue = tuple[Callable[..., Any], tuple[Any, ...]]
 
+_REDUCERS: dict[type, Callable[[Any], ReduceValue]] = {}
+
+
+def register_reducer(cls: type, reducer: Callable[[Any], ReduceValue]) -> None:
+    """Pickle instances of exactly ``cls`` with ``reducer`` in RPC messages only (as torch's
+    ``_internal_rpc_pickler._register_reducer``): a class whose plain pickling fails on
+    purpose can still travel over RPC."""
+    _REDUCERS[cls] = reducer
+
 
 def _send_device(tensor: torch.Tensor, device_map: DeviceMap | None, dst: str) -> str | None:
     device = tensor.device
@@ -130,6 +139,9 @@ class _Encoder(pickle.Pickler):
             return self._rref_hook(obj)
         if kind is _SCRIPT_FUNCTION:  # by its qualified name, as torch's RPC sends it
             return (_script_function, (obj.qualified_name,))
+        reducer = _REDUCERS.get(kind)
+        if reducer is not None:
+            return reducer(obj)
         return NotImplemented
 
     def _reduce_tensor(self, obj: torch.Tensor, target: str | None, is_param: bool) -> Any:

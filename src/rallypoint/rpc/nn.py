@@ -11,11 +11,11 @@ Change ``from torch.distributed.nn import RemoteModule`` to
 The module is created on the remote worker (``rpc.remote``); ``forward`` and
 ``forward_async`` call its ``forward`` there with the same arguments, so inside a
 ``dist_autograd.context()`` gradients flow back to it. A ``RemoteModule`` can be sent to
-other workers as an RPC argument (it travels as its ``RRef``); plain ``pickle`` is not
-supported. As in torch, the ``nn.Module`` methods that would need the remote state
-(``parameters()``, ``to()``, ``state_dict()``, hooks, ...) raise ``ValueError``;
-``remote_parameters()`` and ``get_module_rref()`` replace them. Only the non-scriptable
-flavour exists (torch's ``_module_interface_cls`` is TorchScript's).
+other workers as an RPC argument (it travels as its ``RRef``); plain ``pickle`` (and so
+``torch.save``) raises torch's ``RuntimeError``. As in torch, the ``nn.Module`` methods
+that would need the remote state (``parameters()``, ``to()``, ``state_dict()``, hooks,
+...) raise ``ValueError``; ``remote_parameters()`` and ``get_module_rref()`` replace them.
+Only the non-scriptable flavour exists (torch's ``_module_interface_cls`` is TorchScript's).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from rallypoint.rpc import _tensorpipe, _wire
 from rallypoint.rpc._api import remote, rpc_async, rpc_sync
 from rallypoint.rpc._backend import CURRENT_AGENT
 from rallypoint.rpc._rref import RRef
@@ -227,9 +228,17 @@ class RemoteModule(nn.Module):
         return f"RemoteModule(on={self.on!r}, device={self.device!r})"
 
     # ---- travelling between workers ----------------------------------------------------
-    def __reduce__(self) -> tuple[Any, ...]:
-        state = (self.on, self.device, self.is_device_map_set, self.module_rref)
-        return (_remote_module_receiver, state)
+    def __reduce__(self) -> NoReturn:
+        # over RPC it travels by _reduce_remote_module (the codec's reducer), never this
+        raise RuntimeError(
+            "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled "
+            "when using RPC"
+        )
+
+
+def _reduce_remote_module(module: RemoteModule) -> _wire.ReduceValue:
+    state = (module.on, module.device, module.is_device_map_set, module.module_rref)
+    return (_remote_module_receiver, state)
 
 
 def _remote_module_receiver(
@@ -244,6 +253,9 @@ def _remote_module_receiver(
     module.module_rref = module_rref
     return module
 
+
+_wire.register_reducer(RemoteModule, _reduce_remote_module)
+_tensorpipe.register_reducer(RemoteModule, _reduce_remote_module)
 
 _UNSUPPORTED = [
     "register_buffer",
