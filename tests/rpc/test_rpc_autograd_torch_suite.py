@@ -5,8 +5,9 @@ torch's TensorPipe run and with one process: a leaf's ``register_hook`` when its
 comes straight back from another worker, sparse gradients (``EmbeddingBag(sparse=True)``)
 accumulated over several passes, locally and through another worker, ``@torch.jit.script``
 functions as call targets (torch sends them by qualified name), when a context copies a
-gradient (one gradient given to two leaves: both get a copy), and the ``TypeError`` text
-of bad arguments.
+gradient (one gradient given to two leaves: both get a copy), post hooks on a leaf's
+``AccumulateGrad`` node (the engine's leaves and a gradient that comes straight back), and
+the ``TypeError`` text of bad arguments.
 """
 
 from __future__ import annotations
@@ -85,6 +86,35 @@ def _script_targets(rpc_: Any, autograd: Any) -> dict[str, Any]:
         }
 
 
+def _post_hooks(rpc_: Any, autograd: Any) -> list[Any]:
+    """torch's test_post_hooks, plus a leaf whose gradient comes straight back from w1:
+    every ``AccumulateGrad`` post hook runs once per pass, with ``((), (grad,))``."""
+    calls: list[Any] = []
+
+    def hook(name: str) -> Any:
+        def record(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+            calls.append((name, len(grad_inputs), [g.sum().item() for g in grad_outputs]))
+
+        return record
+
+    t = torch.ones(2, 2, requires_grad=True)
+    u = torch.ones(2, 2, requires_grad=True)
+    a = t + t  # both edges of a's node reach t's one AccumulateGrad node
+    b = u * 3
+    a.grad_fn.next_functions[0][0].register_hook(hook("t1"))  # type: ignore[union-attr]
+    a.grad_fn.next_functions[1][0].register_hook(hook("t2"))  # type: ignore[union-attr]
+    u_node = b.grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+    removed = u_node.register_hook(hook("removed"))
+    u_node.register_hook(hook("u"))
+    removed.remove()
+    with autograd.context() as cid:
+        sent_back = rpc_.rpc_sync("w1", _same, args=(u,))  # u's gradient comes straight back
+        autograd.backward(cid, [a.sum() + (b * sent_back).sum()])
+        grads = autograd.get_gradients(cid)
+        calls.append(("grads", grads[t].sum().item(), grads[u].sum().item(), t.grad, u.grad))
+    return calls
+
+
 class _Fork(torch.autograd.Function):
     """``a + b`` whose backward hands the same gradient tensor to both inputs."""
 
@@ -145,6 +175,7 @@ def _worker(backend: str) -> dict[str, Any] | None:
                 "sparse_remote": _sparse(rpc, dist_autograd, remote=True),
                 "script": _script_targets(rpc, dist_autograd),
                 "copies": _grad_copies(dist_autograd),
+                "post_hooks": _post_hooks(rpc, dist_autograd),
             }
         else:  # one process, plain autograd (never in the pytest process: a process that
             # ran a backward pass must not fork workers that run one)
@@ -198,6 +229,23 @@ def test_torchscript_functions_are_call_targets_as_in_torch(
 def test_gradients_are_copied_or_kept_as_in_torch(runs: dict[str, dict[str, Any]]) -> None:
     expected = {"a_is_b": False, "a_kept": False, "b_kept": False, "alone_kept": True}
     assert runs["RALLYPOINT"]["copies"] == runs["TENSORPIPE"]["copies"] == expected
+
+
+@pytest.mark.timeout(200)
+def test_accumulate_grad_post_hooks_run_once_per_pass_as_in_torch(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    ours = runs["RALLYPOINT"]["post_hooks"]
+    assert ours == runs["TENSORPIPE"]["post_hooks"]
+    # once per round with the round's gradient (u's comes in two passes), in order, the
+    # removed hook not at all, the leaves' .grad untouched; local autograd's post hooks get
+    # the same arguments: ((), (grad,))
+    assert ours == [
+        ("t1", 0, [8.0]),
+        ("t2", 0, [8.0]),
+        ("u", 0, [12.0 + 12.0]),
+        ("grads", 8.0, 24.0, None, None),
+    ]
 
 
 def test_bad_arguments_say_incompatible_function_arguments_as_torch() -> None:

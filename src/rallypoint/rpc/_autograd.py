@@ -427,6 +427,9 @@ class DistAutograd:
             plan.recv_dead.extend(dead)
             outcome = execute(rnd, plan)
             ctx.accumulate(outcome.leaves)
+            for hooks, grad in outcome.hooks:  # an AccumulateGrad node's, after it ran
+                for hook in hooks:
+                    hook((), (grad,))
             outgoing: dict[str, Items] = {}
             for node, sent in outcome.recv:
                 record = ctx.recvs[node]

@@ -25,11 +25,15 @@ does the same on top of the local engine, one ``torch.autograd.grad`` call per a
 
 Leaves (``AccumulateGrad``) are never pending: their gradients are added to the context
 in every pass, so a leaf reached from several sources accumulates their sum, as in torch.
+The engine call never runs a leaf's ``AccumulateGrad`` node, so its post hooks
+(``node.register_hook``) run here: once per round, when the round is settled on this
+worker, with the sum of the gradients the leaf got in the round (torch runs the node once,
+when every edge to it delivered).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +49,8 @@ SourceKey = tuple[int, int]
 """``(message id, tensor index)`` of a sent tensor; ``(-1, i)`` for the i-th root."""
 Grads = dict[int, torch.Tensor]
 """Gradients by position: a received message's node has one output per tensor."""
+PostHook = Callable[[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]], Any]
+"""A node's post hook (``node.register_hook``): ``hook(grad_inputs, grad_outputs)``."""
 
 
 def leaf_of(node: Node) -> torch.Tensor:
@@ -64,7 +70,7 @@ class Plan:
     recv_dead: list[Node] = field(default_factory=list)  # received messages: no gradient
     recv_passed: list[tuple[Node, Grads]] = field(default_factory=list)  # no engine
     pending: list[tuple[Node, int]] = field(default_factory=list)  # (node, input) to capture
-    direct: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # leaf, grad
+    direct: list[tuple[Node, torch.Tensor]] = field(default_factory=list)  # leaf's node, grad
 
 
 @dataclass(slots=True)
@@ -73,6 +79,9 @@ class Outcome:
 
     leaves: list[tuple[torch.Tensor, torch.Tensor]]
     recv: list[tuple[Node, Grads]]  # a received message's gradients (missing: none)
+    hooks: list[tuple[list[PostHook], torch.Tensor]] = field(default_factory=list)
+    """Post hooks of leaves' ``AccumulateGrad`` nodes to run (after the context has the
+    gradients), each with the leaf's gradient in the round."""
 
 
 class Round:
@@ -104,6 +113,8 @@ class Round:
         self._single = next(iter(self._edges)) if self._unarrived == 1 else None
         self.passes = 0  # passes run so far: orders this worker's reports of the round
         self.ddp: _ddp.DDPRound | None = None  # DDP reducers running in this round
+        # leaves whose AccumulateGrad node has post hooks: the hooks, the round's gradient
+        self.hooked: dict[Node, tuple[list[PostHook], torch.Tensor]] = {}
         self.reported_unsettled = False
 
     # ---- the graph ---------------------------------------------------------------------
@@ -165,7 +176,7 @@ class Round:
             node, input_nr = edge
             if type(node) is _ACC:
                 if grad is not None:
-                    plan.direct.append((leaf_of(node), grad))
+                    plan.direct.append((node, grad))
                 continue
             if grad is not None:
                 self._buffer(node, input_nr, grad)
@@ -186,7 +197,7 @@ class Round:
         plan = Plan()
         if type(node) is _ACC:
             if grad is not None:
-                plan.direct.append((leaf_of(node), grad))
+                plan.direct.append((node, grad))
             return plan
         recvs = self._recvs
         if grad is None:
@@ -248,6 +259,14 @@ class Round:
                 touched.setdefault(child, set()).add(input_nr)
                 self._arrive(child, ready)
 
+    def hook_leaf(self, node: Node, grad: torch.Tensor) -> None:
+        """A leaf got ``grad`` in a pass: keep it for its post hooks (if it has any)."""
+        seen = self.hooked.pop(node, None)  # re-inserted: hooks run in the order leaves complete
+        if seen is not None:  # a new tensor: the first one may be the context's, updated in place
+            self.hooked[node] = (seen[0], seen[1] + grad)
+        elif hooks := post_hooks(node):
+            self.hooked[node] = (hooks, grad)
+
     def capture(self, node: Node, input_nr: int, grad: torch.Tensor | None) -> None:
         """Keep the partial gradient a pending node received in a pass."""
         if grad is not None:
@@ -277,6 +296,21 @@ def _no_gradient(grads: tuple[torch.Tensor | None, ...]) -> tuple[None, ...]:
     return tuple(None for _ in grads)
 
 
+def _probe(grad_inputs: Any, grad_outputs: Any) -> None:
+    return None
+
+
+def post_hooks(node: Node) -> list[PostHook]:
+    """The post hooks registered on ``node`` with ``node.register_hook``, in order.
+
+    torch keeps them in one dict per node that only their handles expose: registering a
+    probe returns a handle to that dict; the probe is removed at once."""
+    handle = node.register_hook(_probe)
+    hooks = handle.hooks_dict_ref()
+    handle.remove()
+    return list(hooks.values()) if hooks else []
+
+
 def _leaf_hooks(leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``grad`` after the hooks of ``leaf`` (``Tensor.register_hook``), in order, as torch."""
     hooks = leaf._backward_hooks
@@ -293,6 +327,9 @@ def execute(rnd: Round, plan: Plan) -> Outcome:
 
     Once the round is settled here, a DDP reducer that has not finished is an error."""
     outcome = _run(rnd, plan)
+    if rnd.hooked and rnd.settled:
+        outcome.hooks = list(rnd.hooked.values())
+        rnd.hooked = {}
     if rnd.ddp is not None and rnd.settled:
         unfinished = rnd.ddp.unfinished()
         rnd.ddp.restore()
@@ -305,7 +342,11 @@ def execute(rnd: Round, plan: Plan) -> Outcome:
 def _run(rnd: Round, plan: Plan) -> Outcome:
     # a leaf's gradient that came straight from a receiver: the engine never saw it, so
     # run the leaf's hooks here (the engine runs them for the leaves it computes)
-    leaves = [(leaf, _leaf_hooks(leaf, grad)) for leaf, grad in plan.direct]
+    leaves: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for node, grad in plan.direct:
+        leaf = leaf_of(node)
+        leaves.append((leaf, _leaf_hooks(leaf, grad)))
+        rnd.hook_leaf(node, leaves[-1][1])
     if leaves:
         _ddp.check_direct(leaves)
     recv: list[tuple[Node, Grads]] = [(node, {}) for node in plan.recv_dead]
@@ -354,6 +395,7 @@ def _run(rnd: Round, plan: Plan) -> Outcome:
     for node, grad in zip(leaf_nodes, grads[:n_leaves], strict=True):
         if grad is not None and id(leaf_of(node)) not in reduced:
             leaves.append((leaf_of(node), grad))
+            rnd.hook_leaf(node, grad)
     if ddp is not None:
         leaves.extend(ddp.collect())
     done: dict[Node, Grads] = {node: {} for node in plan.recv_done}
