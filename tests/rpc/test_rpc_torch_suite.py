@@ -10,7 +10,8 @@ this worker opened its first connection to it. ``RRef.backward`` (owner and user
 local and distributed) and an ``RRef`` made before ``init_rpc`` behave as torch's. A
 remote error's message has its escapes undone (a ``\\n`` is a new line) and the callee
 prints the error on its stderr, as torch's. Pickling an ``RRef`` outside RPC, an unknown
-destination and a user RRef's ``to_here`` after ``shutdown`` fail with torch's words.
+destination and a user RRef's ``to_here`` after ``shutdown`` fail with torch's words;
+``str()`` of an RRef and ``local_value()`` on a user show torch's ids and text.
 Every ``except`` clause that catches torch's remote exception catches ours (torch turns
 all but ``ValueError``/``TypeError`` into ``RuntimeError``), ``rpc_async`` futures join
 torch's ``rpc.api._wait_all()``, and an ``@async_execution`` function that returns no
@@ -294,6 +295,40 @@ def test_rref_and_destination_misuse_say_what_torch_says() -> None:
         assert "Can not pickle rref in python pickler" in seen["pickle"], (backend, seen)
         assert "could not find destination" in seen["unknown name"], (backend, seen)
         assert "Cannot call to_here() on it after deletion." in seen["after shutdown"], seen
+
+
+def _str_of(rref: Any) -> str:
+    return str(rref)
+
+
+def _rref_texts(backend: str) -> dict[str, str] | None:
+    """What ``str()`` of owner, created and forked RRefs and ``local_value()`` on a user
+    say (torch's RRef and fork ids share one count per worker, from 0)."""
+    rank = int(os.environ["RANK"])
+    _init(backend, f"w{rank}", 3)
+    out: dict[str, str] = {}
+    if rank == 0:
+        out["owner"] = str(rpc.RRef(35))
+        rref = rpc.remote("w1", torch.add, args=(torch.ones(1), 1))
+        out["user"] = str(rref)
+        out["forked"] = rpc.rpc_sync("w2", _str_of, args=(rref,))  # a fork made on w0
+        out["on owner"] = rpc.rpc_sync("w1", _str_of, args=(rref,))
+        try:
+            rref.local_value()
+        except RuntimeError as exc:
+            out["local_value"] = str(exc)
+    rpc.shutdown()
+    return out if rank == 0 else None
+
+
+@pytest.mark.timeout(150)
+def test_rref_texts_and_ids_are_torchs() -> None:
+    theirs = runner_for("TENSORPIPE")(_rref_texts, 3, "TENSORPIPE", timeout=60, env=ENV)[0]
+    ours = runner_for("RALLYPOINT")(_rref_texts, 3, "RALLYPOINT", timeout=60, env=ENV)[0]
+    assert theirs["owner"] == "OwnerRRef(GloballyUniqueId(created_on=0, local_id=0))"
+    hint = ", or use to_here() to copy the value to this worker"  # ours says how, after torch's
+    assert ours.pop("local_value") == theirs.pop("local_value") + hint
+    assert ours == theirs
 
 
 class AppError(Exception):

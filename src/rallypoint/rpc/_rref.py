@@ -50,6 +50,18 @@ from rallypoint.rpc._rref_table import (
 from rallypoint.rpc.constants import UNSET_RPC_TIMEOUT
 
 T = TypeVar("T")
+Fork = tuple[str, int]
+"""A user RRef's fork id: the worker that made it, and its number there."""
+
+
+def _unique_id(worker: str, number: int) -> str:
+    """torch's ``GloballyUniqueId`` text; ``created_on`` is the worker's rank."""
+    agent = CURRENT_AGENT.peek()
+    try:
+        created_on: int | str = agent.get_worker_info(worker).id if agent else worker
+    except RuntimeError:  # a worker that left the group: its name instead
+        created_on = worker
+    return f"GloballyUniqueId(created_on={created_on}, local_id={number})"
 
 
 class RRef(Generic[T]):
@@ -59,7 +71,7 @@ class RRef(Generic[T]):
     by the callee.
     """
 
-    __slots__ = ("__weakref__", "_confirmed", "_id", "_owner", "_table", "_type")
+    __slots__ = ("__weakref__", "_confirmed", "_fork", "_id", "_owner", "_table", "_type")
 
     def __new__(cls, *args: Any, **kwargs: Any) -> RRef[Any]:
         if args or kwargs:
@@ -80,7 +92,7 @@ class RRef(Generic[T]):
             )
         rref_id = table.new_id()
         table.owned.incref(rref_id).future.set_result(value)
-        self._setup(table, table.me, rref_id, None)
+        self._setup(table, table.me, rref_id, None, None)
 
     @classmethod
     def _make(
@@ -89,9 +101,10 @@ class RRef(Generic[T]):
         owner: WorkerInfo,
         rref_id: RRefId,
         confirmed: torch.futures.Future[Any] | None,
+        fork: Fork | None,
     ) -> RRef[Any]:
         rref: RRef[Any] = cls.__new__(cls)
-        rref._setup(table, owner, rref_id, confirmed)
+        rref._setup(table, owner, rref_id, confirmed, fork)
         return rref
 
     def _setup(
@@ -100,11 +113,13 @@ class RRef(Generic[T]):
         owner: WorkerInfo,
         rref_id: RRefId,
         confirmed: torch.futures.Future[Any] | None,
+        fork: Fork | None,
     ) -> None:
         self._table = table
         self._owner = owner
         self._id = rref_id
         self._confirmed = confirmed
+        self._fork = fork  # a user RRef's fork id (None on the owner)
         self._type: torch.futures.Future[Any] | None = None
         weakref.finalize(self, table.release, owner.name, rref_id)
 
@@ -124,10 +139,11 @@ class RRef(Generic[T]):
 
     def local_value(self) -> T:
         """The value itself; only on the owner."""
-        if not self.is_owner():
+        if not self.is_owner():  # torch's words, then how to get the value here
             raise RuntimeError(
-                f"local_value() can only be called on the owner ({self._owner.name}); "
-                "use to_here() to copy the value to this worker"
+                f"For {self._describe('UserRRef(rref_id=', ', fork_id=')}, can't call "
+                f"localValue() on user {self._table.me}. Call it on owner {self._owner}, "
+                "or use to_here() to copy the value to this worker"
             )
         value: T = self._table.owned.entry(self._id).future.wait()
         return value
@@ -207,6 +223,19 @@ class RRef(Generic[T]):
         kind = "OwnerRRef" if self.is_owner() else "UserRRef"
         return f"{kind}(owner={self._owner.name}, id={tuple(self._id)})"
 
+    def __str__(self) -> str:
+        """torch's text: ``OwnerRRef(GloballyUniqueId(created_on=0, local_id=0))``, or
+        ``UserRRef(RRefId = GloballyUniqueId(...), ForkId = GloballyUniqueId(...))``."""
+        if self.is_owner():
+            return f"OwnerRRef({_unique_id(self._id.creator, self._id.serial)})"
+        return self._describe("UserRRef(RRefId = ", ", ForkId = ")
+
+    def _describe(self, head: str, fork: str) -> str:
+        text = f"{head}{_unique_id(self._id.creator, self._id.serial)}"
+        if self._fork is not None:
+            text += f"{fork}{_unique_id(*self._fork)}"
+        return text + ")"
+
 
 def _backward_from(value: Any, context_id: int, retain_graph: bool) -> None:
     if not isinstance(value, torch.Tensor):
@@ -260,8 +289,9 @@ def remote_rref(
 ) -> RRef[Any]:
     """``remote()``: ask ``owner`` to run ``payload`` (func, args, kwargs) and own the result."""
     rref_id = table.new_id()
+    fork = (table.me.name, table.new_fork_id())
     created = table.caller.rpc_async(owner, owner_create, (rref_id, *payload), {}, timeout)
-    return RRef._make(table, owner, rref_id, created)
+    return RRef._make(table, owner, rref_id, created, fork)
 
 
 def reduce_rref(table: RRefTable, rref: RRef[Any]) -> _wire.ReduceValue:
@@ -293,10 +323,10 @@ def _rref_unpickle(
     if owner_name == table.me.name:
         table.owned.incref(rref_id)
         table.unpin_at(sender, fork_id)
-        return RRef._make(table, owner, rref_id, None)
+        return RRef._make(table, owner, rref_id, None, None)
     confirmed = table.caller.rpc_async(owner, owner_incref, (rref_id,), {}, 0)
     confirmed.add_done_callback(lambda _: table.unpin_at(sender, fork_id))
     pending = getattr(_pending, "futures", None)
     if pending is not None:
         pending.append(confirmed)
-    return RRef._make(table, owner, rref_id, confirmed)
+    return RRef._make(table, owner, rref_id, confirmed, (sender, fork_id))

@@ -91,8 +91,8 @@ class RRefTable:
         self.caller = caller
         self.owned = OwnerTable()
         self._incarnation = secrets.randbits(31)
+        # one sequence for RRef ids and fork ids, as torch's (its ids print the same)
         self._serials = itertools.count()
-        self._fork_ids = itertools.count(1)
         self._pins: dict[int, RRef[Any]] = {}
         self._releases: queue.SimpleQueue[tuple[str, RRefId]] = queue.SimpleQueue()
         self._unpins: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
@@ -105,10 +105,14 @@ class RRefTable:
     def new_id(self) -> RRefId:
         return RRefId(self.me.name, self._incarnation, next(self._serials))
 
+    def new_fork_id(self) -> int:
+        """A fork id: a user RRef's, made here (torch's fork ids share the RRef ids' count)."""
+        return next(self._serials)
+
     # ---- forks in flight ---------------------------------------------------------------
     def pin(self, rref: RRef[Any]) -> int:
         """Keep ``rref`` alive until the fork sent as ``fork_id`` is registered."""
-        fork_id = next(self._fork_ids)
+        fork_id = self.new_fork_id()
         self._pins[fork_id] = rref
         return fork_id
 
