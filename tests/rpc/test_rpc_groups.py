@@ -193,3 +193,42 @@ def test_join_right_after_a_member_left_with_graceful_false() -> None:
     results = run_workers(_leave_and_join_loop, 3, done, timeout=75, env=SECRET)
     assert results[2] == ["ok ['w0', 'w1']"] * 6, results[2]
     assert results[0] == results[1] == ["w0", "w1"]  # the abrupt leavers are gone
+
+
+def _static_then_dynamic(which: str) -> str:
+    """Ranks 0 and 1 form a static group; then rank 2 tries to join it dynamically."""
+    import torch.distributed as dist
+    import torch.distributed.rpc as torch_rpc
+
+    api: Any = torch_rpc if which == "torch" else rpc
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=3)  # shares MASTER_PORT's store
+    if rank < 2:
+        api.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    dist.barrier()
+    out = ""
+    if rank == 2:
+        try:
+            api.init_rpc("worker2", rank=2)  # world_size=None: dynamic
+        except RuntimeError as exc:
+            out = str(exc)
+    dist.barrier()
+    if rank < 2:  # the static group is unharmed
+        out = str(api.rpc_sync(f"worker{1 - rank}", max, args=(rank, 1 + rank)))
+        api.shutdown()
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_dynamic_worker_cannot_join_a_static_group_as_in_torch() -> None:
+    from rallypoint.testing import run_workers
+    from rallypoint.testing._workers import run_reference_workers
+
+    theirs = run_reference_workers(_static_then_dynamic, 3, "torch", timeout=50, env=SECRET)
+    ours = run_workers(_static_then_dynamic, 3, "ours", timeout=50, env=SECRET)
+    phrase = "RPC group mixes statically and dynamically initialized members which is not supported"
+    assert theirs[:2] == ours[:2] == ["1", "2"]
+    assert phrase in theirs[2] and phrase in ours[2], (theirs[2], ours[2])
+    assert "world_size" in ours[2]  # and says what to change

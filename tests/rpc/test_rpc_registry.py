@@ -130,7 +130,7 @@ def _bad_inputs() -> bool:
     with pytest.raises(TypeError, match="rank must be an int"):
         rpc.init_rpc("w", rank="0", world_size=1)  # type: ignore[arg-type]
     del os.environ["MASTER_ADDR"]
-    with pytest.raises(ValueError, match="needs the environment variable MASTER_ADDR"):
+    with pytest.raises(ValueError, match="environment variable MASTER_ADDR expected, but not set"):
         rpc.init_rpc("w", rank=0, world_size=1)
     with pytest.raises(ValueError, match="must look like tcp://host:port"):
         opts = rpc.RallypointRpcBackendOptions(init_method="tcp://nohost")
@@ -198,6 +198,19 @@ def _tensorpipe_options_without_backend(path: str) -> dict[str, Any]:
     out["ours"] = (agent.options.num_worker_threads, rpc.get_rpc_timeout())
     out["sum"] = rpc.rpc_sync("solo", max, args=(2, 7))
     rpc.shutdown()
+    options = rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=27, rpc_timeout=100, init_method=f"file://{path}-c"
+    )
+    rpc.init_rpc(  # named RALLYPOINT backend, torch's options (torch's test_tensorpipe_set_*)
+        "solo",
+        backend=rpc.BackendType.RALLYPOINT,
+        rank=0,
+        world_size=1,
+        rpc_backend_options=options,
+    )
+    agent = current_rallypoint_agent()
+    out["named"] = (agent.options.num_worker_threads, rpc.get_rpc_timeout())
+    rpc.shutdown()
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=5, init_method=f"file://{path}-b")
     rpc.init_rpc(
         "solo",
@@ -221,6 +234,7 @@ def test_torchs_tensorpipe_options_without_a_backend_run_on_rallypoint(tmp_path:
     path = str(tmp_path / "s")
     out = run_workers(_tensorpipe_options_without_backend, 1, path, timeout=50, env=env)[0]
     assert out["ours"] == (3, 7.0) and out["sum"] == 7
+    assert out["named"] == (27, 100.0)
     assert out["theirs"] == ("TensorPipeAgentAdapter", 5.0, 7)  # named: torch's agent
 
 
@@ -237,3 +251,40 @@ def test_tensorpipe_options_carry_over_to_rallypoints() -> None:
     )
     assert ours.device_maps == {"w1": {torch.device("cpu"): torch.device("cpu")}}
     assert ours.devices == []
+
+
+def _init_without_rank(which: str, path: str) -> list[str]:
+    """The errors of init_rpc with no rank, for file://, tcp:// and env:// (no RANK set)."""
+    import torch.distributed.rpc as torch_rpc
+
+    init = torch_rpc.init_rpc if which == "torch" else rpc.init_rpc
+    options = (
+        torch_rpc.TensorPipeRpcBackendOptions
+        if which == "torch"
+        else rpc.RallypointRpcBackendOptions
+    )
+    os.environ.pop("RANK", None)
+    errors = []
+    for method in (f"file://{path}", "tcp://127.0.0.1:23456", "env://"):
+        try:
+            init("w", rpc_backend_options=options(init_method=method))  # type: ignore[operator]
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+@pytest.mark.timeout(60)
+def test_init_without_rank_says_what_torch_says(tmp_path: Any) -> None:
+    env = {"RALLYPOINT_RPC_SECRET": "registry-secret"}
+    path = str(tmp_path / "s")
+    theirs = run_workers(_init_without_rank, 1, "torch", path, timeout=50, env=env)[0]
+    ours = run_workers(_init_without_rank, 1, "ours", path, timeout=50, env=env)[0]
+    phrases = [
+        "rank parameter missing",
+        "rank parameter missing",
+        "environment variable RANK expected",
+    ]
+    assert len(theirs) == len(ours) == 3
+    for phrase, torchs, mine in zip(phrases, theirs, ours, strict=True):
+        assert phrase in torchs and phrase in mine, (torchs, mine)
+    assert "pass rank=" in ours[0] and "set RANK" in ours[2]

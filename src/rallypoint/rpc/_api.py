@@ -84,14 +84,14 @@ def _choose_backend(backend: Any, options: Any) -> tuple[Any, Any]:
     """``backend``, else the one whose options type ``options`` is, else RALLYPOINT; and
     the options to start it with.
 
-    torch's ``TensorPipeRpcBackendOptions`` without a ``backend`` mean rallypoint's backend
-    with the same settings: programs written for torch build them, and a program whose
-    only change is its import runs on rallypoint. ``backend=BackendType.TENSORPIPE`` runs
-    torch's agent.
+    torch's ``TensorPipeRpcBackendOptions`` without a ``backend`` (or with
+    ``BackendType.RALLYPOINT``) mean rallypoint's backend with the same settings: programs
+    written for torch build them, and a program whose only change is its import runs on
+    rallypoint. ``backend=BackendType.TENSORPIPE`` runs torch's agent.
     """
-    if backend is not None:
-        return backend, options
     rallypoint = _registry.BackendType["RALLYPOINT"]
+    if backend is not None and not (backend == rallypoint and _is_tensorpipe_options(options)):
+        return backend, options
     if options is None:
         return rallypoint, options
     if _is_tensorpipe_options(options):

@@ -10,6 +10,9 @@ JSON, never pickle, because a TCPStore is open to anyone who can reach its port.
   ``compare_set``; the token is released in a ``finally`` even when the change fails
   (torch's is not exception-safe). ``members`` lists the current names and
   ``member/<name>`` holds each member's record.
+- ``group_kind`` says which of the two the group is; the first worker sets it, and a
+  worker of the other kind is refused (torch's "mixes statically and dynamically
+  initialized members" error) instead of starting a group of its own.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from rallypoint.rpc._store import wait_for_keys
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_:")
 TOKEN_KEY = "token"
 MEMBERS_KEY = "members"
+KIND_KEY = "group_kind"
 _NO_TIMEOUT = 1800.0
 
 
@@ -138,6 +142,21 @@ class WorkerRecord:
             device_count=int(raw["device_count"]),
             device_maps=device_maps_from_json(raw["device_maps"]),
             devices=[torch.device(d) for d in raw["devices"]],
+        )
+
+
+def claim_kind(store: Any, static: bool) -> None:
+    """Record whether the group is static or dynamic; a worker of the other kind is
+    refused with torch's error (the first worker to join decides)."""
+    kind = "static" if static else "dynamic"
+    current = store.compare_set(KIND_KEY, "", kind)
+    found = current.decode() if isinstance(current, bytes) else str(current)
+    if found != kind:
+        raise RuntimeError(
+            "RPC group mixes statically and dynamically initialized members which is not "
+            f"supported. This worker joins a {kind} group (world_size="
+            f"{'given' if static else 'None'}) whose members are {found}; start every "
+            "worker with world_size, or none of them"
         )
 
 

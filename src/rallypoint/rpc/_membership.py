@@ -55,6 +55,7 @@ class Group:
     # ---- joining -----------------------------------------------------------------------
     def join(self, record: WorkerRecord, timeout: float) -> None:
         """Enter the group: static (wait for every rank) or dynamic (under the token)."""
+        _groups.claim_kind(self.store, static=self.world_size is not None)
         if self.world_size is None:
             self._join_dynamic(record, timeout)
         else:

@@ -76,7 +76,7 @@ def create_store(
     url = urlparse(init_method)
     if url.scheme == "file":
         if rank < 0:
-            raise ValueError("init_rpc with file:// needs rank=")
+            raise ValueError("init_rpc with file://: rank parameter missing; pass rank=")
         if not url.path:
             raise ValueError(f"init_method {init_method!r} must look like file:///path")
         return dist.FileStore(url.path, world_size if world_size else -1), rank, "127.0.0.1"
@@ -92,20 +92,24 @@ def _tcp_endpoint(url: ParseResult, init_method: str, rank: int) -> tuple[str, i
         if not addr or not port:
             missing = "MASTER_ADDR" if not addr else "MASTER_PORT"
             raise ValueError(
-                f"init_method env:// needs the environment variable {missing}; set "
-                "MASTER_ADDR and MASTER_PORT, or pass tcp://host:port or file:///path"
+                f"init_rpc with env://: environment variable {missing} expected, but not "
+                "set; set MASTER_ADDR and MASTER_PORT, or pass tcp://host:port or "
+                "file:///path"
             )
         if rank < 0:
             env_rank = os.environ.get("RANK")
             if env_rank is None:
-                raise ValueError("init_rpc: pass rank= or set the RANK environment variable")
+                raise ValueError(
+                    "init_rpc with env://: environment variable RANK expected, but not set; "
+                    "pass rank= or set RANK"
+                )
             rank = int(env_rank)
         return addr, int(port), rank
     if url.scheme == "tcp":
         if not url.hostname or not url.port:
             raise ValueError(f"init_method {init_method!r} must look like tcp://host:port")
         if rank < 0:
-            raise ValueError("init_rpc with tcp:// needs rank=")
+            raise ValueError("init_rpc with tcp://: rank parameter missing; pass rank=")
         return url.hostname, url.port, rank
     raise ValueError(f"init_method must start with env://, tcp:// or file://, got {init_method!r}")
 
