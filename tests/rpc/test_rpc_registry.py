@@ -264,6 +264,7 @@ def _init_without_rank(which: str, path: str) -> list[str]:
         else rpc.RallypointRpcBackendOptions
     )
     os.environ.pop("RANK", None)
+    os.environ.pop("MASTER_ADDR", None)  # torch checks RANK first
     errors = []
     for method in (f"file://{path}", "tcp://127.0.0.1:23456", "env://"):
         try:

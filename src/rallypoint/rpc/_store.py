@@ -86,7 +86,15 @@ def create_store(
 
 def _tcp_endpoint(url: ParseResult, init_method: str, rank: int) -> tuple[str, int, int]:
     """(host, port, rank) of an ``env://`` or ``tcp://`` init method."""
-    if url.scheme == "env":
+    if url.scheme == "env":  # torch's order: RANK first, then MASTER_ADDR, MASTER_PORT
+        if rank < 0:
+            env_rank = os.environ.get("RANK")
+            if env_rank is None:
+                raise ValueError(
+                    "init_rpc with env://: environment variable RANK expected, but not set; "
+                    "pass rank= or set RANK"
+                )
+            rank = int(env_rank)
         addr = os.environ.get("MASTER_ADDR")
         port = os.environ.get("MASTER_PORT")
         if not addr or not port:
@@ -96,14 +104,6 @@ def _tcp_endpoint(url: ParseResult, init_method: str, rank: int) -> tuple[str, i
                 "set; set MASTER_ADDR and MASTER_PORT, or pass tcp://host:port or "
                 "file:///path"
             )
-        if rank < 0:
-            env_rank = os.environ.get("RANK")
-            if env_rank is None:
-                raise ValueError(
-                    "init_rpc with env://: environment variable RANK expected, but not set; "
-                    "pass rank= or set RANK"
-                )
-            rank = int(env_rank)
         return addr, int(port), rank
     if url.scheme == "tcp":
         if not url.hostname or not url.port:
