@@ -17,7 +17,10 @@ _PROGRAM = textwrap.dedent(
     import torch.multiprocessing as mp
     import rallypoint
 
-    print("TOP", __name__, flush=True)  # runs again in every spawned worker
+    # runs again in every spawned worker; one write per line, so torch's two workers
+    # (which share this stdout) cannot interleave within a line
+    sys.stdout.write(f"TOP {__name__}\\n")
+    sys.stdout.flush()
 
     SCALE = 10
 
