@@ -12,6 +12,10 @@ processes (torch's RPC state is global per process):
   a 24-byte ping-pong between two processes over a Unix socket pair (printed under the
   table; every cross-process hop of the training step pays at least half of it; on a VM
   it depends on whether the scheduler puts the two processes on one vCPU)
+- what waking up costs the work that follows, with no RPC: the median time of one stage's
+  forward and backward (``Linear(64, 64)`` + ReLU, batch 32) in a loop that never sleeps,
+  and in one that sleeps 200 µs before each iteration (every hop of the training step
+  starts in a process that was asleep; printed under the table too)
 - one training step with distributed autograd of a two-stage model-parallel model:
   stage 1 (``Linear(64, 64)`` + ReLU) on worker1 and stage 2 on worker2, both created with
   ``remote``, driven by worker0 with ``rpc_sync`` (batch 32); forward, ``dist_autograd``
@@ -222,6 +226,25 @@ def socket_floor_us(rounds: int = 3000) -> float:
     return statistics.median(times[200:]) * 1e6
 
 
+def wake_penalty_us(rounds: int = 2000, pause: float = 0.0002) -> tuple[float, float]:
+    """Median µs of one stage's forward and backward, in a loop that never sleeps and in
+    one that sleeps ``pause`` seconds before each iteration (no RPC, one process)."""
+    torch.set_num_threads(1)
+    stage, x = _Stage(64), torch.randn(32, 64)
+
+    def run(sleep: float) -> float:
+        times = []
+        for _ in range(rounds):
+            if sleep:
+                time.sleep(sleep)
+            t0 = time.perf_counter()
+            stage(x).sum().backward()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[100:]) * 1e6
+
+    return run(0.0), run(pause)
+
+
 def _env(rank: int) -> dict[str, str]:
     return {RPC_SECRET: "benchmark-secret"}
 
@@ -321,6 +344,12 @@ def main() -> None:
         print(
             "\nfloor, no RPC: ping-pong between two processes over a Unix socket, round "
             f"trip {floors[2]:.1f} µs (median of 5 runs, {floors[0]:.1f}-{floors[-1]:.1f})"
+        )
+        awake, woken = wake_penalty_us()
+        print(
+            f"after a sleep, no RPC: one stage's forward and backward takes {awake:.1f} µs in a "
+            f"loop that never sleeps and {woken:.1f} µs when each iteration follows a 200 µs "
+            f"sleep ({woken / awake:.2f}x)"
         )
     if args.plot:
         plot(results, args.plot)
