@@ -146,6 +146,20 @@ class RallypointAgent(RpcAgent):
         """Tensor bytes sent inline, through shared memory, and handed back (not copied)."""
         return self.connections.stats
 
+    def get_metrics(self) -> dict[str, str]:
+        """torch's agent metrics. A request runs on a thread of its own (a connection's
+        reader, or one it handed over to) while it runs, not while an ``@async_execution``
+        call waits for its future: idle threads are ``num_worker_threads`` less those."""
+        served, waiting = self.dispatcher.active()
+        pool = self.options.num_worker_threads
+        return {
+            "agent.server_active_async_calls": str(waiting),
+            "agent.client_active_calls": str(len(self.calls.owners)),
+            "agent.server_active_calls": str(served),
+            "agent.num_idle_threads": str(max(0, pool - (served - waiting))),
+            "agent.thread_pool_size": str(pool),
+        }
+
     def record(self) -> WorkerRecord:
         """What this worker publishes about itself in the store."""
         host, port = self.connections.address

@@ -60,6 +60,15 @@ class RpcAgent(abc.ABC):
             f"the {type(self).__name__} backend cannot change its default RPC timeout"
         )
 
+    def get_metrics(self) -> dict[str, str]:
+        """torch's agent metrics: ``agent.*`` counts, as strings (torch's keys)."""
+        raise NotImplementedError(f"the {type(self).__name__} backend reports no metrics")
+
+    def get_debug_info(self) -> dict[str, str]:
+        """torch's ``get_debug_info()``: the metrics (torch adds GIL wait times when GIL
+        profiling is on; rallypoint has no GIL profiling)."""
+        return self.get_metrics()
+
     def local_rref(self, value: Any, type_hint: type | None = None) -> Any:
         """``RRef(value)`` for a backend with its own RRef type; ``None``: rallypoint's RRef."""
         return None

@@ -102,12 +102,19 @@ class Dispatcher:
         self._calls = calls
         self._codec = codec
         self._inflight = 0
+        self._async = 0  # of those, @async_execution calls waiting for their future
         self._lock = threading.Lock()
 
     @property
     def busy(self) -> bool:
         """Whether a request is running (or waiting for its async result)."""
         return self._inflight > 0
+
+    def active(self) -> tuple[int, int]:
+        """Requests served now, and how many of them wait for an ``@async_execution``
+        future (torch's ``server_active_calls`` and ``server_active_async_calls``)."""
+        with self._lock:
+            return self._inflight, self._async
 
     def handle_frame(self, conn: Connection, frame: Frame) -> None:
         """Replies complete futures; calls run here, on the connection's reader thread."""
@@ -183,6 +190,8 @@ class Dispatcher:
         """An ``@async_execution`` call: reply when the future it returned completes."""
         if not isinstance(result, torch._C.Future):
             raise no_future_error(func, result)
+        with self._lock:
+            self._async += 1
         result.add_done_callback(lambda fut: self._reply_future(conn, rid, fut, ctx))
 
     def _reply_future(
@@ -200,6 +209,8 @@ class Dispatcher:
                 return
             self._reply(conn, rid, value, flush=True, ctx=ctx)
         finally:
+            with self._lock:
+                self._async -= 1
             self._done()
 
     def _reply(

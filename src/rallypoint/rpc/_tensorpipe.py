@@ -66,6 +66,14 @@ class TensorPipeAgentAdapter(RpcAgent):
     def shutdown(self, graceful: bool, timeout: float) -> None:
         _rpc().shutdown(graceful, timeout)
 
+    def get_metrics(self) -> dict[str, str]:
+        metrics: dict[str, str] = self.agent.get_metrics()
+        return metrics
+
+    def get_debug_info(self) -> dict[str, str]:
+        info: dict[str, str] = self.agent.get_debug_info()
+        return info
+
     def local_rref(self, value: Any, type_hint: type | None = None) -> Any:
         """Under this backend a local RRef is torch's own."""
         return _rpc().RRef(value, type_hint)
