@@ -40,6 +40,7 @@ from rallypoint.rpc._autograd import (
     current_context,
 )
 from rallypoint.rpc._backend import CURRENT_AGENT, Args, Func, Fut, Kwargs, RpcAgent
+from rallypoint.rpc._builtins import resolve as builtin_overload
 from rallypoint.rpc._calls import PendingCalls, fail
 from rallypoint.rpc._codec import Codec
 from rallypoint.rpc._connections import Connections
@@ -213,11 +214,14 @@ class RallypointAgent(RpcAgent):
             raise TypeError("function should be callable.")
         seconds = self._default_timeout if timeout == UNSET_RPC_TIMEOUT else self._timeout(timeout)
         info = self.peers.resolve(to)
-        return self._send(info.name, (func, args, kwargs), seconds, _CALL, current_context())
+        payload = (builtin_overload(func, args, kwargs), args, kwargs)
+        return self._send(info.name, payload, seconds, _CALL, current_context())
 
     def remote(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> RRef[Any]:
         self.check_open()
-        return remote_rref(self.rrefs, self.peers.resolve(to), (func, args, kwargs), timeout)
+        info = self.peers.resolve(to)
+        payload = (builtin_overload(func, args, kwargs), args, kwargs)
+        return remote_rref(self.rrefs, info, payload, timeout)
 
     def oneway(self, to: str, func: Func, *args: Any) -> bool:
         try:
