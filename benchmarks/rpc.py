@@ -4,6 +4,7 @@ Both backends run in the same invocation on the same machine, each in fresh fork
 processes (torch's RPC state is global per process):
 
 - round trip of a no-op ``rpc_sync`` (median, microseconds)
+- round trip of an ``rpc_sync`` that echoes one 32x64 float tensor (8 KiB, sent inline)
 - ``rpc_async`` throughput with 5,000 calls outstanding (calls per second)
 - tensor echo bandwidth for 1 MiB and 64 MiB (payload bytes / round-trip time)
 - ``init_rpc`` and ``shutdown`` wall time for 2, 4 and 8 workers (slowest worker, median
@@ -84,6 +85,14 @@ def _pair(backend: str, quick: bool, only: str = "all") -> dict[str, float]:
             rpc.rpc_sync(peer, _noop)
             samples.append(time.perf_counter() - t0)
         out["rtt_us"] = statistics.median(samples) * 1e6 if samples else float("nan")
+        small = torch.randn(32, 64)  # a batch of activations: 8 KiB, inline
+        samples = []
+        for i in range(-100, n if only in ("all", "calls") else 0):
+            t0 = time.perf_counter()
+            rpc.rpc_sync(peer, _echo, args=(small,))
+            if i >= 0:
+                samples.append(time.perf_counter() - t0)
+        out["rtt_tensor_us"] = statistics.median(samples) * 1e6 if samples else float("nan")
 
         outstanding = 5000
         rounds = 2 if quick else 5
@@ -273,6 +282,7 @@ def measure(quick: bool, only: str = "all") -> dict[str, dict[str, float]]:
 
 ROWS = [
     ("no-op rpc_sync round trip (µs)", "rtt_us", False),
+    ("rpc_sync round trip of a 32x64 tensor, echoed (µs)", "rtt_tensor_us", False),
     ("rpc_async throughput, 5,000 outstanding (calls/s)", "async_calls_per_s", True),
     ("1 MiB echo (GB/s, payload / round trip)", "echo_1MiB_GBps", True),
     ("64 MiB echo (GB/s, payload / round trip)", "echo_64MiB_GBps", True),

@@ -64,7 +64,7 @@ def _lifetime_scenario(mode: str) -> dict[str, Any]:
         rpc.rpc_sync("worker2", _drop)
 
         base = _wait_owned(0)
-        rref = rpc.remote("worker1", torch.ones, args=(8,))
+        rref = rpc.remote("worker1", torch.ones, args=([8],))  # torch: size is a list
         assert rref.to_here().sum().item() == 8
         assert rref.confirmed_by_owner()
         with pytest.raises(RuntimeError, match=r"can't call localValue\(\) on user .* on owner"):

@@ -85,9 +85,108 @@ def test_tensors_that_need_grad_reach_the_receive_hook_together_in_sender_order(
     assert a.requires_grad and isinstance(d["p"], torch.nn.Parameter) and d["again"] is a
 
 
+def _func(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+LEAN_TENSORS = [
+    torch.randn(3, 4),
+    torch.tensor(3.5),
+    torch.ones(5, dtype=torch.bool),
+    torch.arange(6, dtype=torch.int64).reshape(2, 3),
+    torch.randn(6).to(torch.bfloat16),
+    torch.randn(3, dtype=torch.complex128),
+    torch.randint(0, 255, (7,), dtype=torch.uint8),
+]
+
+
+def test_flat_messages_take_the_lean_form_and_come_back_equal() -> None:
+    call = (_func, (*LEAN_TENSORS, 3, "s", None), {"k": torch.randn(2), "n": 1.5})
+    for message in (call, LEAN_TENSORS[0], tuple(LEAN_TENSORS), list(LEAN_TENSORS)):
+        data, raws = _wire.encode(message)
+        assert data[:1] == b"L", type(message)
+        out = _wire.decode(data, [r.clone() for r in raws])
+        assert type(out) is type(message)
+        flat_in = [*call[1], *call[2].values()] if message is call else message
+        flat_out = [*out[1], *out[2].values()] if message is call else out
+        if isinstance(message, torch.Tensor):
+            flat_in, flat_out = [message], [out]
+        for a, b in zip(flat_in, flat_out, strict=True):
+            if isinstance(a, torch.Tensor):
+                assert b.dtype == a.dtype and b.shape == a.shape and torch.equal(a, b)
+            else:
+                assert a == b
+    out = _wire.decode(*_wire.encode(call))
+    assert out[0] is _func and list(out[2]) == ["k", "n"] and out[2]["n"] == 1.5
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        (_func, (torch.arange(10.0)[2:5],), {}),  # a view: the general form keeps its strides
+        (_func, (torch.randn(4, 5).t(),), {}),  # not contiguous
+        (_func, (torch.nn.Parameter(torch.ones(2)),), {}),  # a Parameter stays one
+        (_func, (torch.empty(0),), {}),
+        (_func, ([torch.ones(2)],), {}),  # nested
+        (_func, (torch.ones(2, dtype=torch.int64).to(torch.uint16),), {}),  # dtype not listed
+    ],
+    ids=["view", "transposed", "parameter", "empty", "nested", "uint16"],
+)
+def test_other_messages_take_the_general_form(message: Any) -> None:
+    data, raws = _wire.encode(message)
+    assert data[:1] != b"L"
+    out = _wire.decode(data, [r.clone() for r in raws])
+    assert type(out[1][0]) is type(message[1][0])
+
+
+def test_one_tensor_twice_arrives_as_one_tensor() -> None:
+    shared = torch.randn(3)
+    data, raws = _wire.encode((_func, (shared, shared), {}))
+    assert data[:1] != b"L"  # the general form: both arguments share one storage on arrival
+    _, (a, b), _ = _wire.decode(data, [r.clone() for r in raws])
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def test_a_device_map_takes_the_general_form() -> None:
+    data, _ = _wire.encode(torch.ones(2), device_map={torch.device("cpu"): torch.device("cpu")})
+    assert data[:1] != b"L"
+
+
+def test_lean_tensors_that_need_grad_reach_the_receive_hook_in_slot_order() -> None:
+    x = torch.randn(2, requires_grad=True)
+    y = torch.randn(3, requires_grad=True)
+    plain = torch.randn(4)
+    sink: list[torch.Tensor] = []
+    data, raws = _wire.encode((_func, (x, plain), {"y": y}), grad_sink=sink)
+    assert data[:1] == b"L" and sink[0] is x and sink[1] is y and len(sink) == 2
+    seen: list[list[torch.Tensor]] = []
+
+    def hook(received: list[torch.Tensor]) -> list[torch.Tensor]:
+        seen.append(received)
+        return [t * 10 for t in received]
+
+    _, (a, p), kw = _wire.decode(data, [r.clone() for r in raws], recv_hook=hook)
+    (received,) = seen
+    assert [r.requires_grad for r in received] == [True, True]
+    assert torch.equal(a, x * 10) and torch.equal(kw["y"], y * 10)
+    assert torch.equal(p, plain) and not p.requires_grad
+    _, (a, _), kw = _wire.decode(data, [r.clone() for r in raws])  # no hook: leaves
+    assert a.requires_grad and a.is_leaf and kw["y"].requires_grad
+
+
+def test_a_bad_lean_header_is_refused() -> None:
+    data, raws = _wire.encode((_func, (torch.ones(2),), {}))
+    with pytest.raises(ValueError, match="bad lean header"):
+        _wire.decode(data, [*raws, raws[0]])
+    forged = bytearray(data)
+    forged[6] = 200  # the dtype code
+    with pytest.raises(ValueError, match="bad lean dtype code 200"):
+        _wire.decode(bytes(forged), raws)
+
+
 def test_a_bad_grad_table_is_refused() -> None:
     x = torch.randn(2, requires_grad=True)
-    data, raws = _wire.encode([x], grad_sink=[])
+    data, raws = _wire.encode([[x]], grad_sink=[])  # nested: the general form
     assert data[:1] == b"G"
     size = int.from_bytes(data[1:5], "little")
     not_a_table = pickle.dumps(5)

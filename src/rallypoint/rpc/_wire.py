@@ -16,6 +16,9 @@ when a span does not start at the storage's first byte, the pickle is preceded b
 ``b"S"``, the table size and each entry's start (``lo``). Nothing here is unpickled
 before the connection has authenticated.
 
+Flat messages (only atomic values and whole CPU tensors: most calls and replies) take
+the lean form of :mod:`rallypoint.rpc._lean` instead, which starts with ``b"L"``.
+
 Distributed autograd hooks in at both ends: ``encode(grad_sink=...)`` collects the tensors
 that need a gradient (in pickle order) and moves their references out of the pickle into a
 *grad table*, pickled ahead of it (``b"G"``, its length, the table); the pickle names them
@@ -37,6 +40,8 @@ from typing import Any
 import torch
 import torch.jit._state
 
+from rallypoint.rpc import _lean
+from rallypoint.rpc._builtins import BuiltinOp
 from rallypoint.rpc._device_maps import DeviceMap
 
 MAGIC = b"RP"
@@ -226,8 +231,9 @@ def _script_function(qualified_name: str) -> Any:
     return function
 
 
-_ATOMIC = frozenset({int, float, bool, str, bytes, type(None), complex})
-_PLAIN_FUNCTIONS = frozenset({type(len), type(_send_device)})
+_ATOMIC: frozenset[type] = frozenset({int, float, bool, str, bytes, type(None), complex})
+_PLAIN_FUNCTIONS: frozenset[type] = frozenset({type(len), type(_send_device)})
+_LEAN_FUNCTIONS = _PLAIN_FUNCTIONS | {BuiltinOp}
 
 
 def _is_simple(obj: Any) -> bool:
@@ -261,6 +267,10 @@ def encode(
     """
     if _is_simple(obj):
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), []
+    if not device_map:
+        lean = _lean.encode(obj, _ATOMIC, _LEAN_FUNCTIONS, grad_sink)
+        if lean is not None:
+            return lean
     buffer = io.BytesIO()
     tensors: list[torch.Tensor] = []
     encoder = _Encoder(buffer, tensors, device_map, dst, rref_type, rref_hook, grad_sink)
@@ -291,6 +301,8 @@ def decode(
     """
     if not tensors:
         return pickle.loads(data)
+    if data[0] == _lean.MAGIC:
+        return _lean.decode(data, tensors, recv_hook)
     los: tuple[int, ...] | None = None
     if data[0] == _SPANS_MAGIC[0]:  # a pickle starts with 0x80: these are the spans' ``lo``
         magic, count = _SPANS.unpack_from(data)

@@ -1,0 +1,188 @@
+"""The lean wire form of flat messages: only atomic values and whole CPU tensors.
+
+Most messages are flat: a call ``(func, args, kwargs)`` whose arguments are numbers,
+strings and tensors (``rpc_sync(to, f, args=(x, 3))``), or a reply of one tensor or a
+tuple of them. The general form (:mod:`rallypoint.rpc._wire`) pickles them with a
+``Pickler`` subclass whose hook runs in Python for every object; this form describes the
+tensors in a small header and pickles the rest with the plain C pickler, about half the
+cost per message (see ``benchmarks/rpc.py``, the small-tensor round trip)::
+
+    b"L", shape kind (u8), tensor count (u16)
+    per tensor: slot (u16), dtype code (u8), requires grad (u8), ndim (u8), shape (i64 each)
+    pickle of the message with ``None`` in each tensor's slot
+
+The slots of a call are its positional arguments, then its keyword arguments' values;
+of a tuple or list reply, its items. The tensors travel as the transport's raw tensors,
+in slot order.
+
+A tensor takes this form only if it is exactly a ``torch.Tensor``, strided, on CPU with
+no device map, contiguous, not empty, neither conjugate nor negative, of a listed dtype,
+and the whole of its storage; and no two tensors of the message share a storage. A
+message with anything else (an RRef, a view, a ``Parameter``, a nested container) takes
+the general form, which keeps views' strides and shared storages.
+
+Distributed autograd works as in the general form: ``encode(grad_sink=...)`` collects
+the tensors that require grad (in slot order, which is pickle order), and
+``decode(recv_hook=...)`` hands the received ones to the hook at once.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+MAGIC = ord("L")
+_HEAD = struct.Struct("<BBH")  # magic, shape kind, tensor count
+_SLOT = struct.Struct("<HBBB")  # slot, dtype code, requires grad, ndim
+
+_CALL, _TUPLE, _LIST, _TENSOR = 1, 2, 3, 4
+_MAX_SLOTS = 64  # more arguments than this: the general form
+
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_RAW = torch.uint8
+_Tensor = torch.Tensor
+
+
+def _plain(obj: torch.Tensor) -> bool:
+    """Whether a tensor (exactly ``torch.Tensor``) can travel in the lean form."""
+    if not obj.is_cpu or obj.layout != torch.strided or obj.is_quantized:
+        return False
+    if obj.dtype not in _CODES or obj.is_conj() or obj.is_neg() or obj.is_nested:
+        return False
+    if obj.storage_offset() or not obj.is_contiguous():
+        return False
+    nbytes = obj.nbytes
+    return nbytes > 0 and obj.untyped_storage().nbytes() == nbytes
+
+
+def encode(
+    obj: Any,
+    atomic: frozenset[type],
+    functions: frozenset[type],
+    grad_sink: list[torch.Tensor] | None,
+) -> tuple[bytes, list[torch.Tensor]] | None:
+    """The lean form of ``obj``, or ``None`` when it needs the general form."""
+    kind = type(obj)
+    if kind is _Tensor:
+        shape, slots = _TENSOR, (obj,)
+    elif kind is tuple and len(obj) == 3 and type(obj[1]) is tuple and type(obj[2]) is dict:
+        if type(obj[0]) not in functions:
+            return None
+        shape, slots = _CALL, (*obj[1], *obj[2].values())
+    elif kind is tuple or kind is list:
+        shape, slots = (_TUPLE if kind is tuple else _LIST), obj
+    else:
+        return None
+    if len(slots) > _MAX_SLOTS:
+        return None
+    header = bytearray(_HEAD.size)
+    raws: list[torch.Tensor] = []
+    positions: list[int] = []
+    storages: set[int] = set()
+    for position, item in enumerate(slots):
+        item_kind = type(item)
+        if item_kind in atomic:
+            continue
+        if item_kind is not _Tensor or not _plain(item):
+            return None
+        address = item.data_ptr()
+        if address in storages:
+            return None  # shared storage: the general form shares it on arrival too
+        storages.add(address)
+        needs_grad = item.requires_grad
+        if needs_grad and grad_sink is not None:
+            grad_sink.append(item)
+        header += _SLOT.pack(position, _CODES[item.dtype], needs_grad, item.dim())
+        header += struct.pack(f"<{item.dim()}q", *item.shape)
+        raws.append((item.detach() if needs_grad else item).view(-1).view(_RAW))
+        positions.append(position)
+    if not raws:
+        return None  # atomic only: the plain pickle is leaner still
+    _HEAD.pack_into(header, 0, MAGIC, shape, len(raws))
+    if shape == _TENSOR:
+        return bytes(header), raws
+    if shape == _CALL:
+        func, args, kwargs = obj
+        args = list(args)
+        n_args = len(args)
+        if positions[-1] >= n_args:
+            kwargs = dict(kwargs)
+            keys = list(kwargs)
+        for position in positions:
+            if position < n_args:
+                args[position] = None
+            else:
+                kwargs[keys[position - n_args]] = None
+        body = pickle.dumps((func, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+    else:
+        items = list(obj)
+        for position in positions:
+            items[position] = None
+        body = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
+    return bytes(header) + body, raws
+
+
+def decode(
+    data: bytes | memoryview,
+    tensors: list[torch.Tensor],
+    recv_hook: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None,
+) -> Any:
+    """The message of a lean frame (``data[0] == MAGIC``) and its raw tensors."""
+    magic, shape, count = _HEAD.unpack_from(data)
+    if magic != MAGIC or count != len(tensors) or not count:
+        raise ValueError(f"bad lean header ({count} tensors for {len(tensors)})")
+    offset = _HEAD.size
+    positions: list[int] = []
+    rebuilt: list[torch.Tensor] = []
+    grads: list[int] = []  # indices into rebuilt that require grad
+    for raw in tensors:
+        position, code, needs_grad, ndim = _SLOT.unpack_from(data, offset)
+        offset += _SLOT.size
+        dims = struct.unpack_from(f"<{ndim}q", data, offset)
+        offset += 8 * ndim
+        if code >= len(_DTYPES):
+            raise ValueError(f"bad lean dtype code {code}")
+        tensor = raw.view(_DTYPES[code]).reshape(dims)
+        if needs_grad and (tensor.is_floating_point() or tensor.is_complex()):
+            tensor.requires_grad_(True)
+            grads.append(len(rebuilt))
+        positions.append(position)
+        rebuilt.append(tensor)
+    if grads and recv_hook is not None:
+        wrapped = recv_hook([rebuilt[i] for i in grads])
+        for i, tensor in zip(grads, wrapped, strict=True):
+            rebuilt[i] = tensor
+    if shape == _TENSOR:
+        return rebuilt[0]
+    body = pickle.loads(memoryview(data)[offset:])
+    if shape == _CALL:
+        func, args, kwargs = body
+        n_args = len(args)
+        keys = list(kwargs) if positions[-1] >= n_args else []
+        for position, tensor in zip(positions, rebuilt, strict=True):
+            if position < n_args:
+                args[position] = tensor
+            else:
+                kwargs[keys[position - n_args]] = tensor
+        return func, tuple(args), kwargs
+    for position, tensor in zip(positions, rebuilt, strict=True):
+        body[position] = tensor
+    return tuple(body) if shape == _TUPLE else body
