@@ -2,8 +2,8 @@
 
 Compared with torch in the same run: errors before ``init_rpc``. rallypoint only: a send
 whose gradient never comes (torch hangs), a worker that keeps a received tensor, contexts
-on several threads, releases on every worker, no recording outside a context, and a
-worker that dies during the backward pass.
+on several threads, releases on every worker, no recording outside a context, gradients
+that skip a pipeline's driver, and a worker that dies during the backward pass.
 """
 
 from __future__ import annotations
@@ -115,6 +115,72 @@ def test_contexts_per_thread_and_released_everywhere() -> None:
     for i, (_, grad) in out["threads"].items():
         assert grad == [8.0 * (i + 1)] * 2  # d/dw (2w)^2 = 8w
     assert out["left"] == [0, 0, 0]
+
+
+class _Lin(torch.nn.Linear):
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        super().__init__(4, 4)
+
+
+def _stage(module: Any, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = torch.tanh(module.local_value()(x))
+    return out
+
+
+def _stage_grads(module: Any, context_id: int) -> list[torch.Tensor]:
+    grads = dist_autograd.get_gradients(context_id)
+    return [grads[p] for p in module.local_value().parameters()]
+
+
+def _pipelines() -> dict[str, Any]:
+    """A driver passes each stage's output to the next stage (torch's model-parallel
+    tutorials): every gradient of a passed-on tensor skips the driver."""
+    out: dict[str, Any] = {}
+    if _init(4) == 0:
+        from rallypoint.rpc._agent import current_rallypoint_agent
+
+        autograd = current_rallypoint_agent().autograd
+        served: list[int] = []
+        serve = autograd.serve
+        autograd.serve = lambda *a: served.append(1) or serve(*a)  # type: ignore[method-assign]
+        stages = [rpc.remote(f"w{r}", _Lin, args=(r,)) for r in (1, 2, 3)]
+        x = torch.linspace(-1, 1, 8).reshape(2, 4).requires_grad_(True)
+        for name in ("through the driver", "also used by the driver"):
+            with dist_autograd.context() as cid:
+                hs = [x]
+                for r, stage in zip((1, 2, 3), stages, strict=True):
+                    hs.append(rpc.rpc_sync(f"w{r}", _stage, args=(stage, hs[-1])))
+                loss = (hs[-1] ** 2).sum() + (hs[1].sum() if name != "through the driver" else 0)
+                served.clear()
+                dist_autograd.backward(cid, [loss])
+                got = [dist_autograd.get_gradients(cid)[x]]
+                for r, stage in zip((1, 2, 3), stages, strict=True):
+                    got += rpc.rpc_sync(f"w{r}", _stage_grads, args=(stage, cid))
+                out[name] = (len(served), got)
+        local = [_Lin(r) for r in (1, 2, 3)]
+        for name in ("through the driver", "also used by the driver"):
+            xr = x.detach().requires_grad_(True)
+            hs = [xr]
+            for module in local:
+                hs.append(torch.tanh(module(hs[-1])))
+            loss = (hs[-1] ** 2).sum() + (hs[1].sum() if name != "through the driver" else 0)
+            params = [p for module in local for p in module.parameters()]
+            out[name + ": one process"] = list(torch.autograd.grad(loss, [xr, *params]))
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_gradients_that_only_pass_through_the_driver_skip_it() -> None:
+    out = run_workers(_pipelines, 4, timeout=80, env=ENV)[0]
+    for name in ("through the driver", "also used by the driver"):
+        torch.testing.assert_close(out[name][1], out[name + ": one process"])
+    # The driver serves the gradient of x (its leaf). torch's FAST mode (and rallypoint
+    # before routes) sends the gradients of h1 and h2 back through it too: 3 propagations.
+    # h1, which the driver also uses, needs its pass there.
+    assert out["through the driver"][0] == 1
+    assert out["also used by the driver"][0] == 2
 
 
 class _Die(torch.autograd.Function):

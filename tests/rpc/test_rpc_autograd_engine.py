@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from rallypoint.rpc._autograd import (
+from rallypoint.rpc._autograd import DistAutograd
+from rallypoint.rpc._autograd_context import (
     AutogradContext,
-    DistAutograd,
     RecvRecord,
     SendRecord,
-    _edge,
+    edge_of,
     receive_message,
 )
 from rallypoint.rpc._autograd_engine import Round, execute
@@ -52,7 +52,7 @@ def test_one_source_gives_leaf_and_received_gradients() -> None:
     x = _received(recvs, raw.clone())
     y = torch.tanh(w @ x)
     g = torch.randn(3)
-    rnd = Round(1, False, [((5, 0), *_edge(y))], recvs)
+    rnd = Round(1, False, [((5, 0), *edge_of(y))], recvs)
     out = execute(rnd, rnd.plan([((5, 0), g)]))
     xr = raw.clone().requires_grad_(True)
     ref_w, ref_x = torch.autograd.grad(torch.tanh(w @ xr), [w, xr], g)
@@ -70,7 +70,7 @@ def test_a_node_two_sources_reach_runs_once_with_the_summed_gradient() -> None:
     h = _Counted.apply(w @ v)  # used in the loss (root) and "sent" (a second source)
     root = torch.sin(h).sum() + (w * 3).sum()  # w also has a path of its own
     g_sent = torch.randn(3)
-    sources = [((-1, 0), *_edge(root)), ((5, 0), *_edge(h))]
+    sources = [((-1, 0), *edge_of(root)), ((5, 0), *edge_of(h))]
     rnd = Round(1, False, sources, {})
     first = execute(rnd, rnd.plan([((-1, 0), torch.ones(()))]))
     assert not rnd.settled  # h still waits for the sent gradient
@@ -91,7 +91,7 @@ def test_a_source_without_gradient_kills_what_only_it_reaches() -> None:
     recvs: dict[Any, RecvRecord] = {}
     x = _received(recvs, torch.randn(3))
     y = x * 2
-    rnd = Round(1, False, [((5, 0), *_edge(y))], recvs)
+    rnd = Round(1, False, [((5, 0), *edge_of(y))], recvs)
     out = execute(rnd, rnd.plan([((5, 0), None)]))
     assert out.leaves == [] and out.recv == [(x.grad_fn, {})]
     assert rnd.settled
@@ -99,7 +99,7 @@ def test_a_source_without_gradient_kills_what_only_it_reaches() -> None:
 
 def test_a_gradient_arriving_twice_is_an_error() -> None:
     y = torch.randn(3, requires_grad=True) * 2
-    rnd = Round(1, False, [((5, 0), *_edge(y))], {})
+    rnd = Round(1, False, [((5, 0), *edge_of(y))], {})
     rnd.plan([((5, 0), torch.ones(3))])
     with pytest.raises(RuntimeError, match="arrived twice or too late"):
         rnd.plan([((5, 0), torch.ones(3))])
@@ -109,7 +109,7 @@ def test_a_received_tensor_sent_on_passes_its_gradient_without_the_engine() -> N
     recvs: dict[Any, RecvRecord] = {}
     x = _received(recvs, torch.randn(3))
     g = torch.randn(3)
-    rnd = Round(1, False, [((5, 0), *_edge(x))], recvs)
+    rnd = Round(1, False, [((5, 0), *edge_of(x))], recvs)
     plan = rnd.plan([((5, 0), g)])
     assert plan.outputs == [] and plan.recv_passed == [(x.grad_fn, {0: g})]
     assert execute(rnd, plan).recv == [(x.grad_fn, {0: g})]
@@ -185,8 +185,8 @@ def test_a_round_starts_by_answering_received_tensors_nothing_reaches() -> None:
     unused = _received(ctx.recvs, torch.randn(3), message=3)
     used = _received(ctx.recvs, torch.randn(3), message=4)
     y = used * 2
-    ctx.sends[11] = SendRecord("w0", [_edge(y)])
+    ctx.sends[11] = SendRecord("w0", [edge_of(y)])
     outgoing, _ = autograd._step(ctx, 1, False, [((11, 0), torch.ones(3))], ())
-    items = {m: g for m, _, g in outgoing["peer"]}
+    items = {m: g for m, _, g in outgoing.items["peer"]}
     assert items[3] is None and torch.equal(items[4], torch.full((3,), 2.0))
     assert unused.grad_fn in ctx.recvs

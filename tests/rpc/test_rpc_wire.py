@@ -223,6 +223,68 @@ def test_sparse_tensors_pickle_with_their_parts_out_of_band() -> None:
     assert torch.equal(_wire.decode(data, raws).to_dense(), torch.eye(3))
 
 
+class _Ref:
+    """Stands for an RRef: the codec forks one with its hook, once per message."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _unpickle_ref(name: str) -> tuple[str, str]:
+    return ("forked", name)
+
+
+def test_rrefs_ride_the_lean_form_and_are_forked_once() -> None:
+    forks: list[str] = []
+
+    def hook(ref: _Ref) -> _wire.ReduceValue:
+        forks.append(ref.name)
+        return (_unpickle_ref, (ref.name,))
+
+    def encode(message: Any) -> tuple[bytes, list[torch.Tensor]]:
+        return _wire.encode(message, rref_type=_Ref, rref_hook=hook)
+
+    data, raws = encode((_func, (_Ref("a"), torch.ones(3), 2), {"k": _Ref("b")}))
+    assert data[:1] == b"L" and forks == ["a", "b"]
+    _, args, kwargs = _wire.decode(data, [r.clone() for r in raws])
+    assert args[0] == ("forked", "a") and torch.equal(args[1], torch.ones(3)) and args[2] == 2
+    assert kwargs == {"k": ("forked", "b")}
+    forks.clear()
+    data, raws = encode((_func, (_Ref("c"), 5), {}))  # no tensor: a plain pickle
+    assert raws == [] and data[:1] == b"\x80" and forks == ["c"]
+    assert _wire.decode(data, []) == (_func, (("forked", "c"), 5), {})
+    forks.clear()
+    data, raws = encode((_Ref("d"), torch.ones(2)))  # a reply
+    assert data[:1] == b"L" and _wire.decode(data, [r.clone() for r in raws])[0] == ("forked", "d")
+    forks.clear()
+    data, raws = encode((_func, (_Ref("e"), torch.arange(6.0)[1:3]), {}))  # a view: general
+    assert data[:1] != b"L" and forks == ["e"]  # forked once, by the general form
+    assert _wire.decode(data, [r.clone() for r in raws])[1][0] == ("forked", "e")
+
+
+def test_plain_data_arguments_take_the_plain_or_lean_form() -> None:
+    data = {"a": (1, "x"), "b": [None, 2.5]}
+    encoded, raws = _wire.encode((_func, ([1, 2], data), {"k": (3,)}))
+    assert raws == [] and encoded[:1] == b"\x80"
+    assert _wire.decode(encoded, []) == (_func, ([1, 2], data), {"k": (3,)})
+    encoded, raws = _wire.encode((_func, ([1, 2], torch.ones(2)), {}))
+    assert encoded[:1] == b"L"
+    out = _wire.decode(encoded, [r.clone() for r in raws])
+    assert out[1][0] == [1, 2] and torch.equal(out[1][1], torch.ones(2))
+    deep: Any = [1]
+    for _ in range(5):
+        deep = [deep]
+    for message in (
+        (_func, (deep, torch.ones(2)), {}),
+        (_func, (list(range(65)), torch.ones(2)), {}),
+    ):
+        encoded, raws = _wire.encode(message)  # too deep or too long to check: general
+        assert (
+            encoded[:1] != b"L"
+            and _wire.decode(encoded, [r.clone() for r in raws])[1][0] == message[1][0]
+        )
+
+
 def test_atomic_calls_use_plain_pickle() -> None:
     data, raws = _wire.encode((max, (1, 2.0, "x", None), {"k": b"v"}))
     assert raws == [] and _wire.decode(data, []) == (max, (1, 2.0, "x", None), {"k": b"v"})

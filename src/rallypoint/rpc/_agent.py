@@ -33,12 +33,8 @@ from rallypoint._core.checks import check_seconds
 from rallypoint._core.envvars import RPC_ADDR
 from rallypoint.rpc import _groups, _wire
 from rallypoint.rpc._auth import resolve_secret
-from rallypoint.rpc._autograd import (
-    CURRENT_AUTOGRAD,
-    AutogradContext,
-    DistAutograd,
-    current_context,
-)
+from rallypoint.rpc._autograd import CURRENT_AUTOGRAD, DistAutograd, current_context
+from rallypoint.rpc._autograd_context import AutogradContext
 from rallypoint.rpc._backend import CURRENT_AGENT, Args, Func, Fut, Kwargs, RpcAgent
 from rallypoint.rpc._builtins import resolve as builtin_overload
 from rallypoint.rpc._calls import PendingCalls, fail

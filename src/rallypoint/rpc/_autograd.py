@@ -36,13 +36,21 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, TypeAlias
 
 import torch
-from torch.autograd.graph import Node, get_gradient_edge
+from torch.autograd.graph import Node
 
+from rallypoint.rpc import _autograd_routes as routes
 from rallypoint.rpc._autograd_checks import check_roots
+from rallypoint.rpc._autograd_context import (
+    AutogradContext,
+    SendRecord,
+    edge_of,
+    receive_message,
+)
 from rallypoint.rpc._autograd_engine import Round, SourceKey, execute
+from rallypoint.rpc._autograd_routes import Notice, Offer, Outgoing
 from rallypoint.rpc._backend import Caller
 from rallypoint.rpc._current import Current
 from rallypoint.rpc._groups import WorkerInfo
@@ -54,9 +62,13 @@ Status: TypeAlias = "tuple[str, int, bool, list[str]]"
 workers that waited at some point report; the status with the most passes is the latest."""
 Weight: TypeAlias = "tuple[int, int]"
 """A share of a round's credit, as a fraction (numerator, denominator)."""
-_Message: TypeAlias = "tuple[Items, str, Weight, tuple[int, ...], list[Status]]"
+_Message: TypeAlias = (
+    "tuple[Items, str, Weight, tuple[int, ...], list[Status], "
+    "list[tuple[int, Offer]] | None, list[Notice] | None]"
+)
 """A propagation: gradients, the worker that called backward, the credit share, the ranks
-the gradients came through (torch's error text names them), statuses on their way."""
+the gradients came through (torch's error text names them), statuses on their way, routes
+offered, and notices of routed sends (see :mod:`._autograd_routes`)."""
 
 _ONE: Weight = (1, 1)
 _POLL = 0.05
@@ -78,121 +90,6 @@ def run_in(ctx: AutogradContext, func: Callable[..., Any], args: Any, kwargs: An
         return func(*args, **kwargs)
     finally:
         _tls.ctx = saved
-
-
-class _RecvRpc(torch.autograd.Function):
-    """Wraps the tensors of one received message that require grad; their node (one per
-    message, named as torch's: ``torch::distributed::autograd::RecvRpcBackward``) marks
-    where their gradients leave this worker."""
-
-    @staticmethod
-    def forward(ctx: Any, *raws: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(raw.detach() for raw in raws)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return grads
-
-
-# torch's node name: a Function's node is named after its class, plus "Backward"
-RecvRpc: type[_RecvRpc] = type(
-    "torch::distributed::autograd::RecvRpc", (_RecvRpc,), {"__module__": __name__}
-)
-
-
-class RecvRecord(NamedTuple):
-    peer: str
-    message_id: int
-    outputs: int  # the message's tensors that require grad: the node's outputs
-
-
-def receive_message(
-    recvs: dict[Node, RecvRecord], src: str, message_id: int, raws: list[torch.Tensor]
-) -> list[torch.Tensor]:
-    """Wrap a message's tensors that require grad in one ``RecvRpcBackward`` node."""
-    if torch.is_grad_enabled():  # it is on the reader threads that decode
-        outs: tuple[torch.Tensor, ...] = RecvRpc.apply(*raws)  # type: ignore[no-untyped-call]
-    else:
-        with torch.enable_grad():
-            outs = RecvRpc.apply(*raws)  # type: ignore[no-untyped-call]
-    recvs[outs[0].grad_fn] = RecvRecord(src, message_id, len(outs))  # type: ignore[index]
-    return list(outs)
-
-
-@dataclass(slots=True)
-class SendRecord:
-    peer: str
-    edges: list[tuple[Node, int]]
-
-
-class AutogradContext:
-    """One worker's part of a distributed autograd context."""
-
-    __slots__ = ("grads", "id", "known", "lock", "recvs", "round", "sends")
-
-    def __init__(self, context_id: int) -> None:
-        self.id = context_id
-        self.lock = threading.Lock()
-        self.sends: dict[int, SendRecord] = {}
-        self.recvs: dict[Node, RecvRecord] = {}
-        self.grads: dict[torch.Tensor, torch.Tensor] = {}
-        self.known: set[str] = set()
-        self.round: Round | None = None
-
-    def accumulate(self, leaves: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Add a pass's leaf gradients, as torch's context does (``AccumulateGrad``).
-
-        The first gradient of a leaf is kept as it is if nothing else can see it (else a
-        copy: also when the pass gives one gradient to several leaves, every one of them
-        gets a copy, as torch's engine holds them all until it is done); later ones are
-        added to it in place, so a dict from ``get_gradients`` sees later passes, as
-        torch's does.
-        """
-        shared: dict[int, int] = {}
-        for tensor, grad in leaves:
-            if tensor not in self.grads:
-                key = _storage(grad)[0]
-                shared[key] = shared.get(key, 0) + 1
-        for tensor, grad in leaves:
-            old = self.grads.get(tensor)
-            if old is not None:
-                if old.is_sparse and not grad.is_sparse:  # in place is impossible (torch too)
-                    self.grads[tensor] = grad + old
-                else:
-                    old.add_(grad)
-                continue
-            storage, keep = _storage(grad)
-            if keep and shared[storage] == 1:
-                self.grads[tensor] = grad.detach()
-            elif grad.is_sparse:
-                self.grads[tensor] = grad.detach().clone()
-            else:  # an expanded view, or the same gradient given to two leaves
-                self.grads[tensor] = grad.clone(memory_format=torch.contiguous_format)
-
-    def sources(self, roots: Sequence[torch.Tensor]) -> list[tuple[SourceKey, Node, int]]:
-        """Where a round's gradients enter: the roots, and every tensor sent in the context."""
-        found: list[tuple[SourceKey, Node, int]] = [
-            ((-1, i), root.grad_fn, root.output_nr)  # type: ignore[misc]
-            for i, root in enumerate(roots)
-        ]
-        for message_id, send in list(self.sends.items()):
-            found.extend(((message_id, i), node, nr) for i, (node, nr) in enumerate(send.edges))
-        return found
-
-
-def _storage(grad: torch.Tensor) -> tuple[int, bool]:
-    """Where a gradient's data lives, and whether it can be kept as it is (torch's rule:
-    a sparse gradient's indices and values must be contiguous, a dense one itself)."""
-    if grad.is_sparse:
-        values = grad._values()
-        keep = grad._indices().is_contiguous() and values.is_contiguous()
-        return values.untyped_storage().data_ptr(), keep
-    return grad.untyped_storage().data_ptr(), grad.is_contiguous()
-
-
-def _edge(tensor: torch.Tensor) -> tuple[Node, int]:
-    edge = get_gradient_edge(tensor)
-    return edge.node, edge.output_nr
 
 
 class DistAutograd:
@@ -309,7 +206,7 @@ class DistAutograd:
     def record_send(self, ctx: AutogradContext, dst: str, tensors: list[torch.Tensor]) -> int:
         """A message to ``dst`` carries ``tensors`` that require grad: its message id."""
         message_id = next(self._message_ids)
-        ctx.sends[message_id] = SendRecord(dst, [_edge(t) for t in tensors])
+        ctx.sends[message_id] = SendRecord(dst, [edge_of(t) for t in tensors])
         return message_id
 
     def receiver(
@@ -351,7 +248,7 @@ class DistAutograd:
                 # (their received tensors that no source reaches answer "no gradient")
                 asked.update(targets)
                 waiter = self._waiters[(context_id, round_id)] = _Waiter(waiter.latest)
-                asking: dict[str, Items] = {target: [] for target in targets}
+                asking = Outgoing(items={target: [] for target in targets})
                 self._forward(ctx, round_id, retain_graph, asking, _ONE, trail, [])
                 self._wait(waiter, context_id)
         finally:
@@ -393,18 +290,22 @@ class DistAutograd:
 
     def serve(self, context_id: int, round_id: int, retain_graph: bool, message: _Message) -> None:
         """Gradients for tensors this worker sent arrived: run the pass they start."""
-        items, origin, weight, trail, statuses = message
+        items, origin, weight, trail, statuses, offers, notices = message
+        mine, carried = routes.split(notices, self.me.name)
         try:
             ctx = self.retrieve(context_id)
             arrivals: list[tuple[SourceKey, Grad]] = [((m, i), g) for m, i, g in items]
-            outgoing, status = self._step(ctx, round_id, retain_graph, arrivals, ())
+            outgoing, status = self._step(ctx, round_id, retain_graph, arrivals, (), offers, mine)
         except Exception as exc:
-            self._give_back(origin, context_id, round_id, weight, self._error(trail, exc), statuses)
+            error = self._error(trail, exc)
+            self._give_back(origin, context_id, round_id, weight, error, statuses, carried)
             return
         if status:
             statuses = [*statuses, *status]
         trail = (*trail, self.me.id)
-        self._forward(ctx, round_id, retain_graph, outgoing, weight, trail, statuses, origin)
+        self._forward(
+            ctx, round_id, retain_graph, outgoing, weight, trail, statuses, origin, carried
+        )
 
     def _step(
         self,
@@ -413,9 +314,11 @@ class DistAutograd:
         retain_graph: bool,
         arrivals: list[tuple[SourceKey, Grad]],
         roots: Sequence[torch.Tensor],
-    ) -> tuple[dict[str, Items], list[Status]]:
-        """One local pass (under the context's lock): the gradients to send, per peer, and
-        this worker's status if the initiator must hear it (it waited at some point)."""
+        offers: list[tuple[int, Offer]] | None = None,
+        notices: list[int] | None = None,
+    ) -> tuple[Outgoing, list[Status]]:
+        """One local pass (under the context's lock): what to send, per peer, and this
+        worker's status if the initiator must hear it (it waited at some point)."""
         with ctx.lock:
             rnd = ctx.round
             dead: list[Node] = []
@@ -423,6 +326,13 @@ class DistAutograd:
                 rnd = ctx.round = Round(round_id, retain_graph, ctx.sources(roots), ctx.recvs)
                 # received tensors that no source reaches get no gradient in this round
                 dead = [node for node in list(ctx.recvs) if not rnd.reaches(node)]
+            if offers:
+                routes.learn(rnd, offers)
+            skip = routes.routed_nodes(ctx, notices) if notices else ()
+            if notices:  # gradients that went straight on: their sends are done here
+                arrivals = arrivals + [
+                    ((m, i), None) for m in notices for i in range(len(ctx.sends[m].edges))
+                ]
             plan = rnd.plan(arrivals)
             plan.recv_dead.extend(dead)
             outcome = execute(rnd, plan)
@@ -430,13 +340,20 @@ class DistAutograd:
             for hooks, grad in outcome.hooks:  # an AccumulateGrad node's, after it ran
                 for hook in hooks:
                     hook((), (grad,))
-            outgoing: dict[str, Items] = {}
+            outgoing = Outgoing()
             for node, sent in outcome.recv:
+                if node in skip:
+                    continue
                 record = ctx.recvs[node]
-                outgoing.setdefault(record.peer, []).extend(
+                me, peer, message_id = self.me.name, record.peer, record.message_id
+                if rnd.routes and routes.add(outgoing, rnd, me, peer, message_id, sent):
+                    continue
+                outgoing.items.setdefault(record.peer, []).extend(
                     (record.message_id, position, sent.get(position))
                     for position in range(record.outputs)
                 )
+            if outgoing.items:
+                routes.offer(ctx, rnd, (self.me.name, self.me.id), outgoing)
             settled = rnd.settled
             if not settled:
                 rnd.reported_unsettled = True
@@ -450,29 +367,43 @@ class DistAutograd:
         ctx: AutogradContext,
         round_id: int,
         retain_graph: bool,
-        outgoing: dict[str, Any],
+        outgoing: Outgoing,
         weight: Weight,
         trail: tuple[int, ...],
         statuses: list[Status],
         origin: str | None = None,
+        carried: list[Notice] | None = None,
     ) -> None:
-        """Send the gradients on, each with a share of the credit (or give the credit back)."""
+        """Send the gradients on, each with a share of the credit (or give the credit back).
+
+        Notices for the origin travel with the credit, as statuses do: no message of their own."""
         origin = origin or self.me.name
-        if not outgoing:
-            self._give_back(origin, ctx.id, round_id, weight, None, statuses)
+        carried, direct = routes.sort_notices(outgoing, origin, carried)
+        peers = list(dict.fromkeys([*outgoing.items, *direct]))
+        if not peers:
+            self._give_back(origin, ctx.id, round_id, weight, None, statuses, carried)
             return
-        share = weight if len(outgoing) == 1 else _split(weight, len(outgoing))
+        share = weight if len(peers) == 1 else _split(weight, len(peers))
         saved = getattr(_tls, "ctx", None)
         _tls.ctx = None  # protocol messages are not part of the context's forward pass
         try:
-            for peer, items in outgoing.items():
-                message: _Message = (list(items), origin, share, trail, statuses)
+            for peer in peers:
+                via = outgoing.via.get(peer)
+                message: _Message = (
+                    outgoing.items.get(peer, []),
+                    origin,
+                    share,
+                    trail if via is None else (*trail, via),
+                    statuses,
+                    outgoing.offers or None,
+                    [*direct.get(peer, ()), *carried] or None,
+                )
                 if not self._caller.oneway(
-                    peer, _propagate, ctx.id, round_id, retain_graph, message
+                    peer, _propagate, ctx.id, round_id, retain_graph, *_flat(message)
                 ):
                     error = f"Error on Node {self.me.id}: cannot reach worker {peer}"
-                    self._give_back(origin, ctx.id, round_id, share, error, statuses)
-                statuses = []
+                    self._give_back(origin, ctx.id, round_id, share, error, statuses, carried)
+                statuses, carried = [], []
         finally:
             _tls.ctx = saved
 
@@ -484,15 +415,24 @@ class DistAutograd:
         weight: Weight,
         error: str | None,
         statuses: list[Status],
+        notices: list[Notice] | None = None,
     ) -> None:
         if origin == self.me.name:
-            self.credit(context_id, round_id, weight, error, statuses)
-        else:
-            # only atomic arguments in the common case: the codec's fastest path
-            num, den = weight
-            self._caller.oneway(
-                origin, _credit, context_id, round_id, num, den, error, statuses or None
-            )
+            self.credit(context_id, round_id, weight, error, statuses, notices)
+            return
+        # only atomic arguments in the common case: the codec's fastest path
+        num, den = weight
+        self._caller.oneway(
+            origin,
+            _credit,
+            context_id,
+            round_id,
+            num,
+            den,
+            error,
+            statuses or None,
+            notices or None,
+        )
 
     def credit(
         self,
@@ -501,8 +441,19 @@ class DistAutograd:
         weight: Weight,
         error: str | None,
         statuses: list[Status],
+        notices: list[Notice] | None = None,
     ) -> None:
-        """A share of a round's credit came back (to the worker that called backward)."""
+        """A share of a round's credit came back (to the worker that called backward), with
+        notices of this worker's sends that went straight on (its pass settles them)."""
+        ctx = self._contexts.get(context_id)
+        rnd = None if ctx is None else ctx.round
+        if notices and ctx is not None and rnd is not None and rnd.id == round_id:
+            try:
+                mine = [message_id for _, message_id in notices]
+                _, status = self._step(ctx, round_id, False, [], (), None, mine)
+                statuses = [*statuses, *status]
+            except Exception as exc:
+                error = error or self._error((), exc)
         with self._lock:
             waiter = self._waiters.get((context_id, round_id))
             if waiter is not None:
@@ -555,7 +506,17 @@ CURRENT_AUTOGRAD: Current[DistAutograd] = Current()
 
 
 # ---- functions that run on the other workers ---------------------------------------------
-def _propagate(context_id: int, round_id: int, retain_graph: bool, message: _Message) -> None:
+def _flat(message: _Message) -> tuple[Any, ...]:
+    """A propagation as plain data and then its gradients, each an argument of its own: the
+    codec's lean form takes it (see :mod:`._lean`) when the gradients are plain tensors."""
+    items, *rest = message
+    return ([(m, i) for m, i, _ in items], *rest), *(grad for _, _, grad in items)
+
+
+def _propagate(context_id: int, round_id: int, retain_graph: bool, meta: Any, *grads: Grad) -> None:
+    keys, *rest = meta
+    items = [(m, i, grad) for (m, i), grad in zip(keys, grads, strict=True)]
+    message: _Message = (items, *rest)
     CURRENT_AUTOGRAD.get().serve(context_id, round_id, retain_graph, message)
 
 
@@ -566,8 +527,9 @@ def _credit(
     den: int,
     error: str | None,
     statuses: list[Status] | None,
+    notices: list[Notice] | None = None,
 ) -> None:
-    CURRENT_AUTOGRAD.get().credit(context_id, round_id, (num, den), error, statuses or [])
+    CURRENT_AUTOGRAD.get().credit(context_id, round_id, (num, den), error, statuses or [], notices)
 
 
 def _release(context_ids: list[int], sender: str) -> None:

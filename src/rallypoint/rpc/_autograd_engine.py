@@ -108,6 +108,9 @@ class Round:
             if type(node) is not _ACC:
                 self._count(node, stack)
         self._walk(stack)
+        # how many edges reach each received message's node: a send can be routed past
+        # this worker only if its edges are all of them (see pass_through)
+        self._reached = {node: self._remaining[node] for node in recvs if node in self._remaining}
         self._unarrived = len(self._edges)
         # one source (the common case: a stage's reply): every node runs in its one pass
         self._single = next(iter(self._edges)) if self._unarrived == 1 else None
@@ -116,6 +119,9 @@ class Round:
         # leaves whose AccumulateGrad node has post hooks: the hooks, the round's gradient
         self.hooked: dict[Node, tuple[list[PostHook], torch.Tensor]] = {}
         self.reported_unsettled = False
+        # routes offered for gradients this worker sends, by (peer, message id); see
+        # _autograd_routes
+        self.routes: dict[tuple[str, int], Any] = {}
 
     # ---- the graph ---------------------------------------------------------------------
     def _count(self, node: Node, stack: list[Node]) -> None:
@@ -152,6 +158,22 @@ class Round:
 
     def has_source(self, key: SourceKey) -> bool:
         return key in self._edges
+
+    def pass_through(self, message_id: int, count: int) -> tuple[Node, list[int]] | None:
+        """A send whose gradients have not arrived and would only pass through: each of its
+        ``count`` tensors is an output of one received message's node, which nothing else
+        reaches. That node and its input for each tensor."""
+        node: Node | None = None
+        inputs: list[int] = []
+        for index in range(count):
+            edge = self._edges.get((message_id, index))
+            if edge is None or edge[0] not in self._recvs or node not in (None, edge[0]):
+                return None
+            node = edge[0]
+            inputs.append(edge[1])
+        if node is None or self._reached.get(node) != count or len(set(inputs)) != count:
+            return None
+        return node, inputs
 
     # ---- one pass ----------------------------------------------------------------------
     def plan(self, arrivals: Iterable[tuple[SourceKey, torch.Tensor | None]]) -> Plan:

@@ -14,7 +14,7 @@ tensors instead (see :mod:`rallypoint.rpc._autograd`), so :meth:`DistAutogradCon
 _send_functions` shows each send as a :class:`SendRpcBackward` whose ``next_functions``
 are those edges, as the node's are in torch. Received tensors get a real node, one per
 message as in torch (``torch::distributed::autograd::RecvRpcBackward``, see
-:func:`rallypoint.rpc._autograd.receive_message`).
+:func:`rallypoint.rpc._autograd_context.receive_message`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Any
 
 from torch.autograd.graph import Node
 
-from rallypoint.rpc._autograd import AutogradContext, DistAutograd
+from rallypoint.rpc._autograd import DistAutograd
+from rallypoint.rpc._autograd_context import AutogradContext
 
 
 class SendRpcBackward:

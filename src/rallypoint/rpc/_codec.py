@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from rallypoint.rpc import _wire
-from rallypoint.rpc._autograd import AutogradContext, DistAutograd
+from rallypoint.rpc._autograd import DistAutograd
+from rallypoint.rpc._autograd_context import AutogradContext
 from rallypoint.rpc._peers import PeerTable
 from rallypoint.rpc._rref import RRef, reduce_rref
 from rallypoint.rpc._rref_table import RRefTable

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from rallypoint.rpc import _wire
-from rallypoint.rpc._autograd import AutogradContext, run_in
+from rallypoint.rpc._autograd import run_in
+from rallypoint.rpc._autograd_context import AutogradContext
 from rallypoint.rpc._calls import PendingCalls, fail
 from rallypoint.rpc._codec import Codec
 from rallypoint.rpc._errors import RpcError

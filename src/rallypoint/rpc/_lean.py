@@ -73,13 +73,48 @@ def _plain(obj: torch.Tensor) -> bool:
     return nbytes > 0 and obj.untyped_storage().nbytes() == nbytes
 
 
+def is_data(obj: Any, atomic: frozenset[type], depth: int = 4) -> bool:
+    """Only atomic values, in tuples, lists and dicts (exactly those types; 4 deep and 64
+    items each at most): nothing in it needs the general form's pickler hook."""
+    kind = type(obj)
+    if kind in atomic:
+        return True
+    if depth == 0:
+        return False
+    if kind is tuple or kind is list:
+        return len(obj) <= _MAX_SLOTS and all(is_data(item, atomic, depth - 1) for item in obj)
+    if kind is dict:
+        return len(obj) <= _MAX_SLOTS and all(
+            type(key) in atomic and is_data(value, atomic, depth - 1) for key, value in obj.items()
+        )
+    return False
+
+
+class Reduced:
+    """Pickles as the reduce value it holds: an RRef's fork (or a grad table entry)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: tuple[Callable[..., Any], tuple[Any, ...]]) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return self.value
+
+
 def encode(
     obj: Any,
     atomic: frozenset[type],
     functions: frozenset[type],
     grad_sink: list[torch.Tensor] | None,
+    rref_type: type | None = None,
+    rref_hook: Callable[[Any], tuple[Callable[..., Any], tuple[Any, ...]]] | None = None,
 ) -> tuple[bytes, list[torch.Tensor]] | None:
-    """The lean form of ``obj``, or ``None`` when it needs the general form."""
+    """The lean form of ``obj``, or ``None`` when it needs the general form.
+
+    An RRef in a slot (``rref_type``) is forked with ``rref_hook`` and travels in the
+    plain pickle as the hook's reduce value; a message with RRefs and no tensors is that
+    plain pickle alone (no header), as a message with neither takes the plain pickle."""
     kind = type(obj)
     if kind is _Tensor:
         shape, slots = _TENSOR, (obj,)
@@ -96,10 +131,14 @@ def encode(
     header = bytearray(_HEAD.size)
     raws: list[torch.Tensor] = []
     positions: list[int] = []
+    rrefs: list[int] = []
     storages: set[int] = set()
     for position, item in enumerate(slots):
         item_kind = type(item)
-        if item_kind in atomic:
+        if item_kind in atomic or is_data(item, atomic):
+            continue
+        if item_kind is rref_type and rref_hook is not None and shape != _TENSOR:
+            rrefs.append(position)
             continue
         if item_kind is not _Tensor or not _plain(item):
             return None
@@ -114,30 +153,43 @@ def encode(
         header += struct.pack(f"<{item.dim()}q", *item.shape)
         raws.append((item.detach() if needs_grad else item).view(-1).view(_RAW))
         positions.append(position)
-    if not raws:
+    if not raws and not rrefs:
         return None  # atomic only: the plain pickle is leaner still
-    _HEAD.pack_into(header, 0, MAGIC, shape, len(raws))
     if shape == _TENSOR:
+        _HEAD.pack_into(header, 0, MAGIC, shape, len(raws))
         return bytes(header), raws
+    # forked only now: a message that falls back to the general form forks its RRefs there
+    replace: list[tuple[int, Any]] = [(p, None) for p in positions]
+    if rrefs and rref_hook is not None:
+        replace += [(p, Reduced(rref_hook(slots[p]))) for p in rrefs]
+    message = _replaced(obj, shape, replace, bool(raws))
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    if not raws:
+        return body, raws
+    _HEAD.pack_into(header, 0, MAGIC, shape, len(raws))
+    return bytes(header) + body, raws
+
+
+def _replaced(obj: Any, shape: int, replace: list[tuple[int, Any]], lean: bool) -> Any:
+    """The message to pickle: each replaced slot's value swapped in (``None`` for a tensor
+    sent raw). A plain pickle (no tensors: not ``lean``) keeps the message's own types."""
     if shape == _CALL:
         func, args, kwargs = obj
         args = list(args)
         n_args = len(args)
-        if positions[-1] >= n_args:
+        if max(p for p, _ in replace) >= n_args:
             kwargs = dict(kwargs)
             keys = list(kwargs)
-        for position in positions:
+        for position, value in replace:
             if position < n_args:
-                args[position] = None
+                args[position] = value
             else:
-                kwargs[keys[position - n_args]] = None
-        body = pickle.dumps((func, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
-    else:
-        items = list(obj)
-        for position in positions:
-            items[position] = None
-        body = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
-    return bytes(header) + body, raws
+                kwargs[keys[position - n_args]] = value
+        return (func, args, kwargs) if lean else (func, tuple(args), kwargs)
+    message = list(obj)
+    for position, value in replace:
+        message[position] = value
+    return tuple(message) if not lean and shape == _TUPLE else message
 
 
 def decode(

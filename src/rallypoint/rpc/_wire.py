@@ -205,18 +205,6 @@ class _Encoder(pickle.Pickler):
         return los
 
 
-class _Rebuild:
-    """Pickles as the reduce value it holds (the grad table's entries)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: ReduceValue) -> None:
-        self.value = value
-
-    def __reduce__(self) -> ReduceValue:
-        return self.value
-
-
 _SCRIPT_FUNCTION: type = torch.jit.ScriptFunction
 
 
@@ -237,7 +225,8 @@ _LEAN_FUNCTIONS = _PLAIN_FUNCTIONS | {BuiltinOp}
 
 
 def _is_simple(obj: Any) -> bool:
-    """A call or reply with only atomic values (no tensors, no RRefs) pickles directly."""
+    """A call or reply with only atomic values (no tensors, no RRefs), maybe in tuples, lists
+    and dicts, pickles directly."""
     kind = type(obj)
     if kind in _ATOMIC:
         return True
@@ -246,9 +235,9 @@ def _is_simple(obj: Any) -> bool:
         if type(func) not in _PLAIN_FUNCTIONS:
             return False
         for a in args:
-            if type(a) not in _ATOMIC:
+            if type(a) not in _ATOMIC and not _lean.is_data(a, _ATOMIC):
                 return False
-        return not kwargs or all(type(v) in _ATOMIC for v in kwargs.values())
+        return not kwargs or all(_lean.is_data(v, _ATOMIC) for v in kwargs.values())
     return False
 
 
@@ -268,7 +257,7 @@ def encode(
     if _is_simple(obj):
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), []
     if not device_map:
-        lean = _lean.encode(obj, _ATOMIC, _LEAN_FUNCTIONS, grad_sink)
+        lean = _lean.encode(obj, _ATOMIC, _LEAN_FUNCTIONS, grad_sink, rref_type, rref_hook)
         if lean is not None:
             return lean
     buffer = io.BytesIO()
@@ -277,7 +266,7 @@ def encode(
     encoder.dump(obj)
     body = buffer.getvalue()
     if encoder.grad_table:
-        rebuilds = [_Rebuild(value) for value in encoder.grad_table]
+        rebuilds = [_lean.Reduced(value) for value in encoder.grad_table]
         table = pickle.dumps(rebuilds, protocol=pickle.HIGHEST_PROTOCOL)
         body = _GRADS.pack(_GRADS_MAGIC, len(table)) + table + body
     if not encoder.spans:

@@ -114,6 +114,10 @@ def _boom(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
 class PlainSGD(torch.optim.Optimizer):
     """An optimizer torch has no functional version of: it reads ``.grad``."""
 
@@ -248,6 +252,22 @@ def _shared(c: _Checks, rpc: Any, dist_autograd: Any) -> None:
         t = torch.ones(2, requires_grad=True)
         y = rpc.rpc_sync(_W[1], _boom, args=(t,))
         c.error("an error in a remote backward", lambda: dist_autograd.backward(cid, [y.sum()]))
+    with dist_autograd.context() as cid:  # its gradient skips this worker (rallypoint)
+        t = torch.ones(2, requires_grad=True)
+        h = rpc.rpc_sync(_W[1], _boom, args=(t,))
+        y = rpc.rpc_sync(_W[2], _double, args=(h,))
+        text = ""
+        try:
+            dist_autograd.backward(cid, [y.sum()])
+        except RuntimeError as exc:
+            text = str(exc).split("\n")[0]
+        # torch's text names every hop ("Error on Node 0: Error on Node 2: Error on Node 0:
+        # Error on Node 1: boom"), or only the failing one when its failure notice reaches
+        # the caller first: a race, so only both ends are compared
+        c.true(
+            "an error in a remote backward, two stages",
+            text.startswith("Error on Node 0: ") and text.endswith("Node 1: boom in backward"),
+        )
 
 
 def _accumulate(c: _Checks, rpc: Any, dist_autograd: Any) -> None:

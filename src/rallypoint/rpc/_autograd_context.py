@@ -1,0 +1,137 @@
+"""One worker's part of a distributed autograd context: what it sent and received.
+
+A message that carries tensors that require grad is recorded at both ends (torch's FAST
+mode): the sender keeps the tensors' gradient edges (:class:`SendRecord`, by message id);
+the receiver wraps the tensors in one ``RecvRpcBackward`` node (:func:`receive_message`)
+and keeps it (:class:`RecvRecord`). Leaf gradients of the context's backward passes
+accumulate here (:meth:`AutogradContext.accumulate`), never in ``.grad``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch.autograd.graph import Node, get_gradient_edge
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from rallypoint.rpc._autograd_engine import Round, SourceKey
+
+
+class _RecvRpc(torch.autograd.Function):
+    """Wraps the tensors of one received message that require grad; their node (one per
+    message, named as torch's: ``torch::distributed::autograd::RecvRpcBackward``) marks
+    where their gradients leave this worker."""
+
+    @staticmethod
+    def forward(ctx: Any, *raws: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(raw.detach() for raw in raws)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return grads
+
+
+# torch's node name: a Function's node is named after its class, plus "Backward"
+RecvRpc: type[_RecvRpc] = type(
+    "torch::distributed::autograd::RecvRpc", (_RecvRpc,), {"__module__": __name__}
+)
+
+
+class RecvRecord(NamedTuple):
+    peer: str
+    message_id: int
+    outputs: int  # the message's tensors that require grad: the node's outputs
+
+
+def receive_message(
+    recvs: dict[Node, RecvRecord], src: str, message_id: int, raws: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Wrap a message's tensors that require grad in one ``RecvRpcBackward`` node."""
+    if torch.is_grad_enabled():  # it is on the reader threads that decode
+        outs: tuple[torch.Tensor, ...] = RecvRpc.apply(*raws)  # type: ignore[no-untyped-call]
+    else:
+        with torch.enable_grad():
+            outs = RecvRpc.apply(*raws)  # type: ignore[no-untyped-call]
+    recvs[outs[0].grad_fn] = RecvRecord(src, message_id, len(outs))  # type: ignore[index]
+    return list(outs)
+
+
+@dataclass(slots=True)
+class SendRecord:
+    peer: str
+    edges: list[tuple[Node, int]]
+
+
+class AutogradContext:
+    """One worker's part of a distributed autograd context."""
+
+    __slots__ = ("grads", "id", "known", "lock", "recvs", "round", "sends")
+
+    def __init__(self, context_id: int) -> None:
+        self.id = context_id
+        self.lock = threading.Lock()
+        self.sends: dict[int, SendRecord] = {}
+        self.recvs: dict[Node, RecvRecord] = {}
+        self.grads: dict[torch.Tensor, torch.Tensor] = {}
+        self.known: set[str] = set()
+        self.round: Round | None = None
+
+    def accumulate(self, leaves: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Add a pass's leaf gradients, as torch's context does (``AccumulateGrad``).
+
+        The first gradient of a leaf is kept as it is if nothing else can see it (else a
+        copy: also when the pass gives one gradient to several leaves, every one of them
+        gets a copy, as torch's engine holds them all until it is done); later ones are
+        added to it in place, so a dict from ``get_gradients`` sees later passes, as
+        torch's does.
+        """
+        shared: dict[int, int] = {}
+        for tensor, grad in leaves:
+            if tensor not in self.grads:
+                key = _storage(grad)[0]
+                shared[key] = shared.get(key, 0) + 1
+        for tensor, grad in leaves:
+            old = self.grads.get(tensor)
+            if old is not None:
+                if old.is_sparse and not grad.is_sparse:  # in place is impossible (torch too)
+                    self.grads[tensor] = grad + old
+                else:
+                    old.add_(grad)
+                continue
+            storage, keep = _storage(grad)
+            if keep and shared[storage] == 1:
+                self.grads[tensor] = grad.detach()
+            elif grad.is_sparse:
+                self.grads[tensor] = grad.detach().clone()
+            else:  # an expanded view, or the same gradient given to two leaves
+                self.grads[tensor] = grad.clone(memory_format=torch.contiguous_format)
+
+    def sources(self, roots: Sequence[torch.Tensor]) -> list[tuple[SourceKey, Node, int]]:
+        """Where a round's gradients enter: the roots, and every tensor sent in the context."""
+        found: list[tuple[SourceKey, Node, int]] = [
+            ((-1, i), root.grad_fn, root.output_nr)  # type: ignore[misc]
+            for i, root in enumerate(roots)
+        ]
+        for message_id, send in list(self.sends.items()):
+            found.extend(((message_id, i), node, nr) for i, (node, nr) in enumerate(send.edges))
+        return found
+
+
+def _storage(grad: torch.Tensor) -> tuple[int, bool]:
+    """Where a gradient's data lives, and whether it can be kept as it is (torch's rule:
+    a sparse gradient's indices and values must be contiguous, a dense one itself)."""
+    if grad.is_sparse:
+        values = grad._values()
+        keep = grad._indices().is_contiguous() and values.is_contiguous()
+        return values.untyped_storage().data_ptr(), keep
+    return grad.untyped_storage().data_ptr(), grad.is_contiguous()
+
+
+def edge_of(tensor: torch.Tensor) -> tuple[Node, int]:
+    edge = get_gradient_edge(tensor)
+    return edge.node, edge.output_nr
