@@ -7,6 +7,7 @@ processes (torch's RPC state is global per process):
 - round trip of an ``rpc_sync`` that echoes one 32x64 float tensor (8 KiB, sent inline)
 - ``rpc_async`` throughput with 5,000 calls outstanding (calls per second)
 - tensor echo bandwidth for 1 MiB and 64 MiB (payload bytes / round-trip time)
+- each of these four: the median of 5 runs that alternate the order of the backends
 - ``init_rpc`` and ``shutdown`` wall time for 2, 4 and 8 workers (slowest worker, median
   of 3 runs)
 - the machine's floor for one dependent hop, with no RPC at all: the median round trip of
@@ -254,6 +255,20 @@ def wake_penalty_us(rounds: int = 2000, pause: float = 0.0002) -> tuple[float, f
     return run(0.0), run(pause)
 
 
+def _pairs(quick: bool, only: str) -> dict[str, dict[str, float]]:
+    """Each call metric: the median of runs that alternate the order of the backends (one
+    run of TensorPipe's round trip ranged from 122 to 340 µs on the same idle machine)."""
+    runs: dict[str, list[dict[str, float]]] = {b: [] for b in BACKENDS}
+    for r in range(1 if quick else 5):
+        for backend in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:
+            runs[backend].append(
+                run_workers(_pair, 2, backend, quick, only, timeout=600, env=_env)[0]
+            )
+    return {
+        b: {key: statistics.median(run[key] for run in v) for key in v[0]} for b, v in runs.items()
+    }
+
+
 def _env(rank: int) -> dict[str, str]:
     return {RPC_SECRET: "benchmark-secret"}
 
@@ -264,10 +279,11 @@ def measure(quick: bool, only: str = "all") -> dict[str, dict[str, float]]:
         for backend, (step, cpu) in _autograd(quick).items():
             results[backend]["autograd_step_us"] = step
             results[backend]["autograd_cpu_us"] = cpu
+    if only in ("all", "calls", "throughput"):
+        for backend, res in _pairs(quick, only).items():
+            results[backend].update(res)
     for backend in BACKENDS if only != "autograd" else ():
-        res: dict[str, float] = {}
-        if only in ("all", "calls", "throughput"):
-            res = run_workers(_pair, 2, backend, quick, only, timeout=600, env=_env)[0]
+        res = {}
         for ws in (2, 4, 8) if only in ("all", "lifecycle") else ():
             # slowest worker of each run, median of runs (one run is at the mercy of noise)
             runs = [
