@@ -223,6 +223,31 @@ def test_sparse_tensors_pickle_with_their_parts_out_of_band() -> None:
     assert torch.equal(_wire.decode(data, raws).to_dense(), torch.eye(3))
 
 
+def test_a_message_that_falls_back_to_the_general_form_collects_each_tensor_once() -> None:
+    """The lean form gave up on a message (here: one tensor twice, or a view after a plain
+    tensor) only after collecting its tensors that need grad; the general form collected
+    them again, so the sender waited for a gradient that never came (torch's
+    test_backward_multiple_round_trips, 4 workers, hung until every worker was asked)."""
+    x = torch.randn(3, requires_grad=True)
+    y = torch.randn(3, requires_grad=True)
+    view = torch.arange(6.0)[1:3].requires_grad_(True)
+    for message, expected in (((_func, (x, x), {}), [x]), ((_func, (y, view), {}), [y, view])):
+        sink: list[torch.Tensor] = []
+        data, raws = _wire.encode(message, grad_sink=sink)
+        assert data[:1] != b"L"
+        assert len(sink) == len(expected) and all(
+            a is b for a, b in zip(sink, expected, strict=True)
+        )
+        received: list[int] = []
+
+        def hook(tensors: list[torch.Tensor], seen: list[int] = received) -> list[torch.Tensor]:
+            seen.append(len(tensors))
+            return tensors
+
+        _wire.decode(data, [r.clone() for r in raws], recv_hook=hook)
+        assert received == [len(expected)]  # the receiver's node: one output per tensor
+
+
 class _Ref:
     """Stands for an RRef: the codec forks one with its hook, once per message."""
 

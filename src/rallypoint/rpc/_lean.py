@@ -132,6 +132,7 @@ def encode(
     raws: list[torch.Tensor] = []
     positions: list[int] = []
     rrefs: list[int] = []
+    needs_grad_tensors: list[torch.Tensor] = []
     storages: set[int] = set()
     for position, item in enumerate(slots):
         item_kind = type(item)
@@ -147,14 +148,17 @@ def encode(
             return None  # shared storage: the general form shares it on arrival too
         storages.add(address)
         needs_grad = item.requires_grad
-        if needs_grad and grad_sink is not None:
-            grad_sink.append(item)
+        if needs_grad:
+            needs_grad_tensors.append(item)
         header += _SLOT.pack(position, _CODES[item.dtype], needs_grad, item.dim())
         header += struct.pack(f"<{item.dim()}q", *item.shape)
         raws.append((item.detach() if needs_grad else item).view(-1).view(_RAW))
         positions.append(position)
     if not raws and not rrefs:
         return None  # atomic only: the plain pickle is leaner still
+    # only now: a message that falls back to the general form collects its tensors there
+    if grad_sink is not None:
+        grad_sink.extend(needs_grad_tensors)
     if shape == _TENSOR:
         _HEAD.pack_into(header, 0, MAGIC, shape, len(raws))
         return bytes(header), raws
