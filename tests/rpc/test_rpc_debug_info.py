@@ -77,8 +77,9 @@ def _program(backend: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if rank == 0:
         agent = rpc.api._get_current_rpc_agent()
-        out["idle"] = agent.get_debug_info()
-        out["metrics"] = agent.get_metrics()
+        # torch's init may still be serving worker1's last call of its startup exchange
+        out["idle"] = _settled(agent.get_debug_info, "agent.server_active_calls", "0")
+        out["metrics"] = _settled(agent.get_metrics, "agent.server_active_calls", "0")
         remote_info = functools.partial(rpc.rpc_sync, "worker1", _info)
         for name, func in (("sync", _block), ("async", _later)):
             fut = rpc.rpc_async("worker1", func)
