@@ -145,6 +145,9 @@ def _bad_inputs() -> bool:
         rpc.RallypointRpcBackendOptions(secret_file="/nonexistent")
     with pytest.raises(ValueError, match="num_worker_threads must be >= 1"):
         rpc.RallypointRpcBackendOptions(num_worker_threads=0)
+    for spin in (-1, float("nan"), 2e6, "200", True):
+        with pytest.raises(ValueError, match="busy_poll_us must be microseconds from 0"):
+            rpc.RallypointRpcBackendOptions(busy_poll_us=spin)  # type: ignore[arg-type]
     from datetime import timedelta
 
     assert rpc.RallypointRpcBackendOptions(rpc_timeout=timedelta(seconds=2)).rpc_timeout == 2.0

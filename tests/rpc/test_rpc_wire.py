@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rallypoint.rpc import RpcProtocolError, _wire
-from rallypoint.rpc._shm import SegmentPool
+from rallypoint.rpc._shm import PARALLEL_COPY_BYTES, SegmentPool, copy_in
 from rallypoint.rpc._transport import Connection, Frame, _Reader
 
 
@@ -369,6 +369,34 @@ def test_segment_pool_limits() -> None:
     again = pool.put(torch.ones(600_000, dtype=torch.uint8))
     assert again is first
     pool.close()
+
+
+@pytest.mark.parametrize("nbytes", [PARALLEL_COPY_BYTES - 1, 2 * PARALLEL_COPY_BYTES + 12345])
+def test_large_copies_into_segments_split_across_threads_and_stay_exact(nbytes: int) -> None:
+    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    pool = SegmentPool(max_bytes=1 << 30)
+    segment = pool.put(source)
+    assert segment is not None
+    assert torch.equal(segment.view[:nbytes], source)
+    pool.close()
+
+
+def test_large_copies_work_in_a_forked_child() -> None:
+    """The copy threads do not survive a fork; the child starts its own."""
+    import os
+
+    source = torch.randint(0, 256, (3 * PARALLEL_COPY_BYTES,), dtype=torch.uint8)
+    target = torch.zeros_like(source)
+    copy_in(target, source)  # the parent's pool now has threads
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit code
+        torch.set_num_threads(1)  # torch's own OpenMP team does not survive a fork
+        again = torch.zeros_like(source)
+        copy_in(again, source)
+        os._exit(0 if torch.equal(again, source) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert torch.equal(target, source)
 
 
 class _Collect:

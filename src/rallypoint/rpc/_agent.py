@@ -204,6 +204,14 @@ class RallypointAgent(RpcAgent):
         return seconds
 
     def rpc_async(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> Fut:
+        return self._call(to, func, args, kwargs, timeout, sync=False)
+
+    def rpc_sync(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> Any:
+        return self._call(to, func, args, kwargs, timeout, sync=True).wait()
+
+    def _call(
+        self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float, *, sync: bool
+    ) -> Fut:
         if self._closed:
             raise RpcError(NOT_INITIALIZED)
         if not callable(func):
@@ -211,7 +219,7 @@ class RallypointAgent(RpcAgent):
         seconds = self._default_timeout if timeout == UNSET_RPC_TIMEOUT else self._timeout(timeout)
         info = self.peers.resolve(to)
         payload = (builtin_overload(func, args, kwargs), args, kwargs)
-        return self._send(info.name, payload, seconds, _CALL, current_context())
+        return self._send(info.name, payload, seconds, _CALL, current_context(), sync=sync)
 
     def remote(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> RRef[Any]:
         self.check_open()
@@ -235,7 +243,11 @@ class RallypointAgent(RpcAgent):
         seconds: float,
         kind: _wire.FrameKind,
         ctx: AutogradContext | None = None,
+        *,
+        sync: bool = False,
     ) -> Fut:
+        """Send a call; ``sync``: this thread waits for the reply next and reads it itself
+        when nobody reads the connection (one thread wake-up per call instead of two)."""
         data, raws = self.codec.call(dst, payload, ctx)
         # torch's own rpc_async returns the C++ future type too: it costs no Python
         # __init__ and, unlike the Python subclass, is not tracked by the GC
@@ -263,6 +275,11 @@ class RallypointAgent(RpcAgent):
         except RpcError as exc:
             if self.calls.pop(rid) is not None:
                 fail(future, exc)
+            return future
+        if sync:
+            conn.read_until(future)
+        else:
+            conn.expect_reply()
         return future
 
     # ---- monitor -------------------------------------------------------------------

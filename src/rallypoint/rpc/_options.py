@@ -76,6 +76,11 @@ class RallypointRpcBackendOptions(RpcBackendOptions):
     - ``shared_memory``: send tensors to workers on the same host through shared memory.
     - ``shm_threshold``: tensors of at least this many bytes go through shared memory.
     - ``shm_pool_bytes``: most shared memory one worker keeps for outgoing tensors.
+    - ``busy_poll_us``: microseconds a thread waiting for a frame (a caller for its
+      reply, a reader for the next request) busy-polls its socket before it sleeps
+      (``0``: never). Each connection stops spinning for a while when spins fail (no
+      frame came in time, or another process needed the CPU), so it costs CPU only where
+      it pays; TensorPipe's threads busy-poll all the time.
     """
 
     num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS
@@ -90,6 +95,7 @@ class RallypointRpcBackendOptions(RpcBackendOptions):
     shared_memory: bool = True
     shm_threshold: int = 64 * 1024
     shm_pool_bytes: int = 1 << 30
+    busy_poll_us: float = 200.0
 
     def __post_init__(self) -> None:
         RpcBackendOptions.__post_init__(self)
@@ -109,6 +115,12 @@ class RallypointRpcBackendOptions(RpcBackendOptions):
         self.devices = to_device_list(self.devices)
         check_int(self.shm_threshold, "shm_threshold (bytes)", minimum=0)
         check_int(self.shm_pool_bytes, "shm_pool_bytes (bytes)", minimum=0)
+        spin = self.busy_poll_us
+        if isinstance(spin, bool) or not isinstance(spin, int | float) or not 0 <= spin <= 1e6:
+            raise ValueError(
+                f"busy_poll_us must be microseconds from 0 to 1,000,000 (0: never busy-poll), "
+                f"got {spin!r}"
+            )
         if self.secret_file is not None and not os.path.isfile(self.secret_file):
             raise ValueError(
                 f"secret_file {os.fspath(self.secret_file)!r} does not exist; "

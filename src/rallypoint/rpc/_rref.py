@@ -162,7 +162,7 @@ class RRef(Generic[T]):
             ) from None
         if self.is_owner():
             return self.local_value()
-        value: T = caller.rpc_async(self._owner, owner_fetch, (self._id,), {}, timeout).wait()
+        value: T = caller.rpc_sync(self._owner, owner_fetch, (self._id,), {}, timeout)
         return value
 
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
@@ -179,7 +179,7 @@ class RRef(Generic[T]):
             raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
         args = (self._id, check_context_id(dist_autograd_ctx_id), retain_graph)
         caller = self._table.caller
-        caller.rpc_async(self._owner, _owner_backward, args, {}, UNSET_RPC_TIMEOUT).wait()
+        caller.rpc_sync(self._owner, _owner_backward, args, {}, UNSET_RPC_TIMEOUT)
 
     def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """Proxy: ``rref.rpc_sync().method(*a)`` runs ``method`` on the owner's value."""
@@ -280,8 +280,9 @@ def _proxy_call(
     if via is _Via.REMOTE:
         getattr(rref._get_type(timeout), name)  # as torch's: a missing method raises here
         return caller.remote(rref.owner(), owner_invoke, call_args, {}, timeout)
-    fut = caller.rpc_async(rref.owner(), owner_invoke, call_args, {}, timeout)
-    return fut.wait() if via is _Via.SYNC else fut
+    if via is _Via.SYNC:
+        return caller.rpc_sync(rref.owner(), owner_invoke, call_args, {}, timeout)
+    return caller.rpc_async(rref.owner(), owner_invoke, call_args, {}, timeout)
 
 
 def remote_rref(

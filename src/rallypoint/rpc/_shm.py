@@ -25,6 +25,7 @@ sender's tensor (the sender copies once into the segment).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import functools
@@ -110,7 +111,7 @@ class SegmentPool:
             if segment is None:
                 return None
             segment.mm[_LENT] = 1
-        segment.view[:nbytes].copy_(raw)
+        copy_in(segment.view[:nbytes], raw)
         return segment
 
     def _find(self, nbytes: int) -> Segment | None:
@@ -162,6 +163,58 @@ class SegmentPool:
             self._segments.clear()
             self._by_id.clear()
             self._bytes = 0
+
+
+PARALLEL_COPY_BYTES = 8 << 20
+"""Copies of at least this many bytes into a segment are split across threads."""
+_MAX_COPY_THREADS = 4
+
+
+class _CopyThreads:
+    """Helper threads for large copies, started on first use (again after a fork: threads
+    do not survive one)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def get(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self.lock:
+            if self.pool is None:
+                self.pool = concurrent.futures.ThreadPoolExecutor(
+                    _MAX_COPY_THREADS - 1, thread_name_prefix="rpc-copy"
+                )
+            return self.pool
+
+    def forget(self) -> None:
+        self.lock = threading.Lock()
+        self.pool = None
+
+
+_copy_threads = _CopyThreads()
+os.register_at_fork(after_in_child=_copy_threads.forget)
+
+
+def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for contiguous uint8 1-D tensors; a large copy runs on up to 4
+    of this process's CPUs at once, whatever torch's intra-op thread count is (one core
+    copies about 7 GB/s: a 64 MiB tensor would take ~10 ms). The copies are plain
+    ``memmove`` calls, which release the GIL and start no OpenMP team."""
+    nbytes = src.numel()
+    ways = min(
+        _MAX_COPY_THREADS, len(os.sched_getaffinity(0)), nbytes // (PARALLEL_COPY_BYTES // 2)
+    )
+    if ways < 2 or not (src.is_contiguous() and dst.is_contiguous()):
+        dst.copy_(src)
+        return
+    target, source = dst.data_ptr(), src.data_ptr()
+    chunk = -(-nbytes // ways // _PAGE) * _PAGE
+    spans = [(start, min(chunk, nbytes - start)) for start in range(0, nbytes, chunk)]
+    pool = _copy_threads.get()
+    helpers = [pool.submit(ctypes.memmove, target + at, source + at, n) for at, n in spans[1:]]
+    ctypes.memmove(target, source, spans[0][1])
+    for helper in helpers:
+        helper.result()
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,10 +1,10 @@
 """Connections: length-prefixed frames over TCP or an abstract Unix socket.
 
 One connection per caller -> callee pair: the caller's threads write requests, the
-callee's reader thread reads them, runs them and writes replies, and the caller's reader
-thread completes the futures. Hot-path rules: ``TCP_NODELAY``, one ``sendmsg`` per frame
-(several queued frames are combined into one), buffered reads that parse many frames per
-``recv``, and requests run directly on the reader thread.
+callee's reader thread reads them, runs them and writes replies, and whoever reads the
+caller's side completes the futures (see below). Hot-path rules: ``TCP_NODELAY``, one
+``sendmsg`` per frame (several queued frames are combined into one), buffered reads that
+parse many frames per ``recv``, and requests run directly on the reader thread.
 
 A request that blocks (a nested RPC, a lock, a slow function) would stall every later
 frame on its connection, so a monitor hands the reader role to a fresh thread once the
@@ -12,6 +12,13 @@ current one has been busy for ``STALL_SECONDS``; the old thread finishes its req
 sends the reply and parks in the agent's :class:`~rallypoint.rpc._reader_pool.ReaderPool`,
 where the next hand-over finds it. Fast calls pay no thread hand-off; blocking ones cannot
 deadlock the connection.
+
+Replies come back on the connection the caller opened. Nothing reads it while no call
+waits for a reply: a thread in ``rpc_sync`` reads its own reply (:meth:`Connection.
+read_until`), so the reply wakes the one thread that needs it, not a reader thread that
+then wakes the caller; calls whose callers do not wait (``rpc_async``) get a reader
+thread (:meth:`Connection.expect_reply`) that leaves once no call is pending. Whoever
+reads may busy-poll for the next frame before it sleeps (:mod:`rallypoint.rpc._spin`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import collections
 import contextlib
 import ctypes
 import logging
+import select
 import socket
 import threading
 import time
@@ -34,10 +42,12 @@ from rallypoint.rpc import _wire
 from rallypoint.rpc._errors import RpcConnectionError, RpcProtocolError
 from rallypoint.rpc._reader_pool import ReaderPool
 from rallypoint.rpc._shm import RemoteSegments, Segment, SegmentPool
+from rallypoint.rpc._spin import SpinPolicy, spin_for_frame
 
 logger = logging.getLogger("rallypoint.rpc")
 
 STALL_SECONDS = 0.005
+_POLL_MS = 50  # a thread reading its own reply checks this often whether its call ended
 _BUFFER = 1 << 18
 _IOV_MAX = 512
 _ANC = socket.CMSG_SPACE(253 * 4)
@@ -220,6 +230,7 @@ class Connection:
         limiter: threading.Semaphore | None = None,
         gate: threading.Event | None = None,
         readers: ReaderPool | None = None,
+        spin_s: float = 0.0,
     ) -> None:
         self.sock = sock
         self.peer_name = peer_name
@@ -247,6 +258,10 @@ class Connection:
         self._gate = gate  # readers wait for it before the first frame
         self._readers = readers  # where reader threads come from (else: a new thread each)
         self._handed_off: set[int] = set()
+        self._reading = False  # a thread holds the reader role (reads the next frame)
+        self._spin = SpinPolicy(spin_s)  # the reader busy-polls for the next frame
+        self._poller = select.poll()
+        self._poller.register(sock.fileno(), select.POLLIN)
         self.pending: dict[int, torch.futures.Future[Any]] = {}  # the caller's calls on it
 
     # ---- sending -------------------------------------------------------------------
@@ -343,7 +358,56 @@ class Connection:
 
     # ---- reading -------------------------------------------------------------------
     def start(self) -> None:
+        """Start reading the peer's calls (a connection we opened reads on demand)."""
+        if self.outbound:
+            return
+        with self._state_lock:
+            self._reading = True
         self._spawn_reader(self._generation)
+
+    def expect_reply(self) -> None:
+        """A call on this connection is pending and its caller does not read: make sure a
+        reader thread does."""
+        with self._state_lock:
+            if self._reading or self.closed:
+                return
+            self._reading = True
+            generation = self._generation
+        self._spawn_reader(generation)
+
+    def read_until(self, future: torch.futures.Future[Any]) -> None:
+        """Read frames on this thread until ``future`` (a call pending on this connection)
+        is complete, unless another thread reads the connection already."""
+        with self._state_lock:
+            if self._reading or self.closed:
+                return
+            self._reading = True
+            generation = self._generation
+        try:
+            while not future.done():
+                if not self._reader.buffered_frame():
+                    self.flush()
+                    self._spin_if_worth_it()
+                    if not self._poller.poll(_POLL_MS):
+                        continue
+                if self._run(self._reader.read_frame(), generation):
+                    return  # a stalled frame: another thread holds the role now
+        except (OSError, EOFError, RpcProtocolError, ValueError, KeyError) as exc:
+            self._lost_while_reading(generation, exc)
+            return
+        with self._state_lock:
+            if generation != self._generation:
+                return
+            if not self.pending or self.closed:
+                self._reading = False
+                return
+        self._spawn_reader(generation)  # other calls wait for replies: keep reading
+
+    def _spin_if_worth_it(self) -> None:
+        """Before the reader sleeps: busy-poll for the next frame if that paid lately."""
+        if self._spin.choose():
+            until = time.perf_counter() + self._spin.window_s
+            self._spin.record(spin_for_frame(self._poller, until))
 
     def _spawn_reader(self, generation: int) -> None:
         name = f"rpc-reader-{self.peer_name}"
@@ -359,34 +423,48 @@ class Connection:
             while True:
                 if not self._reader.buffered_frame():
                     self.flush()
-                frame = self._reader.read_frame()
-                with self._state_lock:
-                    self._exec_since = time.monotonic()
-                try:
-                    self._on_frame(self, frame)
-                finally:
-                    del frame  # do not pin the frame's tensors (and segments) until the next one
-                    with self._state_lock:
-                        stolen = generation != self._generation
-                        if not stolen:
-                            # after a hand-over the clock is the new reader's: leave it
-                            self._exec_since = 0.0
-                if stolen:
-                    self.flush()
-                    if generation in self._handed_off:
-                        self._handed_off.discard(generation)
-                        if self.limiter is not None:
-                            self.limiter.release()
+                    self._spin_if_worth_it()
+                if self._run(self._reader.read_frame(), generation):
                     return
+                if self.outbound:
+                    with self._state_lock:
+                        if not self.pending and generation == self._generation:
+                            self._reading = False  # no reply is due: leave until one is
+                            return
         except (OSError, EOFError, RpcProtocolError, ValueError, KeyError) as exc:
-            with self._state_lock:
-                current = generation == self._generation
-            if current:
-                self._broken(exc)
+            self._lost_while_reading(generation, exc)
         except (
             BaseException
         ) as exc:  # pragma: no cover - bug guard: never lose a connection silently
             logger.exception("rallypoint.rpc: reader for %s crashed", self.peer_name)
+            self._broken(exc)
+
+    def _run(self, frame: Frame, generation: int) -> bool:
+        """Run one frame as the reader of ``generation``; whether the role was handed to
+        another thread meanwhile (then this thread stops reading)."""
+        with self._state_lock:
+            self._exec_since = time.monotonic()
+        try:
+            self._on_frame(self, frame)
+        finally:
+            del frame  # do not pin the frame's tensors (and segments) until the next one
+            with self._state_lock:
+                stolen = generation != self._generation
+                if not stolen:
+                    # after a hand-over the clock is the new reader's: leave it
+                    self._exec_since = 0.0
+        if stolen:
+            self.flush()
+            if generation in self._handed_off:
+                self._handed_off.discard(generation)
+                if self.limiter is not None:
+                    self.limiter.release()
+        return stolen
+
+    def _lost_while_reading(self, generation: int, exc: BaseException) -> None:
+        with self._state_lock:
+            current = generation == self._generation
+        if current:
             self._broken(exc)
 
     def check_stall(self, now: float) -> None:

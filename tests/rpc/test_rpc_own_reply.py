@@ -1,0 +1,173 @@
+"""A thread in ``rpc_sync`` reads its own reply; calls nobody waits on get a reader thread.
+
+The connection a worker opens carries only the replies to its calls, so nothing needs to
+read it while no call is pending. These tests check that synchronous calls start no reader
+thread, and that the hand-offs between a reading caller and reader threads lose no reply:
+calls from several threads at once, a call that times out while its caller reads, and a
+future callback that calls the same peer while it runs on a reading caller's thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from rallypoint import rpc
+from rallypoint.testing import run_workers
+
+SECRET = {"RALLYPOINT_RPC_SECRET": "own-reply-secret"}
+
+
+def _add(a: int, b: int) -> int:
+    return a + b
+
+
+def _slow(seconds: float, value: int) -> int:
+    time.sleep(seconds)
+    return value
+
+
+def _count_reader_spawns(agent: Any) -> list[str]:
+    """The names of the reader threads the agent starts from now on."""
+    pool = agent.connections._readers
+    spawned: list[str] = []
+    run = pool.run
+
+    def counting(name: str, target: Any, *args: Any) -> None:
+        spawned.append(name)
+        run(name, target, *args)
+
+    pool.run = counting
+    return spawned
+
+
+def _record_reading_threads(conn: Any) -> list[str]:
+    """The names of the threads that handle the frames arriving on ``conn`` from now on."""
+    names: list[str] = []
+    on_frame = conn._on_frame
+
+    def recording(c: Any, frame: Any) -> None:
+        names.append(threading.current_thread().name)
+        on_frame(c, frame)
+
+    conn._on_frame = recording
+    return names
+
+
+def _threads_mixing_calls(n_threads: int, n_calls: int) -> list[bool]:
+    """Each thread alternates rpc_sync and rpc_async calls and checks every result."""
+    ok = [False] * n_threads
+
+    def work(t: int) -> None:
+        good = True
+        for i in range(n_calls):
+            if i % 3 == 0:
+                good &= rpc.rpc_async("w1", _add, args=(t, i)).wait() == t + i
+            elif i % 3 == 1:
+                good &= rpc.rpc_sync("w1", _add, args=(t, i)) == t + i
+            else:
+                good &= rpc.rpc_sync("w1", _slow, args=(0.002, i)) == i
+        ok[t] = good
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return ok
+
+
+def _callback_calls_back() -> tuple[int, int]:
+    """A reply read by a thread in rpc_sync runs a callback that calls the same peer."""
+    out: dict[str, int] = {}
+
+    def long_sync() -> None:  # holds the reading role on the connection for 0.5 s
+        out["sync"] = rpc.rpc_sync("w1", _slow, args=(0.5, 7))
+
+    reader = threading.Thread(target=long_sync)
+    reader.start()
+    time.sleep(0.1)
+    chained = rpc.rpc_async("w1", _add, args=(1, 1)).then(
+        lambda fut: rpc.rpc_sync("w1", _add, args=(fut.wait(), 3))
+    )
+    value = chained.wait()
+    reader.join(30)
+    return value, out["sync"]
+
+
+def _program() -> dict[str, Any]:
+    rank = int(os.environ["RANK"])
+    opts = rpc.RallypointRpcBackendOptions(rpc_timeout=30)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        agent = rpc.api._get_current_rpc_agent()
+        rpc.rpc_sync("w1", _add, args=(0, 0))  # opens the connection
+        spawned = _count_reader_spawns(agent)
+        read_on = _record_reading_threads(agent.connections.outbound("w1"))
+        out["sync"] = [rpc.rpc_sync("w1", _add, args=(i, 1)) for i in range(50)]
+        out["sync_spawned"] = list(spawned)
+        out["sync_read_on"] = set(read_on)
+        read_on.clear()
+        futures = [rpc.rpc_async("w1", _add, args=(i, 2)) for i in range(50)]
+        out["async"] = [f.wait() for f in futures]
+        out["async_spawned"] = list(spawned)
+        out["async_read_on"] = set(read_on)
+        out["sync_after"] = [rpc.rpc_sync("w1", _add, args=(i, 3)) for i in range(20)]
+        out["sync_after_spawned"] = list(spawned)
+        start = time.monotonic()
+        try:
+            rpc.rpc_sync("w1", _slow, args=(2.0, 1), timeout=0.3)
+            out["timeout"] = "no error"
+        except RuntimeError as exc:
+            out["timeout"] = str(exc)
+        out["timeout_s"] = time.monotonic() - start
+        out["after_timeout"] = rpc.rpc_sync("w1", _add, args=(20, 22))
+        out["threads"] = _threads_mixing_calls(4, 60)
+        out["callback"] = _callback_calls_back()
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_sync_calls_read_their_own_replies_and_no_reply_is_lost() -> None:
+    out = run_workers(_program, 2, timeout=100, env=SECRET)[0]
+    assert out["sync"] == [i + 1 for i in range(50)]
+    # every rpc_sync read its own reply: no thread reads the connection
+    assert out["sync_read_on"] == {"MainThread"}
+    assert out["sync_spawned"] == []
+    assert out["async"] == [i + 2 for i in range(50)]
+    assert "rpc-reader-w1" in out["async_spawned"]  # rpc_async's replies need a reader
+    assert out["async_read_on"] == {"rpc-reader-w1"}
+    assert out["sync_after"] == [i + 3 for i in range(20)]
+    assert out["sync_after_spawned"] == out["async_spawned"]  # the reader left when idle
+    assert "RPC ran for more than set timeout (300 ms)" in out["timeout"]
+    assert out["timeout_s"] < 1.5  # the reading caller noticed its call timed out
+    assert out["after_timeout"] == 42  # the late reply was dropped, reading goes on
+    assert out["threads"] == [True] * 4
+    assert out["callback"] == (5, 7)
+
+
+def test_spin_policy_backs_off_after_failed_spins_and_recovers() -> None:
+    from rallypoint.rpc._spin import SpinPolicy
+
+    assert not any(SpinPolicy(0.0).choose() for _ in range(5))  # busy_poll_us=0
+    policy = SpinPolicy(0.0002)
+    assert all(policy.choose() for _ in range(5))
+    policy.record(False)  # the next call sleeps, then spinning resumes
+    assert [policy.choose() for _ in range(2)] == [False, True]
+    policy.record(False)  # a second failure in a row: two calls sleep
+    assert [policy.choose() for _ in range(3)] == [False, False, True]
+    policy.record(True)
+    policy.record(False)  # one success halved the back-off: two calls sleep again
+    assert [policy.choose() for _ in range(3)] == [False, False, True]
+    for _ in range(20):
+        policy.record(False)
+    skipped = 0
+    while not policy.choose():
+        skipped += 1
+    assert skipped == SpinPolicy.MAX_SKIP  # capped: a busy machine is still re-tried
