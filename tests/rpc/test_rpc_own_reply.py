@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from rallypoint import rpc
 from rallypoint.testing import run_workers
@@ -171,3 +172,122 @@ def test_spin_policy_backs_off_after_failed_spins_and_recovers() -> None:
     while not policy.choose():
         skipped += 1
     assert skipped == SpinPolicy.MAX_SKIP  # capped: a busy machine is still re-tried
+
+
+class _Interrupt(Exception):
+    pass
+
+
+_ARMED = [False]
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    """Raise, once per arming, if the main thread is reading its own reply (in any line
+    below ``read_until``: waiting, parsing, completing futures)."""
+    reading = False
+    while frame is not None and not reading:
+        reading = frame.f_code.co_name == "read_until"
+        frame = frame.f_back
+    if _ARMED[0] and reading:
+        _ARMED[0] = False
+        raise _Interrupt()
+
+
+def _interrupted_program() -> dict[str, Any]:
+    """A signal handler raises in the main thread while it reads its own replies, as
+    Ctrl-C does: later calls and the shutdown still work."""
+    import signal
+
+    rank = int(os.environ["RANK"])
+    opts = rpc.RallypointRpcBackendOptions(rpc_timeout=30)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        signal.signal(signal.SIGALRM, _raise_interrupt)
+        # while it waits: the reading passes to a reader thread, the connection stays
+        rpc.rpc_sync("w1", _add, args=(0, 0))
+        _ARMED[0] = True
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        try:
+            rpc.rpc_sync("w1", _slow, args=(0.5, 1))
+            _ARMED[0] = False
+            out["waiting"] = "not interrupted"
+        except _Interrupt:
+            out["waiting"] = "interrupted"
+        out["after_waiting"] = rpc.rpc_sync("w1", _add, args=(40, 2))
+        # anywhere in the reading, also while a frame is read and run (the connection
+        # then closes and the next call opens a new one): thousands of times
+        interrupted = 0
+        signal.setitimer(signal.ITIMER_REAL, 0.0003, 0.0003)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            try:
+                _ARMED[0] = True
+                rpc.rpc_sync("w1", _add, args=(1, 2))
+                _ARMED[0] = False
+            except _Interrupt:
+                interrupted += 1
+            except RuntimeError:  # a call that the interruption cut off
+                pass
+        _ARMED[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        out["interrupted"] = interrupted
+        out["after_storm"] = [rpc.rpc_sync("w1", _add, args=(i, i)) for i in range(5)]
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_signal_handler_raising_while_the_caller_reads_loses_no_later_call() -> None:
+    out = run_workers(_interrupted_program, 2, timeout=100, env=SECRET)[0]
+    assert out["waiting"] == "interrupted"
+    assert out["after_waiting"] == 42
+    assert out["interrupted"] > 100
+    assert out["after_storm"] == [0, 2, 4, 6, 8]
+
+
+@pytest.mark.timeout(30)
+def test_a_caller_reads_replies_that_arrived_in_one_piece_with_tensors() -> None:
+    """Two replies that carry tensors arrive in one ``recv``: after the first, the second
+    sits in the buffer, and the reading caller must parse it, not wait on the socket."""
+    import socket
+
+    from rallypoint.rpc import _wire
+    from rallypoint.rpc._transport import Connection
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX)
+    kwargs: dict[str, Any] = {"peer_id": 1, "uds": True, "shm_threshold": 1 << 30, "stats": {}}
+    kwargs["stats"] = {"inline_tensor_bytes": 0, "shm_tensor_bytes": 0}
+
+    def complete(conn: Connection, frame: Any) -> None:
+        conn.pending.pop(frame.request_id).set_result(frame.tensors[0].clone())
+
+    caller = Connection(
+        ours,
+        peer_name="callee",
+        pool=None,
+        on_frame=complete,
+        on_lost=lambda c, e: None,
+        outbound=True,
+        **kwargs,
+    )
+    callee = Connection(
+        theirs,
+        peer_name="caller",
+        pool=None,
+        on_frame=complete,
+        on_lost=lambda c, e: None,
+        **kwargs,
+    )
+    futures = {rid: torch.futures.Future() for rid in (1, 2)}
+    caller.pending.update(futures)
+    for rid in (1, 2):  # queued, then sent in one sendmsg
+        callee.send_frame(
+            _wire.FrameKind.REPLY, rid, b"", [torch.full((8,), rid, dtype=torch.uint8)], flush=False
+        )
+    callee.flush()
+    time.sleep(0.1)  # both are in the caller's socket now
+    caller.read_until(futures[2])
+    assert [int(futures[rid].wait()[0]) for rid in (1, 2)] == [1, 2]
+    caller.close()
+    callee.close()

@@ -27,7 +27,7 @@ from rallypoint.rpc._options import RallypointRpcBackendOptions
 from rallypoint.rpc._peers import PeerTable
 from rallypoint.rpc._reader_pool import ReaderPool
 from rallypoint.rpc._shm import SegmentPool
-from rallypoint.rpc._transport import Connection, OnFrame, connect
+from rallypoint.rpc._transport import Connection, OnFrame, ReadInterrupted, connect
 
 logger = logging.getLogger("rallypoint.rpc")
 
@@ -172,6 +172,7 @@ class Connections:
             conns = [*self._out.values(), *self._inbound]
         for conn in conns:
             conn.check_stall(now)
+            conn.check_reading()
             conn.flush()
 
     def _lost(self, conn: Connection, exc: BaseException | None) -> None:
@@ -181,7 +182,9 @@ class Connections:
             self._inbound.discard(conn)
             closing = self._closed
         outbound_eof = conn.outbound or isinstance(exc, EOFError | ConnectionError)
-        if not closing and exc is not None and outbound_eof:
+        # a peer that closed on purpose (it said so, or we cut into a frame) is alive
+        on_purpose = conn.closing_on_purpose or isinstance(exc, ReadInterrupted)
+        if not closing and exc is not None and outbound_eof and not on_purpose:
             self._peers.mark_dead(conn.peer_name, f"closed its connection ({exc or 'EOF'})")
         pending = list(conn.pending)
         if not pending:

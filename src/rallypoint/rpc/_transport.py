@@ -48,6 +48,7 @@ logger = logging.getLogger("rallypoint.rpc")
 
 STALL_SECONDS = 0.005
 _POLL_MS = 50  # a thread reading its own reply checks this often whether its call ended
+_TAKE_IF_FREE = -1  # a reader generation: take the reader role if nobody holds it
 _BUFFER = 1 << 18
 _IOV_MAX = 512
 _ANC = socket.CMSG_SPACE(253 * 4)
@@ -66,6 +67,10 @@ OnFrame: TypeAlias = "Callable[[Connection, Frame], None]"
 """Runs a frame that arrived (on the connection's reader thread)."""
 OnLost: TypeAlias = "Callable[[Connection, BaseException | None], None]"
 """Told once when the connection closes (``None``: closed on purpose)."""
+
+
+class ReadInterrupted(RpcConnectionError):
+    """This worker closed the connection: an exception interrupted it mid-frame."""
 
 
 class _Reader:
@@ -106,6 +111,11 @@ class _Reader:
                 self._buf[:count] = self._buf[self._start : self._end]
                 self._start, self._end = 0, count
             self._end += self._recv_into(self._view[self._end :])
+
+    def buffered_bytes(self) -> bool:
+        """Whether any unparsed byte is buffered (then the next frame has begun to arrive:
+        wait for it in ``read_frame``, not for the socket to become readable)."""
+        return self._end > self._start
 
     def buffered_frame(self) -> bool:
         """Whether a complete frame is already buffered (then reading will not block)."""
@@ -247,7 +257,7 @@ class Connection:
         self._fds: list[int] = []
         self._keep: list[torch.Tensor] = []
         self._qlock = threading.Lock()
-        self._send_lock = threading.Lock()
+        self._sending = False  # a thread is sending the queue (see flush)
         self._state_lock = threading.Lock()
         self._sent_segments: set[int] = set()
         self._exec_since = 0.0
@@ -259,6 +269,9 @@ class Connection:
         self._readers = readers  # where reader threads come from (else: a new thread each)
         self._handed_off: set[int] = set()
         self._reading = False  # a thread holds the reader role (reads the next frame)
+        self._abandoned: tuple[int, bool] | None = None  # see read_until
+        self._unread = -1  # see check_reading
+        self.closing_on_purpose = False  # the peer said it closes this connection, alive
         self._spin = SpinPolicy(spin_s)  # the reader busy-polls for the next frame
         self._poller = select.poll()
         self._poller.register(sock.fileno(), select.POLLIN)
@@ -335,26 +348,35 @@ class Connection:
             self.flush()
 
     def flush(self) -> None:
+        """Send what is queued, unless another thread is sending (it sends it next).
+
+        The claim is taken and dropped inside ``with`` blocks, never between a call and
+        a ``try``: a signal handler that raises in the main thread cannot leave it taken.
+        """
         while True:
-            if not self._send_lock.acquire(blocking=False):
-                return
+            claimed = False
             try:
                 with self._qlock:
+                    if self._sending or not self._bufs:
+                        return
+                    self._sending = claimed = True
                     buffers, fds, keep = self._bufs, self._fds, self._keep
                     self._bufs, self._fds, self._keep = [], [], []
-                if buffers:
-                    if not keep and len(buffers) > 1:  # small frames only: one buffer
-                        buffers = [b"".join(buffers)]
-                    _sendmsg_all(self.sock, buffers, fds)
-                    del keep
+                if not keep and len(buffers) > 1:  # small frames only: one buffer
+                    buffers = [b"".join(buffers)]
+                _sendmsg_all(self.sock, buffers, fds)
+                del keep
             except OSError as exc:
-                self._broken(exc)
+                if self.outbound:
+                    self._broken(exc)
+                else:  # the reader decides: frames before the EOF may say "on purpose"
+                    with contextlib.suppress(OSError):
+                        self.sock.shutdown(socket.SHUT_WR)
                 return
             finally:
-                self._send_lock.release()
-            with self._qlock:
-                if not self._bufs:
-                    return
+                if claimed:
+                    with self._qlock:
+                        self._sending = False
 
     # ---- reading -------------------------------------------------------------------
     def start(self) -> None:
@@ -367,41 +389,78 @@ class Connection:
 
     def expect_reply(self) -> None:
         """A call on this connection is pending and its caller does not read: make sure a
-        reader thread does."""
-        with self._state_lock:
-            if self._reading or self.closed:
-                return
-            self._reading = True
-            generation = self._generation
-        self._spawn_reader(generation)
+        reader thread does (one that finds the role taken, or nothing pending, leaves)."""
+        if not self._reading and not self.closed:
+            self._spawn_reader(_TAKE_IF_FREE)
 
     def read_until(self, future: torch.futures.Future[Any]) -> None:
         """Read frames on this thread until ``future`` (a call pending on this connection)
-        is complete, unless another thread reads the connection already."""
-        with self._state_lock:
-            if self._reading or self.closed:
-                return
-            self._reading = True
-            generation = self._generation
+        is complete, unless another thread reads the connection already.
+
+        On the main thread a signal handler may raise (``KeyboardInterrupt``) at any line.
+        The handler below then only records how far reading got, in one statement that
+        cannot itself be interrupted, and :meth:`check_reading` finishes the job (here,
+        or on the monitor's next tick): the role is freed (a reader thread takes over
+        pending calls), or, if the exception cut into a frame and the stream position is
+        lost, the connection closes (its pending calls fail; the next call opens a new one).
+        """
+        took = in_frame = False
         try:
+            with self._state_lock:
+                if self._reading or self.closed:
+                    return
+                self._reading = took = True
+                generation = self._generation
             while not future.done():
                 if not self._reader.buffered_frame():
                     self.flush()
+                if not self._reader.buffered_bytes():
                     self._spin_if_worth_it()
                     if not self._poller.poll(_POLL_MS):
                         continue
+                in_frame = True
                 if self._run(self._reader.read_frame(), generation):
+                    took = False
                     return  # a stalled frame: another thread holds the role now
+                in_frame = False
+            with self._state_lock:
+                took = False
+                if generation == self._generation:
+                    self._reading = False
+            if self.pending:
+                self.expect_reply()  # other calls wait for replies
         except (OSError, EOFError, RpcProtocolError, ValueError, KeyError) as exc:
-            self._lost_while_reading(generation, exc)
-            return
-        with self._state_lock:
-            if generation != self._generation:
+            if took:
+                self._lost_while_reading(generation, exc)
+        except BaseException:
+            if took:
+                self._abandoned = (generation, in_frame)
+                self.check_reading()
+            raise
+
+    def check_reading(self) -> None:
+        """Finish what an interrupted reading caller left, and give pending calls a reader
+        if nobody reads (the monitor calls this every tick)."""
+        marker, self._abandoned = self._abandoned, None
+        if marker is not None:
+            generation, in_frame = marker
+            with self._state_lock:
+                current = generation == self._generation
+                if current and not in_frame:
+                    self._reading = False
+            if current and in_frame:
+                with contextlib.suppress(RpcConnectionError):  # the peer must not think us dead
+                    self.send_frame(_wire.FrameKind.CLOSING, 0, b"", [])
+                self._broken(ReadInterrupted("reading a reply was interrupted mid-frame"))
                 return
-            if not self.pending or self.closed:
-                self._reading = False
-                return
-        self._spawn_reader(generation)  # other calls wait for replies: keep reading
+        # a caller takes the role within microseconds of sending: heal only a call that
+        # stayed unread for a whole tick
+        unread = -1
+        if self.outbound and self.pending and not self._reading:
+            unread = next(iter(self.pending), -1)
+        if unread != -1 and unread == self._unread:
+            self.expect_reply()
+        self._unread = unread
 
     def _spin_if_worth_it(self) -> None:
         """Before the reader sleeps: busy-poll for the next frame if that paid lately."""
@@ -417,12 +476,19 @@ class Connection:
         threading.Thread(target=self._read_loop, args=(generation,), name=name, daemon=True).start()
 
     def _read_loop(self, generation: int) -> None:
+        if generation == _TAKE_IF_FREE:
+            with self._state_lock:
+                if self._reading or self.closed or not self.pending:
+                    return
+                self._reading = True
+                generation = self._generation
         try:
             if self._gate is not None:
                 self._gate.wait()
             while True:
                 if not self._reader.buffered_frame():
                     self.flush()
+                if not self._reader.buffered_bytes():
                     self._spin_if_worth_it()
                 if self._run(self._reader.read_frame(), generation):
                     return
@@ -442,6 +508,9 @@ class Connection:
     def _run(self, frame: Frame, generation: int) -> bool:
         """Run one frame as the reader of ``generation``; whether the role was handed to
         another thread meanwhile (then this thread stops reading)."""
+        if frame.kind is _wire.FrameKind.CLOSING:
+            self.closing_on_purpose = True
+            return False
         with self._state_lock:
             self._exec_since = time.monotonic()
         try:

@@ -56,6 +56,7 @@ class FrameKind(enum.IntEnum):
     REPLY = 2  # the call's return value
     ERROR = 3  # an ErrorReply: the call raised
     ONEWAY = 4  # (func, args, kwargs); no reply
+    CLOSING = 5  # the sender closes this connection on purpose; it is alive (no payload)
 
 
 KINDS: dict[int, FrameKind] = {int(kind): kind for kind in FrameKind}
