@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from rallypoint.rpc import RpcProtocolError, _wire
+from rallypoint.rpc._framing import Frame, FrameReader
 from rallypoint.rpc._shm import PARALLEL_COPY_BYTES, SegmentPool, copy_in
-from rallypoint.rpc._transport import Connection, Frame, _Reader
+from rallypoint.rpc._transport import Connection
 
 
 def _roundtrip(obj: Any) -> Any:
@@ -325,7 +326,7 @@ def test_reader_parses_many_frames_per_recv_and_rejects_garbage() -> None:
         payload = _frame(rid=1) + _frame(rid=2, data=b"x" * 300_000) + _frame(rid=3)
         writer = threading.Thread(target=a.sendall, args=(payload,))
         writer.start()
-        reader = _Reader(b, uds=False)
+        reader = FrameReader(b, uds=False)
         frames = [reader.read_frame() for _ in range(3)]
         writer.join(5)
         assert [f.request_id for f in frames] == [1, 2, 3]
@@ -343,7 +344,7 @@ def test_reader_rejects_oversized_frames_and_shm_over_tcp() -> None:
     try:
         a.sendall(_wire.HEADER.pack(_wire.MAGIC, _wire.FrameKind.CALL, 0, 0, 1, 1 << 40))
         with pytest.raises(RpcProtocolError, match="frame too large"):
-            _Reader(b, uds=False).read_frame()
+            FrameReader(b, uds=False).read_frame()
     finally:
         a.close()
         b.close()
@@ -352,10 +353,10 @@ def test_reader_rejects_oversized_frames_and_shm_over_tcp() -> None:
         header = _wire.HEADER.pack(_wire.MAGIC, _wire.FrameKind.CALL, 0, 1, 1, 0)
         a.sendall(header + _wire.DESC.pack(_wire.WHERE_SHM, 1, 0, 5, 100))
         with pytest.raises(RpcProtocolError, match="bad tensor descriptor"):
-            _Reader(b, uds=False).read_frame()
+            FrameReader(b, uds=False).read_frame()
         a.close()
         with pytest.raises(EOFError):
-            _Reader(b, uds=False).read_frame()
+            FrameReader(b, uds=False).read_frame()
     finally:
         b.close()
 

@@ -31,10 +31,11 @@ from rallypoint.rpc._autograd_context import AutogradContext
 from rallypoint.rpc._calls import PendingCalls, fail
 from rallypoint.rpc._codec import Codec
 from rallypoint.rpc._errors import RpcError
+from rallypoint.rpc._framing import Frame
 from rallypoint.rpc._groups import WorkerInfo
 from rallypoint.rpc._remote_errors import catchable_as_torch
 from rallypoint.rpc._rref import collect_confirmations
-from rallypoint.rpc._transport import Connection, Frame
+from rallypoint.rpc._transport import Connection
 from rallypoint.rpc.functions import is_async_execution, no_future_error
 
 logger = logging.getLogger("rallypoint.rpc")

@@ -23,25 +23,22 @@ reads may busy-poll for the next frame before it sleeps (:mod:`rallypoint.rpc._s
 
 from __future__ import annotations
 
-import array
-import collections
 import contextlib
-import ctypes
 import logging
 import select
 import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import torch
 
 from rallypoint.rpc import _wire
 from rallypoint.rpc._errors import RpcConnectionError, RpcProtocolError
+from rallypoint.rpc._framing import Frame, FrameReader, sendmsg_all, tensor_view
 from rallypoint.rpc._reader_pool import ReaderPool
-from rallypoint.rpc._shm import RemoteSegments, Segment, SegmentPool
+from rallypoint.rpc._shm import Segment, SegmentPool
 from rallypoint.rpc._spin import SpinPolicy, spin_for_frame
 
 logger = logging.getLogger("rallypoint.rpc")
@@ -49,18 +46,6 @@ logger = logging.getLogger("rallypoint.rpc")
 STALL_SECONDS = 0.005
 _POLL_MS = 50  # a thread reading its own reply checks this often whether its call ended
 _TAKE_IF_FREE = -1  # a reader generation: take the reader role if nobody holds it
-_BUFFER = 1 << 18
-_IOV_MAX = 512
-_ANC = socket.CMSG_SPACE(253 * 4)
-
-
-@dataclass(slots=True)
-class Frame:
-    kind: _wire.FrameKind
-    flags: int
-    request_id: int
-    data: bytes
-    tensors: list[torch.Tensor]
 
 
 OnFrame: TypeAlias = "Callable[[Connection, Frame], None]"
@@ -71,154 +56,6 @@ OnLost: TypeAlias = "Callable[[Connection, BaseException | None], None]"
 
 class ReadInterrupted(RpcConnectionError):
     """This worker closed the connection: an exception interrupted it mid-frame."""
-
-
-class _Reader:
-    """Buffered frame parser over a blocking socket (collects passed fds on Unix sockets)."""
-
-    def __init__(self, sock: socket.socket, uds: bool, pool: SegmentPool | None = None) -> None:
-        self._sock = sock
-        self._uds = uds
-        self._pool = pool  # ours: the segments a peer may hand back
-        self._buf = bytearray(_BUFFER)
-        self._view = memoryview(self._buf)
-        self._start = 0
-        self._end = 0
-        self.fds: collections.deque[int] = collections.deque()
-        self.segments = RemoteSegments()
-
-    def _recv_into(self, view: memoryview) -> int:
-        if not self._uds:
-            n = self._sock.recv_into(view)
-        else:
-            n, ancdata, flags, _ = self._sock.recvmsg_into([view], _ANC)
-            for level, kind, data in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds = array.array("i")
-                    fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
-                    self.fds.extend(fds)
-            if flags & socket.MSG_CTRUNC:
-                raise RpcProtocolError("file descriptors were truncated on the connection")
-        if n == 0:
-            raise EOFError("peer closed the connection")
-        return n
-
-    def _fill(self, need: int) -> None:
-        """Make at least ``need`` bytes available in the buffer (need <= buffer size)."""
-        while self._end - self._start < need:
-            if self._start and (len(self._buf) - self._start < need or self._start == self._end):
-                count = self._end - self._start
-                self._buf[:count] = self._buf[self._start : self._end]
-                self._start, self._end = 0, count
-            self._end += self._recv_into(self._view[self._end :])
-
-    def buffered_bytes(self) -> bool:
-        """Whether any unparsed byte is buffered (then the next frame has begun to arrive:
-        wait for it in ``read_frame``, not for the socket to become readable)."""
-        return self._end > self._start
-
-    def buffered_frame(self) -> bool:
-        """Whether a complete frame is already buffered (then reading will not block)."""
-        avail = self._end - self._start
-        if avail < _wire.HEADER.size:
-            return False
-        header = _wire.HEADER.unpack_from(self._buf, self._start)
-        return (
-            avail >= _wire.HEADER.size + header[5] + _wire.DESC.size * header[3] and not header[3]
-        )
-
-    def _take(self, n: int) -> bytes:
-        if n <= len(self._buf):
-            self._fill(n)
-            out = bytes(self._view[self._start : self._start + n])
-            self._start += n
-            return out
-        out_buf = bytearray(n)
-        self._read_into(memoryview(out_buf))
-        return bytes(out_buf)
-
-    def _read_into(self, target: memoryview) -> None:
-        have = min(self._end - self._start, len(target))
-        target[:have] = self._view[self._start : self._start + have]
-        self._start += have
-        pos = have
-        while pos < len(target):
-            pos += self._recv_into(target[pos:])
-
-    def _take_tensor(self, nbytes: int) -> torch.Tensor:
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        storage = bytearray(nbytes)
-        self._read_into(memoryview(storage))
-        return torch.frombuffer(storage, dtype=torch.uint8)
-
-    def read_frame(self) -> Frame:
-        self._fill(_wire.HEADER.size)
-        magic, kind_byte, flags, count, request_id, size = _wire.HEADER.unpack_from(
-            self._buf, self._start
-        )
-        kind = _wire.KINDS.get(kind_byte)
-        if magic != _wire.MAGIC or kind is None:
-            raise RpcProtocolError(
-                f"bad frame header {bytes(self._view[self._start : self._start + 4])!r}"
-            )
-        if size > _wire.MAX_PICKLE_BYTES or count > _wire.MAX_TENSORS:
-            raise RpcProtocolError(f"frame too large ({size} bytes, {count} tensors)")
-        self._start += _wire.HEADER.size
-        data = self._take(size)
-        tensors: list[torch.Tensor] = []
-        if count:
-            descs = self._take(_wire.DESC.size * count)
-            for i in range(count):
-                where, new_fd, _, seg_id, nbytes = _wire.DESC.unpack_from(
-                    descs, i * _wire.DESC.size
-                )
-                if where == _wire.WHERE_INLINE:
-                    tensors.append(self._take_tensor(nbytes))
-                elif where == _wire.WHERE_SHM and self._uds:
-                    if new_fd:
-                        if not self.fds:
-                            raise RpcProtocolError("shared-memory segment arrived without its fd")
-                        self.segments.add(seg_id, self.fds.popleft())
-                    tensors.append(self.segments.tensor(seg_id, nbytes))
-                elif where == _wire.WHERE_RETURNED and self._pool is not None:
-                    tensors.append(self._pool.returned(seg_id, nbytes))
-                else:
-                    raise RpcProtocolError(f"bad tensor descriptor (where={where})")
-        return Frame(kind, flags, request_id, data, tensors)
-
-    def close(self) -> None:
-        self.segments.close()
-
-
-def _sendmsg_all(sock: socket.socket, buffers: list[bytes | memoryview], fds: list[int]) -> None:
-    """Send ``buffers`` (bytes, or byte-format memoryviews) in order; ``fds`` go with the first."""
-    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
-    if len(buffers) == 1 and not anc:
-        sent = sock.send(buffers[0])
-        if sent == len(buffers[0]):
-            return
-        buffers = [memoryview(buffers[0])[sent:]]
-    buffers = [b for b in buffers if len(b)]
-    index = 0
-    while index < len(buffers):
-        sent = sock.sendmsg(buffers[index : index + _IOV_MAX], anc)
-        anc = []
-        while sent and index < len(buffers):
-            size = len(buffers[index])
-            if sent >= size:
-                sent -= size
-                index += 1
-            else:
-                buffers[index] = memoryview(buffers[index])[sent:]
-                sent = 0
-
-
-def _tensor_view(raw: torch.Tensor) -> memoryview:
-    if raw.numel() == 0:
-        return memoryview(b"")
-    array_type = ctypes.c_ubyte * raw.numel()
-    return memoryview(array_type.from_address(raw.data_ptr())).cast("B")
 
 
 class Connection:
@@ -251,7 +88,7 @@ class Connection:
         self._pool = pool if uds else None
         self._threshold = shm_threshold
         self._stats = stats
-        self._reader = _Reader(sock, uds, self._pool)
+        self._reader = FrameReader(sock, uds, self._pool)
         # frames waiting for a sendmsg: buffers in order, fds to pass, tensors to keep alive
         self._bufs: list[bytes | memoryview] = []
         self._fds: list[int] = []
@@ -324,7 +161,7 @@ class Connection:
             for raw, seg in zip(raws, segments, strict=True):
                 if seg is None:
                     descs += _wire.DESC.pack(_wire.WHERE_INLINE, 0, 0, 0, raw.numel())
-                    inline.append(_tensor_view(raw))
+                    inline.append(tensor_view(raw))
                     self._stats["inline_tensor_bytes"] += raw.numel()
                 elif isinstance(seg, int):
                     descs += _wire.DESC.pack(_wire.WHERE_RETURNED, 0, 0, seg, raw.numel())
@@ -364,7 +201,7 @@ class Connection:
                     self._bufs, self._fds, self._keep = [], [], []
                 if not keep and len(buffers) > 1:  # small frames only: one buffer
                     buffers = [b"".join(buffers)]
-                _sendmsg_all(self.sock, buffers, fds)
+                sendmsg_all(self.sock, buffers, fds)
                 del keep
             except OSError as exc:
                 if self.outbound:
