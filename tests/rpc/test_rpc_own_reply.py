@@ -291,3 +291,63 @@ def test_a_caller_reads_replies_that_arrived_in_one_piece_with_tensors() -> None
     assert [int(futures[rid].wait()[0]) for rid in (1, 2)] == [1, 2]
     caller.close()
     callee.close()
+
+
+def _fail(text: str) -> None:
+    raise ValueError(text)
+
+
+def _error_of(future: Any) -> str | None:
+    try:
+        future.wait()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _rpc_all_program() -> dict[str, Any]:
+    """``rpc_all`` (DistributedOptimizer's step): the calls go out first, then the calling
+    thread reads every reply, slow ones and errors included."""
+    rank = int(os.environ["RANK"])
+    opts = rpc.RallypointRpcBackendOptions(rpc_timeout=30)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=3, rpc_backend_options=opts)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        agent = rpc.api._get_current_rpc_agent()
+        for peer in ("w0", "w1", "w2"):
+            rpc.rpc_sync(peer, _add, args=(0, 0))  # opens the connections
+        spawned = _count_reader_spawns(agent)
+        read_on = _record_reading_threads(agent.connections.outbound("w1"))
+        read_on += _record_reading_threads(agent.connections.outbound("w2"))
+        calls = [("w1", _add, (1, 0)), ("w2", _add, (1, 2)), ("w0", _add, (3, 4))]
+        calls += [("w1", _add, (i, i)) for i in range(5)]  # several pending on one connection
+        futures = agent.rpc_all(calls, 10)
+        out["done"] = [f.done() for f in futures]
+        out["values"] = [f.wait() for f in futures]
+        out["spawned"] = list(spawned)
+        out["read_on"] = set(read_on)
+        # the first reply is slow: the monitor gives the others a reader meanwhile
+        slow_first = [("w1", _slow, (0.3, 1)), ("w2", _add, (1, 1)), ("w1", _add, (2, 2))]
+        out["slow_first"] = [f.wait() for f in agent.rpc_all(slow_first, 10)]
+        failing = agent.rpc_all([("w1", _fail, ("boom",)), ("w2", _add, (2, 2))], 10)
+        out["done_failing"] = [f.done() for f in failing]
+        out["errors"] = [_error_of(f) for f in failing]
+        out["timed_out"] = _error_of(agent.rpc_all([("w2", _slow, (2.0, 0))], 0.3)[0])
+        out["after"] = rpc.rpc_sync("w2", _add, args=(40, 2))
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_rpc_all_reads_every_reply_on_the_calling_thread() -> None:
+    out = run_workers(_rpc_all_program, 3, timeout=100, env=SECRET)[0]
+    assert out["done"] == [True] * 8  # rpc_all returns once every call completed
+    assert out["values"] == [1, 3, 7, 0, 2, 4, 6, 8]
+    assert out["read_on"] == {"MainThread"}
+    assert out["spawned"] == []  # no reader thread woke up to hand a reply over
+    assert out["slow_first"] == [1, 2, 4]
+    assert out["done_failing"] == [True, True]
+    assert out["errors"][0].startswith("ValueError: ") and "boom" in out["errors"][0]
+    assert out["errors"][1] is None
+    assert "RPC ran for more than set timeout (300 ms)" in out["timed_out"]
+    assert out["after"] == 42

@@ -18,6 +18,7 @@ timeouts, detects stalled readers and sends batched RRef decrements.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -50,6 +51,7 @@ from rallypoint.rpc._rref import RRef, remote_rref
 from rallypoint.rpc._rref_table import CURRENT_TABLE, RRefTable
 from rallypoint.rpc._shm import SegmentPool
 from rallypoint.rpc._store import hosts_store, store_host
+from rallypoint.rpc._transport import Connection
 from rallypoint.rpc.constants import UNSET_RPC_TIMEOUT
 
 logger = logging.getLogger("rallypoint.rpc")
@@ -209,8 +211,33 @@ class RallypointAgent(RpcAgent):
     def rpc_sync(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> Any:
         return self._call(to, func, args, kwargs, timeout, sync=True).wait()
 
+    def rpc_all(self, calls: list[tuple[Any, Func, Args]], timeout: float) -> list[Fut]:
+        """Send every call first, then read the replies on this thread, connection by
+        connection: no reader thread wakes up only to hand a reply over to this one."""
+        unread: list[tuple[Connection, Fut]] = []
+        futures = [
+            self._call(to, func, args, {}, timeout, sync=False, unread=unread)
+            for to, func, args in calls
+        ]
+        last = {conn: i for i, (conn, _) in enumerate(unread)}
+        for i, (conn, future) in enumerate(unread):
+            # returns at once if a reader thread has the role
+            conn.read_until(future, more=i != last[conn])
+        for future in futures:
+            with contextlib.suppress(Exception):  # the caller reads each future's error
+                future.wait()
+        return futures
+
     def _call(
-        self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float, *, sync: bool
+        self,
+        to: Any,
+        func: Func,
+        args: Args,
+        kwargs: Kwargs,
+        timeout: float,
+        *,
+        sync: bool,
+        unread: list[tuple[Connection, Fut]] | None = None,
     ) -> Fut:
         if self._closed:
             raise RpcError(NOT_INITIALIZED)
@@ -219,7 +246,9 @@ class RallypointAgent(RpcAgent):
         seconds = self._default_timeout if timeout == UNSET_RPC_TIMEOUT else self._timeout(timeout)
         info = self.peers.resolve(to)
         payload = (builtin_overload(func, args, kwargs), args, kwargs)
-        return self._send(info.name, payload, seconds, _CALL, current_context(), sync=sync)
+        return self._send(
+            info.name, payload, seconds, _CALL, current_context(), sync=sync, unread=unread
+        )
 
     def remote(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> RRef[Any]:
         self.check_open()
@@ -245,9 +274,11 @@ class RallypointAgent(RpcAgent):
         ctx: AutogradContext | None = None,
         *,
         sync: bool = False,
+        unread: list[tuple[Connection, Fut]] | None = None,
     ) -> Fut:
         """Send a call; ``sync``: this thread waits for the reply next and reads it itself
-        when nobody reads the connection (one thread wake-up per call instead of two)."""
+        when nobody reads the connection (one thread wake-up per call instead of two);
+        ``unread``: it will, after sending more calls (the call joins that list)."""
         data, raws = self.codec.call(dst, payload, ctx)
         # torch's own rpc_async returns the C++ future type too: it costs no Python
         # __init__ and, unlike the Python subclass, is not tracked by the GC
@@ -278,6 +309,8 @@ class RallypointAgent(RpcAgent):
             return future
         if sync:
             conn.read_until(future)
+        elif unread is not None:
+            unread.append((conn, future))  # unread for a whole tick: the monitor spawns a reader
         else:
             conn.expect_reply()
         return future

@@ -8,6 +8,7 @@ group membership): they send calls through it and never see the agent itself.
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol, TypeAlias
 
@@ -43,6 +44,16 @@ class RpcAgent(abc.ABC):
 
     def rpc_sync(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> Any:
         return self.rpc_async(to, func, args, kwargs, timeout).wait()
+
+    def rpc_all(self, calls: list[tuple[Any, Func, Args]], timeout: float) -> list[Fut]:
+        """Make every call ``(to, func, args)`` and wait until all of them completed (with
+        a result or an error): their futures, in order. For callers that wait for all the
+        replies anyway (``DistributedOptimizer``): an agent may read them on this thread."""
+        futures = [self.rpc_async(to, func, args, {}, timeout) for to, func, args in calls]
+        for future in futures:
+            with contextlib.suppress(Exception):  # the caller reads each future's error
+                future.wait()
+        return futures
 
     @abc.abstractmethod
     def remote(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> Any: ...

@@ -230,9 +230,10 @@ class Connection:
         if not self._reading and not self.closed:
             self._spawn_reader(_TAKE_IF_FREE)
 
-    def read_until(self, future: torch.futures.Future[Any]) -> None:
+    def read_until(self, future: torch.futures.Future[Any], *, more: bool = False) -> None:
         """Read frames on this thread until ``future`` (a call pending on this connection)
-        is complete, unless another thread reads the connection already.
+        is complete, unless another thread reads the connection already. Then a reader
+        thread takes the calls still pending, unless ``more``: this thread reads again.
 
         On the main thread a signal handler may raise (``KeyboardInterrupt``) at any line.
         The handler below then only records how far reading got, in one statement that
@@ -264,7 +265,7 @@ class Connection:
                 took = False
                 if generation == self._generation:
                     self._reading = False
-            if self.pending:
+            if self.pending and not more:
                 self.expect_reply()  # other calls wait for replies
         except (OSError, EOFError, RpcProtocolError, ValueError, KeyError) as exc:
             if took:

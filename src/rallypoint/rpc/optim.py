@@ -37,6 +37,7 @@ from rallypoint.rpc._api import rpc_async
 from rallypoint.rpc._autograd import CURRENT_AUTOGRAD
 from rallypoint.rpc._backend import CURRENT_AGENT
 from rallypoint.rpc._rref import RRef
+from rallypoint.rpc.constants import UNSET_RPC_TIMEOUT
 
 __all__ = ["DistributedOptimizer"]
 
@@ -160,8 +161,5 @@ class DistributedOptimizer:
             self._torch.step(context_id)
             return
         dist_autograd._is_valid_context(context_id)
-        futures = [
-            rpc_async(owner, _local_optimizer_step, args=(key, context_id))
-            for owner, key in self._keys
-        ]
-        _wait_for_all(futures)
+        calls = [(owner, _local_optimizer_step, (key, context_id)) for owner, key in self._keys]
+        _wait_for_all(CURRENT_AGENT.get().rpc_all(calls, UNSET_RPC_TIMEOUT))
