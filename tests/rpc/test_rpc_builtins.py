@@ -97,13 +97,13 @@ def test_builtin_operators_give_torchs_results_and_errors() -> None:
     assert torchs["add shapes differ"][0] == "at wait"
     for case in torchs:
         if torchs[case][0] == "at wait":
-            # an error on the callee: torch's text (an operator's: its message, then C++
-            # frames) is in ours, which names the worker and has the Python trace, as for
-            # functions (torch's future adds the type's name in front of a function's)
+            # an error on the callee: torch's text (the type's name, the operator's message,
+            # then C++ frames) is in ours, which names the worker and has the Python trace
+            # after the type's name, as for functions
             where, kind, text = torchs[case]
             assert ours[case][:2] == (where, kind), case
             assert text.splitlines()[0].removeprefix(f"{kind}: ") in ours[case][2], case
-            assert ours[case][2].startswith("On WorkerInfo(id=1, name=w1):"), case
+            assert ours[case][2].startswith(f"{kind}: On WorkerInfo(id=1, name=w1):"), case
         else:
             assert ours[case] == torchs[case], case
 

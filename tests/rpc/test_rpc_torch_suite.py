@@ -368,7 +368,9 @@ def _remote_errors(backend: str) -> dict[str, Any] | None:
                     out[f"{kind} {mode}"] = "no error"
                 except Exception as exc:  # which of torch's except clauses catch it
                     caught = {c.__name__ for c in (*_CLAUSES, cls) if isinstance(exc, c)}
-                    out[f"{kind} {mode}"] = (sorted(caught), "remote boom" in str(exc))
+                    # up to the trace (KeyError's text is one line: its repr)
+                    first_line = str(exc).splitlines()[0].split("Traceback")[0]
+                    out[f"{kind} {mode}"] = (sorted(caught), "remote boom" in str(exc), first_line)
         with torch_rpc_api._wait_all():
             future = rpc.rpc_async("w1", torch.add, args=(torch.ones(2), 1))
             rpc.rpc_sync("w1", torch.add, args=(torch.ones(2), 1))  # does not join
@@ -387,12 +389,14 @@ def test_remote_errors_are_caught_by_torchs_except_clauses_and_by_their_own_type
     seen = {b: runner_for(b)(_remote_errors, 2, b, timeout=60, env=ENV)[0] for b in BACKENDS}
     ours, torchs = seen["RALLYPOINT"], seen["TENSORPIPE"]
     for case in _cases(torchs):
-        caught, has_text = ours[case]
-        torch_caught, _ = torchs[case]
+        caught, has_text, first_line = ours[case]
+        torch_caught, _, torch_first_line = torchs[case]
         kind = case.split()[0]
         # every clause that catches torch's exception catches ours, and so does its own type
         assert set(torch_caught) <= set(caught) and kind in caught, (case, caught, torch_caught)
         assert has_text, case
+        # torch's text: "KeyError: 'On WorkerInfo(...)" from a future, no name from to_here
+        assert first_line == torch_first_line, (case, first_line, torch_first_line)
     assert "RuntimeError" in ours["KeyError sync"][0]  # torch raises RuntimeError for it
     assert ours["wait_all"] == torchs["wait_all"] == (1, True, True)
     # torch's words for an @async_execution function that returned no future, its type too

@@ -33,7 +33,7 @@ from rallypoint.rpc._codec import Codec
 from rallypoint.rpc._errors import RpcError
 from rallypoint.rpc._framing import Frame
 from rallypoint.rpc._groups import WorkerInfo
-from rallypoint.rpc._remote_errors import catchable_as_torch
+from rallypoint.rpc._remote_errors import catchable_as_torch, has_plain_errors, with_type_name
 from rallypoint.rpc._rref import collect_confirmations
 from rallypoint.rpc._transport import Connection
 from rallypoint.rpc.functions import is_async_execution, no_future_error
@@ -52,17 +52,22 @@ class ErrorReply:
 
     text: str
     exc_type: bytes  # b"" when the type could not be pickled (then text names it)
+    type_name: bool = True  # raised with the type's name in front of the text (torch's future)
 
     @classmethod
-    def of(cls, where: WorkerInfo, exc: BaseException) -> ErrorReply:
+    def of(cls, where: WorkerInfo, exc: BaseException, type_name: bool = True) -> ErrorReply:
         text = remote_error_text(repr(where), exc)
         try:
-            return cls(text, pickle.dumps(type(exc)))
+            return cls(text, pickle.dumps(type(exc)), type_name)
         except Exception:
-            return cls(f"{type(exc).__qualname__}: {text}", b"")
+            return cls(f"{type(exc).__qualname__}: {text}", b"", type_name)
 
     def rebuild(self) -> BaseException:
         """The exception to raise on the caller (its own type when that can be rebuilt)."""
+        exc = self._rebuilt()
+        return with_type_name(exc) if self.type_name else exc
+
+    def _rebuilt(self) -> BaseException:
         kind: Any = None
         if self.exc_type:
             try:
@@ -194,7 +199,8 @@ class Dispatcher:
             raise no_future_error(func, result)
         with self._lock:
             self._async += 1
-        result.add_done_callback(lambda fut: self._reply_future(conn, rid, fut, ctx))
+        type_name = not has_plain_errors(func)
+        result.add_done_callback(lambda fut: self._reply_future(conn, rid, fut, ctx, type_name))
 
     def _reply_future(
         self,
@@ -202,14 +208,15 @@ class Dispatcher:
         rid: int,
         fut: torch.futures.Future[Any],
         ctx: AutogradContext | None,
+        type_name: bool,
     ) -> None:
         try:
             try:
                 value = fut.wait()
             except BaseException as exc:
-                self._reply_error(conn, rid, exc, flush=True)
+                self._reply_error(conn, rid, exc, flush=True, type_name=type_name)
                 return
-            self._reply(conn, rid, value, flush=True, ctx=ctx)
+            self._reply(conn, rid, value, flush=True, ctx=ctx, type_name=type_name)
         finally:
             with self._lock:
                 self._async -= 1
@@ -223,17 +230,21 @@ class Dispatcher:
         *,
         flush: bool,
         ctx: AutogradContext | None = None,
+        type_name: bool = True,
     ) -> None:
         try:
             data, raws = self._codec.reply(conn.peer_name, value, ctx)
         except BaseException as exc:
-            self._reply_error(conn, rid, exc, flush=flush)
+            self._reply_error(conn, rid, exc, flush=flush, type_name=type_name)
             return
         with contextlib.suppress(RpcError):
             conn.send_frame(_REPLY, rid, data, raws, flush=flush)
 
-    def _reply_error(self, conn: Connection, rid: int, exc: BaseException, *, flush: bool) -> None:
-        reply = ErrorReply.of(self._me, exc)
+    def _reply_error(
+        self, conn: Connection, rid: int, exc: BaseException, *, flush: bool, type_name: bool = True
+    ) -> None:
+        """Send the error; ``type_name``: the caller's future puts the type's name first."""
+        reply = ErrorReply.of(self._me, exc, type_name)
         print(reply.text, file=sys.stderr)  # as torch's callee does: its log shows the error
         data = pickle.dumps(reply)
         with contextlib.suppress(RpcError):

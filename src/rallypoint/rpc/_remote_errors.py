@@ -7,15 +7,53 @@ only those three kinds). rallypoint raises the remote exception's own type, so
 ``ValueError`` or ``TypeError`` it raises a subclass of that type and ``RuntimeError``,
 so code written against torch's ``except RuntimeError`` keeps working too. The subclass
 carries the original's name and pickles as the original type.
+
+The text is torch's too. A call's future (``rpc_sync``, ``rpc_async``, an RRef's
+``rpc_sync()``/``rpc_async()`` proxies) puts the type's name in front of the exception's
+text (``KeyError: 'On WorkerInfo(...)...'``); ``to_here()`` raises the exception as it
+was rebuilt, with no name in front (functions marked with :func:`plain_errors`).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 _TORCH_KEEPS = (RuntimeError, ValueError, TypeError)
-_cache: dict[type[BaseException], type[BaseException]] = {}
+_cache: dict[tuple[type[BaseException], bool], type[BaseException]] = {}
 _lock = threading.Lock()
+_PLAIN = "_rallypoint_plain_errors"
+_ORIGINAL = "_rallypoint_original"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def plain_errors(func: F) -> F:
+    """Mark a function served over RPC whose errors reach the caller with no type name in
+    front of their text (as torch's ``to_here()`` raises them)."""
+    setattr(func, _PLAIN, True)
+    return func
+
+
+def has_plain_errors(func: object) -> bool:
+    return getattr(func, _PLAIN, False) is True
+
+
+def with_type_name(exc: BaseException) -> BaseException:
+    """``exc`` as a call's future raises it under torch: its text is ``Type: text``, with
+    ``str()`` of the rebuilt exception after the name (a ``KeyError``'s quotes too)."""
+    original: type[BaseException] = getattr(type(exc), _ORIGINAL, type(exc))
+    message = f"{original.__name__}: {exc}"
+    kind = type(exc)
+    if original.__str__ is not BaseException.__str__:  # else KeyError quotes the text again
+        kind = _combined(original, plain_str=True)
+    try:
+        again = kind(message)
+    except Exception:  # the type took the text once; keep that exception if not twice
+        return exc
+    again.__cause__ = exc.__cause__
+    return again
 
 
 def _reduce(exc: BaseException) -> tuple[object, ...]:
@@ -28,20 +66,27 @@ def catchable_as_torch(kind: type[BaseException]) -> type[BaseException]:
     ``RuntimeError`` for it (``kind`` itself where the two cannot be combined)."""
     if issubclass(kind, _TORCH_KEEPS) or not issubclass(kind, Exception):
         return kind
+    return _combined(kind, plain_str=False)
+
+
+def _combined(kind: type[BaseException], *, plain_str: bool) -> type[BaseException]:
+    """The subclass of ``kind`` (and ``RuntimeError`` where torch raises that); with
+    ``plain_str`` its ``str()`` is its text as it is (no ``KeyError`` quotes)."""
     with _lock:
-        combined = _cache.get(kind)
+        combined = _cache.get((kind, plain_str))
         if combined is None:
+            bases = (kind,) if issubclass(kind, _TORCH_KEEPS) else (kind, RuntimeError)
+            namespace: dict[str, Any] = {
+                "__module__": kind.__module__,
+                "__qualname__": kind.__qualname__,
+                "__reduce__": _reduce,
+                _ORIGINAL: kind,
+            }
+            if plain_str:
+                namespace["__str__"] = BaseException.__str__
             try:
-                combined = type(
-                    kind.__name__,
-                    (kind, RuntimeError),
-                    {
-                        "__module__": kind.__module__,
-                        "__qualname__": kind.__qualname__,
-                        "__reduce__": _reduce,
-                    },
-                )
+                combined = type(kind.__name__, bases, namespace)
             except TypeError:  # an incompatible layout: keep the remote type alone
                 combined = kind
-            _cache[kind] = combined
+            _cache[(kind, plain_str)] = combined
     return combined

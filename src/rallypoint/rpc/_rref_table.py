@@ -21,6 +21,7 @@ import torch
 from rallypoint.rpc._backend import Caller
 from rallypoint.rpc._current import Current
 from rallypoint.rpc._groups import WorkerInfo
+from rallypoint.rpc._remote_errors import plain_errors
 from rallypoint.rpc.functions import async_execution, is_async_execution, no_future_error
 
 if TYPE_CHECKING:
@@ -217,6 +218,7 @@ def owner_create(
     return done
 
 
+@plain_errors  # torch's to_here() raises the error as it was, with no type name first
 @async_execution
 def owner_fetch(rref_id: RRefId) -> torch.futures.Future[Any]:
     return CURRENT_TABLE.get().owned.entry(rref_id).future
