@@ -129,30 +129,36 @@ def _outside_and_sparse(backend: str) -> dict[str, Any]:
     dist.init_process_group("gloo")
     rpc.init_rpc(f"w{rank}", backend=kind, rank=rank, world_size=2)
     try:
-        torch.manual_seed(0)  # the same initial model on both workers, as DDP requires
-        model = DDP(_WrapsRemote(f"w{1 - rank}"))
-        x = torch.randn(5, 3, generator=torch.Generator().manual_seed(rank))
-        with dist_autograd.context() as context_id:
-            dist_autograd.backward(context_id, [model(x).square().sum()])
-            grads = dist_autograd.get_gradients(context_id)
-            outside = [grads[p].tolist() for p in model.parameters()]
-        torch.manual_seed(rank)  # different embeddings: the all-reduce changes them
-        bag = DDP(torch.nn.EmbeddingBag(10, 3, sparse=True))
-        words, offsets = torch.randint(0, 10, (10,)), torch.tensor([0, 4])
-        bag(words, offsets).sum().backward()  # plain DDP: the reference
-        with dist_autograd.context() as context_id:
-            dist_autograd.backward(context_id, [bag(words, offsets).sum()])
-            sparse = dist_autograd.get_gradients(context_id)[bag.module.weight]
-        reference = bag.module.weight.grad
-        assert reference is not None
-        return {
-            "outside": outside,
-            "sparse_is_sparse": sparse.is_sparse,
-            "sparse_equals_ddp": torch.equal(sparse.to_dense(), reference.to_dense()),
-        }
+        # the DDP modules are freed when this returns, before the process group: freed
+        # after it, torch's gloo/DDP teardown can deadlock (docs/rpc.md, DdpComparisonTest)
+        return _outside_and_sparse_checks(rank)
     finally:
         rpc.shutdown()
         dist.destroy_process_group()
+
+
+def _outside_and_sparse_checks(rank: int) -> dict[str, Any]:
+    torch.manual_seed(0)  # the same initial model on both workers, as DDP requires
+    model = DDP(_WrapsRemote(f"w{1 - rank}"))
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(rank))
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [model(x).square().sum()])
+        grads = dist_autograd.get_gradients(context_id)
+        outside = [grads[p].tolist() for p in model.parameters()]
+    torch.manual_seed(rank)  # different embeddings: the all-reduce changes them
+    bag = DDP(torch.nn.EmbeddingBag(10, 3, sparse=True))
+    words, offsets = torch.randint(0, 10, (10,)), torch.tensor([0, 4])
+    bag(words, offsets).sum().backward()  # plain DDP: the reference
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [bag(words, offsets).sum()])
+        sparse = dist_autograd.get_gradients(context_id)[bag.module.weight]
+    reference = bag.module.weight.grad
+    assert reference is not None
+    return {
+        "outside": outside,
+        "sparse_is_sparse": sparse.is_sparse,
+        "sparse_equals_ddp": torch.equal(sparse.to_dense(), reference.to_dense()),
+    }
 
 
 @pytest.mark.timeout(150)
