@@ -4,20 +4,25 @@
 ``rallypoint.rpc``'s. Two of torch's private helpers that programs use are here too:
 ``_wait_all()``, torch's own context manager (``rpc_async`` futures join its list, see
 :mod:`rallypoint.rpc._api`), and ``_get_current_rpc_agent()``, the running agent
-(``get_worker_info``, ``get_worker_infos``). torch's other internals (its all-gather,
-barrier and shutdown steps) are not: rallypoint's shutdown works differently.
+(``get_worker_info``, ``get_worker_infos``). So are torch's all-gather and barrier
+(``_all_gather``, ``_barrier``, ``_wait_all_workers``: :mod:`rallypoint.rpc._all_gather`);
+rallypoint's ``shutdown`` does not run on them, so patching them does not change it.
 """
 
 from __future__ import annotations
 
 from torch.distributed.rpc.api import _thread_local_var, _wait_all
 
+from rallypoint.rpc._all_gather import all_gather as _all_gather
+from rallypoint.rpc._all_gather import barrier as _barrier
+from rallypoint.rpc._all_gather import wait_all_workers as _wait_all_workers
 from rallypoint.rpc._api import get_worker_info, remote, rpc_async, rpc_sync, shutdown
 from rallypoint.rpc._backend import CURRENT_AGENT, RpcAgent
 from rallypoint.rpc._rref import RRef
 
 __all__ = ["RRef", "get_worker_info", "remote", "rpc_async", "rpc_sync", "shutdown"]
 __all__ += ["_get_current_rpc_agent", "_thread_local_var", "_wait_all"]
+__all__ += ["_all_gather", "_barrier", "_wait_all_workers"]
 
 
 def _get_current_rpc_agent() -> RpcAgent:

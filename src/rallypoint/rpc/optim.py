@@ -28,6 +28,7 @@ import threading
 import warnings
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,8 +67,9 @@ class _LocalOptimizer:
         self._functional = functional
         with warnings.catch_warnings():
             # torch's functional optimizers warn that TorchScript support is deprecated;
-            # rallypoint does not script them
-            warnings.filterwarnings("ignore", "`TorchScript` support", DeprecationWarning)
+            # rallypoint does not script them. The warning is raised under torch's own
+            # simplefilter("always"), which overrides any filter: drop it where it is shown
+            warnings.showwarning = _without_torchscript_warning(warnings.showwarning)
             self.optim = optim_cls(self._params, *args, **kwargs)
 
     def step(self, context_id: int) -> None:
@@ -79,6 +81,15 @@ class _LocalOptimizer:
             for param, grad in grads.items():
                 param.grad = grad
             self.optim.step()
+
+
+def _without_torchscript_warning(show: Callable[..., Any]) -> Callable[..., Any]:
+    def showing(message: Any, category: Any, *args: Any, **kwargs: Any) -> Any:
+        if issubclass(category, DeprecationWarning) and "`TorchScript` support" in str(message):
+            return None
+        return show(message, category, *args, **kwargs)
+
+    return showing
 
 
 # the local optimizers of this worker, by key, alive as long as their RRef's owner entry:
