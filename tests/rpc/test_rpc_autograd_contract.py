@@ -15,7 +15,7 @@ import torch
 
 from rallypoint.testing._rpc_autograd_contract import run_rpc_autograd_contract, train_reference
 
-CHECKS = 27
+CHECKS = 32
 
 
 @pytest.fixture(scope="module")

@@ -224,6 +224,34 @@ def test_sparse_tensors_pickle_with_their_parts_out_of_band() -> None:
     assert torch.equal(_wire.decode(data, raws).to_dense(), torch.eye(3))
 
 
+def test_sparse_tensors_keep_requires_grad_layout_and_coalescing_and_are_not_kept() -> None:
+    """torch's own pickling of a sparse tensor drops ``requires_grad`` (so distributed
+    autograd never saw one) and parks every tensor it rebuilds in a list that only
+    ``torch.load`` empties (a leak per received message)."""
+    from torch import _utils
+
+    indices = torch.tensor([[0, 1, 1], [2, 0, 2]])
+    coo = torch.sparse_coo_tensor(indices, torch.tensor([3.0, 4.0, 5.0]), (2, 3))
+    coo.requires_grad_(True)
+    csr = torch.randn(4, 5).to_sparse_csr()
+    param = torch.nn.Parameter(torch.eye(3).to_sparse())
+    sink: list[torch.Tensor] = []
+    data, raws = _wire.encode((coo, csr, coo.detach().coalesce(), param), grad_sink=sink)
+    assert sink == [coo, param]  # both need a gradient: recorded as a send
+    hooked: list[torch.Tensor] = []
+    _utils._sparse_tensors_to_validate.clear()
+    got_coo, got_csr, coalesced, got_param = _wire.decode(
+        data, [r.clone() for r in raws], recv_hook=lambda ts: hooked.extend(ts) or ts
+    )
+    assert len(hooked) == 2 and hooked[0] is got_coo and hooked[1] is got_param
+    assert got_coo.layout == torch.sparse_coo and got_coo.requires_grad
+    assert not got_coo.is_coalesced() and coalesced.is_coalesced()
+    assert torch.equal(got_coo.detach().to_dense(), coo.detach().to_dense())
+    assert got_csr.layout == torch.sparse_csr and torch.equal(got_csr.to_dense(), csr.to_dense())
+    assert type(got_param) is torch.nn.Parameter and got_param.layout == torch.sparse_coo
+    assert _utils._sparse_tensors_to_validate == []
+
+
 def test_a_message_that_falls_back_to_the_general_form_collects_each_tensor_once() -> None:
     """The lean form gave up on a message (here: one tensor twice, or a view after a plain
     tensor) only after collecting its tensors that need grad; the general form collected

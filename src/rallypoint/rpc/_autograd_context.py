@@ -133,5 +133,16 @@ def _storage(grad: torch.Tensor) -> tuple[int, bool]:
 
 
 def edge_of(tensor: torch.Tensor) -> tuple[Node, int]:
+    """Where ``tensor``'s gradient goes: its node and input, as ``get_gradient_edge``."""
+    grad_fn = tensor.grad_fn
+    if grad_fn is not None:
+        return grad_fn, tensor.output_nr
+    if tensor.layout != torch.strided:
+        # a sparse leaf: torch finds a leaf's AccumulateGrad node through a view, which
+        # sparse tensors have none of; a clone's node leads to it as well
+        with torch.enable_grad():
+            clone_node: Node = tensor.clone().grad_fn  # type: ignore[assignment]
+        leaf_node: Node = clone_node.next_functions[0][0]  # type: ignore[assignment]
+        return leaf_node, 0
     edge = get_gradient_edge(tensor)
     return edge.node, edge.output_nr

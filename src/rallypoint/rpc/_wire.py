@@ -11,9 +11,10 @@ A frame is::
 Tensors never go through pickle: the pickler swaps each dense tensor for a small
 reference (dtype, shape, strides, byte offset, target device) into its storage's bytes,
 which the transport sends raw after the pickle (across hosts) or places in a shared-memory
-segment (same host). Each storage goes once per message, only the span its views cover;
-when a span does not start at the storage's first byte, the pickle is preceded by
-``b"S"``, the table size and each entry's start (``lo``). Nothing here is unpickled
+segment (same host). A sparse tensor travels as its index and value tensors, with its
+layout, size and ``requires_grad``. Each storage goes once per message, only the span
+its views cover; when a span does not start at the storage's first byte, the pickle is
+preceded by ``b"S"``, the table size and each entry's start (``lo``). Nothing here is unpickled
 before the connection has authenticated.
 
 Flat messages (only atomic values and whole CPU tensors: most calls and replies) take
@@ -76,6 +77,9 @@ _SPANS_MAGIC = b"S"
 _GRADS = struct.Struct("<1sI")  # b"G", the grad table's pickle length; then that pickle
 _GRADS_MAGIC = b"G"
 _state = threading.local()
+_SPARSE_LAYOUTS = frozenset(
+    {torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
+)
 
 ReduceValue = tuple[Callable[..., Any], tuple[Any, ...]]
 
@@ -130,12 +134,15 @@ class _Encoder(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
         if kind is torch.Tensor or kind is torch.nn.Parameter:
-            if obj.layout != torch.strided or obj.is_quantized or obj.is_nested:
-                return NotImplemented
-            if obj.device.type == "meta":
+            if obj.is_quantized or obj.is_nested or obj.device.type == "meta":
                 return NotImplemented
             target = _send_device(obj, self._device_map, self._dst)
-            rebuild = self._reduce_tensor(obj, target, kind is torch.nn.Parameter)
+            if obj.layout in _SPARSE_LAYOUTS:
+                rebuild = self._reduce_sparse(obj, target, kind is torch.nn.Parameter)
+            elif obj.layout == torch.strided:
+                rebuild = self._reduce_tensor(obj, target, kind is torch.nn.Parameter)
+            else:
+                return NotImplemented
             if self._grad_sink is not None and obj.requires_grad:
                 self._grad_sink.append(obj)
                 self.grad_table.append(rebuild)
@@ -170,6 +177,24 @@ class _Encoder(pickle.Pickler):
             is_param,
         )
         return (_rebuild_tensor, args)
+
+    def _reduce_sparse(self, obj: torch.Tensor, target: str | None, is_param: bool) -> Any:
+        """A sparse tensor travels as its index and value tensors (references into the
+        tensor table, as dense tensors are) with its layout, size and ``requires_grad``:
+        torch's own pickling drops ``requires_grad``, and its rebuild keeps every sparse
+        tensor it makes in a list that only ``torch.load`` empties."""
+        layout = obj.layout
+        coalesced = False
+        if layout == torch.sparse_coo:
+            parts = [obj._indices(), obj._values()]
+            coalesced = obj.is_coalesced()
+        elif layout in (torch.sparse_csr, torch.sparse_bsr):
+            parts = [obj.crow_indices(), obj.col_indices(), obj.values()]
+        else:
+            parts = [obj.ccol_indices(), obj.row_indices(), obj.values()]
+        refs = tuple(_lean.Reduced(self._reduce_tensor(p.detach(), target, False)) for p in parts)
+        args = (layout, refs, tuple(obj.shape), coalesced, bool(obj.requires_grad), is_param)
+        return (_rebuild_sparse, args)
 
     def _view_of_storage(self, obj: torch.Tensor, target: str | None, is_param: bool) -> Any:
         """A CPU tensor travels as (shape, strides, byte offset) into its storage's bytes,
@@ -253,7 +278,7 @@ def encode(
 ) -> tuple[bytes, list[torch.Tensor]]:
     """Pickle ``obj``; its dense tensors come back separately as raw ``uint8`` tensors.
 
-    ``grad_sink``, if given, receives every dense tensor that requires grad, in order.
+    ``grad_sink``, if given, receives every tensor that requires grad (dense or sparse), in order.
     """
     if _is_simple(obj):
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), []
@@ -356,6 +381,30 @@ def _rebuild_view(
         raise ValueError(f"bad tensor offset {start} into table entry {index}")
     tensor = torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), offset // size, shape, stride)
     return _finish(tensor, requires_grad, device, is_parameter)
+
+
+def _rebuild_sparse(
+    layout: torch.layout,
+    parts: tuple[torch.Tensor, ...],
+    shape: tuple[int, ...],
+    coalesced: bool,
+    requires_grad: bool,
+    is_parameter: bool,
+) -> torch.Tensor:
+    # unchecked, as torch's RPC and torch.load build them (the peer is authenticated)
+    if layout == torch.sparse_coo:
+        indices, values = parts
+        tensor = torch.sparse_coo_tensor(
+            indices, values, shape, is_coalesced=coalesced, check_invariants=False
+        )
+    elif layout in _SPARSE_LAYOUTS:
+        compressed, plain, values = parts
+        tensor = torch.sparse_compressed_tensor(
+            compressed, plain, values, shape, layout=layout, check_invariants=False
+        )
+    else:
+        raise ValueError(f"bad sparse layout {layout}")
+    return _finish(tensor, requires_grad, None, is_parameter)
 
 
 def _received(position: int) -> torch.Tensor:

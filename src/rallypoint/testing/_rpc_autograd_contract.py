@@ -14,6 +14,8 @@
 - torch's errors for misuse (unknown context, bad roots, nested contexts, ...);
 - a tensor used in the loss and also sent (its node runs once, with both gradients), and
   an error raised in a remote backward;
+- sparse gradients: an embedding with ``sparse=True`` on another worker trained with
+  ``DistributedOptimizer``, and sparse tensors that require grad sent and returned;
 - training of a small model-parallel RNN-like model with ``DistributedOptimizer`` (SGD,
   Adam, and an optimizer without a functional version) for a few steps.
 
@@ -90,6 +92,18 @@ def _grads(module: Any, context_id: int) -> list[torch.Tensor | None]:
 
     grads = dist_autograd.get_gradients(context_id)
     return [grads.get(p) for p in module.local_value().parameters()]
+
+
+def _sparse_embedding(seed: int) -> torch.nn.Embedding:
+    weights = torch.randn(10, 3, generator=torch.Generator().manual_seed(seed))
+    table = torch.nn.Embedding(10, 3, sparse=True)
+    with torch.no_grad():
+        table.weight.copy_(weights)
+    return table
+
+
+def _sparse_scaled(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.add(a, b) * 3
 
 
 def _scaled_through(to: str, module: Any, x: torch.Tensor) -> torch.Tensor:
@@ -289,6 +303,45 @@ def _accumulate(c: _Checks, rpc: Any, dist_autograd: Any) -> None:
     c.close("one pass equals one process", once, list(ref))
 
 
+def _sparse(c: _Checks, rpc: Any, dist_autograd: Any) -> None:
+    """Sparse gradients: an embedding with ``sparse=True`` on another worker, trained with
+    ``DistributedOptimizer`` (a parameter server's pattern), and sparse tensors that
+    require grad sent as arguments and returned."""
+    table = rpc.remote(_W[1], _sparse_embedding, args=(7,))
+    opt = rpc.DistributedOptimizer(
+        torch.optim.SGD, rpc.rpc_sync(_W[1], _param_rrefs, args=(table,)), lr=0.5
+    )
+    local = _sparse_embedding(7)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.5)
+    grads = []
+    for idx in (torch.tensor([[1, 4, 4], [0, 9, 1]]), torch.tensor([[2, 4]])):
+        with dist_autograd.context() as cid:
+            rows = rpc.rpc_sync(_W[1], _forward, args=(table, idx))
+            dist_autograd.backward(cid, [(rows * rows).sum()])
+            grads += rpc.rpc_sync(_W[1], _grads, args=(table, cid))
+            opt.step(cid)
+        local_opt.zero_grad()
+        (local(idx) * local(idx)).sum().backward()
+        grads.append(local.weight.grad.clone())  # type: ignore[union-attr]
+        local_opt.step()
+    c.true("sparse: an embedding's gradient is sparse", grads[0].layout == torch.sparse_coo)
+    c.close("sparse: an embedding's gradients equal one process", grads[0::2], grads[1::2])
+    params = rpc.rpc_sync(_W[1], _params, args=(table,))
+    c.close("sparse: DistributedOptimizer steps equal one process", params, [local.weight])
+    indices = torch.tensor([[0, 1, 1], [2, 0, 2]])
+    a = torch.sparse_coo_tensor(indices, torch.tensor([1.0, 2.0, 3.0]), (2, 3))
+    b = torch.sparse_coo_tensor(indices[:, :2], torch.tensor([4.0, 5.0]), (2, 3))
+    a.requires_grad_(True)
+    b.requires_grad_(True)
+    with dist_autograd.context() as cid:
+        out = rpc.rpc_sync(_W[2], _sparse_scaled, args=(a, b))
+        c.true("sparse: a returned sparse tensor requires grad", out.requires_grad)
+        dist_autograd.backward(cid, [torch.sparse.sum(out)])
+        got = [dist_autograd.get_gradients(cid)[t] for t in (a, b)]
+    ref = torch.autograd.grad(torch.sparse.sum(_sparse_scaled(a, b)), [a, b])
+    c.close("sparse: gradients of sparse arguments equal one process", got, list(ref))
+
+
 def _errors(c: _Checks, rpc: Any, dist_autograd: Any) -> None:
     t = torch.ones(2, requires_grad=True)
     c.error("backward: unknown context", lambda: dist_autograd.backward(12345, [t.sum()]))
@@ -409,6 +462,7 @@ def _worker(backend: str) -> dict[str, Any] | None:
             _nested_and_callback(c, rpc, dist_autograd)
             _shared(c, rpc, dist_autograd)
             _accumulate(c, rpc, dist_autograd)
+            _sparse(c, rpc, dist_autograd)
             _errors(c, rpc, dist_autograd)
             out = {"checks": c.done, "seen": c.seen}
             names = ("sgd", "adam", "plain")
