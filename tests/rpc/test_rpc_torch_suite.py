@@ -430,3 +430,46 @@ def test_the_calls_through_torchs_api_module_path() -> None:
         assert got == [{"me": True, "infos": [("w0", 0), ("w1", 1)], "sum": 3}] * 2, backend
     with pytest.raises(RuntimeError, match="RPC has not been initialized"):
         rpc.api._get_current_rpc_agent()
+
+
+def _observe(is_set: Any, require: Any) -> list[Any]:
+    """What a program sees of an agent through ``_is_current_rpc_agent_set`` and a helper
+    decorated with ``_require_initialized`` (PyG's distributed module uses both)."""
+
+    @require
+    def helper(x: int) -> int:
+        return x + 1
+
+    try:
+        called: Any = helper(1)
+    except RuntimeError as exc:
+        called = ("RuntimeError", str(exc).startswith("RPC has not been initialized. Call "))
+    return [is_set(), called, helper.__name__]
+
+
+def _agent_set(backend: str) -> dict[str, list[Any]]:
+    import torch.distributed.rpc.api as torch_api
+
+    ours = (rpc.api._is_current_rpc_agent_set, rpc.api._require_initialized)
+    theirs = (torch_api._is_current_rpc_agent_set, torch_api._require_initialized)
+    seen: dict[str, list[Any]] = {"ours": _observe(*ours), "torch": _observe(*theirs)}
+    rank = int(os.environ["RANK"])
+    _init(backend, f"w{rank}", 2)
+    seen["ours"] += _observe(*ours) + [rpc._is_current_rpc_agent_set()]
+    seen["torch"] += _observe(*theirs) + [torch_api._is_current_rpc_agent_set()]
+    rpc.shutdown()
+    seen["ours"] += _observe(*ours)
+    seen["torch"] += _observe(*theirs)
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_is_current_rpc_agent_set_and_require_initialized_behave_as_torchs() -> None:
+    before = [False, ("RuntimeError", True), "helper"]
+    running = [True, 2, "helper", True]
+    for backend in BACKENDS:
+        got = runner_for(backend)(_agent_set, 2, backend, timeout=60, env=ENV)
+        for seen in got:
+            assert seen["ours"] == before + running + before, backend
+            if backend == "TENSORPIPE":  # torch's own functions see torch's own agent
+                assert seen["torch"] == seen["ours"]

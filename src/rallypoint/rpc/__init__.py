@@ -70,7 +70,10 @@ from rallypoint.rpc._registry import (
 )
 from rallypoint.rpc._rref import RRef
 from rallypoint.rpc.api import (
-    _get_current_rpc_agent as _get_current_rpc_agent,  # torch's private helper, as above
+    _get_current_rpc_agent as _get_current_rpc_agent,  # torch's private helpers, as above
+)
+from rallypoint.rpc.api import (
+    _is_current_rpc_agent_set as _is_current_rpc_agent_set,
 )
 from rallypoint.rpc.constants import (
     DEFAULT_INIT_METHOD,
