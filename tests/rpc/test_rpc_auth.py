@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -143,11 +144,31 @@ def _worker_name() -> str:
     return str(rpc.get_worker_info().name)
 
 
+def _init_without_secret() -> tuple[str, float]:
+    rank = int(os.environ["RANK"])
+    opts = rpc.RallypointRpcBackendOptions(rpc_timeout=30)
+    if rank == 1:
+        time.sleep(1.0)  # a worker that starts late: rank 0 (the store's host) is gone
+    started = time.monotonic()
+    try:
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    except rpc.RpcAuthenticationError as exc:
+        return str(exc), time.monotonic() - started
+    rpc.shutdown()
+    return "started", time.monotonic() - started
+
+
 @pytest.mark.timeout(40)
 def test_secret_sources(tmp_path: Any) -> None:
     os.environ.pop("RALLYPOINT_RPC_SECRET", None)
     with pytest.raises(WorkerError, match="no RPC secret: set RALLYPOINT_RPC_SECRET"):
         run_workers(_init_one, 1, timeout=20)
+    # every worker fails before the store exists: none waits for a store host that failed
+    # (rank 0 used to fail after starting the store, and a later rank 1 waited for it for
+    # the whole rpc_timeout)
+    for text, seconds in run_workers(_init_without_secret, 2, timeout=25):
+        assert text.startswith("no RPC secret: set RALLYPOINT_RPC_SECRET"), text
+        assert seconds < 10, seconds
     results = run_workers(
         _init_one, 2, 2, timeout=20, env={"RALLYPOINT_RPC_ALLOW_STORE_SECRET": "1"}
     )

@@ -447,19 +447,30 @@ def _observe(is_set: Any, require: Any) -> list[Any]:
     return [is_set(), called, helper.__name__]
 
 
+def _pyg_style_check() -> bool:
+    """PyG's ``rpc_is_initialized``: torch's C++ function, imported when called."""
+    from torch._C._distributed_rpc import _is_current_rpc_agent_set
+
+    return bool(_is_current_rpc_agent_set())
+
+
 def _agent_set(backend: str) -> dict[str, list[Any]]:
+    import torch.distributed.rpc as torch_rpc
     import torch.distributed.rpc.api as torch_api
 
     ours = (rpc.api._is_current_rpc_agent_set, rpc.api._require_initialized)
     theirs = (torch_api._is_current_rpc_agent_set, torch_api._require_initialized)
     seen: dict[str, list[Any]] = {"ours": _observe(*ours), "torch": _observe(*theirs)}
+    seen["c"] = [_pyg_style_check()]
     rank = int(os.environ["RANK"])
     _init(backend, f"w{rank}", 2)
-    seen["ours"] += _observe(*ours) + [rpc._is_current_rpc_agent_set()]
-    seen["torch"] += _observe(*theirs) + [torch_api._is_current_rpc_agent_set()]
+    seen["ours"] += [*_observe(*ours), rpc._is_current_rpc_agent_set()]
+    seen["torch"] += [*_observe(*theirs), torch_api._is_current_rpc_agent_set()]
+    seen["c"] += [_pyg_style_check(), torch_rpc._is_current_rpc_agent_set()]
     rpc.shutdown()
     seen["ours"] += _observe(*ours)
     seen["torch"] += _observe(*theirs)
+    seen["c"] += [_pyg_style_check()]
     return seen
 
 
@@ -473,3 +484,8 @@ def test_is_current_rpc_agent_set_and_require_initialized_behave_as_torchs() -> 
             assert seen["ours"] == before + running + before, backend
             if backend == "TENSORPIPE":  # torch's own functions see torch's own agent
                 assert seen["torch"] == seen["ours"]
+                assert seen["c"] == [False, True, True, False]
+            else:  # code that asks torch's C++ module at call time sees ours too (PyG);
+                # torch's own modules keep torch's answer (no torch agent runs)
+                assert seen["c"] == [False, True, False, False]
+                assert seen["torch"] == before + before + [False] + before

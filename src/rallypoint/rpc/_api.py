@@ -18,6 +18,7 @@ import torch.distributed.rpc.api as _torch_rpc_api
 
 from rallypoint._core.checks import check_int, check_seconds
 from rallypoint.rpc import _registry
+from rallypoint.rpc._auth import require_secret_source
 from rallypoint.rpc._backend import CURRENT_AGENT
 from rallypoint.rpc._groups import validate_name
 from rallypoint.rpc._options import RallypointRpcBackendOptions, RpcBackendOptions
@@ -126,6 +127,8 @@ def _is_tensorpipe_options(options: Any) -> bool:
 
 def _start(backend: Any, name: str, rank: int, world_size: int | None, options: Any) -> None:
     global _init_counter
+    if isinstance(options, RallypointRpcBackendOptions):
+        require_secret_source(options)
     store, rank, _ = create_store(options.init_method, rank, world_size, float(options.rpc_timeout))
     dist: Any = importlib.import_module("torch.distributed")
     # like torch, each init_rpc of a process uses a fresh key prefix; a failed one does not

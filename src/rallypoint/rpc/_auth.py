@@ -58,10 +58,7 @@ def resolve_secret(options: Any, store: Any) -> bytes:
     env = os.environ.get(RPC_SECRET, "")
     if env:
         return env.encode()
-    allowed = getattr(options, "allow_store_secret", False) or os.environ.get(
-        RPC_ALLOW_STORE_SECRET, ""
-    ) not in ("", "0", "false", "False")
-    if allowed:
+    if _store_secret_allowed(options):
         candidate = secrets.token_hex(32)
         value = store.compare_set(_STORE_SECRET_KEY, "", candidate)
         text = value.decode() if isinstance(value, bytes) else str(value)
@@ -74,7 +71,26 @@ def resolve_secret(options: Any, store: Any) -> bytes:
             RPC_SECRET,
         )
         return text.encode()
-    raise RpcAuthenticationError(
+    raise _no_secret()
+
+
+def require_secret_source(options: Any) -> None:
+    """Raise at once when :func:`resolve_secret` would find no secret: before the store
+    exists, so every worker of a job without one fails now (else the store's host fails
+    after starting the store and the others wait for it until their timeout)."""
+    has_file = getattr(options, "secret_file", None) is not None
+    if not (has_file or os.environ.get(RPC_SECRET, "") or _store_secret_allowed(options)):
+        raise _no_secret()
+
+
+def _store_secret_allowed(options: Any) -> bool:
+    return bool(getattr(options, "allow_store_secret", False)) or os.environ.get(
+        RPC_ALLOW_STORE_SECRET, ""
+    ) not in ("", "0", "false", "False")
+
+
+def _no_secret() -> RpcAuthenticationError:
+    return RpcAuthenticationError(
         f"no RPC secret: set {RPC_SECRET} to the same random value in every worker "
         "(`rallypoint run` does this for you), pass secret_file= in "
         "RallypointRpcBackendOptions, or allow a store-distributed secret with "

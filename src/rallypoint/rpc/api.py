@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
+import torch
 from torch.distributed.rpc.api import _thread_local_var, _wait_all
 
 from rallypoint.rpc._all_gather import all_gather as _all_gather
@@ -42,6 +43,27 @@ def _get_current_rpc_agent() -> RpcAgent:
 def _is_current_rpc_agent_set() -> bool:
     """Whether an agent runs in this process (``init_rpc`` returned, ``shutdown`` not)."""
     return CURRENT_AGENT.peek() is not None
+
+
+def _answer_torchs_agent_check_too() -> None:
+    """Programs that ask torch's C++ module whether an agent runs, at call time (PyG's
+    distributed module: ``from torch._C._distributed_rpc import _is_current_rpc_agent_set``
+    inside its ``rpc_is_initialized``, which decides whether to ``init_rpc`` and whether to
+    ``shutdown``), see rallypoint's agent too. torch's own modules bound the original when
+    they were imported (``torch.distributed.rpc`` is, above), so torch keeps its answer."""
+    module: Any = getattr(torch._C, "_distributed_rpc", None)
+    original = getattr(module, "_is_current_rpc_agent_set", None)
+    if original is None or getattr(original, "rallypoint", False):
+        return
+
+    def is_set() -> bool:
+        return CURRENT_AGENT.peek() is not None or bool(original())
+
+    is_set.rallypoint = True  # type: ignore[attr-defined]
+    module._is_current_rpc_agent_set = is_set
+
+
+_answer_torchs_agent_check_too()
 
 
 def _require_initialized(func: Callable[_P, _R]) -> Callable[_P, _R]:
