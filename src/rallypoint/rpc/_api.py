@@ -127,9 +127,13 @@ def _is_tensorpipe_options(options: Any) -> bool:
 
 def _start(backend: Any, name: str, rank: int, world_size: int | None, options: Any) -> None:
     global _init_counter
-    if isinstance(options, RallypointRpcBackendOptions):
-        require_secret_source(options)
-    store, rank, _ = create_store(options.init_method, rank, world_size, float(options.rpc_timeout))
+
+    def check_secret() -> None:  # every worker without one fails now, none waits for a store
+        if isinstance(options, RallypointRpcBackendOptions):
+            require_secret_source(options)
+
+    timeout = float(options.rpc_timeout)
+    store, rank, _ = create_store(options.init_method, rank, world_size, timeout, check_secret)
     dist: Any = importlib.import_module("torch.distributed")
     # like torch, each init_rpc of a process uses a fresh key prefix; a failed one does not
     # consume it, so a retry meets the other workers' first attempt

@@ -70,17 +70,26 @@ def _launcher_hosts_store(port: str | None) -> bool:
 
 
 def create_store(
-    init_method: str, rank: int, world_size: int | None, timeout: float
+    init_method: str,
+    rank: int,
+    world_size: int | None,
+    timeout: float,
+    before_store: Callable[[], None] = lambda: None,
 ) -> tuple[Any, int, str]:
-    """A c10d store for ``init_method``; returns (store, rank, store host)."""
+    """A c10d store for ``init_method``; returns (store, rank, store host).
+
+    ``before_store`` runs once ``init_method`` is known to be valid, before any store is
+    created or joined: a check that would fail every worker anyway fails them all there."""
     url = urlparse(init_method)
     if url.scheme == "file":
         if rank < 0:
             raise ValueError("init_rpc with file://: rank parameter missing; pass rank=")
         if not url.path:
             raise ValueError(f"init_method {init_method!r} must look like file:///path")
+        before_store()
         return dist.FileStore(url.path, world_size if world_size else -1), rank, "127.0.0.1"
     host, port, rank = _tcp_endpoint(url, init_method, rank)
+    before_store()
     return _tcp_store(host, port, rank, world_size, timeout), rank, host
 
 
