@@ -326,17 +326,40 @@ def test_plain_data_arguments_take_the_plain_or_lean_form() -> None:
     out = _wire.decode(encoded, [r.clone() for r in raws])
     assert out[1][0] == [1, 2] and torch.equal(out[1][1], torch.ones(2))
     deep: Any = [1]
-    for _ in range(5):
+    for _ in range(50):
         deep = [deep]
     for message in (
-        (_func, (deep, torch.ones(2)), {}),
-        (_func, (list(range(65)), torch.ones(2)), {}),
+        (_func, (deep, torch.ones(2)), {}),  # any depth or length: checked by pickling
+        (_func, (list(range(10_000)), torch.ones(2)), {"z": 2j, "f": [len, _func]}),
+        ((deep, {"k": {1, 2}}, torch.ones(2))),  # a reply
     ):
-        encoded, raws = _wire.encode(message)  # too deep or too long to check: general
-        assert (
-            encoded[:1] != b"L"
-            and _wire.decode(encoded, [r.clone() for r in raws])[1][0] == message[1][0]
-        )
+        encoded, raws = _wire.encode(message)
+        assert encoded[:1] == b"L"
+        out = _wire.decode(encoded, [r.clone() for r in raws])
+        if callable(message[0]):
+            assert out[1][0] == message[1][0] and torch.equal(out[1][1], message[1][1])
+            assert out[2] == message[2]
+        else:
+            assert out[:2] == message[:2] and torch.equal(out[2], message[2])
+    for message in (
+        (_func, ([torch.ones(2)], torch.ones(2)), {}),  # a tensor inside: the general form
+        (_func, ({"k": (1, [torch.ones(2)])},), {}),
+        (_func, ([1, object()], torch.ones(2)), {}),  # any other object too
+        ([1, torch.ones(2)], torch.ones(2)),
+    ):
+        encoded, raws = _wire.encode(message)
+        assert encoded[:1] != b"L"
+        out = _wire.decode(encoded, [r.clone() for r in raws])
+        assert len(out) == len(message)
+    for message in (
+        (_func, (deep, [2j, len, _func], {"s": {1}}), {"k": (3,)}),  # data only: plain
+        [deep, {"a": b"x"}],
+        {"k": [1, 2], 3: None},
+    ):
+        encoded, raws = _wire.encode(message)
+        assert raws == [] and encoded[:1] == b"\x80" and _wire.decode(encoded, []) == message
+    encoded, raws = _wire.encode({torch.ones(1).sum().item(): torch.ones(2)})  # a tensor value
+    assert raws and encoded[:1] == b"\x80"  # the general form: its tensor travels raw
 
 
 def test_atomic_calls_use_plain_pickle() -> None:

@@ -1,4 +1,4 @@
-"""The lean wire form of flat messages: only atomic values and whole CPU tensors.
+"""The lean wire form of flat messages: plain data and whole CPU tensors.
 
 Most messages are flat: a call ``(func, args, kwargs)`` whose arguments are numbers,
 strings and tensors (``rpc_sync(to, f, args=(x, 3))``), or a reply of one tensor or a
@@ -17,8 +17,10 @@ in slot order.
 
 A tensor takes this form only if it is exactly a ``torch.Tensor``, strided, on CPU with
 no device map, contiguous, not empty, neither conjugate nor negative, of a listed dtype,
-and the whole of its storage; and no two tensors of the message share a storage. A
-message with anything else (an RRef, a view, a ``Parameter``, a nested container) takes
+and the whole of its storage; and no two tensors of the message share a storage. Slots
+may also hold RRefs and containers of plain data (:func:`dumps_data` checks them by
+pickling them with a pickler that refuses everything else). A message with anything else
+(a view, a ``Parameter``, a tensor or an RRef inside a container, any other object) takes
 the general form, which keeps views' strides and shared storages.
 
 Distributed autograd works as in the general form: ``encode(grad_sink=...)`` collects
@@ -28,6 +30,8 @@ the tensors that require grad (in slot order, which is pickle order), and
 
 from __future__ import annotations
 
+import copyreg
+import io
 import pickle
 import struct
 from collections.abc import Callable
@@ -73,21 +77,49 @@ def _plain(obj: torch.Tensor) -> bool:
     return nbytes > 0 and obj.untyped_storage().nbytes() == nbytes
 
 
-def is_data(obj: Any, atomic: frozenset[type], depth: int = 4) -> bool:
-    """Only atomic values, in tuples, lists and dicts (exactly those types; 4 deep and 64
-    items each at most): nothing in it needs the general form's pickler hook."""
-    kind = type(obj)
-    if kind in atomic:
-        return True
-    if depth == 0:
-        return False
-    if kind is tuple or kind is list:
-        return len(obj) <= _MAX_SLOTS and all(is_data(item, atomic, depth - 1) for item in obj)
-    if kind is dict:
-        return len(obj) <= _MAX_SLOTS and all(
-            type(key) in atomic and is_data(value, atomic, depth - 1) for key, value in obj.items()
-        )
-    return False
+CONTAINERS = frozenset({tuple, list, dict})
+
+
+class _NotData(Exception):
+    """Raised while pickling something only the general form's pickler hook can take."""
+
+
+class _OnlyData(dict[type, Any]):
+    """A pickler's dispatch table that refuses every type it does not list.
+
+    The C pickler takes ``None``, bools, ints, floats, strings, bytes, tuples, lists,
+    dicts, sets, classes and Python functions (by name) without asking its table; it asks
+    for every other type, so a tensor, an RRef or any other object raises ``_NotData``."""
+
+    def __missing__(self, kind: type) -> Any:
+        raise _NotData
+
+
+def _reduce_as_usual(obj: Any) -> Any:
+    return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+_data_picklers: dict[frozenset[type], type[pickle.Pickler]] = {}
+
+
+def dumps_data(obj: Any, functions: frozenset[type]) -> bytes | None:
+    """``obj``'s plain pickle if it holds only data (what the C pickler takes itself,
+    complex numbers, and objects of the types in ``functions``, pickled as usual); ``None``
+    if anything in it needs the general form. Checking costs nothing beyond the pickling:
+    no walk in Python, however deep or long the data."""
+    pickler = _data_picklers.get(functions)
+    if pickler is None:
+        table = _OnlyData({kind: _reduce_as_usual for kind in functions})
+        table[complex] = copyreg.dispatch_table[complex]
+        table[Reduced] = Reduced.__reduce__
+        pickler = type("_DataPickler", (pickle.Pickler,), {"dispatch_table": table})
+        _data_picklers[functions] = pickler
+    buffer = io.BytesIO()
+    try:
+        pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    except _NotData:
+        return None
+    return buffer.getvalue()
 
 
 class Reduced:
@@ -134,9 +166,13 @@ def encode(
     rrefs: list[int] = []
     needs_grad_tensors: list[torch.Tensor] = []
     storages: set[int] = set()
+    nested: list[Any] = []  # containers: data only, or the general form
     for position, item in enumerate(slots):
         item_kind = type(item)
-        if item_kind in atomic or is_data(item, atomic):
+        if item_kind in atomic:
+            continue
+        if item_kind in CONTAINERS:
+            nested.append(item)
             continue
         if item_kind is rref_type and rref_hook is not None and shape != _TENSOR:
             rrefs.append(position)
@@ -155,7 +191,10 @@ def encode(
         raws.append((item.detach() if needs_grad else item).view(-1).view(_RAW))
         positions.append(position)
     if not raws and not rrefs:
-        return None  # atomic only: the plain pickle is leaner still
+        return None  # data only: the plain pickle is leaner still
+    # checked before anything is collected or forked (the general form does that again)
+    if nested and dumps_data(nested, functions) is None:
+        return None
     # only now: a message that falls back to the general form collects its tensors there
     if grad_sink is not None:
         grad_sink.extend(needs_grad_tensors)

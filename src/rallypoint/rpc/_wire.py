@@ -250,21 +250,31 @@ _PLAIN_FUNCTIONS: frozenset[type] = frozenset({type(len), type(_send_device)})
 _LEAN_FUNCTIONS = _PLAIN_FUNCTIONS | {BuiltinOp}
 
 
-def _is_simple(obj: Any) -> bool:
-    """A call or reply with only atomic values (no tensors, no RRefs), maybe in tuples, lists
-    and dicts, pickles directly."""
+def _plain_pickle(obj: Any) -> bytes | None:
+    """The plain pickle of a call or reply that holds only data (no tensors, no RRefs: see
+    :func:`_lean.dumps_data`); ``None`` otherwise.
+
+    A call's arguments are looked at in Python first: a tensor or another object among
+    them means no, without pickling anything; containers among them are checked by
+    pickling. A reply that is a container is checked by pickling it."""
     kind = type(obj)
     if kind in _ATOMIC:
-        return True
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     if kind is tuple and len(obj) == 3 and type(obj[1]) is tuple and type(obj[2]) is dict:
-        func, args, kwargs = obj
-        if type(func) not in _PLAIN_FUNCTIONS:
-            return False
-        for a in args:
-            if type(a) not in _ATOMIC and not _lean.is_data(a, _ATOMIC):
-                return False
-        return not kwargs or all(_lean.is_data(v, _ATOMIC) for v in kwargs.values())
-    return False
+        if type(obj[0]) not in _PLAIN_FUNCTIONS:
+            return None
+        nested = False
+        for item in (*obj[1], *obj[2].values()):
+            item_kind = type(item)
+            if item_kind in _lean.CONTAINERS:
+                nested = True
+            elif item_kind not in _ATOMIC:
+                return None
+        if not nested:
+            return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    elif kind not in _lean.CONTAINERS:
+        return None
+    return _lean.dumps_data(obj, _PLAIN_FUNCTIONS)
 
 
 def encode(
@@ -280,8 +290,9 @@ def encode(
 
     ``grad_sink``, if given, receives every tensor that requires grad (dense or sparse), in order.
     """
-    if _is_simple(obj):
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), []
+    plain = _plain_pickle(obj)
+    if plain is not None:
+        return plain, []
     if not device_map:
         lean = _lean.encode(obj, _ATOMIC, _LEAN_FUNCTIONS, grad_sink, rref_type, rref_hook)
         if lean is not None:
