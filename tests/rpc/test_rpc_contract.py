@@ -15,7 +15,7 @@ from rallypoint.testing._workers import run_workers
 @pytest.mark.parametrize("backend", ["RALLYPOINT", "TENSORPIPE"])
 def test_rpc_contract(backend: str) -> None:
     results = run_rpc_contract(backend)
-    assert len(results[0]) == 39, results[0]
+    assert len(results[0]) == 42, results[0]
     assert results[1] == [] and results[2] == []
 
 

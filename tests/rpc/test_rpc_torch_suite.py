@@ -489,3 +489,55 @@ def test_is_current_rpc_agent_set_and_require_initialized_behave_as_torchs() -> 
                 # torch's own modules keep torch's answer (no torch agent runs)
                 assert seen["c"] == [False, True, False, False]
                 assert seen["torch"] == before + before + [False] + before
+
+
+def _pyrref_class() -> Any:
+    """torch's C++ RRef class as torchrl reads it: the module attribute, at call time."""
+    return torch._C._distributed_rpc.PyRRef
+
+
+def _pyrref_checks(backend: str) -> dict[str, Any]:
+    import torch.distributed.rpc as torch_rpc
+
+    original = torch_rpc.PyRRef  # torch's modules bound it at import
+    out: dict[str, Any] = {"before": _pyrref_class() is original}
+    rank = int(os.environ["RANK"])
+    _init(backend, f"w{rank}", 2)
+    rref = rpc.remote("w1", torch.add, args=(torch.ones(2), 1))
+    local = rpc.RRef(3)
+    now = _pyrref_class()
+    out["isinstance"] = [
+        isinstance(r, cls) for r in (rref, local) for cls in (now, rpc.RRef, rpc.PyRRef)
+    ]
+    out["not others"] = [isinstance(x, (now, rpc.RRef)) for x in (1, "s", None)]
+    out["issubclass"] = issubclass(type(rref), now) and issubclass(type(rref), rpc.RRef)
+    out["exact torch type"] = type(rref) is now  # torchrl's own test asserts this on torch
+    # anything else goes to torch's class: making one needs torch's agent
+    out["deserialize"] = now._deserialize is original._deserialize
+    try:
+        now(1)
+        out["make"] = "made"
+    except RuntimeError as exc:
+        out["make"] = "agent is not set" in str(exc) if backend == "RALLYPOINT" else "made?"
+    if backend == "TENSORPIPE":
+        out["make"] = isinstance(now(1), original)
+    out["torch modules keep theirs"] = torch_rpc.PyRRef is original
+    del rref, local
+    rpc.shutdown()
+    out["after"] = _pyrref_class() is original
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_isinstance_of_torchs_rref_classes_holds_for_both_backends_rrefs() -> None:
+    """torchrl recognises an RRef by ``isinstance(x, torch._C._distributed_rpc.PyRRef)``
+    (``accept_remote_rref_invocation``): true of rallypoint's RRefs while its agent runs,
+    and torch's class itself whenever torch's agent runs."""
+    for backend in BACKENDS:
+        got = runner_for(backend)(_pyrref_checks, 2, backend, timeout=60, env=ENV)
+        for seen in got:
+            assert seen["before"] and seen["after"] and seen["torch modules keep theirs"]
+            assert seen["isinstance"] == [True] * 6, backend
+            assert seen["not others"] == [False] * 3
+            assert seen["issubclass"] and seen["deserialize"] and seen["make"] is True
+            assert seen["exact torch type"] is (backend == "TENSORPIPE")

@@ -69,6 +69,7 @@ from rallypoint.rpc._registry import (
     register_backend,
 )
 from rallypoint.rpc._rref import RRef
+from rallypoint.rpc._rref import RRef as PyRRef  # torch's rpc.PyRRef: its RRefs' own class
 from rallypoint.rpc.api import (
     _get_current_rpc_agent as _get_current_rpc_agent,  # torch's private helpers, as above
 )
@@ -96,6 +97,7 @@ __all__ = [
     "BackendType",
     "BackendValue",
     "DistributedOptimizer",
+    "PyRRef",
     "RRef",
     "RallypointRpcBackendOptions",
     "RpcAgent",

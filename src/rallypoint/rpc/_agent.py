@@ -51,6 +51,7 @@ from rallypoint.rpc._rref import RRef, remote_rref
 from rallypoint.rpc._rref_table import CURRENT_TABLE, RRefTable
 from rallypoint.rpc._shm import SegmentPool
 from rallypoint.rpc._store import hosts_store, store_host
+from rallypoint.rpc._torch_names import hold_pyrref, release_pyrref
 from rallypoint.rpc._transport import Connection
 from rallypoint.rpc.constants import UNSET_RPC_TIMEOUT
 
@@ -343,6 +344,7 @@ class RallypointAgent(RpcAgent):
         CURRENT_TABLE.set(self.rrefs)
         CURRENT_GROUP.set(self.group)
         CURRENT_AUTOGRAD.set(self.autograd)
+        hold_pyrref()  # isinstance(rref, torch's PyRRef) holds for ours (see _torch_names)
         try:
             self.group.join(self.record(), timeout)
         except BaseException:
@@ -399,6 +401,7 @@ class RallypointAgent(RpcAgent):
         CURRENT_TABLE.clear(self.rrefs)
         CURRENT_GROUP.clear(self.group)
         CURRENT_AUTOGRAD.clear(self.autograd)
+        release_pyrref()
         self.autograd.close()
         self.group.close()
 

@@ -25,6 +25,7 @@ from rallypoint.rpc._shm import RemoteSegments, SegmentPool
 _BUFFER = 1 << 18
 _IOV_MAX = 512
 _ANC = socket.CMSG_SPACE(253 * 4)
+_CTRUNC = int(socket.MSG_CTRUNC)  # an int: ``flags & IntFlag`` runs enum code in Python
 
 
 @dataclass(slots=True)
@@ -60,7 +61,7 @@ class FrameReader:
                     fds = array.array("i")
                     fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
                     self.fds.extend(fds)
-            if flags & socket.MSG_CTRUNC:
+            if flags & _CTRUNC:
                 raise RpcProtocolError("file descriptors were truncated on the connection")
         if n == 0:
             raise EOFError("peer closed the connection")

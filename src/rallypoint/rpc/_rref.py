@@ -64,11 +64,29 @@ def _unique_id(worker: str, number: int) -> str:
     return f"GloballyUniqueId(created_on={created_on}, local_id={number})"
 
 
-class RRef(Generic[T]):
+_TORCH_RREF: Any = getattr(getattr(torch._C, "_distributed_rpc", None), "PyRRef", None)
+
+
+class _RRefType(type):
+    """``isinstance(x, rpc.RRef)`` holds for torch's RRefs too: the TENSORPIPE backend's
+    calls return them, as torch's ``rpc.remote`` does."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return type.__instancecheck__(cls, obj) or (
+            _TORCH_RREF is not None and isinstance(obj, _TORCH_RREF)
+        )
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return type.__subclasscheck__(cls, sub) or (
+            _TORCH_RREF is not None and issubclass(sub, _TORCH_RREF)
+        )
+
+
+class RRef(Generic[T], metaclass=_RRefType):
     """A reference to a value owned by one worker (``torch.distributed.rpc.RRef``'s API).
 
     ``RRef(value)`` makes a local RRef owned by this worker; ``remote()`` returns one owned
-    by the callee.
+    by the callee. ``isinstance(x, RRef)`` is true of torch's RRefs as well.
     """
 
     __slots__ = ("__weakref__", "_confirmed", "_fork", "_id", "_owner", "_table", "_type")

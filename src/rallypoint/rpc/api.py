@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
-import torch
 from torch.distributed.rpc.api import _thread_local_var, _wait_all
 
 from rallypoint.rpc._all_gather import all_gather as _all_gather
@@ -25,6 +24,7 @@ from rallypoint.rpc._all_gather import wait_all_workers as _wait_all_workers
 from rallypoint.rpc._api import get_worker_info, remote, rpc_async, rpc_sync, shutdown
 from rallypoint.rpc._backend import CURRENT_AGENT, RpcAgent
 from rallypoint.rpc._rref import RRef
+from rallypoint.rpc._torch_names import answer_agent_check_too
 
 __all__ = ["RRef", "get_worker_info", "remote", "rpc_async", "rpc_sync", "shutdown"]
 __all__ += ["_get_current_rpc_agent", "_thread_local_var", "_wait_all"]
@@ -45,25 +45,8 @@ def _is_current_rpc_agent_set() -> bool:
     return CURRENT_AGENT.peek() is not None
 
 
-def _answer_torchs_agent_check_too() -> None:
-    """Programs that ask torch's C++ module whether an agent runs, at call time (PyG's
-    distributed module: ``from torch._C._distributed_rpc import _is_current_rpc_agent_set``
-    inside its ``rpc_is_initialized``, which decides whether to ``init_rpc`` and whether to
-    ``shutdown``), see rallypoint's agent too. torch's own modules bound the original when
-    they were imported (``torch.distributed.rpc`` is, above), so torch keeps its answer."""
-    module: Any = getattr(torch._C, "_distributed_rpc", None)
-    original = getattr(module, "_is_current_rpc_agent_set", None)
-    if original is None or getattr(original, "rallypoint", False):
-        return
-
-    def is_set() -> bool:
-        return CURRENT_AGENT.peek() is not None or bool(original())
-
-    is_set.rallypoint = True  # type: ignore[attr-defined]
-    module._is_current_rpc_agent_set = is_set
-
-
-_answer_torchs_agent_check_too()
+# programs that ask torch's C++ module at call time see rallypoint's agent too
+answer_agent_check_too()
 
 
 def _require_initialized(func: Callable[_P, _R]) -> Callable[_P, _R]:

@@ -15,6 +15,7 @@ return the same results.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -67,6 +68,20 @@ def _confirmed(rref: Any) -> bool:
     return bool(rref.confirmed_by_owner())
 
 
+def _self_from_rref(method: Callable[..., Any]) -> Callable[..., Any]:
+    """What torchrl's ``accept_remote_rref_invocation`` does: a method called on the owner
+    with an RRef in place of ``self`` (``rpc_sync(rref.owner(), Class.method, args=(rref,
+    ...))``) runs on its value. It tells RRefs apart by torch's C++ class, at call time."""
+
+    @functools.wraps(method)
+    def unwrap(self: Any, *args: Any) -> Any:
+        if isinstance(self, torch._C._distributed_rpc.PyRRef):
+            self = self.local_value()
+        return method(self, *args)
+
+    return unwrap
+
+
 class _Counter:
     def __init__(self, start: int) -> None:
         self.value = start
@@ -77,6 +92,10 @@ class _Counter:
 
     def get(self) -> int:
         return self.value
+
+    @_self_from_rref
+    def bump(self, k: int) -> int:
+        return self.add(k)
 
 
 @torch.jit.script
@@ -177,6 +196,10 @@ def _rref_checks(check: Callable[[str, bool], None], me: str) -> None:
     except AttributeError as exc:
         check("remote proxy missing method", "has no attribute 'no_such_method'" in str(exc))
     check("rref to_here copy", rref.to_here().value == 10)
+    check("rref isinstance RRef, PyRRef", isinstance(rref, rpc.RRef | rpc.PyRRef))
+    torch_class = torch._C._distributed_rpc.PyRRef
+    check("rref isinstance torch's PyRRef", isinstance(rref, torch_class))
+    check("rref as self on owner", rpc.rpc_sync(rref.owner(), _Counter.bump, (rref, 0)) == 10)
     check("rref fork to third worker", rpc.rpc_sync("worker2", _fetch, args=(rref,)).value == 10)
     # torch runs a call once the RRefs forked into its arguments are confirmed by the owner
     check("forked rref confirmed in call", rpc.rpc_sync("worker2", _confirmed, args=(rref,)))

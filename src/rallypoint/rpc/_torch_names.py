@@ -1,0 +1,89 @@
+"""Names of torch's C++ RPC module that programs look up when they run, made to answer for
+rallypoint's agent too.
+
+torch's own modules bound these names when they were imported (``rallypoint.rpc``
+imports ``torch.distributed.rpc`` before anything here runs), so torch keeps its own
+answers; only code that reads the attribute of ``torch._C._distributed_rpc`` at call time
+sees rallypoint's:
+
+- ``_is_current_rpc_agent_set()`` is true while either agent runs (wrapped at import).
+  PyG's ``rpc_is_initialized`` asks it to decide whether to ``init_rpc`` and ``shutdown``.
+- ``PyRRef``, while rallypoint's own agent runs, is a stand-in class: ``isinstance(x,
+  PyRRef)`` holds for rallypoint's RRefs as for torch's. torchrl's
+  ``accept_remote_rref_invocation`` unwraps ``self`` with that check, for the idiom
+  ``rpc_sync(rref.owner(), Class.method, args=(rref, ...))``. Anything else (making one,
+  ``PyRRef._deserialize``) goes to torch's class. torch's class is put back when the
+  agent closes, so ``type(rref) is PyRRef`` holds for torch's RRefs whenever torch's own
+  agent runs (rallypoint's TENSORPIPE backend included).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from rallypoint.rpc._backend import CURRENT_AGENT
+from rallypoint.rpc._rref import RRef
+
+_MODULE: Any = getattr(torch._C, "_distributed_rpc", None)
+_TORCH_PYRREF: Any = getattr(_MODULE, "PyRRef", None)
+_lock = threading.Lock()
+_holders = 0  # rallypoint agents running now (one per process, but starts and closes race)
+
+
+def answer_agent_check_too() -> None:
+    """Wrap torch's ``_is_current_rpc_agent_set``: true while either agent runs."""
+    original = getattr(_MODULE, "_is_current_rpc_agent_set", None)
+    if original is None or getattr(original, "rallypoint", False):
+        return
+
+    def is_set() -> bool:
+        return CURRENT_AGENT.peek() is not None or bool(original())
+
+    is_set.rallypoint = True  # type: ignore[attr-defined]
+    _MODULE._is_current_rpc_agent_set = is_set
+
+
+class _StandInType(type):
+    """The stand-in's type: checks accept both RRef classes; the rest is torch's class."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, (_TORCH_PYRREF, RRef))
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, (_TORCH_PYRREF, RRef))
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return _TORCH_PYRREF(*args, **kwargs)
+
+    def __getattr__(cls, name: str) -> Any:
+        return getattr(_TORCH_PYRREF, name)
+
+
+class PyRRef(metaclass=_StandInType):
+    """Stands for ``torch._C._distributed_rpc.PyRRef`` while rallypoint's agent runs."""
+
+
+def hold_pyrref() -> None:
+    """rallypoint's agent starts: ``torch._C._distributed_rpc.PyRRef`` is the stand-in."""
+    global _holders
+    if _TORCH_PYRREF is None:
+        return
+    with _lock:
+        _holders += 1
+        _MODULE.PyRRef = PyRRef
+
+
+def release_pyrref() -> None:
+    """rallypoint's agent closed: torch's class is back once no agent holds the stand-in."""
+    global _holders
+    if _TORCH_PYRREF is None:
+        return
+    with _lock:
+        if _holders == 0:
+            return
+        _holders -= 1
+        if _holders == 0:
+            _MODULE.PyRRef = _TORCH_PYRREF
