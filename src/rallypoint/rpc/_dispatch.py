@@ -19,8 +19,6 @@ import logging
 import pickle
 import sys
 import threading
-import traceback
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +31,7 @@ from rallypoint.rpc._codec import Codec
 from rallypoint.rpc._errors import RpcError
 from rallypoint.rpc._framing import Frame
 from rallypoint.rpc._groups import WorkerInfo
-from rallypoint.rpc._remote_errors import catchable_as_torch, has_plain_errors, with_type_name
+from rallypoint.rpc._remote_errors import ErrorReply, has_plain_errors
 from rallypoint.rpc._rref import collect_confirmations
 from rallypoint.rpc._transport import Connection
 from rallypoint.rpc.functions import is_async_execution, no_future_error
@@ -44,61 +42,6 @@ _CALL = _wire.FrameKind.CALL
 _REPLY = _wire.FrameKind.REPLY
 _ERROR = _wire.FrameKind.ERROR
 _ONEWAY = _wire.FrameKind.ONEWAY
-
-
-@dataclass(frozen=True, slots=True)
-class ErrorReply:
-    """An ERROR frame: the remote exception as torch's text, and its pickled type."""
-
-    text: str
-    exc_type: bytes  # b"" when the type could not be pickled (then text names it)
-    type_name: bool = True  # raised with the type's name in front of the text (torch's future)
-
-    @classmethod
-    def of(cls, where: WorkerInfo, exc: BaseException, type_name: bool = True) -> ErrorReply:
-        text = remote_error_text(repr(where), exc)
-        try:
-            return cls(text, pickle.dumps(type(exc)), type_name)
-        except Exception:
-            return cls(f"{type(exc).__qualname__}: {text}", b"", type_name)
-
-    def rebuild(self) -> BaseException:
-        """The exception to raise on the caller (its own type when that can be rebuilt)."""
-        exc = self._rebuilt()
-        return with_type_name(exc) if self.type_name else exc
-
-    def _rebuilt(self) -> BaseException:
-        kind: Any = None
-        if self.exc_type:
-            try:
-                kind = pickle.loads(self.exc_type)
-            except Exception:
-                kind = None
-        text = _unescaped(self.text)
-        if not (isinstance(kind, type) and issubclass(kind, BaseException)):
-            return RuntimeError(text)
-        try:
-            return catchable_as_torch(kind)(text)
-        except BaseException as exc:
-            return RuntimeError(
-                f"Failed to create original exception type. Error msg was {exc}"
-                f" Original exception on remote side was {text}"
-            )
-
-
-def _unescaped(text: str) -> str:
-    """The text with the escapes of its ``repr`` line undone (``\\n`` is a new line), as
-    torch's caller does; characters beyond Latin-1 survive, unlike in torch."""
-    try:
-        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
-    except UnicodeDecodeError:  # a lone backslash: keep the text as it came
-        return text
-
-
-def remote_error_text(where: str, exc: BaseException) -> str:
-    """torch's remote exception text: where it happened, repr, and the traceback."""
-    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return f"On {where}:\n{exc!r}\n{trace}"
 
 
 class Dispatcher:

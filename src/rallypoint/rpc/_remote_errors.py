@@ -16,9 +16,15 @@ was rebuilt, with no name in front (functions marked with :func:`plain_errors`).
 
 from __future__ import annotations
 
+import pickle
 import threading
+import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from rallypoint.rpc._groups import WorkerInfo
 
 _TORCH_KEEPS = (RuntimeError, ValueError, TypeError)
 _cache: dict[tuple[type[BaseException], bool], type[BaseException]] = {}
@@ -90,3 +96,58 @@ def _combined(kind: type[BaseException], *, plain_str: bool) -> type[BaseExcepti
                 combined = kind
             _cache[(kind, plain_str)] = combined
     return combined
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """An ERROR frame: the remote exception as torch's text, and its pickled type."""
+
+    text: str
+    exc_type: bytes  # b"" when the type could not be pickled (then text names it)
+    type_name: bool = True  # raised with the type's name in front of the text (torch's future)
+
+    @classmethod
+    def of(cls, where: WorkerInfo, exc: BaseException, type_name: bool = True) -> ErrorReply:
+        text = remote_error_text(repr(where), exc)
+        try:
+            return cls(text, pickle.dumps(type(exc)), type_name)
+        except Exception:
+            return cls(f"{type(exc).__qualname__}: {text}", b"", type_name)
+
+    def rebuild(self) -> BaseException:
+        """The exception to raise on the caller (its own type when that can be rebuilt)."""
+        exc = self._rebuilt()
+        return with_type_name(exc) if self.type_name else exc
+
+    def _rebuilt(self) -> BaseException:
+        kind: Any = None
+        if self.exc_type:
+            try:
+                kind = pickle.loads(self.exc_type)
+            except Exception:
+                kind = None
+        text = _unescaped(self.text)
+        if not (isinstance(kind, type) and issubclass(kind, BaseException)):
+            return RuntimeError(text)
+        try:
+            return catchable_as_torch(kind)(text)
+        except BaseException as exc:
+            return RuntimeError(
+                f"Failed to create original exception type. Error msg was {exc}"
+                f" Original exception on remote side was {text}"
+            )
+
+
+def _unescaped(text: str) -> str:
+    """The text with the escapes of its ``repr`` line undone (``\\n`` is a new line), as
+    torch's caller does; characters beyond Latin-1 survive, unlike in torch."""
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError:  # a lone backslash: keep the text as it came
+        return text
+
+
+def remote_error_text(where: str, exc: BaseException) -> str:
+    """torch's remote exception text: where it happened, repr, and the traceback."""
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return f"On {where}:\n{exc!r}\n{trace}"

@@ -37,6 +37,7 @@ from rallypoint.rpc._autograd_checks import check_context_id
 from rallypoint.rpc._backend import CURRENT_AGENT
 from rallypoint.rpc._errors import RpcError
 from rallypoint.rpc._groups import WorkerInfo
+from rallypoint.rpc._remote_errors import ErrorReply
 from rallypoint.rpc._rref_table import (
     CURRENT_TABLE,
     RRefId,
@@ -163,7 +164,10 @@ class RRef(Generic[T], metaclass=_RRefType):
                 f"localValue() on user {self._table.me}. Call it on owner {self._owner}, "
                 "or use to_here() to copy the value to this worker"
             )
-        value: T = self._table.owned.entry(self._id).future.wait()
+        try:
+            value: T = self._table.owned.entry(self._id).future.wait()
+        except Exception as exc:  # a failed creation: torch's text, as a remote caller's
+            raise ErrorReply.of(self._table.me, exc, type_name=False).rebuild() from None
         return value
 
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:
@@ -197,7 +201,9 @@ class RRef(Generic[T], metaclass=_RRefType):
             raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
         args = (self._id, check_context_id(dist_autograd_ctx_id), retain_graph)
         caller = self._table.caller
-        caller.rpc_sync(self._owner, _owner_backward, args, {}, UNSET_RPC_TIMEOUT)
+        error = caller.rpc_sync(self._owner, _owner_backward, args, {}, UNSET_RPC_TIMEOUT)
+        if error is not None:  # torch raises the owner's text as it is
+            raise RuntimeError(error)
 
     def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """Proxy: ``rref.rpc_sync().method(*a)`` runs ``method`` on the owner's value."""
@@ -264,10 +270,15 @@ def _backward_from(value: Any, context_id: int, retain_graph: bool) -> None:
         CURRENT_AUTOGRAD.get().backward(check_context_id(context_id), [value], retain_graph)
 
 
-def _owner_backward(rref_id: RRefId, context_id: int, retain_graph: bool) -> None:
-    """On the owner: ``RRef.backward`` of a user RRef."""
-    value = CURRENT_TABLE.get().owned.entry(rref_id).future.wait()
-    _backward_from(value, context_id, retain_graph)
+def _owner_backward(rref_id: RRefId, context_id: int, retain_graph: bool) -> str | None:
+    """On the owner: ``RRef.backward`` of a user RRef; the error's text, if it failed
+    (torch's caller raises it as a ``RuntimeError`` with no remote-error wrapping)."""
+    try:
+        value = CURRENT_TABLE.get().owned.entry(rref_id).future.wait()
+        _backward_from(value, context_id, retain_graph)
+    except Exception as exc:
+        return str(exc)
+    return None
 
 
 class _Via(enum.Enum):
