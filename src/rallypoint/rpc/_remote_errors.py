@@ -1,4 +1,5 @@
-"""The type of a remote exception on the caller: its own, and torch's where they differ.
+"""A remote exception on the caller: its type (its own, and torch's where they differ) and
+torch's text (:class:`ErrorReply`, also used for an error stored on an RRef's owner).
 
 torch's ``rpc_sync``/``rpc_async`` raise a remote ``ValueError`` or ``TypeError`` as
 that type, and every other remote exception as ``RuntimeError`` (its C++ future keeps
