@@ -83,6 +83,8 @@ def _script_targets(rpc_: Any, autograd: Any) -> dict[str, Any]:
             "values": [v.tolist() for v in (a, b, c)],
             "grads": [grads[t1].tolist(), grads[t2].tolist()],
             "node": a.grad_fn.name(),
+            "node_type": type(a.grad_fn).__name__,
+            "repr": repr(a),
         }
 
 
@@ -220,6 +222,10 @@ def test_torchscript_functions_are_call_targets_as_in_torch(
 ) -> None:
     ours, theirs = runs["RALLYPOINT"]["script"], runs["TENSORPIPE"]["script"]
     assert ours["node"] == theirs["node"] == "torch::distributed::autograd::RecvRpcBackward"
+    # a received tensor prints as torch's: grad_fn=<RecvRpcBackward>
+    assert ours["node_type"] == theirs["node_type"] == "CppFunction"
+    assert "grad_fn=<RecvRpcBackward>" in theirs["repr"]
+    assert ours["repr"] == theirs["repr"]
     for key in ("values", "grads"):
         for mine, torchs in zip(ours[key], theirs[key], strict=True):
             torch.testing.assert_close(torch.tensor(mine), torch.tensor(torchs))

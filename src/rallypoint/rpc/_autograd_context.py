@@ -40,6 +40,19 @@ class _RecvRpc(torch.autograd.Function):
 RecvRpc: type[_RecvRpc] = type(
     "torch::distributed::autograd::RecvRpc", (_RecvRpc,), {"__module__": __name__}
 )
+_RECV_NAME = "torch::distributed::autograd::RecvRpcBackward"
+
+
+def _recv_name(node: Any) -> str:
+    return _RECV_NAME
+
+
+# torch's node is a C++ one: Python sees its type as ``CppFunction`` and its name() as
+# above, so a received tensor prints ``grad_fn=<RecvRpcBackward>`` (torch's repr shortens
+# the names of CppFunction nodes only)
+_backward_cls: Any = RecvRpc._backward_cls
+_backward_cls.__name__ = _backward_cls.__qualname__ = "CppFunction"
+_backward_cls.name = _recv_name
 
 
 class RecvRecord(NamedTuple):
