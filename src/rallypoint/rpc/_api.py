@@ -17,7 +17,7 @@ import torch
 import torch.distributed.rpc.api as _torch_rpc_api
 
 from rallypoint._core.checks import check_int, check_seconds
-from rallypoint.rpc import _registry
+from rallypoint.rpc import _registry, _rref
 from rallypoint.rpc._auth import require_secret_source
 from rallypoint.rpc._backend import CURRENT_AGENT
 from rallypoint.rpc._groups import validate_name
@@ -209,6 +209,10 @@ def remote(
     if not callable(func):
         raise TypeError("function should be callable.")
     return agent.remote(to, func, *_check_args(args, kwargs), timeout)
+
+
+# what RRef.rpc_sync() / rpc_async() / remote() proxies call, as torch's RRefProxy
+_rref.PROXY_APIS.update(rpc_sync=rpc_sync, rpc_async=rpc_async, remote=remote)
 
 
 def get_worker_info(worker_name: str | int | None = None) -> Any:

@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeAlias
 import torch
 
 from rallypoint.rpc._current import Current
+from rallypoint.rpc._device_maps import to_device_map
 
 Func: TypeAlias = Callable[..., Any]
 Args: TypeAlias = tuple[Any, ...]
@@ -92,6 +93,17 @@ class RpcAgent(abc.ABC):
         """
         maps = getattr(getattr(self, "options", None), "device_maps", None) or {}
         return dict(maps.get(worker_name, {}))
+
+    def _get_device_map(self, dst: Any) -> dict[torch.device, torch.device]:
+        """torch's private agent method (torch's ``RemoteModule`` and PiPPy call it): the
+        device map for calls to ``dst``, a ``WorkerInfo`` (empty: none)."""
+        name = getattr(dst, "name", None)
+        if not isinstance(name, str):
+            raise TypeError(
+                "_get_device_map(): incompatible function arguments: expected a WorkerInfo, "
+                f"got {type(dst).__name__}"
+            )
+        return to_device_map(self.device_map_to(name))
 
 
 CURRENT_AGENT: Current[RpcAgent] = Current()

@@ -22,7 +22,6 @@ values it owns, and a :class:`~rallypoint.rpc._backend.Caller` to reach the othe
 
 from __future__ import annotations
 
-import enum
 import functools
 import threading
 import weakref
@@ -207,15 +206,15 @@ class RRef(Generic[T], metaclass=_RRefType):
 
     def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """Proxy: ``rref.rpc_sync().method(*a)`` runs ``method`` on the owner's value."""
-        return _Proxy(self, _Via.SYNC, timeout)
+        return _Proxy(self, PROXY_APIS["rpc_sync"], timeout)
 
     def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """Proxy returning futures: ``rref.rpc_async().method(*a).wait()``."""
-        return _Proxy(self, _Via.ASYNC, timeout)
+        return _Proxy(self, PROXY_APIS["rpc_async"], timeout)
 
     def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """Proxy returning RRefs owned by this RRef's owner."""
-        return _Proxy(self, _Via.REMOTE, timeout)
+        return _Proxy(self, PROXY_APIS["remote"], timeout)
 
     def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
         """The type of the value (torch's private helper; its proxies use it): asked of the
@@ -281,37 +280,37 @@ def _owner_backward(rref_id: RRefId, context_id: int, retain_graph: bool) -> str
     return None
 
 
-class _Via(enum.Enum):
-    """How a proxy call on an RRef's value returns: its result, a future, or an RRef."""
-
-    SYNC = "rpc_sync"
-    ASYNC = "rpc_async"
-    REMOTE = "remote"
+PROXY_APIS: dict[str, Callable[..., Any]] = {}
+"""The public ``rpc_sync``, ``rpc_async`` and ``remote`` by name (:mod:`._api` puts them
+here): the ``rpc_api`` of the proxies that ``RRef.rpc_sync()`` and the others return."""
 
 
 class _Proxy:
-    __slots__ = ("_rref", "_timeout", "_via")
+    """torch's ``RRefProxy``: a plain object whose attributes are torch's (``rref``,
+    ``rpc_api``, ``rpc_timeout``, so ``vars()`` and ``__getstate__()`` answer as torch's);
+    any other name is a method of the value, run on its owner through ``rpc_api``."""
 
-    def __init__(self, rref: RRef[Any], via: _Via, timeout: float) -> None:
-        self._rref = rref
-        self._via = via
-        self._timeout = timeout
+    def __init__(self, rref: RRef[Any], rpc_api: Callable[..., Any], timeout: float) -> None:
+        self.rref = rref
+        self.rpc_api = rpc_api
+        self.rpc_timeout = timeout
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        return functools.partial(_proxy_call, self._rref, self._via, name, self._timeout)
+        return functools.partial(_proxy_call, self.rref, self.rpc_api, name, self.rpc_timeout)
 
 
 def _proxy_call(
-    rref: RRef[Any], via: _Via, name: str, timeout: float, *args: Any, **kwargs: Any
+    rref: RRef[Any],
+    rpc_api: Callable[..., Any],
+    name: str,
+    timeout: float,
+    *args: Any,
+    **kwargs: Any,
 ) -> Any:
-    caller = rref._table.caller
-    call_args = (rref, name, args, kwargs)
-    if via is _Via.REMOTE:
+    if rpc_api is PROXY_APIS["remote"]:
         getattr(rref._get_type(timeout), name)  # as torch's: a missing method raises here
-        return caller.remote(rref.owner(), owner_invoke, call_args, {}, timeout)
-    if via is _Via.SYNC:
-        return caller.rpc_sync(rref.owner(), owner_invoke, call_args, {}, timeout)
-    return caller.rpc_async(rref.owner(), owner_invoke, call_args, {}, timeout)
+    # as torch's: through the public call, so rpc_async futures join rpc.api._wait_all()
+    return rpc_api(rref.owner(), owner_invoke, args=(rref, name, args, kwargs), timeout=timeout)
 
 
 def remote_rref(
