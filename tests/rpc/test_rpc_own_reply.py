@@ -153,27 +153,6 @@ def test_sync_calls_read_their_own_replies_and_no_reply_is_lost() -> None:
     assert out["callback"] == (5, 7)
 
 
-def test_spin_policy_backs_off_after_failed_spins_and_recovers() -> None:
-    from rallypoint.rpc._spin import SpinPolicy
-
-    assert not any(SpinPolicy(0.0).choose() for _ in range(5))  # busy_poll_us=0
-    policy = SpinPolicy(0.0002)
-    assert all(policy.choose() for _ in range(5))
-    policy.record(False)  # the next call sleeps, then spinning resumes
-    assert [policy.choose() for _ in range(2)] == [False, True]
-    policy.record(False)  # a second failure in a row: two calls sleep
-    assert [policy.choose() for _ in range(3)] == [False, False, True]
-    policy.record(True)
-    policy.record(False)  # one success halved the back-off: two calls sleep again
-    assert [policy.choose() for _ in range(3)] == [False, False, True]
-    for _ in range(20):
-        policy.record(False)
-    skipped = 0
-    while not policy.choose():
-        skipped += 1
-    assert skipped == SpinPolicy.MAX_SKIP  # capped: a busy machine is still re-tried
-
-
 class _Interrupt(Exception):
     pass
 

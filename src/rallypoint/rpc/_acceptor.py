@@ -37,6 +37,7 @@ from typing import Any
 
 from rallypoint.rpc._auth import ServerHandshake
 from rallypoint.rpc._errors import RpcError
+from rallypoint.rpc._spin import WAITS
 
 logger = logging.getLogger("rallypoint.rpc")
 
@@ -103,7 +104,9 @@ class Acceptor:
     def _loop(self) -> None:
         try:
             while not self._closed:
-                for key, _ in self._sel.select(self._timeout()):
+                with WAITS.blocked(*(key.fd for key in self._sel.get_map().values())):
+                    events = self._sel.select(self._timeout())
+                for key, _ in events:
                     if key.data is None:
                         return
                     if isinstance(key.data, _Pending):

@@ -50,6 +50,7 @@ from rallypoint.rpc._peers import PeerTable
 from rallypoint.rpc._rref import RRef, remote_rref
 from rallypoint.rpc._rref_table import CURRENT_TABLE, RRefTable
 from rallypoint.rpc._shm import SegmentPool
+from rallypoint.rpc._spin import WAITS
 from rallypoint.rpc._store import hosts_store, store_host
 from rallypoint.rpc._torch_names import hold_pyrref, release_pyrref
 from rallypoint.rpc._transport import Connection
@@ -90,6 +91,7 @@ class RallypointAgent(RpcAgent):
     ) -> None:
         self.info = WorkerInfo(name, rank)
         self.options = options
+        WAITS.configure(options.busy_poll_us / 1e6)
         self._default_timeout = options.rpc_timeout
         self._closed = False
         self._ids = itertools.count(1)
@@ -318,7 +320,10 @@ class RallypointAgent(RpcAgent):
 
     # ---- monitor -------------------------------------------------------------------
     def _monitor_loop(self) -> None:
-        while not self._stop.wait(_TICK):
+        while True:
+            with WAITS.blocked(urgent=False):
+                if self._stop.wait(_TICK):
+                    return
             try:
                 self._tick()
             except Exception:  # pragma: no cover - keep the monitor alive
@@ -354,7 +359,7 @@ class RallypointAgent(RpcAgent):
     def _wait_quiet(self, deadline: float) -> None:
         delay = 0.001
         while (self.calls or self.dispatcher.busy) and time.monotonic() < deadline:
-            time.sleep(delay)
+            WAITS.sleep(delay)
             delay = min(delay * 1.5, 0.01)
 
     def shutdown(self, graceful: bool, timeout: float) -> None:

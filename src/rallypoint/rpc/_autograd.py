@@ -54,6 +54,7 @@ from rallypoint.rpc._autograd_routes import Notice, Offer, Outgoing
 from rallypoint.rpc._backend import Caller
 from rallypoint.rpc._current import Current
 from rallypoint.rpc._groups import WorkerInfo
+from rallypoint.rpc._spin import WAITS
 
 Grad: TypeAlias = "torch.Tensor | None"
 Items: TypeAlias = "list[tuple[int, int, Grad]]"  # (message id, tensor index, gradient)
@@ -258,7 +259,7 @@ class DistAutograd:
         """Until every share of the credit came back; raise the first error."""
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
         already = set(self._dead_workers())
-        while not waiter.done.acquire(timeout=_POLL):
+        while not WAITS.wait_lock(waiter.done, _POLL):
             dead = sorted(set(self._dead_workers()) - already)
             if dead:
                 raise RuntimeError(
@@ -488,6 +489,7 @@ class _Waiter:
     # a second lock hand-over (about 50 us per backward pass on 2 busy vCPUs)
     done: threading.Lock = field(default_factory=_held_lock)
     finished: bool = False
+    thread: int = field(default_factory=threading.get_ident)  # the one that waits
 
     def add(self, weight: Fraction, error: str | None, statuses: list[Status]) -> None:
         self.credit += weight
@@ -499,6 +501,7 @@ class _Waiter:
                 self.latest[status[0]] = status
         if self.credit >= 1 and not self.finished:
             self.finished = True
+            WAITS.waking(self.thread)
             self.done.release()
 
 

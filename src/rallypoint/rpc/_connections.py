@@ -73,7 +73,6 @@ class Connections:
             stats=self.stats,
             limiter=threading.Semaphore(options.num_worker_threads),
             readers=self._readers,
-            spin_s=options.busy_poll_us / 1e6,
         )
         self._out: dict[str, Connection] = {}
         self._connect_locks: dict[str, threading.Lock] = {}

@@ -31,6 +31,7 @@ import torch
 from rallypoint._core.net import local_address_towards as local_address_towards
 from rallypoint.rpc._device_maps import DeviceMap, device_maps_from_json, device_maps_to_json
 from rallypoint.rpc._errors import RpcError
+from rallypoint.rpc._spin import WAITS
 from rallypoint.rpc._store import wait_for_keys
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_:")
@@ -210,7 +211,7 @@ def membership_token(store: Any, name: str, timeout: float) -> Iterator[None]:
                 f"{name}: could not take the group membership token within {timeout:.1f} s; "
                 f"it is held by {holder.rsplit(':', 2)[0]!r}"
             )
-        time.sleep(delay)
+        WAITS.sleep(delay)
         delay = min(delay * 2, 0.02)
     try:
         yield

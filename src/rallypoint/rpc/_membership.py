@@ -31,6 +31,7 @@ from rallypoint.rpc._errors import RpcConnectionError, RpcError, RpcShutdownErro
 from rallypoint.rpc._groups import WorkerInfo, WorkerRecord
 from rallypoint.rpc._liveness import Prober, probe_timeout
 from rallypoint.rpc._peers import PeerTable
+from rallypoint.rpc._spin import WAITS
 from rallypoint.rpc._store import wait_for_names
 
 logger = logging.getLogger("rallypoint.rpc")
@@ -194,7 +195,7 @@ class Group:
                 others = [m for m in _groups.read_members(store) if m != me]
                 if not others or prober.all_dead(others):
                     break
-                time.sleep(delay)
+                WAITS.sleep(delay)
                 delay = min(delay * 2, 0.02)
         with _groups.membership_token(store, me, self._bounded(deadline)):
             members = [m for m in _groups.read_members(store) if m != me]

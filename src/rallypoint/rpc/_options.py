@@ -76,11 +76,12 @@ class RallypointRpcBackendOptions(RpcBackendOptions):
     - ``shared_memory``: send tensors to workers on the same host through shared memory.
     - ``shm_threshold``: tensors of at least this many bytes go through shared memory.
     - ``shm_pool_bytes``: most shared memory one worker keeps for outgoing tensors.
-    - ``busy_poll_us``: microseconds a thread waiting for a frame (a caller for its
-      reply, a reader for the next request) busy-polls its socket before it sleeps
-      (``0``: never). Each connection stops spinning for a while when spins fail (no
-      frame came in time, or another process needed the CPU), so it costs CPU only where
-      it pays; TensorPipe's threads busy-poll all the time.
+    - ``busy_poll_us``: microseconds a waiting thread (a caller for its reply, a reader
+      for the next request, ``dist_autograd.backward`` for its credit) busy-polls,
+      yielding the CPU between polls, before it sleeps (``0``: never). Only while every
+      other thread of the process waits too (never beside user code), and only while
+      most of the process's recent waits ended within the window, so it costs CPU only
+      where it pays; TensorPipe's threads busy-poll all the time.
     """
 
     num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS
@@ -95,7 +96,7 @@ class RallypointRpcBackendOptions(RpcBackendOptions):
     shared_memory: bool = True
     shm_threshold: int = 64 * 1024
     shm_pool_bytes: int = 1 << 30
-    busy_poll_us: float = 200.0
+    busy_poll_us: float = 1000.0
 
     def __post_init__(self) -> None:
         RpcBackendOptions.__post_init__(self)

@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
+from rallypoint.rpc._spin import WAITS
+
 logger = logging.getLogger("rallypoint.rpc")
 
 IDLE_SECONDS = 30.0
@@ -72,7 +74,8 @@ class ReaderPool:
             self._parked.append(inbox)
         threading.current_thread().name = "rpc-reader-parked"
         try:
-            return inbox.get(timeout=self._idle_seconds)
+            with WAITS.blocked(urgent=False):
+                return inbox.get(timeout=self._idle_seconds)
         except queue.Empty:
             with self._lock:
                 if inbox in self._parked:

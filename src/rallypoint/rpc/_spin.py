@@ -1,59 +1,170 @@
-"""Busy-polling for a reply: when a thread in ``rpc_sync`` spins, and the spin itself.
+"""Busy-polling while this process waits: who may spin, when it pays, and the spin itself.
 
-A thread that reads its own reply (see :mod:`rallypoint.rpc._transport`) may poll the
-socket without sleeping for a while first. On a machine with spare cores that saves the
-wake-up of the calling thread, about half of a small call's round trip on a VM. On a
-busy machine it steals the CPU the replying process needs, and for slow calls it only
-burns CPU; :class:`SpinPolicy` stops spinning for a while in both cases.
+Every rallypoint thread that blocks says so here (:meth:`Waits.blocked`): a reader
+waiting for the next frame, a caller for its reply, ``dist_autograd.backward`` for its
+credit, the monitor between ticks, a worker in ``shutdown()``. A thread that starts to
+wait may first busy-poll for up to ``busy_poll_us`` (the *window*) if
+
+- every other Python thread of the process is blocked in such a wait. A spinning thread
+  takes and drops the GIL hundreds of thousands of times a second, so a thread that
+  needs it for real work crawls beside it (a ``Linear`` forward and backward ran 70%
+  slower next to one): at most one thread per process spins, and none while user code
+  runs on another thread; and
+- most of the process's recent waits ended within the window (:class:`SpinPolicy`):
+  spinning that does not pay only burns CPU.
+
+The spin polls every socket that a thread of the process waits on, and yields the CPU
+between polls (``sched_yield``): with more processes than cores (three pipeline workers
+on two vCPUs) a spinner that does not yield takes the CPU from the very process that is
+about to send (the step of ``benchmarks/rpc.py`` ran 2x slower); one that yields costs it
+a context switch. It ends when the thread's own event happens (:data:`READY`), when
+another waiting thread's socket becomes readable or another thread stops waiting
+(:data:`OTHER`: that thread needs the GIL, so this one blocks), or when the window
+passes (:data:`TIMEOUT`).
+
+Why spin at all: a thread that blocks lets its CPU go idle, and a process that wakes up
+on an idle CPU runs cold. On the 2-vCPU VM of the README, a chain of three processes
+handing a message on, each running a small forward and backward pass, took 512 µs per
+round with blocking reads and 293 µs when each waited by yielding busy-polls.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import select
+import threading
 import time
+from collections.abc import Callable, Iterator
+
+READY, OTHER, TIMEOUT = 0, 1, 2
+_POLLIN = select.POLLIN
+_clock = time.perf_counter
 
 
 class SpinPolicy:
-    """Whether a caller busy-polls for its reply: yes, unless spinning failed lately.
+    """Whether this process's waits are worth spinning for: yes while at least half of
+    the last 16 ended within the window (a spin that timed out, or a blocking wait that
+    took longer, is a miss). Blocking waits keep counting, so spinning resumes when the
+    traffic picks up again."""
 
-    A spin fails when the reply did not come within the window, or when the spinning
-    thread lost its CPU meanwhile (another process wanted it: the machine is busy, and
-    spinning would slow the very process that is to reply). After a failure the next
-    calls sleep, twice as many after each further failure (up to ``MAX_SKIP``), half as
-    many after a spin that works: spinning goes on while most spins work.
-    """
-
-    MAX_SKIP = 256
+    HISTORY = 16
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self._skip = 0
-        self._penalty = 1
+        self._hits = (1 << self.HISTORY) - 1
 
-    def choose(self) -> bool:
-        if not self.window_s:
-            return False
-        if self._skip:
-            self._skip -= 1
-            return False
-        return True
+    def worth_it(self) -> bool:
+        return self.window_s > 0 and self._hits.bit_count() * 2 >= self.HISTORY
 
-    def record(self, worked: bool) -> None:
-        if worked:
-            self._penalty = max(1, self._penalty // 2)
-            return
-        self._skip = self._penalty
-        self._penalty = min(2 * self._penalty, self.MAX_SKIP)
+    def record(self, hit: bool) -> None:
+        self._hits = ((self._hits << 1) | hit) & ((1 << self.HISTORY) - 1)
 
 
-def spin_for_frame(poller: select.poll, until: float) -> bool:
-    """Poll without sleeping until the socket is readable or ``until`` (``perf_counter``)
-    passes; whether it became readable in time with this thread on a CPU all along."""
-    poll = poller.poll
-    clock = time.perf_counter
-    cpu0, wall0 = time.thread_time(), clock()
-    while not poll(0):
-        if clock() >= until:
-            return False
-    wall = clock() - wall0
-    return time.thread_time() - cpu0 >= 0.8 * wall
+class Waits:
+    """The waits of this process's rallypoint threads (one instance: :data:`WAITS`)."""
+
+    def __init__(self) -> None:
+        self.policy = SpinPolicy(0.0)
+        # thread ident -> the sockets it waits on (none: a lock, a sleep); one entry per
+        # thread, set and removed by that thread (or by the one that wakes it), so plain
+        # dict operations under the GIL keep it consistent
+        self._blocked: dict[int, tuple[int, ...]] = {}
+        self._woken = 0  # counts waits that ended with work to do (see blocked)
+
+    def configure(self, window_s: float) -> None:
+        """The agent's ``busy_poll_us``, in seconds (``0``: never spin)."""
+        self.policy = SpinPolicy(window_s)
+
+    @contextlib.contextmanager
+    def blocked(self, *fds: int, urgent: bool = True) -> Iterator[None]:
+        """The calling thread blocks meanwhile (waiting for ``fds`` to become readable).
+
+        ``urgent``: when the wait ends the thread has work (a frame, a credit) and a
+        spinning thread must make room for it; periodic wake-ups (the monitor's tick, a
+        poll of the store in ``shutdown()``) are not urgent: the spinner goes on, and
+        the thread gets the GIL between its polls."""
+        ident = threading.get_ident()
+        self._blocked[ident] = fds
+        try:
+            yield
+        finally:
+            if self._blocked.pop(ident, None) is not None and urgent:
+                self._woken += 1
+
+    def sleep(self, seconds: float) -> None:
+        """``time.sleep``, as a wait."""
+        with self.blocked(urgent=False):
+            time.sleep(seconds)
+
+    def waking(self, ident: int) -> None:
+        """Thread ``ident`` is about to be woken (a lock it waits on is released): it
+        needs the GIL soon, so nobody may start spinning for it."""
+        if self._blocked.pop(ident, None) is not None:
+            self._woken += 1
+
+    def may_spin(self) -> bool:
+        """Whether the calling thread may spin now (see the module docstring)."""
+        return self.policy.worth_it() and len(self._blocked) >= threading.active_count() - 1
+
+    def spin(self, fd: int | None, done: Callable[[], bool] | None = None) -> int:
+        """Busy-poll until ``fd`` is readable or ``done()`` (:data:`READY`), another
+        thread has work (:data:`OTHER`) or the window passes (:data:`TIMEOUT`)."""
+        blocked = self._blocked
+        woken = self._woken
+        poller = select.poll()
+        for fds in list(blocked.values()):
+            for other in fds:
+                poller.register(other, _POLLIN)
+        if fd is not None:
+            poller.register(fd, _POLLIN)
+        poll, clock, yield_cpu = poller.poll, _clock, os.sched_yield
+        until = clock() + self.policy.window_s
+        while True:
+            events = poll(0)
+            if events:
+                return READY if any(event[0] == fd for event in events) else OTHER
+            if done is not None and done():
+                return READY
+            if self._woken != woken:
+                return OTHER
+            if clock() >= until:
+                return TIMEOUT
+            yield_cpu()
+
+    def wait_readable(self, fd: int, poller: select.poll, timeout_ms: int) -> bool:
+        """Until ``fd`` (registered in ``poller``) is readable (``True``) or ``timeout_ms``
+        passes (``False``; ``-1``: no timeout): spin first if this thread may."""
+        policy = self.policy
+        if self.may_spin():
+            outcome = self.spin(fd)
+            policy.record(outcome != TIMEOUT)
+            if outcome == READY:
+                return True
+            with self.blocked(fd):
+                return bool(poller.poll(timeout_ms))
+        start = _clock()
+        with self.blocked(fd):
+            ready = bool(poller.poll(timeout_ms))
+        policy.record(ready and _clock() - start <= policy.window_s)
+        return ready
+
+    def wait_lock(self, lock: threading.Lock, timeout: float) -> bool:
+        """Acquire ``lock`` within ``timeout`` seconds (a latch released by another
+        thread, which calls :meth:`waking` first): spin first if this thread may."""
+        policy = self.policy
+        if self.may_spin():
+            outcome = self.spin(None, lambda: lock.acquire(blocking=False))
+            policy.record(outcome != TIMEOUT)
+            if outcome == READY:
+                return True
+            with self.blocked():
+                return lock.acquire(timeout=timeout)
+        start = _clock()
+        with self.blocked():
+            acquired = lock.acquire(timeout=timeout)
+        policy.record(acquired and _clock() - start <= policy.window_s)
+        return acquired
+
+
+WAITS = Waits()

@@ -24,6 +24,7 @@ from urllib.parse import ParseResult, urlparse
 import torch.distributed as dist_module
 
 from rallypoint._core.envvars import USE_AGENT_STORE
+from rallypoint.rpc._spin import WAITS
 
 # torch.distributed does not re-export its store classes in its stubs
 dist: Any = dist_module
@@ -33,8 +34,10 @@ _POLL_MAX = 0.002
 # after _SLOW_AFTER seconds of waiting: workers that wait in shutdown() while another trains
 # would otherwise wake themselves and the store's host (the trainer, rank 0) hundreds of
 # times a second, and each wake-up competes with the training step's own hops for a CPU
+# (benchmarks/rpc.py's training loop ran its first ~400 steps beside that); workers that
+# arrive together still leave within milliseconds
 _POLL_SLOW = 0.1
-_SLOW_AFTER = 1.0
+_SLOW_AFTER = 0.05
 _NO_TIMEOUT = 1800.0
 
 
@@ -186,7 +189,7 @@ def wait_for_keys(
             # a worker may have set its key and exited (closed its connections) between
             # the check above and ``dead``: only keys still missing now count
             return [k for k in missing if not store.check([k])]
-        time.sleep(delay)
+        WAITS.sleep(delay)
         delay = min(delay * 2, _POLL_MAX if time.monotonic() < slow_after else _POLL_SLOW)
 
 

@@ -39,7 +39,7 @@ from rallypoint.rpc._errors import RpcConnectionError, RpcProtocolError
 from rallypoint.rpc._framing import Frame, FrameReader, sendmsg_all, tensor_view
 from rallypoint.rpc._reader_pool import ReaderPool
 from rallypoint.rpc._shm import Segment, SegmentPool
-from rallypoint.rpc._spin import SpinPolicy, spin_for_frame
+from rallypoint.rpc._spin import WAITS
 
 logger = logging.getLogger("rallypoint.rpc")
 
@@ -77,7 +77,6 @@ class Connection:
         limiter: threading.Semaphore | None = None,
         gate: threading.Event | None = None,
         readers: ReaderPool | None = None,
-        spin_s: float = 0.0,
     ) -> None:
         self.sock = sock
         self.peer_name = peer_name
@@ -109,9 +108,9 @@ class Connection:
         self._abandoned: tuple[int, bool] | None = None  # see read_until
         self._unread = -1  # see check_reading
         self.closing_on_purpose = False  # the peer said it closes this connection, alive
-        self._spin = SpinPolicy(spin_s)  # the reader busy-polls for the next frame
+        self._fd = sock.fileno()
         self._poller = select.poll()
-        self._poller.register(sock.fileno(), select.POLLIN)
+        self._poller.register(self._fd, select.POLLIN)
         self.pending: dict[int, torch.futures.Future[Any]] = {}  # the caller's calls on it
 
     # ---- sending -------------------------------------------------------------------
@@ -252,10 +251,10 @@ class Connection:
             while not future.done():
                 if not self._reader.buffered_frame():
                     self.flush()
-                if not self._reader.buffered_bytes():
-                    self._spin_if_worth_it()
-                    if not self._poller.poll(_POLL_MS):
-                        continue
+                if not self._reader.buffered_bytes() and not WAITS.wait_readable(
+                    self._fd, self._poller, _POLL_MS
+                ):
+                    continue
                 in_frame = True
                 if self._run(self._reader.read_frame(), generation):
                     took = False
@@ -300,12 +299,6 @@ class Connection:
             self.expect_reply()
         self._unread = unread
 
-    def _spin_if_worth_it(self) -> None:
-        """Before the reader sleeps: busy-poll for the next frame if that paid lately."""
-        if self._spin.choose():
-            until = time.perf_counter() + self._spin.window_s
-            self._spin.record(spin_for_frame(self._poller, until))
-
     def _spawn_reader(self, generation: int) -> None:
         name = f"rpc-reader-{self.peer_name}"
         if self._readers is not None:
@@ -322,12 +315,13 @@ class Connection:
                 generation = self._generation
         try:
             if self._gate is not None:
-                self._gate.wait()
+                with WAITS.blocked():
+                    self._gate.wait()
             while True:
                 if not self._reader.buffered_frame():
                     self.flush()
                 if not self._reader.buffered_bytes():
-                    self._spin_if_worth_it()
+                    WAITS.wait_readable(self._fd, self._poller, -1)
                 if self._run(self._reader.read_frame(), generation):
                     return
                 if self.outbound:
