@@ -190,3 +190,40 @@ def test_a_round_starts_by_answering_received_tensors_nothing_reaches() -> None:
     items = {m: g for m, _, g in outgoing.items["peer"]}
     assert items[3] is None and torch.equal(items[4], torch.full((3,), 2.0))
     assert unused.grad_fn in ctx.recvs
+
+
+_TRACKING = """
+import torch
+from rallypoint.rpc import _autograd_engine as engine
+
+probes = []
+register = torch.autograd.function._HookMixin._register_hook
+def counting(hooks, hook):
+    probes.append(hook)
+    return register(hooks, hook)
+torch.autograd.function._HookMixin._register_hook = staticmethod(counting)
+engine.track_node_hooks()
+engine.track_node_hooks()  # installed once
+w = torch.randn(3, requires_grad=True)
+node = (w * 2).grad_fn.next_functions[0][0]
+assert engine.post_hooks(node) == [] and probes == [], probes  # no hook yet: no probe
+seen = lambda grad_inputs, grad_outputs: None
+node.register_hook(seen)
+v = torch.randn(3, requires_grad=True)
+other = (v * 3).grad_fn.next_functions[0][0]
+assert engine.post_hooks(node) == [seen]
+assert engine.post_hooks(other) == []
+print("ok")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_leaves_are_probed_for_post_hooks_only_once_some_node_got_one() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _TRACKING], capture_output=True, text=True, timeout=50
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

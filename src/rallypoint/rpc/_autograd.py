@@ -49,7 +49,7 @@ from rallypoint.rpc._autograd_context import (
     edge_of,
     receive_message,
 )
-from rallypoint.rpc._autograd_engine import Round, SourceKey, execute
+from rallypoint.rpc._autograd_engine import Round, SourceKey, execute, track_node_hooks
 from rallypoint.rpc._autograd_routes import Notice, Offer, Outgoing
 from rallypoint.rpc._backend import Caller
 from rallypoint.rpc._current import Current
@@ -107,6 +107,7 @@ class DistAutograd:
     ) -> None:
         self.me = me
         self._caller = caller
+        track_node_hooks()
         self.timeout = timeout  # bounds a whole backward pass, as torch's RPC timeout does
         self._dead_workers = dead_workers
         self._worker_id = worker_id  # a peer's rank (None: not in the group any more)

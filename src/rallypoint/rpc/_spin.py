@@ -31,6 +31,7 @@ round with blocking reads and 293 µs when each waited by yielding busy-polls.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import select
 import threading
@@ -40,6 +41,8 @@ from collections.abc import Callable, Iterator
 READY, OTHER, TIMEOUT = 0, 1, 2
 _POLLIN = select.POLLIN
 _clock = time.perf_counter
+_POLLERS_KEPT = 8
+_local = threading.local()
 
 
 class SpinPolicy:
@@ -110,15 +113,8 @@ class Waits:
     def spin(self, fd: int | None, done: Callable[[], bool] | None = None) -> int:
         """Busy-poll until ``fd`` is readable or ``done()`` (:data:`READY`), another
         thread has work (:data:`OTHER`) or the window passes (:data:`TIMEOUT`)."""
-        blocked = self._blocked
         woken = self._woken
-        poller = select.poll()
-        for fds in list(blocked.values()):
-            for other in fds:
-                poller.register(other, _POLLIN)
-        if fd is not None:
-            poller.register(fd, _POLLIN)
-        poll, clock, yield_cpu = poller.poll, _clock, os.sched_yield
+        poll, clock, yield_cpu = self._poller(fd).poll, _clock, os.sched_yield
         until = clock() + self.policy.window_s
         while True:
             events = poll(0)
@@ -131,6 +127,25 @@ class Waits:
             if clock() >= until:
                 return TIMEOUT
             yield_cpu()
+
+    def _poller(self, fd: int | None) -> select.poll:
+        """A poll object for ``fd`` and every socket a blocked thread waits on (each
+        thread keeps the last few it built: the same threads block on the same sockets)."""
+        fds = frozenset(
+            itertools.chain(itertools.chain.from_iterable(self._blocked.values()), (fd,))
+        )
+        cache: dict[frozenset[int | None], select.poll] | None = getattr(_local, "pollers", None)
+        if cache is None:
+            cache = _local.pollers = {}
+        poller = cache.get(fds)
+        if poller is None:
+            if len(cache) >= _POLLERS_KEPT:
+                cache.clear()
+            poller = cache[fds] = select.poll()
+            for one in fds:
+                if one is not None:
+                    poller.register(one, _POLLIN)
+        return poller
 
     def wait_readable(self, fd: int, poller: select.poll, timeout_ms: int) -> bool:
         """Until ``fd`` (registered in ``poller``) is readable (``True``) or ``timeout_ms``
