@@ -109,8 +109,10 @@ class PendingCalls:
 
     def expire(self, now: float) -> None:
         """Fail the calls whose deadline passed (called by the agent's monitor)."""
-        expired: list[tuple[int, float]] = []
         owners = self.owners
+        if not owners and not self._heap and not self._fifo:
+            return  # the usual tick of an idle caller
+        expired: list[tuple[int, float]] = []
         with self._lock:
             heap = self._heap
             while heap and heap[0][0] <= now:

@@ -65,6 +65,14 @@ _RAW = torch.uint8
 _Tensor = torch.Tensor
 
 
+_DIMS = [struct.Struct(f"<{ndim}q") for ndim in range(9)]
+
+
+def _dims(ndim: int) -> struct.Struct:
+    """The struct of a shape of ``ndim`` dimensions (int64 each)."""
+    return _DIMS[ndim] if ndim < len(_DIMS) else struct.Struct(f"<{ndim}q")
+
+
 def _plain(obj: torch.Tensor) -> bool:
     """Whether a tensor (exactly ``torch.Tensor``) can travel in the lean form."""
     if not obj.is_cpu or obj.layout != torch.strided or obj.is_quantized:
@@ -186,9 +194,11 @@ def encode(
         needs_grad = item.requires_grad
         if needs_grad:
             needs_grad_tensors.append(item)
-        header += _SLOT.pack(position, _CODES[item.dtype], needs_grad, item.dim())
-        header += struct.pack(f"<{item.dim()}q", *item.shape)
-        raws.append((item.detach() if needs_grad else item).view(-1).view(_RAW))
+            item = item.detach()
+        ndim = item.dim()
+        header += _SLOT.pack(position, _CODES[item.dtype], needs_grad, ndim)
+        header += _dims(ndim).pack(*item.shape)
+        raws.append(item.view(-1).view(_RAW))
         positions.append(position)
     if not raws and not rrefs:
         return None  # data only: the plain pickle is leaner still
@@ -251,7 +261,7 @@ def decode(
     for raw in tensors:
         position, code, needs_grad, ndim = _SLOT.unpack_from(data, offset)
         offset += _SLOT.size
-        dims = struct.unpack_from(f"<{ndim}q", data, offset)
+        dims = _dims(ndim).unpack_from(data, offset)
         offset += 8 * ndim
         if code >= len(_DTYPES):
             raise ValueError(f"bad lean dtype code {code}")

@@ -189,6 +189,8 @@ class Connection:
         The claim is taken and dropped inside ``with`` blocks, never between a call and
         a ``try``: a signal handler that raises in the main thread cannot leave it taken.
         """
+        if not self._bufs:  # read without the lock: a frame queued meanwhile is flushed by
+            return  # the thread that queued it, its reader, or the monitor's next tick
         while True:
             claimed = False
             try:
@@ -278,6 +280,8 @@ class Connection:
     def check_reading(self) -> None:
         """Finish what an interrupted reading caller left, and give pending calls a reader
         if nobody reads (the monitor calls this every tick)."""
+        if self._abandoned is None and self._unread == -1 and not self.pending:
+            return  # the usual tick: nothing was left, no call waits
         marker, self._abandoned = self._abandoned, None
         if marker is not None:
             generation, in_frame = marker
@@ -374,6 +378,9 @@ class Connection:
         The connection's ``limiter`` bounds the threads busy with requests that blocked (the
         agent's ``num_worker_threads``); the thread that blocked releases it when done.
         """
+        since = self._exec_since  # read without the lock first: most ticks find nothing
+        if not since or now - since < STALL_SECONDS:
+            return
         limiter = self.limiter
         with self._state_lock:
             if self.closed or not self._exec_since or now - self._exec_since < STALL_SECONDS:
