@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
+import torch
+
 from rallypoint.rpc._spin import WAITS
 
 logger = logging.getLogger("rallypoint.rpc")
@@ -29,6 +31,21 @@ IDLE_SECONDS = 30.0
 
 Task: TypeAlias = "tuple[str, Callable[..., None], tuple[Any, ...]]"
 """(thread name, function, arguments)."""
+
+
+def adopt_torch_threads() -> None:
+    """Give the calling (new) thread torch's intra-op thread settings.
+
+    ``torch.set_num_threads`` sets OpenMP's and MKL's thread counts for the calling
+    thread only (torch applies them to a new thread the first time that thread asks,
+    e.g. in ``at::parallel_for``); a matmul run first on a fresh thread uses MKL's
+    default team, one OpenMP thread per core. A worker that set one thread then ran
+    every ``Linear`` of its RPC functions on two OpenMP threads, the second woken
+    through a futex for each call and spinning after it (about 1,000 wake-ups a second
+    in each stage of ``benchmarks/rpc.py``'s training step, on two vCPUs shared by three
+    processes). Asking for the count applies the settings, as torch's own thread pools
+    do when they start a thread."""
+    torch.get_num_threads()
 
 
 class ReaderPool:
@@ -55,6 +72,7 @@ class ReaderPool:
         threading.Thread(target=self._main, args=(task,), name=name, daemon=True).start()
 
     def _main(self, task: Task | None) -> None:
+        adopt_torch_threads()
         inbox: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
         while task is not None:
             name, target, args = task
