@@ -19,6 +19,18 @@ import pytest
 from rallypoint.rpc._spin import OTHER, READY, TIMEOUT, SpinPolicy, Waits
 
 
+def _fresh(window_s: float) -> Waits:
+    """A record of waits in which the threads that run already (left over by other tests
+    in this process) count as waiting: only the threads a test starts matter."""
+    waits = Waits()
+    waits.configure(window_s)
+    me = threading.get_ident()
+    for thread in threading.enumerate():
+        if thread.ident is not None and thread.ident != me:
+            waits._blocked[thread.ident] = ()
+    return waits
+
+
 def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -60,8 +72,7 @@ def test_policy_spins_while_half_of_the_recent_waits_end_in_the_window() -> None
 
 @pytest.mark.timeout(20)
 def test_only_a_thread_whose_siblings_all_wait_may_spin() -> None:
-    waits = Waits()
-    waits.configure(0.001)
+    waits = _fresh(0.001)
     assert waits.may_spin()  # no other thread
     release, running = threading.Event(), threading.Event()
 
@@ -81,7 +92,7 @@ def test_only_a_thread_whose_siblings_all_wait_may_spin() -> None:
     waiter = threading.Thread(target=_blocked_on, args=(waits, None, release))
     waiter.start()
     try:
-        _until(lambda: len(waits._blocked) == 1)
+        _until(lambda: waiter.ident in waits._blocked)
         assert waits.may_spin()  # the only other thread is blocked in a wait
         waits.configure(0.0)
         assert not waits.may_spin()  # busy_poll_us=0
@@ -94,8 +105,8 @@ def test_only_a_thread_whose_siblings_all_wait_may_spin() -> None:
 def test_a_spin_ends_on_its_own_socket_on_another_waiters_socket_or_at_the_window(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
-    waits = Waits()
-    waits.configure(0.05)
+    waits = _fresh(0.05)
+    base = len(waits._blocked)
     own_r, own_w = pair
     start = time.perf_counter()
     assert waits.spin(own_r.fileno()) == TIMEOUT
@@ -110,7 +121,7 @@ def test_a_spin_ends_on_its_own_socket_on_another_waiters_socket_or_at_the_windo
     waiter = threading.Thread(target=_blocked_on, args=(waits, other_r, release))
     waiter.start()
     try:
-        _until(lambda: len(waits._blocked) == 1)
+        _until(lambda: len(waits._blocked) == base + 1)
         waits.configure(5.0)  # a long window: only the other socket can end it
         threading.Timer(0.05, lambda: other_w.send(b"x")).start()
         assert waits.spin(own_r.fileno()) == OTHER  # that thread has a frame: make room
@@ -125,8 +136,8 @@ def test_a_spin_ends_on_its_own_socket_on_another_waiters_socket_or_at_the_windo
 def test_a_spin_ends_when_another_thread_is_woken_but_not_for_periodic_wakeups(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
-    waits = Waits()
-    waits.configure(5.0)
+    waits = _fresh(5.0)
+    base = len(waits._blocked)
     own_r, _ = pair
     latch = threading.Lock()
     latch.acquire()
@@ -148,7 +159,7 @@ def test_a_spin_ends_when_another_thread_is_woken_but_not_for_periodic_wakeups(
     tick = threading.Thread(target=ticker)
     tick.start()
     try:
-        _until(lambda: len(waits._blocked) == 2)
+        _until(lambda: len(waits._blocked) == base + 2)
 
         def wake() -> None:
             waits.waking(ident[0])
@@ -169,8 +180,7 @@ def test_a_spin_ends_when_another_thread_is_woken_but_not_for_periodic_wakeups(
 def test_waits_record_whether_they_ended_within_the_window(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
-    waits = Waits()
-    waits.configure(0.002)
+    waits = _fresh(0.002)
     own_r, own_w = pair
     poller = select.poll()
     poller.register(own_r.fileno(), select.POLLIN)
