@@ -18,6 +18,10 @@ processes (torch's RPC state is global per process):
   forward and backward (``Linear(64, 64)`` + ReLU, batch 32) in a loop that never sleeps,
   and in one that sleeps 200 µs before each iteration (every hop of the training step
   starts in a process that was asleep; printed under the table too)
+- a chain with no RPC: a message handed around three processes, each running that
+  stage's forward and backward before passing it on, every hop waiting by blocking or by
+  yielding busy-polls of up to 1 ms (what a rallypoint agent's thread does while the
+  rest of its process waits too; printed under the table)
 - one training step with distributed autograd of a two-stage model-parallel model:
   stage 1 (``Linear(64, 64)`` + ReLU) on worker1 and stage 2 on worker2, both created with
   ``remote``, driven by worker0 with ``rpc_sync`` (batch 32); forward, ``dist_autograd``
@@ -255,6 +259,59 @@ def wake_penalty_us(rounds: int = 2000, pause: float = 0.0002) -> tuple[float, f
     return run(0.0), run(pause)
 
 
+def _chain_wait(sock: socket.socket, poller: Any, spin_s: float) -> bytes:
+    """Read one byte, after yielding busy-polls for up to ``spin_s`` (0: block at once)."""
+    if spin_s:
+        until = time.perf_counter() + spin_s
+        while not poller.poll(0) and time.perf_counter() < until:
+            os.sched_yield()
+    return sock.recv(1)
+
+
+def chain_round_us(spin_s: float, rounds: int = 2000) -> float:
+    """Median µs of one round of a message handed along a ring of three processes, each
+    running one stage's forward and backward before passing it on (no RPC): every hop
+    waits by blocking, or by yielding busy-polls of up to ``spin_s`` first."""
+    import select
+
+    torch.set_num_threads(1)
+    stage, x = _Stage(64), torch.randn(32, 64)
+    ring = [socket.socketpair() for _ in range(3)]  # ring[i][1] -> ring[i][0]: into i
+    kids = []
+    for me in (1, 2):
+        pid = os.fork()
+        if pid == 0:  # a stage: wait, work, pass on
+            try:
+                inbox, out = ring[me][0], ring[(me + 1) % 3][1]
+                poller = select.poll()
+                poller.register(inbox, select.POLLIN)
+                while _chain_wait(inbox, poller, spin_s) == b"x":
+                    stage(x).sum().backward()
+                    out.send(b"x")
+                out.send(b"q")
+            finally:
+                os._exit(0)
+        kids.append(pid)
+    inbox, out = ring[0][0], ring[1][1]
+    poller = select.poll()
+    poller.register(inbox, select.POLLIN)
+    times = []
+    for _ in range(rounds + 100):
+        t0 = time.perf_counter()
+        stage(x).sum().backward()
+        out.send(b"x")
+        _chain_wait(inbox, poller, spin_s)
+        times.append(time.perf_counter() - t0)
+    out.send(b"q")
+    _chain_wait(inbox, poller, 0.0)
+    for pid in kids:
+        os.waitpid(pid, 0)
+    for a, b in ring:
+        a.close()
+        b.close()
+    return statistics.median(times[100:]) * 1e6
+
+
 def _pairs(quick: bool, only: str) -> dict[str, dict[str, float]]:
     """Each call metric: the median of runs that alternate the order of the backends (one
     run of TensorPipe's round trip ranged from 122 to 340 µs on the same idle machine)."""
@@ -376,6 +433,13 @@ def main() -> None:
             f"after a sleep, no RPC: one stage's forward and backward takes {awake:.1f} µs in a "
             f"loop that never sleeps and {woken:.1f} µs when each iteration follows a 200 µs "
             f"sleep ({woken / awake:.2f}x)"
+        )
+        blocking, spinning = chain_round_us(0.0), chain_round_us(0.001)
+        print(
+            "a chain, no RPC: a message handed around three processes, each running that "
+            f"forward and backward, takes {blocking:.1f} µs per round when every hop blocks "
+            f"and {spinning:.1f} µs when it waits by yielding busy-polls of up to 1 ms "
+            f"({blocking / spinning:.2f}x)"
         )
     if args.plot:
         plot(results, args.plot)
