@@ -53,21 +53,21 @@ def _blocked_on(waits: Waits, sock: socket.socket | None, release: threading.Eve
         release.wait(10)
 
 
-def test_policy_spins_while_half_of_the_recent_waits_end_in_the_window() -> None:
+def test_policy_spins_where_half_of_the_recent_gaps_of_a_site_ended_in_the_window() -> None:
     assert not SpinPolicy(0.0).worth_it()  # busy_poll_us=0: never
     policy = SpinPolicy(0.001)
-    assert policy.worth_it()  # a new process: assume waits are short
-    for _ in range(8):
-        policy.record(False)
-    assert policy.worth_it()  # 8 of the last 16 still hit
-    policy.record(False)
-    assert not policy.worth_it()
-    for _ in range(SpinPolicy.HISTORY):
-        policy.record(False)
-    assert not policy.worth_it()
-    for _ in range(SpinPolicy.HISTORY // 2):  # blocking waits keep counting: it comes back
-        policy.record(True)
-    assert policy.worth_it()
+    served_forward, sent_gradient = object(), object()
+    assert policy.worth_it(served_forward)  # a new site: assume its gaps are short
+    for _ in range(SpinPolicy.HISTORY // 2):
+        policy.record(False, served_forward)
+        policy.record(True, sent_gradient)
+    assert policy.worth_it(served_forward)  # half of the last gaps still hit
+    policy.record(False, served_forward)
+    assert not policy.worth_it(served_forward)
+    assert policy.worth_it(sent_gradient)  # sites do not mix
+    for _ in range(SpinPolicy.HISTORY // 2):  # gaps keep counting: it comes back
+        policy.record(True, served_forward)
+    assert policy.worth_it(served_forward)
 
 
 @pytest.mark.timeout(20)
@@ -177,23 +177,66 @@ def test_a_spin_ends_when_another_thread_is_woken_but_not_for_periodic_wakeups(
 
 
 @pytest.mark.timeout(20)
-def test_waits_record_whether_they_ended_within_the_window(
+def test_a_gap_counts_for_the_site_where_the_process_went_idle_whoever_ends_it(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
     waits = _fresh(0.002)
     own_r, own_w = pair
     poller = select.poll()
     poller.register(own_r.fileno(), select.POLLIN)
-    for _ in range(SpinPolicy.HISTORY):  # nothing comes: every spin times out
-        assert not waits.wait_readable(own_r.fileno(), poller, 5)
-    assert not waits.policy.worth_it()
-    assert not waits.may_spin()  # spinning stopped; blocking waits still count
-    for _ in range(SpinPolicy.HISTORY // 2):
-        own_w.send(b"x")
-        assert waits.wait_readable(own_r.fileno(), poller, 1000)
+
+    def send_later(sock: socket.socket, seconds: float) -> threading.Thread:
+        def run() -> None:  # a rallypoint-like thread: it says that it waits
+            waits.sleep(seconds)
+            sock.send(b"x")
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    base = len(waits._blocked)
+    slow, fast = "after the forward", "after the gradient"
+    for _ in range(SpinPolicy.HISTORY):  # this site's frames come after the window
+        sender = send_later(own_w, 0.01)
+        _until(lambda: len(waits._blocked) == base + 1)
+        assert waits.wait_readable(own_r.fileno(), poller, 1000, slow)
         own_r.recv(1)
-    assert waits.may_spin()
+        sender.join()
+        own_w.send(b"x")  # and this one's at once
+        assert waits.wait_readable(own_r.fileno(), poller, 1000, fast)
+        own_r.recv(1)
+    assert not waits.policy.worth_it(slow)
+    assert not waits.may_spin(slow)
+    assert waits.may_spin(fast)
+
+    # a gap that another thread's socket ends counts too: a stage whose gradient comes
+    # on one connection and its next request on another
+    other_r, other_w = socket.socketpair()
+    release = threading.Event()
+
+    def other_reader() -> None:
+        other_poller = select.poll()
+        other_poller.register(other_r.fileno(), select.POLLIN)
+        while not release.is_set():
+            if waits.wait_readable(other_r.fileno(), other_poller, 50):
+                other_r.recv(1)
+
+    thread = threading.Thread(target=other_reader)
+    thread.start()
+    try:
+        for _ in range(SpinPolicy.HISTORY // 2):
+            _until(lambda: len(waits._blocked) == base + 1)
+            sender = send_later(other_w, 0.001)
+            _until(lambda: len(waits._blocked) == base + 2)  # both others wait
+            assert not waits.wait_readable(own_r.fileno(), poller, 20, slow)  # own: nothing
+            sender.join()
+        assert waits.policy.worth_it(slow)
+    finally:
+        release.set()
+        thread.join()
+        other_r.close()
+        other_w.close()
     latch = threading.Lock()
-    assert waits.wait_lock(latch, 1.0)  # free: taken at once, by the spin
+    assert waits.wait_lock(latch, 1.0)  # free: taken at once
     assert not waits.wait_lock(latch, 0.01)
     latch.release()

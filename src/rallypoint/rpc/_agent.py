@@ -65,6 +65,7 @@ _RELEASE_EVERY = 0.05
 a message that wakes a peer, so on a busy training loop they go out 20 times a second, not
 every tick (what they free lives at most this much longer)."""
 _CORK_AFTER = 4
+_ALL_REPLIES = "rpc_all"  # the spin site of a caller reading the replies of rpc_all
 _CALL = _wire.FrameKind.CALL
 _ONEWAY = _wire.FrameKind.ONEWAY
 
@@ -225,7 +226,7 @@ class RallypointAgent(RpcAgent):
         last = {conn: i for i, (conn, _) in enumerate(unread)}
         for i, (conn, future) in enumerate(unread):
             # returns at once if a reader thread has the role
-            conn.read_until(future, more=i != last[conn])
+            conn.read_until(future, more=i != last[conn], site=_ALL_REPLIES)
         for future in futures:
             with contextlib.suppress(Exception):  # the caller reads each future's error
                 future.wait()
@@ -311,7 +312,7 @@ class RallypointAgent(RpcAgent):
                 fail(future, exc)
             return future
         if sync:
-            conn.read_until(future)
+            conn.read_until(future, site=payload[0])
         elif unread is not None:
             unread.append((conn, future))  # unread for a whole tick: the monitor spawns a reader
         else:

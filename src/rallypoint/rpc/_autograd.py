@@ -72,6 +72,7 @@ the gradients came through (torch's error text names them), statuses on their wa
 offered, and notices of routed sends (see :mod:`._autograd_routes`)."""
 
 _ONE: Weight = (1, 1)
+_BACKWARD = "backward"  # the spin site of the thread waiting for a backward pass
 _POLL = 0.05
 
 _ID_BITS = 48
@@ -260,7 +261,7 @@ class DistAutograd:
         """Until every share of the credit came back; raise the first error."""
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
         already = set(self._dead_workers())
-        while not WAITS.wait_lock(waiter.done, _POLL):
+        while not WAITS.wait_lock(waiter.done, _POLL, _BACKWARD):
             dead = sorted(set(self._dead_workers()) - already)
             if dead:
                 raise RuntimeError(

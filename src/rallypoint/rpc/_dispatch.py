@@ -109,6 +109,7 @@ class Dispatcher:
                 ) from exc
             finally:
                 collect_confirmations(saved)
+            conn.site = func  # the reader's next wait follows serving it
             for confirmed in forked:  # as torch: RRef arguments are confirmed by their owners
                 confirmed.wait()
             result = func(*args, **kwargs) if ctx is None else run_in(ctx, func, args, kwargs)

@@ -10,8 +10,15 @@ wait may first busy-poll for up to ``busy_poll_us`` (the *window*) if
   needs it for real work crawls beside it (a ``Linear`` forward and backward ran 70%
   slower next to one): at most one thread per process spins, and none while user code
   runs on another thread; and
-- most of the process's recent waits ended within the window (:class:`SpinPolicy`):
-  spinning that does not pay only burns CPU.
+- the process's idle gaps that began at the same *site* mostly ended within the window
+  (:class:`SpinPolicy`): spinning that does not pay only burns CPU, and steals it from
+  the other processes of a pipeline. A gap begins when the last thread of the process
+  starts to wait and ends when any of its threads gets work; its site says what that
+  last thread had just done (the function it served, the call whose reply it awaits,
+  ``backward``). Gaps recur per site: the first stage of a pipeline waits long after
+  serving its forward call (the whole pipeline runs before its gradient comes back) and
+  briefly after sending its gradient (the optimizer step follows), so it spins only
+  after the latter.
 
 The spin polls every socket that a thread of the process waits on, and yields the CPU
 between polls (``sched_yield``): with more processes than cores (three pipeline workers
@@ -46,22 +53,30 @@ _local = threading.local()
 
 
 class SpinPolicy:
-    """Whether this process's waits are worth spinning for: yes while at least half of
-    the last 16 ended within the window (a spin that timed out, or a blocking wait that
-    took longer, is a miss). Blocking waits keep counting, so spinning resumes when the
-    traffic picks up again."""
+    """Whether an idle gap that begins at a site is worth spinning through: yes while at
+    least half of the last :data:`HISTORY` gaps that began there ended within the window
+    (a site not seen yet: yes). Gaps count whether a thread spun through them or slept,
+    so spinning resumes when the traffic picks up again."""
 
-    HISTORY = 16
+    HISTORY = 8
+    SITES = 256  # more sites than this (many distinct functions): start over
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self._hits = (1 << self.HISTORY) - 1
+        self._hits: dict[int, int] = {}  # id(site) -> the last gaps, 1 bit each
 
-    def worth_it(self) -> bool:
-        return self.window_s > 0 and self._hits.bit_count() * 2 >= self.HISTORY
+    def worth_it(self, site: object = None) -> bool:
+        if self.window_s <= 0:
+            return False
+        hits = self._hits.get(id(site))
+        return hits is None or hits.bit_count() * 2 >= self.HISTORY
 
-    def record(self, hit: bool) -> None:
-        self._hits = ((self._hits << 1) | hit) & ((1 << self.HISTORY) - 1)
+    def record(self, hit: bool, site: object = None) -> None:
+        key = id(site)  # sites are functions and constants: identity, never equality
+        hits = self._hits.get(key, (1 << self.HISTORY) - 1)
+        if len(self._hits) >= self.SITES and key not in self._hits:
+            self._hits.clear()
+        self._hits[key] = ((hits << 1) | hit) & ((1 << self.HISTORY) - 1)
 
 
 class Waits:
@@ -74,6 +89,7 @@ class Waits:
         # dict operations under the GIL keep it consistent
         self._blocked: dict[int, tuple[int, ...]] = {}
         self._woken = 0  # counts waits that ended with work to do (see blocked)
+        self._gap: tuple[float, object] | None = None  # the process's idle gap: start, site
 
     def configure(self, window_s: float) -> None:
         """The agent's ``busy_poll_us``, in seconds (``0``: never spin)."""
@@ -94,6 +110,7 @@ class Waits:
         finally:
             if self._blocked.pop(ident, None) is not None and urgent:
                 self._woken += 1
+                self._busy()
 
     def sleep(self, seconds: float) -> None:
         """``time.sleep``, as a wait."""
@@ -105,10 +122,22 @@ class Waits:
         needs the GIL soon, so nobody may start spinning for it."""
         if self._blocked.pop(ident, None) is not None:
             self._woken += 1
+            self._busy()
 
-    def may_spin(self) -> bool:
-        """Whether the calling thread may spin now (see the module docstring)."""
-        return self.policy.worth_it() and len(self._blocked) >= threading.active_count() - 1
+    def _busy(self) -> None:
+        """A thread got work: the process's idle gap (if any) ends now."""
+        gap = self._gap
+        if gap is not None:
+            self._gap = None
+            self.policy.record(_clock() - gap[0] <= self.policy.window_s, gap[1])
+
+    def may_spin(self, site: object = None) -> bool:
+        """Whether the calling thread, about to wait after ``site``, may spin (see the
+        module docstring). If every other thread waits, the process's idle gap begins."""
+        if len(self._blocked) < threading.active_count() - 1:
+            return False
+        self._gap = (_clock(), site)
+        return self.policy.worth_it(site)
 
     def spin(self, fd: int | None, done: Callable[[], bool] | None = None) -> int:
         """Busy-poll until ``fd`` is readable or ``done()`` (:data:`READY`), another
@@ -119,8 +148,10 @@ class Waits:
         while True:
             events = poll(0)
             if events:
+                self._busy()
                 return READY if any(event[0] == fd for event in events) else OTHER
             if done is not None and done():
+                self._busy()
                 return READY
             if self._woken != woken:
                 return OTHER
@@ -147,39 +178,27 @@ class Waits:
                     poller.register(one, _POLLIN)
         return poller
 
-    def wait_readable(self, fd: int, poller: select.poll, timeout_ms: int) -> bool:
+    def wait_readable(
+        self, fd: int, poller: select.poll, timeout_ms: int, site: object = None
+    ) -> bool:
         """Until ``fd`` (registered in ``poller``) is readable (``True``) or ``timeout_ms``
         passes (``False``; ``-1``: no timeout): spin first if this thread may."""
-        policy = self.policy
-        if self.may_spin():
-            outcome = self.spin(fd)
-            policy.record(outcome != TIMEOUT)
-            if outcome == READY:
-                return True
-            with self.blocked(fd):
-                return bool(poller.poll(timeout_ms))
-        start = _clock()
-        with self.blocked(fd):
+        if self.may_spin(site) and self.spin(fd) == READY:
+            return True
+        with self.blocked(fd, urgent=False):
             ready = bool(poller.poll(timeout_ms))
-        policy.record(ready and _clock() - start <= policy.window_s)
+        if ready:  # a frame: work (a timeout only lets a caller check its call)
+            self._woken += 1
+            self._busy()
         return ready
 
-    def wait_lock(self, lock: threading.Lock, timeout: float) -> bool:
+    def wait_lock(self, lock: threading.Lock, timeout: float, site: object = None) -> bool:
         """Acquire ``lock`` within ``timeout`` seconds (a latch released by another
         thread, which calls :meth:`waking` first): spin first if this thread may."""
-        policy = self.policy
-        if self.may_spin():
-            outcome = self.spin(None, lambda: lock.acquire(blocking=False))
-            policy.record(outcome != TIMEOUT)
-            if outcome == READY:
-                return True
-            with self.blocked():
-                return lock.acquire(timeout=timeout)
-        start = _clock()
-        with self.blocked():
-            acquired = lock.acquire(timeout=timeout)
-        policy.record(acquired and _clock() - start <= policy.window_s)
-        return acquired
+        if self.may_spin(site) and self.spin(None, lambda: lock.acquire(blocking=False)) == READY:
+            return True
+        with self.blocked(urgent=False):  # the releaser calls waking first
+            return lock.acquire(timeout=timeout)
 
 
 WAITS = Waits()

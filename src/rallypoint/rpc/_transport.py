@@ -112,6 +112,7 @@ class Connection:
         self._poller = select.poll()
         self._poller.register(self._fd, select.POLLIN)
         self.pending: dict[int, torch.futures.Future[Any]] = {}  # the caller's calls on it
+        self.site: object = None  # what the reader ran last (see rpc._spin's sites)
 
     # ---- sending -------------------------------------------------------------------
     def send_frame(
@@ -231,7 +232,9 @@ class Connection:
         if not self._reading and not self.closed:
             self._spawn_reader(_TAKE_IF_FREE)
 
-    def read_until(self, future: torch.futures.Future[Any], *, more: bool = False) -> None:
+    def read_until(
+        self, future: torch.futures.Future[Any], *, more: bool = False, site: object = None
+    ) -> None:
         """Read frames on this thread until ``future`` (a call pending on this connection)
         is complete, unless another thread reads the connection already. Then a reader
         thread takes the calls still pending, unless ``more``: this thread reads again.
@@ -254,7 +257,7 @@ class Connection:
                 if not self._reader.buffered_frame():
                     self.flush()
                 if not self._reader.buffered_bytes() and not WAITS.wait_readable(
-                    self._fd, self._poller, _POLL_MS
+                    self._fd, self._poller, _POLL_MS, site
                 ):
                     continue
                 in_frame = True
@@ -325,7 +328,7 @@ class Connection:
                 if not self._reader.buffered_frame():
                     self.flush()
                 if not self._reader.buffered_bytes():
-                    WAITS.wait_readable(self._fd, self._poller, -1)
+                    WAITS.wait_readable(self._fd, self._poller, -1, self.site)
                 if self._run(self._reader.read_frame(), generation):
                     return
                 if self.outbound:
