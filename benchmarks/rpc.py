@@ -26,7 +26,8 @@ processes (torch's RPC state is global per process):
   stage 1 (``Linear(64, 64)`` + ReLU) on worker1 and stage 2 on worker2, both created with
   ``remote``, driven by worker0 with ``rpc_sync`` (batch 32); forward, ``dist_autograd``
   backward and a ``DistributedOptimizer`` (SGD) step, in one context. The median step of
-  each run; runs alternate between the backends and the row reports the median of runs.
+  each run; 9 runs alternate between the backends and the row reports the median of runs
+  (on the shared 2-vCPU VM one run of either backend can be 1.5x slower than the next).
   A second row gives the CPU time the three processes spent per step (all threads).
 
 Usage: ``python benchmarks/rpc.py [--quick] [--only calls|throughput|lifecycle|autograd]
@@ -205,7 +206,7 @@ def _autograd(quick: bool) -> dict[str, tuple[float, float]]:
     """Median step time and CPU per step (µs) per backend, over runs that alternate the
     order of the backends."""
     runs: dict[str, list[tuple[float, float]]] = {b: [] for b in BACKENDS}
-    for r in range(2 if quick else 5):
+    for r in range(2 if quick else 9):
         for backend in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:
             step = run_workers(
                 _autograd_step, 3, backend, 100 if quick else 300, timeout=600, env=_env
