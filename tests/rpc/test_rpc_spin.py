@@ -196,12 +196,16 @@ def test_a_gap_counts_for_the_site_where_the_process_went_idle_whoever_ends_it(
 
     base = len(waits._blocked)
     slow, fast = "after the forward", "after the gradient"
+    # the window changes between the two kinds of gap so that neither depends on how
+    # fast this machine is: a 10 ms gap misses a 2 ms window, an instant one hits 1 s
     for _ in range(SpinPolicy.HISTORY):  # this site's frames come after the window
+        waits.policy.window_s = 0.002
         sender = send_later(own_w, 0.01)
         _until(lambda: len(waits._blocked) == base + 1)
         assert waits.wait_readable(own_r.fileno(), poller, 1000, slow)
         own_r.recv(1)
         sender.join()
+        waits.policy.window_s = 1.0
         own_w.send(b"x")  # and this one's at once
         assert waits.wait_readable(own_r.fileno(), poller, 1000, fast)
         own_r.recv(1)
@@ -223,6 +227,7 @@ def test_a_gap_counts_for_the_site_where_the_process_went_idle_whoever_ends_it(
 
     thread = threading.Thread(target=other_reader)
     thread.start()
+    waits.policy.window_s = 1.0  # the other socket's frame comes within 1 s, however slow
     try:
         for _ in range(SpinPolicy.HISTORY // 2):
             _until(lambda: len(waits._blocked) == base + 1)
