@@ -76,10 +76,13 @@ def test_bad_world_size() -> None:
         run_workers(_env, 0)
 
 
-def _aborts_on_the_first_run(marker: str) -> int:
-    if int(os.environ["RANK"]) == 1 and not os.path.exists(marker):
-        open(marker, "w").close()
-        os.kill(os.getpid(), signal.SIGABRT)
+def _aborts_on_the_first_runs(marker: str, times: int = 1) -> int:
+    if int(os.environ["RANK"]) == 1:
+        with open(marker, "a") as fp:
+            fp.write("x")
+        with open(marker) as fp:
+            if len(fp.read()) <= times:
+                os.kill(os.getpid(), signal.SIGABRT)
     return int(os.environ["RANK"])
 
 
@@ -90,13 +93,15 @@ def _raises(marker: str) -> int:
 
 
 @pytest.mark.timeout(60)
-def test_a_reference_run_is_repeated_once_when_a_worker_dies_by_a_signal(tmp_path: Any) -> None:
+def test_a_reference_run_is_repeated_twice_when_a_worker_dies_by_a_signal(tmp_path: Any) -> None:
     from rallypoint.testing._workers import run_reference_workers
 
-    marker = str(tmp_path / "aborted")
-    assert run_reference_workers(_aborts_on_the_first_run, 2, marker, timeout=30) == [0, 1]
-    with pytest.raises(WorkerError, match="died by signal SIGABRT"):
-        run_workers(_aborts_on_the_first_run, 2, str(tmp_path / "again"), timeout=30)
+    twice = str(tmp_path / "twice")
+    assert run_reference_workers(_aborts_on_the_first_runs, 2, twice, 2, timeout=30) == [0, 1]
+    with pytest.raises(WorkerError, match="died by signal SIGABRT"):  # not a third time
+        run_reference_workers(_aborts_on_the_first_runs, 2, str(tmp_path / "3"), 3, timeout=30)
+    with pytest.raises(WorkerError, match="died by signal SIGABRT"):  # the code under test
+        run_workers(_aborts_on_the_first_runs, 2, str(tmp_path / "again"), timeout=30)
     with pytest.raises(WorkerError, match="a real failure"):  # not repeated
         run_reference_workers(_raises, 1, str(tmp_path / "count"), timeout=30)
     assert (tmp_path / "count").read_text() == "x"
