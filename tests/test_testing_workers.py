@@ -86,6 +86,34 @@ def _aborts_on_the_first_runs(marker: str, times: int = 1) -> int:
     return int(os.environ["RANK"])
 
 
+def _peer_aborts_first(marker: str) -> int:
+    """Rank 1 aborts on the first run, but its report pipe stays open (a child of it holds
+    it) so rank 0's error, raised once rank 1 is gone, is the failure reported first: as
+    when a TensorPipe worker aborts and its peer's next call fails with ``eof``."""
+    import time
+
+    if int(os.environ["RANK"]) == 1:
+        with open(marker, "a") as fp:
+            fp.write("x")
+        with open(marker) as fp:
+            if len(fp.read()) == 1:
+                if os.fork() == 0:  # holds the pipe open for a while
+                    time.sleep(3)
+                    os._exit(0)
+                os.kill(os.getpid(), signal.SIGABRT)
+        return 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if os.path.exists(marker):
+            time.sleep(0.5)
+            with open(marker) as fp:
+                if len(fp.read()) == 1:
+                    raise RuntimeError("eof (the peer is gone)")
+            return 0
+        time.sleep(0.01)
+    return 0
+
+
 def _raises(marker: str) -> int:
     with open(marker, "a") as fp:
         fp.write("x")
@@ -105,6 +133,22 @@ def test_a_reference_run_is_repeated_twice_when_a_worker_dies_by_a_signal(tmp_pa
     with pytest.raises(WorkerError, match="a real failure"):  # not repeated
         run_reference_workers(_raises, 1, str(tmp_path / "count"), timeout=30)
     assert (tmp_path / "count").read_text() == "x"
+
+
+@pytest.mark.timeout(60)
+def test_a_reference_run_is_repeated_when_a_peer_of_the_failing_rank_died_by_a_signal(
+    tmp_path: Any,
+) -> None:
+    from rallypoint.testing._workers import run_reference_workers
+
+    with pytest.raises(WorkerError, match="the peer is gone") as info:  # the code under test
+        run_workers(_peer_aborts_first, 2, str(tmp_path / "once"), timeout=30)
+    assert info.value.rank == 0 and info.value.signalled == [1]
+    assert run_reference_workers(_peer_aborts_first, 2, str(tmp_path / "ref"), timeout=30) == [
+        0,
+        1,
+    ]
+    assert (tmp_path / "ref").read_text() == "xx"
 
 
 _AFTER_PARALLEL_OPS = """

@@ -45,6 +45,9 @@ class WorkerError(RuntimeError):
         self.message = message
         self.remote_traceback = remote_traceback
         self.exception = exception
+        # ranks whose processes had died by a signal when this failure was reported
+        # (filled in by run_workers, before it kills the survivors)
+        self.signalled: list[int] = []
 
 
 def _apply_thread_count(env: Mapping[str, str]) -> None:
@@ -111,6 +114,9 @@ def run_workers(
             child_env = _child_env(rank, world_size, port, env)
             conns[_start(rank, child_env, fn, args, procs)] = rank
         return _collect(procs, conns, timeout, return_exceptions)
+    except WorkerError as exc:
+        exc.signalled = _signalled(procs)
+        raise
     finally:
         _stop(procs, conns)
 
@@ -134,19 +140,24 @@ def run_reference_workers(
     """:func:`run_workers` for a *reference* run on torch's own stack (TensorPipe), which
     is repeated up to twice if a worker died by a signal.
 
-    torch's TensorPipe agent now and then aborts a worker inside ``init_rpc`` (SIGABRT in
-    its start-up all-gather, ``std::bad_alloc``; seen in full test-suite runs here, once
-    twice in a row). That is a failure of the reference the test compares against, not
-    of the code under test: the code under test always runs with :func:`run_workers`,
-    without a second chance.
+    torch's TensorPipe agent now and then aborts a worker (SIGABRT, ``std::bad_alloc``;
+    seen in full test-suite runs here, in ``init_rpc``'s start-up all-gather and in the
+    middle of a program, once twice in a row). The failure reported first may then be
+    another rank's ``eof`` from the dead peer; either way it is a failure of the
+    reference the test compares against, not of the code under test: the code under test
+    always runs with :func:`run_workers`, without a second chance.
     """
     for _ in range(_REFERENCE_RETRIES):
         try:
             return run_workers(fn, world_size, *args, timeout=timeout, env=env)
         except WorkerError as exc:
-            if "died by signal" not in str(exc):
+            if not exc.signalled:
                 raise
-            print(f"reference run lost a worker ({exc}); running it again", file=sys.stderr)
+            print(
+                f"reference run lost ranks {exc.signalled} to a signal ({exc.message}); "
+                "running it again",
+                file=sys.stderr,
+            )
     return run_workers(fn, world_size, *args, timeout=timeout, env=env)
 
 
@@ -237,6 +248,15 @@ def _report(rank: int, conn: Connection, proc: Any) -> tuple[bool, Any]:
         except Exception:
             original = None
     return False, WorkerError(rank, text, remote_traceback=tb, exception=original)
+
+
+def _signalled(procs: list[Any]) -> list[int]:
+    """Ranks whose processes have exited by a signal (none is waited for)."""
+    return [
+        rank
+        for rank, proc in enumerate(procs)
+        if not proc.is_alive() and proc.exitcode is not None and proc.exitcode < 0
+    ]
 
 
 def _stop(procs: list[Any], conns: dict[Connection, int]) -> None:
