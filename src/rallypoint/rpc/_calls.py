@@ -26,6 +26,7 @@ import torch
 
 from rallypoint.rpc._errors import RpcError, RpcTimeoutError
 from rallypoint.rpc._transport import Connection
+from rallypoint.rpc._wait_all import record_failure
 
 
 def _raise(exc: BaseException) -> None:
@@ -38,9 +39,11 @@ def fail(future: torch.futures.Future[Any], exc: BaseException) -> None:
     Calls return the C++ future type, as torch's ``rpc_async`` does; it has no
     ``set_exception``, so this does what ``torch.futures.Future.set_exception`` does: the
     exception is the value, and an unwrap function raises it from ``wait()``/``value()``.
+    ``torch.futures.wait_all`` learns of the failure at once (see :mod:`._wait_all`).
     """
     if future.done():
         return
+    record_failure(future)
     with contextlib.suppress(Exception):  # completed meanwhile
         future._set_unwrap_func(_raise)
         future.set_result(exc)

@@ -25,6 +25,7 @@ from rallypoint.rpc._api import get_worker_info, remote, rpc_async, rpc_sync, sh
 from rallypoint.rpc._backend import CURRENT_AGENT, RpcAgent
 from rallypoint.rpc._rref import RRef
 from rallypoint.rpc._torch_names import answer_agent_check_too
+from rallypoint.rpc._wait_all import wrap_torch_wait_all
 
 __all__ = ["RRef", "get_worker_info", "remote", "rpc_async", "rpc_sync", "shutdown"]
 __all__ += ["_get_current_rpc_agent", "_thread_local_var", "_wait_all"]
@@ -47,6 +48,7 @@ def _is_current_rpc_agent_set() -> bool:
 
 # programs that ask torch's C++ module at call time see rallypoint's agent too
 answer_agent_check_too()
+wrap_torch_wait_all()  # returns at a failed rallypoint call, as at a failed torch one
 
 
 def _require_initialized(func: Callable[_P, _R]) -> Callable[_P, _R]:
