@@ -62,15 +62,17 @@ def _program(backend: str) -> dict[str, tuple[tuple[str, ...], str, float]] | No
             if backend == "TENSORPIPE":
                 functions["torch"] = _wait_all.TORCH_WAIT_ALL
             out = {}
+            slow_calls = []  # left running meanwhile; together they take SLOW_S
             for name, wait_all in functions.items():
                 slow = rpc.rpc_async("w1", _slow, args=(SLOW_S,))
                 failed = rpc.rpc_async("w1", _raises, args=("Expected error",))
                 out[f"{name} remote error"] = _timed(wait_all, [slow, failed])
-                slow.wait()
+                slow_calls.append(slow)
                 slow = rpc.rpc_async("w1", _slow, args=(SLOW_S,))
                 late = rpc.rpc_async("w1", _slow, args=(SLOW_S,), timeout=0.5)
                 out[f"{name} timeout"] = _timed(wait_all, [slow, late])
-                slow.wait()
+                slow_calls.append(slow)
+            assert [slow.wait() for slow in slow_calls] == [SLOW_S] * len(slow_calls)
     finally:
         rpc.shutdown()
     return out
