@@ -230,6 +230,55 @@ def test_a_signal_handler_raising_while_the_caller_reads_loses_no_later_call() -
 
 
 @pytest.mark.timeout(30)
+def test_the_monitor_survives_calls_added_while_it_looks_for_an_unread_one() -> None:
+    """The monitor's tick looks for a call nobody reads (``check_reading``) while caller
+    threads add calls and readers take them: the interpreter may switch threads between
+    any two instructions. Opcode tracing plays the other thread here: before each
+    instruction of ``check_reading``, a call is added. The tick raised ``dictionary
+    changed size during iteration`` (logged, the rest of the tick skipped: no call timed
+    out in it)."""
+    import socket
+    import sys
+
+    from rallypoint.rpc._transport import Connection
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX)
+    conn = Connection(
+        ours,
+        peer_name="callee",
+        peer_id=1,
+        uds=True,
+        pool=None,
+        shm_threshold=1 << 30,
+        stats={},
+        on_frame=lambda c, f: None,
+        on_lost=lambda c, e: None,
+        outbound=True,
+    )
+    conn.pending[1] = torch.futures.Future()
+    added = iter(range(100, 10_000))
+
+    def another_thread(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is Connection.check_reading.__code__:
+            frame.f_trace_opcodes = True
+            if event == "opcode":
+                conn.pending[next(added)] = torch.futures.Future()
+        return another_thread
+
+    try:
+        for _ in range(3):
+            sys.settrace(another_thread)
+            try:
+                conn.check_reading()
+            finally:
+                sys.settrace(None)
+    finally:
+        conn.close()
+        theirs.close()
+    assert len(conn.pending) > 3  # calls were added amid every tick
+
+
+@pytest.mark.timeout(30)
 def test_a_caller_reads_replies_that_arrived_in_one_piece_with_tensors() -> None:
     """Two replies that carry tensors arrive in one ``recv``: after the first, the second
     sits in the buffer, and the reading caller must parse it, not wait on the socket."""

@@ -245,3 +245,41 @@ def test_a_gap_counts_for_the_site_where_the_process_went_idle_whoever_ends_it(
     assert waits.wait_lock(latch, 1.0)  # free: taken at once
     assert not waits.wait_lock(latch, 0.01)
     latch.release()
+
+
+@pytest.mark.timeout(20)
+def test_a_spin_survives_another_thread_starting_to_wait_while_it_lists_the_sockets() -> None:
+    """Another thread may start or stop waiting while a spinner lists the sockets to
+    poll: a garbage collection amid that listing runs Python code (finalizers, GC
+    callbacks), and the interpreter may switch threads there. The spinner then crashed
+    with ``dictionary changed size during iteration``, and a reader thread that crashed
+    broke its connection. A GC callback stands in for the other thread here."""
+    import gc
+
+    waits = _fresh(0.0)
+    a, b = socket.socketpair()
+    others = [socket.socketpair() for _ in range(4)]
+    for other, _ in others:
+        waits._blocked[-other.fileno()] = (other.fileno(),)
+    changes = 0
+
+    def another_thread_waits(phase: str, info: dict[str, int]) -> None:
+        nonlocal changes
+        changes += 1
+        waits._blocked[10_000 + changes] = ()  # a thread starts waiting meanwhile
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(another_thread_waits)
+    gc.set_threshold(1)  # every allocation of a tracked object may collect
+    try:
+        for _ in range(200):
+            poller = waits._poller(a.fileno())
+            assert isinstance(poller, type(select.poll()))
+        b.send(b"x")
+        assert waits._poller(a.fileno()).poll(1000)  # the listing holds the thread's socket
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(another_thread_waits)
+        for one in (a, b, *(s for pair in others for s in pair)):
+            one.close()
+    assert changes > 0  # the GC did run amid the listings

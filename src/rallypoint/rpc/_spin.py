@@ -159,12 +159,22 @@ class Waits:
                 return TIMEOUT
             yield_cpu()
 
+    def _waited(self) -> list[tuple[int, ...]]:
+        """The sockets of every blocked thread, copied: other threads start and stop
+        waiting meanwhile. Iterating the dict itself failed (``dictionary changed size``)
+        when a garbage collection amid the iteration ran Python code (a finalizer) and the
+        interpreter switched threads there. Copying allocates nothing once it has begun;
+        should that ever change, it is retried."""
+        while True:
+            try:
+                return list(self._blocked.values())
+            except RuntimeError:  # pragma: no cover - see the docstring
+                continue
+
     def _poller(self, fd: int | None) -> select.poll:
         """A poll object for ``fd`` and every socket a blocked thread waits on (each
         thread keeps the last few it built: the same threads block on the same sockets)."""
-        fds = frozenset(
-            itertools.chain(itertools.chain.from_iterable(self._blocked.values()), (fd,))
-        )
+        fds = frozenset(itertools.chain(itertools.chain.from_iterable(self._waited()), (fd,)))
         cache: dict[frozenset[int | None], select.poll] | None = getattr(_local, "pollers", None)
         if cache is None:
             cache = _local.pollers = {}

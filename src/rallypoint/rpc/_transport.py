@@ -301,7 +301,10 @@ class Connection:
         # stayed unread for a whole tick
         unread = -1
         if self.outbound and self.pending and not self._reading:
-            unread = next(iter(self.pending), -1)
+            try:
+                unread = next(iter(self.pending), -1)
+            except RuntimeError:  # a caller added a call, or a reader took one, meanwhile
+                unread = -1  # (the interpreter switched threads): look again next tick
         if unread != -1 and unread == self._unread:
             self.expect_reply()
         self._unread = unread
