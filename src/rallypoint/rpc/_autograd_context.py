@@ -130,7 +130,9 @@ class AutogradContext:
             ((-1, i), root.grad_fn, root.output_nr)  # type: ignore[misc]
             for i, root in enumerate(roots)
         ]
-        for message_id, send in list(self.sends.items()):
+        # copied as a dict: callers record sends meanwhile, and copying items would
+        # allocate a tuple per item (a GC pass there may switch threads)
+        for message_id, send in dict(self.sends).items():
             found.extend(((message_id, i), node, nr) for i, (node, nr) in enumerate(send.edges))
         return found
 

@@ -110,7 +110,10 @@ class Round:
         self._walk(stack)
         # how many edges reach each received message's node: a send can be routed past
         # this worker only if its edges are all of them (see pass_through)
-        self._reached = {node: self._remaining[node] for node in recvs if node in self._remaining}
+        # (a copy: a reader thread may decode another message of the context meanwhile)
+        self._reached = {
+            node: self._remaining[node] for node in list(recvs) if node in self._remaining
+        }
         self._unarrived = len(self._edges)
         # one source (the common case: a stage's reply): every node runs in its one pass
         self._single = next(iter(self._edges)) if self._unarrived == 1 else None

@@ -58,7 +58,7 @@ class Outgoing:
 def offer(ctx: AutogradContext, rnd: Round, me: tuple[str, int], out: Outgoing) -> None:
     """The routes this pass offers: for this worker's sends whose gradients would only
     pass through it, and those offered to it in the round that are still open."""
-    for message_id, send in list(ctx.sends.items()):
+    for message_id, send in dict(ctx.sends).items():  # callers record sends meanwhile
         if send.peer == me[0]:
             continue
         through = rnd.pass_through(message_id, len(send.edges))

@@ -102,7 +102,7 @@ class PendingCalls:
 
     def fail_all(self) -> None:
         """Fail every pending call: the agent is shutting down."""
-        for rid, conn in list(self.owners.items()):
+        for rid, conn in dict(self.owners).items():  # callers may still add calls
             future = self.pop(rid)
             if future is not None:
                 fail(

@@ -262,11 +262,14 @@ class RemoteSegments:
         self._lock = threading.RLock()  # _released may run from a GC pass inside hand_back
 
     def add(self, seg_id: int, fd: int) -> None:
+        # under the lock: a thread sending on the connection may be in hand_back's loop
         try:
-            self._maps[seg_id] = _Mapped(fd)
+            mapped = _Mapped(fd)
         except BaseException:
             os.close(fd)
             raise
+        with self._lock:
+            self._maps[seg_id] = mapped
 
     def tensor(self, seg_id: int, nbytes: int) -> torch.Tensor:
         mapped = self._maps.get(seg_id)
@@ -322,6 +325,7 @@ class RemoteSegments:
             _clear(mapped.mm, _RETURNED)
 
     def close(self) -> None:
-        for mapped in self._maps.values():
+        with self._lock:
+            maps, self._maps = self._maps, {}
+        for mapped in maps.values():
             mapped.close()
-        self._maps.clear()
