@@ -506,6 +506,61 @@ def test_shared_memory_segments_are_passed_once_and_reused() -> None:
         pool.close()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("uds", [True, False], ids=["unix", "tcp"])
+def test_every_way_a_frame_carries_tensors_delivers_them_exactly(uds: bool) -> None:
+    """Small tensors are copied into the frame; more bytes than ``COPIED_BYTES`` go out
+    from the tensors' own memory; large ones on a Unix socket go through shared memory;
+    a frame with more descriptors than the read buffer holds is parsed in pieces. The lean
+    form's raw tensors keep their tensor's shape (as bytes), the general form's are 1-D."""
+    from rallypoint.rpc._transport import COPIED_BYTES
+
+    if uds:
+        a, b = socket.socketpair(socket.AF_UNIX)
+    else:
+        listener = socket.create_server(("127.0.0.1", 0))
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+        listener.close()
+    pool = SegmentPool(1 << 26) if uds else None
+    stats = {"inline_tensor_bytes": 0, "shm_tensor_bytes": 0}
+    sink = _Collect()
+    kwargs: dict[str, Any] = {"peer_id": 0, "uds": uds, "shm_threshold": 1 << 20, "stats": stats}
+    sender = Connection(a, peer_name="rx", pool=pool, **_Collect().callbacks(), **kwargs)
+    receiver = Connection(b, peer_name="tx", pool=None, **sink.callbacks(), **kwargs)
+    receiver.start()
+    messages: list[Any] = [
+        (_func, (torch.randn(32, 64), torch.tensor(2.5), 7), {}),  # copied, 0-d among them
+        (_func, (torch.randn(3, 2, 1), torch.arange(6).view(2, 3)), {"k": torch.ones(5)}),
+        (_func, (torch.randn(COPIED_BYTES // 4 + 1),), {}),  # over the copy limit
+        (_func, (torch.randn(512, 1024),), {}),  # 2 MiB: shared memory on a Unix socket
+        (_func, (torch.arange(10.0)[2:5],), {}),  # the general form's 1-D raw of a view
+        [torch.full((1,), float(i)) for i in range(17_000)],  # 272 KB of descriptors
+    ]
+    try:
+        for rid, message in enumerate(messages, start=1):
+            data, raws = _wire.encode(message)
+            sink.event.clear()
+            sender.send_frame(_wire.FrameKind.CALL, rid, data, raws)
+            assert sink.event.wait(20), rid
+            frame = sink.frames.pop()
+            assert frame.request_id == rid
+            out = _wire.decode(frame.data, frame.tensors)
+            flat_in = [*message[1], *message[2].values()] if rid < 6 else message
+            flat_out = [*out[1], *out[2].values()] if rid < 6 else out
+            for sent, got in zip(flat_in, flat_out, strict=True):
+                if isinstance(sent, torch.Tensor):
+                    assert got.shape == sent.shape and torch.equal(got, sent), rid
+                else:
+                    assert got == sent
+        assert stats["shm_tensor_bytes"] == (512 * 1024 * 4 if uds else 0)
+    finally:
+        sender.close()
+        receiver.close()
+        if pool is not None:
+            pool.close()
+
+
 def _wait_free(segment: Any) -> bool:
     deadline = time.monotonic() + 5
     while not segment.free and time.monotonic() < deadline:

@@ -112,9 +112,25 @@ class FrameReader:
     def _take_tensor(self, nbytes: int) -> torch.Tensor:
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        storage = bytearray(nbytes)
-        self._read_into(memoryview(storage))
+        start = self._start
+        if self._end - start >= nbytes:  # buffered already (small tensors): one copy
+            storage = bytearray(self._view[start : start + nbytes])
+            self._start = start + nbytes
+        else:
+            storage = bytearray(nbytes)
+            self._read_into(memoryview(storage))
         return torch.frombuffer(storage, dtype=torch.uint8)
+
+    def _descriptors(self, count: int) -> list[tuple[int, int, int, int, int]]:
+        """The next ``count`` tensor descriptors, parsed in the buffer if they fit it."""
+        size = _wire.DESC.size
+        if size * count > len(self._buf):
+            table = self._take(size * count)
+            return [_wire.DESC.unpack_from(table, i * size) for i in range(count)]
+        self._fill(size * count)
+        start = self._start
+        self._start = start + size * count
+        return [_wire.DESC.unpack_from(self._buf, start + i * size) for i in range(count)]
 
     def read_frame(self) -> Frame:
         self._fill(_wire.HEADER.size)
@@ -132,11 +148,7 @@ class FrameReader:
         data = self._take(size)
         tensors: list[torch.Tensor] = []
         if count:
-            descs = self._take(_wire.DESC.size * count)
-            for i in range(count):
-                where, new_fd, _, seg_id, nbytes = _wire.DESC.unpack_from(
-                    descs, i * _wire.DESC.size
-                )
+            for where, new_fd, _, seg_id, nbytes in self._descriptors(count):
                 if where == _wire.WHERE_INLINE:
                     tensors.append(self._take_tensor(nbytes))
                 elif where == _wire.WHERE_SHM and self._uds:

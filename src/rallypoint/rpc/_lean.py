@@ -195,10 +195,13 @@ def encode(
         if needs_grad:
             needs_grad_tensors.append(item)
             item = item.detach()
-        ndim = item.dim()
+        dims = item.shape
+        ndim = len(dims)
         header += _SLOT.pack(position, _CODES[item.dtype], needs_grad, ndim)
-        header += _dims(ndim).pack(*item.shape)
-        raws.append(item.view(-1).view(_RAW))
+        header += _dims(ndim).pack(*dims)
+        # one view, not two: a raw tensor may have any shape (the bytes count); a 0-d
+        # tensor cannot change its dtype in place
+        raws.append(item.view(_RAW) if ndim else item.view(1).view(_RAW))
         positions.append(position)
     if not raws and not rrefs:
         return None  # data only: the plain pickle is leaner still
@@ -230,7 +233,7 @@ def _replaced(obj: Any, shape: int, replace: list[tuple[int, Any]], lean: bool) 
         func, args, kwargs = obj
         args = list(args)
         n_args = len(args)
-        if max(p for p, _ in replace) >= n_args:
+        if kwargs and any(p >= n_args for p, _ in replace):
             kwargs = dict(kwargs)
             keys = list(kwargs)
         for position, value in replace:
@@ -265,7 +268,7 @@ def decode(
         offset += 8 * ndim
         if code >= len(_DTYPES):
             raise ValueError(f"bad lean dtype code {code}")
-        tensor = raw.view(_DTYPES[code]).reshape(dims)
+        tensor = raw.view(_DTYPES[code]).view(dims)  # raw is contiguous: views suffice
         if needs_grad and (tensor.is_floating_point() or tensor.is_complex()):
             tensor.requires_grad_(True)
             grads.append(len(rebuilt))

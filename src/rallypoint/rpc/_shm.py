@@ -104,7 +104,7 @@ class SegmentPool:
         self._lock = threading.Lock()
 
     def put(self, raw: torch.Tensor) -> Segment | None:
-        """Copy ``raw`` (uint8, 1-D) into a free segment; ``None`` if the pool is full."""
+        """Copy ``raw`` (uint8, contiguous) into a free segment; ``None`` if the pool is full."""
         nbytes = raw.numel()
         with self._lock:
             segment = self._find(nbytes)
@@ -196,7 +196,7 @@ os.register_at_fork(after_in_child=_copy_threads.forget)
 
 
 def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for contiguous uint8 1-D tensors; a large copy runs on up to 4
+    """``dst.copy_(src)`` for contiguous uint8 tensors (``dst`` 1-D); a large copy runs on up to 4
     of this process's CPUs at once, whatever torch's intra-op thread count is (one core
     copies about 7 GB/s: a 64 MiB tensor would take ~10 ms). The copies are plain
     ``memmove`` calls, which release the GIL and start no OpenMP team."""
@@ -205,7 +205,7 @@ def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
         _MAX_COPY_THREADS, len(os.sched_getaffinity(0)), nbytes // (PARALLEL_COPY_BYTES // 2)
     )
     if ways < 2 or not (src.is_contiguous() and dst.is_contiguous()):
-        dst.copy_(src)
+        dst.copy_(src.reshape(-1))  # the lean form's raw tensors keep their shape
         return
     target, source = dst.data_ptr(), src.data_ptr()
     chunk = -(-nbytes // ways // _PAGE) * _PAGE

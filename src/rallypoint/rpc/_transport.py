@@ -44,6 +44,10 @@ from rallypoint.rpc._spin import WAITS
 logger = logging.getLogger("rallypoint.rpc")
 
 STALL_SECONDS = 0.005
+COPIED_BYTES = 32 << 10
+"""Tensors of a frame that add up to at most this many bytes (and stay out of shared
+memory) are copied into one buffer with the frame, not sent from their own memory: for
+small tensors the copy costs less than another buffer to send and keep alive."""
 _POLL_MS = 50  # a thread reading its own reply checks this often whether its call ended
 _TAKE_IF_FREE = -1  # a reader generation: take the reader role if nobody holds it
 
@@ -135,6 +139,10 @@ class Connection:
             if flush:
                 self.flush()
             return
+        sizes = [raw.numel() for raw in raws]
+        if sum(sizes) <= COPIED_BYTES and (not self.uds or max(sizes) < self._threshold):
+            self._send_copied(kind, request_id, data, raws, sizes, flush)
+            return
         segments: list[Segment | int | None] = []  # ours, the peer's handed back, or inline
         for raw in raws:
             seg: Segment | int | None = None
@@ -181,6 +189,31 @@ class Connection:
             self._bufs.extend(buffers)
             self._fds.extend(fds)
             self._keep.extend(raws)
+        if flush:
+            self.flush()
+
+    def _send_copied(
+        self,
+        kind: _wire.FrameKind,
+        request_id: int,
+        data: bytes,
+        raws: list[torch.Tensor],
+        sizes: list[int],
+        flush: bool,
+    ) -> None:
+        """A frame whose tensors are small and all inline, as one bytes object: its
+        tensors' bytes are copied now, as the frame of a call without tensors is (one
+        buffer to send, nothing to keep alive until it is sent)."""
+        header = _wire.HEADER.pack(_wire.MAGIC, kind, 0, len(raws), request_id, len(data))
+        descs = [_wire.DESC.pack(_wire.WHERE_INLINE, 0, 0, 0, size) for size in sizes]
+        frame = b"".join([header, data, *descs, *map(tensor_view, raws)])
+        with self._qlock:
+            if self.closed:
+                raise RpcConnectionError(
+                    f"connection to {self.peer_name} is closed", peer=self.peer_name
+                )
+            self._bufs.append(frame)
+            self._stats["inline_tensor_bytes"] += sum(sizes)
         if flush:
             self.flush()
 
