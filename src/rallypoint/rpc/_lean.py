@@ -13,7 +13,8 @@ cost per message (see ``benchmarks/rpc.py``, the small-tensor round trip)::
 
 The slots of a call are its positional arguments, then its keyword arguments' values;
 of a tuple or list reply, its items. The tensors travel as the transport's raw tensors,
-in slot order.
+in slot order: each tensor viewed as bytes (``uint8``), keeping its shape but for the last
+dimension (one view instead of flattening first; the receiver's raw tensors are 1-D).
 
 A tensor takes this form only if it is exactly a ``torch.Tensor``, strided, on CPU with
 no device map, contiguous, not empty, neither conjugate nor negative, of a listed dtype,
@@ -199,9 +200,7 @@ def encode(
         ndim = len(dims)
         header += _SLOT.pack(position, _CODES[item.dtype], needs_grad, ndim)
         header += _dims(ndim).pack(*dims)
-        # one view, not two: a raw tensor may have any shape (the bytes count); a 0-d
-        # tensor cannot change its dtype in place
-        raws.append(item.view(_RAW) if ndim else item.view(1).view(_RAW))
+        raws.append(item.view(_RAW) if ndim else item.view(1).view(_RAW))  # 1 view, any shape
         positions.append(position)
     if not raws and not rrefs:
         return None  # data only: the plain pickle is leaner still
