@@ -25,10 +25,12 @@ processes (torch's RPC state is global per process):
 - one training step with distributed autograd of a two-stage model-parallel model:
   stage 1 (``Linear(64, 64)`` + ReLU) on worker1 and stage 2 on worker2, both created with
   ``remote``, driven by worker0 with ``rpc_sync`` (batch 32); forward, ``dist_autograd``
-  backward and a ``DistributedOptimizer`` (SGD) step, in one context. The median step of
-  each run; 9 runs alternate between the backends and the row reports the median of runs
-  (on the shared 2-vCPU VM one run of either backend can be 1.5x slower than the next).
-  A second row gives the CPU time the three processes spent per step (all threads).
+  backward and a ``DistributedOptimizer`` (SGD) step, in one context. Both backends' groups
+  run at once and take turns, epoch by epoch (``benchmarks/rpc_step.py``: 20 epochs of 150
+  steps): the row is the median over epochs of each epoch's median step, and the ratio of
+  the epochs paired in time is printed under the table (on the shared 2-vCPU VM one run
+  of either backend could be 1.5x slower than the next). A second row gives the CPU time
+  the three processes spent per step (all threads).
 
 Usage: ``python benchmarks/rpc.py [--quick] [--only calls|throughput|lifecycle|autograd]
 [--plot rpc.png]``. Prints a markdown table.
@@ -43,7 +45,9 @@ import statistics
 import time
 from typing import Any
 
+import rpc_step
 import torch
+from rpc_step import Stage
 
 from rallypoint import rpc
 from rallypoint._core.envvars import RPC_SECRET
@@ -142,80 +146,18 @@ def _lifecycle(backend: str, world_size: int) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
-class _Stage(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.lin(x))
-
-
-def _stage_forward(stage: Any, x: torch.Tensor) -> torch.Tensor:
-    out: torch.Tensor = stage.local_value()(x)
-    return out
-
-
-def _stage_params(stage: Any) -> list[Any]:
-    return [rpc.RRef(p) for p in stage.local_value().parameters()]
-
-
-def _cpu_seconds() -> float:
-    return time.process_time()
-
-
-def _autograd_step(backend: str, steps: int, width: int = 64) -> tuple[float, float]:
-    """Median seconds of one training step (forward, dist backward, optimizer step), and
-    the CPU seconds per step of the three processes together."""
-    from rallypoint.rpc import dist_autograd
-
-    rank = _init(backend, 3)
-    median = cpu = float("nan")
-    if rank == 0:
-        stage1 = rpc.remote("worker1", _Stage, args=(width,))
-        stage2 = rpc.remote("worker2", _Stage, args=(width,))
-        params = rpc.rpc_sync("worker1", _stage_params, args=(stage1,))
-        params += rpc.rpc_sync("worker2", _stage_params, args=(stage2,))
-        opt = rpc.DistributedOptimizer(torch.optim.SGD, params, lr=0.01)
-        x = torch.randn(32, width)
-        times = []
-        cpu_at: list[float] = []
-        for i in range(steps + 20):
-            if i == 20:
-                cpu_at = [time.process_time()] + [
-                    rpc.rpc_sync(f"worker{r}", _cpu_seconds) for r in (1, 2)
-                ]
-            t0 = time.perf_counter()
-            with dist_autograd.context() as context_id:
-                h = rpc.rpc_sync("worker1", _stage_forward, args=(stage1, x))
-                y = rpc.rpc_sync("worker2", _stage_forward, args=(stage2, h))
-                dist_autograd.backward(context_id, [y.square().mean()])
-                opt.step(context_id)
-            if i >= 20:
-                times.append(time.perf_counter() - t0)
-        median = statistics.median(times)
-        cpu_end = [time.process_time()] + [rpc.rpc_sync(f"worker{r}", _cpu_seconds) for r in (1, 2)]
-        cpu = (sum(cpu_end) - sum(cpu_at)) / steps
-    rpc.shutdown()
-    if rank == 0 and backend == "TENSORPIPE":
-        time.sleep(0.5)  # torch's shutdown: the store host must outlive the others' barrier
-    return median, cpu
-
-
 def _autograd(quick: bool) -> dict[str, tuple[float, float]]:
-    """Median step time and CPU per step (µs) per backend, over runs that alternate the
-    order of the backends."""
-    runs: dict[str, list[tuple[float, float]]] = {b: [] for b in BACKENDS}
-    for r in range(2 if quick else 9):
-        for backend in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:
-            step = run_workers(
-                _autograd_step, 3, backend, 100 if quick else 300, timeout=600, env=_env
-            )[0]
-            runs[backend].append(step)
+    """Median step time and CPU per step (µs) per backend, both groups running at once in
+    paired epochs (:mod:`rpc_step`); the paired ratio is kept for the printout."""
+    summary = rpc_step.summary(rpc_step.paired_epochs(6 if quick else 20, 100 if quick else 150))
+    PAIRED.update(summary)
     return {
-        b: (statistics.median(s for s, _ in v) * 1e6, statistics.median(c for _, c in v) * 1e6)
-        for b, v in runs.items()
+        "RALLYPOINT": (summary["rallypoint_step_us"], summary["rallypoint_cpu_us"]),
+        "TENSORPIPE": (summary["tensorpipe_step_us"], summary["tensorpipe_cpu_us"]),
     }
+
+
+PAIRED: dict[str, float] = {}
 
 
 def socket_floor_us(rounds: int = 3000) -> float:
@@ -245,7 +187,7 @@ def wake_penalty_us(rounds: int = 2000, pause: float = 0.0002) -> tuple[float, f
     """Median µs of one stage's forward and backward, in a loop that never sleeps and in
     one that sleeps ``pause`` seconds before each iteration (no RPC, one process)."""
     torch.set_num_threads(1)
-    stage, x = _Stage(64), torch.randn(32, 64)
+    stage, x = Stage(64), torch.randn(32, 64)
 
     def run(sleep: float) -> float:
         times = []
@@ -276,7 +218,7 @@ def chain_round_us(spin_s: float, rounds: int = 2000) -> float:
     import select
 
     torch.set_num_threads(1)
-    stage, x = _Stage(64), torch.randn(32, 64)
+    stage, x = Stage(64), torch.randn(32, 64)
     ring = [socket.socketpair() for _ in range(3)]  # ring[i][1] -> ring[i][0]: into i
     kids = []
     for me in (1, 2):
@@ -423,6 +365,14 @@ def main() -> None:
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
     )
     print(table(results))
+    if PAIRED:
+        print(
+            f"\ntraining step, epochs paired in time: TensorPipe / rallypoint "
+            f"{PAIRED['ratio']:.2f}x (median of {PAIRED['epochs']:.0f} epochs, "
+            f"{PAIRED['ratio_low']:.2f}-{PAIRED['ratio_high']:.2f}); the waiting group used "
+            f"{PAIRED['rallypoint_idle_cpus']:.3f} CPUs (rallypoint) and "
+            f"{PAIRED['tensorpipe_idle_cpus']:.3f} (TensorPipe)"
+        )
     if args.only in ("all", "autograd"):
         floors = sorted(socket_floor_us() for _ in range(5))
         print(
