@@ -105,7 +105,9 @@ def _drive(pipe: Connection, width: int) -> None:
             opt.step(context_id)
 
     def group_cpu() -> float:
-        return time.process_time() + sum(rpc.rpc_sync(f"worker{r}", _cpu_seconds) for r in (1, 2))
+        return time.process_time() + sum(
+            float(rpc.rpc_sync(f"worker{r}", _cpu_seconds)) for r in (1, 2)
+        )
 
     for _ in range(WARMUP_STEPS):
         step()
