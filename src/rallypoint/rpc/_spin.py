@@ -139,12 +139,16 @@ class Waits:
         self._gap = (_clock(), site)
         return self.policy.worth_it(site)
 
-    def spin(self, fd: int | None, done: Callable[[], bool] | None = None) -> int:
+    def spin(
+        self, fd: int | None, done: Callable[[], bool] | None = None, limit_s: float = -1.0
+    ) -> int:
         """Busy-poll until ``fd`` is readable or ``done()`` (:data:`READY`), another
-        thread has work (:data:`OTHER`) or the window passes (:data:`TIMEOUT`)."""
+        thread has work (:data:`OTHER`) or the window passes (:data:`TIMEOUT`); never
+        longer than ``limit_s`` (the caller's timeout; negative: none)."""
         woken = self._woken
         poll, clock, yield_cpu = self._poller(fd).poll, _clock, os.sched_yield
-        until = clock() + self.policy.window_s
+        window = self.policy.window_s
+        until = clock() + (window if limit_s < 0 else min(window, limit_s))
         while True:
             events = poll(0)
             if events:
@@ -192,9 +196,14 @@ class Waits:
         self, fd: int, poller: select.poll, timeout_ms: int, site: object = None
     ) -> bool:
         """Until ``fd`` (registered in ``poller``) is readable (``True``) or ``timeout_ms``
-        passes (``False``; ``-1``: no timeout): spin first if this thread may."""
-        if self.may_spin(site) and self.spin(fd) == READY:
-            return True
+        passes (``False``; ``-1``: no timeout): spin first if this thread may (the spin
+        counts against the timeout)."""
+        if self.may_spin(site):
+            began = _clock()
+            if self.spin(fd, limit_s=timeout_ms / 1000) == READY:
+                return True
+            if timeout_ms >= 0:
+                timeout_ms = max(0, timeout_ms - int((_clock() - began) * 1000))
         with self.blocked(fd, urgent=False):
             ready = bool(poller.poll(timeout_ms))
         if ready:  # a frame: work (a timeout only lets a caller check its call)
@@ -204,9 +213,14 @@ class Waits:
 
     def wait_lock(self, lock: threading.Lock, timeout: float, site: object = None) -> bool:
         """Acquire ``lock`` within ``timeout`` seconds (a latch released by another
-        thread, which calls :meth:`waking` first): spin first if this thread may."""
-        if self.may_spin(site) and self.spin(None, lambda: lock.acquire(blocking=False)) == READY:
-            return True
+        thread, which calls :meth:`waking` first): spin first if this thread may (the
+        spin counts against the timeout)."""
+        if self.may_spin(site):
+            began = _clock()
+            if self.spin(None, lambda: lock.acquire(blocking=False), timeout) == READY:
+                return True
+            if timeout >= 0:
+                timeout = max(0.0, timeout - (_clock() - began))
         with self.blocked(urgent=False):  # the releaser calls waking first
             return lock.acquire(timeout=timeout)
 
