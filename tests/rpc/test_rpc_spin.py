@@ -214,36 +214,70 @@ def test_a_gap_counts_for_the_site_where_the_process_went_idle_whoever_ends_it(
     assert waits.may_spin(fast)
 
     # a gap that another thread's socket ends counts too: a stage whose gradient comes
-    # on one connection and its next request on another
+    # on one connection and its next request on another. Each thread stays blocked until
+    # this one releases it, so the gap begins at this thread's wait, however slow the host
     other_r, other_w = socket.socketpair()
-    release = threading.Event()
+    stop = threading.Event()
 
-    def other_reader() -> None:
+    def other_reader() -> None:  # no timeout: a wake-up of its own would begin a gap
         other_poller = select.poll()
         other_poller.register(other_r.fileno(), select.POLLIN)
-        while not release.is_set():
-            if waits.wait_readable(other_r.fileno(), other_poller, 50):
+        while not stop.is_set():
+            if waits.wait_readable(other_r.fileno(), other_poller, -1):
                 other_r.recv(1)
+
+    def send_when(go: threading.Event) -> threading.Thread:
+        def run() -> None:
+            with waits.blocked(urgent=False):
+                go.wait(10)
+            other_w.send(b"x")
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
 
     thread = threading.Thread(target=other_reader)
     thread.start()
-    waits.policy.window_s = 1.0  # the other socket's frame comes within 1 s, however slow
+    waits.policy.window_s = 10.0  # the other socket's frame comes within 10 s, however slow
     try:
         for _ in range(SpinPolicy.HISTORY // 2):
             _until(lambda: len(waits._blocked) == base + 1)
-            sender = send_later(other_w, 0.001)
+            go = threading.Event()
+            sender = send_when(go)
             _until(lambda: len(waits._blocked) == base + 2)  # both others wait
             assert not waits.wait_readable(own_r.fileno(), poller, 20, slow)  # own: nothing
+            go.set()
             sender.join()
+            _until(lambda: waits._gap is None)  # the reader got the frame: the gap ended
         assert waits.policy.worth_it(slow)
     finally:
-        release.set()
+        stop.set()
+        other_w.send(b"x")
         thread.join()
         other_r.close()
         other_w.close()
+
+
+@pytest.mark.timeout(20)
+def test_a_wait_ends_at_its_timeout_even_when_the_spin_window_is_longer(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """A 10 s window (``busy_poll_us`` set high) must not stretch a 50 ms wait: the
+    spin counts against the caller's timeout, and the wait that follows gets the rest."""
+    waits = _fresh(10.0)
+    own_r, _ = pair
+    poller = select.poll()
+    poller.register(own_r.fileno(), select.POLLIN)
     latch = threading.Lock()
     assert waits.wait_lock(latch, 1.0)  # free: taken at once
-    assert not waits.wait_lock(latch, 0.01)
+    for wait in (
+        lambda: waits.wait_lock(latch, 0.05),
+        lambda: waits.wait_readable(own_r.fileno(), poller, 50),
+    ):
+        assert waits.may_spin()  # nobody else runs, and a new site is worth a try
+        began = time.monotonic()
+        assert not wait()
+        assert time.monotonic() - began < 5.0  # the timeout, not the 10 s window
     latch.release()
 
 
