@@ -20,6 +20,7 @@ import torch
 from rallypoint import rpc
 from rallypoint._core.envvars import RPC_SECRET
 from rallypoint.rpc import dist_autograd
+from rallypoint.rpc._autograd import CURRENT_AUTOGRAD
 from rallypoint.testing import run_workers
 
 ENV = {RPC_SECRET: "autograd-secret"}
@@ -206,7 +207,7 @@ def _slow_double(x: torch.Tensor) -> torch.Tensor:
 
         @staticmethod
         def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-            time.sleep(0.5)
+            time.sleep(2.0)
             return grad * 2
 
     out: torch.Tensor = _Slow.apply(x)  # type: ignore[no-untyped-call]
@@ -221,7 +222,11 @@ def _concurrent_backward() -> str | None:
             y = rpc.rpc_sync("w1", _slow_double, args=(w,))
             first = threading.Thread(target=dist_autograd.backward, args=(cid, [y.sum()], True))
             first.start()
-            time.sleep(0.2)
+            running = CURRENT_AUTOGRAD.get()._waiters  # the passes that run, by (context, round)
+            deadline = time.monotonic() + 20
+            while not any(key[0] == cid for key in list(running)):  # the first pass began
+                assert time.monotonic() < deadline, "the first backward pass never began"
+                time.sleep(0.01)
             try:
                 dist_autograd.backward(cid, [y.sum()])
             except RuntimeError as exc:

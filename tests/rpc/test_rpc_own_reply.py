@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from rallypoint import rpc
+from rallypoint.rpc import _agent as rpc_agent
 from rallypoint.testing import run_workers
 
 SECRET = {"RALLYPOINT_RPC_SECRET": "own-reply-secret"}
@@ -353,7 +354,12 @@ def _rpc_all_program() -> dict[str, Any]:
         read_on += _record_reading_threads(agent.connections.outbound("w2"))
         calls = [("w1", _add, (1, 0)), ("w2", _add, (1, 2)), ("w0", _add, (3, 4))]
         calls += [("w1", _add, (i, i)) for i in range(5)]  # several pending on one connection
+        # the monitor heals a call left unread for two ticks, which two 4 ms ticks on a
+        # loaded host can be while the caller reads the other connection: a 1 s tick here
+        monitor_tick, rpc_agent._TICK = rpc_agent._TICK, 1.0
+        time.sleep(0.05)  # the monitor's 4 ms wait ends: from now on it waits 1 s
         futures = agent.rpc_all(calls, 10)
+        rpc_agent._TICK = monitor_tick
         out["done"] = [f.done() for f in futures]
         out["values"] = [f.wait() for f in futures]
         out["spawned"] = list(spawned)

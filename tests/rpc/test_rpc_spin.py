@@ -165,8 +165,8 @@ def test_a_spin_ends_when_another_thread_is_woken_but_not_for_periodic_wakeups(
             waits.waking(ident[0])
             latch.release()
 
-        threading.Timer(0.1, wake).start()
         start = time.perf_counter()
+        threading.Timer(0.1, wake).start()
         assert waits.spin(own_r.fileno()) == OTHER
         # the ticker woke ~50 times meanwhile without ending the spin
         assert time.perf_counter() - start >= 0.09
@@ -186,22 +186,26 @@ def test_a_gap_counts_for_the_site_where_the_process_went_idle_whoever_ends_it(
     poller.register(own_r.fileno(), select.POLLIN)
 
     def send_later(sock: socket.socket, seconds: float) -> threading.Thread:
+        waiting = threading.Event()
+
         def run() -> None:  # a rallypoint-like thread: it says that it waits
-            waits.sleep(seconds)
+            with waits.blocked(urgent=False):
+                waiting.set()
+                time.sleep(seconds)
             sock.send(b"x")
 
         thread = threading.Thread(target=run)
         thread.start()
+        waiting.wait(5)
         return thread
 
     base = len(waits._blocked)
     slow, fast = "after the forward", "after the gradient"
     # the window changes between the two kinds of gap so that neither depends on how
-    # fast this machine is: a 10 ms gap misses a 2 ms window, an instant one hits 1 s
+    # fast this machine is: a 100 ms gap misses a 2 ms window, an instant one hits 1 s
     for _ in range(SpinPolicy.HISTORY):  # this site's frames come after the window
         waits.policy.window_s = 0.002
-        sender = send_later(own_w, 0.01)
-        _until(lambda: len(waits._blocked) == base + 1)
+        sender = send_later(own_w, 0.1)
         assert waits.wait_readable(own_r.fileno(), poller, 1000, slow)
         own_r.recv(1)
         sender.join()

@@ -49,12 +49,11 @@ def _init(backend: str, name: str, world_size: int) -> None:
 
 def _missing_function(backend: str) -> tuple[str, str] | None:
     rank = int(os.environ["RANK"])
+    if rank == 1:
+        del globals()["only_on_the_caller"]  # before init_rpc: forgotten before rank 0 calls
     _init(backend, f"w{rank}", 2)
     out = None
     try:
-        if rank == 1:
-            del globals()["only_on_the_caller"]
-        time.sleep(0.5)  # let rank 1 forget it before rank 0 calls
         if rank == 0:
             try:
                 rpc.rpc_sync("w1", only_on_the_caller)
