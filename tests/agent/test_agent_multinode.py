@@ -187,13 +187,16 @@ dist.destroy_process_group()
 """
 
 
-def _elastic_agent(endpoint: str, run_id: str, script: Path, *args: str) -> subprocess.Popen[str]:
+def _elastic_agent(
+    endpoint: str, run_id: str, script: Path, *args: str, last_call: int = 1
+) -> subprocess.Popen[str]:
+    """An agent of a 1:2-node job; ``last_call``: how long a 1-node round waits for more."""
     cmd = [
         sys.executable, "-m", "rallypoint", "run",
         "--nnodes", "1:2", "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
         "--rdzv-conf",
-        "is_host=false,read_timeout=20,last_call_timeout=1,keep_alive_interval=0.5,"
+        f"is_host=false,read_timeout=20,last_call_timeout={last_call},keep_alive_interval=0.5,"
         "keep_alive_max_attempt=3",
         "--shutdown-timeout", "2", str(script), *args,
     ]  # fmt: skip
@@ -235,7 +238,11 @@ def test_node_loss_survivor_continues_at_min(tmp_path: Path, endpoint: str) -> N
     script.write_text(ELASTIC)
     envs = tmp_path / "env"
     envs.mkdir()
-    agents = [_elastic_agent(endpoint, "job-loss", script, str(envs), "1") for _ in range(2)]
+    # both must meet in the first round (alone, a node's script exits at once): 4 s for the
+    # second agent to start on a loaded host; a round of max nodes completes at once
+    agents = [
+        _elastic_agent(endpoint, "job-loss", script, str(envs), "1", last_call=4) for _ in range(2)
+    ]
     try:
         _wait_for(envs, "*-2-*", 4)  # both nodes' workers run in a 2-node world
         victim = agents[1]

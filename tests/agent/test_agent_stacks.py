@@ -335,18 +335,19 @@ def test_exchange_across_nodes_through_tcpstore(gloo_job: tuple[dict[int, int], 
         assert "on node0: 0 (pid" in text and "; node1: 4 (pid" in text
 
         # node 1's agent dies: its answer is missing after the timeout, node 0 still answers
+        # (within 3 s: it collects 4 workers' stacks, slow on a loaded host)
         stops[1].set()
         agents[1].join(10)
         start = time.monotonic()
-        dumps, missing = request_stacks(requester, timeout=0.5)
-        assert time.monotonic() - start < 8
-        assert missing == {1: "no answer within 0.5 s"}
+        dumps, missing = request_stacks(requester, timeout=3)
+        assert time.monotonic() - start < 10
+        assert missing == {1: "no answer within 3 s"}
         assert sorted(dumps) == [0, 1, 2, 3]
 
         # garbage under our keys is reported, never a crash or a hang
         latest = requester.add("stacks/request", 0)
         requester.set(f"stacks/{latest + 1}/node/1", "{not json")
-        dumps, missing = request_stacks(requester, timeout=0.5)
+        dumps, missing = request_stacks(requester, timeout=3)
         assert sorted(dumps) == [0, 1, 2, 3]
         assert missing[1].startswith("unreadable answer")
     finally:

@@ -144,7 +144,7 @@ def test_a_tcpstore_connect_ends_within_its_timeout(mode: str) -> None:
         with pytest.raises(KVConnectionError) as info:
             tcp_kv("127.0.0.1", ep.port, is_server=False, timeout=timedelta(seconds=2))
         elapsed = time.monotonic() - start
-    assert 2.0 <= elapsed < 2.6, elapsed  # its timeout, not twice it, nor forever
+    assert 2.0 <= elapsed < 3.5, elapsed  # its timeout (on a loaded host), not twice it
     why = "connection refused" if mode == "refused" else "accepts connections but does not answer"
     assert f"Cannot reach the TCPStore at {ep.address} within 2 s: " in str(info.value)
     assert why in str(info.value), info.value
