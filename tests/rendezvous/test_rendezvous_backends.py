@@ -170,7 +170,9 @@ def _join_die_rejoin(port: int) -> tuple[int, int, int]:
         3,
         is_host="false",
         keep_alive_max_attempt="2",
-        **FAST,
+        # all three must meet in the first round (3 of 3 completes it at once): a 3 s last
+        # call lets a process start late on a loaded host
+        **{**FAST, "last_call_timeout": "3"},
     )
     handler = get_rendezvous_handler(params)
     first = handler.next_rendezvous()
@@ -251,12 +253,16 @@ def _scale_up(port: int) -> tuple[int, int, int, int]:
     params = RendezvousParameters(
         "c10d", f"127.0.0.1:{port}", "grow", 2, 3, is_host="false", **FAST
     )
+    from torch.distributed import TCPStore
+
+    test_store = TCPStore("127.0.0.1", port, is_master=False)  # the test's own key
     if int(os.environ["RANK"]) == 2:
-        time.sleep(1.5)  # arrives after the first round is complete
+        test_store.wait(["test/first-round-done"], timedelta(seconds=30))  # arrives late
         info = get_rendezvous_handler(params).next_rendezvous()
         return -1, -1, info.rank, info.world_size
     handler = get_rendezvous_handler(params)
     first = handler.next_rendezvous()
+    test_store.set("test/first-round-done", "1")
     deadline = time.monotonic() + 20
     while handler.num_nodes_waiting() == 0:  # what an agent's monitor loop does
         assert time.monotonic() < deadline, "the late node was never reported"

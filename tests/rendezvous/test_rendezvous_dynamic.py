@@ -181,7 +181,10 @@ def test_spare_replaces_a_dead_node(memory: Cluster) -> None:
 
 
 def test_dead_node_detected_and_survivors_keep_ranks(memory: Cluster) -> None:
-    nodes = [memory.node(min_nodes=2, max_nodes=4) for _ in range(4)]
+    # a 20 s last call, so that "no last call" stands out from a slow host (4 of 4 nodes
+    # first: a full round completes at once)
+    last_call = timedelta(seconds=20)
+    nodes = [memory.node(min_nodes=2, max_nodes=4, last_call_timeout=last_call) for _ in range(4)]
     ranks = dict(zip(nodes, (r for r, _ in memory.join_all(nodes)), strict=True))
     victim = next(h for h in nodes if ranks[h] == 1)
     victim._bg.stop()
@@ -192,7 +195,7 @@ def test_dead_node_detected_and_survivors_keep_ranks(memory: Cluster) -> None:
     assert all(h.num_nodes_waiting() >= 1 for h in survivors)
     start = time.monotonic()
     again = dict(zip(survivors, memory.join_all(survivors), strict=True))
-    assert time.monotonic() - start < 0.25  # everyone expected is back: no last call
+    assert time.monotonic() - start < 10  # everyone expected is back: no last call
     assert {w for _, w in again.values()} == {3}
     for h in survivors:
         if ranks[h] < 3:

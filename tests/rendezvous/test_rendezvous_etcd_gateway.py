@@ -158,15 +158,15 @@ def silent() -> Iterator[int]:
 def test_a_silent_member_costs_one_bounded_try(server: tuple[Script, int], silent: int) -> None:
     script, port = server
     gateway = EtcdGateway(
-        [("127.0.0.1", silent), ("127.0.0.1", port)], timeout=30, attempt_timeout=0.5
+        [("127.0.0.1", silent), ("127.0.0.1", port)], timeout=30, attempt_timeout=2
     )
     start = time.monotonic()
     gateway.post("/v3/kv/range", {})
-    assert time.monotonic() - start < 3  # not the 30 s of the whole request's timeout
+    assert time.monotonic() - start < 8  # not the 30 s of the whole request's timeout
     start = time.monotonic()
     with ThreadPoolExecutor(4) as pool:  # every thread now starts at the live member
         list(pool.map(lambda _: gateway.post("/v3/kv/range", {}), range(4)))
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 2  # none of them tried the silent one (2 s)
     assert script.requests == ["/v3/kv/range"] * 5
 
 
