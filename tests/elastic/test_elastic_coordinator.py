@@ -147,8 +147,11 @@ class FakeSupervisor:
 class Cluster:
     """Nodes (threads) of one job over one MemoryKV."""
 
-    def __init__(self, tmp: Path, *, min_nodes: int, max_nodes: int) -> None:
+    def __init__(
+        self, tmp: Path, *, min_nodes: int, max_nodes: int, keep_alive_s: float = 0.2
+    ) -> None:
         self.kv = MemoryKV()
+        self.keep_alive = timedelta(seconds=keep_alive_s)  # the liveness window: 5 of them
         self.tmp = tmp
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.pool = ThreadPoolExecutor(max_workers=8)
@@ -157,7 +160,10 @@ class Cluster:
 
     def handler(self) -> DynamicRendezvousHandler:
         config = DynamicRendezvousConfig(
-            run_id=RUN_ID, min_nodes=self.min_nodes, max_nodes=self.max_nodes, **FAST
+            run_id=RUN_ID,
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
+            **{**FAST, "keep_alive_interval": self.keep_alive},
         )
         handler = DynamicRendezvousHandler(self.kv, config)
         self.handlers.append(handler)
@@ -204,7 +210,7 @@ class Cluster:
 def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     clusters: list[Cluster] = []
 
-    def make(**kw: int) -> Cluster:
+    def make(**kw: Any) -> Cluster:
         clusters.append(Cluster(tmp_path, **kw))
         return clusters[-1]
 
@@ -259,8 +265,9 @@ def test_spent_budget_gives_every_node_the_earliest_failure(
 ) -> None:
     """Group rank 1 reports first, but only as a consequence (a peer vanished), an hour
     later by its clock; group rank 2 reports later with the earlier failure: every node,
-    the two that failed and the one that did not, raises group rank 2's failure."""
-    cluster = make_cluster(min_nodes=3, max_nodes=3)
+    the two that failed and the one that did not, raises group rank 2's failure. Rank 2
+    must report within rank 1's wait for a peer's loss (the liveness window): 5 s here."""
+    cluster = make_cluster(min_nodes=3, max_nodes=3, keep_alive_s=1.0)
     now = time.time()
 
     def script(number: int, group: GroupInfo) -> Finish | Fail | Run | Hang:

@@ -233,12 +233,12 @@ def test_save_done_waits_for_every_rank() -> None:
     def save(rank: int, agree: Agreement) -> float:
         import time
 
-        time.sleep(0.3 * rank)
+        time.sleep(1.0 * rank)
         agree.save_done(("g", 1))
         return time.monotonic()
 
     ends = _ranks(3, save)
-    assert max(ends) - min(ends) < 0.25  # all released together, by the last one
+    assert max(ends) - min(ends) < 1.0  # all released together by the last one (not 2 s apart)
 
 
 def test_generations_are_ordered_and_where_lines_parse() -> None:
