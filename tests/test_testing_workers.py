@@ -102,14 +102,19 @@ def _peer_aborts_first(marker: str) -> int:
                     os._exit(0)
                 os.kill(os.getpid(), signal.SIGABRT)
         return 1
+    with open(marker + ".rank0", "a") as fp:  # rank 0 counts its own runs
+        fp.write("x")
+    with open(marker + ".rank0") as fp:
+        first_run = len(fp.read()) == 1
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # until rank 1 wrote for this run
         if os.path.exists(marker):
-            time.sleep(0.5)
+            if first_run:
+                time.sleep(0.5)  # rank 1 aborts meanwhile
+                raise RuntimeError("eof (the peer is gone)")
             with open(marker) as fp:
-                if len(fp.read()) == 1:
-                    raise RuntimeError("eof (the peer is gone)")
-            return 0
+                if len(fp.read()) == 2:
+                    return 0
         time.sleep(0.01)
     return 0
 

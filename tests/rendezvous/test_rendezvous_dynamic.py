@@ -422,8 +422,10 @@ def test_background_thread_survives_store_errors(memory: Cluster) -> None:
     time.sleep(0.3)  # heartbeats fail and are logged
     kv.fail_after(None)
     before = kv.get("rallypoint/rdzv/bg/hb/" + node.node_id)
-    time.sleep(0.3)
-    assert kv.get("rallypoint/rdzv/bg/hb/" + node.node_id) != before
+    deadline = time.monotonic() + 10  # a heartbeat every 0.1 s, once the store answers again
+    while kv.get("rallypoint/rdzv/bg/hb/" + node.node_id) == before:
+        assert time.monotonic() < deadline, "no heartbeat after the store recovered"
+        time.sleep(0.05)
     node._bg.stop()
     assert threading.active_count() < 200
 

@@ -33,10 +33,11 @@ def test_reply_completes_once_and_timeouts_name_the_peer_and_duration() -> None:
     replied, defaulted, custom, untimed = (_future() for _ in range(4))
     calls.add(1, conn, replied, 0.05)
     calls.add(2, conn, defaulted, 0.05)
+    before_custom = time.monotonic()  # custom's deadline comes 0.2 s after this, or later
     calls.add(3, conn, custom, 0.2)
     calls.add(4, conn, untimed, 0)
     assert calls.pop(1) is replied and calls.pop(1) is None
-    calls.expire(time.monotonic() + 0.1)
+    calls.expire(before_custom + 0.1)
     with pytest.raises(RpcTimeoutError, match=r"\(50 ms\).*call to worker1"):
         defaulted.wait()
     assert not custom.done()

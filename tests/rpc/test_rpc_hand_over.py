@@ -94,7 +94,7 @@ def _two_blocking_requests() -> dict[str, Any]:
 def test_a_request_that_blocks_after_a_hand_over_is_handed_over_again() -> None:
     out = run_workers(_two_blocking_requests, 2, timeout=45, env=SECRET)[0]
     assert out["gated"] is True, out  # False: the gate call was never read (deadlock)
-    assert out["gated_s"] < 2.0, out  # not the 8 s the gated request waits at most
+    assert out["gated_s"] < 6.0, out  # not the 8 s the gated request waits at most
     assert out["first"] is True and out["long"] == 1.0
     assert out["pings"] == 50
     assert out["threads"] <= 4, out  # 20 without the reader pool
