@@ -34,13 +34,16 @@ def _slow(seconds: float, value: int) -> int:
 
 
 def _count_reader_spawns(agent: Any) -> list[str]:
-    """The names of the reader threads the agent starts from now on."""
+    """The names of the reader threads the agent starts from now on for the connections it
+    opened, the ones replies come on. A peer that opens a connection to this worker (to
+    say that it is in ``shutdown()``, at a moment a loaded host decides) gets one too."""
     pool = agent.connections._readers
     spawned: list[str] = []
     run = pool.run
 
     def counting(name: str, target: Any, *args: Any) -> None:
-        spawned.append(name)
+        if target.__self__.outbound:  # target: the connection's bound _read_loop
+            spawned.append(name)
         run(name, target, *args)
 
     pool.run = counting
