@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from rallypoint.rpc._spin import OTHER, READY, TIMEOUT, SpinPolicy, Waits
+from rallypoint.rpc._spin import OTHER, READY, TIMEOUT, WAITS, SpinPolicy, Waits
 
 
 def _fresh(window_s: float) -> Waits:
@@ -321,3 +321,31 @@ def test_a_spin_survives_another_thread_starting_to_wait_while_it_lists_the_sock
         for one in (a, b, *(s for pair in others for s in pair)):
             one.close()
     assert changes > 0  # the GC did run amid the listings
+
+
+@pytest.mark.timeout(20)
+def test_a_forked_child_does_not_count_its_parents_waiting_threads(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """Only the forking thread lives on in a child (a DataLoader worker, a worker forked
+    from a warm process): a thread of the parent that waited must not make the child
+    think that every other thread waits, or a child's thread would spin beside one
+    that runs."""
+    import os
+
+    own_r, _ = pair
+    release = threading.Event()
+    before = len(WAITS._blocked)
+    thread = threading.Thread(target=_blocked_on, args=(WAITS, own_r, release))
+    thread.start()
+    try:
+        _until(lambda: len(WAITS._blocked) == before + 1)
+        pid = os.fork()
+        if pid == 0:  # the child: exit at once, with what it sees
+            os._exit(0 if not WAITS._blocked and WAITS._gap is None else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0  # 1: the parent's waiter was counted
+        assert len(WAITS._blocked) == before + 1  # the parent's own record is untouched
+    finally:
+        release.set()
+        thread.join()

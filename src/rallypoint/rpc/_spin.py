@@ -91,6 +91,12 @@ class Waits:
         self._woken = 0  # counts waits that ended with work to do (see blocked)
         self._gap: tuple[float, object] | None = None  # the process's idle gap: start, site
 
+    def forget_other_threads(self) -> None:
+        """In a forked child: only the thread that forked lives on, so nobody else waits
+        (a child that counted its parent's waiting threads would spin beside real work)."""
+        self._blocked.clear()
+        self._gap = None
+
     def configure(self, window_s: float) -> None:
         """The agent's ``busy_poll_us``, in seconds (``0``: never spin)."""
         self.policy = SpinPolicy(window_s)
@@ -226,3 +232,4 @@ class Waits:
 
 
 WAITS = Waits()
+os.register_at_fork(after_in_child=WAITS.forget_other_threads)
