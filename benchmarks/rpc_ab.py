@@ -1,6 +1,6 @@
 """Two rallypoint source trees, A and B, on the training step of ``rpc_step.py``, paired.
 
-    python benchmarks/rpc_ab.py TREE_A TREE_B [--epochs 12] [--steps 150]
+    python benchmarks/rpc_ab.py TREE_A TREE_B [--epochs 12] [--steps 150] [--hogs N]
 
 A tree is a checkout (a directory with ``src/rallypoint``). Each tree runs a group of
 three processes (``rpc_step._member``: a driver and two stages); the groups take turns,
@@ -25,6 +25,8 @@ import socket
 import statistics
 import sys
 from multiprocessing.connection import Connection
+
+from busy import busy_processes
 
 BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
 WIDTH = 64
@@ -93,14 +95,18 @@ def main() -> None:
     parser.add_argument("tree_b")
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument(
+        "--hogs", type=int, default=0, help="CPU-bound processes running beside the groups"
+    )
     args = parser.parse_args()
     trees = [os.path.abspath(args.tree_a), os.path.abspath(args.tree_b)]
     for tree in trees:
         if not os.path.isfile(os.path.join(tree, "src", "rallypoint", "__init__.py")):
             parser.error(f"{tree} has no src/rallypoint/__init__.py")
-    if args.epochs < 1 or args.steps < 1:
-        parser.error("--epochs and --steps must be at least 1")
-    a, b = paired(trees, args.epochs, args.steps)
+    if args.epochs < 1 or args.steps < 1 or args.hogs < 0:
+        parser.error("--epochs and --steps must be at least 1, --hogs at least 0")
+    with busy_processes(args.hogs):
+        a, b = paired(trees, args.epochs, args.steps)
     ratios = sorted(x / y for x, y in zip(a, b, strict=True))
     print(
         f"A {statistics.median(a) * 1e6:.0f} µs, B {statistics.median(b) * 1e6:.0f} µs; "

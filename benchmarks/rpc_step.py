@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+from busy import busy_processes
 
 from rallypoint import rpc
 from rallypoint._core.envvars import RPC_SECRET
@@ -235,12 +236,19 @@ def summary(results: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="6 epochs of 100 steps")
+    parser.add_argument(
+        "--hogs", type=int, default=0, help="CPU-bound processes running beside the groups"
+    )
     args = parser.parse_args()
+    if args.hogs < 0:
+        parser.error("--hogs must be 0 or more")
     epochs, steps = (6, 100) if args.quick else (20, 150)
-    result = summary(paired_epochs(epochs, steps))
+    with busy_processes(args.hogs):
+        result = summary(paired_epochs(epochs, steps))
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {epochs} epochs of {steps} steps"
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {epochs} epochs of {steps} "
+        f"steps, {args.hogs} CPU-bound processes beside"
     )
     print(
         f"step: rallypoint {result['rallypoint_step_us']:.0f} µs, TensorPipe "

@@ -2,20 +2,24 @@
 
 These tests drive :class:`rallypoint.rpc._spin.Waits` directly, with real threads and
 socket pairs: who may spin, what ends a spin (the thread's own socket, another waiting
-thread's socket, another thread woken, the window), and the policy that stops spinning
-when waits stop ending within the window.
+thread's socket, another thread woken, the window, a CPU that another task holds), and
+the policy that stops spinning when waits stop ending within the window.
 """
 
 from __future__ import annotations
 
+import os
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from rallypoint.rpc import _spin
 from rallypoint.rpc._spin import OTHER, READY, TIMEOUT, WAITS, SpinPolicy, Waits
 
 
@@ -349,3 +353,71 @@ def test_a_forked_child_does_not_count_its_parents_waiting_threads(
     finally:
         release.set()
         thread.join()
+
+
+@pytest.mark.timeout(20)
+def test_a_spin_that_finds_its_cpu_taken_stops_and_spinning_pauses_while_it_lasts(
+    pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A yield that returns only after a time slice means that another task holds the
+    CPU; a frame arriving meanwhile would wait for the slice to end. The spin stops, the
+    wait blocks (and is woken at once when the frame comes), and nobody spins for a pause
+    that doubles while it goes on; a spin that keeps the CPU resets it."""
+    real_yield = os.sched_yield
+    waits = _fresh(5.0)  # a long window: only the taken CPU can end these spins early
+    own_r, own_w = pair
+    monkeypatch.setattr(os, "sched_yield", lambda: time.sleep(0.005))  # a slice elsewhere
+    pauses = []
+    for _ in range(2):
+        _until(waits.may_spin)
+        began = time.monotonic()
+        assert waits.spin(own_r.fileno()) == TIMEOUT
+        assert time.monotonic() - began < 2.5  # not the 5 s window
+        pauses.append(waits._calm_at - time.perf_counter())
+        assert not waits.may_spin()  # paused
+    assert waits.contended == 2
+    assert _spin.PAUSE_MIN_S / 2 < pauses[0] <= _spin.PAUSE_MIN_S
+    assert pauses[1] > pauses[0] * 1.5  # doubled: the CPU is still taken
+
+    # a wait in a pause blocks and still gets its frame
+    poller = select.poll()
+    poller.register(own_r.fileno(), select.POLLIN)
+    threading.Timer(0.05, lambda: own_w.send(b"x")).start()
+    assert waits.wait_readable(own_r.fileno(), poller, 5000)
+    assert waits.contended == 2  # it did not spin
+    own_r.recv(1)
+
+    monkeypatch.setattr(os, "sched_yield", real_yield)
+    _until(waits.may_spin)
+    waits.configure(0.01)
+    assert waits.spin(own_r.fileno()) == TIMEOUT  # the window: 10 ms on a free CPU
+    assert waits._pause == _spin.PAUSE_MIN_S  # reset
+
+
+@pytest.mark.timeout(30)
+def test_a_spinner_beside_a_busy_process_on_its_cpu_stops_within_the_window() -> None:
+    """The same with a real CPU-bound process on the spinner's CPU: its yields hand that
+    process a time slice, so the spin stops and counts it, instead of spinning out a 2 s
+    window."""
+    cpu = min(os.sched_getaffinity(0))
+    saved = os.sched_getaffinity(0)
+    hog = subprocess.Popen(
+        [sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"]
+    )
+    waits = _fresh(2.0)
+    a, b = socket.socketpair()
+    try:
+        time.sleep(0.3)  # the hog is running on that CPU
+        os.sched_setaffinity(0, {cpu})  # this thread only
+        began = time.monotonic()
+        outcome = waits.spin(a.fileno())
+        spun = time.monotonic() - began
+    finally:
+        os.sched_setaffinity(0, saved)
+        hog.kill()
+        hog.wait(10)
+        a.close()
+        b.close()
+    assert outcome == TIMEOUT
+    assert waits.contended == 1, spun
+    assert spun < 1.5, spun
