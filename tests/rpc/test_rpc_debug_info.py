@@ -18,6 +18,7 @@ from rallypoint.testing import run_workers
 SECRET = {"RALLYPOINT_RPC_SECRET": "debug-info-secret"}
 _started = threading.Event()
 _release = threading.Event()
+_measured = threading.Event()
 _pending: list[torch.futures.Future[Any]] = []
 
 
@@ -44,6 +45,10 @@ def _finish() -> None:
     _release.set()
     while _pending:
         _pending.pop().set_result(2)
+
+
+def _measuring_done() -> None:
+    _measured.set()
 
 
 def _info() -> dict[str, str]:
@@ -90,6 +95,11 @@ def _program(backend: str) -> dict[str, Any]:
             rpc.rpc_sync("worker1", _finish)
             assert fut.wait() in (1, 2)
         out["callee_after"] = _settled(remote_info, "agent.server_active_calls", "1")
+        rpc.rpc_sync("worker1", _measuring_done)
+    else:
+        # worker1 stays out of shutdown() until worker0 has measured: shutdown's gather
+        # is a call worker1 -> worker0, and torch's counters show it for a while
+        assert _measured.wait(60)
     rpc.shutdown()
     return out
 
