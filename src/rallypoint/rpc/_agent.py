@@ -224,6 +224,8 @@ class RallypointAgent(RpcAgent):
             for to, func, args in calls
         ]
         last = {conn: i for i, (conn, _) in enumerate(unread)}
+        for conn in last:  # encoded all first: the calls leave back to back
+            conn.flush()
         for i, (conn, future) in enumerate(unread):
             # returns at once if a reader thread has the role
             conn.read_until(future, more=i != last[conn], site=_ALL_REPLIES)
@@ -305,7 +307,7 @@ class RallypointAgent(RpcAgent):
         # flushes the queue before it next blocks (a reply is coming), and the monitor
         # within one tick. Bursts of rpc_async then cost one sendmsg per batch.
         try:
-            flush = bool(raws) or len(conn.pending) <= _CORK_AFTER
+            flush = unread is None and (bool(raws) or len(conn.pending) <= _CORK_AFTER)
             conn.send_frame(kind, rid, data, raws, flush=flush)
         except RpcError as exc:
             if self.calls.pop(rid) is not None:

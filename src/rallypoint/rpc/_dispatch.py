@@ -119,7 +119,8 @@ class Dispatcher:
                 self._reply_later(conn, frame.request_id, func, result, ctx)
                 finished = False
                 return
-            self._reply(conn, frame.request_id, result, flush=False, ctx=ctx)
+            # more frames buffered: their replies go out together, after them
+            self._reply(conn, frame.request_id, result, flush=not conn.frame_buffered(), ctx=ctx)
         except BaseException as exc:
             if frame.kind is _ONEWAY:
                 logger.warning(

@@ -251,6 +251,10 @@ class Connection:
                         self._sending = False
 
     # ---- reading -------------------------------------------------------------------
+    def frame_buffered(self) -> bool:
+        """Whether the next frame has arrived whole (reading it will not block)."""
+        return self._reader.buffered_frame()
+
     def start(self) -> None:
         """Start reading the peer's calls (a connection we opened reads on demand)."""
         if self.outbound:
