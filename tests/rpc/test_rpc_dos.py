@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from rallypoint import rpc
-from rallypoint.rpc import _auth, _connections, _wire
+from rallypoint.rpc import _acceptor, _auth, _connections, _wire
 from rallypoint.rpc._agent import current_rallypoint_agent
 from rallypoint.testing import run_workers
 
@@ -107,6 +107,17 @@ def _threads() -> int:
     return threading.active_count()
 
 
+def _acceptor_state() -> dict[str, Any]:
+    acceptor = current_rallypoint_agent().connections._acceptor
+    return {
+        "thread_alive": acceptor._thread.is_alive(),
+        "pending": len(acceptor._pending),
+        "paused_until": acceptor._paused_until,
+        "now": time.monotonic(),
+        "listening": len(acceptor._sel.get_map()) if not acceptor._closed else None,
+    }
+
+
 def _idle_flood() -> dict[str, Any]:
     rank = _init()
     out: dict[str, Any] = {}
@@ -116,7 +127,12 @@ def _idle_flood() -> dict[str, Any]:
         time.sleep(0.5)  # let the target accept them all
         out["extra_threads"] = rpc.rpc_sync("w1", _threads) - before
         out["call_s"] = _call_seconds()
-        out["fresh_call_s"] = _fresh_call_seconds()
+        try:
+            out["fresh_call_s"] = _fresh_call_seconds()
+        except OSError as exc:  # say what the target's acceptor was doing
+            out["fresh_call_s"] = float("inf")
+            out["fresh_error"] = repr(exc)
+            out["acceptor"] = rpc.rpc_sync("w1", _acceptor_state)
         for sock in idle:
             sock.close()
     rpc.shutdown()
@@ -179,3 +195,59 @@ def test_fd_exhaustion_does_not_spin_and_service_resumes_when_fds_free_up() -> N
     # an accept loop that spins burns ~2 s of CPU in these 2 s
     assert out["exhausted_cpu_s"] < out["idle_cpu_s"] + 0.5, out
     assert out["call_s"] < 1.0 and out["fresh_call_s"] < 1.0, out
+
+
+def _greeted(sock: socket.socket) -> None:
+    sock.settimeout(5)
+    assert len(_recv_exact(sock, 40)) == 40  # the challenge: accepted and pending
+
+
+@pytest.mark.timeout(30)
+def test_a_handshake_dropped_earlier_in_the_same_batch_does_not_stop_the_acceptor() -> None:
+    """One select returns a new connection and then an event of the oldest pending
+    handshake; accepting the new one drops that handshake (the cap): its event is stale.
+    Handling it anyway ended the acceptor's thread (the worker accepted no peer again)."""
+    secret = b"acceptor-secret"
+    admitted: list[socket.socket] = []
+    acceptor = _acceptor.Acceptor(
+        "127.0.0.1", secret, lambda sock, uds, hello: admitted.append(sock), deadline=10.0
+    )
+    acceptor._cap = 2
+    real_select = acceptor._sel.select
+    arm, gate = threading.Event(), threading.Event()
+
+    def gated_select(timeout: float | None = None) -> Any:
+        if arm.is_set() and len(acceptor._pending) == 2:  # after accepting the second
+            arm.clear()
+            gate.wait(10)  # the events below pile up meanwhile, in this order
+        return real_select(timeout)
+
+    acceptor._sel.select = gated_select  # type: ignore[method-assign]
+    address = ("127.0.0.1", acceptor.port)
+    clients: list[socket.socket] = []
+    try:
+        arm.set()
+        clients.append(socket.create_connection(address, timeout=5))  # the oldest
+        _greeted(clients[0])
+        clients.append(socket.create_connection(address, timeout=5))
+        _greeted(clients[1])
+        deadline = time.monotonic() + 5
+        while arm.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not arm.is_set(), "the acceptor did not come back to select"
+        clients.append(socket.create_connection(address, timeout=5))  # listener ready
+        clients[0].close()  # then the oldest handshake: EOF
+        time.sleep(0.1)
+        gate.set()
+        with socket.create_connection(address, timeout=5) as fresh:
+            _auth.client_handshake(fresh, secret, {"name": "fresh", "id": 7}, 5)
+        assert acceptor._thread.is_alive()
+        deadline = time.monotonic() + 5
+        while not admitted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(admitted) == 1
+    finally:
+        gate.set()
+        for sock in clients + admitted:
+            sock.close()
+        acceptor.close()

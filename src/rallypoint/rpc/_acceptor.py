@@ -109,10 +109,7 @@ class Acceptor:
                 for key, _ in events:
                     if key.data is None:
                         return
-                    if isinstance(key.data, _Pending):
-                        self._advance(key.data)
-                    else:
-                        self._accept(key.fileobj, key.data)  # type: ignore[arg-type]
+                    self._handle(key)
                 now = time.monotonic()
                 self._expire(now)
                 if self._paused_until and now >= self._paused_until:
@@ -122,6 +119,22 @@ class Acceptor:
             for pending in list(self._pending.values()):
                 self._drop(pending, None)
             self._sel.close()
+
+    def _handle(self, key: selectors.SelectorKey) -> None:
+        """One ready socket. A handshake whose connection an earlier event of the same
+        batch dropped (an accept beyond the cap drops the oldest) is skipped: its socket
+        is closed. Nothing one connection does may end the loop: the worker could accept
+        no peer again."""
+        pending = key.data
+        try:
+            if not isinstance(pending, _Pending):
+                self._accept(key.fileobj, pending)  # type: ignore[arg-type]
+            elif self._pending.get(pending.sock) is pending:
+                self._advance(pending)
+        except Exception:  # pragma: no cover - bug guard: keep accepting peers
+            logger.exception("rallypoint.rpc: the acceptor failed on a connection")
+            if isinstance(pending, _Pending) and pending.sock in self._pending:
+                self._drop(pending, None)
 
     def _timeout(self) -> float | None:
         """Until the next handshake deadline or the end of a pause (``None``: none)."""
@@ -223,7 +236,7 @@ class Acceptor:
             self._drop(oldest, f"did not authenticate within {self._deadline:.1f} s")
 
     def _forget(self, pending: _Pending) -> None:
-        del self._pending[pending.sock]
+        self._pending.pop(pending.sock, None)
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(pending.sock)
 
