@@ -7,6 +7,7 @@ existing connection and over a new one (a fresh handshake).
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import socket
@@ -251,3 +252,58 @@ def test_a_handshake_dropped_earlier_in_the_same_batch_does_not_stop_the_accepto
         for sock in clients + admitted:
             sock.close()
         acceptor.close()
+
+
+def _both_listeners_out_of_fds() -> dict[str, Any]:
+    """An acceptor whose TCP and Unix listeners both fail to accept (EMFILE) in one batch."""
+    errors: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append  # type: ignore[method-assign]
+    logging.getLogger("rallypoint.rpc").addHandler(handler)
+    secret = b"acceptor-secret"
+    acceptor = _acceptor.Acceptor("127.0.0.1", secret, lambda sock, uds, hello: None, deadline=10.0)
+    real_select = acceptor._sel.select
+    arm, gate = threading.Event(), threading.Event()
+
+    def gated_select(timeout: float | None = None) -> Any:
+        if arm.is_set():
+            arm.clear()
+            gate.wait(10)
+        return real_select(timeout)
+
+    acceptor._sel.select = gated_select  # type: ignore[method-assign]
+    arm.set()
+    # the acceptor passes the gate's check on its next turn: a connection wakes it
+    with socket.create_connection(("127.0.0.1", acceptor.port), timeout=5) as first:
+        _greeted(first)
+    deadline = time.monotonic() + 5
+    while arm.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    tcp = socket.create_connection(("127.0.0.1", acceptor.port), timeout=5)
+    uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    uds.connect(acceptor.uds_name)
+    hogged = _hog_fds()
+    gate.set()  # both listeners are readable in the batch; accept() fails on both
+    time.sleep(0.5)
+    alive_while_out = acceptor._thread.is_alive()
+    _free_fds()
+    greeted = []
+    for sock in (tcp, uds):
+        sock.settimeout(5)
+        greeted.append(len(_recv_exact(sock, 40)))
+        sock.close()
+    return {
+        "hogged": hogged,
+        "alive_while_out": alive_while_out,
+        "greeted": greeted,
+        "errors": [record.getMessage() for record in errors],
+    }
+
+
+@pytest.mark.timeout(30)
+def test_both_listeners_out_of_descriptors_in_one_batch_do_not_stop_the_acceptor() -> None:
+    out = run_workers(_both_listeners_out_of_fds, 1, timeout=20)[0]
+    assert out["hogged"] > 0
+    assert out["alive_while_out"], out
+    assert out["greeted"] == [40, 40], out  # both accepted once descriptors came back
+    assert out["errors"] == [], out  # the second listener's event was stale: skipped

@@ -121,14 +121,15 @@ class Acceptor:
             self._sel.close()
 
     def _handle(self, key: selectors.SelectorKey) -> None:
-        """One ready socket. A handshake whose connection an earlier event of the same
-        batch dropped (an accept beyond the cap drops the oldest) is skipped: its socket
-        is closed. Nothing one connection does may end the loop: the worker could accept
-        no peer again."""
+        """One ready socket. Events that an earlier event of the same batch made stale are
+        skipped: a handshake that an accept beyond the cap dropped (its socket is closed),
+        a listener after the other one ran out of descriptors (both are paused). Nothing
+        one connection does may end the loop: the worker could accept no peer again."""
         pending = key.data
         try:
             if not isinstance(pending, _Pending):
-                self._accept(key.fileobj, pending)  # type: ignore[arg-type]
+                if not self._paused_until:  # else: the listeners paused earlier in the batch
+                    self._accept(key.fileobj, pending)  # type: ignore[arg-type]
             elif self._pending.get(pending.sock) is pending:
                 self._advance(pending)
         except Exception:  # pragma: no cover - bug guard: keep accepting peers
