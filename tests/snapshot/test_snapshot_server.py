@@ -6,11 +6,14 @@ import contextlib
 import os
 import socket
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from rallypoint.snapshot._auth import client_handshake
 from rallypoint.snapshot._client import NodeClient, ServerError
 from rallypoint.snapshot._server import HANDSHAKE_SECONDS, MAX_HANDSHAKES
 from rallypoint.supervise._warm import WarmProcess
@@ -152,3 +155,51 @@ def test_the_socket_directory_is_private_and_slots_have_no_name(
     memfds = [link for link in links if link.startswith("/memfd:")]
     assert memfds and all(link.endswith("(deleted)") for link in memfds), links
     assert not [p for p in os.listdir("/dev/shm") if "snapshot" in p]
+
+
+# A server that can afford about eight connection threads: each takes a 64 MiB stack and
+# the address space allows eight more (as a pids cgroup limit would, without being root).
+_FEW_THREADS = """
+import os, resource, socket, threading
+from rallypoint.snapshot._server import Server
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+listener.bind(f"\\0rallypoint-test-{os.getpid()}")
+listener.listen(8)
+server = Server(listener)
+server.learn_secret(b"job-secret")
+threading.stack_size(64 << 20)
+status = open("/proc/self/status").read()
+vm = int(status.split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + 8 * (64 << 20) + (32 << 20),) * 2)
+print(server.port, flush=True)
+server.run()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_peers_are_served_again_after_the_server_ran_out_of_threads() -> None:
+    """A flood of strangers while the server cannot start another thread: those beyond
+    are dropped, and once their threads end a peer is served. The accept loop used to
+    end on the first ``can't start new thread``: no peer was ever accepted again."""
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1"}  # no 64 MiB malloc arena per thread
+    server = subprocess.Popen(
+        [sys.executable, "-c", _FEW_THREADS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        strangers = [socket.create_connection(("127.0.0.1", port)) for _ in range(24)]
+        time.sleep(1)  # every thread the server could start waits in a handshake
+        for s in strangers:
+            s.close()  # their threads end: the server has threads to spare again
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as peer:
+            client_handshake(peer, SECRET, time.monotonic() + 2 * HANDSHAKE_SECONDS)
+        assert server.poll() is None
+    finally:
+        server.kill()
+        _, err = server.communicate()
+    assert "can't start new thread" not in err, err

@@ -367,7 +367,10 @@ def _key_or_none(value: Any) -> Key | None:
 
 
 def _accept_loop(listener: socket.socket, handle: Any, name: str) -> None:
-    """Accept forever, one thread per connection; out of descriptors: back off, no spin."""
+    """Accept forever, one thread per connection; out of descriptors: back off, no spin.
+    Out of threads (``can't start new thread``: a flood of connections under a pids or
+    memory limit) the connection is dropped and the loop backs off too: ending here would
+    leave the listener open and never accept a peer again."""
     while True:
         try:
             conn, _ = listener.accept()
@@ -375,4 +378,8 @@ def _accept_loop(listener: socket.socket, handle: Any, name: str) -> None:
             if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                 time.sleep(0.1)
             continue
-        threading.Thread(target=handle, args=(conn,), daemon=True, name=name).start()
+        try:
+            threading.Thread(target=handle, args=(conn,), daemon=True, name=name).start()
+        except RuntimeError:
+            conn.close()
+            time.sleep(0.1)
