@@ -22,6 +22,15 @@ import pytest
 from rallypoint.rpc import _spin
 from rallypoint.rpc._spin import OTHER, READY, TIMEOUT, WAITS, SpinPolicy, Waits
 
+CONTENDED_S = _spin.CONTENDED_S
+
+
+@pytest.fixture(autouse=True)
+def _cpu_never_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spin whose yield takes a time slice elsewhere ends early (TIMEOUT), as it should
+    on a busy host such as a loaded CI machine; only the tests of that rule may see it."""
+    monkeypatch.setattr(_spin, "CONTENDED_S", float("inf"))
+
 
 def _fresh(window_s: float) -> Waits:
     """A record of waits in which the threads that run already (left over by other tests
@@ -364,6 +373,7 @@ def test_a_spin_that_finds_its_cpu_taken_stops_and_spinning_pauses_while_it_last
     wait blocks (and is woken at once when the frame comes), and nobody spins for a pause
     that doubles while it goes on; a spin that keeps the CPU resets it."""
     real_yield = os.sched_yield
+    monkeypatch.setattr(_spin, "CONTENDED_S", CONTENDED_S)
     waits = _fresh(5.0)  # a long window: only the taken CPU can end these spins early
     own_r, own_w = pair
     monkeypatch.setattr(os, "sched_yield", lambda: time.sleep(0.005))  # a slice elsewhere
@@ -388,6 +398,7 @@ def test_a_spin_that_finds_its_cpu_taken_stops_and_spinning_pauses_while_it_last
     own_r.recv(1)
 
     monkeypatch.setattr(os, "sched_yield", real_yield)
+    monkeypatch.setattr(_spin, "CONTENDED_S", float("inf"))  # a free CPU, even on a busy host
     _until(waits.may_spin)
     waits.configure(0.01)
     assert waits.spin(own_r.fileno()) == TIMEOUT  # the window: 10 ms on a free CPU
@@ -395,10 +406,13 @@ def test_a_spin_that_finds_its_cpu_taken_stops_and_spinning_pauses_while_it_last
 
 
 @pytest.mark.timeout(30)
-def test_a_spinner_beside_a_busy_process_on_its_cpu_stops_within_the_window() -> None:
+def test_a_spinner_beside_a_busy_process_on_its_cpu_stops_within_the_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The same with a real CPU-bound process on the spinner's CPU: its yields hand that
     process a time slice, so the spin stops and counts it, instead of spinning out a 2 s
     window."""
+    monkeypatch.setattr(_spin, "CONTENDED_S", CONTENDED_S)
     cpu = min(os.sched_getaffinity(0))
     saved = os.sched_getaffinity(0)
     hog = subprocess.Popen(
