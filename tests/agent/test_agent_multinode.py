@@ -27,6 +27,7 @@ env["sum"] = t.item()
 out = os.path.join(sys.argv[1], f"{os.environ['RANK']}-{os.environ['TORCHELASTIC_RESTART_COUNT']}")
 with open(out, "w") as fp:
     json.dump(env, fp)
+dist.barrier()  # every rank wrote its file before the last one fails (then all are stopped)
 mode = sys.argv[2]
 last = int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1
 first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
