@@ -42,9 +42,12 @@ def snapshot_memory():
     shm = {}
     for fd in os.listdir(f"/proc/{pid}/fd"):
         path = f"/proc/{pid}/fd/{fd}"
-        if os.readlink(path).startswith("/memfd:"):
-            st = os.stat(path)                      # (a mapped slot has two descriptors)
-            shm[st.st_ino] = st.st_blocks * 512     # pages actually allocated
+        try:                                        # the server opens and closes sockets
+            if os.readlink(path).startswith("/memfd:"):
+                st = os.stat(path)                  # (a mapped slot has two descriptors)
+                shm[st.st_ino] = st.st_blocks * 512 # pages actually allocated
+        except FileNotFoundError:                   # closed since listdir
+            continue
     rss = int(next(l for l in open(f"/proc/{pid}/status") if l.startswith("VmRSS")).split()[1])
     return sum(shm.values()), rss * 1024
 seen = {}
