@@ -165,7 +165,7 @@ def _run_joiner(i: int, graceful: bool) -> str:
         return fh.read()
 
 
-def _leave_and_join_loop(done: Any) -> Any:
+def _leave_and_join_loop(done: Any, seen: Any) -> Any:
     rank = int(os.environ["RANK"])
     opts = rpc.RallypointRpcBackendOptions(rpc_timeout=10)
     if rank < 2:
@@ -173,6 +173,7 @@ def _leave_and_join_loop(done: Any) -> Any:
         rpc.init_rpc(f"w{rank}", rank=rank, world_size=None, rpc_backend_options=opts)
         assert done.wait(50)
         members = _members()
+        seen.wait(30)  # both looked before either leaves (a leaver is gone from the view)
         rpc.shutdown()
         return members
     _wait_for_member("w1")
@@ -189,8 +190,9 @@ def test_join_right_after_a_member_left_with_graceful_false() -> None:
 
     from rallypoint.testing import run_workers
 
-    done = multiprocessing.get_context("fork").Event()
-    results = run_workers(_leave_and_join_loop, 3, done, timeout=75, env=SECRET)
+    ctx = multiprocessing.get_context("fork")
+    done, seen = ctx.Event(), ctx.Barrier(2)
+    results = run_workers(_leave_and_join_loop, 3, done, seen, timeout=75, env=SECRET)
     assert results[2] == ["ok ['w0', 'w1']"] * 6, results[2]
     assert results[0] == results[1] == ["w0", "w1"]  # the abrupt leavers are gone
 
