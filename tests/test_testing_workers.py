@@ -182,3 +182,23 @@ def test_workers_of_a_parent_that_ran_parallel_ops_do_not_hang(tmp_path) -> None
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "RESULT [1, 1]" in proc.stdout  # OMP_NUM_THREADS=1 applied, as the launcher does
+
+
+def _store_reset_on_the_first_run(marker: str) -> int:
+    with open(marker, "a") as fp:
+        fp.write("x")
+    with open(marker) as fp:
+        if len(fp.read()) == 1:  # torch's shutdown found the store host gone
+            raise dist.DistNetworkError("Connection reset by peer")
+    return 0
+
+
+@pytest.mark.timeout(60)
+def test_a_reference_run_is_repeated_when_torch_loses_its_store(tmp_path: Any) -> None:
+    from rallypoint.testing._workers import run_reference_workers
+
+    marker = str(tmp_path / "reset")
+    assert run_reference_workers(_store_reset_on_the_first_run, 1, marker, timeout=30) == [0]
+    assert (tmp_path / "reset").read_text() == "xx"
+    with pytest.raises(WorkerError, match="Connection reset by peer"):  # the code under test
+        run_workers(_store_reset_on_the_first_run, 1, str(tmp_path / "ours"), timeout=30)
