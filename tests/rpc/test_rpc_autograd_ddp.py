@@ -9,6 +9,8 @@ the same, leave ``.grad`` alone, and fail clearly where the reducer cannot finis
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -102,6 +104,49 @@ def test_ddp_gradients_in_the_context_are_all_reduced_and_grad_is_untouched() ->
             "grad_untouched": True,
             "unused_grad_none": True,
         }
+
+
+def _lookups_beside_a_tuple_builder() -> dict[str, Any]:
+    """DDP modules looked up, afresh each time, while another thread builds tuples from
+    generators (as an RPC reader thread does when it decodes a frame)."""
+    from rallypoint.rpc._ddp import DDPIndex
+
+    dist.init_process_group("gloo")
+    ddp = DDP(torch.nn.Linear(3, 2))
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def build() -> None:
+        while not stop.is_set():
+            try:
+                tuple(x for x in range(3))
+            except SystemError as exc:
+                errors.append(repr(exc))
+                return
+
+    builder = threading.Thread(target=build)
+    builder.start()
+    found = []
+    deadline = time.monotonic() + 3
+    try:
+        while time.monotonic() < deadline and not errors:
+            modules = DDPIndex().modules_of([ddp.module.bias, torch.nn.Parameter(torch.ones(1))])
+            found.append([(module is ddp, indices) for module, indices in modules.items()])
+    finally:
+        stop.set()
+        builder.join()
+        dist.destroy_process_group()
+    return {"errors": errors, "lookups": len(found), "found": {repr(f) for f in found}}
+
+
+@pytest.mark.timeout(60)
+def test_looking_up_ddp_modules_does_not_break_tuples_other_threads_build() -> None:
+    """The lookup used to hold a list of every object (``gc.get_objects()``) across thread
+    switches: a reader thread building a tuple failed with ``SystemError: bad argument to
+    internal function`` and a distributed backward hung (seen in CI)."""
+    result = run_workers(_lookups_beside_a_tuple_builder, 1, timeout=40)[0]
+    assert result["errors"] == [] and result["lookups"] > 0
+    assert result["found"] == {"[(True, [1])]"}  # the bias: the reducer's second parameter
 
 
 class _WrapsRemote(torch.nn.Module):

@@ -23,9 +23,10 @@ This module does the reducer's part, for the parameters of DDP modules only:
 - A reducer that has not finished when the round is settled on this worker (some of the
   module's gradients never came) is an error that names the module.
 
-DDP modules are found by one scan of the garbage collector's objects, the first time a
-pass reaches an ``nn.Parameter`` that is not classified yet while a default process group
-exists (DDP needs one); each parameter's class is then cached. A parameter first used
+DDP modules are found by asking the garbage collector which objects refer to the DDP
+classes (an instance refers to its class), the first time a pass reaches an
+``nn.Parameter`` that is not classified yet while a default process group exists (DDP
+needs one); each parameter's class is then cached. A parameter first used
 in a distributed backward and only *later* wrapped in DDP stays unclassified as DDP's.
 """
 
@@ -102,19 +103,34 @@ class DDPIndex:
         return self._params[ddp]
 
     def _scan(self) -> None:
-        ddp_class = _ddp_class()
-        verdicts: dict[type, bool] = {}
-        for obj in gc.get_objects():
-            kind = type(obj)
-            verdict = verdicts.get(kind)
-            if verdict is None:
-                verdict = verdicts[kind] = issubclass(kind, ddp_class)
-            if verdict and obj not in self._params:
+        for obj in live_instances(_ddp_class()):
+            if obj not in self._params:
                 params = reducer_parameters(obj)
                 self._params[obj] = params
                 ref = weakref.ref(obj)
                 for index, param in enumerate(params):
                     self._owner[param] = (ref, index)
+
+
+def live_instances(cls: type) -> list[Any]:
+    """The live instances of ``cls`` and of its subclasses.
+
+    They are the referrers of those classes that are instances of them: an instance of a
+    Python class refers to its class for the garbage collector. Never
+    ``gc.get_objects()``: its list holds a reference to every object, also to those that
+    other threads are still building, and CPython fails such an object when the list
+    lives across a thread switch (a tuple being filled from a generator raises
+    ``SystemError: ... bad argument to internal function`` in the thread building it).
+    The referrers' list holds only objects that refer to the classes.
+    """
+    classes = {cls}
+    pending = [cls]
+    while pending:
+        for sub in pending.pop().__subclasses__():
+            if sub not in classes:
+                classes.add(sub)
+                pending.append(sub)
+    return [obj for obj in gc.get_referrers(*classes) if type(obj) in classes]
 
 
 def _add(found: dict[Any, list[int]], entry: _Entry) -> None:
