@@ -123,9 +123,10 @@ def live_instances(cls: type) -> list[Any]:
     ``SystemError: ... bad argument to internal function`` in the thread building it).
     The referrers' list holds only objects that refer to the classes.
     """
-    classes = {cls}
-    pending = [cls]
+    classes: set[type] = {cls}
+    pending: list[type] = [cls]
     while pending:
+        sub: type
         for sub in pending.pop().__subclasses__():
             if sub not in classes:
                 classes.add(sub)
