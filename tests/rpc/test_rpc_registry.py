@@ -11,7 +11,7 @@ import torch
 
 from rallypoint import rpc
 from rallypoint.rpc import _registry
-from rallypoint.testing import run_workers
+from rallypoint.testing import WorkerError, run_workers
 
 
 def test_builtin_backends_and_default_options() -> None:
@@ -214,6 +214,7 @@ def _tensorpipe_options_without_backend(path: str) -> dict[str, Any]:
     agent = current_rallypoint_agent()
     out["named"] = (agent.options.num_worker_threads, rpc.get_rpc_timeout())
     rpc.shutdown()
+    open(f"{path}-torch", "w").close()  # from here on, torch's agent runs
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=5, init_method=f"file://{path}-b")
     rpc.init_rpc(
         "solo",
@@ -234,8 +235,18 @@ def _tensorpipe_options_without_backend(path: str) -> dict[str, Any]:
 @pytest.mark.timeout(60)
 def test_torchs_tensorpipe_options_without_a_backend_run_on_rallypoint(tmp_path: Any) -> None:
     env = {"RALLYPOINT_RPC_SECRET": "registry-secret"}
-    path = str(tmp_path / "s")
-    out = run_workers(_tensorpipe_options_without_backend, 1, path, timeout=50, env=env)[0]
+    for attempt in range(2):
+        path = str(tmp_path / f"s{attempt}")
+        try:
+            out = run_workers(_tensorpipe_options_without_backend, 1, path, timeout=25, env=env)[0]
+            break
+        except WorkerError as exc:
+            # torch's TensorPipe agent now and then aborts a process (std::bad_alloc; see
+            # run_reference_workers): once it ran, that is torch's failure, not ours
+            if not (exc.signalled and os.path.exists(f"{path}-torch")):
+                raise
+    else:
+        pytest.fail("torch's TensorPipe agent killed the worker twice")
     assert out["ours"] == (3, 7.0) and out["sum"] == 7
     assert out["named"] == (27, 100.0)
     assert out["theirs"] == ("TensorPipeAgentAdapter", 5.0, 7)  # named: torch's agent
