@@ -98,3 +98,77 @@ def test_a_request_that_blocks_after_a_hand_over_is_handed_over_again() -> None:
     assert out["first"] is True and out["long"] == 1.0
     assert out["pings"] == 50
     assert out["threads"] <= 4, out  # 20 without the reader pool
+
+
+_REFUSE_THREADS = threading.Event()
+_WARNINGS: list[str] = []
+
+
+def _refuse_threads(refuse: bool) -> None:
+    """While set, a hand-over cannot start its reader (as when the process is at its
+    thread limit: ``RuntimeError: can't start new thread``); other readers start."""
+    import logging
+    import sys
+
+    from rallypoint.rpc import _transport
+
+    if not _WARNINGS and not hasattr(_transport.Connection, "_real_spawn"):
+        real = _transport.Connection._spawn_reader
+
+        def spawn(self: Any, generation: int) -> None:
+            if _REFUSE_THREADS.is_set() and sys._getframe(1).f_code.co_name == "check_stall":
+                raise RuntimeError("can't start new thread")
+            real(self, generation)
+
+        _transport.Connection._real_spawn = real  # type: ignore[attr-defined]
+        _transport.Connection._spawn_reader = spawn  # type: ignore[method-assign]
+        handler = logging.Handler()
+        handler.emit = lambda record: _WARNINGS.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("rallypoint.rpc").addHandler(handler)
+    if refuse:
+        _REFUSE_THREADS.set()
+    else:
+        _REFUSE_THREADS.clear()
+
+
+def _warnings() -> list[str]:
+    return _WARNINGS
+
+
+def _hand_over_without_threads() -> dict[str, Any]:
+    rank = int(os.environ["RANK"])
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        rpc.rpc_sync("w1", _refuse_threads, args=(True,))
+        slow = rpc.rpc_async("w1", _slow, args=(1.0,))
+        time.sleep(0.2)  # the monitor has tried to hand the connection over, many times
+        start = time.monotonic()
+        try:  # read by the stuck reader once its request ends
+            out["ping"] = rpc.rpc_sync("w1", _ping, timeout=6)
+        except RuntimeError as exc:
+            out["ping"] = repr(exc)
+        out["ping_s"] = time.monotonic() - start
+        out["slow"] = slow.wait()
+        rpc.rpc_sync("w1", _refuse_threads, args=(False,))
+        slow = rpc.rpc_async("w1", _slow, args=(1.0,))
+        time.sleep(0.2)
+        start = time.monotonic()
+        out["ping_again"] = rpc.rpc_sync("w1", _ping, timeout=6)  # handed over again
+        out["ping_again_s"] = time.monotonic() - start
+        out["slow_again"] = slow.wait()
+        out["warnings"] = rpc.rpc_sync("w1", _warnings)
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_hand_over_that_cannot_start_a_thread_leaves_the_connection_read() -> None:
+    """A hand-over whose thread cannot start used to leave the connection with no reader
+    once the blocking request ended: every later frame on it went unread."""
+    out = run_workers(_hand_over_without_threads, 2, timeout=45, env=SECRET)[0]
+    assert out["ping"] == "w1" and out["slow"] == 1.0, out
+    assert 0.5 < out["ping_s"] < 3.0, out  # waited for the slow request, then was read
+    assert out["ping_again"] == "w1" and out["ping_again_s"] < 0.5, out
+    assert out["slow_again"] == 1.0
+    assert len(out["warnings"]) == 1 and "could not start a reader" in out["warnings"][0], out

@@ -69,7 +69,12 @@ class ReaderPool:
         if inbox is not None:
             inbox.put(task)
             return
-        threading.Thread(target=self._main, args=(task,), name=name, daemon=True).start()
+        try:
+            threading.Thread(target=self._main, args=(task,), name=name, daemon=True).start()
+        except BaseException:
+            with self._lock:
+                self.started -= 1
+            raise
 
     def _main(self, task: Task | None) -> None:
         adopt_torch_threads()

@@ -108,6 +108,7 @@ class Connection:
         self._gate = gate  # readers wait for it before the first frame
         self._readers = readers  # where reader threads come from (else: a new thread each)
         self._handed_off: set[int] = set()
+        self._spawn_failed = False  # a hand-over found no thread (logged once)
         self._reading = False  # a thread holds the reader role (reads the next frame)
         self._abandoned: tuple[int, bool] | None = None  # see read_until
         self._unread = -1  # see check_reading
@@ -426,7 +427,8 @@ class Connection:
             return
         limiter = self.limiter
         with self._state_lock:
-            if self.closed or not self._exec_since or now - self._exec_since < STALL_SECONDS:
+            since = self._exec_since
+            if self.closed or not since or now - since < STALL_SECONDS:
                 return
             if limiter is not None:
                 if not limiter.acquire(blocking=False):
@@ -434,8 +436,24 @@ class Connection:
                 self._handed_off.add(self._generation)
             self._generation += 1
             self._exec_since = 0.0
-            generation = self._generation
-        self._spawn_reader(generation)
+            # started under the lock: the stuck reader learns of the hand-over only once
+            # the new reader exists (it stops reading when its request ends)
+            try:
+                self._spawn_reader(self._generation)
+            except RuntimeError as exc:  # "can't start new thread": the old reader stays
+                self._generation -= 1
+                self._exec_since = since
+                if limiter is not None:
+                    self._handed_off.discard(self._generation)
+                    limiter.release()
+                if not self._spawn_failed:
+                    self._spawn_failed = True
+                    logger.warning(
+                        "rallypoint.rpc: could not start a reader for %s while a request "
+                        "on it blocks (%s); its next frames wait until that request ends",
+                        self.peer_name,
+                        exc,
+                    )
 
     # ---- closing -------------------------------------------------------------------
     def _broken(self, exc: BaseException | None) -> None:
