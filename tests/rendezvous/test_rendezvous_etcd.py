@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import threading
 import time
 import urllib.request
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -204,6 +206,21 @@ def test_lease_expires_keys_of_a_dead_job(etcd: EtcdServer) -> None:
         time.sleep(0.2)
     assert reader.get("alive") is None
     assert reader.get("second") is None
+
+
+def test_a_kv_dropped_without_close_stops_renewing_its_lease(etcd: EtcdServer) -> None:
+    """Its keep-alive thread used to hold it: the thread, and the lease, lived as long
+    as the process (a handler dropped without ``shutdown()`` kept its keys alive)."""
+    kv = _kv(etcd, lease_ttl=2)  # renewed every 0.67 s
+    kv.set("k", b"1")
+    thread = kv._keepalive
+    assert thread is not None and thread.is_alive()
+    dropped = weakref.ref(kv)
+    del kv
+    gc.collect()
+    assert dropped() is None
+    thread.join(timeout=5)
+    assert not thread.is_alive()
 
 
 def test_a_lease_found_gone_is_replaced(etcd: EtcdServer) -> None:

@@ -31,6 +31,7 @@ import random
 import ssl
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -173,7 +174,10 @@ class EtcdKV(KeyValueStore):
                 self._lease = self._acquire_lease()
                 if self._keepalive is None:
                     self._keepalive = threading.Thread(
-                        target=self._keep_alive, name="rallypoint-etcd-lease", daemon=True
+                        target=_keep_alive,
+                        args=(weakref.ref(self), self._closed, max(0.5, self._opts.lease_ttl / 3)),
+                        name="rallypoint-etcd-lease",
+                        daemon=True,
                     )
                     self._keepalive.start()
             return self._lease
@@ -212,28 +216,26 @@ class EtcdKV(KeyValueStore):
             self._post("/v3/lease/revoke", {"ID": str(granted)})
         raise KVConnectionError(f"Cannot agree on a lease for {self._opts.prefix!r} at etcd")
 
-    def _keep_alive(self) -> None:
-        """Renew the lease every ``lease_ttl / 3`` s (through whichever member answers: a
-        member loss or an election costs a retried keep-alive, well within the TTL); a
-        lease that expired anyway (etcd away for longer than the TTL) is replaced."""
-        interval = max(0.5, self._opts.lease_ttl / 3)
-        while not self._closed.wait(interval):
-            lease = self._lease
-            if lease is None:
-                continue
+    def _renew(self, interval: float) -> None:
+        """Renew the lease once (through whichever member answers: a member loss or an
+        election costs a retried keep-alive, well within the TTL); a lease that expired
+        anyway (etcd away for longer than the TTL) is replaced."""
+        lease = self._lease
+        if lease is None:
+            return
+        try:
             try:
-                try:
-                    data = self._post("/v3/lease/keepalive", {"ID": str(lease)}, timeout=interval)
-                    expired = int(data.get("result", data).get("TTL", 0)) <= 0
-                except GatewayError as exc:
-                    if exc.code != GRPC_NOT_FOUND:
-                        raise
-                    expired = True  # "requested lease not found"
-                if expired:
-                    with self._lock:
-                        self._lease = self._acquire_lease()
-            except KVError:
-                continue  # etcd unreachable for now; the next interval retries
+                data = self._post("/v3/lease/keepalive", {"ID": str(lease)}, timeout=interval)
+                expired = int(data.get("result", data).get("TTL", 0)) <= 0
+            except GatewayError as exc:
+                if exc.code != GRPC_NOT_FOUND:
+                    raise
+                expired = True  # "requested lease not found"
+            if expired:
+                with self._lock:
+                    self._lease = self._acquire_lease()
+        except KVError:
+            pass  # etcd unreachable for now; the next interval retries
 
     def _put(self, key: bytes, value: bytes) -> dict[str, Any]:
         put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
@@ -432,6 +434,19 @@ class EtcdKV(KeyValueStore):
 
     def close(self) -> None:
         self._closed.set()
+
+
+def _keep_alive(kv_ref: weakref.ref[EtcdKV], closed: threading.Event, interval: float) -> None:
+    """Renew a KV's lease every ``interval`` (``lease_ttl / 3``) s until it is closed or
+    dropped: the thread holds the KV only while renewing, so a KV nobody holds any more
+    (a handler dropped without ``shutdown()``) stops renewing, and its lease expires as a
+    dead node's would, instead of a thread keeping it alive for the life of the process."""
+    while not closed.wait(interval):
+        kv = kv_ref()
+        if kv is None:
+            return
+        kv._renew(interval)
+        del kv
 
 
 def _split_endpoints(endpoint: str) -> tuple[list[tuple[str, int]], bool | None]:
