@@ -224,6 +224,44 @@ def test_restarts_exhausted_raise() -> None:
     assert "attempt 2 of 2" in str(info.value)
 
 
+def _torn_down_first(path: str) -> None:
+    """Rank 1 tears its process group down (as a fatal error's cleanup would), then exits
+    with 7 only after rank 0, which fails in a collective because of it, is gone: the
+    consequence exits, and is reported, before its cause."""
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    rank = dist.get_rank()
+    Path(path, f"pid{rank}").write_text(str(os.getpid()))
+    if rank == 0:
+        dist.all_reduce(t)  # "Connection closed by peer" once rank 1 tore down
+        return
+    while not Path(path, "pid0").exists():
+        time.sleep(0.01)
+    first = int(Path(path, "pid0").read_text())
+    dist.destroy_process_group()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(first).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.005)
+    os._exit(7)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_loss_reported_before_its_cause_is_not_the_root_cause(tmp_path: Path) -> None:
+    """Rank 0 failed only because rank 1 vanished under it, but its exit reached the
+    launcher first (in CI, on a busy host, the warm process reported the two exits one
+    at a time): the launcher stopped rank 1 and named rank 0 the root cause."""
+    with pytest.raises(WorkerFailedError) as info:
+        launch(_torn_down_first, str(tmp_path), nproc=2, timeout=timedelta(seconds=40))
+    assert info.value.rank == 1 and info.value.exitcode == 7, info.value.summary
+    assert "rank 0 (local_rank: 0" in info.value.summary  # listed among the others
+
+
 def _sleep_forever() -> None:
     time.sleep(60)
 

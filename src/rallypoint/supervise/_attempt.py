@@ -2,9 +2,16 @@
 
 Every exit is reported by the warm process the moment it happens; output and result pipes
 are read as they fill; signals to the launcher wake the loop through a pipe. The first
-failure (by time; a rank that failed only because its peer vanished is a consequence, not
-the cause) stops every worker's whole process tree: SIGTERM, then SIGKILL after the grace
+failure stops every worker's whole process tree: SIGTERM, then SIGKILL after the grace
 period. The loop ends when every worker is gone and its pipes are drained.
+
+A rank that failed only because a peer vanished under it (``Connection reset by peer``
+in a collective: :data:`~rallypoint.supervise._summary.PEER_LOSS`) is a consequence, not
+the cause, yet its exit may be reported first: the warm process reports exits one at a
+time, and on a busy host the launcher reads the consequence's before its cause's (or the
+cause tore its connections down before it exited). So such a failure waits up to
+:data:`CAUSE_WAIT` seconds for the exit of a rank that failed for a reason of its own,
+which then is the root cause; if none comes, it is the root.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from rallypoint.supervise._policy import AttemptPolicy
 from rallypoint.supervise._signals import SignalQueue
 from rallypoint.supervise._state import Failure, Outcome, OutcomeKind, Stop, Worker
 from rallypoint.supervise._stop import Stopper
-from rallypoint.supervise._summary import bad_target_message, error_info, peer_loss
+from rallypoint.supervise._summary import PEER_LOSS, bad_target_message, error_info
 from rallypoint.supervise._warm import WarmProcess
 from rallypoint.supervise._worker import BAD_TARGET_EXIT
 
@@ -31,6 +38,8 @@ __all__ = ["Attempt"]
 
 _DRAIN = 0.5
 """Seconds to keep reading pipes after the last worker exited (its children may hold them)."""
+CAUSE_WAIT = 0.5
+"""Seconds a failure caused by a vanished peer waits for the peer's own failure."""
 
 
 class Attempt:
@@ -63,6 +72,8 @@ class Attempt:
         self.by_res = {w.res_fd: w for w in workers}
         self.kind: OutcomeKind | None = None
         self.root: Worker | None = None
+        self.consequence: Worker | None = None  # a peer-loss failure waiting for its cause
+        self.cause_until: float | None = None
         self.signum = 0
         self.reason = ""
         self.kill_at: float | None = None
@@ -108,15 +119,33 @@ class Attempt:
             self._on_exit(w)
             batch.append(w)
         self.pending = []
-        # exits reaped together have no order: a rank that failed because its peer
-        # vanished ("Connection closed by peer") is a consequence, not the cause
-        batch.sort(key=lambda w: peer_loss(w.error_file))
         for w in batch:
-            if w.returncode != 0 and self.kind is None:
-                bad = w.returncode == BAD_TARGET_EXIT and bool(bad_target_message(w.error_file))
-                self._end(OutcomeKind.BAD_TARGET if bad else OutcomeKind.FAILED)
-                self.root = w
-                self._stop(signal.SIGTERM)
+            if w.returncode == 0 or self.kind is not None:
+                continue
+            if self._peer_loss(w):  # a consequence: wait a moment for its cause
+                if self.consequence is None:
+                    self.consequence, self.cause_until = w, now + CAUSE_WAIT
+                continue
+            bad = w.returncode == BAD_TARGET_EXIT and bool(bad_target_message(w.error_file))
+            self._fail(w, OutcomeKind.BAD_TARGET if bad else OutcomeKind.FAILED)
+        if self.kind is None and self.consequence is not None:
+            assert self.cause_until is not None
+            if now >= self.cause_until or all(w.status is not None for w in self.workers):
+                self._fail(self.consequence, OutcomeKind.FAILED)
+
+    def _fail(self, root: Worker, kind: OutcomeKind) -> None:
+        self._end(kind)
+        self.root = root
+        self.cause_until = None
+        self._stop(signal.SIGTERM)
+
+    def _peer_loss(self, w: Worker) -> bool:
+        """Whether the failed worker ``w`` says a peer vanished under it: in its error file,
+        or in the error a ``launch()`` worker left in its result pipe (read now)."""
+        while w.res_fd in self.by_res and self._read_result(w, until_empty=True):
+            pass
+        traceback_text, _ = error_info(bytes(w.result), w.error_file)
+        return PEER_LOSS.search(traceback_text) is not None
 
     def _take_signals(self) -> None:
         while (signum := self.signals.pop()) is not None:
@@ -157,7 +186,8 @@ class Attempt:
 
     def _wait(self, now: float) -> None:
         timeout = self.interval
-        for t in (self.kill_at, self.deadline if self.kind is None else None, self.drain_until):
+        waits = (self.kill_at, self.cause_until, self.drain_until)
+        for t in (*waits, self.deadline if self.kind is None else None):
             if t is not None:
                 timeout = min(timeout, max(0.0, t - now))
         for key, _ in self.sel.select(timeout):
@@ -169,9 +199,7 @@ class Attempt:
                     if not self.router.on_readable(fd):
                         self.sel.unregister(fd)
                 case "res":
-                    if not self._read_result(self.by_res[fd]):
-                        self.sel.unregister(fd)
-                        del self.by_res[fd]
+                    self._read_result(self.by_res[fd])
                 case "signal":
                     self.signals.drain_wake_fd()
 
@@ -200,16 +228,20 @@ class Attempt:
             **fields,
         )
 
-    def _read_result(self, w: Worker) -> bool:
+    def _read_result(self, w: Worker, *, until_empty: bool = False) -> bool:
+        """Read what is in ``w``'s result pipe (closed at its end); whether more may come
+        now (``until_empty``: False once the pipe is empty for the moment, too)."""
         try:
             data = os.read(w.res_fd, 1 << 20)
         except BlockingIOError:
-            return True
+            return not until_empty
         except OSError:
             data = b""
         if data:
             w.result += data
             return True
+        self.sel.unregister(w.res_fd)
+        del self.by_res[w.res_fd]
         os.close(w.res_fd)
         return False
 
