@@ -66,9 +66,12 @@ def _sleep() -> None:
     time.sleep(60)
 
 
-def test_timeout_kills_and_names_ranks() -> None:
+def test_timeout_kills_and_names_ranks(capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(TimeoutError, match=r"\[0, 1\]"):
         run_workers(_sleep, 2, timeout=1)
+    # each worker said where it hung before it was killed
+    err = capfd.readouterr().err
+    assert err.count(" in _sleep\n") == 2, err
 
 
 def test_bad_world_size() -> None:

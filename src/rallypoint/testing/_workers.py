@@ -12,6 +12,8 @@ run real processes cheaply and never hang (every call has a deadline).
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import multiprocessing
 import os
 import pickle
@@ -25,6 +27,11 @@ from typing import Any
 
 from rallypoint._core.checks import check_int
 from rallypoint._core.net import free_port
+
+DUMP_SIGNAL = int(signal.SIGRTMIN) + 5
+"""The signal on which a worker writes every thread's stack to stderr (faulthandler).
+Not ``SIGRTMIN+4``, which rallypoint's hang detection uses, nor SIGUSR1/2."""
+_DUMP_WAIT = 1.0  # seconds the workers get to write their stacks before they are killed
 
 
 class WorkerError(RuntimeError):
@@ -73,6 +80,8 @@ def _child_main(
 ) -> None:
     os.environ.update(env)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # fd 2, not sys.stderr: pytest captures the descriptor
+    faulthandler.register(DUMP_SIGNAL, file=2, all_threads=True, chain=False)
     _apply_thread_count(env)
     try:
         result: Any = fn(*args)
@@ -219,7 +228,11 @@ def _collect(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             ranks = sorted(pending.values())
-            raise TimeoutError(f"workers {ranks} still running after {timeout:.1f} s")
+            _dump_stacks([procs[rank] for rank in ranks])
+            raise TimeoutError(
+                f"workers {ranks} still running after {timeout:.1f} s "
+                "(their threads' stacks are on stderr)"
+            )
         for conn in wait(list(pending), timeout=remaining):
             assert isinstance(conn, Connection)
             rank = pending.pop(conn)
@@ -231,6 +244,14 @@ def _collect(
             else:
                 raise value
     return results
+
+
+def _dump_stacks(procs: list[Any]) -> None:
+    """Have the workers ``procs`` print their threads' stacks, and give them time to."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, DUMP_SIGNAL)
+    time.sleep(_DUMP_WAIT)
 
 
 def _report(rank: int, conn: Connection, proc: Any) -> tuple[bool, Any]:
