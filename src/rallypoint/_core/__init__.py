@@ -15,7 +15,8 @@ never up from it.
 - :mod:`~rallypoint._core.lazy`: a package's lazily imported public attributes (PEP 562);
 - :mod:`~rallypoint._core.public`: public names report their public module;
 - :mod:`~rallypoint._core.blocking`: a blocking call (a C store call that ignores signals)
-  run in a thread, so the caller keeps its own deadline and still handles signals.
+  run in a thread, so the caller keeps its own deadline and still handles signals;
+- :mod:`~rallypoint._core.forking`: module-level locks that a forked child finds free.
 """
 
 from __future__ import annotations
@@ -44,7 +45,17 @@ _NAMES = {
     "pid_alive": "rallypoint._core.procs",
     "set_public_module": "rallypoint._core.public",
 }
-_SUBMODULES = ("blocking", "checks", "closing", "envvars", "lazy", "net", "procs", "public")
+_SUBMODULES = (
+    "blocking",
+    "checks",
+    "closing",
+    "envvars",
+    "forking",
+    "lazy",
+    "net",
+    "procs",
+    "public",
+)
 
 __all__ = [
     "Closing",

@@ -16,16 +16,23 @@ So at exit, calls still running are waited for, each until the time by which it 
 to end (``finishes_within``), never longer than :data:`EXIT_WAIT_MAX` in all; one that has
 no such bound is given :data:`EXIT_WAIT_UNBOUNDED` (it is most likely blocked for good,
 and a thread still blocked when the process ends is harmless).
+
+A process forked while a call runs (a warm process forking workers) does not have the
+call's thread: the child finds the module's lock free and no call running
+(:mod:`rallypoint._core.forking`).
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
+
+from rallypoint._core.forking import fork_safe_lock
 
 __all__ = ["InThread", "call_in_thread", "running_calls"]
 
@@ -41,7 +48,16 @@ EXIT_WAIT_UNBOUNDED = 1.0
 """Seconds waited at exit for a running call that states no ``finishes_within``."""
 
 _RUNNING: set[InThread[Any]] = set()
-_RUNNING_LOCK = threading.Lock()
+_RUNNING_LOCK = fork_safe_lock()
+
+
+def _forget_the_parents_calls() -> None:
+    """In a forked child: the parent's calls run in threads the child does not have, so
+    its exit must not wait for them."""
+    _RUNNING.clear()
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_calls)
 
 
 class InThread(Generic[T]):

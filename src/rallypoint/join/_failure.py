@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
+from rallypoint._core.forking import fork_safe_lock
 from rallypoint.join._errors import EarlyTerminationError, RankFailedError
 
 logger = logging.getLogger("rallypoint.join")
@@ -68,7 +69,7 @@ _TORCH_THROW_MESSAGE = (
 
 # process group name -> number of Join instances built on it in this process
 _join_counters: dict[str, int] = {}
-_counter_lock = threading.Lock()
+_counter_lock = fork_safe_lock()
 
 
 def _next_join_id(group: dist.ProcessGroup) -> int:

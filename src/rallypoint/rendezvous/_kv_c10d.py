@@ -14,20 +14,20 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from rallypoint._core.blocking import call_in_thread
+from rallypoint._core.forking import fork_safe_lock
 from rallypoint.rendezvous._kv import KeyValueStore, KVConnectionError, KVStateError
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
 _SIDE: dict[tuple[int, str], C10dKV] = {}
-_SIDE_LOCK = threading.Lock()
+_SIDE_LOCK = fork_safe_lock()
 
 
 class _NoAnswer(RuntimeError):

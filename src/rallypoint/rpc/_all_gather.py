@@ -20,6 +20,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from rallypoint._core.forking import fork_safe_lock
 from rallypoint.rpc._api import get_rpc_timeout, get_worker_info, rpc_async, rpc_sync
 from rallypoint.rpc._backend import CURRENT_AGENT
 from rallypoint.rpc.constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
@@ -44,7 +45,7 @@ class _Counts:
 
 
 _by_agent: weakref.WeakKeyDictionary[Any, _Counts] = weakref.WeakKeyDictionary()
-_by_agent_lock = threading.Lock()
+_by_agent_lock = fork_safe_lock()
 
 
 def _counts() -> _Counts:

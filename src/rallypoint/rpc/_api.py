@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import logging
 import numbers
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 import torch.distributed.rpc.api as _torch_rpc_api
 
 from rallypoint._core.checks import check_int, check_seconds
+from rallypoint._core.forking import fork_safe_lock
 from rallypoint.rpc import _registry, _rref
 from rallypoint.rpc._auth import require_secret_source
 from rallypoint.rpc._backend import CURRENT_AGENT
@@ -27,7 +27,7 @@ from rallypoint.rpc.constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 
 logger = logging.getLogger("rallypoint.rpc")
 
-_init_lock = threading.Lock()
+_init_lock = fork_safe_lock()
 _init_counter = 0
 
 

@@ -18,18 +18,19 @@ was rebuilt, with no name in front (functions marked with :func:`plain_errors`).
 from __future__ import annotations
 
 import pickle
-import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from rallypoint._core.forking import fork_safe_lock
 
 if TYPE_CHECKING:
     from rallypoint.rpc._groups import WorkerInfo
 
 _TORCH_KEEPS = (RuntimeError, ValueError, TypeError)
 _cache: dict[tuple[type[BaseException], bool], type[BaseException]] = {}
-_lock = threading.Lock()
+_lock = fork_safe_lock()
 _PLAIN = "_rallypoint_plain_errors"
 _ORIGINAL = "_rallypoint_original"
 

@@ -19,17 +19,17 @@ sees rallypoint's:
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 
+from rallypoint._core.forking import fork_safe_lock
 from rallypoint.rpc._backend import CURRENT_AGENT
 from rallypoint.rpc._rref import RRef
 
 _MODULE: Any = getattr(torch._C, "_distributed_rpc", None)
 _TORCH_PYRREF: Any = getattr(_MODULE, "PyRRef", None)
-_lock = threading.Lock()
+_lock = fork_safe_lock()
 _holders = 0  # rallypoint agents running now (one per process, but starts and closes race)
 
 

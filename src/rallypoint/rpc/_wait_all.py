@@ -29,8 +29,10 @@ from typing import Any
 
 import torch
 
+from rallypoint._core.forking import fork_safe_lock
+
 _failed: weakref.WeakSet[Any] = weakref.WeakSet()
-_failed_lock = threading.Lock()
+_failed_lock = fork_safe_lock()
 
 
 def record_failure(future: Any) -> None:

@@ -1,0 +1,111 @@
+"""A process forked while its other threads hold rallypoint's module locks, or run calls
+in threads, finds the locks free and no call running (rallypoint._core.forking)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rallypoint._core import blocking
+from rallypoint.testing import run_workers
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "rallypoint"
+
+
+@contextmanager
+def held_by_another_thread(lock: Any) -> Iterator[None]:
+    """``lock`` held by a thread of this process for the duration of the block."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    assert held.wait(10)
+    try:
+        yield
+    finally:
+        release.set()
+        thread.join(10)
+
+
+def _call_in_a_thread() -> int:
+    return blocking.call_in_thread(lambda: 7, timeout=5)
+
+
+@pytest.mark.timeout(60)
+def test_a_child_forked_while_another_thread_ends_a_call_can_run_calls_in_threads() -> None:
+    # the moment of the CI hang: an abandoned store connect ended (and took the lock of
+    # the running calls) in the parent just as the workers were forked
+    with held_by_another_thread(blocking._RUNNING_LOCK):
+        assert run_workers(_call_in_a_thread, 2, timeout=20) == [7, 7]
+
+
+def _running_calls() -> list[str]:
+    return blocking.running_calls()
+
+
+@pytest.mark.timeout(60)
+def test_a_child_does_not_count_or_wait_at_exit_for_its_parents_calls() -> None:
+    release = threading.Event()
+    call = blocking.InThread(lambda: release.wait(60), name="parent-call", finishes_within=60)
+    try:
+        assert "parent-call" in blocking.running_calls()
+        assert run_workers(_running_calls, 1, timeout=20) == [[]]
+    finally:
+        release.set()
+        call.wait(10)
+
+
+_LOCK_MAKERS = {"Lock", "RLock", "Condition", "Semaphore", "fork_safe_lock"}
+
+
+def _module_locks() -> list[tuple[str, str]]:
+    """``(module, name)`` of every module-level lock in rallypoint's source."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        module = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call):
+                target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+                func = node.value.func
+                called = func.attr if isinstance(func, ast.Attribute) else ast.unparse(func)
+                if isinstance(target, ast.Name) and called in _LOCK_MAKERS:
+                    found.append((module, target.id))
+    return found
+
+
+MODULE_LOCKS = _module_locks()
+
+
+def test_every_module_lock_is_made_by_fork_safe_lock() -> None:
+    assert len(MODULE_LOCKS) >= 8
+    for module, name in MODULE_LOCKS:
+        source = (SRC.parent / (module.replace(".", "/") + ".py")).read_text()
+        assert f"{name} = fork_safe_lock()" in source, f"{module}.{name}"
+
+
+def _acquire(module: str, name: str) -> bool:
+    lock = getattr(importlib.import_module(module), name)
+    got = bool(lock.acquire(timeout=2))
+    if got:
+        lock.release()
+    return got
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("module", "name"), MODULE_LOCKS)
+def test_a_module_lock_held_at_fork_is_free_in_the_child(module: str, name: str) -> None:
+    lock = getattr(importlib.import_module(module), name)
+    with held_by_another_thread(lock):
+        assert run_workers(_acquire, 1, module, name, timeout=20) == [True]
