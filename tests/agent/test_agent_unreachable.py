@@ -9,6 +9,7 @@ store call is blocked in torch's C++ ``recv``.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,14 +40,16 @@ class Endpoint:
         self.mode, self.target = mode, target
         self.accepted = threading.Event()
         self.frozen = threading.Event()
+        self._closed = threading.Event()
         self._conns: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
         self._sock: socket.socket | None = None
         if mode == "refused":
             self.port = free_port()
             return
         self._sock = socket.create_server(("127.0.0.1", 0), backlog=64)
         self.port = self._sock.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
+        self._start(self._serve)
 
     @property
     def address(self) -> str:
@@ -68,7 +72,12 @@ class Endpoint:
                 upstream = socket.create_connection(self.target)
                 self._conns.append(upstream)
                 for a, b in ((conn, upstream), (upstream, conn)):
-                    threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+                    self._start(self._pipe, a, b)
+
+    def _start(self, target: Any, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         while True:
@@ -76,8 +85,9 @@ class Endpoint:
                 data = src.recv(65536)
             except OSError:
                 return
-            while self.frozen.is_set():
-                time.sleep(3600)  # hold the bytes: the peer waits forever
+            if self.frozen.is_set():
+                self._closed.wait()  # hold the bytes: the peer waits until the test ends
+                return
             if not data:
                 return
             try:
@@ -89,10 +99,15 @@ class Endpoint:
         self.frozen.set()
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-        for conn in self._conns:
-            conn.close()
+        """Stop serving and end every thread (none outlives the test: the test process
+        forks the next tests' workers)."""
+        self._closed.set()
+        for sock in ([self._sock] if self._sock is not None else []) + self._conns:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread in accept() or recv()
+            sock.close()
+        for thread in self._threads:
+            thread.join(10)
 
 
 @contextmanager
@@ -220,6 +235,7 @@ def test_a_signal_stops_an_agent_blocked_on_a_silent_endpoint(
 TRAIN = """
 import sys, time
 from pathlib import Path
+from typing import Any
 import torch.distributed as dist
 dist.init_process_group("gloo")
 Path(sys.argv[1], f"ready{dist.get_rank()}").write_text("")
