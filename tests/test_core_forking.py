@@ -70,18 +70,25 @@ def test_a_child_does_not_count_or_wait_at_exit_for_its_parents_calls() -> None:
 _LOCK_MAKERS = {"Lock", "RLock", "Condition", "Semaphore", "fork_safe_lock"}
 
 
+def _locks_in(body: list[ast.stmt], prefix: str) -> Iterator[str]:
+    for node in body:
+        if isinstance(node, ast.ClassDef):
+            yield from _locks_in(node.body, f"{prefix}{node.name}.")
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call):
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            func = node.value.func
+            called = func.attr if isinstance(func, ast.Attribute) else ast.unparse(func)
+            if isinstance(target, ast.Name) and called in _LOCK_MAKERS:
+                yield prefix + target.id
+
+
 def _module_locks() -> list[tuple[str, str]]:
-    """``(module, name)`` of every module-level lock in rallypoint's source."""
+    """``(module, name)`` of every lock made when a module of rallypoint is imported (at
+    module level, or a class attribute: ``Class.name``)."""
     found = []
     for path in sorted(SRC.rglob("*.py")):
         module = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call):
-                target = node.targets[0] if isinstance(node, ast.Assign) else node.target
-                func = node.value.func
-                called = func.attr if isinstance(func, ast.Attribute) else ast.unparse(func)
-                if isinstance(target, ast.Name) and called in _LOCK_MAKERS:
-                    found.append((module, target.id))
+        found += [(module, name) for name in _locks_in(ast.parse(path.read_text()).body, "")]
     return found
 
 
@@ -89,14 +96,21 @@ MODULE_LOCKS = _module_locks()
 
 
 def test_every_module_lock_is_made_by_fork_safe_lock() -> None:
-    assert len(MODULE_LOCKS) >= 8
+    assert len(MODULE_LOCKS) >= 10
     for module, name in MODULE_LOCKS:
         source = (SRC.parent / (module.replace(".", "/") + ".py")).read_text()
-        assert f"{name} = fork_safe_lock()" in source, f"{module}.{name}"
+        assert f"{name.split('.')[-1]} = fork_safe_lock()" in source, f"{module}.{name}"
+
+
+def _lock(module: str, name: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _acquire(module: str, name: str) -> bool:
-    lock = getattr(importlib.import_module(module), name)
+    lock = _lock(module, name)
     got = bool(lock.acquire(timeout=2))
     if got:
         lock.release()
@@ -106,6 +120,5 @@ def _acquire(module: str, name: str) -> bool:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("module", "name"), MODULE_LOCKS)
 def test_a_module_lock_held_at_fork_is_free_in_the_child(module: str, name: str) -> None:
-    lock = getattr(importlib.import_module(module), name)
-    with held_by_another_thread(lock):
+    with held_by_another_thread(_lock(module, name)):
         assert run_workers(_acquire, 1, module, name, timeout=20) == [True]

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from rallypoint._core.forking import fork_safe_lock
 from rallypoint.rendezvous._api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -98,7 +99,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
     """
 
     _local_ids = iter(range(1 << 62))
-    _local_ids_lock = threading.Lock()
+    _local_ids_lock = fork_safe_lock()
 
     def __init__(
         self,

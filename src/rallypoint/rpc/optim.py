@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import threading
 import warnings
 import weakref
 from collections import defaultdict
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 
+from rallypoint._core.forking import fork_safe_lock
 from rallypoint.rpc import dist_autograd
 from rallypoint.rpc._api import rpc_async
 from rallypoint.rpc._autograd import CURRENT_AUTOGRAD
@@ -53,7 +53,7 @@ class _LocalOptimizer:
     """The optimizer of one owner's parameters (created there over RPC)."""
 
     # as in torch: steps of every local optimizer on a worker run one at a time
-    lock = threading.Lock()
+    lock = fork_safe_lock()
 
     def __init__(
         self,
