@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,6 +81,40 @@ def _locks_in(body: list[ast.stmt], prefix: str) -> Iterator[str]:
             called = func.attr if isinstance(func, ast.Attribute) else ast.unparse(func)
             if isinstance(target, ast.Name) and called in _LOCK_MAKERS:
                 yield prefix + target.id
+
+
+def _now() -> float:
+    return time.monotonic()  # the same clock in every process
+
+
+@pytest.mark.timeout(60)
+def test_run_workers_forks_once_a_call_abandoned_in_a_thread_has_ended() -> None:
+    # what the test before a hang left behind: a store connect given up on, still in
+    # torch's C++ code (whose locks a child forked meanwhile could inherit held)
+    ended: list[float] = []
+
+    def connect() -> None:
+        time.sleep(1.0)
+        ended.append(time.monotonic())
+
+    call = blocking.InThread(connect, name="abandoned-connect", finishes_within=5)
+    [child_started] = run_workers(_now, 1, timeout=30)
+    assert call.wait(10)
+    assert ended and child_started >= ended[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_call_with_no_stated_end_is_not_waited_for() -> None:
+    release = threading.Event()
+    call = blocking.InThread(lambda: release.wait(60), name="blocked-for-good")
+    try:
+        start = time.monotonic()
+        blocking.settle_before_fork(30)
+        assert time.monotonic() - start < 10
+        assert call.age < 30 and "blocked-for-good" in blocking.running_calls()
+    finally:
+        release.set()
+        call.wait(10)
 
 
 def _module_locks() -> list[tuple[str, str]]:

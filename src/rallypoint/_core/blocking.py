@@ -34,7 +34,7 @@ from typing import Any, Generic, TypeVar
 
 from rallypoint._core.forking import fork_safe_lock
 
-__all__ = ["InThread", "call_in_thread", "running_calls"]
+__all__ = ["InThread", "call_in_thread", "running_calls", "settle_before_fork"]
 
 T = TypeVar("T")
 
@@ -141,6 +141,30 @@ def running_calls() -> list[str]:
     """Names of the calls still running in their threads (abandoned or not)."""
     with _RUNNING_LOCK:
         return sorted(call.name for call in _RUNNING)
+
+
+def settle_before_fork(timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for the calls running in threads that state when
+    they end (``finishes_within``).
+
+    For a process about to fork: a call in a store's C++ code may hold locks of the C++
+    runtime (torch's connect resolves addresses and logs), which the child would inherit
+    held by a thread it does not have, and the child's own connect would block on them
+    for good. Calls with no stated end are most likely blocked in ``recv`` for good and
+    are not waited for."""
+    deadline = time.monotonic() + timeout
+    while True:
+        # held for microseconds, unless a thread of the caller's holds it for its own ends
+        if not _RUNNING_LOCK.acquire(timeout=0.5):
+            return
+        try:
+            bounded = [call for call in _RUNNING if call.ends_by is not None]
+        finally:
+            _RUNNING_LOCK.release()
+        remaining = deadline - time.monotonic()
+        if not bounded or remaining <= 0:
+            return
+        min(bounded, key=lambda call: call.ends_by or 0.0).wait(remaining)
 
 
 def _wait_for_running_calls() -> None:

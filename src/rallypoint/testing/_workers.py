@@ -8,6 +8,14 @@ process: children are forked from it, so a test with four gloo ranks does not pa
 This is a test helper, not the product launcher (``rallypoint.launch``): it has no
 restarts, no output handling and no rendezvous; it exists so that every part's tests can
 run real processes cheaply and never hang (every call has a deadline).
+
+The calling process has threads of its own (store calls that earlier tests abandoned in
+threads, still running). Before forking, :func:`run_workers` waits a bounded time for
+those that end soon (a child forked while one runs in torch's C++ connect can inherit its
+locks held, and its own connect then blocks for good), and the locks rallypoint makes at
+import are free in every child (:mod:`rallypoint._core.forking`). Workers still running
+at the deadline print every thread's Python stack to stderr before they are killed
+(faulthandler, on ``SIGRTMIN+5``), so a timeout in a CI log says where they hung.
 """
 
 from __future__ import annotations
@@ -25,13 +33,18 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from rallypoint._core.blocking import settle_before_fork
 from rallypoint._core.checks import check_int
 from rallypoint._core.net import free_port
 
 DUMP_SIGNAL = int(signal.SIGRTMIN) + 5
 """The signal on which a worker writes every thread's stack to stderr (faulthandler).
 Not ``SIGRTMIN+4``, which rallypoint's hang detection uses, nor SIGUSR1/2."""
-_DUMP_WAIT = 1.0  # seconds the workers get to write their stacks before they are killed
+_DUMP_WAIT = 0.3  # seconds each worker gets to write its stacks before the next one
+_SETTLE_WAIT = 10.0
+"""Most seconds to wait before forking for store calls that an earlier test abandoned in
+a thread of this process and that end soon (see ``settle_before_fork``): one still in
+torch's connect at the fork left a worker's own connect blocked for good."""
 
 
 class WorkerError(RuntimeError):
@@ -115,6 +128,7 @@ def run_workers(
     ``TimeoutError`` names them.
     """
     check_int(world_size, "world_size", minimum=1)
+    settle_before_fork(_SETTLE_WAIT)
     port = free_port()
     procs: list[Any] = []  # multiprocessing's fork-context Process type is not exported
     conns: dict[Connection, int] = {}
@@ -247,11 +261,12 @@ def _collect(
 
 
 def _dump_stacks(procs: list[Any]) -> None:
-    """Have the workers ``procs`` print their threads' stacks, and give them time to."""
+    """Have the workers ``procs`` print their threads' stacks, one after the other (they
+    share stderr), and give each time to."""
     for proc in procs:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, DUMP_SIGNAL)
-    time.sleep(_DUMP_WAIT)
+            time.sleep(_DUMP_WAIT)
 
 
 def _report(rank: int, conn: Connection, proc: Any) -> tuple[bool, Any]:
