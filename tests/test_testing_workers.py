@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -67,11 +68,15 @@ def _sleep() -> None:
 
 
 def test_timeout_kills_and_names_ranks(capfd: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(TimeoutError, match=r"\[0, 1\]"):
+    with pytest.raises(TimeoutError, match=r"\[0, 1\]") as caught:
         run_workers(_sleep, 2, timeout=1)
-    # each worker said where it hung before it was killed
+    # each worker said where it hung before it was killed: in full on stderr, in short
+    # (its innermost frames, one line per rank) in the error, which a CI log keeps
     err = capfd.readouterr().err
     assert err.count(" in _sleep\n") == 2, err
+    lines = str(caught.value).splitlines()
+    assert [line.split(":")[0] for line in lines[1:]] == ["rank 0", "rank 1"], lines
+    assert all(re.search(r"_sleep \(test_testing_workers\.py:\d+\)", line) for line in lines[1:])
 
 
 def test_bad_world_size() -> None:

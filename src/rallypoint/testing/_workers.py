@@ -14,8 +14,10 @@ threads, still running). Before forking, :func:`run_workers` waits a bounded tim
 those that end soon (a child forked while one runs in torch's C++ connect can inherit its
 locks held, and its own connect then blocks for good), and the locks rallypoint makes at
 import are free in every child (:mod:`rallypoint._core.forking`). Workers still running
-at the deadline print every thread's Python stack to stderr before they are killed
-(faulthandler, on ``SIGRTMIN+5``), so a timeout in a CI log says where they hung.
+at the deadline write every thread's Python stack (faulthandler, on ``SIGRTMIN+5``) to a
+file of their own before they are killed; the stacks go to stderr and, in short (each
+thread's innermost frames), into the ``TimeoutError``, so a CI log that keeps only the
+failure's message still says where every worker hung.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import faulthandler
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -38,9 +42,10 @@ from rallypoint._core.checks import check_int
 from rallypoint._core.net import free_port
 
 DUMP_SIGNAL = int(signal.SIGRTMIN) + 5
-"""The signal on which a worker writes every thread's stack to stderr (faulthandler).
+"""The signal on which a worker writes every thread's stack to its dump file (faulthandler).
 Not ``SIGRTMIN+4``, which rallypoint's hang detection uses, nor SIGUSR1/2."""
-_DUMP_WAIT = 0.3  # seconds each worker gets to write its stacks before the next one
+_DUMP_WAIT = 0.5  # seconds the workers get to write their stacks
+_SHORT_FRAMES = 4  # innermost frames per thread in a TimeoutError's message
 _SETTLE_WAIT = 10.0
 """Most seconds to wait before forking for store calls that an earlier test abandoned in
 a thread of this process and that end soon (see ``settle_before_fork``): one still in
@@ -87,14 +92,14 @@ def _apply_thread_count(env: Mapping[str, str]) -> None:
 def _child_main(
     rank: int,
     conn: Connection,
+    dump_fd: int,
     env: dict[str, str],
     fn: Callable[..., Any],
     args: tuple[Any, ...],
 ) -> None:
     os.environ.update(env)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    # fd 2, not sys.stderr: pytest captures the descriptor
-    faulthandler.register(DUMP_SIGNAL, file=2, all_threads=True, chain=False)
+    faulthandler.register(DUMP_SIGNAL, file=dump_fd, all_threads=True, chain=False)
     _apply_thread_count(env)
     try:
         result: Any = fn(*args)
@@ -132,16 +137,18 @@ def run_workers(
     port = free_port()
     procs: list[Any] = []  # multiprocessing's fork-context Process type is not exported
     conns: dict[Connection, int] = {}
-    try:
-        for rank in range(world_size):
-            child_env = _child_env(rank, world_size, port, env)
-            conns[_start(rank, child_env, fn, args, procs)] = rank
-        return _collect(procs, conns, timeout, return_exceptions)
-    except WorkerError as exc:
-        exc.signalled = _signalled(procs)
-        raise
-    finally:
-        _stop(procs, conns)
+    with contextlib.ExitStack() as files:
+        dumps = [files.enter_context(tempfile.TemporaryFile()) for _ in range(world_size)]
+        try:
+            for rank in range(world_size):
+                child_env = _child_env(rank, world_size, port, env)
+                conns[_start(rank, child_env, fn, args, dumps[rank].fileno(), procs)] = rank
+            return _collect(procs, conns, timeout, return_exceptions, dumps)
+        except WorkerError as exc:
+            exc.signalled = _signalled(procs)
+            raise
+        finally:
+            _stop(procs, conns)
 
 
 def runner_for(backend: str) -> Callable[..., list[Any]]:
@@ -219,12 +226,13 @@ def _start(
     env: dict[str, str],
     fn: Callable[..., Any],
     args: tuple[Any, ...],
+    dump_fd: int,
     procs: list[Any],
 ) -> Connection:
     """Fork the worker of ``rank`` (appended to ``procs``); return the end it reports on."""
     ctx = multiprocessing.get_context("fork")
     reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child_main, args=(rank, writer, env, fn, args), daemon=True)
+    proc = ctx.Process(target=_child_main, args=(rank, writer, dump_fd, env, fn, args), daemon=True)
     proc.start()
     writer.close()
     procs.append(proc)
@@ -232,7 +240,11 @@ def _start(
 
 
 def _collect(
-    procs: list[Any], conns: dict[Connection, int], timeout: float, return_exceptions: bool
+    procs: list[Any],
+    conns: dict[Connection, int],
+    timeout: float,
+    return_exceptions: bool,
+    dumps: list[Any],
 ) -> list[Any]:
     """Each worker's result by rank, as their reports arrive, within ``timeout`` seconds."""
     results: list[Any] = [None] * len(procs)
@@ -242,10 +254,11 @@ def _collect(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             ranks = sorted(pending.values())
-            _dump_stacks([procs[rank] for rank in ranks])
+            stacks = _dump_stacks({rank: (procs[rank], dumps[rank]) for rank in ranks})
             raise TimeoutError(
-                f"workers {ranks} still running after {timeout:.1f} s "
-                "(their threads' stacks are on stderr)"
+                f"workers {ranks} still running after {timeout:.1f} s; their threads, "
+                "innermost frame first (full stacks on stderr):\n"
+                + "\n".join(f"rank {rank}: {_short(text)}" for rank, text in stacks.items())
             )
         for conn in wait(list(pending), timeout=remaining):
             assert isinstance(conn, Connection)
@@ -260,13 +273,39 @@ def _collect(
     return results
 
 
-def _dump_stacks(procs: list[Any]) -> None:
-    """Have the workers ``procs`` print their threads' stacks, one after the other (they
-    share stderr), and give each time to."""
-    for proc in procs:
+def _dump_stacks(workers: dict[int, tuple[Any, Any]]) -> dict[int, str]:
+    """Have the workers (rank: (process, dump file)) write their threads' stacks; print
+    each to stderr and return them by rank."""
+    for proc, _ in workers.values():
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, DUMP_SIGNAL)
-            time.sleep(_DUMP_WAIT)
+    time.sleep(_DUMP_WAIT)
+    stacks: dict[int, str] = {}
+    for rank, (_, dump) in workers.items():
+        dump.seek(0)
+        stacks[rank] = dump.read().decode(errors="replace")
+        sys.stderr.write(f"--- rank {rank}'s threads\n{stacks[rank]}")
+    sys.stderr.flush()
+    return stacks
+
+
+_FRAME = re.compile(r'^\s+File "(?P<path>[^"]*)", line (?P<line>\d+) in (?P<fn>\S+)$')
+
+
+def _short(dump: str) -> str:
+    """A faulthandler dump in short: each thread's innermost frames on one line."""
+    threads: list[list[str]] = []
+    for line in dump.splitlines():
+        if line.startswith("Current thread "):
+            threads.append([])  # the thread that took the signal: the main one
+        elif line.startswith("Thread "):
+            threads.append([])
+        elif (frame := _FRAME.match(line)) and threads and len(threads[-1]) < _SHORT_FRAMES:
+            name = os.path.basename(frame["path"])
+            threads[-1].append(f"{frame['fn']} ({name}:{frame['line']})")
+    if not threads:
+        return "no stacks (the worker did not answer the signal)"
+    return " | ".join(" < ".join(frames) or "?" for frames in threads)
 
 
 def _report(rank: int, conn: Connection, proc: Any) -> tuple[bool, Any]:
