@@ -26,6 +26,7 @@ from rallypoint.rendezvous import (
     RendezvousParameters,
     RendezvousStateError,
     RendezvousTimeoutError,
+    _dynamic,
 )
 from rallypoint.rendezvous._kv_c10d import tcp_kv
 from rallypoint.rendezvous._rounds import Slot, assign_ranks
@@ -523,3 +524,37 @@ def test_static_handler_has_no_run_store_rounds_or_heartbeats() -> None:
         assert handler.liveness_window() is None
     finally:
         handler.shutdown()
+
+
+def test_round_completes_when_a_node_writes_its_slot_late(
+    memory: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The node that fills the round finalises it, waiting a while for every slot; a node
+    # starved between taking its number and writing its slot (a loaded host) used to make
+    # it give up, and with the round full no timer tried again: every node waited out
+    # join_timeout.
+    monkeypatch.setattr(_dynamic, "_SLOT_WAIT", timedelta(seconds=0.2))
+    kv = memory.make_kv()
+    assert isinstance(kv, MemoryKV)
+    real_set = MemoryKV.set
+    first_slot = "rallypoint/rdzv/job/r0/slot/0"
+
+    def slow_first_slot(self: MemoryKV, key: str, value: bytes) -> None:
+        if key == first_slot:
+            time.sleep(1.0)
+        real_set(self, key, value)
+
+    monkeypatch.setattr(MemoryKV, "set", slow_first_slot)
+    nodes = [memory.node(min_nodes=3, max_nodes=3, join_timeout=timedelta(seconds=6))]
+    first = memory.join(nodes[0])
+    deadline = time.monotonic() + 5
+    while kv.get(first_slot.replace("slot/0", "joined")) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    nodes += [
+        memory.node(min_nodes=3, max_nodes=3, join_timeout=timedelta(seconds=6)) for _ in range(2)
+    ]
+    others = [memory.join(h) for h in nodes[1:]]
+    infos = [f.result(10) for f in [first, *others]]
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+    assert {i.world_size for i in infos} == {3}

@@ -68,6 +68,7 @@ logger = logging.getLogger("rallypoint.rendezvous")
 
 _SPARE_WAIT = timedelta(days=1)
 _SLOT_WAIT = timedelta(seconds=5)
+_NOW = timedelta(0)
 
 
 @dataclass(slots=True)
@@ -304,11 +305,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         kv.set(keys.r(k, "slot/" + str(index)), slot.encode())
         count = index + 1
         if count >= cfg.max_nodes or (count >= cfg.min_nodes and count >= self._expected(kv, k)):
-            self._finalise(kv, k)
+            self._finalise(kv, k, deadline)
         elif count >= cfg.min_nodes:
             self._bg.call_at(
                 time.monotonic() + cfg.last_call_timeout.total_seconds(),
-                lambda bg_kv: self._finalise(bg_kv, k),
+                lambda bg_kv: self._finalise(bg_kv, k, deadline),
             )
         timeout = timedelta(seconds=max(0.0, deadline - time.monotonic()))
         if not kv.wait([keys.r(k, "final")], timeout):
@@ -348,8 +349,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
         expected = final.world_size + parse_int(late, "late") - parse_int(dead, "dead")
         return min(self._config.max_nodes, max(self._config.min_nodes, expected))
 
-    def _finalise(self, kv: KeyValueStore, k: int) -> None:
-        """Complete round ``k`` if nobody else has claimed it: one reader, one writer."""
+    def _finalise(
+        self, kv: KeyValueStore, k: int, deadline: float, slot_wait: timedelta | None = None
+    ) -> None:
+        """Complete round ``k`` if nobody else has claimed it: one reader, one writer.
+
+        Too few slots written (a node slow to write its own, or gone) leave the round open
+        and this node looks again each ``keep_alive_interval`` until its ``deadline``: with
+        the round full, no last-call timer would.
+        """
         keys = self._keys
         if kv.get(keys.r(k, "final")) is not None:
             return
@@ -358,7 +366,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         try:
             n = kv.enrolled(keys.r(k, "joined"))
             slot_keys = [keys.r(k, f"slot/{i}") for i in range(n)]
-            kv.wait(slot_keys, _SLOT_WAIT)  # a node writes its slot right after its add
+            # a node writes its slot right after its add
+            kv.wait(slot_keys, _SLOT_WAIT if slot_wait is None else slot_wait)
             slots = [
                 Slot.decode(i, raw, slot_keys[i])
                 for i, raw in enumerate(kv.multi_get(slot_keys))
@@ -369,7 +378,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
             raise
         present = [s for s in slots if s is not None]
         if len(present) < self._config.min_nodes:
-            kv.delete(keys.r(k, "claim"))  # someone left; a later timer retries
+            kv.delete(keys.r(k, "claim"))
+            again = time.monotonic() + self._config.keep_alive_interval.total_seconds()
+            if again < deadline:
+                self._bg.call_at(again, lambda bg_kv: self._finalise(bg_kv, k, deadline, _NOW))
             return
         ranks = assign_ranks(present, k, self._config.max_nodes)
         world = len(ranks)
