@@ -2,15 +2,11 @@
 
 Torch's dynamic handler keeps one pickled state blob that every node rewrites by
 compare-and-set and re-reads about once a second: O(N) retries of an O(N) blob, so a
-round costs O(N^2). Here a node joining round ``k`` does (key names in ``_rounds.py``):
-
-1. ``add(r<k>/joined, 1)`` -> its slot index ``i`` (one round trip, no retries);
-2. ``set(r<k>/slot/<i>, descriptor)``;
-3. if ``i + 1 == max_nodes`` (or, on a re-rendezvous, every expected node is back) it
-   finalises at once; if ``i + 1 >= min_nodes`` it arms a last-call timer that finalises
-   ``last_call_timeout`` later;
-4. ``wait([r<k>/final])``: a blocking server-side wait, no polling;
-5. reads the small final record and its own ``r<k>/rank/<i>``.
+round costs O(N^2). Here a node joining round ``k`` (key names in ``_rounds.py``; the
+steps in docs/rendezvous.md) takes a slot index with one ``add(r<k>/joined, 1)``, writes
+its descriptor to ``r<k>/slot/<i>``, finalises at once if the round is full (or every
+expected node is back) or arms a ``last_call_timeout`` timer once ``min_nodes`` joined,
+and blocks in a server-side ``wait([r<k>/final])``, then reads its own ``r<k>/rank/<i>``.
 
 Finalising is claimed with one set-if-absent, so exactly one node reads the N slots
 (one ``multi_get``), assigns ranks (survivors keep theirs) and writes every rank in one
@@ -352,12 +348,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _finalise(
         self, kv: KeyValueStore, k: int, deadline: float, slot_wait: timedelta | None = None
     ) -> None:
-        """Complete round ``k`` if nobody else has claimed it: one reader, one writer.
-
-        Too few slots written (a node slow to write its own, or gone) leave the round open
-        and this node looks again each ``keep_alive_interval`` until its ``deadline``: with
-        the round full, no last-call timer would.
-        """
+        """Complete round ``k`` if nobody else has claimed it: one reader, one writer. Too
+        few slots written (a node slow to write its own, or gone): look again each
+        ``keep_alive_interval`` until ``deadline`` (a full round has no last-call timer)."""
         keys = self._keys
         if kv.get(keys.r(k, "final")) is not None:
             return
