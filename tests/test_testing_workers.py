@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,9 +75,28 @@ def test_timeout_kills_and_names_ranks(capfd: pytest.CaptureFixture[str]) -> Non
     # (its innermost frames, one line per rank) in the error, which a CI log keeps
     err = capfd.readouterr().err
     assert err.count(" in _sleep\n") == 2, err
-    lines = str(caught.value).splitlines()
-    assert [line.split(":")[0] for line in lines[1:]] == ["rank 0", "rank 1"], lines
-    assert all(re.search(r"_sleep \(test_testing_workers\.py:\d+\)", line) for line in lines[1:])
+    lines = [line for line in str(caught.value).splitlines()[1:] if " native: " not in line]
+    assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"], lines
+    assert all(re.search(r"_sleep \(test_testing_workers\.py:\d+\)", line) for line in lines)
+
+
+def _blocked_in_c() -> None:
+    import threading
+
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire()  # for good, inside C: no Python frame says on what
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="needs gdb")
+def test_timeout_names_where_a_worker_hung_in_native_code() -> None:
+    with pytest.raises(TimeoutError) as caught:
+        run_workers(_blocked_in_c, 1, timeout=1)
+    native = [line for line in str(caught.value).splitlines() if line.startswith("rank 0 native:")]
+    if not native:
+        pytest.skip("gdb could not attach to the worker here")
+    # the thread waits in the C lock's acquire (a semaphore or futex wait in libc)
+    assert re.search(r"sem_|futex|lock", native[0], re.IGNORECASE), native
 
 
 def test_bad_world_size() -> None:

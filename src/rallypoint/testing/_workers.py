@@ -17,7 +17,8 @@ import are free in every child (:mod:`rallypoint._core.forking`). Workers still 
 at the deadline write every thread's Python stack (faulthandler, on ``SIGRTMIN+5``) to a
 file of their own before they are killed; the stacks go to stderr and, in short (each
 thread's innermost frames), into the ``TimeoutError``, so a CI log that keeps only the
-failure's message still says where every worker hung.
+failure's message still says where every worker hung; where gdb can attach, so do their
+native stacks (a worker blocked in torch's C++ shows there what it waits on).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 from rallypoint._core.blocking import settle_before_fork
 from rallypoint._core.checks import check_int
 from rallypoint._core.net import free_port
+from rallypoint.testing._native_stacks import native_stacks, short_native
 
 DUMP_SIGNAL = int(signal.SIGRTMIN) + 5
 """The signal on which a worker writes every thread's stack to its dump file (faulthandler).
@@ -255,10 +257,16 @@ def _collect(
         if remaining <= 0:
             ranks = sorted(pending.values())
             stacks = _dump_stacks({rank: (procs[rank], dumps[rank]) for rank in ranks})
+            native = native_stacks([procs[rank].pid for rank in ranks])
+            lines = []
+            for rank, text in stacks.items():
+                lines.append(f"rank {rank}: {_short(text)}")
+                if (backtrace := native.get(procs[rank].pid)) is not None:
+                    sys.stderr.write(f"--- rank {rank}'s native threads (gdb)\n{backtrace}")
+                    lines.append(f"rank {rank} native: {short_native(backtrace)}")
             raise TimeoutError(
                 f"workers {ranks} still running after {timeout:.1f} s; their threads, "
-                "innermost frame first (full stacks on stderr):\n"
-                + "\n".join(f"rank {rank}: {_short(text)}" for rank, text in stacks.items())
+                "innermost frame first (full stacks on stderr):\n" + "\n".join(lines)
             )
         for conn in wait(list(pending), timeout=remaining):
             assert isinstance(conn, Connection)
