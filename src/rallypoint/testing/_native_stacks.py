@@ -14,7 +14,7 @@ import re
 import shutil
 import subprocess
 
-GDB_TIMEOUT = 10.0
+GDB_TIMEOUT = 5.0
 """Most seconds spent on the backtraces of all the processes asked for, together."""
 _FRAMES = 9  # innermost native frames kept per thread in the short form
 _THREADS = 4  # threads kept per process in the short form: those in c10d or a lock first
