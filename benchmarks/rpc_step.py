@@ -24,6 +24,7 @@ import os
 import signal
 import statistics
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -60,8 +61,8 @@ def _cpu_seconds() -> float:
     return time.process_time()
 
 
-def _member(backend: str, rank: int, port: int, pipe: Connection | None, width: int) -> None:
-    """One process of a group: worker0 runs the epochs it is told to, the stages serve."""
+def join_group(backend: str, rank: int, port: int) -> None:
+    """``init_rpc`` as worker ``rank`` of a group of three on ``port``, one thread each."""
     os.environ.update(
         {
             "RANK": str(rank),
@@ -81,6 +82,11 @@ def _member(backend: str, rank: int, port: int, pipe: Connection | None, width: 
         world_size=3,
         rpc_backend_options=options,
     )
+
+
+def _member(backend: str, rank: int, port: int, pipe: Connection | None, width: int) -> None:
+    """One process of a group: worker0 runs the epochs it is told to, the stages serve."""
+    join_group(backend, rank, port)
     if pipe is not None:
         _drive(pipe, width)
     rpc.shutdown()
@@ -88,7 +94,8 @@ def _member(backend: str, rank: int, port: int, pipe: Connection | None, width: 
         time.sleep(0.5)  # torch's shutdown: the store host must outlive the others' barrier
 
 
-def _drive(pipe: Connection, width: int) -> None:
+def training_step(width: int = 64) -> Callable[[], None]:
+    """On worker0: build the two stages and the optimizer; the function that runs a step."""
     from rallypoint.rpc import dist_autograd
 
     stage1 = rpc.remote("worker1", Stage, args=(width,))
@@ -104,6 +111,12 @@ def _drive(pipe: Connection, width: int) -> None:
             y = rpc.rpc_sync("worker2", _stage_forward, args=(stage2, h))
             dist_autograd.backward(context_id, [y.square().mean()])
             opt.step(context_id)
+
+    return step
+
+
+def _drive(pipe: Connection, width: int) -> None:
+    step = training_step(width)
 
     def group_cpu() -> float:
         return time.process_time() + sum(

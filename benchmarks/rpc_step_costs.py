@@ -34,7 +34,6 @@ import rpc_step
 import torch
 
 from rallypoint import rpc
-from rallypoint._core.envvars import RPC_SECRET
 from rallypoint._core.net import free_port
 
 Event = tuple[float, float, int, str]  # wall, thread CPU, thread, what
@@ -86,51 +85,18 @@ def _install_probes() -> None:
 
 
 def _member(rank: int, port: int, steps: int, out: Connection) -> None:
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": "3",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            RPC_SECRET: "benchmark-secret",
-        }
-    )
-    torch.set_num_threads(1)
     _install_probes()
-    options = rpc.construct_rpc_backend_options(rpc.BackendType.RALLYPOINT, rpc_timeout=120)
-    rpc.init_rpc(
-        f"worker{rank}",
-        backend=rpc.BackendType.RALLYPOINT,
-        rank=rank,
-        world_size=3,
-        rpc_backend_options=options,
-    )
+    rpc_step.join_group("RALLYPOINT", rank, port)
     if rank == 0:
-        _drive(steps)
+        step = rpc_step.training_step()
+        for index in range(WARMUP + steps):
+            if index == WARMUP:
+                _events.clear()
+            _mark("step>")
+            step()
+            _mark("step<")
     rpc.shutdown()
     out.send(_events)
-
-
-def _drive(steps: int) -> None:
-    from rallypoint.rpc import dist_autograd
-
-    stage1 = rpc.remote("worker1", rpc_step.Stage, args=(64,))
-    stage2 = rpc.remote("worker2", rpc_step.Stage, args=(64,))
-    params = rpc.rpc_sync("worker1", rpc_step._stage_params, args=(stage1,))
-    params += rpc.rpc_sync("worker2", rpc_step._stage_params, args=(stage2,))
-    opt = rpc.DistributedOptimizer(torch.optim.SGD, params, lr=0.01)
-    x = torch.randn(32, 64)
-    for index in range(WARMUP + steps):
-        if index == WARMUP:
-            _events.clear()
-        _mark("step>")
-        with dist_autograd.context() as context_id:
-            h = rpc.rpc_sync("worker1", rpc_step._stage_forward, args=(stage1, x))
-            y = rpc.rpc_sync("worker2", rpc_step._stage_forward, args=(stage2, h))
-            dist_autograd.backward(context_id, [y.square().mean()])
-            opt.step(context_id)
-        _mark("step<")
 
 
 def _run(steps: int) -> dict[int, list[Event]]:
