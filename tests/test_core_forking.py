@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from rallypoint._core import blocking
-from rallypoint.testing import run_workers
+from rallypoint.testing import _workers, run_workers
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "rallypoint"
 
@@ -57,7 +57,11 @@ def _running_calls() -> list[str]:
 
 
 @pytest.mark.timeout(60)
-def test_a_child_does_not_count_or_wait_at_exit_for_its_parents_calls() -> None:
+def test_a_child_does_not_count_or_wait_at_exit_for_its_parents_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # run_workers would first wait up to 10 s for the parent's call to end: not the point
+    monkeypatch.setattr(_workers, "_SETTLE_WAIT", 0.0)
     release = threading.Event()
     call = blocking.InThread(lambda: release.wait(60), name="parent-call", finishes_within=60)
     try:

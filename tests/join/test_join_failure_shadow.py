@@ -1,9 +1,10 @@
 """A rank that raises inside Join and stays alive does not block the others (issue 13, 9).
 
-Three ranks; rank 1 raises between two iterations and then sleeps for STAY_ALIVE seconds
-(its process, and its process group, stay alive). The other ranks are blocked in a
-collective that a joinable issued in the loop body (a plain custom joinable's own
-all-reduce, DDP's backward) or are shadowing in the join loop. Each must raise
+Three ranks; rank 1 raises between two iterations and then waits in a barrier of the
+default group until the others are out (its process, and its process group, stay alive:
+an idle peer, not a dead one, is what the others must get away from). The other ranks are
+blocked in a collective that a joinable issued in the loop body (a plain custom joinable's
+own all-reduce, DDP's backward) or are shadowing in the join loop. Each must raise
 RankFailedError naming rank 1 within 2 s of the failure, and rank 1's own exception must
 come out of its Join. Each scenario has its own gloo group with a 20 s timeout, far above
 the 2 s bound, so a survivor released only by the group's timeout fails the test instead of
@@ -31,7 +32,6 @@ from rallypoint.testing import run_workers
 W = 3
 FAILING = 1
 FAIL_STEP = 3
-STAY_ALIVE = 5.0
 BOUND = 2.0
 GROUP_TIMEOUT = 20
 MID_ITERATION_TIMEOUT = 3
@@ -190,8 +190,8 @@ def run_scenarios() -> dict[str, Any]:
         except Exception as exc:
             rank_named = getattr(exc, "rank", None)
             results[name] = (type(exc).__name__, str(exc), rank_named, time.time(), out)
-        if rank == FAILING:
-            time.sleep(STAY_ALIVE)  # alive and idle while the others must get out
+        # rank 1 waits here, alive and idle, until the others are out; they pass it only
+        # after their own scenario ended (in the test's bound, or the group's timeout)
         dist.barrier()
     return results  # no destroy_process_group: the scenario groups are unusable now
 
