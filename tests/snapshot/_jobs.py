@@ -26,6 +26,7 @@ def run(
     max_restarts: int = 0,
     snapshot_dir: Path | None = None,
     every: int = 10,
+    virtual_local_rank: bool = False,
 ) -> str:
     """The job of ``rallypoint run --nproc-per-node NPROC _train.py OUT MODE STEPS``, with
     workers forked from this process (torch already imported: no interpreter start per
@@ -39,6 +40,7 @@ def run(
         train, str(out), mode, steps,
         nproc=nproc, max_restarts=max_restarts, shutdown_timeout=timedelta(seconds=2),
         timeout=timedelta(seconds=120), env=env, log_dir=logs, redirects="3",
+        virtual_local_rank=virtual_local_rank,
     )  # fmt: skip
     return "".join(p.read_text() for p in sorted(logs.rglob("*.log")))
 

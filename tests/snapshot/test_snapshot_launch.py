@@ -13,8 +13,11 @@ from _jobs import run, same_params, starts
 
 
 @pytest.mark.timeout(150)
-def test_worker_killed_at_37_resumes_at_37_bit_identical(tmp_path: Path, reference: Path) -> None:
-    text = run(2, tmp_path, "crash", 60, max_restarts=1)
+@pytest.mark.parametrize("virtual_local_rank", [False, True])  # True: LOCAL_RANK is 0 for all
+def test_worker_killed_at_37_resumes_at_37_bit_identical(
+    tmp_path: Path, reference: Path, virtual_local_rank: bool
+) -> None:
+    text = run(2, tmp_path, "crash", 60, max_restarts=1, virtual_local_rank=virtual_local_rank)
     assert "restored step 37 from memory on every rank (2 ranks" in text, text
     assert starts(tmp_path) == [(0, 0, 2), (0, 0, 2), (37, 37, 2), (37, 37, 2)]
     same_params(tmp_path / "final.pt", reference)

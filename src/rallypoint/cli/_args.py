@@ -41,6 +41,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
         start_method="fork" if args.start_method == "fork" else "spawn",
         preload=tuple(m.strip() for m in str(args.preload).split(",") if m.strip()),
         signals_to_handle=args.signals_to_handle,
+        virtual_local_rank=bool(args.virtual_local_rank),
         on_hang=args.on_hang,
         events=args.events,
         straggler_threshold=_straggler_threshold(args.straggler_threshold),
@@ -103,7 +104,6 @@ def _reject_unsupported(args: argparse.Namespace) -> None:
         "--duplicate-stdout-filters": args.duplicate_stdout_filters,
         "--duplicate-stderr-filters": args.duplicate_stderr_filters,
         "--local-addr": args.local_addr,
-        "--virtual-local-rank": args.virtual_local_rank,
         "--event-log-handler": args.event_log_handler not in ("", "null"),
     }
     for name, value in ignored.items():

@@ -122,7 +122,11 @@ def _workers(o: _Options) -> None:
         help="signals forwarded to the workers",
     )
     o.opt("--shutdown-timeout", "--shutdown_timeout", default=None, type=float, help="seconds")
-    o.flag("--virtual-local-rank", "--virtual_local_rank", help="not supported without GPUs")
+    o.flag(
+        "--virtual-local-rank",
+        "--virtual_local_rank",
+        help="LOCAL_RANK=0 for every worker, each seeing only its own GPU (CUDA_VISIBLE_DEVICES)",
+    )
     o.opt("--numa-binding", "--numa_binding", default=None, help="not supported")
 
 

@@ -7,7 +7,8 @@ part that reads it:
 ========================= ==================================================== ============
 group                     options                                              defined in
 ========================= ==================================================== ============
-``workers``               nproc, role, start_method, preload, env, cwd         supervise
+``workers``               nproc, role, start_method, preload, env, cwd,        supervise
+                          virtual_local_rank
 ``output``                log_dir, redirects, tee, local_ranks_filter, prefix  supervise
 ``stop``                  monitor_interval, shutdown_timeout, timeout,         supervise
                           signals_to_handle
@@ -82,6 +83,7 @@ class LaunchOptions(TypedDict, total=False):
     timeout: timedelta | None
     env: Mapping[str, str]
     cwd: str | os.PathLike[str] | None
+    virtual_local_rank: bool
     signals_to_handle: str
     parallel: object | None
 
@@ -122,7 +124,7 @@ def _path(value: Any) -> Any:
 
 
 def _workers(o: Mapping[str, Any]) -> WorkerOptions:
-    kw = _pick(o, "nproc", "role", "start_method", "preload", "env", "cwd")
+    kw = _pick(o, "nproc", "role", "start_method", "preload", "env", "cwd", "virtual_local_rank")
     if "preload" in kw:
         preload = kw["preload"]
         kw["preload"] = tuple(
@@ -237,6 +239,7 @@ class LaunchConfig:
     preload = _Flat[tuple[str, ...]]("workers")
     env = _Flat[Mapping[str, str]]("workers")
     cwd = _Flat[str | None]("workers")
+    virtual_local_rank = _Flat[bool]("workers")
     log_dir = _Flat[str | None]("output")
     redirects = _Flat[StdSpec]("output")
     tee = _Flat[StdSpec]("output")

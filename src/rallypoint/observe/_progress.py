@@ -101,7 +101,10 @@ def _init_worker() -> None:
     if not path:
         _disabled = True
         return
-    slot_text = os.environ.get(PROGRESS_SLOT_ENV) or os.environ.get("LOCAL_RANK", "")
+    env = os.environ
+    slot_text = (
+        env.get(PROGRESS_SLOT_ENV) or env.get(envvars.LOCAL_RANK) or env.get("LOCAL_RANK", "")
+    )
     try:
         slot = int(slot_text)
         mm = _map(path)

@@ -95,7 +95,8 @@ class NodeSession:
         self.options = options
         self.report = report
         self.rank, self.world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        self.local_rank = int(env.get("LOCAL_RANK", "0"))
+        # LOCAL_RANK is 0 for every worker under --virtual-local-rank
+        self.local_rank = int(env.get(envvars.LOCAL_RANK) or env.get("LOCAL_RANK", "0"))
         secret = env.get(envvars.RPC_SECRET, "")
         if not secret:
             raise SnapshotError(f"{envvars.RPC_SECRET} is not set")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from rallypoint._core import envvars
-from rallypoint.supervise._options import WorkerOptions
+from rallypoint.supervise._options import WorkerOptions, visible_gpus
 from rallypoint.supervise._output import write_console
 from rallypoint.supervise._state import GroupInfo
 
@@ -81,6 +81,11 @@ def worker_env(
     )
     if group.rpc_secret:  # one secret for the whole job, from the run's store
         env[envvars.RPC_SECRET] = group.rpc_secret
+    env[envvars.LOCAL_RANK] = str(local_rank)
+    if workers.virtual_local_rank:  # torch's agent: one GPU per worker, seen as device 0
+        env["LOCAL_RANK"] = "0"
+        gpus = visible_gpus(base.get("CUDA_VISIBLE_DEVICES"), workers.nproc)
+        env["CUDA_VISIBLE_DEVICES"] = gpus[local_rank]
     env[envvars.RESTART_COUNT] = str(group.restart_count)
     env[envvars.RUN_ID] = group.run_id
     env[envvars.USE_AGENT_STORE] = "True"

@@ -27,6 +27,7 @@ __all__ = [
     "WorkerOptions",
     "WorldOptions",
     "parse_std_spec",
+    "visible_gpus",
 ]
 
 DEFAULT_PREFIX = "[rank${rank}]: "
@@ -97,9 +98,17 @@ class WorkerOptions:
     """Extra environment variables for the workers."""
     cwd: str | None = None
     """Working directory of the workers (default: the launcher's)."""
+    virtual_local_rank: bool = False
+    """torchrun's ``--virtual-local-rank``: every worker gets ``LOCAL_RANK=0`` and sees only
+    its own GPU (``CUDA_VISIBLE_DEVICES``: the local rank's entry of the launcher's list,
+    else the local rank itself)."""
 
     def __post_init__(self) -> None:
         check_int(self.nproc, "nproc", minimum=1)
+        if not isinstance(self.virtual_local_rank, bool):
+            raise TypeError(
+                f"virtual_local_rank must be True or False, got {self.virtual_local_rank!r}"
+            )
         if not isinstance(self.role, str) or not self.role:
             raise ValueError("role must be a non-empty string")
         if self.start_method not in ("fork", "spawn"):
@@ -113,6 +122,27 @@ class WorkerOptions:
             raise TypeError("env must be a mapping of str to str")
         if self.cwd is not None and not os.path.isdir(self.cwd):
             raise ValueError(f"cwd {self.cwd!r} is not a directory")
+        if self.virtual_local_rank:
+            visible_gpus(self.env.get(_CUDA_DEVICES, os.environ.get(_CUDA_DEVICES)), self.nproc)
+
+
+_CUDA_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+
+def visible_gpus(parent: str | None, nproc: int) -> list[str]:
+    """Each local rank's ``CUDA_VISIBLE_DEVICES`` under ``virtual_local_rank`` (torch's
+    rule): its entry of the launcher's comma-separated list, else the local rank itself;
+    ``ValueError`` if the list is shorter than ``nproc``."""
+    if parent is None:
+        return [str(local_rank) for local_rank in range(nproc)]
+    gpus = [gpu.strip() for gpu in parent.split(",")]
+    if len(gpus) < nproc:
+        raise ValueError(
+            f"virtual_local_rank: {nproc} workers per node, but CUDA_VISIBLE_DEVICES="
+            f"{parent!r} lists {len(gpus)} GPU{'s' if len(gpus) != 1 else ''} (one per "
+            "worker is needed)"
+        )
+    return gpus[:nproc]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -276,7 +276,9 @@ def _show_rank(target: Target) -> None:
         argv = [f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)!s}"]
     else:
         argv = [target.name, *target.args]
-    rank, local_rank = os.environ.get("RANK", "?"), os.environ.get("LOCAL_RANK", "?")
+    env = os.environ
+    rank = env.get("RANK", "?")
+    local_rank = env.get(envvars.LOCAL_RANK) or env.get("LOCAL_RANK", "?")
     show_identity([f"rallypoint worker rank {rank} (local {local_rank})", *argv], dict(os.environ))
 
 
