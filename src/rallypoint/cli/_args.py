@@ -103,7 +103,6 @@ def _reject_unsupported(args: argparse.Namespace) -> None:
     ignored = {
         "--duplicate-stdout-filters": args.duplicate_stdout_filters,
         "--duplicate-stderr-filters": args.duplicate_stderr_filters,
-        "--local-addr": args.local_addr,
         "--event-log-handler": args.event_log_handler not in ("", "null"),
     }
     for name, value in ignored.items():
@@ -133,6 +132,7 @@ def _nodes(args: argparse.Namespace, multi: bool) -> dict[str, Any]:
         "rdzv_endpoint": endpoint if multi else "",
         "rdzv_conf": conf,
         "node_rank": int(args.node_rank) if static else None,
+        "local_addr": args.local_addr,
         "master_addr": master_addr,
         "master_port": None if master_port is None else int(master_port),
     }

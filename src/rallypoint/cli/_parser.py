@@ -98,7 +98,12 @@ def _nodes(o: _Options) -> None:
     o.opt("--max-restarts", "--max_restarts", default=0, type=int, help="group restarts")
     o.opt("--monitor-interval", "--monitor_interval", default=0.1, type=float, help="seconds")
     o.opt("--node-rank", "--node_rank", default=0, type=int, help="node rank (static backend)")
-    o.opt("--local-addr", "--local_addr", default=None, help="accepted (single node)")
+    o.opt(
+        "--local-addr",
+        "--local_addr",
+        default=None,
+        help="this node's address for the others (its workers' MASTER_ADDR if it hosts the store)",
+    )
 
 
 def _workers(o: _Options) -> None:

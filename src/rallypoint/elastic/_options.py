@@ -42,6 +42,10 @@ class RendezvousOptions:
     """Rendezvous options (``join_timeout``, ``last_call_timeout``, ``keep_alive_interval``...)."""
     node_rank: int | None = None
     """This node's rank with the ``static`` backend."""
+    local_addr: str | None = None
+    """The address this node gives the others (torchrun's ``--local-addr``): the workers'
+    ``MASTER_ADDR`` when this node hosts their store (default: its FQDN; on a single
+    node ``master_addr``)."""
 
     def __post_init__(self) -> None:
         lo = check_int(self.min_nodes, "min_nodes", minimum=1)
@@ -58,6 +62,10 @@ class RendezvousOptions:
         if not isinstance(self.conf, Mapping):
             raise TypeError("rdzv_conf must be a mapping of option names to values")
         check_int(self.node_rank, "node_rank", allow_none=True)
+        if self.local_addr is not None and (
+            not isinstance(self.local_addr, str) or not self.local_addr.strip()
+        ):
+            raise ValueError(f"local_addr must be a host name or address, got {self.local_addr!r}")
         if self.backend == "static" and hi > 1:
             if self.node_rank is None or not 0 <= self.node_rank < hi:
                 raise ValueError(

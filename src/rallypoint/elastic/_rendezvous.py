@@ -31,7 +31,13 @@ def run_store_namespace(run_id: str) -> str:
 
 
 def create_rendezvous(
-    backend: str, endpoint: str, run_id: str, min_nodes: int, max_nodes: int, conf: dict[str, str]
+    backend: str,
+    endpoint: str,
+    run_id: str,
+    min_nodes: int,
+    max_nodes: int,
+    conf: dict[str, str],
+    local_addr: str | None = None,
 ) -> RendezvousHandler:
     """A ``rallypoint.rendezvous`` handler for the agent (the workers' store is ours)."""
     from rallypoint.rendezvous import RendezvousParameters, rendezvous_handler_registry
@@ -47,6 +53,7 @@ def create_rendezvous(
         run_id=run_id,
         min_nodes=min_nodes,
         max_nodes=max_nodes,
+        local_addr=local_addr,
         **options,
     )
     return rendezvous_handler_registry.create_handler(params)
@@ -61,7 +68,13 @@ def connect(options: RendezvousOptions, run_id: str) -> RendezvousHandler:
         conf.setdefault("rank", str(options.node_rank))
     try:
         return create_rendezvous(
-            options.backend, options.endpoint, run_id, options.min_nodes, options.max_nodes, conf
+            options.backend,
+            options.endpoint,
+            run_id,
+            options.min_nodes,
+            options.max_nodes,
+            conf,
+            options.local_addr,
         )
     except (RendezvousError, KVError, RuntimeError) as exc:
         raise RendezvousFailedError(f"rendezvous {options.endpoint!r}: {exc}") from None

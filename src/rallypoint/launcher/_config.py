@@ -18,7 +18,7 @@ group                     options                                              d
                           straggler_window
 ``restarts``              max_restarts, on_hang                                elastic
 ``rendezvous``            nnodes (as min_nodes/max_nodes), rdzv_backend,       elastic
-                          rdzv_endpoint, rdzv_conf, node_rank
+                          rdzv_endpoint, rdzv_conf, node_rank, local_addr
 ========================= ==================================================== ============
 
 Every flat option also reads back as an attribute (``config.nproc``, ``config.nnodes``).
@@ -59,6 +59,7 @@ class LaunchOptions(TypedDict, total=False):
     rdzv_endpoint: str
     rdzv_conf: Mapping[str, str]
     node_rank: int | None
+    local_addr: str | None
     hang_timeout: timedelta | None
     on_hang: Literal["restart", "fail"]
     events: str | os.PathLike[str] | None
@@ -169,7 +170,7 @@ def _watch(o: Mapping[str, Any]) -> WatchOptions:
 
 
 def _rendezvous(o: Mapping[str, Any]) -> RendezvousOptions:
-    kw = _pick(o, "node_rank")
+    kw = _pick(o, "node_rank", "local_addr")
     renamed = {"rdzv_backend": "backend", "rdzv_endpoint": "endpoint", "rdzv_conf": "conf"}
     kw.update({field: o[flat] for flat, field in renamed.items() if flat in o})
     if "nnodes" in o:
@@ -263,6 +264,7 @@ class LaunchConfig:
     rdzv_endpoint = _Flat[str]("rendezvous", "endpoint")
     rdzv_conf = _Flat[Mapping[str, str]]("rendezvous", "conf")
     node_rank = _Flat[int | None]("rendezvous")
+    local_addr = _Flat[str | None]("rendezvous")
     min_nodes = _Flat[int]("rendezvous")
     max_nodes = _Flat[int]("rendezvous")
     multi_node = _Flat[bool]("rendezvous")

@@ -12,6 +12,7 @@ import contextlib
 import socket
 import uuid
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -93,10 +94,13 @@ def _coordinator(
     config: LaunchConfig, supervisor: Supervisor, observer: Observer, run_id: str, title: str
 ) -> _Coordinator:
     if not config.rendezvous.multi_node:
+        world = config.world
+        if config.rendezvous.local_addr is not None:  # as torchrun: this node's address
+            world = replace(world, master_addr=config.rendezvous.local_addr)
         return LocalCoordinator(
             supervisor,
             observer,
-            world=config.world,
+            world=world,
             restarts=config.restarts,
             run_id=run_id,
             title=title,
