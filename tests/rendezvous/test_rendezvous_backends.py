@@ -250,8 +250,11 @@ def test_static_unreachable_master_is_connection_error() -> None:
 
 
 def _scale_up(port: int) -> tuple[int, int, int, int]:
+    # heartbeats every 1 s, not FAST's 0.2 s: no node may count as dead here, and a loaded
+    # host (the agent tests before it) once held one back past FAST's 0.6 s
+    conf = {**FAST, "keep_alive_interval": "1"}
     params = RendezvousParameters(
-        "c10d", f"127.0.0.1:{port}", "grow", 2, 3, is_host="false", **FAST
+        "c10d", f"127.0.0.1:{port}", "grow", 2, 3, is_host="false", **conf
     )
     from torch.distributed import TCPStore
 
