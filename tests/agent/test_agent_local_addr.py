@@ -66,16 +66,6 @@ def test_one_node_the_workers_master_addr_is_the_local_addr(tmp_path: Path) -> N
     assert {e["sum"] for e in seen["rallypoint"].values()} == {2.0}
 
 
-@pytest.fixture
-def endpoint() -> Any:
-    """A rendezvous store hosted by the test (so it outlives the agents)."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    yield f"127.0.0.1:{store.port}"
-    del store
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_two_nodes_every_worker_gets_the_store_hosts_local_addr(

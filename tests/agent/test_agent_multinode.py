@@ -7,7 +7,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,16 +34,6 @@ if last and (mode == "always" or (mode == "once" and first)):
     raise ValueError("boom on the last rank")
 dist.destroy_process_group()
 """
-
-
-@pytest.fixture
-def endpoint() -> Iterator[str]:
-    """A rendezvous store hosted by the test (so it outlives the agents)."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    yield f"127.0.0.1:{store.port}"
-    del store
 
 
 def _agent(

@@ -6,7 +6,6 @@ import hashlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,15 +26,6 @@ assert torch.equal(got, torch.ones(2) + rank), got
 print(f"rank {rank} called w{peer}: ok", flush=True)
 rpc.shutdown()
 """
-
-
-@pytest.fixture
-def endpoint() -> Iterator[str]:
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    yield f"127.0.0.1:{store.port}"
-    del store
 
 
 def _agents(endpoint: str, run_id: str, script: Path, out: Path, env: dict[str, str]) -> list[str]:
