@@ -54,13 +54,17 @@ def _finish(procs: list[subprocess.Popen[str]]) -> None:
 def test_one_node_the_workers_master_addr_is_the_local_addr(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    seen = {}
-    for name, cmd in (("torchrun", [*TORCHRUN, "--standalone"]), ("rallypoint", RALLYPOINT)):
+    launchers = {"torchrun": [*TORCHRUN, "--standalone"], "rallypoint": RALLYPOINT}
+    procs = []
+    for name, cmd in launchers.items():  # both at once: separate stores on free ports
         out = tmp_path / name
         out.mkdir()
         argv = [*cmd, "--nproc-per-node", "2", "--local-addr", "127.0.0.5", str(script), str(out)]
-        _finish([subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)])
-        seen[name] = _seen(out)
+        procs.append(
+            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    _finish(procs)
+    seen = {name: _seen(tmp_path / name) for name in launchers}
     assert seen["rallypoint"] == seen["torchrun"]
     assert {e["MASTER_ADDR"] for e in seen["rallypoint"].values()} == {"127.0.0.5"}
     assert {e["sum"] for e in seen["rallypoint"].values()} == {2.0}

@@ -27,7 +27,9 @@ Path(sys.argv[1], os.environ["RANK"]).write_text(json.dumps(out))
 NPROC = 3
 
 
-def _run(launcher: list[str], flags: list[str], tmp_path: Path, cuda: str | None) -> Any:
+def _start(
+    launcher: list[str], flags: list[str], tmp_path: Path, cuda: str | None, nproc: int = NPROC
+) -> tuple[subprocess.Popen[str], Path]:
     script = tmp_path / "env.py"
     script.write_text(SCRIPT)
     out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
@@ -35,15 +37,26 @@ def _run(launcher: list[str], flags: list[str], tmp_path: Path, cuda: str | None
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     if cuda is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda
-    proc = subprocess.run(
-        [*launcher, "--nproc-per-node", str(NPROC), *flags, str(script), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env=env,
+    argv = [*launcher, "--nproc-per-node", str(nproc), *flags, str(script), str(out)]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
-    seen = {p.name: json.loads(p.read_text()) for p in out.iterdir()}
-    return proc, seen
+    return proc, out
+
+
+def _runs(*starts: tuple[subprocess.Popen[str], Path]) -> list[tuple[int, str, dict[str, Any]]]:
+    """Wait for launchers started together: exit status, stderr, each rank's variables."""
+    done = []
+    for proc, out in starts:
+        try:
+            _, err = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            for other, _ in starts:
+                other.kill()
+            raise
+        seen = {p.name: json.loads(p.read_text()) for p in out.iterdir()}
+        done.append((proc.returncode, err, seen))
+    return done
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -62,13 +75,13 @@ RALLYPOINT = [sys.executable, "-m", "rallypoint", "run"]
 def test_workers_see_what_torchrun_gives_them(
     tmp_path: Path, cuda: str | None, flags: list[str]
 ) -> None:
-    runs = {
-        name: _run(cmd, flags, tmp_path, cuda)
-        for name, cmd in (("torchrun", TORCHRUN), ("rallypoint", RALLYPOINT))
-    }
-    for name, (proc, _) in runs.items():
-        assert proc.returncode == 0, (name, proc.stderr)
-    torch_seen, ours = runs["torchrun"][1], runs["rallypoint"][1]
+    # both at once: what is compared is what each sets, not timing
+    theirs_run, ours_run = _runs(
+        *(_start(cmd, flags, tmp_path, cuda) for cmd in (TORCHRUN, RALLYPOINT))
+    )
+    for name, (code, err, _) in (("torchrun", theirs_run), ("rallypoint", ours_run)):
+        assert code == 0, (name, err)
+    torch_seen, ours = theirs_run[2], ours_run[2]
     assert sorted(ours) == sorted(torch_seen) == [str(r) for r in range(NPROC)]
     for rank, theirs in torch_seen.items():
         mine = ours[rank]
@@ -84,30 +97,29 @@ def test_workers_see_what_torchrun_gives_them(
 
 
 @pytest.mark.slow
-def test_too_few_visible_gpus_is_a_usage_error_before_anything_starts(tmp_path: Path) -> None:
-    theirs, _ = _run(TORCHRUN, ["--virtual-local-rank"], tmp_path, "4,6")
-    assert theirs.returncode != 0  # torch's agent raises ValueError for local rank 2
-    proc, seen = _run(RALLYPOINT, ["--virtual-local-rank"], tmp_path, "4,6")
-    assert proc.returncode == 2 and seen == {}, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+def test_too_few_visible_gpus_is_a_usage_error_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flag = ["--virtual-local-rank"]
+    monkeypatch.setenv("PET_VIRTUAL_LOCAL_RANK", "1")  # the variable torchrun reads for it
+    theirs, mine, by_env = _runs(
+        _start(TORCHRUN, flag, tmp_path, "4,6"),
+        _start(RALLYPOINT, flag, tmp_path, "4,6"),
+        _start(RALLYPOINT, [], tmp_path, "4", nproc=2),
+    )
+    monkeypatch.delenv("PET_VIRTUAL_LOCAL_RANK")
+    (plain,) = _runs(_start(RALLYPOINT, [], tmp_path, "4"))  # without it one GPU is fine
+    assert theirs[0] != 0  # torch's agent raises ValueError for local rank 2
+    code, err, seen = mine
+    assert code == 2 and seen == {}, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0] == (
         "rallypoint run: error: virtual_local_rank: 3 workers per node, but "
         "CUDA_VISIBLE_DEVICES='4,6' lists 2 GPUs (one per worker is needed)"
     ), lines[0]
-    # the environment variable torchrun reads for the flag
-    proc, seen = _run(RALLYPOINT, [], tmp_path, "4")
-    assert proc.returncode == 0 and len(seen) == NPROC, proc.stderr
-    env_flag = {**os.environ, "PET_VIRTUAL_LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4"}
-    script = tmp_path / "env.py"
-    proc2 = subprocess.run(
-        [*RALLYPOINT, "--nproc-per-node", "2", str(script), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env_flag,
-    )
-    assert proc2.returncode == 2 and "lists 1 GPU (one" in proc2.stderr, proc2.stderr
+    assert by_env[0] == 2 and "lists 1 GPU (one" in by_env[1], by_env[1]
+    assert plain[0] == 0 and len(plain[2]) == NPROC, plain[1]
 
 
 def _env() -> dict[str, str | None]:
