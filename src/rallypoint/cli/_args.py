@@ -101,8 +101,6 @@ def _reject_unsupported(args: argparse.Namespace) -> None:
         if getattr(args, name):
             raise UsageError(f"--{name.replace('_', '-')} is not supported by rallypoint run")
     ignored = {
-        "--duplicate-stdout-filters": args.duplicate_stdout_filters,
-        "--duplicate-stderr-filters": args.duplicate_stderr_filters,
         "--event-log-handler": args.event_log_handler not in ("", "null"),
     }
     for name, value in ignored.items():
@@ -175,7 +173,19 @@ def _output(args: argparse.Namespace) -> dict[str, Any]:
         "tee": str(args.tee),
         "local_ranks_filter": ranks,
         "prefix": None if args.no_prefix else args.prefix,
+        "duplicate_stdout_filters": _filters(args.duplicate_stdout_filters),
+        "duplicate_stderr_filters": _filters(args.duplicate_stderr_filters),
     }
+
+
+def _filters(value: str | None) -> tuple[str, ...]:
+    """torchrun's comma-separated filter list: ``,,`` stands for a comma."""
+    if value is None:
+        return ()
+    placeholder = "\0"
+    return tuple(
+        item.replace(placeholder, ",") for item in value.replace(",,", placeholder).split(",")
+    )
 
 
 def _target(args: argparse.Namespace) -> Target:

@@ -147,8 +147,13 @@ def _output(o: _Options) -> None:
         default="",
         help="show only these local ranks on the console, e.g. 0,1",
     )
-    o.opt("--duplicate-stdout-filters", "--duplicate_stdout_filters", default="", help="accepted")
-    o.opt("--duplicate-stderr-filters", "--duplicate_stderr_filters", default="", help="accepted")
+    for name in ("stdout", "stderr"):
+        o.opt(
+            f"--duplicate-{name}-filters",
+            f"--duplicate_{name}_filters",
+            help=f"copy the tee'd {name} lines that contain one of these comma-separated "
+            f"strings (',,' for a comma) to LOG_DIR/RUN_ID/attempt_N/filtered_{name}.log",
+        )
     o.opt("--logs-specs", "--logs_specs", default=None, help="not supported")
 
 

@@ -80,6 +80,8 @@ class LaunchOptions(TypedDict, total=False):
     tee: str | int | Mapping[int, int]
     local_ranks_filter: Iterable[int] | None
     prefix: str | None
+    duplicate_stdout_filters: Iterable[str]
+    duplicate_stderr_filters: Iterable[str]
     shutdown_timeout: timedelta
     timeout: timedelta | None
     env: Mapping[str, str]
@@ -137,7 +139,19 @@ def _workers(o: Mapping[str, Any]) -> WorkerOptions:
 
 
 def _output(o: Mapping[str, Any]) -> OutputOptions:
-    kw = _pick(o, "log_dir", "redirects", "tee", "local_ranks_filter", "prefix")
+    kw = _pick(
+        o,
+        "log_dir",
+        "redirects",
+        "tee",
+        "local_ranks_filter",
+        "prefix",
+        "duplicate_stdout_filters",
+        "duplicate_stderr_filters",
+    )
+    for which in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
+        if isinstance(kw.get(which), list | tuple):  # torch's LaunchConfig takes a list
+            kw[which] = tuple(kw[which])
     for which in ("redirects", "tee"):
         if which in kw:
             kw[which] = parse_std_spec(kw[which], which)
@@ -246,6 +260,8 @@ class LaunchConfig:
     tee = _Flat[StdSpec]("output")
     local_ranks_filter = _Flat[frozenset[int] | None]("output")
     prefix = _Flat[str | None]("output")
+    duplicate_stdout_filters = _Flat[tuple[str, ...]]("output")
+    duplicate_stderr_filters = _Flat[tuple[str, ...]]("output")
     monitor_interval = _Flat[timedelta]("stop")
     shutdown_timeout = _Flat[timedelta]("stop")
     timeout = _Flat[timedelta | None]("stop")

@@ -160,10 +160,20 @@ class OutputOptions:
     """Show only these local ranks on the console (files keep everything)."""
     prefix: str | None = DEFAULT_PREFIX
     """Console line prefix template; ``None`` or ``""`` turns prefixes off."""
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    """Lines of tee'd stdout streams that contain any of these strings are also copied to
+    ``attempt_N/filtered_stdout.log`` (torchrun's ``--duplicate-stdout-filters``; as there,
+    an empty string matches every line)."""
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    """The same for stderr, to ``attempt_N/filtered_stderr.log``."""
 
     def __post_init__(self) -> None:
         for which in ("redirects", "tee"):
             parse_std_spec(getattr(self, which), which)
+        for which in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
+            filters = getattr(self, which)
+            if not isinstance(filters, tuple) or not all(isinstance(f, str) for f in filters):
+                raise TypeError(f"{which} must be a list of strings, got {filters!r}")
         ranks = self.local_ranks_filter
         if ranks is not None and not (ranks and all(_is_local_rank(r) for r in ranks)):
             raise ValueError(
@@ -179,8 +189,12 @@ class OutputOptions:
 
     def wants_files(self, nproc: int) -> bool:
         """Whether some stream of some local rank goes to a log file."""
-        return self.log_dir is not None or any(
-            self.std_mask(which, lr) for which in ("redirects", "tee") for lr in range(nproc)
+        return (
+            self.log_dir is not None
+            or bool(self.duplicate_stdout_filters or self.duplicate_stderr_filters)
+            or any(
+                self.std_mask(which, lr) for which in ("redirects", "tee") for lr in range(nproc)
+            )
         )
 
 

@@ -3,6 +3,11 @@
 The supervisor reads every worker's stdout and stderr pipe in one thread and writes whole
 lines only, so lines of different workers never interleave mid-line. Files keep the raw
 lines (no prefix) under torchrun's layout ``LOG_DIR/RUN_ID/attempt_N/LOCAL_RANK/``.
+
+torchrun's ``--duplicate-stdout-filters``/``--duplicate-stderr-filters``: the lines of a
+tee'd stream (file and console) that contain any of the filter strings are also copied,
+prefixed as on the console, to ``attempt_N/filtered_stdout.log``/``filtered_stderr.log``
+(:class:`Duplicate`).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from pathlib import Path
 from string import Template
 from typing import BinaryIO
 
-__all__ = ["OutputRouter", "write_console"]
+__all__ = ["Duplicate", "OutputRouter", "write_console"]
 
 _FLUSH_PARTIAL = 1 << 16
 
@@ -37,14 +42,47 @@ def write_console(stream: int, data: bytes) -> None:
         pass  # the console went away (closed pipe); files still get everything
 
 
-class _Sink:
-    __slots__ = ("console", "file", "pending", "prefix", "stream")
+class Duplicate:
+    """One attempt's ``filtered_stdout.log`` (or stderr): the lines that contain a filter."""
 
-    def __init__(self, stream: int, prefix: bytes, console: bool, file: BinaryIO | None) -> None:
+    __slots__ = ("file", "needles")
+
+    def __init__(self, path: Path, filters: tuple[str, ...]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file: BinaryIO | None = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self.needles = tuple(f.encode() for f in filters)
+
+    def copy(self, prefix: bytes, lines: list[bytes]) -> None:
+        if self.file is None:
+            return
+        kept = [prefix + line for line in lines if any(n in line for n in self.needles)]
+        if kept:
+            self.file.write(b"".join(kept))
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            with contextlib.suppress(OSError):
+                self.file.close()
+            self.file = None
+
+
+class _Sink:
+    __slots__ = ("console", "duplicate", "file", "pending", "prefix", "stream")
+
+    def __init__(
+        self,
+        stream: int,
+        prefix: bytes,
+        console: bool,
+        file: BinaryIO | None,
+        duplicate: Duplicate | None = None,
+    ) -> None:
         self.stream = stream
         self.prefix = prefix
         self.console = console
         self.file = file
+        self.duplicate = duplicate  # only for a stream that goes to the console too
         self.pending = b""
 
     def feed(self, data: bytes) -> None:
@@ -64,11 +102,13 @@ class _Sink:
         self._emit(data[:cut])
 
     def _emit(self, chunk: bytes) -> None:
+        if not chunk.endswith(b"\n"):
+            chunk += b"\n"
+        if self.duplicate is not None:
+            self.duplicate.copy(self.prefix, chunk.splitlines(keepends=True))
         if self.prefix:
             lines = chunk.splitlines(keepends=True)
             chunk = b"".join(self.prefix + line for line in lines)
-        if not chunk.endswith(b"\n"):
-            chunk += b"\n"
         write_console(self.stream, chunk)
 
     def close(self) -> None:
@@ -85,6 +125,13 @@ class OutputRouter:
 
     def __init__(self) -> None:
         self._sinks: dict[int, _Sink] = {}
+        self._duplicates: list[Duplicate] = []
+
+    def duplicate(self, path: Path, filters: tuple[str, ...]) -> Duplicate:
+        """Open ``path`` for the lines that contain one of ``filters`` (closed by :meth:`close`)."""
+        dup = Duplicate(path, filters)
+        self._duplicates.append(dup)
+        return dup
 
     def add(
         self,
@@ -97,8 +144,10 @@ class OutputRouter:
         role: str,
         console: bool,
         file: Path | None,
+        duplicate: Duplicate | None = None,
     ) -> None:
-        """Start routing ``fd`` (non-blocking read end of a worker's stream)."""
+        """Start routing ``fd`` (non-blocking read end of a worker's stream); ``duplicate``
+        gets a copy of its console lines that match (torchrun's duplicate filters)."""
         prefix = b""
         if prefix_template:
             text = Template(prefix_template).safe_substitute(
@@ -110,7 +159,7 @@ class OutputRouter:
             file.parent.mkdir(parents=True, exist_ok=True)
             handle = open(file, "ab")  # noqa: SIM115 - closed in close()
         os.set_blocking(fd, False)
-        self._sinks[fd] = _Sink(stream, prefix, console, handle)
+        self._sinks[fd] = _Sink(stream, prefix, console, handle, duplicate if console else None)
 
     def fds(self) -> list[int]:
         return list(self._sinks)
@@ -145,3 +194,5 @@ class OutputRouter:
                     os.close(fd)
                 else:
                     self._sinks[fd].feed(data)
+        for dup in self._duplicates:
+            dup.close()

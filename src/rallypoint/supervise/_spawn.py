@@ -13,7 +13,7 @@ from rallypoint.observe._observer import Observer
 from rallypoint.supervise._env import worker_env
 from rallypoint.supervise._main_module import describe_main
 from rallypoint.supervise._options import OutputOptions, WorkerOptions
-from rallypoint.supervise._output import OutputRouter
+from rallypoint.supervise._output import Duplicate, OutputRouter
 from rallypoint.supervise._state import GroupInfo, Worker
 from rallypoint.supervise._warm import WarmProcess
 from rallypoint.supervise._worker import CALLABLES, Target, WorkerSpec
@@ -79,10 +79,19 @@ class WorkerStarter:
         attempt_dir = (self.log_root or self.scratch) / f"attempt_{attempt}"
         specs = [self._spec(group, local_rank, attempt_dir) for local_rank in range(self.nproc)]
         pids, pipes = self._fork(specs)
+        out = self.output
+        duplicates = {  # torchrun opens these files only when it has filters
+            stream: router.duplicate(attempt_dir / f"filtered_{name}.log", filters)
+            for stream, name, filters in (
+                (1, "stdout", out.duplicate_stdout_filters),
+                (2, "stderr", out.duplicate_stderr_filters),
+            )
+            if filters and self.log_root is not None
+        }
         started = []
         for spec, pid, p in zip(specs, pids, pipes, strict=True):
             rank_dir = attempt_dir / str(spec.local_rank)
-            self._route(router, spec, p, rank_dir)
+            self._route(router, spec, p, rank_dir, duplicates)
             os.set_blocking(p.res, False)
             started.append(Worker(spec.local_rank, spec.rank, pid, rank_dir / "error.json", p.res))
         return started
@@ -129,11 +138,19 @@ class WorkerStarter:
                 for fd in write_ends:
                     os.close(fd)
 
-    def _route(self, router: OutputRouter, spec: WorkerSpec, pipes: _Pipes, rank_dir: Path) -> None:
+    def _route(
+        self,
+        router: OutputRouter,
+        spec: WorkerSpec,
+        pipes: _Pipes,
+        rank_dir: Path,
+        duplicates: dict[int, Duplicate],
+    ) -> None:
         out = self.output
         local_rank = spec.local_rank
         redirect = out.std_mask("redirects", local_rank)
-        mask = redirect | out.std_mask("tee", local_rank)
+        tee = out.std_mask("tee", local_rank)
+        mask = redirect | tee
         for fd, stream, name in ((pipes.out, 1, "stdout"), (pipes.err, 2, "stderr")):
             shown = not (redirect & stream)
             if out.local_ranks_filter is not None:
@@ -148,4 +165,6 @@ class WorkerStarter:
                 role=self.workers.role,
                 console=shown,
                 file=rank_dir / f"{name}.log" if to_file else None,
+                # as torchrun: only a tee'd stream's lines are duplicated
+                duplicate=duplicates.get(stream) if tee & stream and to_file else None,
             )
