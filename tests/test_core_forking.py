@@ -20,6 +20,13 @@ from rallypoint.testing import _workers, run_workers
 SRC = Path(__file__).resolve().parents[1] / "src" / "rallypoint"
 
 
+@pytest.fixture(autouse=True)
+def _fork_from_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about a process forked while its own threads run (a launcher's warm
+    process, run_workers outside a zygote): the session's zygote would hide that."""
+    monkeypatch.setattr(_workers, "_ZYGOTE", None)
+
+
 @contextmanager
 def held_by_another_thread(lock: Any) -> Iterator[None]:
     """``lock`` held by a thread of this process for the duration of the block."""

@@ -8,13 +8,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from rallypoint.testing import WorkerError, run_workers
+from rallypoint.testing import WorkerError, _workers, run_workers
+from rallypoint.testing._zygote import Zygote, ZygoteError
 
 
 def _all_reduce_rank() -> float:
@@ -230,3 +233,102 @@ def test_a_reference_run_is_repeated_when_torch_loses_its_store(tmp_path: Any) -
     assert (tmp_path / "reset").read_text() == "xx"
     with pytest.raises(WorkerError, match="Connection reset by peer"):  # the code under test
         run_workers(_store_reset_on_the_first_run, 1, str(tmp_path / "ours"), timeout=30)
+
+
+# --- the worker zygote (tests/conftest.py holds one for the session) ---------------------
+
+_HELD_BY_A_THREAD = threading.Lock()  # made at import, before the session's zygote
+
+
+def _try_the_lock() -> bool:
+    got = _HELD_BY_A_THREAD.acquire(timeout=1)
+    if got:
+        _HELD_BY_A_THREAD.release()
+    return got
+
+
+@pytest.mark.timeout(60)
+def test_a_lock_another_thread_holds_is_free_in_workers_of_the_zygote(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the CI hang in small: a thread of the test process holds a lock (there, glibc's
+    # resolver lock, taken by a store's name lookup) while workers are forked
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _HELD_BY_A_THREAD:
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    try:
+        assert held.wait(10)
+        assert run_workers(_try_the_lock, 2, timeout=30) == [True, True]
+        monkeypatch.setattr(_workers, "_ZYGOTE", None)  # forked from this process instead
+        assert run_workers(_try_the_lock, 2, timeout=30) == [False, False]
+    finally:
+        release.set()
+        thread.join(10)
+
+
+def _parent_pid() -> int:
+    return os.getppid()
+
+
+def test_workers_are_children_of_the_zygote(zygote: Zygote) -> None:
+    assert zygote.threads_at_start == 1  # made before any test started a thread
+    assert run_workers(_parent_pid, 2, timeout=30) == [zygote.pid, zygote.pid]
+
+
+def _where() -> tuple[str | None, str | None, str]:
+    print(f"worker {os.environ['RANK']} says hello", flush=True)
+    return os.environ.get("SET_LATER"), os.environ.get("HOME"), os.getcwd()
+
+
+def test_workers_see_the_callers_environment_directory_and_output_as_they_are_now(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SET_LATER", "yes")
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    out = run_workers(_where, 2, timeout=30)
+    assert out == [("yes", None, str(tmp_path))] * 2
+    printed = capfd.readouterr().out
+    assert "worker 0 says hello" in printed and "worker 1 says hello" in printed
+
+
+def test_a_function_the_zygote_cannot_import_is_a_clear_error() -> None:
+    def local() -> int:
+        return 1
+
+    with pytest.raises(TypeError, match="define the function at module level"):
+        run_workers(local, 2, timeout=30)
+    with pytest.raises(TypeError, match="pickle"):
+        run_workers(_env, 1, threading.Lock(), timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_closing_a_zygote_kills_its_workers_and_a_closed_one_says_so() -> None:
+    zygote = Zygote()
+    child = zygote.fork(_zygote_sleeper, (), [1, 2])
+    assert child.is_alive()
+    zygote.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _pid_exists(child.pid):
+        time.sleep(0.05)
+    assert not _pid_exists(child.pid)
+    with pytest.raises(ZygoteError, match="closed"):
+        zygote.fork(_zygote_sleeper, (), [1, 2])
+
+
+def _zygote_sleeper(fds: list[int]) -> None:
+    time.sleep(60)
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -165,34 +166,40 @@ def _run_joiner(i: int, graceful: bool) -> str:
         return fh.read()
 
 
-def _leave_and_join_loop(done: Any, seen: Any) -> Any:
+def _wait_for_files(*paths: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(path.exists() for path in paths):
+        assert time.monotonic() < deadline, f"not all of {paths} within {timeout} s"
+        time.sleep(0.02)
+
+
+def _leave_and_join_loop(flags: str) -> Any:
     rank = int(os.environ["RANK"])
     opts = rpc.RallypointRpcBackendOptions(rpc_timeout=10)
+    done = Path(flags, "done")
     if rank < 2:
         time.sleep(0.2 * rank)
         rpc.init_rpc(f"w{rank}", rank=rank, world_size=None, rpc_backend_options=opts)
-        assert done.wait(50)
+        _wait_for_files(done, timeout=50)
         members = _members()
-        seen.wait(30)  # both looked before either leaves (a leaver is gone from the view)
+        Path(flags, f"seen{rank}").touch()
+        # both looked before either leaves (a leaver is gone from the view)
+        _wait_for_files(Path(flags, "seen0"), Path(flags, "seen1"), timeout=30)
         rpc.shutdown()
         return members
     _wait_for_member("w1")
     # every other joiner leaves with graceful=False: it stays in the membership until the
     # next joiner finds its address refusing connections and removes it
     outcomes = [_run_joiner(i, graceful=i % 2 == 1) for i in range(6)]
-    done.set()
+    done.touch()
     return outcomes
 
 
 @pytest.mark.timeout(90)
-def test_join_right_after_a_member_left_with_graceful_false() -> None:
-    import multiprocessing
-
+def test_join_right_after_a_member_left_with_graceful_false(tmp_path: Path) -> None:
     from rallypoint.testing import run_workers
 
-    ctx = multiprocessing.get_context("fork")
-    done, seen = ctx.Event(), ctx.Barrier(2)
-    results = run_workers(_leave_and_join_loop, 3, done, seen, timeout=75, env=SECRET)
+    results = run_workers(_leave_and_join_loop, 3, str(tmp_path), timeout=75, env=SECRET)
     assert results[2] == ["ok ['w0', 'w1']"] * 6, results[2]
     assert results[0] == results[1] == ["w0", "w1"]  # the abrupt leavers are gone
 

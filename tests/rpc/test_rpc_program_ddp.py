@@ -10,10 +10,7 @@ through rallypoint.rpc on both backends too: test_rpc_contract.)
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,15 +18,6 @@ from rallypoint.testing import _rpc_program_ddp as program
 from rallypoint.testing import _torch_program
 from rallypoint.testing._rpc_contract import run_rpc_pattern
 from rallypoint.testing._workers import run_reference_workers
-
-
-def _load_torch_program(tmp_path: Path) -> Any:
-    path = program.torch_version(tmp_path)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        return importlib.import_module(path.stem)  # forked workers inherit the module
-    finally:
-        sys.path.remove(str(tmp_path))
 
 
 def _split(text: str) -> tuple[str, str]:
@@ -55,7 +43,11 @@ def test_the_torch_version_differs_only_in_its_imports(tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 def test_training_equals_torchs_program(tmp_path: Path) -> None:
     torchs = run_reference_workers(
-        _load_torch_program(tmp_path).run_program, program.WORLD_SIZE, "TENSORPIPE", timeout=90
+        _torch_program.run_written_program,
+        program.WORLD_SIZE,
+        str(program.torch_version(tmp_path)),
+        "TENSORPIPE",
+        timeout=90,
     )
     ours = run_rpc_pattern("RALLYPOINT", "ddp_rpc", timeout=90)
     assert [r is None for r in ours] == [r is None for r in torchs] == [True, True, False, True]

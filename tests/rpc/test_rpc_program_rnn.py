@@ -10,8 +10,6 @@ contract test runs it through rallypoint.rpc on both backends too: test_rpc_cont
 from __future__ import annotations
 
 import difflib
-import importlib
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +18,8 @@ import torch
 
 from rallypoint.testing import _rpc_program_rnn as program
 from rallypoint.testing._rpc_contract import run_rpc_pattern
+from rallypoint.testing._torch_program import run_written_program
 from rallypoint.testing._workers import run_reference_workers, run_workers
-
-
-def _torch_program(tmp_path: Path) -> Any:
-    path = program.torch_version(tmp_path)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        return importlib.import_module(path.stem)  # forked workers inherit the module
-    finally:
-        sys.path.remove(str(tmp_path))
 
 
 def _one_process() -> dict[str, Any]:
@@ -77,7 +67,7 @@ def test_the_torch_version_differs_only_in_its_imports(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_training_equals_torchs_program_on_both_backends(tmp_path: Path) -> None:
     torchs = run_reference_workers(
-        _torch_program(tmp_path).run_program, 2, "TENSORPIPE", timeout=90
+        run_written_program, 2, str(program.torch_version(tmp_path)), "TENSORPIPE", timeout=90
     )
     ours = run_rpc_pattern("RALLYPOINT", "model_parallel_rnn", timeout=90)
     assert ours[1] is None and torchs[1] is None

@@ -3,7 +3,8 @@
 Public names (resolved lazily: importing ``rallypoint.testing`` loads nothing heavy):
 
 - :func:`run_workers` / :class:`WorkerError`: run a function in N processes forked from the
-  warm caller, with a launcher-like environment and a deadline.
+  warm caller, with a launcher-like environment and a deadline; :func:`worker_zygote`
+  forks them from a single-threaded copy of the caller instead (for a whole test session).
 - :class:`Network` / :class:`Host` / :class:`NetnsError` / :func:`netns_available`: K fake
   hosts in network namespaces (addresses from 198.18.0.0/15), links that can be cut.
 - :class:`EtcdServer` / :func:`etcd_binary` / :func:`make_tls_files`: a real etcd server on
@@ -26,6 +27,7 @@ from rallypoint._core.lazy import lazy_attributes
 _LAZY_NAMES: dict[str, str] = {
     "WorkerError": "rallypoint.testing._workers",
     "run_workers": "rallypoint.testing._workers",
+    "worker_zygote": "rallypoint.testing._workers",
     "Host": "rallypoint.testing._netns",
     "NetnsError": "rallypoint.testing._netns",
     "Network": "rallypoint.testing._netns",
@@ -55,6 +57,7 @@ __all__ = [
     "run_rpc_autograd_contract",
     "run_rpc_contract",
     "run_workers",
+    "worker_zygote",
 ]
 
 if TYPE_CHECKING:
@@ -64,7 +67,7 @@ if TYPE_CHECKING:
     from rallypoint.testing._rendezvous_contract import KVContract
     from rallypoint.testing._rpc_autograd_contract import run_rpc_autograd_contract
     from rallypoint.testing._rpc_contract import run_rpc_contract
-    from rallypoint.testing._workers import WorkerError, run_workers
+    from rallypoint.testing._workers import WorkerError, run_workers, worker_zygote
 
 
 __getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY_NAMES, public_home=True)

@@ -7,8 +7,11 @@ directory, so that a test can run torch's program next to ours and compare them.
 
 from __future__ import annotations
 
+import importlib
 import re
+import sys
 from pathlib import Path
+from typing import Any
 
 START = "# ---- imports (the only lines a torch program changes) ----"
 END = "# ---- end of imports ----"
@@ -24,3 +27,13 @@ def torch_version(source_file: str, torch_imports: str, directory: Path, module_
     path = directory / f"{module_name}.py"
     path.write_text(torch_source)
     return path
+
+
+def run_written_program(path: str, *args: Any) -> Any:
+    """Import the program written at ``path`` (its directory first on ``sys.path``, as a
+    script's is) and return its ``run_program(*args)``: what a worker runs for it, since a
+    worker forked by the zygote has not imported a module written after the session began."""
+    directory = str(Path(path).parent)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    return importlib.import_module(Path(path).stem).run_program(*args)

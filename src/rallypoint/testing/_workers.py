@@ -1,16 +1,21 @@
 """Run a function in N forked worker processes: the multi-process test harness.
 
-The calling process (a pytest worker that has already imported torch) is the warm
-process: children are forked from it, so a test with four gloo ranks does not pay four
-``import torch``. Each child gets the environment a launcher would give it (``RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR``, ...) and a fresh free ``MASTER_PORT`` per call.
+Workers are forked from a warm process, one that has already imported torch, so a test
+with four gloo ranks does not pay four ``import torch``. Inside :func:`worker_zygote`
+(rallypoint's own suite holds it for the whole session) that process is the zygote, a
+single-threaded fork of the caller made before any test ran
+(:mod:`rallypoint.testing._zygote`): no lock that another thread of the caller holds at
+the moment a worker starts, Python's or a C library's, can be inherited held. Outside it
+they are forked from the caller itself. Each child gets the environment a launcher would
+give it (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) and a fresh free ``MASTER_PORT``
+per call.
 
 This is a test helper, not the product launcher (``rallypoint.launch``): it has no
 restarts, no output handling and no rendezvous; it exists so that every part's tests can
 run real processes cheaply and never hang (every call has a deadline).
 
-The calling process has threads of its own (store calls that earlier tests abandoned in
-threads, still running). Before forking, :func:`run_workers` waits a bounded time for
+Forked from the caller, which has threads of its own (store calls that earlier tests
+abandoned in threads, still running), :func:`run_workers` first waits a bounded time for
 those that end soon (a child forked while one runs in torch's C++ connect can inherit its
 locks held, and its own connect then blocks for good), and the locks rallypoint makes at
 import are free in every child (:mod:`rallypoint._core.forking`). Workers still running
@@ -34,7 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -42,6 +47,7 @@ from rallypoint._core.blocking import settle_before_fork
 from rallypoint._core.checks import check_int
 from rallypoint._core.net import free_port
 from rallypoint.testing._native_stacks import native_stacks, short_native
+from rallypoint.testing._zygote import Zygote
 
 DUMP_SIGNAL = int(signal.SIGRTMIN) + 5
 """The signal on which a worker writes every thread's stack to its dump file (faulthandler).
@@ -52,6 +58,39 @@ _SETTLE_WAIT = 10.0
 """Most seconds to wait before forking for store calls that an earlier test abandoned in
 a thread of this process and that end soon (see ``settle_before_fork``): one still in
 torch's connect at the fork left a worker's own connect blocked for good."""
+
+
+_ZYGOTE: Zygote | None = None
+"""The zygote that forks this process's workers, while :func:`worker_zygote` holds one."""
+
+
+def _no_zygote_in_a_child() -> None:
+    global _ZYGOTE
+    _ZYGOTE = None  # the caller's: a child forks its own workers
+
+
+os.register_at_fork(after_in_child=_no_zygote_in_a_child)
+
+
+@contextlib.contextmanager
+def worker_zygote() -> Iterator[Zygote]:
+    """Fork every :func:`run_workers` worker from a zygote for the duration of the block.
+
+    Enter it while this process has no other threads (in a pytest session fixture, before
+    any test ran): the zygote is a copy of this process as it is now, single-threaded from
+    then on, so a worker never inherits a lock held by another thread of the caller (see
+    :mod:`rallypoint.testing._zygote`). Workers' functions must then be importable by name
+    (module level) and their arguments must pickle. Not reentrant."""
+    global _ZYGOTE
+    if _ZYGOTE is not None:
+        raise RuntimeError("worker_zygote() is already active in this process")
+    zygote = Zygote()
+    _ZYGOTE = zygote
+    try:
+        yield zygote
+    finally:
+        _ZYGOTE = None
+        zygote.close()
 
 
 class WorkerError(RuntimeError):
@@ -117,6 +156,23 @@ def _child_main(
     conn.close()
 
 
+def _zygote_child_main(
+    fds: list[int],
+    rank: int,
+    env: dict[str, str],
+    cwd: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+) -> None:
+    """A worker forked by the zygote: the caller's environment and directory as they are
+    now (not as they were when the zygote was made), then :func:`_child_main`."""
+    report_fd, dump_fd = fds
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    _child_main(rank, Connection(report_fd, readable=False), dump_fd, env, fn, args)
+
+
 def run_workers(
     fn: Callable[..., Any],
     world_size: int,
@@ -135,7 +191,8 @@ def run_workers(
     ``TimeoutError`` names them.
     """
     check_int(world_size, "world_size", minimum=1)
-    settle_before_fork(_SETTLE_WAIT)
+    if _ZYGOTE is None:
+        settle_before_fork(_SETTLE_WAIT)
     port = free_port()
     procs: list[Any] = []  # multiprocessing's fork-context Process type is not exported
     conns: dict[Connection, int] = {}
@@ -234,6 +291,22 @@ def _start(
     """Fork the worker of ``rank`` (appended to ``procs``); return the end it reports on."""
     ctx = multiprocessing.get_context("fork")
     reader, writer = ctx.Pipe(duplex=False)
+    if _ZYGOTE is not None:
+        full_env = {**os.environ, **env}
+        try:
+            procs.append(
+                _ZYGOTE.fork(
+                    _zygote_child_main,
+                    (rank, full_env, os.getcwd(), fn, args),
+                    [1, 2, writer.fileno(), dump_fd],
+                )
+            )
+        except BaseException:
+            reader.close()
+            raise
+        finally:
+            writer.close()
+        return reader
     proc = ctx.Process(target=_child_main, args=(rank, writer, dump_fd, env, fn, args), daemon=True)
     proc.start()
     writer.close()
