@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from rallypoint.testing import WorkerError, _workers, run_workers
 from rallypoint.testing._zygote import Zygote, ZygoteError
+from rallypoint.testing._zygote import _send as _zygote_send
 
 
 def _all_reduce_rank() -> float:
@@ -332,3 +333,22 @@ def _pid_exists(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.mark.timeout(60)
+def test_a_reply_left_unread_is_not_taken_for_the_next_one() -> None:
+    zygote = Zygote()
+    try:
+        gone, running = (zygote.fork(_zygote_sleeper, (), [1, 2]) for _ in range(2))
+        gone.kill()
+        gone.join(10)
+        assert gone.exitcode == -signal.SIGKILL
+        # what an exception between sending a request and reading its reply leaves: the
+        # zygote's answer about the dead worker, unread
+        assert zygote._sock is not None
+        zygote._asked += 1
+        _zygote_send(zygote._sock, (zygote._asked, "status", gone.pid))
+        assert zygote.status(running.pid) is None
+        assert running.is_alive()
+    finally:
+        zygote.close()

@@ -45,6 +45,14 @@ __all__ = ["Zygote", "ZygoteChild", "ZygoteError"]
 _HEADER = struct.Struct("!I")
 _MAX_FDS = 8
 _JOIN_POLL = 0.02  # seconds between two status questions while a join waits
+_ASYNC_SIGNALS = {
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGALRM,
+    signal.SIGHUP,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+}
 
 
 class ZygoteError(RuntimeError):
@@ -131,6 +139,7 @@ class Zygote:
         self.pid = pid
         self._sock: socket.socket | None = parent_end
         self._owner = os.getpid()
+        self._asked = 0  # requests sent (see _ask)
 
     def fork(
         self, target: Callable[..., Any], args: tuple[Any, ...], fds: list[int]
@@ -157,15 +166,29 @@ class Zygote:
         assert code is None or isinstance(code, int)
         return code
 
-    def _ask(self, message: Any, fds: list[int] | None = None) -> Any:
+    def _ask(self, message: tuple[str, Any], fds: list[int] | None = None) -> Any:
+        """Send a request and return its reply.
+
+        Asynchronous signals wait until the exchange is done (a Python handler that raised
+        in the middle of a send, as pytest-timeout's does, would leave half a message in
+        the stream). Requests are numbered too, and the zygote echoes the number: a reply
+        left unread all the same is skipped by the next request, not taken for its own."""
         with self._lock:
             if self._sock is None or os.getpid() != self._owner:
                 raise ZygoteError("the worker zygote was closed (or belongs to another process)")
+            self._asked += 1
+            number = self._asked
+            deferred = signal.pthread_sigmask(signal.SIG_BLOCK, _ASYNC_SIGNALS)
             try:
-                _send(self._sock, message, fds)
-                reply, _ = _recv(self._sock)
+                _send(self._sock, (number, *message), fds)
+                while True:
+                    (answered, reply), _ = _recv(self._sock)
+                    if answered == number:
+                        break
             except (OSError, EOFError) as exc:
                 raise ZygoteError(f"the worker zygote (pid {self.pid}) is gone: {exc!r}") from exc
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, deferred)
         if isinstance(reply, BaseException):
             raise ZygoteError(f"the worker zygote failed: {reply!r}")
         return reply
@@ -193,19 +216,20 @@ def _serve(sock: socket.socket) -> None:
             message, fds = _recv(sock)
         except (EOFError, OSError):
             break
+        number, kind, body = message
         try:
-            if message[0] == "fork":
-                reply: Any = _fork_worker(sock, message[1], fds)
+            if kind == "fork":
+                reply: Any = _fork_worker(sock, body, fds)
                 statuses[reply] = None
             else:
-                reply = _status(statuses, message[1])
+                reply = _status(statuses, body)
         except Exception as exc:
             reply = exc
         finally:
             for fd in fds:
                 os.close(fd)
         try:
-            _send(sock, reply)
+            _send(sock, (number, reply))
         except OSError:
             break
     for pid, code in statuses.items():
