@@ -38,6 +38,7 @@ from rallypoint.observe._stacks_exchange import (
     request_stacks,
 )
 from rallypoint.observe._stacks_format import format_grouped_stacks, stack_summary
+from rallypoint.testing._zygote import Zygote
 
 _ctx = multiprocessing.get_context("fork")
 _HERE = Path(__file__).read_text().splitlines()
@@ -60,26 +61,34 @@ def _gloo_worker(rank: int, world: int, port: int, env: dict[str, str], conn: Co
         dist.all_reduce(torch.ones(1))  # <- REDUCE
 
 
-@pytest.fixture(scope="module")
-def gloo_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[int, int], Path]]:
-    """Four gloo workers: ranks 0,2,3 blocked in all_reduce waiting for rank 1, which sleeps."""
-    import torch.distributed  # noqa: F401  (import once here: the forked workers inherit it)
+def _gloo_worker_of_the_zygote(
+    fds: list[int], rank: int, world: int, port: int, env: dict[str, str]
+) -> None:
+    _gloo_worker(rank, world, port, env, Connection(fds[0], readable=False))
 
+
+@pytest.fixture(scope="module")
+def gloo_job(
+    tmp_path_factory: pytest.TempPathFactory, zygote: Zygote
+) -> Iterator[tuple[dict[int, int], Path]]:
+    """Four gloo workers: ranks 0,2,3 blocked in all_reduce waiting for rank 1, which sleeps.
+    Forked by the session's zygote: forked from this process, a worker could inherit a lock
+    that one of its threads held (see rallypoint.testing._zygote)."""
     directory = tmp_path_factory.mktemp("stacks")
     env = stacks_env(directory)
     port = free_port()
     pipes = [_ctx.Pipe(duplex=False) for _ in range(4)]
-    procs = [
-        _ctx.Process(target=_gloo_worker, args=(r, 4, port, env, pipes[r][1]), daemon=True)
-        for r in range(4)
-    ]
-    for p in procs:
-        p.start()
+    procs = []
+    for r in range(4):
+        procs.append(
+            zygote.fork(_gloo_worker_of_the_zygote, (r, 4, port, env), [1, 2, pipes[r][1].fileno()])
+        )
+        pipes[r][1].close()
     try:
         for r, (recv, _) in enumerate(pipes):
             assert recv.poll(30), f"rank {r} did not join the process group"
             recv.recv()
-        yield {r: p.pid for r, p in enumerate(procs) if p.pid is not None}, directory
+        yield {r: p.pid for r, p in enumerate(procs)}, directory
     finally:
         for p in procs:
             p.kill()
@@ -116,7 +125,7 @@ def test_gloo_hang_two_groups(gloo_job: tuple[dict[int, int], Path]) -> None:
         main = stacks[r].main
         assert main is not None
         assert stack_summary(main.frames) == f"all_reduce at {name}:{REDUCE_LINE}"
-        assert any(f.name == "_bootstrap" for f in main.frames)  # forked by multiprocessing
+        assert any(f.name == "_fork_worker" for f in main.frames)  # the whole stack: the zygote
     main1 = stacks[1].main
     assert main1 is not None and stack_summary(main1.frames) == f"sleep at {name}:{SLEEP_LINE}"
     text = format_grouped_stacks(stacks)

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +20,7 @@ from _jobs import TRAIN, same_params, starts
 from _train import train
 
 from rallypoint.launcher import launch
+from rallypoint.testing import _workers
 from rallypoint.testing._netns import Network, netns_available
 
 CONF = "read_timeout=20,keep_alive_interval=0.5,keep_alive_max_attempt=3"
@@ -37,35 +37,31 @@ def agent_cmd(endpoint: str, run_id: str, out: Path, mode: str, nnodes: str = "2
     ]  # fmt: skip
 
 
+def _node(fds: list[int], endpoint: str, run_id: str, out: Path, mode: str, nnodes: str) -> None:
+    launch(
+        train, str(out), mode, 60,
+        nnodes=nnodes, nproc=1 if mode == "grow" else 2, rdzv_backend="c10d",
+        rdzv_endpoint=endpoint, run_id=run_id,
+        rdzv_conf=RDZV_CONF,
+        max_restarts=0, shutdown_timeout=timedelta(seconds=2),
+        timeout=timedelta(seconds=120), log_dir=out / f"logs-{run_id}", redirects="3",
+    )  # fmt: skip
+
+
 def launch_node(endpoint: str, run_id: str, out: Path, mode: str, nnodes: str = "2") -> str:
-    """What :func:`agent_cmd` runs, as :func:`launch` in a process forked from this one
-    (torch imported already: seconds sooner than a new interpreter; it ends with
-    ``os._exit``, so no rendezvous thread outlives it here); returns its workers' output."""
-    logs = out / f"logs-{run_id}"
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            launch(
-                train, str(out), mode, 60,
-                nnodes=nnodes, nproc=1 if mode == "grow" else 2, rdzv_backend="c10d",
-                rdzv_endpoint=endpoint, run_id=run_id,
-                rdzv_conf=RDZV_CONF,
-                max_restarts=0, shutdown_timeout=timedelta(seconds=2),
-                timeout=timedelta(seconds=120), log_dir=logs, redirects="3",
-            )  # fmt: skip
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
+    """What :func:`agent_cmd` runs, as :func:`launch` in a process forked by the session's
+    zygote (torch imported already: seconds sooner than a new interpreter; forked from this
+    process, it could inherit a lock one of its threads held); returns its workers' output."""
+    zygote = _workers._ZYGOTE
+    assert zygote is not None, "tests/conftest.py holds a zygote for the session"
+    node = zygote.fork(_node, (endpoint, run_id, out, mode, nnodes), [1, 2])
     try:
-        _, status = os.waitpid(pid, 0)
+        node.join(150)
     finally:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+        node.kill()
+    logs = out / f"logs-{run_id}"
     text = "".join(p.read_text() for p in sorted(logs.rglob("*.log")))
-    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert node.exitcode == 0, text
     return text
 
 
