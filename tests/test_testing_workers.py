@@ -19,6 +19,7 @@ import torch.distributed as dist
 from rallypoint.testing import WorkerError, _workers, run_workers
 from rallypoint.testing._zygote import Zygote, ZygoteError
 from rallypoint.testing._zygote import _send as _zygote_send
+from test_core_forking import held_by_another_thread
 
 
 def _all_reduce_rank() -> float:
@@ -254,23 +255,10 @@ def test_a_lock_another_thread_holds_is_free_in_workers_of_the_zygote(
 ) -> None:
     # the CI hang in small: a thread of the test process holds a lock (there, glibc's
     # resolver lock, taken by a store's name lookup) while workers are forked
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with _HELD_BY_A_THREAD:
-            held.set()
-            release.wait(60)
-
-    thread = threading.Thread(target=hold, daemon=True)
-    thread.start()
-    try:
-        assert held.wait(10)
+    with held_by_another_thread(_HELD_BY_A_THREAD):
         assert run_workers(_try_the_lock, 2, timeout=30) == [True, True]
         monkeypatch.setattr(_workers, "_ZYGOTE", None)  # forked from this process instead
         assert run_workers(_try_the_lock, 2, timeout=30) == [False, False]
-    finally:
-        release.set()
-        thread.join(10)
 
 
 def _parent_pid() -> int:
