@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -340,3 +341,28 @@ def test_a_reply_left_unread_is_not_taken_for_the_next_one() -> None:
         assert running.is_alive()
     finally:
         zygote.close()
+
+
+def _thread_names() -> list[str]:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as fp:
+            names.append(fp.read().strip())
+    return names
+
+
+@pytest.mark.timeout(60)
+def test_a_store_host_serves_from_another_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rallypoint.testing._store_host import store_host
+
+    for zygote in (_workers._ZYGOTE, None):  # forked by the zygote; a new interpreter
+        monkeypatch.setattr(_workers, "_ZYGOTE", zygote)
+        with store_host() as port:
+            client = dist.TCPStore("127.0.0.1", port, is_master=False)
+            client.set("k", "v")
+            assert client.get("k") == b"v"
+            # no server thread here (its name lookups would hold glibc's lock in this process)
+            assert "pt_tcpstore_uv" not in _thread_names()
+            del client
+        with pytest.raises(dist.DistNetworkError):  # the server is gone with its process
+            dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))

@@ -6,13 +6,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from rallypoint.testing._store_host import store_host
+
 
 @pytest.fixture
 def endpoint() -> Iterator[str]:
-    """``HOST:PORT`` of a c10d rendezvous store hosted by the test (so it outlives the
-    agents); the agents get ``--rdzv-conf is_host=false``."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    yield f"127.0.0.1:{store.port}"
-    del store
+    """``HOST:PORT`` of a c10d rendezvous store hosted for the test (so it outlives the
+    agents) in a process of its own; the agents get ``--rdzv-conf is_host=false``."""
+    with store_host() as port:
+        yield f"127.0.0.1:{port}"
