@@ -11,10 +11,12 @@ processes, and the step's wall time less all of them (waiting for messages to ar
 waking up, and the CPU time the probes do not cover; approximate where processes work
 at once, as the two stages' optimizer steps do). With ``--timeline``
 it also prints one step's events, merged across the processes in time order, with each
-event's wall and CPU time since the same thread's previous event.
+event's wall and CPU time since the same thread's previous event; with ``--hops``, how
+long each message of a step took from its send to its decode (the wake-up and transfer
+that no probe covers).
 
 The probes cost a few microseconds each (about 40 a step): the step is slower than in
-``rpc_step.py``. Usage: ``python benchmarks/rpc_step_costs.py [--steps N] [--timeline]``.
+``rpc_step.py``. Usage: ``python benchmarks/rpc_step_costs.py [--steps N] [--timeline] [--hops]``.
 """
 
 from __future__ import annotations
@@ -183,10 +185,47 @@ def _timeline(events: dict[int, list[Event]], which: int) -> None:
         )
 
 
+def _hops(events: dict[int, list[Event]]) -> list[tuple[int, int, int, float, int]]:
+    """Per message of a step, in order: (position, sender, receiver, median latency in
+    seconds, steps seen), where the latency runs from the sender's ``send>`` to the
+    receiver's ``decode>``: the wake-up and the transfer, the part of a hop that is no
+    CPU work. The sender is the other process that began a send last (a guess that holds
+    in this sequential pipeline); messages seen in fewer than half of the steps (their
+    order varies) are left out."""
+    steps = _steps(events)
+    latencies: dict[tuple[int, int, int], list[float]] = defaultdict(list)
+    for start, end in steps:
+        merged = sorted(
+            (wall, rank, what)
+            for rank, rank_events in events.items()
+            for wall, _, _, what in rank_events
+            if start <= wall <= end and what in ("send>", "decode>")
+        )
+        began: dict[int, float] = {}
+        position = 0
+        for wall, rank, what in merged:
+            if what == "send>":
+                began[rank] = wall
+                continue
+            others = [(at, sender) for sender, at in began.items() if sender != rank]
+            if others:
+                at, sender = max(others)
+                latencies[(position, sender, rank)].append(wall - at)
+            position += 1
+    return [
+        (position, sender, receiver, statistics.median(values), len(values))
+        for (position, sender, receiver), values in sorted(latencies.items())
+        if len(values) * 2 > len(steps)
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="steps measured (after 100)")
     parser.add_argument("--timeline", action="store_true", help="print one step's events")
+    parser.add_argument(
+        "--hops", action="store_true", help="print each message's wake-up and transfer time"
+    )
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be 1 or more")
@@ -198,6 +237,15 @@ def main() -> None:
     for label, value in sorted(costs.items(), key=lambda item: -item[1]):
         print(f"  {label:9s} {value:6.0f} µs CPU per step (3 processes)")
     print(f"  the rest of the step's wall time: {step - sum(costs.values()):.0f} µs")
+    if args.hops:
+        hops = _hops(events)
+        for position, sender, receiver, latency, seen in hops:
+            print(
+                f"  message {position}: worker{sender} -> worker{receiver}, "
+                f"{latency * 1e6:4.0f} µs from send to decode (median of {seen} steps)"
+            )
+        total = sum(hop[3] for hop in hops)
+        print(f"  together {total * 1e6:.0f} µs of the {step:.0f} µs step")
     if args.timeline:
         _timeline(events, len(_steps(events)) // 2)
 
