@@ -19,6 +19,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "rallypoint.cli._report:report_main",
         "draw a job's timeline from its --events files (PNG, HTML or SVG)",
     ),
+    "build-native": (
+        "rallypoint.cli._build_native:build_native_main",
+        "compile rallypoint.rpc's optional C++ fast path for the installed torch",
+    ),
     "stacks": (
         "rallypoint.cli._stacks:stacks_main",
         "print the Python stacks of every worker of a running job, grouped",
@@ -28,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def _usage() -> str:
     lines = ["usage: rallypoint COMMAND [options]", "", "commands:"]
-    lines += [f"  {name:<10} {text}" for name, (_, text) in COMMANDS.items()]
+    lines += [f"  {name:<13} {text}" for name, (_, text) in COMMANDS.items()]
     lines += ["", "Run 'rallypoint COMMAND --help' for a command's options."]
     return "\n".join(lines)
 

@@ -96,7 +96,7 @@ class Round:
     ) -> None:
         self.id = round_id
         self.retain_graph = retain_graph
-        self._recvs = recvs
+        self.recvs = recvs  # node -> its RecvRecord (the context's, shared)
         self._edges: dict[SourceKey, tuple[Node, int]] = {}
         self._children: dict[Node, list[tuple[Node, int]]] = {}
         self._remaining: dict[Node, int] = {}
@@ -138,7 +138,7 @@ class Round:
 
     def _walk(self, stack: list[Node]) -> None:
         """Count, for every node reachable from the sources, the edges that reach it."""
-        children, recvs, count = self._children, self._recvs, self._count
+        children, recvs, count = self._children, self.recvs, self._count
         while stack:
             node = stack.pop()
             if node in recvs:  # a received tensor: its gradient leaves this worker
@@ -170,7 +170,7 @@ class Round:
         inputs: list[int] = []
         for index in range(count):
             edge = self._edges.get((message_id, index))
-            if edge is None or edge[0] not in self._recvs or node not in (None, edge[0]):
+            if edge is None or edge[0] not in self.recvs or node not in (None, edge[0]):
                 return None
             node = edge[0]
             inputs.append(edge[1])
@@ -224,7 +224,7 @@ class Round:
             if grad is not None:
                 plan.direct.append((node, grad))
             return plan
-        recvs = self._recvs
+        recvs = self.recvs
         if grad is None:
             plan.recv_dead.extend(n for n in self._children if n in recvs)
             return plan
@@ -258,7 +258,7 @@ class Round:
         self, node: Node, plan: Plan, ready: list[Node], touched: dict[Node, set[int]]
     ) -> None:
         buffered = self._buffers.pop(node, None)
-        is_recv = node in self._recvs
+        is_recv = node in self.recvs
         if buffered is None and node not in touched:  # dead: no gradient reached it
             if is_recv:
                 plan.recv_dead.append(node)
@@ -310,11 +310,6 @@ class Round:
                     seen.add(child)
                     stack.append(child)
         return False
-
-
-def _outputs(node: Node) -> int:
-    """A received message's node: one output per input (every input requires grad)."""
-    return len(node.next_functions)
 
 
 def _no_gradient(grads: tuple[torch.Tensor | None, ...]) -> tuple[None, ...]:
@@ -409,7 +404,9 @@ def _run(rnd: Round, plan: Plan) -> Outcome:
         return Outcome(leaves, recv)
     leaf_nodes = list(plan.leaves)
     inputs: list[Any] = [leaf_of(node) for node in leaf_nodes]
-    recv_edges = [(node, nr) for node in plan.recv_done for nr in range(_outputs(node))]
+    # a received message's node: one output per tensor that requires grad (its record's)
+    recvs = rnd.recvs
+    recv_edges = [(node, nr) for node in plan.recv_done for nr in range(recvs[node].outputs)]
     inputs += [GradientEdge(node, nr) for node, nr in recv_edges]
     inputs += [GradientEdge(node, nr) for node, nr in plan.pending]
     retain = rnd.retain_graph

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from rallypoint.rpc._native import NATIVE_MODULE
+
 MAGIC = ord("L")
 _HEAD = struct.Struct("<BBH")  # magic, shape kind, tensor count
 _SLOT = struct.Struct("<HBBB")  # slot, dtype code, requires grad, ndim
@@ -74,16 +76,72 @@ def _dims(ndim: int) -> struct.Struct:
     return _DIMS[ndim] if ndim < len(_DIMS) else struct.Struct(f"<{ndim}q")
 
 
-def _plain(obj: torch.Tensor) -> bool:
-    """Whether a tensor (exactly ``torch.Tensor``) can travel in the lean form."""
-    if not obj.is_cpu or obj.layout != torch.strided or obj.is_quantized:
-        return False
-    if obj.dtype not in _CODES or obj.is_conj() or obj.is_neg() or obj.is_nested:
-        return False
-    if obj.storage_offset() or not obj.is_contiguous():
-        return False
-    nbytes = obj.nbytes
-    return nbytes > 0 and obj.untyped_storage().nbytes() == nbytes
+Described = tuple[bytes, torch.Tensor, int, bool]
+"""A tensor's slot header, its bytes (a ``uint8`` view), its data address, requires grad."""
+
+
+def describe_py(tensor: torch.Tensor, position: int) -> Described | None:
+    """A tensor (exactly ``torch.Tensor``) in slot ``position``, described for the lean form,
+    or ``None`` if it cannot take it. The compiled twin (``_native.cpp``) is the same."""
+    if not 0 <= position <= 0xFFFF:
+        raise ValueError("bad lean slot")
+    if not tensor.is_cpu or tensor.layout != torch.strided or tensor.is_quantized:
+        return None
+    if tensor.is_nested or tensor.dtype not in _CODES or tensor.is_conj() or tensor.is_neg():
+        return None
+    if tensor.storage_offset() or not tensor.is_contiguous():
+        return None
+    nbytes = tensor.nbytes
+    if not nbytes or tensor.untyped_storage().nbytes() != nbytes:
+        return None
+    needs_grad = tensor.requires_grad
+    data = tensor.detach() if needs_grad else tensor
+    dims = data.shape
+    ndim = len(dims)
+    if ndim > 255:
+        return None
+    head = _SLOT.pack(position, _CODES[data.dtype], needs_grad, ndim) + _dims(ndim).pack(*dims)
+    raw = data.view(_RAW) if ndim else data.view(1).view(_RAW)  # 1 view, any shape
+    return head, raw, tensor.data_ptr(), needs_grad
+
+
+Views = tuple[int, list[int], list[torch.Tensor], list[int]]
+"""After the slot headers: the offset, the slots, the tensors, those that require grad."""
+
+
+def views_py(data: bytes | memoryview, raws: list[torch.Tensor], offset: int) -> Views:
+    """The tensors of a lean frame, rebuilt from their slot headers at ``offset`` of
+    ``data``. The compiled twin (``_native.cpp``) is the same."""
+    positions: list[int] = []
+    rebuilt: list[torch.Tensor] = []
+    grads: list[int] = []  # indices into rebuilt that require grad
+    size = len(data)
+    for raw in raws:
+        if offset + _SLOT.size > size:
+            raise ValueError("bad lean header (truncated)")
+        position, code, needs_grad, ndim = _SLOT.unpack_from(data, offset)
+        offset += _SLOT.size
+        if offset + 8 * ndim > size:
+            raise ValueError("bad lean header (truncated)")
+        dims = _dims(ndim).unpack_from(data, offset)
+        offset += 8 * ndim
+        if code >= len(_DTYPES):
+            raise ValueError(f"bad lean dtype code {code}")
+        tensor = raw.view(_DTYPES[code]).view(dims)  # raw is contiguous: views suffice
+        if needs_grad and (tensor.is_floating_point() or tensor.is_complex()):
+            tensor.requires_grad_(True)
+            grads.append(len(rebuilt))
+        positions.append(position)
+        rebuilt.append(tensor)
+    return offset, positions, rebuilt, grads
+
+
+_describe: Callable[[torch.Tensor, int], Described | None] = (
+    describe_py if NATIVE_MODULE is None else NATIVE_MODULE.describe
+)
+_views: Callable[[bytes | memoryview, list[torch.Tensor], int], Views] = (
+    views_py if NATIVE_MODULE is None else NATIVE_MODULE.views
+)
 
 
 CONTAINERS = frozenset({tuple, list, dict})
@@ -186,21 +244,19 @@ def encode(
         if item_kind is rref_type and rref_hook is not None and shape != _TENSOR:
             rrefs.append(position)
             continue
-        if item_kind is not _Tensor or not _plain(item):
+        if item_kind is not _Tensor:
             return None
-        address = item.data_ptr()
+        described = _describe(item, position)
+        if described is None:
+            return None
+        head, raw, address, needs_grad = described
         if address in storages:
             return None  # shared storage: the general form shares it on arrival too
         storages.add(address)
-        needs_grad = item.requires_grad
         if needs_grad:
             needs_grad_tensors.append(item)
-            item = item.detach()
-        dims = item.shape
-        ndim = len(dims)
-        header += _SLOT.pack(position, _CODES[item.dtype], needs_grad, ndim)
-        header += _dims(ndim).pack(*dims)
-        raws.append(item.view(_RAW) if ndim else item.view(1).view(_RAW))  # 1 view, any shape
+        header += head
+        raws.append(raw)
         positions.append(position)
     if not raws and not rrefs:
         return None  # data only: the plain pickle is leaner still
@@ -256,23 +312,7 @@ def decode(
     magic, shape, count = _HEAD.unpack_from(data)
     if magic != MAGIC or count != len(tensors) or not count:
         raise ValueError(f"bad lean header ({count} tensors for {len(tensors)})")
-    offset = _HEAD.size
-    positions: list[int] = []
-    rebuilt: list[torch.Tensor] = []
-    grads: list[int] = []  # indices into rebuilt that require grad
-    for raw in tensors:
-        position, code, needs_grad, ndim = _SLOT.unpack_from(data, offset)
-        offset += _SLOT.size
-        dims = _dims(ndim).unpack_from(data, offset)
-        offset += 8 * ndim
-        if code >= len(_DTYPES):
-            raise ValueError(f"bad lean dtype code {code}")
-        tensor = raw.view(_DTYPES[code]).view(dims)  # raw is contiguous: views suffice
-        if needs_grad and (tensor.is_floating_point() or tensor.is_complex()):
-            tensor.requires_grad_(True)
-            grads.append(len(rebuilt))
-        positions.append(position)
-        rebuilt.append(tensor)
+    offset, positions, rebuilt, grads = _views(data, tensors, _HEAD.size)
     if grads and recv_hook is not None:
         wrapped = recv_hook([rebuilt[i] for i in grads])
         for i, tensor in zip(grads, wrapped, strict=True):
