@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from torch.autograd.graph import GradientEdge
 
 from rallypoint._core.envvars import NATIVE, NATIVE_DIR
-from rallypoint.rpc import _autograd_context, _lean, _native, _wire
+from rallypoint.rpc import _autograd_context, _framing, _lean, _native, _wire
 from rallypoint.testing._rpc_patterns import run_rpc_pattern
 
 NATIVE_MODULE = _native.NATIVE_MODULE
@@ -47,6 +47,8 @@ def test_the_fast_path_is_used_wherever_a_compiler_is() -> None:
     assert _lean._describe is NATIVE_MODULE.describe
     assert _lean._views is NATIVE_MODULE.views
     assert _autograd_context._recv_wrap is NATIVE_MODULE.recv_wrap
+    assert _framing.tensor_view is NATIVE_MODULE.tensor_bytes
+    assert _framing._copy_out is NATIVE_MODULE.copy_out
 
 
 def _neg_view() -> torch.Tensor:
@@ -221,6 +223,33 @@ def test_the_compiled_receive_node_is_torchs_and_its_gradients_can_be_captured()
     assert seen == ["pre"] and raws[0].grad is None and raws[1].grad is None
 
 
+@needs_native
+@pytest.mark.parametrize("nbytes", [0, 1, 7, 4096])
+def test_frame_bytes_agree_with_python(nbytes: int) -> None:
+    assert NATIVE_MODULE is not None
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    ours = NATIVE_MODULE.tensor_bytes(raw)
+    assert bytes(ours) == bytes(_framing.tensor_view_py(raw)) == raw.numpy().tobytes()
+    assert ours.readonly and (nbytes == 0 or ours.nbytes == nbytes)
+    buffer = memoryview(bytearray(b"head" + raw.numpy().tobytes() + b"tail"))
+    got = NATIVE_MODULE.copy_out(buffer, 4, nbytes)
+    want = _framing.copy_out_py(buffer, 4, nbytes)
+    assert got.dtype == want.dtype == torch.uint8 and torch.equal(got, want)
+    assert torch.equal(got, raw)
+    buffer[4:8] = b"\xff\xff\xff\xff"  # a copy: the read buffer is reused
+    assert torch.equal(got, raw)
+    for start, size in ((-1, 1), (0, len(buffer) + 1), (len(buffer), 1), (0, -1)):
+        with pytest.raises(ValueError, match="bytes out of range"):
+            NATIVE_MODULE.copy_out(buffer, start, size)
+        with pytest.raises(ValueError, match="bytes out of range"):
+            _framing.copy_out_py(buffer, start, size)
+    for bad in (torch.arange(6.0).reshape(2, 3).t(),):
+        with pytest.raises(ValueError, match="not a contiguous CPU tensor"):
+            NATIVE_MODULE.tensor_bytes(bad)
+        with pytest.raises(ValueError, match="not a contiguous CPU tensor"):
+            _framing.tensor_view_py(bad)
+
+
 def _fresh_python(code: str, env: dict[str, str], timeout: float = 240) -> Any:
     """Run ``code`` in a fresh interpreter; it prints a pickled result as hex last."""
     done = subprocess.run(
@@ -238,10 +267,11 @@ def _fresh_python(code: str, env: dict[str, str], timeout: float = 240) -> Any:
 @pytest.mark.timeout(300)
 def test_programs_train_to_the_same_numbers_with_the_fast_path_off() -> None:
     code = """
-        from rallypoint.rpc import _autograd_context, _lean, _native
+        from rallypoint.rpc import _autograd_context, _framing, _lean, _native
         from rallypoint.testing._rpc_patterns import run_rpc_pattern
         assert _native.NATIVE_MODULE is None and _lean._describe is _lean.describe_py
         assert _autograd_context._recv_wrap is _autograd_context.recv_wrap_py
+        assert _framing.tensor_view is _framing.tensor_view_py
         results = {p: run_rpc_pattern("RALLYPOINT", p) for p in ("model_parallel_rnn", "pipeline")}
         print(__import__("pickle").dumps(results).hex())
     """

@@ -14,12 +14,14 @@ import array
 import collections
 import ctypes
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from rallypoint.rpc import _wire
 from rallypoint.rpc._errors import RpcProtocolError
+from rallypoint.rpc._native import NATIVE_MODULE
 from rallypoint.rpc._shm import RemoteSegments, SegmentPool
 
 _BUFFER = 1 << 18
@@ -114,11 +116,10 @@ class FrameReader:
             return torch.empty(0, dtype=torch.uint8)
         start = self._start
         if self._end - start >= nbytes:  # buffered already (small tensors): one copy
-            storage = bytearray(self._view[start : start + nbytes])
             self._start = start + nbytes
-        else:
-            storage = bytearray(nbytes)
-            self._read_into(memoryview(storage))
+            return _copy_out(self._view, start, nbytes)
+        storage = bytearray(nbytes)
+        self._read_into(memoryview(storage))
         return torch.frombuffer(storage, dtype=torch.uint8)
 
     def _descriptors(self, count: int) -> list[tuple[int, int, int, int, int]]:
@@ -190,8 +191,31 @@ def sendmsg_all(sock: socket.socket, buffers: list[bytes | memoryview], fds: lis
                 sent = 0
 
 
-def tensor_view(raw: torch.Tensor) -> memoryview:
-    if raw.numel() == 0:
+def tensor_view_py(raw: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, without a copy (the caller keeps it alive while it
+    uses them). The compiled twin (``_native.cpp``: ``tensor_bytes``) is the same."""
+    nbytes = raw.nbytes
+    if nbytes == 0:
         return memoryview(b"")
-    array_type = ctypes.c_ubyte * raw.numel()
+    if not raw.is_cpu or not raw.is_contiguous():
+        raise ValueError("not a contiguous CPU tensor")
+    array_type = ctypes.c_ubyte * nbytes
     return memoryview(array_type.from_address(raw.data_ptr())).cast("B")
+
+
+def copy_out_py(buffer: memoryview, start: int, nbytes: int) -> torch.Tensor:
+    """A new ``uint8`` tensor holding ``nbytes`` bytes of ``buffer`` from ``start``. The
+    compiled twin (``_native.cpp``) is the same."""
+    if start < 0 or nbytes < 0 or start + nbytes > len(buffer):
+        raise ValueError("bytes out of range")
+    if not nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(buffer[start : start + nbytes]), dtype=torch.uint8)
+
+
+tensor_view: Callable[[torch.Tensor], memoryview] = (
+    tensor_view_py if NATIVE_MODULE is None else NATIVE_MODULE.tensor_bytes
+)
+_copy_out: Callable[[memoryview, int, int], torch.Tensor] = (
+    copy_out_py if NATIVE_MODULE is None else NATIVE_MODULE.copy_out
+)

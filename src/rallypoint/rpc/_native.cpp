@@ -6,6 +6,8 @@
 //   torch's own (one input per tensor, no next edges: nothing runs past it).
 // - describe / views: the per-tensor part of the lean wire form (rallypoint/rpc/_lean.py):
 //   a tensor's slot header and its bytes view, and the tensors rebuilt from the headers.
+// - tensor_bytes / copy_out: a small tensor's bytes copied into a frame, and out of the
+//   read buffer on receipt (rallypoint/rpc/_framing.py).
 //
 // Why: a distributed-autograd training step runs these once per message in processes
 // whose caches went cold while the others ran; as Python (a torch.autograd.Function and
@@ -138,6 +140,26 @@ py::tuple views(const py::buffer& data, const std::vector<at::Tensor>& raws, int
   return py::make_tuple(offset, slots, rebuilt, grads);
 }
 
+// A tensor's bytes, read-only, without a copy (the caller keeps the tensor alive while
+// it uses them; _framing.tensor_view_py is the same).
+py::memoryview tensor_bytes(const at::Tensor& raw) {
+  size_t nbytes = raw.nbytes();
+  if (nbytes == 0) return py::memoryview(py::bytes(""));
+  if (!raw.is_cpu() || !raw.is_contiguous()) throw std::invalid_argument("not a contiguous CPU tensor");
+  return py::memoryview::from_memory(raw.data_ptr(), static_cast<py::ssize_t>(nbytes), true);
+}
+
+// A new uint8 tensor holding `nbytes` bytes of `buffer` from `start` (a received tensor
+// that the read buffer holds whole; _framing.copy_out_py is the same).
+at::Tensor copy_out(const py::buffer& buffer, int64_t start, int64_t nbytes) {
+  py::buffer_info info = buffer.request();
+  int64_t size = info.size * info.itemsize;
+  if (start < 0 || nbytes < 0 || start + nbytes > size) throw std::invalid_argument("bytes out of range");
+  at::Tensor out = at::empty({nbytes}, at::kByte);
+  if (nbytes) std::memcpy(out.data_ptr(), static_cast<const char*>(info.ptr) + start, nbytes);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -145,4 +167,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("recv_wrap", &recv_wrap, "wrap a message's received tensors in one RecvRpcBackward node");
   m.def("describe", &describe, "a tensor's lean slot header and bytes, or None");
   m.def("views", &views, "the tensors of a lean frame, rebuilt from their slot headers");
+  m.def("tensor_bytes", &tensor_bytes, "a tensor's bytes as a read-only memoryview, no copy");
+  m.def("copy_out", &copy_out, "a new uint8 tensor holding bytes of a buffer");
 }
