@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,7 @@ def test_the_fast_path_is_used_wherever_a_compiler_is() -> None:
     assert _autograd_context._recv_wrap is NATIVE_MODULE.recv_wrap
     assert _framing.tensor_view is NATIVE_MODULE.tensor_bytes
     assert _framing._copy_out is NATIVE_MODULE.copy_out
+    assert _framing._parse_inline is NATIVE_MODULE.parse_inline
 
 
 def _neg_view() -> torch.Tensor:
@@ -250,6 +253,75 @@ def test_frame_bytes_agree_with_python(nbytes: int) -> None:
             _framing.tensor_view_py(bad)
 
 
+def _wire_frame(kind: int, rid: int, data: bytes, tensors: list[bytes], where: int = 0) -> bytes:
+    header = _wire.HEADER.pack(_wire.MAGIC, kind, 3, len(tensors), rid, len(data))
+    descs = [_wire.DESC.pack(where, 0, 0, 0, len(t)) for t in tensors]
+    return b"".join([header, data, *descs, *tensors])
+
+
+FRAMES = {
+    "no tensors": _wire_frame(1, 7, b"call", []),
+    "tensors": _wire_frame(2, 8, b"reply", [b"abcd", b"", bytes(range(256)) * 40]),
+    "larger than the read buffer": _wire_frame(4, 9, b"x" * 300_000, [b"y" * 70_000]),
+    "bad magic": b"XX" + _wire_frame(1, 1, b"", [])[2:],
+    "bad kind": _wire_frame(99, 1, b"", []),
+    "cut short": _wire_frame(2, 1, b"reply", [b"abcd"])[:-2],
+    "shared memory over TCP": _wire_frame(2, 1, b"", [b"abcd"], where=1),
+}
+
+
+def _read_all(payload: bytes, fast: bool, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every frame (or the error) a reader gets from ``payload`` sent on a socket pair."""
+    monkeypatch.setattr(_framing, "_parse_inline", NATIVE_MODULE.parse_inline if fast else None)
+    a, b = socket.socketpair()
+    try:
+        writer = threading.Thread(target=lambda: (a.sendall(payload), a.close()))
+        writer.start()
+        reader = _framing.FrameReader(b, uds=False)
+        got: list[Any] = []
+        while True:
+            try:
+                frame = reader.read_frame()
+            except Exception as exc:  # compared below
+                got.append((type(exc).__name__, str(exc)))
+                break
+            tensors = [bytes(t.numpy().tobytes()) for t in frame.tensors]
+            dtypes = {t.dtype for t in frame.tensors}
+            got.append((frame.kind, frame.flags, frame.request_id, frame.data, tensors, dtypes))
+        writer.join(10)
+        return got
+    finally:
+        b.close()
+
+
+@needs_native
+@pytest.mark.parametrize("name", list(FRAMES))
+def test_frames_parse_alike_with_and_without_the_fast_path(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    payload = FRAMES["tensors"] + FRAMES[name] + FRAMES["no tensors"]
+    fast = _read_all(payload, True, monkeypatch)
+    assert fast == _read_all(payload, False, monkeypatch)
+    assert fast[0][2] == 8 and fast[0][4][2] == bytes(range(256)) * 40
+    assert fast[-1][0] in ("EOFError", "RpcProtocolError")
+
+
+@needs_native
+def test_parse_inline_leaves_what_it_cannot_take_to_the_reader() -> None:
+    assert NATIVE_MODULE is not None
+    whole = FRAMES["tensors"]
+    buffer = memoryview(bytearray(whole + b"next"))
+    end, kind, flags, rid, data, tensors = NATIVE_MODULE.parse_inline(buffer, 0, len(buffer))
+    assert (end, kind, flags, rid, data) == (len(whole), 2, 3, 8, b"reply")
+    assert [t.dtype for t in tensors] == [torch.uint8] * 3 and bytes(tensors[0].numpy()) == b"abcd"
+    for cut in (0, 10, 24, len(whole) - 1):  # not all buffered yet
+        assert NATIVE_MODULE.parse_inline(buffer, 0, cut) is None
+    for name in ("bad magic", "shared memory over TCP", "larger than the read buffer"):
+        frame = memoryview(bytearray(FRAMES[name]))
+        assert NATIVE_MODULE.parse_inline(frame, 0, min(len(frame), 1 << 18)) is None
+    assert NATIVE_MODULE.parse_inline(buffer, 0, len(buffer) + 1) is None  # out of range
+
+
 def _fresh_python(code: str, env: dict[str, str], timeout: float = 240) -> Any:
     """Run ``code`` in a fresh interpreter; it prints a pickled result as hex last."""
     done = subprocess.run(
@@ -272,6 +344,7 @@ def test_programs_train_to_the_same_numbers_with_the_fast_path_off() -> None:
         assert _native.NATIVE_MODULE is None and _lean._describe is _lean.describe_py
         assert _autograd_context._recv_wrap is _autograd_context.recv_wrap_py
         assert _framing.tensor_view is _framing.tensor_view_py
+        assert _framing._parse_inline is None
         results = {p: run_rpc_pattern("RALLYPOINT", p) for p in ("model_parallel_rnn", "pipeline")}
         print(__import__("pickle").dumps(results).hex())
     """

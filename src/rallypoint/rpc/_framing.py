@@ -16,6 +16,7 @@ import ctypes
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -135,6 +136,13 @@ class FrameReader:
 
     def read_frame(self) -> Frame:
         self._fill(_wire.HEADER.size)
+        if _parse_inline is not None:  # the compiled fast path: a whole frame, all inline
+            parsed = _parse_inline(self._view, self._start, self._end)
+            if parsed is not None:
+                kind = _wire.KINDS.get(parsed[1])
+                if kind is not None:
+                    self._start = parsed[0]
+                    return Frame(kind, parsed[2], parsed[3], parsed[4], parsed[5])
         magic, kind_byte, flags, count, request_id, size = _wire.HEADER.unpack_from(
             self._buf, self._start
         )
@@ -219,3 +227,8 @@ tensor_view: Callable[[torch.Tensor], memoryview] = (
 _copy_out: Callable[[memoryview, int, int], torch.Tensor] = (
     copy_out_py if NATIVE_MODULE is None else NATIVE_MODULE.copy_out
 )
+_parse_inline: Callable[[memoryview, int, int], Any] | None = (
+    None if NATIVE_MODULE is None else NATIVE_MODULE.parse_inline
+)
+"""A whole frame whose tensors are all inline, parsed in one call when it is buffered
+(``_native.cpp``); the Python path below reads any frame, this one included."""

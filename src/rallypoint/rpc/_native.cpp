@@ -6,8 +6,9 @@
 //   torch's own (one input per tensor, no next edges: nothing runs past it).
 // - describe / views: the per-tensor part of the lean wire form (rallypoint/rpc/_lean.py):
 //   a tensor's slot header and its bytes view, and the tensors rebuilt from the headers.
-// - tensor_bytes / copy_out: a small tensor's bytes copied into a frame, and out of the
-//   read buffer on receipt (rallypoint/rpc/_framing.py).
+// - tensor_bytes / copy_out / parse_inline: a small tensor's bytes copied into a frame, out
+//   of the read buffer on receipt, and a whole buffered frame parsed (rallypoint/rpc/
+//   _framing.py).
 //
 // Why: a distributed-autograd training step runs these once per message in processes
 // whose caches went cold while the others ran; as Python (a torch.autograd.Function and
@@ -160,6 +161,52 @@ at::Tensor copy_out(const py::buffer& buffer, int64_t start, int64_t nbytes) {
   return out;
 }
 
+// A whole frame at buffer[start:end] whose tensors are all inline (rallypoint/rpc/_wire.py:
+// HEADER, DESC): (the offset after it, kind byte, flags, request id, pickle bytes, tensors);
+// None when it is not all buffered yet, has other tensors, or anything looks wrong (the
+// Python reader then reads it, and raises its errors).
+py::object parse_inline(const py::buffer& buffer, int64_t start, int64_t end) {
+  constexpr int64_t kHeader = 24, kDesc = 16;
+  constexpr uint64_t kMaxPickle = 1ULL << 34, kMaxTensors = 1ULL << 20;
+  py::buffer_info info = buffer.request();
+  int64_t size = info.size * info.itemsize;
+  if (start < 0 || end > size || end - start < kHeader) return py::none();
+  const char* p = static_cast<const char*>(info.ptr) + start;
+  int64_t avail = end - start;
+  if (p[0] != 'R' || p[1] != 'P') return py::none();
+  uint8_t kind = static_cast<uint8_t>(p[2]);
+  uint8_t flags = static_cast<uint8_t>(p[3]);
+  uint32_t count;
+  uint64_t request_id, data_size;
+  std::memcpy(&count, p + 4, 4);
+  std::memcpy(&request_id, p + 8, 8);
+  std::memcpy(&data_size, p + 16, 8);
+  if (data_size > kMaxPickle || count > kMaxTensors) return py::none();
+  int64_t descs = kHeader + static_cast<int64_t>(data_size);
+  int64_t offset = descs + kDesc * static_cast<int64_t>(count);
+  if (offset > avail) return py::none();
+  std::vector<int64_t> sizes(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    const char* desc = p + descs + kDesc * i;
+    if (desc[0] != 0) return py::none();  // not inline (shared memory, handed back)
+    uint64_t nbytes;
+    std::memcpy(&nbytes, desc + 8, 8);
+    if (nbytes > static_cast<uint64_t>(avail - offset)) return py::none();
+    sizes[i] = static_cast<int64_t>(nbytes);
+    offset += sizes[i];
+  }
+  py::list tensors(count);
+  int64_t at = descs + kDesc * static_cast<int64_t>(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    at::Tensor out = at::empty({sizes[i]}, at::kByte);
+    if (sizes[i]) std::memcpy(out.data_ptr(), p + at, sizes[i]);
+    at += sizes[i];
+    tensors[i] = py::cast(std::move(out));
+  }
+  py::bytes data(p + kHeader, static_cast<size_t>(data_size));
+  return py::make_tuple(start + offset, kind, flags, request_id, data, tensors);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -169,4 +216,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("views", &views, "the tensors of a lean frame, rebuilt from their slot headers");
   m.def("tensor_bytes", &tensor_bytes, "a tensor's bytes as a read-only memoryview, no copy");
   m.def("copy_out", &copy_out, "a new uint8 tensor holding bytes of a buffer");
+  m.def("parse_inline", &parse_inline, "a whole buffered frame whose tensors are inline, or None");
 }
