@@ -227,3 +227,22 @@ def test_leaves_are_probed_for_post_hooks_only_once_some_node_got_one() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_credit_shares_add_up_to_exactly_one_however_they_split() -> None:
+    """Shares split among 3, then 7, then 2 peers come back to exactly 1: the waiter
+    finishes on the last share, never before (exact integer fractions, as ``Fraction``)."""
+    from fractions import Fraction
+
+    from rallypoint.rpc._autograd import _ONE, _split, _Waiter
+
+    third = _split(_ONE, 3)
+    seventh = _split(third, 7)
+    exact = [third, third, *[seventh] * 6, *[_split(seventh, 2)] * 2]
+    assert sum(Fraction(*s) for s in exact) == 1 and seventh == (1, 21)
+    waiter = _Waiter()
+    for share in exact[:-1]:
+        waiter.add(share, None, [])
+        assert not waiter.finished and not waiter.done.acquire(blocking=False)
+    waiter.add(exact[-1], None, [])
+    assert waiter.finished and waiter.credit == (1, 1) and waiter.done.acquire(blocking=False)

@@ -30,12 +30,12 @@ pass: a received tensor that no source reaches tells its sender "no gradient".
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any, TypeAlias
 
 import torch
@@ -460,7 +460,7 @@ class DistAutograd:
         with self._lock:
             waiter = self._waiters.get((context_id, round_id))
             if waiter is not None:
-                waiter.add(Fraction(*weight), error, statuses)
+                waiter.add(weight, error, statuses)
 
     def _error(self, trail: tuple[int, ...], exc: BaseException) -> str:
         """torch's text: ``Error on Node N: `` for every worker the gradient came through."""
@@ -468,9 +468,15 @@ class DistAutograd:
         return f"{via}Error on Node {self.me.id}: {exc}"
 
 
+def _reduced(num: int, den: int) -> Weight:
+    common = math.gcd(num, den)
+    return (num // common, den // common)
+
+
 def _split(weight: Weight, n: int) -> Weight:
-    share = Fraction(*weight) / n
-    return (share.numerator, share.denominator)
+    """One of ``n`` equal shares of ``weight`` (exact: integers, no ``Fraction``, whose
+    arithmetic cost ~3 µs hot per credit on the path that ends a backward pass)."""
+    return _reduced(weight[0], weight[1] * n)
 
 
 def _held_lock() -> threading.Lock:
@@ -484,7 +490,7 @@ class _Waiter:
     """The worker that called backward: the credit that came back, errors, statuses."""
 
     latest: dict[str, Status] = field(default_factory=dict)
-    credit: Fraction = Fraction(0)
+    credit: Weight = (0, 1)  # the credit back so far, as a reduced fraction
     error: str | None = None
     # a latch: held until all the credit is back. A lock wakes the waiting thread with one
     # futex wake, where an Event's condition variable costs the waker and the woken thread
@@ -493,15 +499,16 @@ class _Waiter:
     finished: bool = False
     thread: int = field(default_factory=threading.get_ident)  # the one that waits
 
-    def add(self, weight: Fraction, error: str | None, statuses: list[Status]) -> None:
-        self.credit += weight
+    def add(self, weight: Weight, error: str | None, statuses: list[Status]) -> None:
+        (num, den), (add_num, add_den) = self.credit, weight
+        self.credit = _reduced(num * add_den + add_num * den, den * add_den)
         if error is not None and self.error is None:
             self.error = error
         for status in statuses:
             seen = self.latest.get(status[0])
             if seen is None or status[1] >= seen[1]:
                 self.latest[status[0]] = status
-        if self.credit >= 1 and not self.finished:
+        if self.credit[0] >= self.credit[1] and not self.finished:
             self.finished = True
             WAITS.waking(self.thread)
             self.done.release()
