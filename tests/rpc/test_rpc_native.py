@@ -388,6 +388,12 @@ def test_build_native_says_what_is_missing(tmp_path: Path) -> None:
     assert done.returncode == 1 and "compiling _native.cpp failed (exit 1)" in done.stderr
     assert list(tmp_path.iterdir()) == []  # nothing half-written is left
     assert _build_native("--bogus", env=where).returncode == 2
+    not_a_directory = tmp_path / "a-file"
+    not_a_directory.write_text("")
+    done = _build_native(env={NATIVE_DIR: str(not_a_directory / "native")})
+    assert done.returncode == 1 and "cannot write the compiled module into" in done.stderr
+    assert "set RALLYPOINT_NATIVE_DIR to a writable directory" in done.stderr
+    not_a_directory.unlink()
     done = _build_native("--check", env={**where, NATIVE: "0"})
     assert done.returncode == 1 and "turned off by RALLYPOINT_NATIVE=0" in done.stdout
 

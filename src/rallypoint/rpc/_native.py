@@ -104,8 +104,14 @@ def build(*, force: bool = False) -> Path:
     target = module_path()
     if target.exists() and not force:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=".build-", suffix=_SUFFIX, dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(prefix=".build-", suffix=_SUFFIX, dir=target.parent)
+    except OSError as exc:
+        raise NativeBuildError(
+            f"cannot write the compiled module into {target.parent} ({exc.strerror or exc}); "
+            f"set {NATIVE_DIR} to a writable directory"
+        ) from None
     os.close(fd)
     command = compile_command(Path(temporary), module_name())
     try:
