@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -121,7 +120,7 @@ class RRef(Generic[T], metaclass=_RRefType):
         confirmed: torch.futures.Future[Any] | None,
         fork: Fork | None,
     ) -> RRef[Any]:
-        rref: RRef[Any] = cls.__new__(cls)
+        rref: RRef[Any] = object.__new__(cls)  # not cls.__new__: no arguments to look at
         rref._setup(table, owner, rref_id, confirmed, fork)
         return rref
 
@@ -139,7 +138,18 @@ class RRef(Generic[T], metaclass=_RRefType):
         self._confirmed = confirmed
         self._fork = fork  # a user RRef's fork id (None on the owner)
         self._type: torch.futures.Future[Any] | None = None
-        weakref.finalize(self, table.release, owner.name, rref_id)
+
+    def __del__(self) -> None:
+        # the owner hears of it with the next batch of decrements. A method, not a
+        # weakref.finalize: an owner makes an RRef object for every call that passes one
+        # to it (a pipeline stage's, every step), and a finalizer costs ten times more to
+        # make and run. RRefs cannot be copied (__reduce__ raises), so each object made by
+        # _setup is released once; one whose __init__ failed has no table.
+        try:
+            table, owner, rref_id = self._table, self._owner, self._id
+        except AttributeError:
+            return
+        table.release(owner.name, rref_id)
 
     def owner(self) -> WorkerInfo:
         """``WorkerInfo`` of the worker that owns the value."""
@@ -326,8 +336,12 @@ def remote_rref(
 def reduce_rref(table: RRefTable, rref: RRef[Any]) -> _wire.ReduceValue:
     """Pickle hook: fork ``rref`` to another worker (pins it until the fork registers)."""
     fork_id = table.pin(rref)
-    owner = rref.owner()
-    return (_rref_unpickle, (owner.name, owner.id, rref._id, fork_id, table.me.name))
+    owner = rref._owner
+    creator, incarnation, serial = rref._id  # plain values: a named tuple pickles slowly
+    return (
+        _rref_unpickle,
+        (owner.name, owner.id, creator, incarnation, serial, fork_id, table.me.name),
+    )
 
 
 _pending = threading.local()
@@ -345,14 +359,21 @@ def collect_confirmations(
 
 
 def _rref_unpickle(
-    owner_name: str, owner_id: int, rref_id: RRefId, fork_id: int, sender: str
+    owner_name: str,
+    owner_id: int,
+    creator: str,
+    incarnation: int,
+    serial: int,
+    fork_id: int,
+    sender: str,
 ) -> RRef[Any]:
     table = CURRENT_TABLE.get()
-    owner = WorkerInfo(owner_name, owner_id)
-    if owner_name == table.me.name:
+    rref_id = RRefId(creator, incarnation, serial)
+    if owner_name == table.me.name:  # back at its owner: a pipeline stage's, every call
         table.owned.incref(rref_id)
         table.unpin_at(sender, fork_id)
-        return RRef._make(table, owner, rref_id, None, None)
+        return RRef._make(table, table.me, rref_id, None, None)
+    owner = WorkerInfo(owner_name, owner_id)
     confirmed = table.caller.rpc_async(owner, owner_incref, (rref_id,), {}, 0)
     confirmed.add_done_callback(lambda _: table.unpin_at(sender, fork_id))
     pending = getattr(_pending, "futures", None)
