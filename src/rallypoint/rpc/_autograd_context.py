@@ -119,26 +119,32 @@ class AutogradContext:
         added to it in place, so a dict from ``get_gradients`` sees later passes, as
         torch's does.
         """
+        grads = self.grads
+        # one lookup per leaf (a Parameter's hash is a Python call), unless a leaf comes
+        # twice: then each lookup sees what the ones before it added
+        olds: list[torch.Tensor | None] | None = None
+        if len({id(tensor) for tensor, _ in leaves}) == len(leaves):
+            olds = [grads.get(tensor) for tensor, _ in leaves]
         shared: dict[int, int] = {}
-        for tensor, grad in leaves:
-            if tensor not in self.grads:
+        for index, (tensor, grad) in enumerate(leaves):
+            if (grads.get(tensor) if olds is None else olds[index]) is None:
                 key = _storage(grad)[0]
                 shared[key] = shared.get(key, 0) + 1
-        for tensor, grad in leaves:
-            old = self.grads.get(tensor)
+        for index, (tensor, grad) in enumerate(leaves):
+            old = grads.get(tensor) if olds is None else olds[index]
             if old is not None:
                 if old.is_sparse and not grad.is_sparse:  # in place is impossible (torch too)
-                    self.grads[tensor] = grad + old
+                    grads[tensor] = grad + old
                 else:
                     old.add_(grad)
                 continue
             storage, keep = _storage(grad)
             if keep and shared[storage] == 1:
-                self.grads[tensor] = grad.detach()
+                grads[tensor] = grad.detach()
             elif grad.is_sparse:
-                self.grads[tensor] = grad.detach().clone()
+                grads[tensor] = grad.detach().clone()
             else:  # an expanded view, or the same gradient given to two leaves
-                self.grads[tensor] = grad.clone(memory_format=torch.contiguous_format)
+                grads[tensor] = grad.clone(memory_format=torch.contiguous_format)
 
     def sources(self, roots: Sequence[torch.Tensor]) -> list[tuple[SourceKey, Node, int]]:
         """Where a round's gradients enter: the roots, and every tensor sent in the context."""

@@ -137,8 +137,9 @@ class Round:
             self._remaining[node] = count + 1
 
     def _walk(self, stack: list[Node]) -> None:
-        """Count, for every node reachable from the sources, the edges that reach it."""
-        children, recvs, count = self._children, self.recvs, self._count
+        """Count, for every node reachable from the sources, the edges that reach it
+        (:meth:`_count`, inlined: this runs for every node of every pass)."""
+        children, recvs, remaining = self._children, self.recvs, self._remaining
         while stack:
             node = stack.pop()
             if node in recvs:  # a received tensor: its gradient leaves this worker
@@ -148,7 +149,13 @@ class Round:
             children[node] = kids
             for child, _ in kids:
                 if type(child) is not _ACC:
-                    count(child, stack)
+                    count = remaining.get(child)
+                    if count is None:
+                        remaining[child] = 1
+                        self._unresolved += 1
+                        stack.append(child)
+                    else:
+                        remaining[child] = count + 1
 
     def reaches(self, node: Node) -> bool:
         """Whether ``node`` is in this round's graph."""
@@ -403,7 +410,8 @@ def _run(rnd: Round, plan: Plan) -> Outcome:
     if not plan.outputs:
         return Outcome(leaves, recv)
     leaf_nodes = list(plan.leaves)
-    inputs: list[Any] = [leaf_of(node) for node in leaf_nodes]
+    leaf_tensors = [node.variable for node in leaf_nodes]  # type: ignore[attr-defined]
+    inputs: list[Any] = list(leaf_tensors)
     # a received message's node: one output per tensor that requires grad (its record's)
     recvs = rnd.recvs
     recv_edges = [(node, nr) for node in plan.recv_done for nr in range(recvs[node].outputs)]
@@ -421,7 +429,7 @@ def _run(rnd: Round, plan: Plan) -> Outcome:
     if not inputs:
         return Outcome(leaves, recv)
     # DDP modules among the leaves: their reducers run in the round's passes (see _ddp)
-    modules = _ddp.modules_of(inputs[: len(leaf_nodes)]) if leaf_nodes else None
+    modules = _ddp.modules_of(leaf_tensors) if leaf_nodes else None
     if modules:
         if rnd.ddp is None:
             rnd.ddp = _ddp.DDPRound()
@@ -443,10 +451,12 @@ def _run(rnd: Round, plan: Plan) -> Outcome:
             handle.remove()
     n_leaves, n_recv = len(leaf_nodes), len(recv_edges)
     reduced = set() if ddp is None else ddp.parameter_ids
-    for node, grad in zip(leaf_nodes, grads[:n_leaves], strict=True):
-        if grad is not None and id(leaf_of(node)) not in reduced:
-            leaves.append((leaf_of(node), grad))
-            rnd.hook_leaf(node, grad)
+    hooked = _node_hooks_seen or bool(rnd.hooked)  # else hook_leaf has nothing to do
+    for node, leaf, grad in zip(leaf_nodes, leaf_tensors, grads[:n_leaves], strict=True):
+        if grad is not None and id(leaf) not in reduced:
+            leaves.append((leaf, grad))
+            if hooked:
+                rnd.hook_leaf(node, grad)
     if ddp is not None:
         leaves.extend(ddp.collect())
     done: dict[Node, Grads] = {node: {} for node in plan.recv_done}
