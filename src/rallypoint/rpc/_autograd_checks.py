@@ -10,6 +10,8 @@ import torch
 
 
 def check_context_id(context_id: object) -> int:
+    if type(context_id) is int:  # the usual case, without the ABC's isinstance (2 calls)
+        return context_id
     if not isinstance(context_id, numbers.Integral) or isinstance(context_id, bool):
         raise TypeError(f"context_id must be an int, got {type(context_id).__name__}")
     return int(context_id)
@@ -17,7 +19,10 @@ def check_context_id(context_id: object) -> int:
 
 def root_list(roots: object) -> list[torch.Tensor]:
     """``roots`` as a list of tensors (a ``TypeError`` otherwise, as torch's binding)."""
-    if not isinstance(roots, Sequence) or not all(isinstance(r, torch.Tensor) for r in roots):
+    # list and tuple first: they match before the ABC's check (two calls of Python)
+    if not isinstance(roots, (list, tuple, Sequence)) or not all(
+        isinstance(r, torch.Tensor) for r in roots
+    ):
         raise TypeError(
             f"backward(): roots must be a sequence of tensors, got {type(roots).__name__}"
         )

@@ -185,7 +185,10 @@ class Waits:
                 events = poll(0)
                 if events:
                     self._busy()
-                    return READY if any(event[0] == fd for event in events) else OTHER
+                    for event in events:  # a loop, not any(): no generator to make
+                        if event[0] == fd:
+                            return READY
+                    return OTHER
                 if done is not None and done():
                     self._busy()
                     return READY
