@@ -170,9 +170,7 @@ class Connections:
         with self._lock:
             conns = [*self._out.values(), *self._inbound]
         for conn in conns:
-            conn.check_stall(now)
-            conn.check_reading()
-            conn.flush()
+            conn.upkeep(now)
 
     def _lost(self, conn: Connection, exc: BaseException | None) -> None:
         with self._lock:

@@ -48,13 +48,12 @@ round with blocking reads and 293 µs when each waited by yielding busy-polls.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import select
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 READY, OTHER, TIMEOUT = 0, 1, 2
 _POLLIN = select.POLLIN
@@ -123,22 +122,20 @@ class Waits:
         """The agent's ``busy_poll_us``, in seconds (``0``: never spin)."""
         self.policy = SpinPolicy(window_s)
 
-    @contextlib.contextmanager
-    def blocked(self, *fds: int, urgent: bool = True) -> Iterator[None]:
-        """The calling thread blocks meanwhile (waiting for ``fds`` to become readable).
+    def blocked(self, *fds: int, urgent: bool = True) -> Blocked:
+        """The calling thread blocks meanwhile (``with WAITS.blocked(...):``), waiting for
+        ``fds`` to become readable.
 
         ``urgent``: when the wait ends the thread has work (a frame, a credit) and a
         spinning thread must make room for it; periodic wake-ups (the monitor's tick, a
         poll of the store in ``shutdown()``) are not urgent: the spinner goes on, and
         the thread gets the GIL between its polls."""
-        ident = threading.get_ident()
-        self._blocked[ident] = fds
-        try:
-            yield
-        finally:
-            if self._blocked.pop(ident, None) is not None and urgent:
-                self._woken += 1
-                self._busy()
+        return Blocked(self, fds, urgent)
+
+    def _unblocked(self, ident: int, urgent: bool) -> None:
+        if self._blocked.pop(ident, None) is not None and urgent:
+            self._woken += 1
+            self._busy()
 
     def sleep(self, seconds: float) -> None:
         """``time.sleep``, as a wait."""
@@ -271,6 +268,26 @@ class Waits:
                 timeout = max(0.0, timeout - (_clock() - began))
         with self.blocked(urgent=False):  # the releaser calls waking first
             return lock.acquire(timeout=timeout)
+
+
+class Blocked:
+    """A wait of the calling thread, as a context manager (a class: a generator-based one
+    costs twice the Python calls, and threads enter one for every wait)."""
+
+    __slots__ = ("_fds", "_ident", "_urgent", "_waits")
+
+    def __init__(self, waits: Waits, fds: tuple[int, ...], urgent: bool) -> None:
+        self._waits = waits
+        self._fds = fds
+        self._urgent = urgent
+        self._ident = 0
+
+    def __enter__(self) -> None:
+        self._ident = ident = threading.get_ident()
+        self._waits._blocked[ident] = self._fds
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._waits._unblocked(self._ident, self._urgent)
 
 
 WAITS = Waits()

@@ -318,6 +318,16 @@ class Connection:
                 self.check_reading()
             raise
 
+    def upkeep(self, now: float) -> None:
+        """The monitor's tick: :meth:`check_stall`, :meth:`check_reading` and :meth:`flush`,
+        each only where it may have work (most ticks find none: a few attribute reads)."""
+        if self._exec_since:
+            self.check_stall(now)
+        if self._abandoned is not None or self._unread != -1 or self.pending:
+            self.check_reading()
+        if self._bufs:
+            self.flush()
+
     def check_reading(self) -> None:
         """Finish what an interrupted reading caller left, and give pending calls a reader
         if nobody reads (the monitor calls this every tick)."""
