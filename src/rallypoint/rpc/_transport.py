@@ -292,7 +292,7 @@ class Connection:
                 self._reading = took = True
                 generation = self._generation
             while not future.done():
-                if not self._reader.buffered_frame():
+                if self._bufs and not self._reader.buffered_frame():
                     self.flush()
                 if not self._reader.buffered_bytes() and not WAITS.wait_readable(
                     self._fd, self._poller, _POLL_MS, site
@@ -376,7 +376,7 @@ class Connection:
                 with WAITS.blocked():
                     self._gate.wait()
             while True:
-                if not self._reader.buffered_frame():
+                if self._bufs and not self._reader.buffered_frame():
                     self.flush()
                 if not self._reader.buffered_bytes():
                     WAITS.wait_readable(self._fd, self._poller, -1, self.site)
