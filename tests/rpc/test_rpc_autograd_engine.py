@@ -126,6 +126,26 @@ def test_context_gradients_accumulate_in_place_without_aliasing() -> None:
     assert ctx.grads[b].tolist() == [1.0, 1.0]
 
 
+def test_a_leaf_twice_in_one_pass_gets_the_sum_as_torch_accumulates_it() -> None:
+    """A parameter sent in two messages gets two gradients in one pass (each arrives
+    straight at its leaf): the context adds them, as torch's AccumulateGrad does for a
+    leaf used twice, and later passes add in place."""
+    grads = [torch.tensor([1.0, 2, 3]), torch.tensor([10.0, 20, 30]), torch.ones(3)]
+    reference = torch.zeros(3, requires_grad=True)  # torch's own accumulation
+    for grad in (grads[0], grads[1], grads[2], grads[2]):
+        (reference * 1).backward(grad)
+    ctx = AutogradContext(0)
+    leaf, other = torch.zeros(3, requires_grad=True), torch.zeros(3, requires_grad=True)
+    # the gradients are the engine's or the wire's: nobody else holds them (clones here)
+    g1, g2, g3 = (grad.clone() for grad in grads)
+    ctx.accumulate([(leaf, g1), (other, g3), (leaf, g2)])
+    assert torch.equal(ctx.grads[leaf], grads[0] + grads[1])
+    assert torch.equal(ctx.grads[other], grads[2])
+    kept = ctx.grads[leaf]
+    ctx.accumulate([(leaf, grads[2].clone()), (leaf, grads[2].clone())])  # there: in place
+    assert ctx.grads[leaf] is kept and torch.equal(kept, reference.grad)
+
+
 class _Peers:
     device_maps: dict[str, Any] = {}
     reverse_maps: dict[str, Any] = {}
