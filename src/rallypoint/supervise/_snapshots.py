@@ -57,8 +57,10 @@ def fork_snapshot_server(close: Iterable[int]) -> SnapshotServer:
                 with contextlib.suppress(OSError):
                     os.close(fd)
             signal.set_wakeup_fd(-1)
-            for sig in (signal.SIGCHLD, signal.SIGTERM):
-                signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            # a SIGTERM to every process of the job (SLURM) must leave the snapshots to the
+            # workers' shutdown handlers; the server dies with the warm process (PDEATHSIG)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             set_parent_death_signal(signal.SIGKILL)
             with contextlib.suppress(OSError):
                 os.setpgid(0, 0)  # not in the warm process's group: never signalled with it

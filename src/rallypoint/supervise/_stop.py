@@ -46,12 +46,18 @@ class Stopper:
         return time.monotonic() + grace
 
     def kill_trees(self, workers: Sequence[Worker], signum: int) -> None:
+        """Send ``signum`` once to every process of the workers' trees: each worker's
+        session by ``killpg``, then whatever left it (a handler that runs twice because
+        it was signalled twice could cut its own checkpoint short)."""
+        groups = set()
         for w in workers:
             with contextlib.suppress(OSError):
                 os.killpg(w.pid, signum)
+                groups.add(w.pid)
         for p in self._descendants():
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(signum)
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getpgid(p.pid) not in groups:
+                    p.send_signal(signum)
 
     def _descendants(self) -> list[psutil.Process]:
         try:

@@ -14,7 +14,10 @@ If the supervisor dies without a word (``kill -9``, the OOM killer), the warm pr
 it at once. Until it is ready (its imports done: nothing else exists yet, and a Python
 handler would wait for ``import torch``'s long C calls) its parent-death signal is
 ``SIGKILL``; from :class:`~rallypoint.supervise._messages.Ready` on it is ``SIGTERM``,
-which it catches (as it does the end of its socket). It then SIGKILLs every descendant it
+which it catches (as it does the end of its socket). A SIGTERM while its parent lives (sent
+to the launcher's process group, or to every process of the job) is not that: the
+supervisor stops the workers gracefully, and this process ignores it, as it ignores the
+other signals the supervisor handles. Once orphaned, it SIGKILLs every descendant it
 has, found in ``/proc`` (workers, their children, whatever daemonized or started its own
 session: as a child subreaper it inherits those orphans), reaps them, removes the
 supervisor's temporary paths (:class:`~rallypoint.supervise._messages.RemoveOnExit`; the
@@ -117,7 +120,11 @@ class _Server:
         self.parent = 0
 
     def serve(self) -> NoReturn:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's ^C is the supervisor's
+        # The terminal's ^C and hang-up, and whatever reaches the launcher's process group,
+        # are the supervisor's to handle (it stops the workers gracefully): this process
+        # must outlive their shutdown handlers. SIGTERM gets a handler at Ready.
+        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_IGN)
         set_parent_death_signal(signal.SIGKILL)  # until Ready (see the module docstring)
         self.parent = os.getppid()
         with contextlib.suppress(Exception):
@@ -233,7 +240,9 @@ class _Server:
                 self.sock.close()
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                # the store outlives a SIGTERM to every process of the job (SLURM) while
+                # workers run their handlers; it dies with this process (PDEATHSIG)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 _store_main(child)
             finally:
                 os._exit(1)
@@ -245,6 +254,13 @@ class _Server:
         if os.getpid() != self.pid:  # a worker just forked, before it reset its handlers
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
+            return
+        if os.getppid() == self.parent:
+            # Not the parent-death signal: a SIGTERM sent to the launcher's process group
+            # (``timeout``, ``kill -- -PGID``) or to every process of the job (SLURM). The
+            # supervisor got it too and stops the workers gracefully; killing them here
+            # would cut their own handlers short (the kernel re-parents this process
+            # before it sends the parent-death signal, so a dead parent shows here).
             return
         self._orphaned()
 
