@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,3 +20,42 @@ def zygote() -> Iterator[Zygote]:
     threads looked a name up blocked for good in its own store connect)."""
     with worker_zygote() as made:
         yield made
+
+
+@pytest.fixture
+def small_disk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SmallDisk]:
+    """A real filesystem of its own (tmpfs, 256 KiB) that a test can fill or remount
+    read-only; skipped where mounting is not allowed (not root, no CAP_SYS_ADMIN)."""
+    disk = SmallDisk(tmp_path_factory.mktemp("disk"))
+    disk.mount("size=256k")
+    try:
+        yield disk
+    finally:
+        disk.unmount()
+
+
+class SmallDisk:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.mounts = 0
+
+    def mount(self, options: str) -> None:
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(self.path)],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        self.mounts += 1
+
+    def read_only(self) -> None:
+        """From now on, nothing can be made under the path (what a failing disk's
+        filesystem does when the kernel remounts it read-only): an empty read-only tmpfs
+        is mounted over it (a remount would be refused while files are open for writing)."""
+        self.mount("ro,size=4k")
+
+    def unmount(self) -> None:
+        for _ in range(self.mounts):
+            subprocess.run(["umount", "-l", str(self.path)], capture_output=True, timeout=10)

@@ -79,8 +79,9 @@ def test_log_dir_and_redirects(
     out, _ = capfd.readouterr()
     assert "hello 0" not in out, "local rank 0's stdout is redirected to its file only"
     assert "[rank1]: hello 1" in out
+    [run_dir] = logs.glob("job1_*")  # a fresh directory per launch, as torchrun's
     for rank in (0, 1):
-        rank_dir = logs / "job1" / "attempt_0" / str(rank)
+        rank_dir = run_dir / "attempt_0" / str(rank)
         assert (rank_dir / "stdout.log").read_text().startswith(f"hello {rank} sum=2")
         assert (rank_dir / "stderr.log").read_text() == f"err {rank}\n"
 
@@ -290,7 +291,8 @@ def test_torch_record_users_still_get_their_error_file(
     assert run_main(argv) == 1
     _, err = capfd.readouterr()
     assert "RuntimeError: recorded by torch's @record" in err[err.index("Root cause") :]
-    error_file = logs / "rec" / "attempt_0" / "0" / "error.json"
+    [run_dir] = logs.glob("rec_*")
+    error_file = run_dir / "attempt_0" / "0" / "error.json"
     assert "recorded by torch's @record" in error_file.read_text()
 
 

@@ -105,8 +105,9 @@ def test_launch_api_takes_torchs_list(tmp_path: Path, capfd: pytest.CaptureFixtu
         duplicate_stdout_filters=["pear"],
     )
     capfd.readouterr()
-    lines = (tmp_path / "api" / "attempt_0" / "filtered_stdout.log").read_text().splitlines()
+    [run_dir] = tmp_path.glob("api_*")
+    lines = (run_dir / "attempt_0" / "filtered_stdout.log").read_text().splitlines()
     assert sorted(lines) == ["[rank0]: pear from 0", "[rank1]: pear from 1"]
-    assert not (tmp_path / "api" / "attempt_0" / "filtered_stderr.log").exists()
+    assert not (run_dir / "attempt_0" / "filtered_stderr.log").exists()
     with pytest.raises(TypeError, match="duplicate_stdout_filters must be a list of strings"):
         LaunchConfig(duplicate_stdout_filters=[1])  # type: ignore[list-item]

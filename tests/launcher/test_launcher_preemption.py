@@ -15,6 +15,7 @@ by the launcher (its session, then again as a descendant).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -89,10 +90,8 @@ class Job:
                     os.killpg(p.pid, signum)  # each launcher leads its own group
             case "every process":
                 for q in self.tree:
-                    try:
+                    with contextlib.suppress(psutil.NoSuchProcess):
                         q.send_signal(signum)
-                    except psutil.NoSuchProcess:
-                        pass
             case _:
                 raise AssertionError(route)
 
@@ -119,10 +118,8 @@ class Job:
 
     def kill(self) -> None:
         for q in self.tree:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 q.kill()
-            except psutil.NoSuchProcess:
-                pass
         for p in self.procs:
             p.kill()
 

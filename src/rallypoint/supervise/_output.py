@@ -8,6 +8,10 @@ torchrun's ``--duplicate-stdout-filters``/``--duplicate-stderr-filters``: the li
 tee'd stream (file and console) that contain any of the filter strings are also copied,
 prefixed as on the console, to ``attempt_N/filtered_stdout.log``/``filtered_stderr.log``
 (:class:`Duplicate`).
+
+A log file that cannot be opened or written (a full, failing or read-only disk) never
+stops the job: the console copy goes on, and :data:`LOG_TROUBLE` says which directory
+failed, at most once a minute.
 """
 
 from __future__ import annotations
@@ -19,9 +23,31 @@ from pathlib import Path
 from string import Template
 from typing import BinaryIO
 
-__all__ = ["Duplicate", "OutputRouter", "write_console"]
+from rallypoint._core.disk import DiskTrouble
+
+__all__ = ["LOG_TROUBLE", "Duplicate", "OutputRouter", "write_console"]
 
 _FLUSH_PARTIAL = 1 << 16
+
+LOG_TROUBLE = DiskTrouble("worker logs", "the job goes on, and so does its console output")
+
+
+def _open_log(path: Path) -> BinaryIO | None:
+    """``path`` opened for appending, unbuffered; ``None`` (said once a minute) if it fails."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "ab", buffering=0)
+    except OSError as exc:
+        LOG_TROUBLE.report(path.parent, f"opening {path.name}", exc)
+        return None
+
+
+def _write_log(file: BinaryIO, data: bytes) -> None:
+    """Append ``data`` to ``file``; a failed write is said (once a minute) and dropped."""
+    try:
+        file.write(data)
+    except OSError as exc:
+        LOG_TROUBLE.report(Path(file.name).parent, f"writing {Path(file.name).name}", exc)
 
 
 def write_console(stream: int, data: bytes) -> None:
@@ -48,8 +74,9 @@ class Duplicate:
     __slots__ = ("file", "needles")
 
     def __init__(self, path: Path, filters: tuple[str, ...]) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file: BinaryIO | None = open(path, "wb")  # noqa: SIM115 - closed in close()
+        with contextlib.suppress(OSError):
+            path.unlink()  # "wb" as torchrun, but appends need no seek on a failing disk
+        self.file = _open_log(path)
         self.needles = tuple(f.encode() for f in filters)
 
     def copy(self, prefix: bytes, lines: list[bytes]) -> None:
@@ -57,8 +84,7 @@ class Duplicate:
             return
         kept = [prefix + line for line in lines if any(n in line for n in self.needles)]
         if kept:
-            self.file.write(b"".join(kept))
-            self.file.flush()
+            _write_log(self.file, b"".join(kept))
 
     def close(self) -> None:
         if self.file is not None:
@@ -87,8 +113,7 @@ class _Sink:
 
     def feed(self, data: bytes) -> None:
         if self.file is not None:
-            self.file.write(data)
-            self.file.flush()
+            _write_log(self.file, data)
         if not self.console:
             return
         data = self.pending + data
@@ -154,10 +179,7 @@ class OutputRouter:
                 rank=rank, local_rank=local_rank, role_name=role
             )
             prefix = text.encode()
-        handle: BinaryIO | None = None
-        if file is not None:
-            file.parent.mkdir(parents=True, exist_ok=True)
-            handle = open(file, "ab")  # noqa: SIM115 - closed in close()
+        handle = None if file is None else _open_log(file)
         os.set_blocking(fd, False)
         self._sinks[fd] = _Sink(stream, prefix, console, handle, duplicate if console else None)
 

@@ -13,7 +13,7 @@ from rallypoint.observe._observer import Observer
 from rallypoint.supervise._env import worker_env
 from rallypoint.supervise._main_module import describe_main
 from rallypoint.supervise._options import OutputOptions, WorkerOptions
-from rallypoint.supervise._output import Duplicate, OutputRouter
+from rallypoint.supervise._output import LOG_TROUBLE, Duplicate, OutputRouter
 from rallypoint.supervise._state import GroupInfo, Worker
 from rallypoint.supervise._warm import WarmProcess
 from rallypoint.supervise._worker import CALLABLES, Target, WorkerSpec
@@ -102,11 +102,14 @@ class WorkerStarter:
 
     def _spec(self, group: GroupInfo, local_rank: int, attempt_dir: Path) -> WorkerSpec:
         rank_dir = attempt_dir / str(local_rank)
-        rank_dir.mkdir(parents=True, exist_ok=True)
         error_file = rank_dir / "error.json"
-        for stale in (error_file, Path(f"{error_file}.fault")):
-            with contextlib.suppress(FileNotFoundError):
-                stale.unlink()
+        try:
+            rank_dir.mkdir(parents=True, exist_ok=True)
+            for stale in (error_file, Path(f"{error_file}.fault")):
+                with contextlib.suppress(FileNotFoundError):
+                    stale.unlink()
+        except OSError as exc:  # a disk that failed mid-run: the job goes on without files
+            LOG_TROUBLE.report(rank_dir, "preparing the rank's directory", exc)
         env = worker_env(
             self.base_env, group, local_rank=local_rank, workers=self.workers, error_file=error_file
         )

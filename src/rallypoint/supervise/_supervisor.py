@@ -21,6 +21,7 @@ from typing import Any
 
 from rallypoint._core import envvars
 from rallypoint._core.closing import Closing
+from rallypoint._core.disk import check_writable
 from rallypoint._core.net import port_is_free
 from rallypoint.observe._observer import Observer
 from rallypoint.supervise._attempt import Attempt
@@ -59,10 +60,35 @@ def prepare_warm(warm: WarmProcess, preload: tuple[str, ...], signals: SignalQue
         raise
 
 
+def _log_root(output: OutputOptions, nproc: int, run_id: str) -> Path | None:
+    """A fresh directory of this launch's logs (mode 0700), ``None`` when none is wanted.
+
+    As torchrun's, it is made under ``--log-dir`` (or a temporary directory) for each
+    launch, so runs that share a run id never mix; its name starts with the run id and the
+    start time, so the newest sorts last: ``LOG_DIR/RUN_ID_20261125-203512_x1y2z3/``.
+    """
+    if output.log_dir is not None:
+        base = check_writable(output.log_dir, "--log-dir")
+    elif output.wants_files(nproc):
+        base = Path(tempfile.mkdtemp(prefix="torchelastic_"))
+    else:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    try:
+        root = Path(tempfile.mkdtemp(prefix=f"{run_id}_{stamp}_", dir=base))
+    except OSError as exc:
+        raise ValueError(
+            f"--log-dir {base}: cannot write there ({exc.strerror}); pass a writable directory"
+        ) from None
+    write_console(2, f"rallypoint: log directory is {root}\n".encode())
+    return root
+
+
 class Supervisor(Closing):
     """Runs attempts of this node's workers; :meth:`close` restores the signal handlers.
 
-    ``run_id`` names the log directory (``LOG_DIR/RUN_ID/attempt_N/LOCAL_RANK/``);
+    ``run_id`` starts the name of this launch's log directory
+    (``LOG_DIR/RUN_ID_TIME_XXXX/attempt_N/LOCAL_RANK/``, see :func:`_log_root`);
     ``collect_results`` makes :meth:`results` return what ``launch()`` workers returned.
     """
 
@@ -91,6 +117,7 @@ class Supervisor(Closing):
             None if stop.timeout is None else self.started + stop.timeout.total_seconds()
         )
         self.stopper = Stopper(warm, stop.shutdown_timeout)
+        log_root = _log_root(output, workers.nproc, run_id)
         self._scratch = Path(tempfile.mkdtemp(prefix="rallypoint_"))
         # removed by the warm process should this process be killed (close() does it else);
         # a warm process that is gone already is reported by the first real request
@@ -103,7 +130,7 @@ class Supervisor(Closing):
             output=output,
             observer=observer,
             base_env=base_env(workers, warn_omp=warn_omp, signals_to_handle=stop.signals_to_handle),
-            log_root=self._log_root(output, run_id),
+            log_root=log_root,
             scratch=self._scratch,
         )
         self.signals = SignalQueue(stop.signal_numbers) if signals is None else signals
@@ -112,15 +139,6 @@ class Supervisor(Closing):
     @property
     def nproc(self) -> int:
         return self.workers.nproc
-
-    def _log_root(self, output: OutputOptions, run_id: str) -> Path | None:
-        if output.log_dir is not None:
-            return Path(output.log_dir) / run_id
-        if output.wants_files(self.workers.nproc):
-            root = Path(tempfile.mkdtemp(prefix="torchelastic_")) / run_id
-            write_console(2, f"rallypoint: log directory is {root}\n".encode())
-            return root
-        return None
 
     # ------------------------------------------------------------------ the warm process
     def init_warm(self) -> None:
