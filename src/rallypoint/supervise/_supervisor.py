@@ -33,6 +33,7 @@ from rallypoint.supervise._errors import (
     WarmProcessError,
     WorkerFailedError,
 )
+from rallypoint.supervise._limits import check_worker_limits
 from rallypoint.supervise._options import OutputOptions, StopOptions, WorkerOptions
 from rallypoint.supervise._output import OutputRouter, write_console
 from rallypoint.supervise._policy import AttemptPolicy
@@ -106,6 +107,7 @@ class Supervisor(Closing):
         warn_omp: bool = False,
         signals: SignalQueue | None = None,
     ) -> None:
+        check_worker_limits(workers.nproc)
         self.warm = warm
         self.workers = workers
         self.stop_options = stop
