@@ -8,6 +8,7 @@ This module therefore imports nothing heavy at its top level.
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 # subcommand -> ("module" with ``main(argv) -> int``, or "module:function"; one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -37,19 +38,31 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "run":
+def _run(argv: list[str]) -> NoReturn:
+    """``rallypoint run``: a ^C before the launcher handles signals itself (while it
+    imports and parses) stops it with one line, not a ``KeyboardInterrupt`` traceback."""
+    try:
         # Fork the warm process first: it imports torch while we parse arguments.
         from rallypoint.supervise._warm import WarmProcess
 
-        warm = WarmProcess.fork()
-        from rallypoint._core.procs import exit_now
+        warm = WarmProcess.fork()  # it dies with this process until it is ready
         from rallypoint.cli._run import run_main
 
-        # Not a return: daemon threads may still sit in torch's C++ store calls, and one
-        # waking during interpreter finalization aborts the process (see exit_now).
-        exit_now(run_main(args[1:], warm, owns_process=True))
+        code = run_main(argv, warm, owns_process=True)
+    except KeyboardInterrupt:
+        sys.stderr.write("rallypoint run: received SIGINT while starting; stopped\n")
+        code = 128 + 2
+    from rallypoint._core.procs import exit_now
+
+    # Not a return: daemon threads may still sit in torch's C++ store calls, and one
+    # waking during interpreter finalization aborts the process (see exit_now).
+    exit_now(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "run":
+        _run(args[1:])
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2

@@ -207,3 +207,33 @@ def test_multinode_agents_let_handlers_finish_as_under_torchrun(
         assert code == 143, text
         assert "Traceback" not in text, text
     assert not ours.survivors()
+
+
+def test_an_early_sigint_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    """^C while the launcher still imports and parses (before its own handlers are in):
+    it printed a ``KeyboardInterrupt`` traceback."""
+    script = tmp_path / "ok.py"
+    script.write_text("print('hi')\n")
+    for delay in (0.0, 0.02, 0.05):
+        proc = subprocess.Popen(
+            [*RALLYPOINT, "--nproc-per-node", "2", str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        launcher = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 10
+        while not (tree := launcher.children()):  # the warm process: our code runs
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.001)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert "Traceback" not in err, err
+        if proc.returncode == 0:  # the job was quicker than the signal
+            continue
+        assert proc.returncode == 130, err
+        [line] = err.strip().splitlines()[-1:]
+        assert "received SIGINT" in line, err
+        _, alive = psutil.wait_procs(tree, timeout=5)
+        assert not alive
