@@ -242,3 +242,41 @@ def test_launcher_sigkilled_leaves_no_process_and_no_temporary_files(tmp_path: P
             for pid in json.loads(f.read_text())["pids"]:
                 with __import__("contextlib").suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
+
+
+OTHER_RANKS = """
+import ctypes, os, signal, sys, time
+rank = int(os.environ["RANK"])
+if rank == 0:
+    time.sleep(0.5)
+    raise RuntimeError("the root cause")
+if rank == 1:  # its own failure, after rallypoint's SIGTERM, which it ignores
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(1.5)
+    raise ValueError("rank 1 failed on its own")
+if rank == 2:  # a crash of its own, likewise
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(1.5)
+    ctypes.string_at(0)
+if rank == 3:  # a handler that stops when told to
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+time.sleep(30)  # rank 4: killed by the SIGTERM
+"""
+
+
+def test_other_ranks_that_failed_on_their_own_are_not_labelled_as_stopped(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "ranks.py"
+    script.write_text(OTHER_RANKS)
+    assert run_main(["--nproc-per-node", "5", str(script)]) == 1
+    _, err = capfd.readouterr()
+    others = {
+        int(line.split()[1]): line
+        for line in err[err.index("Other ranks:") :].splitlines()[1:]
+        if line.startswith("  rank ")
+    }
+    assert "exited with 1 (its own failure: ValueError: rank 1 failed on its own)" in others[1]
+    assert "killed by SIGSEGV (its own failure" in others[2]
+    assert "exited with 1 (stopped by rallypoint with SIGTERM)" in others[3]
+    assert "killed by SIGTERM (stopped by rallypoint with SIGTERM)" in others[4]

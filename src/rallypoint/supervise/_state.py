@@ -4,12 +4,13 @@ worker (:class:`Worker`), and how an attempt ended (:class:`Outcome`)."""
 from __future__ import annotations
 
 import enum
+import re
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rallypoint.supervise._errors import WorkerState
-from rallypoint.supervise._summary import describe_status
+from rallypoint.supervise._summary import describe_status, error_info
 
 __all__ = ["Failure", "GroupInfo", "Outcome", "OutcomeKind", "Stop", "Worker"]
 
@@ -89,6 +90,10 @@ class Outcome:
     """Each worker's raw result message by local rank (``launch()`` only)."""
 
 
+_STOP_EXCEPTION = re.compile(r"^\s*(\w+\.)*(KeyboardInterrupt|SignalException)\b")
+"""What a worker's last traceback line says when a stop's signal raised it."""
+
+
 @dataclass(slots=True)
 class Worker:
     """One running (or exited) worker of the current attempt."""
@@ -113,6 +118,27 @@ class Worker:
         code, text = describe_status(self.status)
         kind = "succeeded" if code == 0 else "failed"
         if code != 0 and self.signalled is not None:
-            kind = "terminated"
-            text = f"{text} (stopped by rallypoint with {signal.Signals(self.signalled).name})"
+            own = self._own_error(code)
+            if own:  # it failed on its own while (or before) rallypoint's signal came
+                text = f"{text} ({own})"
+            else:
+                kind = "terminated"
+                name = signal.Signals(self.signalled).name
+                text = f"{text} (stopped by rallypoint with {name})"
         return WorkerState(self.rank, self.local_rank, self.pid, kind, code, text)
+
+    def _own_error(self, code: int) -> str:
+        """Why a worker that rallypoint signalled failed, if not because of the signal:
+        a fatal signal of its own (SIGSEGV, SIGABRT...), or an exception other than the
+        ones a stop raises (``KeyboardInterrupt``, torch's ``SignalException``); ``""``
+        when the stop explains its exit."""
+        if code < 0:
+            sig = -code
+            if sig in (self.signalled, signal.SIGKILL):
+                return ""
+            return "its own failure, before rallypoint's signal took effect"
+        traceback_text, _ = error_info(bytes(self.result), self.error_file)
+        last = next((ln for ln in reversed(traceback_text.splitlines()) if ln.strip()), "")
+        if not last or _STOP_EXCEPTION.search(last):
+            return ""
+        return f"its own failure: {last.strip()}"
