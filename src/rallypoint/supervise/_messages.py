@@ -118,6 +118,8 @@ class SnapshotsStarted:
     path: str
     """The server's Unix socket (in a directory only this user can enter)."""
     pid: int
+    replaced: str = ""
+    """How the previous server ended (``"killed by SIGKILL"``) when this one replaces it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,16 +151,24 @@ class Supervisor(Closing):
             self._start_snapshots()
 
     def _start_snapshots(self) -> None:
-        """The node's snapshot server (``rallypoint.snapshot``); without it, workers keep
-        snapshots in their own memory and say so."""
+        """The node's snapshot server (``rallypoint.snapshot``), or a new one if it died
+        (checked before every attempt); without one, workers keep snapshots in their own
+        memory and say so."""
         try:
-            path, self.stopper.snapshot_pid = self.warm.start_snapshots()
+            path, self.stopper.snapshot_pid, replaced = self.warm.start_snapshots()
         except WarmProcessError as exc:
             if exc.kind is not WarmErrorKind.SNAPSHOTS:
                 raise
             write_console(2, f"rallypoint: no snapshot server on this node: {exc}\n".encode())
             self.starter.base_env.pop(envvars.SNAPSHOT_SOCKET, None)
             return
+        if replaced:
+            write_console(
+                2,
+                f"rallypoint: the node's snapshot server {replaced}; started a new one (the "
+                "snapshots it held are gone: workers restore from a peer's replica or "
+                "--snapshot-dir, else from the start)\n".encode(),
+            )
         self.starter.base_env[envvars.SNAPSHOT_SOCKET] = path
 
     def start_store(self, host: str, port: int) -> int:
@@ -191,6 +199,8 @@ class Supervisor(Closing):
     # ------------------------------------------------------------------ attempts
     def run_attempt(self, group: GroupInfo, number: int, policy: AttemptPolicy) -> Outcome:
         """Start the local workers of ``group``, watch them until they are gone."""
+        if envvars.SNAPSHOT_SOCKET in self.starter.base_env:
+            self._start_snapshots()  # replaced if it died since the last attempt
         router = OutputRouter()
         workers: list[Worker] = []
         try:

@@ -121,12 +121,13 @@ class WarmProcess:
 
         return self._request(ResetStore(), StoreStarted).port
 
-    def start_snapshots(self) -> tuple[str, int]:
-        """Start the node's snapshot server (idempotent); returns ``(socket path, pid)``."""
+    def start_snapshots(self) -> tuple[str, int, str]:
+        """Start the node's snapshot server, or a new one if it died; returns ``(socket
+        path, pid, how the previous server ended or "")``."""
         from rallypoint.supervise._messages import SnapshotsStarted, StartSnapshots
 
         reply = self._request(StartSnapshots(), SnapshotsStarted)
-        return reply.path, reply.pid
+        return reply.path, reply.pid, reply.replaced
 
     def remove_on_exit(self, paths: list[str]) -> None:
         """Have the warm process remove ``paths`` should this process die without closing."""

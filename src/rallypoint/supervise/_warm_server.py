@@ -61,6 +61,7 @@ from rallypoint.supervise._messages import (
     send,
 )
 from rallypoint.supervise._snapshots import SnapshotServer, fork_snapshot_server
+from rallypoint.supervise._summary import describe_status
 from rallypoint.supervise._worker import WorkerSpec, child_main, set_parent_death_signal
 
 __all__ = ["WARM_MODULES", "serve"]
@@ -114,6 +115,8 @@ class _Server:
         self.store_pid = 0
         self.store_sock: socket.socket | None = None
         self.snapshots: SnapshotServer | None = None
+        self.snapshots_ended = ""
+        """How the last snapshot server died, until a new one is started."""
         self.wake_r, self.wake_w = os.pipe()
         self.remove_on_exit: list[str] = []
         self.pid = os.getpid()
@@ -158,6 +161,8 @@ class _Server:
             if pid in self.workers:
                 del self.workers[pid]
                 send(self.sock, Exited(pid, status))
+            elif self.snapshots is not None and pid == self.snapshots.pid:
+                self._snapshots_ended(status)
 
     def _on_message(self) -> None:
         msg, fds = recv(self.sock, maxfds=3)
@@ -219,7 +224,21 @@ class _Server:
         assert isinstance(reply, StoreStarted | Failed), reply
         return reply
 
+    def _snapshots_ended(self, status: int) -> None:
+        """The snapshot server died (killed, OOM): the next request starts a new one."""
+        assert self.snapshots is not None
+        shutil.rmtree(self.snapshots.directory, ignore_errors=True)  # not stop(): reaped
+        self.remove_on_exit.remove(self.snapshots.directory)
+        self.snapshots = None
+        self.snapshots_ended = describe_status(status)[1]
+
     def _snapshots(self) -> Reply:
+        if self.snapshots is not None:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.snapshots.pid, os.WNOHANG)
+                if pid:  # died since the last reap
+                    self._snapshots_ended(status)
+        replaced, self.snapshots_ended = self.snapshots_ended, ""
         if self.snapshots is None:
             close = [self.sock.fileno(), self.wake_r, self.wake_w]
             if self.store_sock is not None:
@@ -229,7 +248,7 @@ class _Server:
                 self.remove_on_exit.append(self.snapshots.directory)
             except OSError as exc:
                 return Failed(WarmErrorKind.SNAPSHOTS, f"{type(exc).__name__}: {exc}")
-        return SnapshotsStarted(self.snapshots.path, self.snapshots.pid)
+        return SnapshotsStarted(self.snapshots.path, self.snapshots.pid, replaced)
 
     def _fork_store(self) -> socket.socket:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
