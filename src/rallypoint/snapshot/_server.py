@@ -173,8 +173,7 @@ class Server:
     def _peer(self, conn: socket.socket) -> None:
         try:
             with conn, contextlib.suppress(OSError, ProtocolError, ConnectionError):
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                while True:
+                while True:  # (the acceptor set TCP_NODELAY)
                     conn.settimeout(IDLE_SECONDS)
                     msg = recv_frame(conn)
                     conn.settimeout(PEER_TIMEOUT)
