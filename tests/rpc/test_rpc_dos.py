@@ -7,8 +7,10 @@ existing connection and over a new one (a fresh handshake).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import resource
 import socket
 import threading
@@ -311,3 +313,35 @@ def test_both_listeners_out_of_descriptors_in_one_batch_do_not_stop_the_acceptor
     assert out["alive_while_out"], out
     assert out["greeted"] == [40, 40], out  # both accepted once descriptors came back
     assert out["errors"] == [], out  # the second listener's event was stale: skipped
+
+
+def _junk_flood(count: int) -> dict[str, Any]:
+    rank = int(os.environ["RANK"])
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("rallypoint.rpc").addHandler(handler)
+    _init()
+    if rank == 0:
+        for _ in range(count):
+            with socket.create_connection(_target_tcp(), timeout=5) as sock:
+                sock.sendall(b"\xff" * 100)  # a hello of 4 GiB: rejected at once
+                with contextlib.suppress(ConnectionResetError):
+                    while sock.recv(4096):  # the challenge, then the drop
+                        pass
+    rpc.shutdown()  # the target's acceptor reports what it did not show when it closes
+    return {"lines": [line for line in lines if "rejected" in line]}
+
+
+@pytest.mark.timeout(60)
+def test_a_flood_of_junk_connections_logs_a_few_lines_that_count_them_all() -> None:
+    """Issue 44, finding 5: 2,000 junk connections printed 2,000 lines."""
+    count = 300
+    lines = run_workers(_junk_flood, 2, count, timeout=50, env=SECRET)[1]["lines"]
+    assert 1 < len(lines) <= 10, lines
+    counted = 0
+    for line in lines:
+        more = re.search(r"rejected (\d+) more connections|\((\d+) more rejected", line)
+        single = line.startswith("rallypoint.rpc: rejected a connection from")
+        counted += single + (int(more.group(1) or more.group(2)) if more else 0)
+    assert counted == count, lines

@@ -3,13 +3,17 @@ save, bounded memory, and persistence with DCP across jobs and world sizes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
-from _jobs import run, same_params, starts
+from _jobs import TRAIN, run, same_params, starts
+from _ports import snapshot_listeners
 
 
 @pytest.mark.timeout(150)
@@ -116,3 +120,28 @@ def test_snapshot_dir_restores_a_fresh_job_and_reshards_for_another_world(
     assert "restored step 60 from disk on every rank (3 ranks" in text, text
     assert starts(tmp_path / "c") == [(60, 60, 3)] * 3
     same_params(tmp_path / "c" / "restored-60-3.pt", reference)
+
+
+@pytest.mark.timeout(120)
+def test_a_single_node_job_listens_for_peers_on_loopback_only(tmp_path: Path) -> None:
+    """Nobody else ever connects to the snapshot server of a one-node job: its peer port
+    is not on every interface (issue 44, finding 4: it was on 0.0.0.0)."""
+    cmd = [
+        sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "2",
+        "--max-restarts", "0", "--shutdown-timeout", "2", str(TRAIN), str(tmp_path), "node", "60",
+    ]  # fmt: skip
+    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "at37").exists():  # rank 1 saved step 37 and sleeps
+            assert agent.poll() is None and time.monotonic() < deadline, agent.poll()
+            time.sleep(0.05)
+        listeners = snapshot_listeners(agent.pid)
+    finally:
+        procs = [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        agent.communicate(timeout=30)
+    assert listeners, "the snapshot server listens on no TCP port"
+    assert all(ip == "127.0.0.1" for ip, _ in listeners), listeners

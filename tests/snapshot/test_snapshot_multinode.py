@@ -17,6 +17,7 @@ from typing import Any
 import psutil
 import pytest
 from _jobs import TRAIN, same_params, starts
+from _ports import Holder, snapshot_listeners
 from _train import train
 
 from rallypoint.launcher import launch
@@ -125,6 +126,39 @@ def test_whole_node_killed_at_37_replacement_resumes_at_37_bit_identical(
         agents[lost].communicate(timeout=30)
         replacement = launch_node(endpoint, "nodeloss", tmp_path, "node")  # a new node
         texts = [*_finish([agents[1 - lost]]), replacement]
+    finally:
+        for p in agents:
+            p.kill()
+    _check_resumed_at_37(tmp_path, texts, reference4)
+
+
+@pytest.mark.timeout(240)
+def test_strangers_holding_the_peer_port_do_not_stop_a_replacement_node_restoring(
+    tmp_path: Path, reference4: Path
+) -> None:
+    """64 idle connections to the surviving node's snapshot peer port, reopened whenever
+    the server drops them, while a replacement node fetches its replica from there: it
+    used to wait behind them for one of 16 handshake slots, and its restore failed."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    endpoint = f"127.0.0.1:{store.port}"
+
+    def start() -> subprocess.Popen[str]:
+        cmd = agent_cmd(endpoint, "hold", tmp_path, "node")
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    agents = [start(), start()]
+    try:
+        _wait_for(tmp_path / "at37")
+        lost = _node_of(int((tmp_path / "at37").read_text()), agents)
+        listeners = snapshot_listeners(agents[1 - lost].pid)
+        with Holder(listeners, 64) as holder:
+            _kill_tree(agents[lost].pid)
+            agents[lost].communicate(timeout=30)
+            replacement = launch_node(endpoint, "hold", tmp_path, "node")
+            texts = [*_finish([agents[1 - lost]]), replacement]
+        assert holder.opened >= 64 * len(listeners), holder.opened
     finally:
         for p in agents:
             p.kill()

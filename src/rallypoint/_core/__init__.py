@@ -16,7 +16,11 @@ never up from it.
 - :mod:`~rallypoint._core.public`: public names report their public module;
 - :mod:`~rallypoint._core.blocking`: a blocking call (a C store call that ignores signals)
   run in a thread, so the caller keeps its own deadline and still handles signals;
-- :mod:`~rallypoint._core.forking`: module-level locks that a forked child finds free.
+- :mod:`~rallypoint._core.forking`: module-level locks that a forked child finds free;
+- :mod:`~rallypoint._core.handshake`: the HMAC challenge over a job's secret, and
+  ``recv_exact`` under one deadline;
+- :mod:`~rallypoint._core.acceptor`: listeners and unauthenticated handshakes on one
+  selector thread (the RPC port and the snapshot servers' peer port).
 """
 
 from __future__ import annotations

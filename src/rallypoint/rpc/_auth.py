@@ -12,35 +12,33 @@ job's secret:
 3. server -> client: ``"OK"`` and ``HMAC-SHA256(secret, "server" | nc | ns)``
 
 Every field before the MAC check has a fixed or bounded size, and nothing is unpickled
-(or even JSON-parsed) before the MAC matches. The secret comes from ``secret_file``,
-``RALLYPOINT_RPC_SECRET`` (``rallypoint run`` generates one per job), or, only when
-explicitly allowed, from the rendezvous store (then whoever can read the store can join).
+(or even JSON-parsed) before the MAC matches. The exchange is
+:mod:`rallypoint._core.handshake`'s (the snapshot servers run it too, with other labels);
+this module gives it the RPC labels and translates its errors.
+
+The secret comes from ``secret_file``, ``RALLYPOINT_RPC_SECRET`` (``rallypoint run``
+generates one per job), or, only when explicitly allowed, from the rendezvous store (then
+whoever can read the store can join).
 Traffic is authenticated at connection set-up, not encrypted.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import logging
 import os
 import secrets
 import socket
-import struct
 import time
 from typing import Any
 
+from rallypoint._core import handshake as _handshake
 from rallypoint._core.envvars import RPC_ALLOW_STORE_SECRET, RPC_SECRET
+from rallypoint._core.handshake import HandshakeError, Scheme
 from rallypoint.rpc._errors import RpcAuthenticationError
 
 logger = logging.getLogger("rallypoint.rpc")
 
 _MAGIC = b"RPRPC1\x00\x00"
-_NONCE = 32
-_MAC = 32
-_MAX_HELLO = 4096
-_LEN = struct.Struct("<I")
 _STORE_SECRET_KEY = "rpc_store_secret"
 
 
@@ -98,73 +96,9 @@ def _no_secret() -> RpcAuthenticationError:
     )
 
 
-def _mac(secret: bytes, *parts: bytes) -> bytes:
-    return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    """``n`` bytes, all of them before ``deadline`` (a slow sender cannot stretch it)."""
-    chunks = bytearray()
-    while len(chunks) < n:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("the peer did not finish authenticating in time")
-        sock.settimeout(remaining)
-        data = sock.recv(n - len(chunks))
-        if not data:
-            raise RpcAuthenticationError("peer closed the connection during authentication")
-        chunks += data
-    return bytes(chunks)
-
-
-class ServerHandshake:
-    """The server's side of the challenge as a state machine fed bytes as they arrive.
-
-    It never blocks, so one thread can run many handshakes (see ``_acceptor``): send
-    :attr:`greeting`, then read at most :meth:`wanted` bytes at a time and :meth:`feed`
-    them until it returns ``(reply, hello)``; send ``reply`` and the peer is trusted.
-    """
-
-    def __init__(self, secret: bytes) -> None:
-        self._secret = secret
-        self._server_nonce = secrets.token_bytes(_NONCE)
-        self.greeting = _MAGIC + self._server_nonce
-        self._buf = bytearray()
-        self._total = _NONCE + _LEN.size  # grows once the hello length is known
-
-    def wanted(self) -> int:
-        """How many bytes the next step needs (never more than the handshake has left)."""
-        return self._total - len(self._buf)
-
-    def feed(self, data: bytes) -> tuple[bytes, dict[str, Any]] | None:
-        """Take bytes; ``(reply, hello)`` once the client proved it knows the secret."""
-        if len(data) > self.wanted():
-            raise RpcAuthenticationError("client sent more than the handshake")
-        self._buf += data
-        head = _NONCE + _LEN.size
-        if len(self._buf) == head and self._total == head:
-            (hello_len,) = _LEN.unpack_from(self._buf, _NONCE)
-            if hello_len > _MAX_HELLO:
-                raise RpcAuthenticationError(
-                    f"hello of {hello_len} bytes is larger than {_MAX_HELLO}"
-                )
-            self._total = head + hello_len + _MAC
-        if len(self._buf) < self._total:
-            return None
-        client_nonce = bytes(self._buf[:_NONCE])
-        hello = bytes(self._buf[head : self._total - _MAC])
-        mac = bytes(self._buf[self._total - _MAC :])
-        expected = _mac(self._secret, b"client", self._server_nonce, client_nonce, hello)
-        if not hmac.compare_digest(mac, expected):
-            raise RpcAuthenticationError("client failed the HMAC challenge (wrong RPC secret)")
-        reply = b"OK" + _mac(self._secret, b"server", client_nonce, self._server_nonce)
-        try:
-            info = json.loads(hello)
-        except ValueError as exc:
-            raise RpcAuthenticationError("authenticated client sent a malformed hello") from exc
-        if not isinstance(info, dict):
-            raise RpcAuthenticationError("authenticated client sent a malformed hello")
-        return reply, info
+SCHEME = Scheme(what="RPC", magic=_MAGIC, client_label=b"client", server_label=b"server",
+                hello=True, accept=b"OK")  # fmt: skip
+"""The RPC port's handshake (:mod:`rallypoint._core.handshake` runs it)."""
 
 
 def server_handshake(sock: socket.socket, secret: bytes, timeout: float) -> dict[str, Any]:
@@ -172,17 +106,12 @@ def server_handshake(sock: socket.socket, secret: bytes, timeout: float) -> dict
 
     ``timeout`` bounds the whole handshake, not each read.
     """
-    deadline = time.monotonic() + timeout
-    handshake = ServerHandshake(secret)
-    sock.settimeout(timeout)
-    sock.sendall(handshake.greeting)
-    while True:
-        done = handshake.feed(_recv_exact(sock, handshake.wanted(), deadline))
-        if done is not None:
-            reply, info = done
-            sock.sendall(reply)
-            sock.settimeout(None)
-            return info
+    try:
+        info = _handshake.server_handshake(sock, secret, SCHEME, time.monotonic() + timeout)
+    except HandshakeError as exc:
+        raise RpcAuthenticationError(str(exc)) from None
+    sock.settimeout(None)
+    return info
 
 
 def client_handshake(
@@ -192,23 +121,8 @@ def client_handshake(
 
     ``timeout`` bounds the whole handshake, not each read.
     """
-    deadline = time.monotonic() + timeout
-    sock.settimeout(timeout)
-    first = _recv_exact(sock, len(_MAGIC) + _NONCE, deadline)
-    if first[: len(_MAGIC)] != _MAGIC:
-        raise RpcAuthenticationError("the peer is not a rallypoint RPC server")
-    server_nonce = first[len(_MAGIC) :]
-    client_nonce = secrets.token_bytes(_NONCE)
-    body = json.dumps(hello).encode()
-    mac = _mac(secret, b"client", server_nonce, client_nonce, body)
-    sock.sendall(client_nonce + _LEN.pack(len(body)) + body + mac)
     try:
-        answer = _recv_exact(sock, 2 + _MAC, deadline)
-    except RpcAuthenticationError:
-        raise RpcAuthenticationError(
-            "the server closed the connection during authentication: the RPC secrets differ"
-        ) from None
-    expected = _mac(secret, b"server", client_nonce, server_nonce)
-    if answer[:2] != b"OK" or not hmac.compare_digest(answer[2:], expected):
-        raise RpcAuthenticationError("the server failed the HMAC challenge (wrong RPC secret)")
+        _handshake.client_handshake(sock, secret, SCHEME, time.monotonic() + timeout, hello)
+    except HandshakeError as exc:
+        raise RpcAuthenticationError(str(exc)) from None
     sock.settimeout(None)

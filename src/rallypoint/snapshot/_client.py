@@ -41,12 +41,15 @@ class SlotBuffer:
 
 
 class NodeClient:
-    def __init__(self, path: str, secret: bytes, timeout: float) -> None:
+    def __init__(
+        self, path: str, secret: bytes, timeout: float, *, host: str = "127.0.0.1"
+    ) -> None:
+        """``host``: the address the server listens on for other nodes (``port``)."""
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.settimeout(timeout)
         try:
             self.sock.connect(path)
-            reply, _ = self._call({"op": "hello", "secret": secret.hex()})
+            reply, _ = self._call({"op": "hello", "secret": secret.hex(), "host": host})
         except BaseException:
             self.sock.close()
             raise

@@ -87,6 +87,15 @@ def _worker_store(timeout: float) -> Any:
     )
 
 
+def _peer_host(world: int, local_world: int) -> str:
+    """The address this node's server listens on for the others and publishes: loopback
+    while the world is this node's alone (nobody else needs it), else the address the
+    kernel routes towards ``MASTER_ADDR`` from (the one the other nodes reach)."""
+    if world == local_world:
+        return "127.0.0.1"
+    return local_address_towards(os.environ["MASTER_ADDR"])
+
+
 class NodeSession:
     """This worker's snapshots on its node's server (see the module docstring)."""
 
@@ -100,10 +109,11 @@ class NodeSession:
         secret = env.get(envvars.RPC_SECRET, "")
         if not secret:
             raise SnapshotError(f"{envvars.RPC_SECRET} is not set")
-        self.client = NodeClient(path, secret.encode(), options.timeout)
-        self.server = f"{local_address_towards(env['MASTER_ADDR'])}:{self.client.port}"
         self.first_rank = self.rank - self.local_rank
         self.local_world = int(env.get("LOCAL_WORLD_SIZE", "1"))
+        host = _peer_host(self.world, self.local_world)
+        self.client = NodeClient(path, secret.encode(), options.timeout, host=host)
+        self.server = f"{host}:{self.client.port}"
         self.agree = self._agreement()
         self.agree.publish_server(self.server, self.first_rank, self.local_world)
         self._bg = _Background()

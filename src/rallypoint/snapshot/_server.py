@@ -13,17 +13,25 @@ Two listening sockets:
   ``begin``/``commit`` write a snapshot (the worker copies into the slot's memfd, which
   it gets with the reply), ``commit`` also pushes it to the replica and answers when the
   replica has it; ``inventory``/``open``/``fetch``/``restored`` serve a restore.
-- a TCP socket on every interface: the other nodes' servers, which must pass the HMAC
-  challenge over the job's secret (``_auth``) within :data:`HANDSHAKE_SECONDS` before
-  a header is read; at most :data:`MAX_HANDSHAKES` handshakes at a time (a connection
-  waits up to that long for its turn, so strangers delay a peer by at most that much)
-  and :data:`MAX_PEERS` connections in all. ``put`` stores a replica, ``get`` sends a snapshot.
+- a TCP socket on the address the node is reached at, which the first worker's ``hello``
+  names (the address it publishes for the other nodes; loopback while the job's world
+  is this node's alone): the other nodes' servers. Opened only then, once the server
+  knows the job's secret; a later ``hello`` naming another address (the next round may
+  route to another master) opens one more, at most :data:`MAX_ADDRESSES`. A connection
+  must pass the HMAC challenge over the job's secret (``_auth``) within
+  :data:`HANDSHAKE_SECONDS` before a header is read; the handshakes run in
+  :mod:`rallypoint._core.acceptor` (one thread, one deadline per handshake, caps on
+  pending ones in all and per peer address, rejections logged at most once per 10 s
+  after a few), so strangers holding connections open delay no peer.
+  At most :data:`MAX_PEERS` authenticated connections are served at once, a thread
+  each. ``put`` stores a replica, ``get`` sends a snapshot.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import os
 import socket
 import struct
@@ -32,7 +40,9 @@ import threading
 import time
 from typing import Any, NoReturn
 
-from rallypoint.snapshot._auth import AuthError, client_handshake, server_handshake
+from rallypoint._core.acceptor import Acceptor
+from rallypoint._core.handshake import ServerHandshake
+from rallypoint.snapshot._auth import SCHEME, AuthError, client_handshake
 from rallypoint.snapshot._records import Key, Records, Slot
 from rallypoint.snapshot._wire import (
     ProtocolError,
@@ -45,13 +55,13 @@ from rallypoint.snapshot._wire import (
     send_local,
 )
 
-__all__ = ["HANDSHAKE_SECONDS", "MAX_HANDSHAKES", "MAX_PEERS", "serve"]
+__all__ = ["HANDSHAKE_SECONDS", "MAX_ADDRESSES", "MAX_PEERS", "serve"]
 
 HANDSHAKE_SECONDS = 5.0
-CONNECT_SECONDS = 2 * HANDSHAKE_SECONDS + 1
-"""A client's limit for connect and handshake: a server may queue it for a handshake slot."""
-MAX_HANDSHAKES = 16
+CONNECT_SECONDS = HANDSHAKE_SECONDS + 1
+"""A client's limit for connect and handshake."""
 MAX_PEERS = 256
+MAX_ADDRESSES = 8
 PEER_TIMEOUT = 30.0
 """Seconds without progress before a peer transfer gives up (a cut link)."""
 IDLE_SECONDS = 600.0
@@ -80,15 +90,19 @@ class _Log:
                 sys.stderr.write(f"rallypoint snapshot server: {text}\n")
 
 
+def _stderr(level: int, text: str) -> None:
+    """The acceptor's lines (it throttles rejections itself)."""
+    with contextlib.suppress(OSError):
+        sys.stderr.write(f"rallypoint snapshot server: {text}\n")
+
+
 class Server:
     def __init__(self, listener: socket.socket) -> None:
         self.listener = listener
         self.records = Records()
-        self.tcp = socket.create_server(("0.0.0.0", 0), backlog=128)
-        self.port = int(self.tcp.getsockname()[1])
         self._secret: bytes | None = None
         self._lock = threading.Lock()
-        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._acceptors: dict[str, tuple[Acceptor, int]] = {}  # host: (acceptor, port)
         self._peers = threading.BoundedSemaphore(MAX_PEERS)
         self.log = _Log()
 
@@ -104,8 +118,32 @@ class Server:
                 self._secret = secret
             return self._secret == secret
 
+    def listen(self, host: str) -> int:
+        """The port of the peer listener on ``host`` (an IP address), opened on first use."""
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ProtocolError(f"host must be an IP address, got {host!r}") from None
+        with self._lock:
+            secret = self._secret
+            assert secret is not None, "listen() before a worker said hello"
+            if host not in self._acceptors:
+                if len(self._acceptors) >= MAX_ADDRESSES:
+                    raise ProtocolError(f"listening on {MAX_ADDRESSES} addresses already")
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                tcp = socket.create_server((host, 0), family=family, backlog=128)
+                acceptor = Acceptor(
+                    [tcp],
+                    lambda: ServerHandshake(secret, SCHEME),
+                    self._admit,
+                    deadline=HANDSHAKE_SECONDS,
+                    log=_stderr,
+                    name="snapshot-accept",
+                )
+                self._acceptors[host] = (acceptor, int(tcp.getsockname()[1]))
+            return self._acceptors[host][1]
+
     def run(self) -> None:
-        threading.Thread(target=self._accept_peers, daemon=True, name="snapshot-tcp").start()
         _accept_loop(self.listener, self._local, "snapshot-local")
 
     # ------------------------------------------------------------------ the node's workers
@@ -118,35 +156,24 @@ class Server:
         LocalSession(self, conn).serve()
 
     # ------------------------------------------------------------------ other nodes
-    def _accept_peers(self) -> None:
-        def admit(conn: socket.socket) -> None:
-            if not self._peers.acquire(blocking=False):
-                conn.close()
-                return
-            try:
-                self._peer(conn)
-            finally:
-                self._peers.release()
-
-        _accept_loop(self.tcp, admit, "snapshot-peer")
+    def _admit(self, conn: socket.socket, uds: bool, hello: dict[str, Any]) -> None:
+        """An authenticated peer (on the acceptor's thread): served on a thread of its own."""
+        if not self._peers.acquire(blocking=False):
+            conn.close()
+            return
+        try:
+            thread = threading.Thread(target=self._peer, args=(conn,), daemon=True)
+            thread.name = "snapshot-peer"
+            thread.start()
+        except RuntimeError:  # out of threads: drop it, as a stranger
+            self._peers.release()
+            conn.close()
+            self.log("dropped a peer connection: cannot start a thread")
 
     def _peer(self, conn: socket.socket) -> None:
-        with conn:
-            secret = self.secret
-            if secret is None:
-                return  # no worker told us the job's secret yet
-            if not self._handshakes.acquire(timeout=HANDSHAKE_SECONDS + 1):
-                return  # strangers hold every handshake slot: this one waited its turn
-            try:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                server_handshake(conn, secret, time.monotonic() + HANDSHAKE_SECONDS)
-            except (AuthError, OSError) as exc:
-                self.log(f"rejected a connection: {exc}")
-                return
-            finally:
-                self._handshakes.release()
-            with contextlib.suppress(OSError, ProtocolError, ConnectionError):
-                while True:
+        try:
+            with conn, contextlib.suppress(OSError, ProtocolError, ConnectionError):
+                while True:  # (the acceptor set TCP_NODELAY)
                     conn.settimeout(IDLE_SECONDS)
                     msg = recv_frame(conn)
                     conn.settimeout(PEER_TIMEOUT)
@@ -157,6 +184,8 @@ class Server:
                         self._get(conn, msg)
                     else:
                         raise ProtocolError(f"unknown op {op!r}")
+        finally:
+            self._peers.release()
 
     def _put(self, conn: socket.socket, msg: dict[str, Any]) -> None:
         rank, world, key, nbytes = _target(msg)
@@ -221,8 +250,13 @@ class LocalSession:
             secret = bytes.fromhex(field(msg, "secret", str))
             if not secret or not self.server.learn_secret(secret):
                 self._reply({"ok": False, "error": "this worker's RPC secret is not the node's"})
-            else:
-                self._reply({"ok": True, "port": self.server.port, "pid": os.getpid()})
+                return
+            try:
+                port = self.server.listen(field(msg, "host", str))
+            except OSError as exc:
+                self._reply({"ok": False, "error": f"cannot listen for peers: {exc}"})
+                return
+            self._reply({"ok": True, "port": port, "pid": os.getpid()})
         elif op == "begin":
             rank, world, key, nbytes = _target(msg)
             slot = self.records.begin(rank, world, key, nbytes, _key_or_none(msg.get("keep")))

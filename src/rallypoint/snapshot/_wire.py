@@ -3,7 +3,9 @@
 - Worker <-> its node's server: a Unix ``SOCK_SEQPACKET`` socket, one JSON object per
   packet, a slot's memfd passed with ``SCM_RIGHTS`` where a reply carries one.
 - Server <-> server (TCP, after the HMAC handshake of ``_auth``): a 4-byte length and a
-  JSON object per header; a snapshot's bytes follow a header that gives their length.
+  JSON object per header; a snapshot's bytes follow a header that gives their length
+  (read with :func:`~rallypoint._core.handshake.recv_exact`/``recv_into``, under the
+  socket's timeout).
 
 Every header field is checked for its type (:func:`field`); anything malformed raises
 :class:`ProtocolError` and the server drops that connection and keeps serving.
@@ -17,6 +19,8 @@ import socket
 import struct
 from collections.abc import Sequence
 from typing import Any, TypeVar
+
+from rallypoint._core.handshake import recv_exact, recv_into
 
 __all__ = [
     "MAX_HEADER",
@@ -33,7 +37,6 @@ __all__ = [
 
 MAX_HEADER = 1 << 16
 _LEN = struct.Struct("<I")
-_CHUNK = 1 << 22
 _T = TypeVar("_T")
 
 
@@ -84,22 +87,6 @@ def recv_local(sock: socket.socket, maxfds: int = 1) -> tuple[dict[str, Any] | N
 
 
 # ---------------------------------------------------------------- peers (TCP)
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    recv_into(sock, memoryview(buf))
-    return bytes(buf)
-
-
-def recv_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``; ``ConnectionError`` if the peer closes first."""
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got : min(n, got + _CHUNK)])
-        if k == 0:
-            raise ConnectionError(f"peer closed after {got} of {n} bytes")
-        got += k
-
-
 def send_frame(sock: socket.socket, msg: dict[str, Any]) -> None:
     data = json.dumps(msg).encode()
     sock.sendall(_LEN.pack(len(data)) + data)
