@@ -194,10 +194,6 @@ class Persister:
         """Complete checkpoints this job may restore, newest first."""
         return self.ckdir.complete()
 
-    def complete_steps(self) -> list[int]:
-        """Steps with a complete checkpoint, oldest first."""
-        return sorted({c.step for c in self.complete()})
-
     def load(self, checkpoint: Checkpoint) -> tuple[Meta, list[torch.Tensor]]:
         """This rank's meta and full tensors from ``checkpoint``."""
         from torch.distributed.checkpoint.filesystem import FileSystemReader
