@@ -105,15 +105,13 @@ def test_snapshot_dir_restores_a_fresh_job_and_reshards_for_another_world(
 ) -> None:
     ck = tmp_path / "ck"
     run(2, tmp_path / "a", "none", 45, snapshot_dir=ck)  # persisted steps 30 and 40 (the last two)
-    [first] = ck.iterdir()  # the job's namespace: run-<its random run id>
-    assert sorted(p.name for p in first.glob("step-*")) == [
+    assert sorted(p.name for p in ck.rglob("step-*")) == [
         "step-000000000030",
         "step-000000000040",
     ]
     # a new job (nothing in memory): the same world resumes at 40 and ends where 60 steps do
     text = run(2, tmp_path / "b", "none", 60, snapshot_dir=ck)
     assert "restored step 40 from disk on every rank" in text, text
-    assert "torch.distributed is disabled" not in text, text  # DCP's no_dist warning
     assert starts(tmp_path / "b") == [(40, 40, 2), (40, 40, 2)]
     same_params(tmp_path / "b" / "final.pt", reference)
     [second] = ck.iterdir()  # with two checkpoints of its own, b removed a's namespace

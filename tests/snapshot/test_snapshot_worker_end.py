@@ -1,5 +1,7 @@
-"""What a worker's snapshot session says when it ends: a script that never calls
-``snapshot.wait()`` ends quietly, and a slot this worker cannot map is said to be memory."""
+"""What workers' snapshot sessions print, in real ``rallypoint run`` jobs (warnings reach the
+screen there, not in workers forked from pytest): a script that never calls
+``snapshot.wait()`` ends quietly, a slot this worker cannot map is said to be memory, and a
+restore from ``--snapshot-dir`` does not print DCP's ``no_dist`` warning."""
 
 from __future__ import annotations
 
@@ -32,6 +34,20 @@ for step in range(1, 4):  # mapping the 64 MiB slot fails: ENOMEM
     state["w"] += 1
     snapshot.save(state, step=step)
 print("trained on", flush=True)
+"""
+
+
+DISK = r"""
+import torch, torch.distributed as dist
+from rallypoint import snapshot
+dist.init_process_group("gloo")
+state = {"w": torch.zeros(8)}
+start = snapshot.restore(state) or 0
+for step in range(start, start + 10):
+    state["w"] += 1
+    snapshot.save(state, step=step + 1)
+snapshot.wait()
+dist.destroy_process_group()
 """
 
 
@@ -78,3 +94,23 @@ def test_a_slot_the_worker_cannot_map_is_said_to_be_memory(tmp_path: Path) -> No
     assert "cannot map a snapshot slot of 64.0 MiB" in line and "out of memory" in line, line
     assert "lost the node's snapshot server" not in line, line
     assert "trained on" in text, text
+
+
+@pytest.mark.timeout(150)
+def test_a_restore_from_disk_prints_no_dcp_warning(tmp_path: Path) -> None:
+    script = tmp_path / "disk.py"
+    script.write_text(DISK)
+    cmd = [
+        sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "2",
+        "--snapshot-dir", str(tmp_path / "ck"), "--snapshot-every", "5", str(script),
+    ]  # fmt: skip
+    texts = []
+    for _ in range(2):  # the second job restores step 10 from disk
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+        texts.append(done.stdout + done.stderr)
+        assert done.returncode == 0, texts[-1]
+    assert "restored step 10 from disk on every rank" in texts[1], texts[1]
+    assert _lines(texts[1]) == [
+        "[rank0]: rallypoint.snapshot: restored step 10 from disk on every rank (2 ranks; "
+        + texts[1].split("(2 ranks; ")[1].splitlines()[0]
+    ], texts[1]
