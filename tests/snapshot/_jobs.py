@@ -27,20 +27,22 @@ def run(
     snapshot_dir: Path | None = None,
     every: int = 10,
     virtual_local_rank: bool = False,
+    run_id: str | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> str:
     """The job of ``rallypoint run --nproc-per-node NPROC _train.py OUT MODE STEPS``, with
     workers forked from this process (torch already imported: no interpreter start per
     worker); returns what the workers wrote."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {}
+    env = dict(extra_env or {})
     if snapshot_dir is not None:
-        env = {envvars.SNAPSHOT_DIR: str(snapshot_dir), envvars.SNAPSHOT_EVERY: str(every)}
+        env.update({envvars.SNAPSHOT_DIR: str(snapshot_dir), envvars.SNAPSHOT_EVERY: str(every)})
     logs = out / "logs"
     launch(
         train, str(out), mode, steps,
         nproc=nproc, max_restarts=max_restarts, shutdown_timeout=timedelta(seconds=2),
         timeout=timedelta(seconds=120), env=env, log_dir=logs, redirects="3",
-        virtual_local_rank=virtual_local_rank,
+        virtual_local_rank=virtual_local_rank, run_id=run_id,
     )  # fmt: skip
     return "".join(p.read_text() for p in sorted(logs.rglob("*.log")))
 

@@ -10,7 +10,11 @@ argv: OUT MODE STEPS. MODE says how this run is interrupted at step 37:
   which hosts the rendezvous store: ranks follow the nodes' arrival order);
 - ``savecrash``: rank 1 dies in the middle of the save of step 37 (after staging, before
   the commit) on the first attempt;
-- ``grow``: a world of one rank trains until the job grows (scale-up).
+- ``grow``: a world of one rank trains until the job grows (scale-up);
+- ``fill``: rank 0 fills the file system of ``--snapshot-dir`` after step 18 (a file at
+  ``SNAPSHOT_TEST_FILL``) and empties it again after step 33;
+- ``readonly``: rank 0 remounts ``SNAPSHOT_TEST_MOUNT`` read-only after step 18;
+- ``slow``: every step takes 0.3 s more (jobs that overlap).
 
 Every worker writes ``OUT/start-<rank>-<pid>`` (the step it resumed at, the number of steps
 its restored state had seen, the world size); rank 0 writes the parameters it restored
@@ -19,6 +23,7 @@ its restored state had seen, the world size); rank 0 writes the parameters it re
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -34,6 +39,32 @@ def _marks_the_node(rank: int, world: int) -> bool:
         return rank == world - 1
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     return host != "h0" and local_rank == local_world - 1
+
+
+def _fill(path: str) -> None:
+    """Write ``path`` until its file system is full."""
+    with open(path, "wb") as fp:
+        try:
+            while True:
+                fp.write(b"\0" * (1 << 16))
+                fp.flush()
+        except OSError:
+            pass
+
+
+def _disk_trouble(mode: str, rank: int, step: int) -> None:
+    if rank != 0 or mode not in ("fill", "readonly"):
+        return
+    if step == 18:
+        snapshot.wait()  # step 15's checkpoint is complete; from step 20 on, writes fail
+        if mode == "fill":
+            _fill(os.environ["SNAPSHOT_TEST_FILL"])
+        else:
+            mount = os.environ["SNAPSHOT_TEST_MOUNT"]
+            done = subprocess.run(["mount", "-o", "remount,ro", mount], capture_output=True)
+            assert done.returncode == 0, done.stderr
+    if step == 33 and mode == "fill":
+        os.unlink(os.environ["SNAPSHOT_TEST_FILL"])
 
 
 def train(out: str, mode: str, steps: int) -> None:
@@ -69,6 +100,8 @@ def train(out: str, mode: str, steps: int) -> None:
     for step in range(start, steps):
         if mode == "grow" and world == 1:
             time.sleep(0.02)
+        if mode == "slow":
+            time.sleep(0.3)
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(32, 8, generator=g)
         loss = model(x).pow(2).mean()
@@ -80,6 +113,7 @@ def train(out: str, mode: str, steps: int) -> None:
         opt.step()
         state["progress"]["losses"].append(loss.item())
         snapshot.save(state, step=step + 1)
+        _disk_trouble(mode, rank, step + 1)
         if step + 1 == 37 and mode == "crash" and rank == 1 and first:
             snapshot.wait()
             os.kill(os.getpid(), signal.SIGKILL)

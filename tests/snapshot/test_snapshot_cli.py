@@ -22,7 +22,10 @@ def _env(argv: list[str]) -> dict[str, str]:
     return dict(config.workers.env)
 
 
-def test_the_flags_reach_the_workers_environment(script: str, tmp_path: Path) -> None:
+def test_the_flags_reach_the_workers_environment(
+    script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # "rel" is made (and probed) where the job starts
     env = _env(["--snapshot-dir", str(tmp_path / "ck"), "--snapshot-every", "5", script])
     assert env == {
         "RALLYPOINT_SNAPSHOT_DIR": str(tmp_path / "ck"),
@@ -50,3 +53,8 @@ def test_bad_flags_are_usage_errors(script: str, argv: list[str], match: str) ->
 def test_a_file_is_not_a_snapshot_dir(script: str) -> None:
     with pytest.raises(UsageError, match="is not a directory"):
         _env(["--snapshot-dir", script, script])
+
+
+def test_a_snapshot_dir_that_cannot_be_made_is_a_usage_error(script: str) -> None:
+    with pytest.raises(UsageError, match="is not a writable directory"):
+        _env(["--snapshot-dir", f"{script}/ck", script])  # under a file: ENOTDIR

@@ -109,12 +109,20 @@ def test_snapshot_dir_restores_a_fresh_job_and_reshards_for_another_world(
 ) -> None:
     ck = tmp_path / "ck"
     run(2, tmp_path / "a", "none", 45, snapshot_dir=ck)  # persisted steps 30 and 40 (the last two)
-    assert sorted(p.name for p in ck.iterdir()) == ["step-000000000030", "step-000000000040"]
+    assert sorted(p.name for p in ck.rglob("step-*")) == [
+        "step-000000000030",
+        "step-000000000040",
+    ]
     # a new job (nothing in memory): the same world resumes at 40 and ends where 60 steps do
     text = run(2, tmp_path / "b", "none", 60, snapshot_dir=ck)
     assert "restored step 40 from disk on every rank" in text, text
     assert starts(tmp_path / "b") == [(40, 40, 2), (40, 40, 2)]
     same_params(tmp_path / "b" / "final.pt", reference)
+    [second] = ck.iterdir()  # with two checkpoints of its own, b removed a's namespace
+    assert sorted(p.name for p in second.glob("step-*")) == [
+        "step-000000000050",
+        "step-000000000060",
+    ]
     # (which persisted 50 and 60.) Three workers: DCP loads the two-rank checkpoint of step 60
     text = run(3, tmp_path / "c", "none", 61, snapshot_dir=ck)
     assert "restored step 60 from disk on every rank (3 ranks" in text, text

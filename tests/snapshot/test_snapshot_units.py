@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rallypoint.snapshot._agree import Agreement, next_generation, parse_where
+from rallypoint.snapshot._ckdir import Checkpoint
 from rallypoint.snapshot._flatten import apply, flatten
 from rallypoint.snapshot._layout import HEADER_SIZE, encode_meta, plan, read_meta, views, write_meta
 from rallypoint.snapshot._layout import Meta as SnapMeta
@@ -219,12 +220,15 @@ def test_agreement_picks_the_newest_step_every_rank_has() -> None:
     def choose(rank: int, agree: Agreement) -> Any:
         server = f"node{rank // 2}"
         inventory = (lambda: held[rank // 2]) if rank % 2 == 0 else None
-        return agree.choose(0, inventory=inventory, server=server, disk=[30, 36] if rank else [36])
+        d30, d36 = Checkpoint(30, "run-a/step-30"), Checkpoint(36, "run-a/step-36")
+        return agree.choose(
+            0, inventory=inventory, server=server, disk=[d30, d36] if rank else [d36]
+        )
 
     choices = _ranks(4, choose)
     assert {c.memory for c in choices} == {("a", 36)}
     assert choices[0].holders == ["node0"] and choices[3].holders == ["node0"]
-    assert {c.disk for c in choices} == {36}
+    assert all(c.disk == [Checkpoint(36, "run-a/step-36")] for c in choices)
     assert choices[1].other_worlds == {2}
 
 

@@ -15,6 +15,7 @@ from rallypoint.cli._parser import PROG, UsageError
 from rallypoint.elastic._options import parse_nnodes
 from rallypoint.launcher._config import LaunchConfig
 from rallypoint.observe._stragglers import parse_threshold
+from rallypoint.snapshot._options import check_writable
 from rallypoint.supervise._worker import Target
 
 __all__ = ["config_from_args", "parse_nproc"]
@@ -73,6 +74,10 @@ def _snapshot_env(args: argparse.Namespace) -> dict[str, str]:
         path = os.path.abspath(args.snapshot_dir)
         if os.path.exists(path) and not os.path.isdir(path):
             raise UsageError(f"--snapshot-dir {args.snapshot_dir!r} is not a directory")
+        try:
+            check_writable(path)
+        except ValueError as exc:
+            raise UsageError(f"--snapshot-dir {exc}") from None
         env[envvars.SNAPSHOT_DIR] = path
     return env
 

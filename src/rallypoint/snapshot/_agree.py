@@ -13,12 +13,15 @@ round, so no key of an earlier round is ever read. Keys, under ``rallypoint/snap
   written before a restore is never mixed with the same step written after it;
 - ``r<n>/where/<rank>``: every node's local rank 0 appends one line per complete
   snapshot its server holds (``world gen step host:port``); ``r<n>/nodes`` counts nodes
-  that did; ``r<n>/have/<gen>/<step>`` and ``r<n>/disk/<step>`` count the ranks that can
-  restore that snapshot from memory or from ``--snapshot-dir``; ``r<n>/voted`` counts the
+  that did; ``r<n>/have/<gen>/<step>`` and ``r<n>/disk/<name>`` count the ranks that can
+  restore that snapshot from memory or the checkpoint ``<name>`` (its path under
+  ``--snapshot-dir``) from disk; ``r<n>/voted`` counts the
   ranks that voted. The answer is the newest snapshot every rank counted, the same on
   every rank (any snapshot every rank has is in each rank's own list). ``r<n>/loaded``
   counts the ranks that loaded theirs: after it, each node's server may drop what it no
-  longer needs (no rank fetches from it any more);
+  longer needs (no rank fetches from it any more); ``r<n>/load<i>/*`` count the ranks that
+  tried the ``i``-th checkpoint on disk and those that failed to load it (then every rank
+  tries the next one);
 - ``<gen>/done/<step>``: ranks whose save of ``step`` is complete (local copy and
   replica); the last one sets ``<gen>/all/<step>``. A rank writes its next snapshot only
   after that, so the slot it overwrites never holds the only complete copy of a step some
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from rallypoint.snapshot._ckdir import Checkpoint
 from rallypoint.snapshot._records import Key
 
 __all__ = ["Agreement", "Choice", "Holder", "next_generation"]
@@ -53,7 +57,8 @@ class Choice:
 
     memory: Key | None = None
     holders: list[str] = field(default_factory=list)
-    disk: int | None = None
+    disk: list[Checkpoint] = field(default_factory=list)
+    """The checkpoints on disk every rank can see, newest first."""
     other_worlds: set[int] = field(default_factory=set)
     """World sizes this rank's in-memory snapshots were saved with, other than this one."""
 
@@ -142,7 +147,7 @@ class Agreement:
         *,
         inventory: Callable[[], Iterable[tuple[int, int, Key]]] | None,
         server: str,
-        disk: Iterable[int],
+        disk: Iterable[Checkpoint],
     ) -> Choice:
         """The ``n``-th restore of this round; ``inventory`` only on the node's local rank 0
         (``(rank, world, key)`` of every complete snapshot its server holds)."""
@@ -162,11 +167,11 @@ class Agreement:
                 mine.setdefault(h.key, []).append(h.addr)
             else:
                 choice.other_worlds.add(h.world)
-        steps = sorted(set(disk))
+        checkpoints = list(dict.fromkeys(disk))  # newest first (every rank sorts alike)
         for gen, step in mine:
             s.add(f"{r}/have/{gen}/{step}", 1)
-        for step in steps:
-            s.add(f"{r}/disk/{step}", 1)
+        for ck in checkpoints:
+            s.add(f"{r}/disk/{ck.name}", 1)
         self._count_and_wait(f"{r}/voted", self.world, f"{r}/voted_all")
         everywhere = [k for k in mine if int(s.add(f"{r}/have/{k[0]}/{k[1]}", 0)) == self.world]
         if everywhere:
@@ -174,9 +179,18 @@ class Agreement:
             choice.memory = best
             local = [a for a in mine[best] if a == server]
             choice.holders = local + [a for a in mine[best] if a != server]
-        on_disk = [step for step in steps if int(s.add(f"{r}/disk/{step}", 0)) == self.world]
-        choice.disk = max(on_disk) if on_disk else None
+        choice.disk = [
+            ck for ck in checkpoints if int(s.add(f"{r}/disk/{ck.name}", 0)) == self.world
+        ]
         return choice
+
+    def all_loaded(self, n: int, attempt: int, ok: bool) -> bool:
+        """Whether every rank loaded the ``attempt``-th checkpoint of the ``n``-th restore
+        (this rank: ``ok``); waits for every rank."""
+        r = f"r{n}/load{attempt}"
+        self.store.add(f"{r}/failed", 0 if ok else 1)
+        self._count_and_wait(f"{r}/tried", self.world, f"{r}/all")
+        return int(self.store.add(f"{r}/failed", 0)) == 0
 
     # ------------------------------------------------------------------ saving
     def save_done(self, key: Key) -> None:

@@ -7,6 +7,7 @@ writes the snapshot's bytes directly in the server's memory.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import socket
@@ -18,11 +19,29 @@ import torch
 from rallypoint.snapshot._records import Key
 from rallypoint.snapshot._wire import recv_local, send_local
 
-__all__ = ["NodeClient", "ServerError", "SlotBuffer"]
+__all__ = ["MapError", "NodeClient", "ServerError", "SlotBuffer"]
 
 
 class ServerError(RuntimeError):
     """The node's snapshot server refused a request or went away."""
+
+
+class MapError(ServerError):
+    """This worker cannot map a slot the server gave it (out of memory, address space)."""
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    # MAP_POPULATE: the pages are mapped now, in one go, not faulted one by one
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    try:
+        return mmap.mmap(fd, size, flags=flags)
+    except OSError as exc:
+        what = "out of memory" if exc.errno == errno.ENOMEM else exc.strerror or str(exc)
+        raise MapError(
+            f"cannot map a snapshot slot of {size / 2**20:.1f} MiB in this worker ({what}, "
+            f"{errno.errorcode.get(exc.errno or 0, exc.errno)}): leave the node more memory "
+            "(or address space: ulimit -v) for a copy of the state"
+        ) from exc
 
 
 @dataclass(slots=True)
@@ -92,9 +111,7 @@ class NodeClient:
             index, fid = int(reply["slot"]), int(reply["fid"])
             cached = self._maps.get(index)
             if cached is None or cached.fid != fid:
-                # MAP_POPULATE: the pages are mapped now, in one go, not faulted one by one
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                mm = mmap.mmap(fd, int(reply["size"]), flags=flags)
+                mm = _map(fd, int(reply["size"]))
                 base = torch.frombuffer(mm, dtype=torch.uint8)
                 cached = self._maps[index] = SlotBuffer(index, fid, 0, mm, base)
             cached.nbytes = int(reply["nbytes"])

@@ -11,12 +11,14 @@ Nothing here raises for the environment: it says so once and goes on.
 from __future__ import annotations
 
 import os
+import secrets
 from collections import deque
 from collections.abc import MutableMapping
 from typing import Any
 
 import torch
 
+from rallypoint._core import envvars
 from rallypoint.snapshot._flatten import Flat, apply
 from rallypoint.snapshot._layout import Meta, plan
 from rallypoint.snapshot._options import Options
@@ -41,10 +43,17 @@ class LocalSession:
         self.snapshots: deque[tuple[Meta, list[torch.Tensor]]] = deque(maxlen=2)
         self.persister: Persister | None = None
         self.why = why
+        # torchrun gives every rank of a job the same run id (and store); plain python: none
+        run_id = os.environ.get(envvars.RUN_ID) or f"local-{secrets.token_hex(6)}"
+        store = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+        self.run_id, self.token = run_id, f"{run_id}@{store}"
 
     def configure(self, options: Options) -> None:
         self.options = options
-        self.persister = persister_for(options, self.persister, rank=self.rank, world=self.world)
+        self.persister = persister_for(
+            options, self.persister, rank=self.rank, world=self.world, run_id=self.run_id,
+            token=self.token, report=self.report,
+        )  # fmt: skip
 
     def save(self, flat: Flat, step: int) -> None:
         self.report.once("outside", self.why)
@@ -78,23 +87,23 @@ class LocalSession:
             return meta.step
         if self.persister is None:
             return None
-        steps = self.persister.complete_steps()
-        if not steps:
-            return None
-        try:
-            meta, tensors = self.persister.load(steps[-1])
-        except Exception as exc:
-            self.report.always(f"cannot load {self.persister.directory} step {steps[-1]}: {exc}")
-            return None
+        for checkpoint in self.persister.complete():  # newest first
+            loaded = self.persister.try_load(checkpoint)
+            where = self.persister.directory / checkpoint.name
+            if not isinstance(loaded, str):
+                return self._apply_disk(state, *loaded, where)
+            self.report.always(f"cannot load the checkpoint {where} ({loaded}); trying the next")
+        return None
+
+    def _apply_disk(
+        self, state: MutableMapping[str, Any], meta: Meta, tensors: list[torch.Tensor], where: Any
+    ) -> int:
         notes = apply(state, meta.skeleton, tensors, [e.device for e in meta.entries], owned=True)
         for note in notes:
             self.report.once(note, note)
-        where = self.persister.directory
         self.report.always(f"rank {self.rank}: restored step {meta.step} from {where}")
         return meta.step
 
     def wait(self) -> None:
         if self.persister is not None:
             self.persister.join()
-            if self.persister.error:
-                self.report.once("dcp", f"persisting failed: {self.persister.error}")

@@ -14,6 +14,9 @@ snapshot in memory, a complete ``--snapshot-dir`` checkpoint is loaded with DCP.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import hashlib
 import os
 import queue
 import threading
@@ -29,7 +32,8 @@ import torch
 from rallypoint._core import envvars
 from rallypoint._core.net import local_address_towards
 from rallypoint.snapshot._agree import Agreement, Choice, next_generation
-from rallypoint.snapshot._client import NodeClient, ServerError, SlotBuffer
+from rallypoint.snapshot._ckdir import Checkpoint
+from rallypoint.snapshot._client import MapError, NodeClient, ServerError, SlotBuffer
 from rallypoint.snapshot._errors import SnapshotError
 from rallypoint.snapshot._flatten import Flat, apply
 from rallypoint.snapshot._layout import (
@@ -49,6 +53,9 @@ from rallypoint.snapshot._report import Reporter
 __all__ = ["NodeSession"]
 
 _T = TypeVar("_T")
+
+EXIT_WAIT = 10.0
+"""Seconds a worker that ends without ``snapshot.wait()`` waits for its last save."""
 
 
 class _Background:
@@ -125,6 +132,11 @@ class NodeSession:
         self._replica: str | None = ""
         self.persister: Persister | None = None
         self.disabled = ""
+        run_id = env.get(envvars.RUN_ID) or "none"
+        self.run_id = run_id
+        self.token = hashlib.sha256(f"{run_id}\0{secret}".encode()).hexdigest()[:16]
+        self.pid = os.getpid()
+        atexit.register(self._at_exit)
 
     def _agreement(self) -> Agreement:
         env = os.environ
@@ -139,7 +151,10 @@ class NodeSession:
 
     def configure(self, options: Options) -> None:
         self.options = options
-        self.persister = persister_for(options, self.persister, rank=self.rank, world=self.world)
+        self.persister = persister_for(
+            options, self.persister, rank=self.rank, world=self.world, run_id=self.run_id,
+            token=self.token, report=self.report,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ saving
     def save(self, flat: Flat, step: int) -> None:
@@ -147,6 +162,8 @@ class NodeSession:
             return
         try:
             self._save(flat, step)
+        except MapError as exc:
+            self._disable(str(exc))
         except (ServerError, OSError) as exc:
             self._disable(f"lost the node's snapshot server ({exc})")
 
@@ -172,8 +189,6 @@ class NodeSession:
             self._persist(persister, step, slot, meta)
 
     def _persist(self, persister: Persister, step: int, slot: SlotBuffer, meta: Meta) -> None:
-        if persister.error:
-            self.report.once("dcp", f"persisting failed: {persister.error}")
         if not persister.start(step, exact_views(slot.mm, meta.entries), meta, slot.fid):
             self.report.once(
                 "no-pg",
@@ -223,6 +238,19 @@ class NodeSession:
         if self.persister is not None:
             self.persister.join()
 
+    def _at_exit(self) -> None:
+        """A script that never called ``wait()``: read the last save's answer (for at most
+        :data:`EXIT_WAIT` s) before closing, so the server sees a clean end."""
+        if os.getpid() != self.pid:
+            return
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                pending.result(timeout=EXIT_WAIT)
+        if self.persister is not None:
+            self.persister.join(EXIT_WAIT)
+        self.client.close()
+
     def _disable(self, why: str) -> None:
         self.disabled = why
         self.report.once("disabled", f"rank {self.rank}: snapshots are off for this worker: {why}")
@@ -237,7 +265,7 @@ class NodeSession:
         except (ServerError, OSError, RuntimeError) as exc:  # before any rank decided
             self.report.always(f"rank {self.rank}: cannot agree on a snapshot ({exc}); None")
             return None
-        step, source, memory = self._load(state, choice)
+        step, source, memory = self._load(state, choice, n)
         self.keep = memory
         self.gen = self.agree.generation(n + 1, next_generation(memory[0] if memory else None))
         self._prune(n)
@@ -250,14 +278,16 @@ class NodeSession:
         return step
 
     def _load(
-        self, state: MutableMapping[str, Any], choice: Choice
+        self, state: MutableMapping[str, Any], choice: Choice, n: int
     ) -> tuple[int | None, str, Key | None]:
         """Load what the ranks agreed on: ``(step, "memory"/"disk"/"", the key in memory)``."""
         memory, disk = choice.memory, choice.disk
-        if memory is not None and (disk is None or memory[1] >= disk):
+        if memory is not None and (not disk or memory[1] >= disk[0].step):
             return self._from_memory(state, memory, choice.holders), "memory", memory
-        if disk is not None:
-            return self._from_disk(state, disk), "disk", None
+        if disk:
+            step = self._from_disk(state, disk, n)
+            if step is not None:
+                return step, "disk", None
         self._explain(choice)
         return None, "", None
 
@@ -277,7 +307,7 @@ class NodeSession:
             records = self.client.inventory()["records"]
             return [(r["rank"], r["world"], (r["gen"], r["step"])) for r in records]
 
-        disk = self.persister.complete_steps() if self.persister is not None else []
+        disk = self.persister.complete() if self.persister is not None else []
         return self.agree.choose(
             n,
             inventory=inventory if self.local_rank == 0 else None,
@@ -305,24 +335,36 @@ class NodeSession:
         meta = read_meta(slot.view[: slot.nbytes])
         if (meta.rank, meta.world, meta.gen, meta.step) != (self.rank, self.world, *key):
             raise SnapshotError(f"rank {self.rank}: the server returned another snapshot")
-        self._apply(state, meta, views(slot.base, meta.entries), owned=False)
+        self._apply(state, meta, views(slot.base, meta.entries), False)
         self.client.restored(self.rank, self.world, key)
         return key[1]
 
-    def _from_disk(self, state: MutableMapping[str, Any], step: int) -> int:
+    def _from_disk(
+        self, state: MutableMapping[str, Any], checkpoints: list[Checkpoint], n: int
+    ) -> int | None:
+        """The newest of ``checkpoints`` that every rank loads (one that vanished or is
+        damaged on some rank: every rank goes on to the next); ``None`` if none."""
         assert self.persister is not None
-        try:
-            meta, tensors = self.persister.load(step)
-        except Exception as exc:
-            raise SnapshotError(
-                f"rank {self.rank}: cannot load the checkpoint of step {step} from "
-                f"{self.persister.directory}: {exc}"
-            ) from exc
-        self._apply(state, meta, tensors, owned=True)
-        return step
+        for attempt, checkpoint in enumerate(checkpoints):
+            loaded = self.persister.try_load(checkpoint)
+            if self.agree.all_loaded(n, attempt, not isinstance(loaded, str)):
+                assert not isinstance(loaded, str)
+                self._apply(state, *loaded, owned=True)
+                return checkpoint.step
+            if isinstance(loaded, str):
+                where = self.persister.directory / checkpoint.name
+                self.report.always(
+                    f"rank {self.rank}: cannot load the checkpoint {where} ({loaded}); "
+                    "every rank tries the next complete one"
+                )
+        return None
 
     def _apply(
-        self, state: MutableMapping[str, Any], meta: Meta, tensors: list[torch.Tensor], owned: bool
+        self,
+        state: MutableMapping[str, Any],
+        meta: Meta,
+        tensors: list[torch.Tensor],
+        owned: bool,
     ) -> None:
         notes = apply(state, meta.skeleton, tensors, [e.device for e in meta.entries], owned=owned)
         for note in notes:

@@ -1,8 +1,9 @@
 """Every Kth snapshot on disk with ``torch.distributed.checkpoint`` (DCP), in the background.
 
-A checkpoint is ``DIR/step-<step>/``, written by DCP (no format of ours) from the bytes
-already staged in the snapshot's slot, by a thread, on a gloo group of its own (so it never
-interleaves with the training loop's collectives). Its keys:
+A checkpoint is ``DIR/run-<run id>/step-<step>/`` (``_ckdir``: one namespace per job),
+written by DCP (no format of ours) from the bytes already staged in the snapshot's slot, by
+a thread, on a gloo group of its own (so it never interleaves with the training loop's
+collectives). Its keys:
 
 - ``tensors/<path>``: every tensor of the state (``model/fc.weight``...). DCP's rule holds:
   a plain tensor with the same key on every rank is one replicated tensor (written once);
@@ -11,48 +12,100 @@ interleaves with the training loop's collectives). Its keys:
   rank gets its own samplers, counters and RNG states back.
 
 A checkpoint is complete when DCP has written ``.metadata`` (after every rank's data).
-Rank 0 keeps the newest :data:`KEEP` complete ones. Loading reads the full tensors
+Rank 0 keeps the newest :data:`KEEP` complete ones. A failed write (a full or read-only
+disk: DCP raises ``CheckpointException``, a ``BaseException``) never ends the job: its
+partial directory is removed and one line says which directory, what failed and the free
+space, at most once a minute; the snapshots stay in memory. Loading reads the full tensors
 (``no_dist``: no process group needed), so a checkpoint written by a world of N ranks loads
 into any world size: ranks below N get their own skeleton, the others rank 0's.
 """
 
 from __future__ import annotations
 
-import os
-import re
+import contextlib
 import shutil
 import threading
+import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rallypoint.snapshot._ckdir import KEEP, Checkpoint, CheckpointDir, step_name
 from rallypoint.snapshot._layout import Meta, decode_meta, encode_meta
+from rallypoint.snapshot._report import Reporter
 
-__all__ = ["KEEP", "Persister", "persister_for"]
+__all__ = ["KEEP", "REPEAT", "Persister", "describe", "persister_for"]
 
-KEEP = 2
-_DIR = re.compile(r"^step-(\d{12})$")
+REPEAT = 60.0
+"""Seconds between two lines about failed writes."""
 
 
-def _name(step: int) -> str:
-    return f"step-{step:012d}"
+def _quiet_no_dist() -> None:
+    # DCP warns on every no_dist save and load; we chose no_dist (one rank, or a full read)
+    warnings.filterwarnings(
+        "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+    )
+
+
+def describe(exc: BaseException) -> str:
+    """What failed, in one line (DCP wraps each rank's exception with its traceback)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = exc.failures[min(exc.failures)][0]
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def free_space(path: Path) -> str:
+    """The free space of ``path``'s file system (of its nearest existing ancestor)."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return "free space unknown"
+    return f"{free / 2**20:.1f} MiB free"
 
 
 class Persister:
     """One worker's DCP writer and reader."""
 
-    def __init__(self, directory: str, every: int, *, rank: int, world: int) -> None:
+    def __init__(
+        self,
+        directory: str,
+        every: int,
+        *,
+        rank: int,
+        world: int,
+        run_id: str,
+        token: str,
+        report: Reporter,
+        timeout: float = 300.0,
+    ) -> None:
         self.directory = Path(directory)
+        self.ckdir = CheckpointDir(directory, run_id, token)
         self.every = every
         self.rank = rank
         self.world = world
+        self.report = report
+        self.timeout = timeout
         self._thread: threading.Thread | None = None
         self._busy_fid = -1
         self._group: Any = None
-        self.error: str = ""
-        """The last background failure (reported once by the caller)."""
+        self._last_line = -float("inf")
+        self.refused = ""
+        """Why this job does not write ``directory`` (another live job writes its namespace)."""
+        self.failures = 0
+        with contextlib.suppress(OSError):  # said when a write is due (it may become writable)
+            self.refused = self.ckdir.claim()
+
+    def close(self) -> None:
+        self.join()
+        self.ckdir.close()
 
     # ------------------------------------------------------------------ writing
     def due(self, step: int) -> bool:
@@ -62,24 +115,23 @@ class Persister:
         """Whether the thread still reads the slot ``fid`` (then it must not be rewritten)."""
         return self._thread is not None and self._thread.is_alive() and self._busy_fid == fid
 
-    def join(self) -> None:
+    def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self._thread = None
 
     def _process_group(self) -> tuple[Any, bool] | None:
         """``(group, no_dist)``; ``None`` when a multi-rank job has no process group."""
         import torch.distributed as dist
 
         if self.world == 1:
-            warnings.filterwarnings(  # DCP says it on every no_dist save; we chose it
-                "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
-            )
+            _quiet_no_dist()
             return None, True
         if not dist.is_available() or not dist.is_initialized():
             return None
         if self._group is None:  # collective: every rank persists the same steps
-            self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
         return self._group, False
 
     def start(self, step: int, tensors: list[torch.Tensor], meta: Meta, fid: int = -1) -> bool:
@@ -87,6 +139,9 @@ class Persister:
         change until :meth:`busy_with` ``fid`` is over) in the background; False if this
         multi-rank job has no process group to write a DCP checkpoint with."""
         self.join()
+        if self.refused:
+            self.report.once("dcp-refused", f"not persisting: {self.refused}")
+            return True
         group = self._process_group()
         if group is None:
             return False
@@ -102,46 +157,50 @@ class Persister:
         return True
 
     def _write(self, step: int, state: dict[str, Any], group: Any, no_dist: bool) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict_saver import save
 
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            path = self.directory / _name(step)
-            save(state, checkpoint_id=path, process_group=group, no_dist=no_dist)
-            if self.rank == 0:
-                self._prune()
-        except Exception as exc:  # reported by the caller; training goes on
-            self.error = f"{type(exc).__name__}: {exc}"
+            self.refused = self.ckdir.claim()
+            if not self.refused:
+                save(state, checkpoint_id=self.ckdir.own / step_name(step),
+                     process_group=group, no_dist=no_dist)  # fmt: skip
+                if self.rank == 0:
+                    self.ckdir.prune()
+        except BaseException as exc:  # CheckpointException is one; training goes on
+            if not isinstance(exc, Exception | CheckpointException):
+                raise
+            self._failed(step, exc, collective=isinstance(exc, CheckpointException))
 
-    def _prune(self) -> None:
-        complete = self.complete_steps()
-        keep = set(complete[-KEEP:])
-        oldest = min(keep) if keep else 0
-        for child in self.directory.iterdir():
-            m = _DIR.match(child.name)
-            if m is not None and int(m.group(1)) not in keep and int(m.group(1)) < oldest:
-                shutil.rmtree(child, ignore_errors=True)
+    def _failed(self, step: int, exc: BaseException, *, collective: bool) -> None:
+        """Remove the partial checkpoint; say so (at most once every :data:`REPEAT` s)."""
+        self.failures += 1
+        if self.rank == 0 or self.world == 1:
+            self.ckdir.remove_partial(step)
+        if collective and self.rank != 0:
+            return  # every rank got the same exception: rank 0 says it
+        now = time.monotonic()
+        if now - self._last_line < REPEAT:
+            return
+        self._last_line = now
+        where = self.ckdir.own
+        self.report.always(
+            f"rank {self.rank}: persisting step {step} to {where} failed ({describe(exc)}; "
+            f"{free_space(where)}); the snapshots stay in memory and training goes on"
+        )
 
     # ------------------------------------------------------------------ reading
-    def complete_steps(self) -> list[int]:
-        """Steps with a complete checkpoint, oldest first."""
-        try:
-            names = os.listdir(self.directory)
-        except OSError:
-            return []
-        steps = []
-        for name in names:
-            m = _DIR.match(name)
-            if m is not None and (self.directory / name / ".metadata").is_file():
-                steps.append(int(m.group(1)))
-        return sorted(steps)
+    def complete(self) -> list[Checkpoint]:
+        """Complete checkpoints this job may restore, newest first."""
+        return self.ckdir.complete()
 
-    def load(self, step: int) -> tuple[Meta, list[torch.Tensor]]:
-        """This rank's meta and full tensors from the checkpoint of ``step``."""
+    def load(self, checkpoint: Checkpoint) -> tuple[Meta, list[torch.Tensor]]:
+        """This rank's meta and full tensors from ``checkpoint``."""
         from torch.distributed.checkpoint.filesystem import FileSystemReader
         from torch.distributed.checkpoint.state_dict_loader import load
 
-        path = self.directory / _name(step)
+        _quiet_no_dist()
+        path = self.directory / checkpoint.name
         keys = FileSystemReader(path).read_metadata().state_dict_metadata
         mine = f"meta/{self.rank}" if f"meta/{self.rank}" in keys else "meta/0"
         head: dict[str, Any] = {mine: b""}
@@ -155,14 +214,33 @@ class Persister:
             load(tensors, checkpoint_id=path, no_dist=True)
         return meta, [tensors[f"tensors/{e.path}"] for e in meta.entries]
 
+    def try_load(self, checkpoint: Checkpoint) -> tuple[Meta, list[torch.Tensor]] | str:
+        """:meth:`load`, or what failed (a checkpoint that vanished or is damaged)."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            return self.load(checkpoint)
+        except (Exception, CheckpointException) as exc:
+            return describe(exc)
+
 
 def persister_for(
-    options: Any, previous: Persister | None, *, rank: int, world: int
+    options: Any,
+    previous: Persister | None,
+    *,
+    rank: int,
+    world: int,
+    run_id: str,
+    token: str,
+    report: Reporter,
 ) -> Persister | None:
     """The persister for ``options`` (``None`` without a directory), after ``previous``
     finished what it was writing."""
     if previous is not None:
-        previous.join()
+        previous.close()
     if options.dir is None:
         return None
-    return Persister(options.dir, options.every, rank=rank, world=world)
+    return Persister(
+        options.dir, options.every, rank=rank, world=world, run_id=run_id, token=token,
+        report=report, timeout=options.timeout,
+    )  # fmt: skip

@@ -1,0 +1,165 @@
+"""``--snapshot-dir`` failures never end a healthy job: a read-only or full directory, partial
+checkpoints, damaged checkpoints on restore, and jobs that share a directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _jobs import TRAIN, run, same_params, starts
+
+
+def _mount(target: Path, options: str) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}")
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB file system of its own (filled or made read-only by the test)."""
+    mnt = tmp_path / "mnt"
+    _mount(mnt, "size=4m")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _steps(ns: Path) -> list[str]:
+    return sorted(p.name for p in ns.glob("step-*"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sub", ["", "not-yet-made"])
+def test_a_read_only_snapshot_dir_at_start_is_one_line_and_exit_2(tmp_path: Path, sub: str) -> None:
+    ro = tmp_path / "ro"
+    _mount(ro, "size=1m,ro")
+    try:
+        script = tmp_path / "train.py"
+        script.write_text("raise SystemExit('the job must not start')\n")
+        target = ro / sub if sub else ro
+        done = subprocess.run(
+            [sys.executable, "-m", "rallypoint", "run", "--snapshot-dir", str(target), str(script)],
+            capture_output=True,
+            text=True,
+            timeout=100,
+        )
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "--snapshot-dir" in done.stderr and "Read-only file system" in done.stderr
+    assert "must not start" not in done.stdout + done.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_disk_that_fills_mid_run_is_one_line_and_the_job_goes_on(
+    tmp_path: Path, tmpfs: Path, reference: Path
+) -> None:
+    ck, filler = tmpfs / "ck", tmpfs / "filler"
+    text = run(
+        2,
+        tmp_path,
+        "fill",
+        60,
+        snapshot_dir=ck,
+        every=5,
+        extra_env={"SNAPSHOT_TEST_FILL": str(filler)},
+    )
+    # steps 20, 25 and 30 failed (full), said once; 35 to 60 were written again
+    lines = [line for line in text.splitlines() if "failed" in line]
+    assert len(lines) == 1, text
+    assert f"persisting step 20 to {ck}/run-" in lines[0], lines[0]
+    assert "No space left on device" in lines[0] and "MiB free" in lines[0], lines[0]
+    same_params(tmp_path / "final.pt", reference)
+    # the failed saves left no partial checkpoint behind
+    [ns] = ck.glob("run-*")
+    assert _steps(ns) == ["step-000000000055", "step-000000000060"]
+    assert all((ns / name / ".metadata").is_file() for name in _steps(ns))
+
+
+@pytest.mark.timeout(180)
+def test_a_dir_made_read_only_mid_run_is_one_line_and_the_job_succeeds(
+    tmp_path: Path, tmpfs: Path, reference: Path
+) -> None:
+    ck = tmpfs / "ck"
+    env = {"SNAPSHOT_TEST_MOUNT": str(tmpfs)}
+    text = run(2, tmp_path, "readonly", 60, snapshot_dir=ck, every=5, extra_env=env)
+    # nine checkpoints (20 to 60) failed within a minute: one line
+    lines = [line for line in text.splitlines() if "failed" in line]
+    assert len(lines) == 1, text
+    assert "persisting step 20" in lines[0] and "Read-only file system" in lines[0], lines[0]
+    same_params(tmp_path / "final.pt", reference)
+    [ns] = ck.glob("run-*")
+    assert _steps(ns) == ["step-000000000010", "step-000000000015"]
+
+
+@pytest.mark.timeout(180)
+def test_partial_checkpoints_left_by_a_crash_are_pruned(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    partial = [ck / "run-crashed" / "step-000000000070", ck / "step-000000000080"]
+    for path in partial:  # a job killed while DCP wrote (no .metadata)
+        path.mkdir(parents=True)
+        (path / "__0_0.distcp").write_bytes(b"\0" * 4096)
+    text = run(2, tmp_path / "a", "none", 20, snapshot_dir=ck, every=5)
+    assert starts(tmp_path / "a") == [(0, 0, 2), (0, 0, 2)], text  # neither was restored
+    assert not any(p.exists() for p in partial), list(ck.rglob("*"))
+    [ns] = ck.glob("run-*")
+    assert _steps(ns) == ["step-000000000015", "step-000000000020"]
+
+
+@pytest.mark.timeout(240)
+def test_restore_falls_back_to_the_newest_checkpoint_every_rank_can_load(
+    tmp_path: Path, reference: Path
+) -> None:
+    ck = tmp_path / "ck"
+    run(2, tmp_path / "a", "none", 45, snapshot_dir=ck)  # persisted 30 and 40
+    [newest] = ck.rglob("step-000000000040")
+    for data in newest.glob("*.distcp"):
+        data.unlink()  # listed as complete (it has .metadata), but its data is gone
+    text = run(2, tmp_path / "b", "none", 60, snapshot_dir=ck)
+    assert "cannot load the checkpoint" in text and "tries the next complete one" in text, text
+    assert "restored step 30 from disk on every rank" in text, text
+    assert starts(tmp_path / "b") == [(30, 30, 2), (30, 30, 2)]
+    same_params(tmp_path / "b" / "final.pt", reference)
+
+
+def _job(tmp_path: Path, name: str, ck: Path, rdzv_id: str) -> subprocess.Popen[str]:
+    out = tmp_path / name
+    out.mkdir()
+    cmd = [
+        sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "2", "--rdzv-id", rdzv_id,
+        "--snapshot-dir", str(ck), "--snapshot-every", "2", str(TRAIN), str(out), "slow", "60",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+
+
+@pytest.mark.timeout(300)
+def test_jobs_sharing_a_dir_keep_their_own_checkpoints(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    first = _job(tmp_path, "a", ck, "job-a")
+    deadline = time.monotonic() + 100
+    while not any(ck.rglob("step-000000000004/.metadata")):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0]
+        time.sleep(0.1)
+    others = [_job(tmp_path, "b", ck, "job-b"), _job(tmp_path, "c", ck, "job-a")]
+    texts = [p.communicate(timeout=200)[0] for p in (first, *others)]
+    assert [p.returncode for p in (first, *others)] == [0, 0, 0], texts
+    # b persisted in its own namespace; a's checkpoints are a's (b never pruned them)
+    assert _steps(ck / "run-job-b") == ["step-000000000058", "step-000000000060"], texts
+    assert _steps(ck / "run-job-a") == ["step-000000000058", "step-000000000060"], texts
+    # c, started with a's run id while a ran, was refused (it restored a's checkpoint)
+    assert "another job with the same run id is writing" in texts[2], texts[2]
+    assert "restored step" in texts[2], texts[2]
