@@ -29,6 +29,7 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY_NAMES: dict[str, str] = {
+    "FatalError": "rallypoint.launcher",
     "launch": "rallypoint.launcher",
     "LaunchConfig": "rallypoint.launcher",
     "LaunchError": "rallypoint.launcher",
@@ -40,6 +41,7 @@ _SUBPACKAGES = frozenset(
 )
 
 __all__ = [
+    "FatalError",
     "LaunchConfig",
     "LaunchError",
     "WorkerFailedError",
@@ -67,7 +69,13 @@ if TYPE_CHECKING:
         snapshot,
         testing,
     )
-    from rallypoint.launcher import LaunchConfig, LaunchError, WorkerFailedError, launch
+    from rallypoint.launcher import (
+        FatalError,
+        LaunchConfig,
+        LaunchError,
+        WorkerFailedError,
+        launch,
+    )
     from rallypoint.observe import progress
 
 

@@ -37,6 +37,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
     options.update(_timing(args))
     options.update(
         max_restarts=args.max_restarts,
+        max_same_failure=_max_same_failure(args.max_same_failure),
         run_id=None if args.rdzv_id in ("", "none") else args.rdzv_id,
         role=args.role,
         start_method="fork" if args.start_method == "fork" else "spawn",
@@ -52,6 +53,15 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
     if snapshots:
         options["env"] = snapshots
     return LaunchConfig(**options), target
+
+
+def _max_same_failure(value: str) -> int | None:
+    text = str(value).strip().lower()
+    if text == "off":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"--max-same-failure must be a number >= 1 or off, got {value!r}")
+    return int(text)
 
 
 def _straggler_threshold(value: str) -> float | None:

@@ -96,6 +96,12 @@ def _nodes(o: _Options) -> None:
     o.opt("--rdzv-conf", "--rdzv_conf", default="", help="rendezvous options: k=v,k=v")
     o.flag("--standalone", help="single node with a store on a free port (the default here)")
     o.opt("--max-restarts", "--max_restarts", default=0, type=int, help="group restarts")
+    o.opt(
+        "--max-same-failure",
+        "--max_same_failure",
+        default="3",
+        help="end the job when the same root cause failed N attempts in a row, or off (default 3)",
+    )
     o.opt("--monitor-interval", "--monitor_interval", default=0.1, type=float, help="seconds")
     o.opt("--node-rank", "--node_rank", default=0, type=int, help="node rank (static backend)")
     o.opt(

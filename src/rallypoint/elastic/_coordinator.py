@@ -49,6 +49,7 @@ from rallypoint.supervise._errors import (
     RendezvousFailedError,
 )
 from rallypoint.supervise._output import write_console
+from rallypoint.supervise._signature import failure_signature
 from rallypoint.supervise._state import Failure, GroupInfo, Outcome, OutcomeKind
 from rallypoint.supervise._summary import PEER_LOSS
 
@@ -248,7 +249,7 @@ class ElasticCoordinator:
                 raise LaunchTimeoutError(f"the job did not finish within {self.timeout}")
             case OutcomeKind.LOST:
                 raise RendezvousFailedError(outcome.reason + "; stopped this node's workers")
-            case OutcomeKind.FAILED | OutcomeKind.BAD_TARGET:
+            case OutcomeKind.FAILED | OutcomeKind.BAD_TARGET | OutcomeKind.FATAL:
                 assert outcome.failure is not None
                 self._on_failure(rnd, outcome.failure, outcome.kind)
             case OutcomeKind.OK:
@@ -280,10 +281,13 @@ class ElasticCoordinator:
             )
         )
         if not self._peer_loss(rnd, failure):  # else: a restart is decided; follow it
+            fatal = kind is OutcomeKind.FATAL
             rnd.claim(
                 f"rank {w.rank} on {self.supervisor.host} {w.detail}",
                 spend=True,
-                force_fail=kind is OutcomeKind.BAD_TARGET,
+                force_fail=kind is OutcomeKind.BAD_TARGET or fatal,
+                signature=failure_signature(w.rank, w.detail, failure.traceback),
+                note=f"rank {w.rank} raised FatalError; not restarting" if fatal else "",
             )
 
     def _peer_loss(self, rnd: Round, failure: Failure) -> bool:
@@ -360,4 +364,6 @@ class ElasticCoordinator:
             message=decision.reason,
         )
         self._finish(rnd, "failed")
+        if decision.note:
+            write_console(2, f"rallypoint: {decision.note}\n".encode())
         raise_failure(rnd, outcome, decision, root, title=self.title)

@@ -25,6 +25,7 @@ from rallypoint.supervise._errors import (
 from rallypoint.supervise._options import WorldOptions
 from rallypoint.supervise._output import write_console
 from rallypoint.supervise._policy import LocalPolicy
+from rallypoint.supervise._signature import Streak, failure_signature, repeated_line
 from rallypoint.supervise._state import GroupInfo, Outcome, OutcomeKind
 from rallypoint.supervise._summary import format_summary
 
@@ -53,6 +54,7 @@ class LocalCoordinator:
         self.title = title
         self.timeout = timeout
         self.hosts_store = world.rank_offset == 0
+        self.streak = Streak()
 
     def run(self) -> list[Any]:
         """Attempts until one succeeds or the budget is spent; the last one's results."""
@@ -117,17 +119,38 @@ class LocalCoordinator:
                     f"the job did not finish within {self.timeout}; its workers were killed"
                 )
             case OutcomeKind.HANG if restarts.on_hang == "restart" and left:
+                self.streak.reset()
                 self._announce_restart(attempt, outcome.reason)
             case OutcomeKind.HANG:
                 self.observer.emit("failure", round=attempt, message=outcome.reason)
                 why = "--on-hang fail" if restarts.on_hang == "fail" else "no restarts left"
                 raise HangError(f"{outcome.reason}; stopped the workers ({why})")
-            case _ if left:
+            case OutcomeKind.FATAL:
+                assert outcome.failure is not None
+                root = outcome.failure.worker
+                write_console(
+                    2, f"rallypoint: rank {root.rank} raised FatalError; not restarting\n".encode()
+                )
+                self._fail(outcome, attempt)
+            case _ if left and not self._repeated(outcome):
                 assert outcome.failure is not None
                 root = outcome.failure.worker
                 self._announce_restart(attempt, f"rank {root.rank} {root.detail}")
             case _:
                 self._fail(outcome, attempt)
+
+    def _repeated(self, outcome: Outcome) -> bool:
+        """Whether this failure ended ``max_same_failure`` attempts in a row (said once)."""
+        failure = outcome.failure
+        assert failure is not None
+        w = failure.worker
+        signature = failure_signature(w.rank, w.detail, failure.traceback)
+        count = self.streak.add(signature)
+        limit = self.restarts.max_same_failure
+        if limit is None or count < limit:
+            return False
+        write_console(2, f"rallypoint: {repeated_line(signature, count, limit)}\n".encode())
+        return True
 
     def _announce_restart(self, attempt: int, reason: str) -> None:
         write_console(

@@ -21,9 +21,14 @@ class RestartOptions:
     """Restart the workers this many times after a failure (one budget for the whole job)."""
     on_hang: Literal["restart", "fail"] = "restart"
     """What a hang does: restart the workers (counts as a restart) or fail the job."""
+    max_same_failure: int | None = 3
+    """End the job when the same root cause failed this many attempts in a row (the same
+    exception at the same innermost user frame, or the same exit at the same rank);
+    ``None``: restart until the budget is spent."""
 
     def __post_init__(self) -> None:
         check_int(self.max_restarts, "max_restarts", minimum=0)
+        check_int(self.max_same_failure, "max_same_failure", minimum=1, allow_none=True)
         if self.on_hang not in ("restart", "fail"):
             raise ValueError(f"on_hang must be 'restart' or 'fail', got {self.on_hang!r}")
 

@@ -99,20 +99,30 @@ class Decision:
     """Restarts of the job's budget spent, this one included."""
     by: int
     """Group rank of the node that decided."""
+    note: str = ""
+    """Why a failure is not restarted although budget is left (said on every node)."""
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "action": self.action.value})
 
     @classmethod
     def from_json(cls, data: str | bytes) -> Decision:
-        f = _fields(_load(data, "decision"), "decision", ("action", "reason", "count", "by"))
+        obj = _load(data, "decision")
+        f = _fields(obj, "decision", ("action", "reason", "count", "by"))
         try:
             action = Action(f["action"])
         except ValueError:
             raise RendezvousStateError(
                 f"the store holds an unknown action {f['action']!r}"
             ) from None
-        return cls(action=action, reason=str(f["reason"]), count=int(f["count"]), by=int(f["by"]))
+        note = str(obj.get("note", ""))
+        return cls(
+            action=action,
+            reason=str(f["reason"]),
+            count=int(f["count"]),
+            by=int(f["by"]),
+            note=note,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from rallypoint.elastic._job import Job
 from rallypoint.elastic._records import Action, Decision
 from rallypoint.elastic._stores import RoundStore
+from rallypoint.supervise._signature import repeated_line
 from rallypoint.supervise._state import GroupInfo
 
 __all__ = ["Round"]
@@ -32,14 +33,31 @@ class Round:
     def group_rank(self) -> int:
         return self.group.group_rank
 
-    def claim(self, reason: str, *, spend: bool, force_fail: bool = False) -> None:
+    def claim(
+        self,
+        reason: str,
+        *,
+        spend: bool,
+        force_fail: bool = False,
+        signature: str = "",
+        note: str = "",
+    ) -> None:
         """Decide the round's fate once for the whole job (the first claim wins).
 
         ``spend`` counts a restart against the job's budget; with the budget spent, or with
-        ``force_fail``, the decision is to fail. Membership changes do not spend.
+        ``force_fail``, the decision is to fail. Membership changes do not spend. A
+        failure's ``signature`` (``supervise._signature``) that ended ``max_same_failure``
+        rounds in a row fails the job too. ``note`` says why a failure is not restarted
+        (every node prints it).
         """
         if not self.store.claim():
             return
+        if spend and not force_fail:
+            same = self.job.restarts.max_same_failure
+            streak = self.job.run.same_failure(signature)
+            if signature and same is not None and streak >= same:
+                force_fail = True
+                note = note or repeated_line(signature, streak, same)
         limit = self.job.restarts.max_restarts
         count = self.job.run.restarts(1 if spend and not force_fail else 0)
         fail = force_fail or (spend and count > limit)
@@ -48,6 +66,7 @@ class Round:
             reason=reason,
             count=min(count, limit),
             by=self.group_rank,
+            note=note,
         )
         self.claimed = True
         self.store.decide(decision)

@@ -102,6 +102,19 @@ class RunStore:
         """The job's restart counter after adding ``spend``."""
         return int(self.store.add("restarts", spend))
 
+    def same_failure(self, signature: str) -> int:
+        """Count a round that failed with ``signature`` (``""``: one that ended otherwise,
+        which breaks the run); returns how many rounds in a row failed with it. Only the
+        node that decides a round calls it, so rounds never race."""
+        count = 0
+        if signature:
+            if self.store.check(["same_failure"]):
+                last, _, n = bytes(self.store.get("same_failure")).decode().rpartition("\n")
+                count = int(n) if last == signature and n.isdigit() else 0
+            count += 1
+        self.store.set("same_failure", f"{signature}\n{count}")
+        return count
+
     def rpc_secret(self, candidate: str) -> str:
         """The job's RPC secret: ``candidate`` if this node is the first to set it (an
         atomic set-if-absent), else the one the first node set."""

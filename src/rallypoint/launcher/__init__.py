@@ -19,6 +19,8 @@ Exception tree::
     ├── PortInUseError(ValueError)        an explicit master port is busy
     └── BadTargetError(ValueError)        the script/module/command cannot be started
 
+    FatalError(Exception)                 raise it in a worker: the job ends, no restarts
+
 Importing this package loads nothing (not torch, not its own modules): training scripts
 import ``progress`` from here, so each name is imported on first access.
 """
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from rallypoint.observe import EventLog, progress, read_events, render_report
     from rallypoint.supervise._errors import (
         BadTargetError,
+        FatalError,
         HangError,
         LaunchError,
         LaunchInterruptedError,
@@ -54,6 +57,7 @@ _MODULES = {
     "rallypoint.observe": ("EventLog", "progress", "read_events", "render_report"),
     "rallypoint.supervise._errors": (
         "BadTargetError",
+        "FatalError",
         "HangError",
         "LaunchError",
         "LaunchInterruptedError",
@@ -72,6 +76,7 @@ __all__ = [
     "DEFAULT_PREFIX",
     "BadTargetError",
     "EventLog",
+    "FatalError",
     "HangError",
     "LaunchConfig",
     "LaunchError",

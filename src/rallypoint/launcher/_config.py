@@ -16,7 +16,7 @@ group                     options                                              d
                           run_id
 ``watch``                 hang_timeout, events, straggler_threshold,           observe
                           straggler_window
-``restarts``              max_restarts, on_hang                                elastic
+``restarts``              max_restarts, on_hang, max_same_failure              elastic
 ``rendezvous``            nnodes (as min_nodes/max_nodes), rdzv_backend,       elastic
                           rdzv_endpoint, rdzv_conf, node_rank, local_addr
 ========================= ==================================================== ============
@@ -66,6 +66,7 @@ class LaunchOptions(TypedDict, total=False):
     straggler_threshold: float | str | None
     straggler_window: timedelta | float
     max_restarts: int
+    max_same_failure: int | None
     monitor_interval: timedelta
     master_addr: str
     master_port: int | None
@@ -276,6 +277,7 @@ class LaunchConfig:
     straggler_window = _Flat[timedelta]("watch")
     max_restarts = _Flat[int]("restarts")
     on_hang = _Flat[Literal["restart", "fail"]]("restarts")
+    max_same_failure = _Flat[int | None]("restarts")
     rdzv_backend = _Flat[str]("rendezvous", "backend")
     rdzv_endpoint = _Flat[str]("rendezvous", "endpoint")
     rdzv_conf = _Flat[Mapping[str, str]]("rendezvous", "conf")
@@ -307,7 +309,7 @@ class LaunchConfig:
 
 
 def _restarts(o: Mapping[str, Any]) -> RestartOptions:
-    return RestartOptions(**_pick(o, "max_restarts", "on_hang"))
+    return RestartOptions(**_pick(o, "max_restarts", "on_hang", "max_same_failure"))
 
 
 for _public in (LaunchConfig, LaunchOptions):

@@ -30,9 +30,14 @@ from rallypoint.supervise._policy import AttemptPolicy
 from rallypoint.supervise._signals import SignalQueue
 from rallypoint.supervise._state import Failure, Outcome, OutcomeKind, Stop, Worker
 from rallypoint.supervise._stop import Stopper
-from rallypoint.supervise._summary import PEER_LOSS, bad_target_message, error_info
+from rallypoint.supervise._summary import (
+    PEER_LOSS,
+    bad_target_message,
+    error_info,
+    fatal_message,
+)
 from rallypoint.supervise._warm import WarmProcess
-from rallypoint.supervise._worker import BAD_TARGET_EXIT
+from rallypoint.supervise._worker import BAD_TARGET_EXIT, FATAL_EXIT
 
 __all__ = ["Attempt"]
 
@@ -126,12 +131,19 @@ class Attempt:
                 if self.consequence is None:
                     self.consequence, self.cause_until = w, now + CAUSE_WAIT
                 continue
-            bad = w.returncode == BAD_TARGET_EXIT and bool(bad_target_message(w.error_file))
-            self._fail(w, OutcomeKind.BAD_TARGET if bad else OutcomeKind.FAILED)
+            self._fail(w, self._failure_kind(w))
         if self.kind is None and self.consequence is not None:
             assert self.cause_until is not None
             if now >= self.cause_until or all(w.status is not None for w in self.workers):
                 self._fail(self.consequence, OutcomeKind.FAILED)
+
+    @staticmethod
+    def _failure_kind(w: Worker) -> OutcomeKind:
+        if w.returncode == BAD_TARGET_EXIT and bad_target_message(w.error_file):
+            return OutcomeKind.BAD_TARGET
+        if w.returncode == FATAL_EXIT and fatal_message(w.error_file):
+            return OutcomeKind.FATAL
+        return OutcomeKind.FAILED
 
     def _fail(self, root: Worker, kind: OutcomeKind) -> None:
         self._end(kind)

@@ -12,6 +12,8 @@ Exception tree::
     PortInUseError(LaunchError, ValueError)  an explicitly given master port is busy
     BadTargetError(LaunchError, ValueError)  the script/module/command cannot be started
 
+    FatalError(Exception)                raised by a worker: end the job now, no restarts
+
 Bad user input (options, types) raises ``ValueError``/``TypeError``; the CLI turns those
 and the ``ValueError`` subclasses above into a one-line error and exit status 2.
 """
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "BadTargetError",
+    "FatalError",
     "HangError",
     "LaunchError",
     "LaunchInterruptedError",
@@ -150,6 +153,12 @@ class PortInUseError(LaunchError, ValueError):
 
 class BadTargetError(LaunchError, ValueError):
     """The script, module or command to run cannot be started."""
+
+
+class FatalError(Exception):
+    """Raise it in a worker to end the job at once: no restart is tried and none of the
+    budget is spent (a bad config, a missing file: a restart cannot help). The failure
+    summary shows its message. Usage: ``raise rallypoint.FatalError("no such dataset")``."""
 
 
 for _name in __all__:

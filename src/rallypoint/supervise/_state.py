@@ -44,6 +44,8 @@ class OutcomeKind(enum.Enum):
     """A worker raised, exited non-zero or died by a signal (``Outcome.failure``)."""
     BAD_TARGET = "bad_target"
     """The script, module or command could not be started; never restarted."""
+    FATAL = "fatal"
+    """A worker raised ``FatalError``; never restarted."""
     SIGNAL = "signal"
     """The launcher received a signal (``Outcome.signum``) and forwarded it."""
     TIMEOUT = "timeout"

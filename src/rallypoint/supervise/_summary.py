@@ -19,6 +19,7 @@ __all__ = [
     "bad_target_message",
     "describe_status",
     "error_info",
+    "fatal_message",
     "format_summary",
     "peer_loss",
 ]
@@ -147,6 +148,13 @@ def error_info(result: bytes, error_file: Path) -> tuple[str, BaseException | No
         if fault:
             tb = f"{tb}\n{fault}" if tb else fault
     return tb, exc
+
+
+def fatal_message(error_file: Path) -> str:
+    """The message of the ``FatalError`` the worker raised, or ``""``."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return str(json.loads(error_file.read_text())["rallypoint"]["fatal"])
+    return ""
 
 
 def bad_target_message(error_file: Path) -> str:

@@ -29,16 +29,27 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
 
 from rallypoint._core import envvars
+from rallypoint.supervise._errors import FatalError
 from rallypoint.supervise._identity import show_identity
 from rallypoint.supervise._main_module import load_main
 
-__all__ = ["BAD_TARGET_EXIT", "RESULT_FD", "Target", "WorkerSpec", "child_main", "execute"]
+__all__ = [
+    "BAD_TARGET_EXIT",
+    "FATAL_EXIT",
+    "RESULT_FD",
+    "Target",
+    "WorkerSpec",
+    "child_main",
+    "execute",
+]
 
 RESULT_FD = 3
 """File descriptor on which a worker running a Python callable sends its result."""
 
 BAD_TARGET_EXIT = 121
 """Exit status of a worker whose script/module/command could not be found (no restarts)."""
+FATAL_EXIT = 122
+"""Exit status of a worker that raised :class:`~rallypoint.supervise._errors.FatalError`."""
 
 # callables registered by ``launch()`` before it forks its warm process: key -> fn, args
 CALLABLES: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
@@ -157,6 +168,20 @@ def _write_bad_target(message: str) -> None:
             json.dump({"rallypoint": {"bad_target": message}}, fp)
 
 
+def _mark_fatal(message: str) -> None:
+    """Add ``{"rallypoint": {"fatal": message}}`` to the error file (ours or ``@record``'s)."""
+    path = os.environ.get(envvars.ERROR_FILE)
+    if not path:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        with open(path) as fp:
+            data = json.load(fp)
+        if isinstance(data, dict):
+            data["rallypoint"] = {"fatal": message}
+            with open(path, "w") as fp:
+                json.dump(data, fp)
+
+
 def _record(exc: BaseException, tb_text: str) -> None:
     """Write the exception to TORCHELASTIC_ERROR_FILE as torch's ``@record`` would."""
     path = os.environ.get(envvars.ERROR_FILE)
@@ -263,6 +288,9 @@ def execute(target: Target, result_fd: int) -> NoReturn:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
         code = 1
+        if isinstance(exc, FatalError):
+            _mark_fatal(str(exc))
+            code = FATAL_EXIT
     _finish()
     _exit(code, fault_file)
 

@@ -1,0 +1,92 @@
+"""When two failures are "the same": the rule that stops futile restarts.
+
+A restart helps a transient failure (a lost node, a flaky link); it cannot help a bug or a
+bad config that fails the same way every attempt. Two root causes are the same when they
+raised the same exception type at the same innermost frame of the user's code (torch's and
+Python's own frames below it do not count), or, without a Python exception (a crash, an
+``exit(3)``), when the same rank ended the same way. :func:`failure_signature` gives the
+text that is compared; :class:`Streak` counts it across attempts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import sysconfig
+from dataclasses import dataclass
+
+__all__ = ["Streak", "failure_signature", "repeated_line"]
+
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)')
+_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*)(?::|$)")
+_TRACEBACK_START = "Traceback (most recent call last):"
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where Python's, installed packages' and rallypoint's own files live."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    for name in ("stdlib", "platstdlib", "purelib", "platlib"):
+        with contextlib.suppress(KeyError):
+            paths.add(sysconfig.get_path(name))
+    paths.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # rallypoint
+    return tuple(sorted(os.path.join(os.path.abspath(p), "") for p in paths if p))
+
+
+def _is_user_file(path: str, libraries: tuple[str, ...]) -> bool:
+    if path.startswith("<"):  # <frozen runpy>, <string>
+        return False
+    return not os.path.abspath(path).startswith(libraries)
+
+
+def failure_signature(rank: int, detail: str, traceback_text: str) -> str:
+    """What identifies a root cause across attempts (see the module docstring):
+    ``"KeyError at train.py:12"``, or ``"rank 1 exited with 3"``."""
+    block = traceback_text[traceback_text.rfind(_TRACEBACK_START) :]
+    if traceback_text.rfind(_TRACEBACK_START) < 0:
+        block = ""
+    lines = block.splitlines()
+    libraries = _library_dirs()
+    frame = ""
+    for line in lines:
+        m = _FRAME.match(line)
+        if m and _is_user_file(m.group(1), libraries):
+            frame = f"{m.group(1)}:{m.group(2)}"
+    exception = ""
+    for line in reversed(lines):
+        m = _EXCEPTION.match(line)
+        if m and not line.startswith((" ", "\t")):
+            exception = m.group(1)
+            break
+    if exception and frame:
+        return f"{exception} at {frame}"
+    return f"rank {rank} {detail}"
+
+
+@dataclass(slots=True)
+class Streak:
+    """The current run of identical root causes, attempt after attempt."""
+
+    signature: str = ""
+    count: int = 0
+
+    def add(self, signature: str) -> int:
+        """Count an attempt that failed with ``signature``; returns the streak's length."""
+        if signature == self.signature:
+            self.count += 1
+        else:
+            self.signature, self.count = signature, 1
+        return self.count
+
+    def reset(self) -> None:
+        """An attempt ended otherwise (a hang, a membership change): the run is broken."""
+        self.signature, self.count = "", 0
+
+
+def repeated_line(signature: str, count: int, limit: int) -> str:
+    """The line that ends a job whose failure repeats."""
+    return (
+        f"the same failure ({signature}) ended {count} attempts in a row; not restarting "
+        f"(--max-same-failure {limit})"
+    )
