@@ -11,11 +11,11 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from rallypoint._core import envvars
+from rallypoint._core.disk import check_writable
 from rallypoint.cli._parser import PROG, UsageError
 from rallypoint.elastic._options import parse_nnodes
 from rallypoint.launcher._config import LaunchConfig
 from rallypoint.observe._stragglers import parse_threshold
-from rallypoint.snapshot._options import check_writable
 from rallypoint.supervise._worker import Target
 
 __all__ = ["config_from_args", "parse_nproc"]
@@ -85,9 +85,9 @@ def _snapshot_env(args: argparse.Namespace) -> dict[str, str]:
         if os.path.exists(path) and not os.path.isdir(path):
             raise UsageError(f"--snapshot-dir {args.snapshot_dir!r} is not a directory")
         try:
-            check_writable(path)
+            check_writable(path, "--snapshot-dir")
         except ValueError as exc:
-            raise UsageError(f"--snapshot-dir {exc}") from None
+            raise UsageError(str(exc)) from None
         env[envvars.SNAPSHOT_DIR] = path
     return env
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -17,7 +16,7 @@ from typing import Any
 from rallypoint._core import envvars
 from rallypoint._core.checks import check_int, check_seconds
 
-__all__ = ["DEFAULT_EVERY", "DEFAULT_TIMEOUT", "UNSET", "Options", "check_writable"]
+__all__ = ["DEFAULT_EVERY", "DEFAULT_TIMEOUT", "UNSET", "Options"]
 
 DEFAULT_EVERY = 10
 DEFAULT_TIMEOUT = 300.0
@@ -37,22 +36,6 @@ def _check_dir(value: object) -> str | None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"dir {path!r} exists and is not a directory")
     return path
-
-
-def check_writable(path: str) -> None:
-    """``ValueError`` unless ``path`` is a directory this process can write (it is made if
-    missing): a job finds out before its first step, not at its first checkpoint."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".rallypoint-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        why = exc.strerror or str(exc)
-        raise ValueError(
-            f"{path!r} is not a writable directory ({why}): give a directory this user can "
-            "write, or leave the option out"
-        ) from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,7 +23,6 @@ into any world size: ranks below N get their own skeleton, the others rank 0's.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import threading
 import time
 import warnings
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 
+from rallypoint._core.disk import free_space
 from rallypoint.snapshot._ckdir import KEEP, Checkpoint, CheckpointDir, step_name
 from rallypoint.snapshot._layout import Meta, decode_meta, encode_meta
 from rallypoint.snapshot._report import Reporter
@@ -58,17 +58,6 @@ def describe(exc: BaseException) -> str:
         exc = exc.failures[min(exc.failures)][0]
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def free_space(path: Path) -> str:
-    """The free space of ``path``'s file system (of its nearest existing ancestor)."""
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    try:
-        free = shutil.disk_usage(path).free
-    except OSError:
-        return "free space unknown"
-    return f"{free / 2**20:.1f} MiB free"
 
 
 class Persister:
