@@ -41,6 +41,7 @@ from rallypoint.rpc._builtins import resolve as builtin_overload
 from rallypoint.rpc._calls import PendingCalls, fail
 from rallypoint.rpc._codec import Codec
 from rallypoint.rpc._connections import Connections
+from rallypoint.rpc._ddp_groups import GROUPS as DDP_GROUPS
 from rallypoint.rpc._dispatch import Dispatcher
 from rallypoint.rpc._errors import NOT_INITIALIZED, RpcError, RpcShutdownError
 from rallypoint.rpc._groups import WorkerInfo, WorkerRecord
@@ -345,6 +346,7 @@ class RallypointAgent(RpcAgent):
         if now - self._released_at < _RELEASE_EVERY:
             return
         self._released_at = now
+        DDP_GROUPS.release_due()  # gone DDP modules' groups: freed here, without the GIL
         if self.rrefs.has_releases():
             self.rrefs.send_releases(self.peers.reachable)
         if self.autograd.has_releases():
@@ -419,6 +421,7 @@ class RallypointAgent(RpcAgent):
         release_pyrref()
         self.autograd.close()
         self.group.close()
+        DDP_GROUPS.release_all()
 
 
 def start_agent(

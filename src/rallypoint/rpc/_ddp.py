@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from rallypoint.rpc._ddp_groups import GROUPS
+
 _Entry = tuple["weakref.ref[Any]", int]  # (the DDP module, the parameter's index in its reducer)
 
 
@@ -185,6 +187,7 @@ class DDPRound:
             handles = self._modules.get(ddp)
             if handles is None:
                 _check_supported(ddp)
+                GROUPS.keep(ddp)  # its group is let go from Python (see _ddp_groups)
                 handles = self._modules[ddp] = []
                 for param in params:
                     self._saved[param] = param.grad
