@@ -230,6 +230,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with self._errors():
             return parse_int(self._side().get(self._keys.r(k, "dead")), "dead")
 
+    def leave(self) -> None:
+        """This node leaves the job for good while the others go on (it was excluded):
+        stop its heartbeats and count it gone in its round at once, so that the next
+        round expects one node fewer instead of waiting for it (``last_call_timeout``)."""
+        self._bg.stop()
+        with self._lock:
+            k = self._round
+        if k is not None:
+            with self._errors():
+                self._kv.add(self._keys.r(k, "dead"), 1)
+
     def shutdown(self) -> bool:
         """Stop heartbeats and close the run (as torch's handler does)."""
         self._bg.stop()
