@@ -102,6 +102,12 @@ def _nodes(o: _Options) -> None:
         default="3",
         help="end the job when the same root cause failed N attempts in a row, or off (default 3)",
     )
+    o.flag(
+        "--burn-in",
+        "--burn_in",
+        help="after each round forms, time the nodes' links and exclude a node much slower "
+        "than the median (3 nodes or more)",
+    )
     o.opt(
         "--max-node-failures",
         "--max_node_failures",

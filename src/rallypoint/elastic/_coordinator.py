@@ -33,6 +33,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from rallypoint.elastic._burn_in import measure, slow_node
 from rallypoint.elastic._job import Job, interruptible
 from rallypoint.elastic._options import RestartOptions
 from rallypoint.elastic._policy import MEMBERSHIP_CHANGED, ElasticPolicy
@@ -64,6 +65,8 @@ POLL_EVERY = 0.1
 """Least seconds between the store checks of the monitor loop (restart key, waiting nodes,
 stack requests: about four round trips); ``--monitor-interval`` raises it, which large jobs
 on one TCPStore should do."""
+BURN_IN_TIMEOUT = 120.0
+"""Seconds the burn-in's transfers may take before it gives up (a dead link)."""
 EXIT_BARRIER = 10.0
 """Seconds a node waits for the others to see the job's end before it returns (the node
 hosting the rendezvous store must not take it away while others still read it)."""
@@ -157,6 +160,11 @@ class ElasticCoordinator:
             except RendezvousError as exc:
                 raise RendezvousFailedError(f"rendezvous failed: {exc}") from None
             rnd = self._setup_round(info)
+            if self.restarts.burn_in and self._burn_in(rnd, info.store):
+                decided = Outcome(OutcomeKind.RESTART, [], reason="burn-in")
+                if self.job.blocking(functools.partial(self._after_round, rnd, decided)):
+                    return []
+                continue
             stragglers = self.observer.straggler_watch(
                 round=rnd.number,
                 rank_offset=rnd.group.rank_offset,
@@ -256,6 +264,33 @@ class ElasticCoordinator:
         )
         self.observer.emit("members", round=k, members=members, group_rank=group_rank)
         return Round(number=k, group=group, members=members, store=store, job=self.job)
+
+    def _burn_in(self, rnd: Round, round_store: Any) -> bool:
+        """Time the nodes' links (``_burn_in``); True when a slow node is being excluded
+        (the round is decided: every node restarts without it)."""
+        store = prefixed(f"rallypoint/round{rnd.number}/burnin", round_store)
+        times = self.job.blocking(
+            lambda: measure(store, rnd.group_rank, rnd.nnodes, self.node, BURN_IN_TIMEOUT)
+        )
+        self.observer.emit(
+            "burn_in", round=rnd.number, forward=times.forward, backward=times.backward
+        )
+        slow = slow_node(times)
+        if slow is None:
+            return False
+        g, score, median = slow
+        why = f"its link took {score:.2f} s in the burn-in, {score / median:.0f}x the median"
+        host = rnd.members[g]
+        if rnd.nnodes - 1 < self.min_nodes:
+            write_console(
+                2,
+                f"rallypoint: burn-in: node {host} (group rank {g}): {why}; not excluded, "
+                f"fewer than {self.min_nodes} node(s) would be left\n".encode(),
+            )
+            return False
+        if g == rnd.group_rank:
+            self.job.blocking(lambda: rnd.exclude_now(self.node, self.supervisor.host, why))
+        return True
 
     # ------------------------------------------------------------------ after a round
     def _after_round(self, rnd: Round, outcome: Outcome) -> bool:

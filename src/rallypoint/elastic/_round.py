@@ -102,5 +102,26 @@ class Round:
                 ),
                 True,
             )
+        return node, self._exclude(node, host, why), False
+
+    def _exclude(self, node: str, host: str, why: str) -> str:
+        """Put ``node`` on the job's exclusion list; returns the line every node says."""
         self.job.run.exclude(ExclusionRecord(node=node, host=host, reason=why, time=time.time()))
-        return node, f"excluded node {node} ({host}): {why}; the job goes on with {left}", False
+        return f"excluded node {node} ({host}): {why}; the job goes on with {self.nnodes - 1}"
+
+    def exclude_now(self, node: str, host: str, why: str) -> None:
+        """Decide the round (if first) to restart without ``node``, spending nothing: the
+        burn-in found it slow (the caller checked that MIN nodes remain)."""
+        if not self.store.claim():
+            return
+        self.claimed = True
+        self.store.decide(
+            Decision(
+                action=Action.RESTART,
+                reason=f"burn-in: node {node} is slow",
+                count=self.job.run.restarts(0),
+                by=self.group_rank,
+                note=self._exclude(node, host, why),
+                excluded=node,
+            )
+        )

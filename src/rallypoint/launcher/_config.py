@@ -17,7 +17,7 @@ group                     options                                              d
 ``watch``                 hang_timeout, events, straggler_threshold,           observe
                           straggler_window
 ``restarts``              max_restarts, on_hang, max_same_failure,             elastic
-                          max_node_failures
+                          max_node_failures, burn_in
 ``rendezvous``            nnodes (as min_nodes/max_nodes), rdzv_backend,       elastic
                           rdzv_endpoint, rdzv_conf, node_rank, local_addr
 ========================= ==================================================== ============
@@ -69,6 +69,7 @@ class LaunchOptions(TypedDict, total=False):
     max_restarts: int
     max_same_failure: int | None
     max_node_failures: int | None
+    burn_in: bool
     monitor_interval: timedelta
     master_addr: str
     master_port: int | None
@@ -281,6 +282,7 @@ class LaunchConfig:
     on_hang = _Flat[Literal["restart", "fail"]]("restarts")
     max_same_failure = _Flat[int | None]("restarts")
     max_node_failures = _Flat[int | None]("restarts")
+    burn_in = _Flat[bool]("restarts")
     rdzv_backend = _Flat[str]("rendezvous", "backend")
     rdzv_endpoint = _Flat[str]("rendezvous", "endpoint")
     rdzv_conf = _Flat[Mapping[str, str]]("rendezvous", "conf")
@@ -312,7 +314,7 @@ class LaunchConfig:
 
 
 def _restarts(o: Mapping[str, Any]) -> RestartOptions:
-    names = ("max_restarts", "on_hang", "max_same_failure", "max_node_failures")
+    names = ("max_restarts", "on_hang", "max_same_failure", "max_node_failures", "burn_in")
     return RestartOptions(**_pick(o, *names))
 
 
