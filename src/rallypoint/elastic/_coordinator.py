@@ -273,13 +273,16 @@ class ElasticCoordinator:
             lambda: measure(store, rnd.group_rank, rnd.nnodes, self.node, BURN_IN_TIMEOUT)
         )
         self.observer.emit(
-            "burn_in", round=rnd.number, forward=times.forward, backward=times.backward
+            "burn_in",
+            round=rnd.number,
+            forward=times.forward,
+            backward=times.backward,
+            gemm=times.gemm,
         )
         slow = slow_node(times)
         if slow is None:
             return False
-        g, score, median = slow
-        why = f"its link took {score:.2f} s in the burn-in, {score / median:.0f}x the median"
+        g, why = slow
         host = rnd.members[g]
         if rnd.nnodes - 1 < self.min_nodes:
             write_console(
