@@ -56,3 +56,29 @@ def test_failure_record_as_worker_state() -> None:
 def test_malformed_records_are_state_errors(cls: type, data: bytes, match: str) -> None:
     with pytest.raises(RendezvousStateError, match=match):
         cls.from_json(data)
+
+
+def test_exclusion_and_streak_keys_in_the_run_store() -> None:
+    from torch.distributed import HashStore
+
+    from rallypoint.elastic._records import ExclusionRecord
+    from rallypoint.elastic._stores import RunStore
+
+    run = RunStore(HashStore())
+    assert [run.node_failed(n) for n in ("c", "c", "b", "c", "c", "c")] == [1, 2, 1, 1, 2, 3]
+    assert run.node_failed("") == 0 and run.node_failed("c") == 1, "a hang breaks every run"
+    assert [run.same_failure(s) for s in ("x", "x", "", "x")] == [1, 2, 0, 1]
+    assert run.exclusions() == []
+    first = ExclusionRecord(node="127.0.0.4", host="h", reason="why", time=1.5)
+    second = ExclusionRecord(node="n2", host="h2", reason="again", time=2.5)
+    run.exclude(first)
+    run.exclude(second)
+    assert run.exclusions() == [first, second]
+
+
+def test_decisions_from_before_notes_and_exclusions_still_read() -> None:
+    old = b'{"action": "restart", "reason": "r", "count": 1, "by": 0}'
+    decision = Decision.from_json(old)
+    assert (decision.note, decision.excluded) == ("", "")
+    new = Decision(action=Action.RESTART, reason="r", count=1, by=0, note="n", excluded="x")
+    assert Decision.from_json(new.to_json()) == new

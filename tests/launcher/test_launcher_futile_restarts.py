@@ -110,23 +110,25 @@ def test_fatal_error_through_launch() -> None:
     assert isinstance(info.value.__cause__, FatalError)
 
 
+@pytest.mark.parametrize("flag", ["--max-same-failure", "--max-node-failures"])
 @pytest.mark.parametrize("value", ["0", "-1", "abc", ""])
-def test_bad_max_same_failure_is_one_line(tmp_path: Path, value: str) -> None:
+def test_bad_counts_are_one_line(tmp_path: Path, flag: str, value: str) -> None:
     script = tmp_path / "ok.py"
     script.write_text("print('hi')\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "rallypoint", "run", "--max-same-failure", value, str(script)],
+        [sys.executable, "-m", "rallypoint", "run", flag, value, str(script)],
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert proc.returncode == 2, proc.stderr
     [line] = proc.stderr.strip().splitlines()
-    assert "--max-same-failure must be a number >= 1 or off" in line
-    with pytest.raises(ValueError, match="max_same_failure"):
-        LaunchConfig(max_same_failure=0)
-    with pytest.raises(TypeError, match="max_same_failure"):
-        LaunchConfig(max_same_failure="3")  # type: ignore[arg-type]
+    assert f"{flag} must be a number >= 1 or off" in line
+    name = flag.lstrip("-").replace("-", "_")
+    with pytest.raises(ValueError, match=name):
+        LaunchConfig(**{name: 0})  # type: ignore[misc]
+    with pytest.raises(TypeError, match=name):
+        LaunchConfig(**{name: "3"})  # type: ignore[misc]
 
 
 def test_signatures() -> None:

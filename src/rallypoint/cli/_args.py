@@ -37,7 +37,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
     options.update(_timing(args))
     options.update(
         max_restarts=args.max_restarts,
-        max_same_failure=_max_same_failure(args.max_same_failure),
+        max_same_failure=_count_or_off(args.max_same_failure, "--max-same-failure"),
+        max_node_failures=_count_or_off(args.max_node_failures, "--max-node-failures"),
+        burn_in=bool(args.burn_in),
         run_id=None if args.rdzv_id in ("", "none") else args.rdzv_id,
         role=args.role,
         start_method="fork" if args.start_method == "fork" else "spawn",
@@ -55,12 +57,12 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
     return LaunchConfig(**options), target
 
 
-def _max_same_failure(value: str) -> int | None:
+def _count_or_off(value: str, flag: str) -> int | None:
     text = str(value).strip().lower()
     if text == "off":
         return None
     if not text.isdigit() or int(text) < 1:
-        raise UsageError(f"--max-same-failure must be a number >= 1 or off, got {value!r}")
+        raise UsageError(f"{flag} must be a number >= 1 or off, got {value!r}")
     return int(text)
 
 

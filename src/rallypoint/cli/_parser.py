@@ -102,6 +102,19 @@ def _nodes(o: _Options) -> None:
         default="3",
         help="end the job when the same root cause failed N attempts in a row, or off (default 3)",
     )
+    o.flag(
+        "--burn-in",
+        "--burn_in",
+        help="after each round forms, time the nodes' links and exclude a node much slower "
+        "than the median (3 nodes or more)",
+    )
+    o.opt(
+        "--max-node-failures",
+        "--max_node_failures",
+        default="2",
+        help="exclude a node that was the root cause of K failures in a row while MIN nodes "
+        "remain, or off (default 2)",
+    )
     o.opt("--monitor-interval", "--monitor_interval", default=0.1, type=float, help="seconds")
     o.opt("--node-rank", "--node_rank", default=0, type=int, help="node rank (static backend)")
     o.opt(

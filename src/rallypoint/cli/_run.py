@@ -113,12 +113,20 @@ def _last_line_written() -> None:
 
 def _exit_status(exc: Exception, prog: str) -> int:
     """The one screen (or line) printed for a failed job, and the exit status."""
-    from rallypoint.launcher import LaunchError, LaunchInterruptedError, WorkerFailedError
+    from rallypoint.launcher import (
+        LaunchError,
+        LaunchInterruptedError,
+        NodeExcludedError,
+        WorkerFailedError,
+    )
 
     match exc:
         case WorkerFailedError():
             sys.stderr.write(exc.summary + "\n")
             return 1
+        case NodeExcludedError():
+            sys.stderr.write(f"{prog}: {exc}\n")
+            return NodeExcludedError.exit_code
         case LaunchInterruptedError():
             sys.stderr.write(f"{prog}: {exc}\n")
             return 128 + exc.signum

@@ -25,6 +25,7 @@ The stores and their keys: ``_stores``; the records: ``_records``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
 import time
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from rallypoint.elastic._burn_in import measure, slow_node
 from rallypoint.elastic._job import Job, interruptible
 from rallypoint.elastic._options import RestartOptions
 from rallypoint.elastic._policy import MEMBERSHIP_CHANGED, ElasticPolicy
@@ -46,6 +48,7 @@ from rallypoint.supervise._errors import (
     LaunchError,
     LaunchInterruptedError,
     LaunchTimeoutError,
+    NodeExcludedError,
     RendezvousFailedError,
 )
 from rallypoint.supervise._output import write_console
@@ -62,6 +65,8 @@ POLL_EVERY = 0.1
 """Least seconds between the store checks of the monitor loop (restart key, waiting nodes,
 stack requests: about four round trips); ``--monitor-interval`` raises it, which large jobs
 on one TCPStore should do."""
+BURN_IN_TIMEOUT = 120.0
+"""Seconds the burn-in's transfers may take before it gives up (a dead link)."""
 EXIT_BARRIER = 10.0
 """Seconds a node waits for the others to see the job's end before it returns (the node
 hosting the rendezvous store must not take it away while others still read it)."""
@@ -84,6 +89,8 @@ class ElasticCoordinator:
         timeout: timedelta | None = None,
         share_rpc_secret: bool = True,
         store_timeout: float = 60.0,
+        node: str = "",
+        min_nodes: int = 1,
     ) -> None:
         self.supervisor = supervisor
         self.connect = connect
@@ -97,6 +104,9 @@ class ElasticCoordinator:
         self.share_rpc_secret = share_rpc_secret
         """Give every node's workers the run store's RPC secret (False: the user set one)."""
         self.store_timeout = store_timeout
+        self.node = node or supervisor.host
+        """This node's name in exclusion records (``--local-addr``, else the host name)."""
+        self.min_nodes = min_nodes
         self._local_round = 0
         self._job: Job | None = None
 
@@ -119,6 +129,8 @@ class ElasticCoordinator:
             next_signal=sup.next_signal,
             signal_pending=sup.signal_pending,
             store_timeout=self.store_timeout,
+            node=self.node,
+            min_nodes=self.min_nodes,
         )
         interruptible(self._job.open, sup.next_signal, "the rendezvous store")
         try:
@@ -138,6 +150,7 @@ class ElasticCoordinator:
         )
 
         while True:
+            self._refuse_if_excluded()
             try:
                 info = self._next_rendezvous()
             except (RendezvousClosedError, RendezvousGracefulExitError) as exc:
@@ -147,6 +160,11 @@ class ElasticCoordinator:
             except RendezvousError as exc:
                 raise RendezvousFailedError(f"rendezvous failed: {exc}") from None
             rnd = self._setup_round(info)
+            if self.restarts.burn_in and self._burn_in(rnd, info.store):
+                decided = Outcome(OutcomeKind.RESTART, [], reason="burn-in")
+                if self.job.blocking(functools.partial(self._after_round, rnd, decided)):
+                    return []
+                continue
             stragglers = self.observer.straggler_watch(
                 round=rnd.number,
                 rank_offset=rnd.group.rank_offset,
@@ -159,6 +177,19 @@ class ElasticCoordinator:
                 return self.supervisor.results(outcome)
 
     # ------------------------------------------------------------------ joining a round
+    def _refuse_if_excluded(self) -> None:
+        """A node on the job's exclusion list does not join (nor does a new agent started
+        on it): one line, exit status 4."""
+        if not self.job.has_run_store:
+            return  # the static backend: no run store before its one round
+        for record in self.job.blocking(self.job.run.exclusions):
+            if record.node == self.node:
+                since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.time))
+                raise NodeExcludedError(
+                    f"this node ({self.node}) is excluded from job {self.run_id!r} since "
+                    f"{since}: {record.reason}; not joining"
+                )
+
     def _next_rendezvous(self) -> RendezvousInfo:
         """``next_rendezvous()`` in a thread, so that SIGINT/SIGTERM still stop this node
         while it blocks inside the store (a blocked C call does not return for signals)."""
@@ -234,6 +265,36 @@ class ElasticCoordinator:
         self.observer.emit("members", round=k, members=members, group_rank=group_rank)
         return Round(number=k, group=group, members=members, store=store, job=self.job)
 
+    def _burn_in(self, rnd: Round, round_store: Any) -> bool:
+        """Time the nodes' links (``_burn_in``); True when a slow node is being excluded
+        (the round is decided: every node restarts without it)."""
+        store = prefixed(f"rallypoint/round{rnd.number}/burnin", round_store)
+        times = self.job.blocking(
+            lambda: measure(store, rnd.group_rank, rnd.nnodes, self.node, BURN_IN_TIMEOUT)
+        )
+        self.observer.emit(
+            "burn_in",
+            round=rnd.number,
+            forward=times.forward,
+            backward=times.backward,
+            gemm=times.gemm,
+        )
+        slow = slow_node(times)
+        if slow is None:
+            return False
+        g, why = slow
+        host = rnd.members[g]
+        if rnd.nnodes - 1 < self.min_nodes:
+            write_console(
+                2,
+                f"rallypoint: burn-in: node {host} (group rank {g}): {why}; not excluded, "
+                f"fewer than {self.min_nodes} node(s) would be left\n".encode(),
+            )
+            return False
+        if g == rnd.group_rank:
+            self.job.blocking(lambda: rnd.exclude_now(self.node, self.supervisor.host, why))
+        return True
+
     # ------------------------------------------------------------------ after a round
     def _after_round(self, rnd: Round, outcome: Outcome) -> bool:
         """True when the job is over for this node (success); raises on failure."""
@@ -259,10 +320,25 @@ class ElasticCoordinator:
             case OutcomeKind.HANG | OutcomeKind.RESTART:
                 pass  # the round is decided already
         decision = rnd.store.decision()
+        if decision.excluded and decision.excluded == self.node:
+            self._leave_excluded(rnd, decision)
         if decision.action is Action.RESTART:
             self._announce_restart(rnd, decision)
             return False
         self._fail(rnd, outcome, decision)
+
+    def _leave_excluded(self, rnd: Round, decision: Decision) -> NoReturn:
+        """This node is excluded: leave the rendezvous at once (so the next round does not
+        wait for it) and end with exit status 4."""
+        self.observer.emit(
+            "exclusion", round=rnd.number, excluded=self.node, host=self.supervisor.host,
+            reason=decision.note,
+        )  # fmt: skip
+        leave = getattr(self.job.handler, "leave", None)
+        if callable(leave):
+            with contextlib.suppress(Exception):
+                leave()
+        raise NodeExcludedError(f"{decision.note}: this node leaves the job")
 
     def _on_failure(self, rnd: Round, failure: Failure, kind: OutcomeKind) -> None:
         w = failure.worker
@@ -288,6 +364,8 @@ class ElasticCoordinator:
                 force_fail=kind is OutcomeKind.BAD_TARGET or fatal,
                 signature=failure_signature(w.rank, w.detail, failure.traceback),
                 note=f"rank {w.rank} raised FatalError; not restarting" if fatal else "",
+                node=self.node,
+                host=self.supervisor.host,
             )
 
     def _peer_loss(self, rnd: Round, failure: Failure) -> bool:
@@ -328,9 +406,12 @@ class ElasticCoordinator:
         return True
 
     def _announce_restart(self, rnd: Round, decision: Decision) -> None:
+        where = "every node"
+        if decision.excluded:
+            where = f"the other nodes; {decision.note}"
         write_console(
             2,
-            f"rallypoint: {decision.reason}; restarting the workers on every node "
+            f"rallypoint: {decision.reason}; restarting the workers on {where} "
             f"(restarts used: {decision.count} of {self.restarts.max_restarts})\n".encode(),
         )
         self.observer.emit(

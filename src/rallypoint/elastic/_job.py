@@ -67,8 +67,13 @@ class Job:
         next_signal: Callable[[], int | None],
         signal_pending: Callable[[], bool] = lambda: False,
         store_timeout: float = 60.0,
+        node: str = "",
+        min_nodes: int = 1,
     ) -> None:
         self.handler = handler
+        self.node = node
+        """This node's name in exclusion records: its ``--local-addr``, else its host name."""
+        self.min_nodes = min_nodes
         self.run_id = run_id
         self.endpoint = endpoint
         self.observer = observer

@@ -26,9 +26,20 @@ class RestartOptions:
     exception at the same innermost user frame, or the same exit at the same rank);
     ``None``: restart until the budget is spent."""
 
+    max_node_failures: int | None = 2
+    """Exclude a node that was the root cause of this many failures in a row, while the
+    others are at least ``min_nodes`` (multi-node jobs); ``None``: never."""
+
+    burn_in: bool = False
+    """After each round forms, time the nodes' links and exclude a node much slower than
+    the median (``elastic._burn_in``)."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.burn_in, bool):
+            raise TypeError(f"burn_in must be True or False, got {self.burn_in!r}")
         check_int(self.max_restarts, "max_restarts", minimum=0)
         check_int(self.max_same_failure, "max_same_failure", minimum=1, allow_none=True)
+        check_int(self.max_node_failures, "max_node_failures", minimum=1, allow_none=True)
         if self.on_hang not in ("restart", "fail"):
             raise ValueError(f"on_hang must be 'restart' or 'fail', got {self.on_hang!r}")
 

@@ -82,6 +82,28 @@ class FailureRecord:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class ExclusionRecord:
+    """A node kept out of the job for good: it was the root cause of failures in a row."""
+
+    node: str
+    """The node's name: its ``--local-addr``, else its host name."""
+    host: str
+    reason: str
+    time: float
+    """Unix time of the exclusion."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> ExclusionRecord:
+        f = _fields(_load(data, "exclusion"), "exclusion", tuple(cls.__dataclass_fields__))
+        return cls(
+            node=str(f["node"]), host=str(f["host"]), reason=str(f["reason"]), time=float(f["time"])
+        )
+
+
 class Action(enum.Enum):
     """What every node does after a round that did not succeed."""
 
@@ -100,7 +122,10 @@ class Decision:
     by: int
     """Group rank of the node that decided."""
     note: str = ""
-    """Why a failure is not restarted although budget is left (said on every node)."""
+    """Why a failure is not restarted although budget is left, or why a node is excluded
+    (said on every node)."""
+    excluded: str = ""
+    """The node this decision excludes from the job (it leaves; the others restart)."""
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "action": self.action.value})
@@ -115,13 +140,13 @@ class Decision:
             raise RendezvousStateError(
                 f"the store holds an unknown action {f['action']!r}"
             ) from None
-        note = str(obj.get("note", ""))
         return cls(
             action=action,
             reason=str(f["reason"]),
             count=int(f["count"]),
             by=int(f["by"]),
-            note=note,
+            note=str(obj.get("note", "")),
+            excluded=str(obj.get("excluded", "")),
         )
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from rallypoint.elastic._job import Job
-from rallypoint.elastic._records import Action, Decision
+from rallypoint.elastic._records import Action, Decision, ExclusionRecord
 from rallypoint.elastic._stores import RoundStore
 from rallypoint.supervise._signature import repeated_line
 from rallypoint.supervise._state import GroupInfo
@@ -41,6 +42,8 @@ class Round:
         force_fail: bool = False,
         signature: str = "",
         note: str = "",
+        node: str = "",
+        host: str = "",
     ) -> None:
         """Decide the round's fate once for the whole job (the first claim wins).
 
@@ -48,10 +51,20 @@ class Round:
         ``force_fail``, the decision is to fail. Membership changes do not spend. A
         failure's ``signature`` (``supervise._signature``) that ended ``max_same_failure``
         rounds in a row fails the job too. ``note`` says why a failure is not restarted
-        (every node prints it).
+        (every node prints it). The ``node`` (on ``host``) where the failure happened is
+        excluded once it was the root cause of ``max_node_failures`` rounds in a row: the
+        others restart without it, spending nothing, or the job ends if that would leave
+        fewer than ``min_nodes``.
         """
         if not self.store.claim():
             return
+        excluded = ""
+        if spend and not force_fail:
+            strikes = self.job.run.node_failed(node)
+            excluded, note, force_fail = self._exclusion(node, host, strikes)
+            if excluded:
+                spend = False
+                self.job.run.same_failure("")  # another world: the run starts again
         if spend and not force_fail:
             same = self.job.restarts.max_same_failure
             streak = self.job.run.same_failure(signature)
@@ -67,6 +80,48 @@ class Round:
             count=min(count, limit),
             by=self.group_rank,
             note=note,
+            excluded=excluded,
         )
         self.claimed = True
         self.store.decide(decision)
+
+    def _exclusion(self, node: str, host: str, strikes: int) -> tuple[str, str, bool]:
+        """``(excluded node, note, force_fail)`` for a failure rooted on ``node`` for the
+        ``strikes``-th round in a row."""
+        limit = self.job.restarts.max_node_failures
+        if not node or limit is None or strikes < limit:
+            return "", "", False
+        why = f"the root cause of {strikes} failures in a row (--max-node-failures {limit})"
+        left = self.nnodes - 1
+        if left < self.job.min_nodes:
+            return (
+                "",
+                (
+                    f"node {node} was {why}, but without it {left} node(s) would be left, fewer "
+                    f"than the minimum of {self.job.min_nodes} (--nnodes): ending the job"
+                ),
+                True,
+            )
+        return node, self._exclude(node, host, why), False
+
+    def _exclude(self, node: str, host: str, why: str) -> str:
+        """Put ``node`` on the job's exclusion list; returns the line every node says."""
+        self.job.run.exclude(ExclusionRecord(node=node, host=host, reason=why, time=time.time()))
+        return f"excluded node {node} ({host}): {why}; the job goes on with {self.nnodes - 1}"
+
+    def exclude_now(self, node: str, host: str, why: str) -> None:
+        """Decide the round (if first) to restart without ``node``, spending nothing: the
+        burn-in found it slow (the caller checked that MIN nodes remain)."""
+        if not self.store.claim():
+            return
+        self.claimed = True
+        self.store.decide(
+            Decision(
+                action=Action.RESTART,
+                reason=f"burn-in: node {node} is slow",
+                count=self.job.run.restarts(0),
+                by=self.group_rank,
+                note=self._exclude(node, host, why),
+                excluded=node,
+            )
+        )

@@ -7,8 +7,10 @@ The run store (``rallypoint/<run_id>/job/`` on the rendezvous backend, from
 every node and every worker sees the same ``TORCHELASTIC_RESTART_COUNT``), ``status``,
 ``left/<k>``, ``hang/<k>``, ``pace/<k>/<g>`` (each node's step-time summary,
 ``observe._straggler_watch``), the ``stacks/*`` exchange (so ``rallypoint stacks`` finds
-it without knowing the round), and ``rpc_secret`` (the job's RPC secret, set once by the
-first agent, unless the user gave every node one).
+it without knowing the round), ``rpc_secret`` (the job's RPC secret, set once by the
+first agent, unless the user gave every node one), ``same_failure`` and ``node_failures``
+(the runs of identical root causes and of failures rooted on one node) and ``excluded``
+(the nodes kept out of the job, a JSON list of ``ExclusionRecord``s).
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from rallypoint.elastic._records import Decision, FailureRecord, NodeRecord, RootRecord
+from rallypoint.elastic._records import (
+    Decision,
+    ExclusionRecord,
+    FailureRecord,
+    NodeRecord,
+    RootRecord,
+)
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -114,6 +122,36 @@ class RunStore:
             count += 1
         self.store.set("same_failure", f"{signature}\n{count}")
         return count
+
+    def node_failed(self, node: str) -> int:
+        """Count a round whose root cause was on ``node`` (``""``: a round that failed
+        otherwise, which breaks every node's run); returns how many rounds in a row it was
+        that node. Only the node that decides a round calls it."""
+        count = 0
+        if node:
+            if self.store.check(["node_failures"]):
+                last, _, n = bytes(self.store.get("node_failures")).decode().rpartition("\n")
+                count = int(n) if last == node and n.isdigit() else 0
+            count += 1
+        self.store.set("node_failures", f"{node}\n{count}")
+        return count
+
+    def exclusions(self) -> list[ExclusionRecord]:
+        """The nodes kept out of the job, oldest first."""
+        if not self.store.check(["excluded"]):
+            return []
+        import json
+
+        raw = json.loads(bytes(self.store.get("excluded")).decode())
+        return [ExclusionRecord.from_json(json.dumps(item)) for item in raw]
+
+    def exclude(self, record: ExclusionRecord) -> None:
+        """Add ``record`` to the exclusion list (only the node that decides a round)."""
+        import json
+
+        items = [json.loads(r.to_json()) for r in self.exclusions()]
+        items.append(json.loads(record.to_json()))
+        self.store.set("excluded", json.dumps(items))
 
     def rpc_secret(self, candidate: str) -> str:
         """The job's RPC secret: ``candidate`` if this node is the first to set it (an

@@ -15,6 +15,7 @@ Exception tree::
     ├── LaunchInterruptedError            the launcher got a signal and stopped the workers
     ├── HangError                         no worker reported progress for ``hang_timeout``
     ├── RendezvousFailedError             the multi-node rendezvous failed or was closed
+    │   └── NodeExcludedError             this node is excluded from the job (exit status 4)
     ├── WarmProcessError                  the warm process died or a ``preload`` failed
     ├── PortInUseError(ValueError)        an explicit master port is busy
     └── BadTargetError(ValueError)        the script/module/command cannot be started
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
         LaunchError,
         LaunchInterruptedError,
         LaunchTimeoutError,
+        NodeExcludedError,
         PortInUseError,
         RendezvousFailedError,
         WarmErrorKind,
@@ -62,6 +64,7 @@ _MODULES = {
         "LaunchError",
         "LaunchInterruptedError",
         "LaunchTimeoutError",
+        "NodeExcludedError",
         "PortInUseError",
         "RendezvousFailedError",
         "WarmErrorKind",
@@ -83,6 +86,7 @@ __all__ = [
     "LaunchInterruptedError",
     "LaunchOptions",
     "LaunchTimeoutError",
+    "NodeExcludedError",
     "PortInUseError",
     "RendezvousFailedError",
     "WarmErrorKind",

@@ -16,7 +16,8 @@ group                     options                                              d
                           run_id
 ``watch``                 hang_timeout, events, straggler_threshold,           observe
                           straggler_window
-``restarts``              max_restarts, on_hang, max_same_failure              elastic
+``restarts``              max_restarts, on_hang, max_same_failure,             elastic
+                          max_node_failures, burn_in
 ``rendezvous``            nnodes (as min_nodes/max_nodes), rdzv_backend,       elastic
                           rdzv_endpoint, rdzv_conf, node_rank, local_addr
 ========================= ==================================================== ============
@@ -67,6 +68,8 @@ class LaunchOptions(TypedDict, total=False):
     straggler_window: timedelta | float
     max_restarts: int
     max_same_failure: int | None
+    max_node_failures: int | None
+    burn_in: bool
     monitor_interval: timedelta
     master_addr: str
     master_port: int | None
@@ -278,6 +281,8 @@ class LaunchConfig:
     max_restarts = _Flat[int]("restarts")
     on_hang = _Flat[Literal["restart", "fail"]]("restarts")
     max_same_failure = _Flat[int | None]("restarts")
+    max_node_failures = _Flat[int | None]("restarts")
+    burn_in = _Flat[bool]("restarts")
     rdzv_backend = _Flat[str]("rendezvous", "backend")
     rdzv_endpoint = _Flat[str]("rendezvous", "endpoint")
     rdzv_conf = _Flat[Mapping[str, str]]("rendezvous", "conf")
@@ -309,7 +314,8 @@ class LaunchConfig:
 
 
 def _restarts(o: Mapping[str, Any]) -> RestartOptions:
-    return RestartOptions(**_pick(o, "max_restarts", "on_hang", "max_same_failure"))
+    names = ("max_restarts", "on_hang", "max_same_failure", "max_node_failures", "burn_in")
+    return RestartOptions(**_pick(o, *names))
 
 
 for _public in (LaunchConfig, LaunchOptions):

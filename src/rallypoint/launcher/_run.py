@@ -122,6 +122,8 @@ def _coordinator(
         timeout=config.stop.timeout,
         share_rpc_secret=not user_rpc_secret(config.workers),
         store_timeout=_read_timeout(config.rendezvous.conf),
+        node=config.rendezvous.local_addr or "",
+        min_nodes=config.rendezvous.min_nodes,
     )
 
 

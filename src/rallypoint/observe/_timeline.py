@@ -35,6 +35,7 @@ MARK_STYLES = {  # kind -> (colour, legend label)
     "round": ("#607d8b", "round"),
     "restart": ("#6a1b9a", "restart"),
     "hang": ("#ef6c00", "hang detected"),
+    "exclusion": ("#d81b60", "node excluded"),
     "job_end": ("#000000", "job end"),
 }
 FAILURE_COLOR = "#b71c1c"
@@ -176,6 +177,8 @@ def _mark_label(e: Event) -> str:
     if e.kind == "restart":
         reason = e.get("reason")
         return f"restart {e.get('restart_count', '')}".rstrip() + (f": {reason}" if reason else "")
+    if e.kind == "exclusion":
+        return str(e.get("reason") or f"excluded node {e.get('excluded', '?')}")
     if e.kind == "hang":
         idle = e.get("idle_s")
         number = isinstance(idle, int | float) and not isinstance(idle, bool)

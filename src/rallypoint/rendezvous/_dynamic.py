@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +51,7 @@ from rallypoint.rendezvous._rounds import (
     Final,
     Keys,
     Slot,
+    Watch,
     assign_ranks,
     corrupt_record,
     parse_int,
@@ -65,24 +65,6 @@ logger = logging.getLogger("rallypoint.rendezvous")
 _SPARE_WAIT = timedelta(days=1)
 _SLOT_WAIT = timedelta(seconds=5)
 _NOW = timedelta(0)
-
-
-@dataclass(slots=True)
-class _Watch:
-    """What the heartbeat thread watches: neighbours' counters and when they last moved,
-    and when this node last read them (``read_at``)."""
-
-    round: int
-    neighbours: list[str] = field(default_factory=list)
-    seen: dict[str, tuple[bytes | None, float]] = field(default_factory=dict)
-    marked: set[str] = field(default_factory=set)
-    read_at: float | None = None
-
-    def forgive(self, blind: float) -> None:
-        """This node could not read the store for ``blind`` seconds (the store was away:
-        an etcd election, a member lost): its neighbours' beats could not land either, so
-        that time does not count towards their silence."""
-        self.seen = {node: (value, since + blind) for node, (value, since) in self.seen.items()}
 
 
 class DynamicRendezvousHandler(RendezvousHandler):
@@ -119,7 +101,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._round: int | None = None
         self._rank: int | None = None
         self._world = 0
-        self._watch: dict[bool, _Watch] = {}
+        self._watch: dict[bool, Watch] = {}
         self._heartbeat_task: int | None = None
         self._agent_server: TCPStore | None = None
         self._side_kv: KeyValueStore | None = None
@@ -229,6 +211,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return 0
         with self._errors():
             return parse_int(self._side().get(self._keys.r(k, "dead")), "dead")
+
+    def leave(self) -> None:
+        """This node leaves the job for good while the others go on (it was excluded):
+        stop its heartbeats and count it gone in its round at once, so that the next
+        round expects one node fewer instead of waiting for it (``last_call_timeout``)."""
+        self._bg.stop()
+        with self._lock:
+            k = self._round
+        if k is not None:
+            with self._errors():
+                self._kv.add(self._keys.r(k, "dead"), 1)
 
     def shutdown(self) -> bool:
         """Stop heartbeats and close the run (as torch's handler does)."""
@@ -487,7 +480,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _watch_state(
         self, kv: KeyValueStore, k: int, *, rank: int = 0, world: int = 0, all_members: bool = False
-    ) -> _Watch | None:
+    ) -> Watch | None:
         """Refresh the heartbeat counters this node watches in round ``k``."""
         watch = self._watch.get(all_members)
         if watch is None or watch.round != k:
@@ -500,7 +493,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             else:
                 ranks = sorted({(rank + d) % world for d in (1, 2)} - {rank})
             names = kv.multi_get([self._keys.r(k, f"member/{r}") for r in ranks])
-            watch = _Watch(round=k, neighbours=[n.decode() for n in names if n is not None])
+            watch = Watch(round=k, neighbours=[n.decode() for n in names if n is not None])
             self._watch[all_members] = watch
         values = kv.multi_get([self._keys.hb(n) for n in watch.neighbours])
         now = time.monotonic()

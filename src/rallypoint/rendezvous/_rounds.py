@@ -1,4 +1,5 @@
-"""The round protocol's data: key layout, node descriptors, the final record, ranks.
+"""The round protocol's data: key layout, node descriptors, the final record, ranks, and
+what a node's heartbeat thread watches (``Watch``).
 
 Everything of run ``R`` lives under ``rallypoint/rdzv/R/``::
 
@@ -22,7 +23,7 @@ Finalising round k deletes the slot/rank/member keys of round k-2 in the backgro
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint.rendezvous._api import RendezvousStateError
@@ -172,3 +173,21 @@ def assign_ranks(slots: list[Slot], round_: int, max_nodes: int) -> dict[int, in
         if s.index not in ranks:
             ranks[s.index] = next(free)
     return ranks
+
+
+@dataclass(slots=True)
+class Watch:
+    """What the heartbeat thread watches: neighbours' counters and when they last moved,
+    and when this node last read them (``read_at``)."""
+
+    round: int
+    neighbours: list[str] = field(default_factory=list)
+    seen: dict[str, tuple[bytes | None, float]] = field(default_factory=dict)
+    marked: set[str] = field(default_factory=set)
+    read_at: float | None = None
+
+    def forgive(self, blind: float) -> None:
+        """This node could not read the store for ``blind`` seconds (the store was away:
+        an etcd election, a member lost): its neighbours' beats could not land either, so
+        that time does not count towards their silence."""
+        self.seen = {node: (value, since + blind) for node, (value, since) in self.seen.items()}

@@ -8,6 +8,7 @@ Exception tree::
     ├── LaunchInterruptedError           the launcher got SIGINT/SIGTERM/SIGHUP and stopped
     ├── HangError                        no worker reported progress for ``hang_timeout``
     ├── RendezvousFailedError            the multi-node rendezvous failed or was closed
+    │   └── NodeExcludedError            this node is excluded from the job (exit status 4)
     └── WarmProcessError                 the warm process died or a ``preload`` failed
     PortInUseError(LaunchError, ValueError)  an explicitly given master port is busy
     BadTargetError(LaunchError, ValueError)  the script/module/command cannot be started
@@ -30,6 +31,7 @@ __all__ = [
     "LaunchError",
     "LaunchInterruptedError",
     "LaunchTimeoutError",
+    "NodeExcludedError",
     "PortInUseError",
     "RendezvousFailedError",
     "WarmErrorKind",
@@ -110,6 +112,14 @@ class HangError(LaunchError):
 
 class RendezvousFailedError(LaunchError):
     """The multi-node rendezvous could not complete, lost its store, or was closed."""
+
+
+class NodeExcludedError(RendezvousFailedError):
+    """This node was the root cause of ``max_node_failures`` failures in a row and is kept
+    out of the job (the others go on); ``rallypoint run`` exits with :attr:`exit_code`, so
+    that a scheduler can replace the node."""
+
+    exit_code = 4
 
 
 class WarmErrorKind(enum.Enum):

@@ -231,6 +231,22 @@ class Host:
         _run_ip("-n", self.network.bridge_ns, "link", "set", self.port_name, "down")
         self._cut = True
 
+    def throttle(self, rate: str) -> None:
+        """Slow this host's link both ways to ``rate`` (``"40mbit"``) with a token bucket
+        (``tc qdisc ... tbf``) on each end: a bad cable or a flapping NIC."""
+        self.network._require_open()
+        tbf = ["root", "tbf", "rate", rate, "burst", "32kbit", "latency", "400ms"]
+        tc = shutil.which("tc") or "tc"
+        for ns, dev in ((self.network.bridge_ns, self.port_name), (self.name, "eth0")):
+            proc = subprocess.run(
+                [_ip(), "netns", "exec", ns, tc, "qdisc", "replace", "dev", dev, *tbf],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+            if proc.returncode != 0:
+                raise NetnsError(f"tc tbf on {ns}/{dev}: {proc.stderr.strip()}")
+
     def restore(self) -> None:
         """Bring the link back after :meth:`cut`."""
         self.network._require_open()
