@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from rallypoint._core import envvars
 from rallypoint.cli._run import run_main
 from rallypoint.launcher import launch
 
@@ -86,6 +87,9 @@ def test_a_read_only_log_dir_is_one_line_and_exit_2(small_disk: Any, tmp_path: P
     assert f"--log-dir {logs}: cannot write there (Read-only file system)" in lines[0]
     with pytest.raises(ValueError, match=r"--log-dir .*Read-only file system"):
         launch(print, nproc=1, log_dir=str(logs))
+    snapshots = {envvars.SNAPSHOT_DIR: str(small_disk.path / "snapshots")}
+    with pytest.raises(ValueError, match=r"--snapshot-dir .*Read-only file system"):
+        launch(print, nproc=1, env=snapshots)  # launch() checks it too, not only the CLI
 
 
 def test_a_log_dir_that_fills_during_the_run_ends_nothing(small_disk: Any, tmp_path: Path) -> None:

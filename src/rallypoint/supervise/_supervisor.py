@@ -11,6 +11,7 @@ coordinator that owns it does (``rallypoint.elastic``).
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import shutil
 import signal
@@ -120,6 +121,9 @@ class Supervisor(Closing):
         )
         self.stopper = Stopper(warm, stop.shutdown_timeout)
         log_root = _log_root(output, workers.nproc, run_id)
+        snapshot_dir = workers.env.get(envvars.SNAPSHOT_DIR, os.environ.get(envvars.SNAPSHOT_DIR))
+        if snapshot_dir:  # launch(env=...) too, not only the CLI: one line at start
+            check_writable(snapshot_dir, "--snapshot-dir")
         self._scratch = Path(tempfile.mkdtemp(prefix="rallypoint_"))
         # removed by the warm process should this process be killed (close() does it else);
         # a warm process that is gone already is reported by the first real request
