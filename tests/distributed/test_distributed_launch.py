@@ -88,7 +88,6 @@ def test_parallel_worker_bad_input_fails_in_the_parent() -> None:
 
 @pytest.mark.timeout(60)
 def test_launch_with_parallel_initialises_groups_in_each_worker() -> None:
-    pytest.importorskip("rallypoint.launcher", reason="the launcher part is not installed")
     import rallypoint
 
     results = rallypoint.launch(_layout, nproc=4, parallel=rd.DistributedConfig(tensor_parallel=2))
@@ -98,7 +97,6 @@ def test_launch_with_parallel_initialises_groups_in_each_worker() -> None:
 
 @pytest.mark.timeout(60)
 def test_launch_with_parallel_and_spawn_pickles_the_worker() -> None:
-    pytest.importorskip("rallypoint.launcher", reason="the launcher part is not installed")
     import rallypoint
 
     results = rallypoint.launch(
@@ -132,7 +130,6 @@ with open(os.path.join(sys.argv[1], f"rank{record['rank']}.json"), "w") as f:
 
 
 def _rallypoint_run(tmp_path: Path, extra_env: dict[str, str]) -> list[dict[str, Any]]:
-    pytest.importorskip("rallypoint.launcher", reason="the launcher part is not installed")
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     env = {**os.environ, **extra_env}
@@ -181,7 +178,6 @@ print(repr(results))
 
 @pytest.mark.timeout(90)
 def test_two_launches_share_one_world_with_rank_offset(tmp_path: Path) -> None:
-    pytest.importorskip("rallypoint.launcher", reason="the launcher part is not installed")
     script = tmp_path / "two.py"
     script.write_text(textwrap.dedent(LAUNCH_SCRIPT))
     port = free_port()

@@ -388,9 +388,6 @@ def _pg_ready() -> tuple[bool, int]:
 
 
 def test_parallel_hook_wraps_fn() -> None:
-    distributed = pytest.importorskip("rallypoint.distributed")
-    if not hasattr(distributed, "parallel_worker"):
-        pytest.skip("rallypoint.distributed.parallel_worker is not there yet")
     assert launch(_pg_ready, nproc=2, parallel=True) == [(True, 2)] * 2
     with pytest.raises(TypeError, match="parallel"):
         launch(_pg_ready, nproc=2, parallel=42)

@@ -34,6 +34,7 @@ join mode from the start, as torch.
 
 from __future__ import annotations
 
+import enum
 import re
 import threading
 import time
@@ -50,6 +51,15 @@ from rallypoint.join._failure import FailureChannel
 __all__ = ["DeferredJoinMode", "deferred_join_mode_blocker"]
 
 _RUN = re.compile(r"([SGN])(\d+)")
+
+
+class _Record(enum.Enum):
+    """Why a rank publishes its forward count (the value's first field in the store)."""
+
+    PROPOSAL = "p"
+    """Another rank joined: this one says how far it got."""
+    JOINED = "j"
+    """This rank ran out of inputs."""
 
 
 def deferred_join_mode_blocker(joinables: Sequence[Any], others_ok: type | tuple[type, ...]) -> str:
@@ -182,19 +192,19 @@ class DeferredJoinMode:
                     continue
             except Exception:
                 continue  # store unreachable: the collectives' own timeout applies
-            self._record("p")
+            self._record(_Record.PROPOSAL)
             return
 
-    def _record(self, kind: str) -> None:
-        """Publish this rank's record once: ``kind`` is ``p`` (proposal) or ``j`` (joined)."""
+    def _record(self, kind: _Record) -> None:
+        """Publish this rank's record once."""
         with self._lock:
             if self._recorded:
                 return
             self._recorded = True
             rank = self._channel.rank
             self._store.set(f"{self._prefix}/runs/{rank}", self._runs.encode())
-            self._store.set(f"{self._prefix}/record/{rank}", f"{kind}:{self._forwards}")
-            if kind == "j":
+            self._store.set(f"{self._prefix}/record/{rank}", f"{kind.value}:{self._forwards}")
+            if kind is _Record.JOINED:
                 self._store.set(f"{self._prefix}/joined", "1")
 
     # -- the joined rank ---------------------------------------------------------------
@@ -205,7 +215,7 @@ class DeferredJoinMode:
         self.stop()
         if self._in_join_mode:
             return []
-        self._record("j")
+        self._record(_Record.JOINED)
         switch = self.switch_point(cancel)
         if self._forwards >= switch:
             return []

@@ -89,8 +89,6 @@ def _wrap_parallel(fn: Callable[..., Any], config: LaunchConfig) -> Callable[...
     if config.parallel is None:
         return fn
     distributed = importlib.import_module("rallypoint.distributed")
-    if not hasattr(distributed, "parallel_worker"):
-        raise NotImplementedError("rallypoint.distributed.parallel_worker is not available")
     wrapped: Callable[..., Any] = distributed.parallel_worker(fn, config.parallel)  # validates now
     return wrapped
 
