@@ -100,3 +100,13 @@ def test_progress_from_the_launcher_loads_only_progress() -> None:
     assert "rallypoint.observe._progress" in loaded
     parts = ("launcher", "supervise", "elastic", "cli")
     assert {m for m in loaded if m.split(".")[1] in parts} == {"rallypoint.launcher"}
+
+
+def test_worker_summary_and_statuses_and_the_deprecated_name() -> None:
+    from rallypoint import launcher
+
+    assert launcher.WorkerStatus.TERMINATED == "terminated"  # the events' and screens' word
+    assert launcher.JobStatus.INTERRUPTED == "interrupted"
+    with pytest.warns(DeprecationWarning, match="WorkerState is deprecated: it is WorkerSummary"):
+        old = launcher.WorkerState
+    assert old is launcher.WorkerSummary

@@ -24,7 +24,13 @@ from rallypoint.elastic._policy import ElasticPolicy
 from rallypoint.elastic._protocols import NodeSupervisor
 from rallypoint.elastic._rendezvous import run_store_namespace
 from rallypoint.elastic._stores import RunStore
-from rallypoint.launcher import HangError, RendezvousFailedError, WorkerFailedError, WorkerState
+from rallypoint.launcher import (
+    HangError,
+    RendezvousFailedError,
+    WorkerFailedError,
+    WorkerStatus,
+    WorkerSummary,
+)
 from rallypoint.observe import read_events
 from rallypoint.observe._observer import Observer, WatchOptions
 from rallypoint.rendezvous import DynamicRendezvousConfig, DynamicRendezvousHandler, MemoryKV
@@ -103,12 +109,12 @@ class FakeSupervisor:
         running = {group.rank_offset + lr: 10_000_000 + lr for lr in range(self.nproc)}
         match self.script(number, group):
             case Finish():
-                return Outcome(OutcomeKind.OK, self._states(group, "succeeded", 0))
+                return Outcome(OutcomeKind.OK, self._states(group, WorkerStatus.SUCCEEDED, 0))
             case Fail(at=at, traceback=tb, delay=delay):
                 time.sleep(delay)
-                states = self._states(group, "terminated", -15)
-                states[0] = WorkerState(
-                    group.rank_offset, 0, 10_000_000, "failed", 1, "exited with 1"
+                states = self._states(group, WorkerStatus.TERMINATED, -15)
+                states[0] = WorkerSummary(
+                    group.rank_offset, 0, 10_000_000, WorkerStatus.FAILED, 1, "exited with 1"
                 )
                 failure = Failure(states[0], tb, None, time=at, elapsed=1.0)
                 return Outcome(OutcomeKind.FAILED, states, failure=failure)
@@ -117,7 +123,7 @@ class FakeSupervisor:
             case Hang():
                 stop = policy.on_hang(running, 5.0)
                 return Outcome(
-                    stop.kind, self._states(group, "terminated", -15), reason=stop.reason
+                    stop.kind, self._states(group, WorkerStatus.TERMINATED, -15), reason=stop.reason
                 )
         raise AssertionError("unknown script step")
 
@@ -128,14 +134,14 @@ class FakeSupervisor:
         while time.monotonic() < deadline:
             stop = policy.poll(running)
             if stop is not None:
-                states = self._states(group, "terminated", -15)
+                states = self._states(group, WorkerStatus.TERMINATED, -15)
                 return Outcome(stop.kind, states, reason=stop.reason)
             time.sleep(0.01)
         raise AssertionError(f"{self.host}: the policy never stopped the workers")
 
-    def _states(self, group: GroupInfo, state: str, code: int) -> list[WorkerState]:
+    def _states(self, group: GroupInfo, state: WorkerStatus, code: int) -> list[WorkerSummary]:
         return [
-            WorkerState(group.rank_offset + lr, lr, 10_000_000 + lr, state, code, state)
+            WorkerSummary(group.rank_offset + lr, lr, 10_000_000 + lr, state, code, state)
             for lr in range(self.nproc)
         ]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.launcher import WorkerState
+from rallypoint.launcher import WorkerStatus, WorkerSummary
 from rallypoint.supervise._options import parse_std_spec
 from rallypoint.supervise._output import OutputRouter
 from rallypoint.supervise._summary import describe_status, format_summary
@@ -64,8 +64,13 @@ def test_output_lines_prefix_partial_lines_and_files(
 
 
 def test_summary_is_one_screen() -> None:
-    root = WorkerState(rank=3, local_rank=1, pid=42, state="failed", exitcode=-9, detail="x")
-    others = [WorkerState(r, r, 100 + r, "terminated", -15, "killed by SIGTERM") for r in (0, 2)]
+    root = WorkerSummary(
+        rank=3, local_rank=1, pid=42, state=WorkerStatus.FAILED, exitcode=-9, detail="x"
+    )
+    others = [
+        WorkerSummary(r, r, 100 + r, WorkerStatus.TERMINATED, -15, "killed by SIGTERM")
+        for r in (0, 2)
+    ]
     text = format_summary(
         title="rallypoint run t.py",
         root=root,

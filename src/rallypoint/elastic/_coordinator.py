@@ -33,6 +33,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from rallypoint._core.status import JobStatus
 from rallypoint.elastic._burn_in import measure, slow_node
 from rallypoint.elastic._job import Job, interruptible
 from rallypoint.elastic._options import RestartOptions
@@ -204,7 +205,7 @@ class ElasticCoordinator:
                 raise
             except Exception:
                 status = ""
-        if status == "succeeded":
+        if status == JobStatus.SUCCEEDED:
             write_console(2, b"rallypoint: the job already finished successfully\n")
             return
         raise RendezvousFailedError(
@@ -315,7 +316,7 @@ class ElasticCoordinator:
                 self._on_failure(rnd, outcome.failure, outcome.kind)
             case OutcomeKind.OK:
                 if self._wait_job_done(rnd):
-                    self._finish(rnd, "succeeded")
+                    self._finish(rnd, JobStatus.SUCCEEDED)
                     return True
             case OutcomeKind.HANG | OutcomeKind.RESTART:
                 pass  # the round is decided already
@@ -418,7 +419,7 @@ class ElasticCoordinator:
             "restart", round=rnd.number + 1, restart_count=decision.count, reason=decision.reason
         )
 
-    def _finish(self, rnd: Round, status: str) -> None:
+    def _finish(self, rnd: Round, status: JobStatus) -> None:
         """Write the job's status, close the rendezvous, and wait briefly for the others."""
         try:
             self.job.run.set_status(status)
@@ -444,7 +445,7 @@ class ElasticCoordinator:
             exitcode=None if failure is None else failure.exitcode,
             message=decision.reason,
         )
-        self._finish(rnd, "failed")
+        self._finish(rnd, JobStatus.FAILED)
         if decision.note:
             write_console(2, f"rallypoint: {decision.note}\n".encode())
         raise_failure(rnd, outcome, decision, root, title=self.title)

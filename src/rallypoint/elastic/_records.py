@@ -16,8 +16,9 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rallypoint._core.status import WorkerStatus
 from rallypoint.rendezvous import RendezvousStateError
-from rallypoint.supervise._errors import WorkerState
+from rallypoint.supervise._errors import WorkerSummary
 
 __all__ = ["Action", "Decision", "FailureRecord", "NodeRecord", "RootRecord"]
 
@@ -76,9 +77,9 @@ class FailureRecord:
         names = tuple(cls.__dataclass_fields__)
         return cls(**_fields(_load(data, "failure"), "failure", names))
 
-    def worker_state(self) -> WorkerState:
-        return WorkerState(
-            self.rank, self.local_rank, self.pid, "failed", self.exitcode, self.detail
+    def worker_state(self) -> WorkerSummary:
+        return WorkerSummary(
+            self.rank, self.local_rank, self.pid, WorkerStatus.FAILED, self.exitcode, self.detail
         )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from rallypoint._core.status import JobStatus
 from rallypoint.elastic._records import (
     Decision,
     ExclusionRecord,
@@ -163,7 +164,7 @@ class RunStore:
             return bytes(self.store.get("status")).decode()
         return ""
 
-    def set_status(self, status: str) -> None:
+    def set_status(self, status: JobStatus) -> None:
         self.store.set("status", status)
 
     def leave(self, round_number: int, count: int = 1) -> int:

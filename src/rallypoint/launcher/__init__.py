@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from rallypoint._core.lazy import lazy_attributes
 
 if TYPE_CHECKING:
+    from rallypoint._core.status import JobStatus, WorkerStatus
     from rallypoint.launcher._api import launch
     from rallypoint.launcher._config import DEFAULT_PREFIX, LaunchConfig, LaunchOptions
     from rallypoint.observe import EventLog, progress, read_events, render_report
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
         WarmErrorKind,
         WarmProcessError,
         WorkerFailedError,
-        WorkerState,
+        WorkerSummary,
     )
 
 # module -> the public names it defines (each resolved on first access)
@@ -70,8 +71,9 @@ _MODULES = {
         "WarmErrorKind",
         "WarmProcessError",
         "WorkerFailedError",
-        "WorkerState",
+        "WorkerSummary",
     ),
+    "rallypoint._core.status": ("JobStatus", "WorkerStatus"),
 }
 _HOME = {name: module for module, names in _MODULES.items() for name in names}
 
@@ -81,6 +83,7 @@ __all__ = [
     "EventLog",
     "FatalError",
     "HangError",
+    "JobStatus",
     "LaunchConfig",
     "LaunchError",
     "LaunchInterruptedError",
@@ -92,7 +95,8 @@ __all__ = [
     "WarmErrorKind",
     "WarmProcessError",
     "WorkerFailedError",
-    "WorkerState",
+    "WorkerStatus",
+    "WorkerSummary",
     "launch",
     "progress",
     "read_events",
@@ -100,4 +104,18 @@ __all__ = [
 ]
 
 
-__getattr__, __dir__ = lazy_attributes(__name__, globals(), _HOME)
+_getattr, __dir__ = lazy_attributes(__name__, globals(), _HOME)
+
+
+def __getattr__(name: str) -> object:
+    if name == "WorkerState":  # the record's name until 0.1: torchelastic's WorkerState is
+        import warnings  # an enum of a whole group's state, a different thing
+
+        warnings.warn(
+            "rallypoint.launcher.WorkerState is deprecated: it is WorkerSummary (one "
+            "worker's record); the name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _getattr("WorkerSummary")
+    return _getattr(name)

@@ -16,6 +16,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Protocol
 
+from rallypoint._core.status import JobStatus
 from rallypoint.elastic._local import LocalCoordinator
 from rallypoint.launcher._config import LaunchConfig
 from rallypoint.observe._observer import Observer
@@ -64,7 +65,7 @@ def _run(
     collect_results: bool,
     warn_omp: bool,
 ) -> list[Any]:
-    status, code = "failed", 1
+    status, code = JobStatus.FAILED, 1
     with Observer(nproc=config.workers.nproc, watch=config.watch, node=socket.gethostname()) as obs:
         try:
             with Supervisor(
@@ -80,10 +81,10 @@ def _run(
                 signals=signals,
             ) as supervisor:
                 results = _coordinator(config, supervisor, obs, run_id, title).run()
-            status, code = "succeeded", 0
+            status, code = JobStatus.SUCCEEDED, 0
             return results
         except LaunchInterruptedError as exc:
-            status, code = "interrupted", 128 + exc.signum
+            status, code = JobStatus.INTERRUPTED, 128 + exc.signum
             raise
         finally:
             with contextlib.suppress(Exception):

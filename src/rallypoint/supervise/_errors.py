@@ -24,6 +24,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from rallypoint._core.status import WorkerStatus
+
 __all__ = [
     "BadTargetError",
     "FatalError",
@@ -37,7 +39,7 @@ __all__ = [
     "WarmErrorKind",
     "WarmProcessError",
     "WorkerFailedError",
-    "WorkerState",
+    "WorkerSummary",
 ]
 
 
@@ -46,14 +48,13 @@ class LaunchError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerState:
+class WorkerSummary:
     """What happened to one worker in the last attempt (used in summaries)."""
 
     rank: int
     local_rank: int
     pid: int
-    state: str
-    """``"succeeded"``, ``"failed"``, ``"terminated"`` or ``"running"``."""
+    state: WorkerStatus
     exitcode: int | None
     """Like ``Popen.returncode``: negative signal number when killed by a signal."""
     detail: str
@@ -75,7 +76,7 @@ class WorkerFailedError(LaunchError):
         exitcode: int | None,
         remote_traceback: str,
         summary: str,
-        others: tuple[WorkerState, ...] = (),
+        others: tuple[WorkerSummary, ...] = (),
         exception: BaseException | None = None,
     ) -> None:
         super().__init__(message)

@@ -9,7 +9,8 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rallypoint.supervise._errors import WorkerState
+from rallypoint._core.status import WorkerStatus
+from rallypoint.supervise._errors import WorkerSummary
 from rallypoint.supervise._summary import describe_status, error_info
 
 __all__ = ["Failure", "GroupInfo", "Outcome", "OutcomeKind", "Stop", "Worker"]
@@ -70,7 +71,7 @@ class Stop:
 class Failure:
     """The first worker failure of an attempt (its root cause) and what it left behind."""
 
-    worker: WorkerState
+    worker: WorkerSummary
     traceback: str
     exception: BaseException | None
     time: float
@@ -84,7 +85,7 @@ class Failure:
 @dataclass(slots=True)
 class Outcome:
     kind: OutcomeKind
-    workers: list[WorkerState]
+    workers: list[WorkerSummary]
     failure: Failure | None = None
     signum: int = 0
     reason: str = ""
@@ -114,20 +115,21 @@ class Worker:
     def returncode(self) -> int | None:
         return None if self.status is None else describe_status(self.status)[0]
 
-    def state(self) -> WorkerState:
+    def state(self) -> WorkerSummary:
         if self.status is None:
-            return WorkerState(self.rank, self.local_rank, self.pid, "running", None, "running")
+            running = WorkerStatus.RUNNING
+            return WorkerSummary(self.rank, self.local_rank, self.pid, running, None, "running")
         code, text = describe_status(self.status)
-        kind = "succeeded" if code == 0 else "failed"
+        kind = WorkerStatus.SUCCEEDED if code == 0 else WorkerStatus.FAILED
         if code != 0 and self.signalled is not None:
             own = self._own_error(code)
             if own:  # it failed on its own while (or before) rallypoint's signal came
                 text = f"{text} ({own})"
             else:
-                kind = "terminated"
+                kind = WorkerStatus.TERMINATED
                 name = signal.Signals(self.signalled).name
                 text = f"{text} (stopped by rallypoint with {name})"
-        return WorkerState(self.rank, self.local_rank, self.pid, kind, code, text)
+        return WorkerSummary(self.rank, self.local_rank, self.pid, kind, code, text)
 
     def _own_error(self, code: int) -> str:
         """Why a worker that rallypoint signalled failed, if not because of the signal:

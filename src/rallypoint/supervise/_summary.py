@@ -12,7 +12,7 @@ import textwrap
 from datetime import datetime
 from pathlib import Path
 
-from rallypoint.supervise._errors import WorkerState
+from rallypoint.supervise._errors import WorkerSummary
 
 __all__ = [
     "PEER_LOSS",
@@ -62,12 +62,12 @@ def _signal_text(signum: int) -> str:
 def format_summary(
     *,
     title: str,
-    root: WorkerState,
+    root: WorkerSummary,
     host: str,
     when: float,
     elapsed: float,
     traceback_text: str,
-    others: list[WorkerState],
+    others: list[WorkerSummary],
     attempts: str,
 ) -> str:
     """One screen: the root cause with its traceback, then one line per other rank."""
