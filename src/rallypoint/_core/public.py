@@ -22,7 +22,7 @@ def set_public_module(package: str, namespace: Mapping[str, Any], names: Iterabl
     """
     for name in names:
         obj = namespace.get(name)
-        if not isinstance(obj, type | types.FunctionType):
-            continue
+        if not isinstance(obj, type | types.FunctionType) and not hasattr(obj, "__wrapped__"):
+            continue  # a decorated function (functools.cache) keeps its own __module__
         if obj.__module__.startswith(package + "._"):
             obj.__module__ = package
