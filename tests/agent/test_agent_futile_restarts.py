@@ -31,6 +31,7 @@ def _agents(endpoint: str, run_id: str, script: Path, mode: str) -> list[tuple[i
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
         "--rdzv-conf", "is_host=false,read_timeout=20",
         "--max-restarts", "20", "--shutdown-timeout", "5",
+        "--max-node-failures", "off",  # else node exclusion (at 2) ends a 2-node job first
         str(script), mode,
     ]  # fmt: skip
     procs = [
