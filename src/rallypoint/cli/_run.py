@@ -113,12 +113,21 @@ def _last_line_written() -> None:
 
 def _exit_status(exc: Exception, prog: str) -> int:
     """The one screen (or line) printed for a failed job, and the exit status."""
-    from rallypoint.launcher import LaunchError, LaunchInterruptedError, WorkerFailedError
+    from rallypoint.elastic._exits import EXIT_UNHEALTHY
+    from rallypoint.launcher import (
+        LaunchError,
+        LaunchInterruptedError,
+        UnhealthyNodeError,
+        WorkerFailedError,
+    )
 
     match exc:
         case WorkerFailedError():
             sys.stderr.write(exc.summary + "\n")
             return 1
+        case UnhealthyNodeError():
+            sys.stderr.write(f"{exc}\n")
+            return EXIT_UNHEALTHY
         case LaunchInterruptedError():
             sys.stderr.write(f"{prog}: {exc}\n")
             return 128 + exc.signum

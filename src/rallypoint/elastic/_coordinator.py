@@ -32,6 +32,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from rallypoint.elastic._health import HealthChecks
 from rallypoint.elastic._job import Job, interruptible
 from rallypoint.elastic._options import RestartOptions
 from rallypoint.elastic._policy import MEMBERSHIP_CHANGED, ElasticPolicy
@@ -84,6 +85,7 @@ class ElasticCoordinator:
         timeout: timedelta | None = None,
         share_rpc_secret: bool = True,
         store_timeout: float = 60.0,
+        health: HealthChecks | None = None,
     ) -> None:
         self.supervisor = supervisor
         self.connect = connect
@@ -97,6 +99,8 @@ class ElasticCoordinator:
         self.share_rpc_secret = share_rpc_secret
         """Give every node's workers the run store's RPC secret (False: the user set one)."""
         self.store_timeout = store_timeout
+        self.health = health
+        """Run before each round this node joins (``_health``)."""
         self._local_round = 0
         self._job: Job | None = None
 
@@ -121,6 +125,9 @@ class ElasticCoordinator:
             store_timeout=self.store_timeout,
         )
         interruptible(self._job.open, sup.next_signal, "the rendezvous store")
+        if self.health:
+            job = self._job
+            self.health.context.store = lambda: job.run.store if job.has_run_store else None
         try:
             return self._rounds()
         except (LaunchError, ValueError, TypeError):
@@ -138,6 +145,8 @@ class ElasticCoordinator:
         )
 
         while True:
+            if self.health:
+                self.health.run(self._local_round)  # an unhealthy node stays out
             try:
                 info = self._next_rendezvous()
             except (RendezvousClosedError, RendezvousGracefulExitError) as exc:

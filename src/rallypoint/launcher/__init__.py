@@ -15,6 +15,7 @@ Exception tree::
     ├── LaunchInterruptedError            the launcher got a signal and stopped the workers
     ├── HangError                         no worker reported progress for ``hang_timeout``
     ├── RendezvousFailedError             the multi-node rendezvous failed or was closed
+    ├── UnhealthyNodeError                a health check failed: this node stayed out
     ├── WarmProcessError                  the warm process died or a ``preload`` failed
     ├── PortInUseError(ValueError)        an explicit master port is busy
     └── BadTargetError(ValueError)        the script/module/command cannot be started
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
         LaunchTimeoutError,
         PortInUseError,
         RendezvousFailedError,
+        UnhealthyNodeError,
         WarmErrorKind,
         WarmProcessError,
         WorkerFailedError,
@@ -64,6 +66,7 @@ _MODULES = {
         "LaunchTimeoutError",
         "PortInUseError",
         "RendezvousFailedError",
+        "UnhealthyNodeError",
         "WarmErrorKind",
         "WarmProcessError",
         "WorkerFailedError",
@@ -85,6 +88,7 @@ __all__ = [
     "LaunchTimeoutError",
     "PortInUseError",
     "RendezvousFailedError",
+    "UnhealthyNodeError",
     "WarmErrorKind",
     "WarmProcessError",
     "WorkerFailedError",

@@ -8,6 +8,7 @@ Exception tree::
     ├── LaunchInterruptedError           the launcher got SIGINT/SIGTERM/SIGHUP and stopped
     ├── HangError                        no worker reported progress for ``hang_timeout``
     ├── RendezvousFailedError            the multi-node rendezvous failed or was closed
+    ├── UnhealthyNodeError               a health check failed: this node stayed out
     └── WarmProcessError                 the warm process died or a ``preload`` failed
     PortInUseError(LaunchError, ValueError)  an explicitly given master port is busy
     BadTargetError(LaunchError, ValueError)  the script/module/command cannot be started
@@ -32,6 +33,7 @@ __all__ = [
     "LaunchTimeoutError",
     "PortInUseError",
     "RendezvousFailedError",
+    "UnhealthyNodeError",
     "WarmErrorKind",
     "WarmProcessError",
     "WorkerFailedError",
@@ -110,6 +112,17 @@ class HangError(LaunchError):
 
 class RendezvousFailedError(LaunchError):
     """The multi-node rendezvous could not complete, lost its store, or was closed."""
+
+
+class UnhealthyNodeError(LaunchError):
+    """A health check (``health_check``) failed on this node before it joined a round: the
+    node stayed out of the job. ``check`` names the check; the message is the screen
+    (its exit code or timeout and the last lines of its output). ``rallypoint run`` exits
+    with ``EXIT_UNHEALTHY`` (3) so that a scheduler can replace the node."""
+
+    def __init__(self, message: str, *, check: str) -> None:
+        super().__init__(message)
+        self.check = check
 
 
 class WarmErrorKind(enum.Enum):
