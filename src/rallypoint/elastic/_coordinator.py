@@ -32,6 +32,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from rallypoint._core.blocking import call_in_thread
 from rallypoint.elastic._health import HealthChecks
 from rallypoint.elastic._job import Job, interruptible
 from rallypoint.elastic._options import RestartOptions
@@ -103,6 +104,8 @@ class ElasticCoordinator:
         """Run before each round this node joins (``_health``)."""
         self._local_round = 0
         self._job: Job | None = None
+        self._spare: int | None = None
+        """The round this node waited out as a spare (said once), until it is admitted."""
 
     @property
     def job(self) -> Job:
@@ -170,8 +173,36 @@ class ElasticCoordinator:
     # ------------------------------------------------------------------ joining a round
     def _next_rendezvous(self) -> RendezvousInfo:
         """``next_rendezvous()`` in a thread, so that SIGINT/SIGTERM still stop this node
-        while it blocks inside the store (a blocked C call does not return for signals)."""
-        return self.job.blocking(self.job.handler.next_rendezvous)
+        while it blocks inside the store (a blocked C call does not return for signals);
+        a node that waits as a spare says so, once."""
+
+        def poll() -> None:
+            self.job.check_signals()
+            self._say_spare()
+
+        return call_in_thread(self.job.handler.next_rendezvous, poll=poll, name="rallypoint-store")
+
+    def _say_spare(self) -> None:
+        k = self.job.handler.spare_round
+        if k is None or self._spare is not None:
+            return
+        self._spare = k
+        write_console(
+            2,
+            f"rallypoint: this node is a spare: job {self.run_id!r} is full in round {k}; "
+            f"it waits to take the place of a lost node at round {k + 1} or later\n".encode(),
+        )
+        self.observer.emit("spare", round=k, run_id=self.run_id)
+
+    def _say_admitted(self, k: int, group_rank: int) -> None:
+        if self._spare is None:
+            return
+        self._spare = None
+        write_console(
+            2,
+            f"rallypoint: the spare joins job {self.run_id!r} in round {k} as node "
+            f"{group_rank}\n".encode(),
+        )
 
     def _ended_elsewhere(self, exc: Exception) -> None:
         status = ""
@@ -200,6 +231,7 @@ class ElasticCoordinator:
         job.blocking(lambda: job.adopt_round_store(info.store))
         store = RoundStore(prefixed(f"rallypoint/round{k}", info.store))
         group_rank, nnodes = int(info.rank), int(info.world_size)
+        self._say_admitted(k, group_rank)
         sup = self.supervisor
 
         def join_round() -> tuple[int, list[NodeRecord]]:
