@@ -2,6 +2,9 @@
 
 Every node runs the same command; each node's coordinator loops over rounds:
 
+0. Before each round it joins, the node runs its health checks (``_health``): a failing
+   one keeps it out (``UnhealthyNodeError``, exit code 3). A node that finds the round
+   already full at MAX waits in ``next_rendezvous()`` as a spare and says so once.
 1. ``next_rendezvous()`` on a ``rallypoint.rendezvous`` handler gives the group rank and
    the node count. In the round's own store the nodes exchange their ``--nproc-per-node``
    (global ``RANK`` = sum of the local world sizes of lower group ranks + local rank, so
