@@ -48,11 +48,12 @@ def test_a_failing_check_keeps_the_node_out(hello: Path) -> None:
     assert "this node stays out of the job; exit code 3" in lines[-1], err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_hanging_check_is_cut_at_its_timeout(hello: Path, tmp_path: Path) -> None:
     marker = tmp_path / "grandchild-alive"
     # the check and a child it started: both must be killed at the timeout
-    check = f"echo started; (sleep 3; touch {marker}) & sleep 60"
+    check = f"echo started; (sleep 1.5; touch {marker}) & sleep 60"
     started = time.monotonic()
     code, out, err = _run(["--health-check", check, "--health-check-timeout", "1", str(hello)])
     took = time.monotonic() - started
@@ -60,10 +61,11 @@ def test_a_hanging_check_is_cut_at_its_timeout(hello: Path, tmp_path: Path) -> N
     assert "  timed out after 1 s (--health-check-timeout); killed" in err, err
     assert "    started" in err, err
     assert took < 20, took
-    time.sleep(3.5)
+    time.sleep(2)
     assert not marker.exists(), "what the check started must be killed with it"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_checks_run_before_the_workers_and_before_each_restart(tmp_path: Path) -> None:
     log = tmp_path / "checks.log"
@@ -117,6 +119,7 @@ def test_builtin_disk_fails_when_the_log_dir_turns_read_only(
     assert "restarting the worker group" in err  # the check ran before the restart
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_builtin_disk_fails_below_the_free_space_floor(hello: Path, small_disk: Any) -> None:
     code, out, err = _run(
@@ -127,6 +130,7 @@ def test_builtin_disk_fails_below_the_free_space_floor(hello: Path, small_disk: 
     assert "hello from the worker" not in out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_builtins_pass_or_skip_with_one_line_on_a_healthy_node(hello: Path) -> None:
     argv = ["--health-check", "builtin:disk", "--health-check", "builtin:store"]
