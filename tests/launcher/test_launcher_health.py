@@ -237,3 +237,22 @@ def test_builtin_gpu_checks_every_visible_gpu() -> None:
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     for index in range(torch.cuda.device_count()):
         assert f"cuda:{index} (" in proc.stdout and "matmul in" in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(30)
+def test_health_check_options_flags_beat_pet(hello: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rallypoint.cli._args import config_from_args
+    from rallypoint.cli._parser import build_parser
+
+    def parse(argv: list[str]) -> Any:
+        return config_from_args(build_parser().parse_args([*argv, str(hello)]))[0]
+
+    assert parse([]).health_check == ()
+    assert parse([]).health_check_timeout == timedelta(seconds=60)
+    monkeypatch.setenv("PET_HEALTH_CHECK", "builtin:disk\n/opt/check gpu 0\n")
+    monkeypatch.setenv("PET_HEALTH_CHECK_TIMEOUT", "7.5")
+    config = parse([])
+    assert config.health_check == ("builtin:disk", "/opt/check gpu 0")
+    assert config.health_check_timeout == timedelta(seconds=7.5)
+    config = parse(["--health_check", "true", "--health-check", "builtin:store"])
+    assert config.health_check == ("true", "builtin:store")  # flags beat PET_HEALTH_CHECK
