@@ -15,6 +15,14 @@ all_reduce; the dying rank writes its death time first. Also printed: node-loss 
 (one agent SIGKILLed; time until the survivor restarts its workers in a one-node world),
 which is bounded by the keep-alive window configured here (0.5 s x 3 attempts).
 
+A spare takes over (``--sections spare``): ``--nnodes 2:2``, one worker per node, the
+rendezvous store hosted by this script; a third agent starts once both nodes train and
+waits as a spare; then one member's agent is SIGKILLed. The time is from the kill until
+both ranks of the next world (the survivor's and the spare's) have passed an all_reduce;
+torchrun in the same scenario, with ``--max-restarts 1``.
+
+    .venv/bin/python benchmarks/recovery.py --sections spare --repeat 3 --timeout 60
+
 No single point of failure (``--sections spof``): three nodes x one worker train in a loop
 (``rallypoint.testing._training_log``: gloo all_reduces, each step's time logged) on a
 3-member etcd cluster (loopback; 500 ms election timeout), and lose
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import platform
 import signal
@@ -67,7 +76,7 @@ if mode == "die" and attempt == "0" and rank == 3:
     with open(out + ".death", "w") as fp:
         fp.write(repr(time.time()))
     os._exit(1)
-if mode == "loss" and nodes == "2":
+if mode in ("loss", "spare") and nodes == "2":
     while True:          # keep the collective going until a node is lost
         dist.all_reduce(t)
         time.sleep(0.01)
@@ -83,10 +92,17 @@ def _free_port() -> int:
 
 
 def _agents(
-    tool: str, script: Path, port: int, env: dict[str, str], nnodes: str, is_host: str = ""
+    tool: str,
+    script: Path,
+    port: int,
+    env: dict[str, str],
+    nnodes: str,
+    is_host: str = "",
+    count: int = 2,
+    nproc: int = 2,
 ) -> list[Any]:
     procs = []
-    for _ in range(2):
+    for _ in range(count):
         if tool == "rallypoint":
             cmd = [sys.executable, "-m", "rallypoint", "run"]
             conf = "last_call_timeout=1,keep_alive_interval=0.5,keep_alive_max_attempt=3"
@@ -94,9 +110,10 @@ def _agents(
             extra = ["--rdzv-conf", conf, "--shutdown-timeout", "2"]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run"]
-            extra = ["--rdzv-conf", "last_call_timeout=1"]
+            conf = "last_call_timeout=1" + (f",is_host={is_host}" if is_host else "")
+            extra = ["--rdzv-conf", conf]
         cmd += [
-            "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench{port}",
             "--max-restarts", "1", *extra, str(script),
         ]  # fmt: skip
@@ -176,6 +193,39 @@ def node_loss(timeout: float) -> float | None:
                 alone = [s for s in _stamps(out) if s[3] == "1"]
                 if len(alone) == 2:
                     return max(s[2] for s in alone) - killed
+                time.sleep(0.02)
+            return None
+        finally:
+            _stop(procs)
+
+
+def spare_takes_over(tool: str, timeout: float) -> float | None:
+    """``--nnodes 2:2`` and a third agent (a spare); SIGKILL a member -> both ranks of the
+    next world (the survivor's and the spare's) passed an all_reduce."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "worker.py"
+        script.write_text(WORKER)
+        out = Path(tmp) / "stamps"
+        env = dict(os.environ, BENCH_OUT=str(out), BENCH_MODE="spare", OMP_NUM_THREADS="1")
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        run = functools.partial(_agents, tool, script, store.port, env, "2:2", "false", nproc=1)
+        procs = run(count=2)
+        deadline = time.monotonic() + timeout
+        try:
+            while len({s[1] for s in _stamps(out)}) < 2:
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    return None
+                time.sleep(0.02)
+            procs += run(count=1)  # the spare
+            time.sleep(8)  # it starts and waits (rallypoint says so; torchrun says nothing)
+            os.killpg(procs[1].pid, signal.SIGKILL)
+            killed = time.time()
+            while time.monotonic() < deadline:
+                after = {s[1] for s in _stamps(out) if s[2] > killed}
+                if len(after) == 2:
+                    return max(s[2] for s in _stamps(out) if s[2] > killed) - killed
                 time.sleep(0.02)
             return None
         finally:
@@ -403,12 +453,16 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=90.0, help="seconds per run")
     parser.add_argument("--skip-torchrun", action="store_true")
     parser.add_argument(
-        "--sections", default="restart,spof", help="restart (worker death, node loss), spof"
+        "--sections",
+        default="restart,spare,spof",
+        help="restart (worker death, node loss), spare (a spare replaces a lost node), spof",
     )
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     if "restart" in sections:
         restart_section(args)
+    if "spare" in sections:
+        spare_section(args)
     if "spof" in sections:
         spof(args.repeat, args.timeout, not args.skip_torchrun)
 
@@ -435,6 +489,31 @@ def restart_section(args: argparse.Namespace) -> None:
         f"{_fmt(loss)} | - | - |"
     )
     print(f"\nrepeats: {args.repeat}; raw rallypoint {ours}, torchrun {theirs}, loss {loss}")
+
+
+def spare_section(args: argparse.Namespace) -> None:
+    import torch
+
+    ours = [spare_takes_over("rallypoint", args.timeout) for _ in range(args.repeat)]
+    theirs: list[float | None] = []
+    if not args.skip_torchrun:
+        theirs = [spare_takes_over("torchrun", args.timeout) for _ in range(args.repeat)]
+    print(
+        f"\n{time.strftime('%Y-%m-%d')}, {platform.node()} ({os.cpu_count()} cores), torch "
+        f"{torch.__version__}, --nnodes 2:2 + 1 spare, 1 worker each, {args.repeat} repeats"
+    )
+    print("| measurement | rallypoint (s) | torchrun (s) | ratio |")
+    print("|---|---|---|---|")
+    done_ours = [v for v in ours if v is not None]
+    done_theirs = [v for v in theirs if v is not None]
+    ratio = "-"
+    if done_ours and done_theirs:
+        ratio = f"{statistics.median(done_theirs) / statistics.median(done_ours):.1f}x"
+    print(
+        f"| member SIGKILLed -> the spare and the survivor past an all_reduce | {_fmt(ours)} | "
+        f"{_fmt(theirs) if theirs else 'skipped'} | {ratio} |"
+    )
+    print(f"\nraw rallypoint {ours}, torchrun {theirs}")
 
 
 if __name__ == "__main__":

@@ -181,6 +181,25 @@ def test_spare_replaces_a_dead_node(memory: Cluster) -> None:
     assert spare_future.result(10).world_size == 2
 
 
+def test_spare_round_says_which_round_a_spare_waits_out(memory: Cluster) -> None:
+    a, b = memory.node(min_nodes=2, max_nodes=2), memory.node(min_nodes=2, max_nodes=2)
+    memory.join_all([a, b])
+    spare = memory.node(min_nodes=2, max_nodes=2)
+    assert spare.spare_round is None and a.spare_round is None
+    spare_future = memory.join(spare)
+    deadline = time.monotonic() + 10
+    while spare.spare_round is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert spare.spare_round == 0  # round 0 was full: it waits for round 1
+    assert a.spare_round is None and b.spare_round is None
+    b._bg.stop()
+    while a.num_nodes_waiting() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    memory.join_all([a])
+    assert spare_future.result(10).world_size == 2
+    assert spare.spare_round is None  # admitted: no longer a spare
+
+
 def test_dead_node_detected_and_survivors_keep_ranks(memory: Cluster) -> None:
     # a 20 s last call, so that "no last call" stands out from a slow host (4 of 4 nodes
     # first: a full round completes at once)

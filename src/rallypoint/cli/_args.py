@@ -13,7 +13,7 @@ from typing import Any, Literal
 from rallypoint._core import envvars
 from rallypoint._core.disk import check_writable
 from rallypoint.cli._parser import PROG, UsageError
-from rallypoint.elastic._options import parse_nnodes
+from rallypoint.elastic._options import BUILTIN_CHECKS, parse_nnodes
 from rallypoint.launcher._config import LaunchConfig
 from rallypoint.observe._stragglers import parse_threshold
 from rallypoint.supervise._worker import Target
@@ -51,10 +51,35 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
         straggler_threshold=_straggler_threshold(args.straggler_threshold),
         straggler_window=_seconds(args.straggler_window),
     )
+    options.update(_health(args))
     snapshots = _snapshot_env(args)
     if snapshots:
         options["env"] = snapshots
     return LaunchConfig(**options), target
+
+
+def _health(args: argparse.Namespace) -> dict[str, Any]:
+    """``--health-check`` (else ``PET_HEALTH_CHECK``, one check per line) and its timeout."""
+    checks = args.health_check
+    if checks is None:
+        pet = os.environ.get("PET_HEALTH_CHECK", "")
+        checks = [line for line in pet.splitlines() if line.strip()]
+    for check in checks:
+        name = check.strip()
+        if not name:
+            raise UsageError(
+                f"--health-check needs a shell command or one of {', '.join(BUILTIN_CHECKS)}, "
+                f"got {check!r}"
+            )
+        if name.startswith("builtin:") and name not in BUILTIN_CHECKS:
+            raise UsageError(
+                f"--health-check {name!r} is not a built-in check; use one of "
+                f"{', '.join(BUILTIN_CHECKS)}"
+            )
+    timeout = float(args.health_check_timeout)
+    if not timeout > 0:
+        raise UsageError(f"--health-check-timeout must be > 0 seconds, got {timeout:g}")
+    return {"health_check": tuple(checks), "health_check_timeout": timedelta(seconds=timeout)}
 
 
 def _count_or_off(value: str, flag: str) -> int | None:

@@ -224,6 +224,23 @@ def _rallypoint(o: _Options) -> None:
         type=float,
         help="seconds of recent steps a step time is averaged over (default 30)",
     )
+    o.parser.add_argument(
+        "--health-check",
+        "--health_check",
+        dest="health_check",
+        action="append",
+        default=None,
+        help="run CMD (a shell command, exit 0: healthy) or builtin:disk, builtin:gpu, "
+        "builtin:store before this node joins a round; a failure keeps the node out "
+        "(exit code 3); repeatable; PET_HEALTH_CHECK: one check per line",
+    )
+    o.opt(
+        "--health-check-timeout",
+        "--health_check_timeout",
+        default=60.0,
+        type=float,
+        help="seconds one health check may take before it is killed and fails (default 60)",
+    )
     o.opt(
         "--snapshot-dir",
         "--snapshot_dir",

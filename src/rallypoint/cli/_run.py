@@ -113,10 +113,12 @@ def _last_line_written() -> None:
 
 def _exit_status(exc: Exception, prog: str) -> int:
     """The one screen (or line) printed for a failed job, and the exit status."""
+    from rallypoint.elastic._exits import EXIT_EXCLUDED, EXIT_UNHEALTHY
     from rallypoint.launcher import (
         LaunchError,
         LaunchInterruptedError,
         NodeExcludedError,
+        UnhealthyNodeError,
         WorkerFailedError,
     )
 
@@ -126,7 +128,10 @@ def _exit_status(exc: Exception, prog: str) -> int:
             return 1
         case NodeExcludedError():
             sys.stderr.write(f"{prog}: {exc}\n")
-            return NodeExcludedError.exit_code
+            return EXIT_EXCLUDED
+        case UnhealthyNodeError():
+            sys.stderr.write(f"{exc}\n")
+            return EXIT_UNHEALTHY
         case LaunchInterruptedError():
             sys.stderr.write(f"{prog}: {exc}\n")
             return 128 + exc.signum

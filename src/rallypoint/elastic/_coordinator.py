@@ -2,6 +2,9 @@
 
 Every node runs the same command; each node's coordinator loops over rounds:
 
+0. Before each round it joins, the node runs its health checks (``_health``): a failing
+   one keeps it out (``UnhealthyNodeError``, exit code 3). A node that finds the round
+   already full at MAX waits in ``next_rendezvous()`` as a spare and says so once.
 1. ``next_rendezvous()`` on a ``rallypoint.rendezvous`` handler gives the group rank and
    the node count. In the round's own store the nodes exchange their ``--nproc-per-node``
    (global ``RANK`` = sum of the local world sizes of lower group ranks + local rank, so
@@ -33,8 +36,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from rallypoint._core.blocking import call_in_thread
 from rallypoint._core.status import JobStatus
 from rallypoint.elastic._burn_in import measure, slow_node
+from rallypoint.elastic._health import HealthChecks
 from rallypoint.elastic._job import Job, interruptible
 from rallypoint.elastic._options import RestartOptions
 from rallypoint.elastic._policy import MEMBERSHIP_CHANGED, ElasticPolicy
@@ -92,6 +97,7 @@ class ElasticCoordinator:
         store_timeout: float = 60.0,
         node: str = "",
         min_nodes: int = 1,
+        health: HealthChecks | None = None,
     ) -> None:
         self.supervisor = supervisor
         self.connect = connect
@@ -108,8 +114,12 @@ class ElasticCoordinator:
         self.node = node or supervisor.host
         """This node's name in exclusion records (``--local-addr``, else the host name)."""
         self.min_nodes = min_nodes
+        self.health = health
+        """Run before each round this node joins (``_health``)."""
         self._local_round = 0
         self._job: Job | None = None
+        self._spare: int | None = None
+        """The round this node waited out as a spare (said once), until it is admitted."""
 
     @property
     def job(self) -> Job:
@@ -134,6 +144,9 @@ class ElasticCoordinator:
             min_nodes=self.min_nodes,
         )
         interruptible(self._job.open, sup.next_signal, "the rendezvous store")
+        if self.health:
+            job = self._job
+            self.health.context.store = lambda: job.run.store if job.has_run_store else None
         try:
             return self._rounds()
         except (LaunchError, ValueError, TypeError):
@@ -152,6 +165,8 @@ class ElasticCoordinator:
 
         while True:
             self._refuse_if_excluded()
+            if self.health:
+                self.health.run(self._local_round)  # an unhealthy node stays out
             try:
                 info = self._next_rendezvous()
             except (RendezvousClosedError, RendezvousGracefulExitError) as exc:
@@ -193,8 +208,36 @@ class ElasticCoordinator:
 
     def _next_rendezvous(self) -> RendezvousInfo:
         """``next_rendezvous()`` in a thread, so that SIGINT/SIGTERM still stop this node
-        while it blocks inside the store (a blocked C call does not return for signals)."""
-        return self.job.blocking(self.job.handler.next_rendezvous)
+        while it blocks inside the store (a blocked C call does not return for signals);
+        a node that waits as a spare says so, once."""
+
+        def poll() -> None:
+            self.job.check_signals()
+            self._say_spare()
+
+        return call_in_thread(self.job.handler.next_rendezvous, poll=poll, name="rallypoint-store")
+
+    def _say_spare(self) -> None:
+        k = self.job.handler.spare_round
+        if k is None or self._spare is not None:
+            return
+        self._spare = k
+        write_console(
+            2,
+            f"rallypoint: this node is a spare: job {self.run_id!r} is full in round {k}; "
+            f"it waits to take the place of a lost node at round {k + 1} or later\n".encode(),
+        )
+        self.observer.emit("spare", round=k, run_id=self.run_id)
+
+    def _say_admitted(self, k: int, group_rank: int) -> None:
+        if self._spare is None:
+            return
+        self._spare = None
+        write_console(
+            2,
+            f"rallypoint: the spare joins job {self.run_id!r} in round {k} as node "
+            f"{group_rank}\n".encode(),
+        )
 
     def _ended_elsewhere(self, exc: Exception) -> None:
         status = ""
@@ -223,6 +266,7 @@ class ElasticCoordinator:
         job.blocking(lambda: job.adopt_round_store(info.store))
         store = RoundStore(prefixed(f"rallypoint/round{k}", info.store))
         group_rank, nnodes = int(info.rank), int(info.world_size)
+        self._say_admitted(k, group_rank)
         sup = self.supervisor
 
         def join_round() -> tuple[int, list[NodeRecord]]:

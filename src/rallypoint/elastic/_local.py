@@ -12,6 +12,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, NoReturn
 
+from rallypoint.elastic._health import HealthChecks
 from rallypoint.elastic._options import RestartOptions
 from rallypoint.elastic._protocols import NodeSupervisor
 from rallypoint.observe._observer import Observer
@@ -45,6 +46,7 @@ class LocalCoordinator:
         run_id: str,
         title: str,
         timeout: timedelta | None = None,
+        health: HealthChecks | None = None,
     ) -> None:
         self.supervisor = supervisor
         self.observer = observer
@@ -55,11 +57,17 @@ class LocalCoordinator:
         self.timeout = timeout
         self.hosts_store = world.rank_offset == 0
         self.streak = Streak()
+        self.health = health
+        """Run before the workers start, and before each restart (``_health``)."""
 
     def run(self) -> list[Any]:
         """Attempts until one succeeds or the budget is spent; the last one's results."""
+        if self.health:
+            self.health.run(0)
         group = self._group()
         for attempt in range(self.restarts.max_restarts + 1):
+            if attempt and self.health:
+                self.health.run(attempt)
             if attempt and self.hosts_store:
                 self.supervisor.reset_store()
             group = replace(group, restart_count=attempt)

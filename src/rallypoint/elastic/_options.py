@@ -4,13 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Literal
 
 from rallypoint._core.checks import check_int
 
-__all__ = ["BACKENDS", "RendezvousOptions", "RestartOptions", "parse_nnodes"]
+__all__ = [
+    "BACKENDS",
+    "BUILTIN_CHECKS",
+    "HealthOptions",
+    "RendezvousOptions",
+    "RestartOptions",
+    "parse_nnodes",
+]
 
 BACKENDS = ("c10d", "etcd", "etcd-v3", "file", "static")
+BUILTIN_CHECKS = ("builtin:disk", "builtin:gpu", "builtin:store")
+"""The health checks rallypoint runs itself (``elastic._health``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,6 +113,40 @@ class RendezvousOptions:
     def multi_node(self) -> bool:
         """Whether the job runs the elastic coordinator (a rendezvous of several nodes)."""
         return self.max_nodes > 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HealthOptions:
+    """What this node checks before it joins a round (``elastic._health``)."""
+
+    checks: tuple[str, ...] = ()
+    """Shell commands (exit 0: healthy) and ``builtin:disk``/``builtin:gpu``/``builtin:store``,
+    run in this order before each round this node joins."""
+    timeout: timedelta = timedelta(seconds=60)
+    """Most time one check may take; a check still running then is killed and fails."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.checks, str) or not all(isinstance(c, str) for c in self.checks):
+            raise TypeError(f"health_check must be a list of commands, got {self.checks!r}")
+        for check in self.checks:
+            if not check.strip():
+                raise ValueError(
+                    "health_check needs a shell command or one of "
+                    f"{', '.join(BUILTIN_CHECKS)}, got {check!r}"
+                )
+            if check.strip().startswith("builtin:") and check.strip() not in BUILTIN_CHECKS:
+                raise ValueError(
+                    f"unknown health check {check.strip()!r}; the built-in checks are "
+                    f"{', '.join(BUILTIN_CHECKS)}"
+                )
+        if not isinstance(self.timeout, timedelta):
+            raise TypeError(
+                f"health_check_timeout must be a timedelta, got {type(self.timeout).__name__}"
+            )
+        if self.timeout <= timedelta(0):
+            raise ValueError(
+                f"health_check_timeout must be > 0 seconds, got {self.timeout.total_seconds():g}"
+            )
 
 
 def parse_nnodes(value: str | int) -> tuple[int, int]:

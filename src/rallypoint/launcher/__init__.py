@@ -16,6 +16,7 @@ Exception tree::
     ├── HangError                         no worker reported progress for ``hang_timeout``
     ├── RendezvousFailedError             the multi-node rendezvous failed or was closed
     │   └── NodeExcludedError             this node is excluded from the job (exit status 4)
+    ├── UnhealthyNodeError                a health check failed: this node stayed out
     ├── WarmProcessError                  the warm process died or a ``preload`` failed
     ├── PortInUseError(ValueError)        an explicit master port is busy
     └── BadTargetError(ValueError)        the script/module/command cannot be started
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
         NodeExcludedError,
         PortInUseError,
         RendezvousFailedError,
+        UnhealthyNodeError,
         WarmErrorKind,
         WarmProcessError,
         WorkerFailedError,
@@ -68,6 +70,7 @@ _MODULES = {
         "NodeExcludedError",
         "PortInUseError",
         "RendezvousFailedError",
+        "UnhealthyNodeError",
         "WarmErrorKind",
         "WarmProcessError",
         "WorkerFailedError",
@@ -92,6 +95,7 @@ __all__ = [
     "NodeExcludedError",
     "PortInUseError",
     "RendezvousFailedError",
+    "UnhealthyNodeError",
     "WarmErrorKind",
     "WarmProcessError",
     "WorkerFailedError",

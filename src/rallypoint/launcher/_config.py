@@ -20,6 +20,8 @@ group                     options                                              d
                           max_node_failures, burn_in
 ``rendezvous``            nnodes (as min_nodes/max_nodes), rdzv_backend,       elastic
                           rdzv_endpoint, rdzv_conf, node_rank, local_addr
+``health``                health_check (as checks), health_check_timeout       elastic
+                          (as timeout)
 ========================= ==================================================== ============
 
 Every flat option also reads back as an attribute (``config.nproc``, ``config.nnodes``).
@@ -29,12 +31,17 @@ Bad values raise ``ValueError``/``TypeError`` with a message that names the flat
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, Literal, TypedDict, TypeVar, Unpack, overload
 
-from rallypoint.elastic._options import RendezvousOptions, RestartOptions, parse_nnodes
+from rallypoint.elastic._options import (
+    HealthOptions,
+    RendezvousOptions,
+    RestartOptions,
+    parse_nnodes,
+)
 from rallypoint.observe._observer import WatchOptions
 from rallypoint.supervise._options import (
     DEFAULT_PREFIX,
@@ -61,6 +68,8 @@ class LaunchOptions(TypedDict, total=False):
     rdzv_conf: Mapping[str, str]
     node_rank: int | None
     local_addr: str | None
+    health_check: Sequence[str] | str
+    health_check_timeout: timedelta | float
     hang_timeout: timedelta | None
     on_hang: Literal["restart", "fail"]
     events: str | os.PathLike[str] | None
@@ -196,6 +205,19 @@ def _rendezvous(o: Mapping[str, Any]) -> RendezvousOptions:
     return RendezvousOptions(**kw)
 
 
+def _health(o: Mapping[str, Any]) -> HealthOptions:
+    kw: dict[str, Any] = {}
+    if "health_check" in o:
+        checks = o["health_check"]
+        kw["checks"] = (checks,) if isinstance(checks, str) else tuple(checks)
+    if "health_check_timeout" in o:
+        value = o["health_check_timeout"]
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = timedelta(seconds=value)
+        kw["timeout"] = value
+    return HealthOptions(**kw)
+
+
 @dataclass(frozen=True, slots=True, init=False)
 class LaunchConfig:
     """Options of a launch; the CLI flag with the same name (``-`` for ``_``) sets each.
@@ -211,6 +233,7 @@ class LaunchConfig:
     watch: WatchOptions
     restarts: RestartOptions
     rendezvous: RendezvousOptions
+    health: HealthOptions
     parallel: object | None
     """A ``rallypoint.distributed`` parallel layout: ``launch`` then wraps ``fn`` with
     ``rallypoint.distributed.parallel_worker(fn, parallel)``."""
@@ -223,6 +246,7 @@ class LaunchConfig:
         init = object.__setattr__
         init(self, "workers", _workers(flat))
         init(self, "rendezvous", _rendezvous(flat))
+        init(self, "health", _health(flat))
         init(self, "watch", _watch(flat))
         init(self, "restarts", _restarts(flat))
         init(self, "stop", _stop(flat))
@@ -288,6 +312,8 @@ class LaunchConfig:
     rdzv_conf = _Flat[Mapping[str, str]]("rendezvous", "conf")
     node_rank = _Flat[int | None]("rendezvous")
     local_addr = _Flat[str | None]("rendezvous")
+    health_check = _Flat[tuple[str, ...]]("health", "checks")
+    health_check_timeout = _Flat[timedelta]("health", "timeout")
     min_nodes = _Flat[int]("rendezvous")
     max_nodes = _Flat[int]("rendezvous")
     multi_node = _Flat[bool]("rendezvous")

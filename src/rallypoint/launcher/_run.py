@@ -9,14 +9,20 @@ rendezvous part).
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import tempfile
 import uuid
 from collections.abc import Mapping
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Protocol
 
+from rallypoint._core import envvars
 from rallypoint._core.status import JobStatus
+from rallypoint.elastic._check_run import HealthContext
+from rallypoint.elastic._health import HealthChecks
+from rallypoint.elastic._job import stop_on_signal
 from rallypoint.elastic._local import LocalCoordinator
 from rallypoint.launcher._config import LaunchConfig
 from rallypoint.observe._observer import Observer
@@ -91,9 +97,28 @@ def _run(
                 obs.emit("job_end", status=status, exitcode=code)
 
 
+def _health(config: LaunchConfig, supervisor: Supervisor, observer: Observer) -> HealthChecks:
+    """This node's ``health_check`` list; ``builtin:disk`` looks at the log, snapshot and
+    temp directories (the coordinator gives ``builtin:store`` its store)."""
+    dirs = []
+    if config.output.log_dir:
+        dirs.append(("--log-dir", os.path.abspath(config.output.log_dir)))
+    snapshots = config.workers.env.get(envvars.SNAPSHOT_DIR, os.environ.get(envvars.SNAPSHOT_DIR))
+    if snapshots:
+        dirs.append(("--snapshot-dir", os.path.abspath(snapshots)))
+    dirs.append(("the temp dir", tempfile.gettempdir()))
+    context = HealthContext(
+        directories=tuple(dirs),
+        poll=lambda: stop_on_signal(supervisor.next_signal(), "a health check"),
+        env=dict(config.workers.env),
+    )
+    return HealthChecks(config.health, context, observer)
+
+
 def _coordinator(
     config: LaunchConfig, supervisor: Supervisor, observer: Observer, run_id: str, title: str
 ) -> _Coordinator:
+    health = _health(config, supervisor, observer)
     if not config.rendezvous.multi_node:
         world = config.world
         if config.rendezvous.local_addr is not None:  # as torchrun: this node's address
@@ -106,6 +131,7 @@ def _coordinator(
             run_id=run_id,
             title=title,
             timeout=config.stop.timeout,
+            health=health,
         )
     from rallypoint.elastic._coordinator import ElasticCoordinator
     from rallypoint.elastic._rendezvous import connect
@@ -125,6 +151,7 @@ def _coordinator(
         store_timeout=_read_timeout(config.rendezvous.conf),
         node=config.rendezvous.local_addr or "",
         min_nodes=config.rendezvous.min_nodes,
+        health=health,
     )
 
 

@@ -21,6 +21,9 @@ kind           fields
                ``median_s`` (of the others), ``threshold``
 ``step_times`` ``round``, ``step_s`` (``{"rank": seconds per step}``), ``median_s`` -- at most
                every 10 s (or the window), written by the node that judges stragglers
+``health``     ``round``, ``check``, ``ok``, ``seconds``, ``exitcode``, ``timed_out``,
+               ``skipped`` -- a health check ran before this node joined a round
+``spare``      ``round`` -- this node waits as a spare (the round was full at MAX)
 ``job_end``    ``status`` (``succeeded`` / ``failed``), ``exitcode``
 ============== ==============================================================================
 
@@ -60,6 +63,8 @@ EVENT_KINDS = frozenset(
         "straggler",
         "step_times",
         "job_end",
+        "health",
+        "spare",
     }
 )
 """The kinds the agent writes (others are allowed and carried through unchanged)."""

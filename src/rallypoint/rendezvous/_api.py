@@ -136,6 +136,8 @@ class RendezvousInfo:
 class RendezvousHandler(ABC):
     """The rendezvous interface an agent drives (torch's ``RendezvousHandler``)."""
 
+    _spare_round: int | None = None
+
     @abstractmethod
     def get_backend(self) -> str:
         """Return the name of the rendezvous backend."""
@@ -201,6 +203,14 @@ class RendezvousHandler(ABC):
         heartbeats it may miss, one more interval for the check that sees it, and one for
         writing the mark; ``None`` when the backend has no heartbeats."""
         return None
+
+    @property
+    def spare_round(self) -> int | None:
+        """While ``next_rendezvous()`` waits because round ``k`` was already full at
+        ``max_nodes`` when this node arrived (a spare, to take a lost node's place at a
+        later round): ``k``; otherwise ``None``. Read from another thread; a handler with
+        spares sets ``_spare_round`` while it waits."""
+        return self._spare_round
 
 
 class RendezvousParameters:

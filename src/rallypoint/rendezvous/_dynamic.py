@@ -403,12 +403,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
         try:
             key = self._keys.r(k + 1, "open")
+            self._spare_round = k if spare else None  # RendezvousHandler.spare_round
             while True:
-                if spare:
-                    timeout = _SPARE_WAIT
-                else:
-                    timeout = timedelta(seconds=max(0.0, deadline - time.monotonic()))
-                if self._kv.wait([key], timeout):
+                left = timedelta(seconds=max(0.0, deadline - time.monotonic()))
+                if self._kv.wait([key], _SPARE_WAIT if spare else left):
                     break
                 if not spare:
                     self._kv.add(self._keys.r(k, "late"), -1)  # stop asking for a restart
@@ -418,6 +416,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                         "its members have not re-rendezvoused."
                     )
         finally:
+            self._spare_round = None
             self._bg.cancel(watch)
         if self._kv.get(key) == CLOSED:
             self._raise_closed(spare)

@@ -9,6 +9,7 @@ Exception tree::
     ├── HangError                        no worker reported progress for ``hang_timeout``
     ├── RendezvousFailedError            the multi-node rendezvous failed or was closed
     │   └── NodeExcludedError            this node is excluded from the job (exit status 4)
+    ├── UnhealthyNodeError               a health check failed: this node stayed out
     └── WarmProcessError                 the warm process died or a ``preload`` failed
     PortInUseError(LaunchError, ValueError)  an explicitly given master port is busy
     BadTargetError(LaunchError, ValueError)  the script/module/command cannot be started
@@ -36,6 +37,7 @@ __all__ = [
     "NodeExcludedError",
     "PortInUseError",
     "RendezvousFailedError",
+    "UnhealthyNodeError",
     "WarmErrorKind",
     "WarmProcessError",
     "WorkerFailedError",
@@ -117,10 +119,20 @@ class RendezvousFailedError(LaunchError):
 
 class NodeExcludedError(RendezvousFailedError):
     """This node was the root cause of ``max_node_failures`` failures in a row and is kept
-    out of the job (the others go on); ``rallypoint run`` exits with :attr:`exit_code`, so
-    that a scheduler can replace the node."""
+    out of the job (the others go on), or the burn-in found it much slower than the others;
+    ``rallypoint run`` exits with ``EXIT_EXCLUDED`` (4) so that a scheduler can replace the
+    node."""
 
-    exit_code = 4
+
+class UnhealthyNodeError(LaunchError):
+    """A health check (``health_check``) failed on this node before it joined a round: the
+    node stayed out of the job. ``check`` names the check; the message is the screen
+    (its exit code or timeout and the last lines of its output). ``rallypoint run`` exits
+    with ``EXIT_UNHEALTHY`` (3) so that a scheduler can replace the node."""
+
+    def __init__(self, message: str, *, check: str) -> None:
+        super().__init__(message)
+        self.check = check
 
 
 class WarmErrorKind(enum.Enum):
