@@ -16,10 +16,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch.autograd.graph import Node, get_gradient_edge
 
-from rallypoint.rpc._native import NATIVE_MODULE
-
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
     from rallypoint.rpc._autograd_engine import Round, SourceKey
 
@@ -67,27 +65,20 @@ def receive_message(
     recvs: dict[Node, RecvRecord], src: str, message_id: int, raws: list[torch.Tensor]
 ) -> list[torch.Tensor]:
     """Wrap a message's tensors that require grad in one ``RecvRpcBackward`` node."""
-    outs = _recv_wrap(raws)
+    outs = recv_wrap(raws)
     recvs[outs[0].grad_fn] = RecvRecord(src, message_id, len(outs))  # type: ignore[index]
     return outs
 
 
-def recv_wrap_py(raws: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors ``raws`` (which require grad), as outputs of one new ``RecvRpc`` node.
-
-    The compiled twin (``_native.cpp``) makes a C++ node, as torch's: no next edges (this
-    one's lead to the raws' ``AccumulateGrad`` nodes, which no pass reaches)."""
+def recv_wrap(raws: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors ``raws`` (which require grad), as outputs of one new ``RecvRpc`` node (its
+    next edges lead to the raws' ``AccumulateGrad`` nodes, which no pass reaches)."""
     if torch.is_grad_enabled():  # it is on the reader threads that decode
         outs: tuple[torch.Tensor, ...] = RecvRpc.apply(*raws)  # type: ignore[no-untyped-call]
     else:
         with torch.enable_grad():
             outs = RecvRpc.apply(*raws)  # type: ignore[no-untyped-call]
     return list(outs)
-
-
-_recv_wrap: Callable[[list[torch.Tensor]], list[torch.Tensor]] = (
-    recv_wrap_py if NATIVE_MODULE is None else NATIVE_MODULE.recv_wrap
-)
 
 
 @dataclass(slots=True)

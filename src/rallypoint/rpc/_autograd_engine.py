@@ -166,9 +166,6 @@ class Round:
         """Every source arrived and every node ran or died: nothing more will happen here."""
         return not self._unarrived and not self._unresolved
 
-    def has_source(self, key: SourceKey) -> bool:
-        return key in self._edges
-
     def pass_through(self, message_id: int, count: int) -> tuple[Node, list[int]] | None:
         """A send whose gradients have not arrived and would only pass through: each of its
         ``count`` tensors is an output of one received message's node, which nothing else

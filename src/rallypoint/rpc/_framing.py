@@ -14,15 +14,12 @@ import array
 import collections
 import ctypes
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from rallypoint.rpc import _wire
 from rallypoint.rpc._errors import RpcProtocolError
-from rallypoint.rpc._native import NATIVE_MODULE
 from rallypoint.rpc._shm import RemoteSegments, SegmentPool
 
 _BUFFER = 1 << 18
@@ -118,7 +115,7 @@ class FrameReader:
         start = self._start
         if self._end - start >= nbytes:  # buffered already (small tensors): one copy
             self._start = start + nbytes
-            return _copy_out(self._view, start, nbytes)
+            return copy_out(self._view, start, nbytes)
         storage = bytearray(nbytes)
         self._read_into(memoryview(storage))
         return torch.frombuffer(storage, dtype=torch.uint8)
@@ -136,13 +133,6 @@ class FrameReader:
 
     def read_frame(self) -> Frame:
         self._fill(_wire.HEADER.size)
-        if _parse_inline is not None:  # the compiled fast path: a whole frame, all inline
-            parsed = _parse_inline(self._view, self._start, self._end)
-            if parsed is not None:
-                kind = _wire.KINDS.get(parsed[1])
-                if kind is not None:
-                    self._start = parsed[0]
-                    return Frame(kind, parsed[2], parsed[3], parsed[4], parsed[5])
         magic, kind_byte, flags, count, request_id, size = _wire.HEADER.unpack_from(
             self._buf, self._start
         )
@@ -199,9 +189,9 @@ def sendmsg_all(sock: socket.socket, buffers: list[bytes | memoryview], fds: lis
                 sent = 0
 
 
-def tensor_view_py(raw: torch.Tensor) -> memoryview:
+def tensor_view(raw: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's bytes, without a copy (the caller keeps it alive while it
-    uses them). The compiled twin (``_native.cpp``: ``tensor_bytes``) is the same."""
+    uses them)."""
     nbytes = raw.nbytes
     if nbytes == 0:
         return memoryview(b"")
@@ -211,24 +201,10 @@ def tensor_view_py(raw: torch.Tensor) -> memoryview:
     return memoryview(array_type.from_address(raw.data_ptr())).cast("B")
 
 
-def copy_out_py(buffer: memoryview, start: int, nbytes: int) -> torch.Tensor:
-    """A new ``uint8`` tensor holding ``nbytes`` bytes of ``buffer`` from ``start``. The
-    compiled twin (``_native.cpp``) is the same."""
+def copy_out(buffer: memoryview, start: int, nbytes: int) -> torch.Tensor:
+    """A new ``uint8`` tensor holding ``nbytes`` bytes of ``buffer`` from ``start``."""
     if start < 0 or nbytes < 0 or start + nbytes > len(buffer):
         raise ValueError("bytes out of range")
     if not nbytes:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(bytearray(buffer[start : start + nbytes]), dtype=torch.uint8)
-
-
-tensor_view: Callable[[torch.Tensor], memoryview] = (
-    tensor_view_py if NATIVE_MODULE is None else NATIVE_MODULE.tensor_bytes
-)
-_copy_out: Callable[[memoryview, int, int], torch.Tensor] = (
-    copy_out_py if NATIVE_MODULE is None else NATIVE_MODULE.copy_out
-)
-_parse_inline: Callable[[memoryview, int, int], Any] | None = (
-    None if NATIVE_MODULE is None else NATIVE_MODULE.parse_inline
-)
-"""A whole frame whose tensors are all inline, parsed in one call when it is buffered
-(``_native.cpp``); the Python path below reads any frame, this one included."""

@@ -40,8 +40,6 @@ from typing import Any
 
 import torch
 
-from rallypoint.rpc._native import NATIVE_MODULE
-
 MAGIC = ord("L")
 _HEAD = struct.Struct("<BBH")  # magic, shape kind, tensor count
 _SLOT = struct.Struct("<HBBB")  # slot, dtype code, requires grad, ndim
@@ -80,9 +78,9 @@ Described = tuple[bytes, torch.Tensor, int, bool]
 """A tensor's slot header, its bytes (a ``uint8`` view), its data address, requires grad."""
 
 
-def describe_py(tensor: torch.Tensor, position: int) -> Described | None:
+def describe(tensor: torch.Tensor, position: int) -> Described | None:
     """A tensor (exactly ``torch.Tensor``) in slot ``position``, described for the lean form,
-    or ``None`` if it cannot take it. The compiled twin (``_native.cpp``) is the same."""
+    or ``None`` if it cannot take it."""
     if not 0 <= position <= 0xFFFF:
         raise ValueError("bad lean slot")
     if not tensor.is_cpu or tensor.layout != torch.strided or tensor.is_quantized:
@@ -109,9 +107,9 @@ Views = tuple[int, list[int], list[torch.Tensor], list[int]]
 """After the slot headers: the offset, the slots, the tensors, those that require grad."""
 
 
-def views_py(data: bytes | memoryview, raws: list[torch.Tensor], offset: int) -> Views:
+def views(data: bytes | memoryview, raws: list[torch.Tensor], offset: int) -> Views:
     """The tensors of a lean frame, rebuilt from their slot headers at ``offset`` of
-    ``data``. The compiled twin (``_native.cpp``) is the same."""
+    ``data``."""
     positions: list[int] = []
     rebuilt: list[torch.Tensor] = []
     grads: list[int] = []  # indices into rebuilt that require grad
@@ -134,14 +132,6 @@ def views_py(data: bytes | memoryview, raws: list[torch.Tensor], offset: int) ->
         positions.append(position)
         rebuilt.append(tensor)
     return offset, positions, rebuilt, grads
-
-
-_describe: Callable[[torch.Tensor, int], Described | None] = (
-    describe_py if NATIVE_MODULE is None else NATIVE_MODULE.describe
-)
-_views: Callable[[bytes | memoryview, list[torch.Tensor], int], Views] = (
-    views_py if NATIVE_MODULE is None else NATIVE_MODULE.views
-)
 
 
 CONTAINERS = frozenset({tuple, list, dict})
@@ -246,7 +236,7 @@ def encode(
             continue
         if item_kind is not _Tensor:
             return None
-        described = _describe(item, position)
+        described = describe(item, position)
         if described is None:
             return None
         head, raw, address, needs_grad = described
@@ -312,7 +302,7 @@ def decode(
     magic, shape, count = _HEAD.unpack_from(data)
     if magic != MAGIC or count != len(tensors) or not count:
         raise ValueError(f"bad lean header ({count} tensors for {len(tensors)})")
-    offset, positions, rebuilt, grads = _views(data, tensors, _HEAD.size)
+    offset, positions, rebuilt, grads = views(data, tensors, _HEAD.size)
     if grads and recv_hook is not None:
         wrapped = recv_hook([rebuilt[i] for i in grads])
         for i, tensor in zip(grads, wrapped, strict=True):
