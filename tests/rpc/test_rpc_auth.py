@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from rallypoint import rpc
-from rallypoint.rpc import _auth, _wire
-from rallypoint.rpc._agent import current_rallypoint_agent
+from rallypoint.rpc._agent._agent import current_rallypoint_agent
+from rallypoint.rpc._transport import _auth, _wire
 from rallypoint.testing import WorkerError, run_workers
 
 

@@ -20,7 +20,7 @@ import torch
 from rallypoint import rpc
 from rallypoint._core.envvars import RPC_SECRET
 from rallypoint.rpc import dist_autograd
-from rallypoint.rpc._autograd import CURRENT_AUTOGRAD
+from rallypoint.rpc.dist_autograd._autograd import CURRENT_AUTOGRAD
 from rallypoint.testing import run_workers
 
 ENV = {RPC_SECRET: "autograd-secret"}
@@ -36,7 +36,7 @@ def _double(x: torch.Tensor) -> torch.Tensor:
 
 
 def _contexts() -> int:
-    from rallypoint.rpc._agent import current_rallypoint_agent
+    from rallypoint.rpc._agent._agent import current_rallypoint_agent
 
     return len(current_rallypoint_agent().autograd)
 
@@ -139,7 +139,7 @@ def _pipelines() -> dict[str, Any]:
     tutorials): every gradient of a passed-on tensor skips the driver."""
     out: dict[str, Any] = {}
     if _init(4) == 0:
-        from rallypoint.rpc._agent import current_rallypoint_agent
+        from rallypoint.rpc._agent._agent import current_rallypoint_agent
 
         autograd = current_rallypoint_agent().autograd
         served: list[int] = []

@@ -109,7 +109,7 @@ def test_ddp_gradients_in_the_context_are_all_reduced_and_grad_is_untouched() ->
 def _lookups_beside_a_tuple_builder() -> dict[str, Any]:
     """DDP modules looked up, afresh each time, while another thread builds tuples from
     generators (as an RPC reader thread does when it decodes a frame)."""
-    from rallypoint.rpc._ddp import DDPIndex
+    from rallypoint.rpc.dist_autograd._ddp import DDPIndex
 
     dist.init_process_group("gloo")
     ddp = DDP(torch.nn.Linear(3, 2))

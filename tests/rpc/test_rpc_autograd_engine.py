@@ -12,17 +12,17 @@ from typing import Any
 import pytest
 import torch
 
-from rallypoint.rpc._autograd import DistAutograd
-from rallypoint.rpc._autograd_context import (
+from rallypoint.rpc._agent._codec import TAG_MAGIC, Codec
+from rallypoint.rpc._worker_info import WorkerInfo
+from rallypoint.rpc.dist_autograd._autograd import DistAutograd
+from rallypoint.rpc.dist_autograd._context import (
     AutogradContext,
     RecvRecord,
     SendRecord,
     edge_of,
     receive_message,
 )
-from rallypoint.rpc._autograd_engine import Round, execute
-from rallypoint.rpc._codec import TAG_MAGIC, Codec
-from rallypoint.rpc._groups import WorkerInfo
+from rallypoint.rpc.dist_autograd._engine import Round, execute
 
 
 def _received(recvs: dict[Any, RecvRecord], raw: torch.Tensor, message: int = 9) -> torch.Tensor:
@@ -214,7 +214,7 @@ def test_a_round_starts_by_answering_received_tensors_nothing_reaches() -> None:
 
 _TRACKING = """
 import torch
-from rallypoint.rpc import _autograd_engine as engine
+from rallypoint.rpc.dist_autograd import _engine as engine
 
 probes = []
 register = torch.autograd.function._HookMixin._register_hook
@@ -254,7 +254,7 @@ def test_credit_shares_add_up_to_exactly_one_however_they_split() -> None:
     finishes on the last share, never before (exact integer fractions, as ``Fraction``)."""
     from fractions import Fraction
 
-    from rallypoint.rpc._autograd import _ONE, _split, _Waiter
+    from rallypoint.rpc.dist_autograd._autograd import _ONE, _split, _Waiter
 
     third = _split(_ONE, 3)
     seventh = _split(third, 7)

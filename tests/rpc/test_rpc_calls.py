@@ -8,9 +8,9 @@ from typing import Any, cast
 import pytest
 import torch
 
-from rallypoint.rpc._calls import PendingCalls, fail
+from rallypoint.rpc._agent._calls import PendingCalls, fail
 from rallypoint.rpc._errors import RpcError, RpcTimeoutError
-from rallypoint.rpc._transport import Connection
+from rallypoint.rpc._transport._connection import Connection
 
 
 class _Conn:

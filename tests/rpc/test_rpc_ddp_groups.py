@@ -1,4 +1,5 @@
-"""The process group of a DDP module outlives the module's reducer (``rpc/_ddp_groups.py``).
+"""The process group of a DDP module outlives the module's reducer
+(``rpc/dist_autograd/_ddp_groups.py``).
 
 torch's reducer must never drop its group's last reference (it does so with the GIL held,
 and gloo's threads may need the GIL to finish): the keeper holds the group until the
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from rallypoint.rpc._ddp_groups import GroupKeeper
+from rallypoint.rpc.dist_autograd._ddp_groups import GroupKeeper
 
 
 class _Group:

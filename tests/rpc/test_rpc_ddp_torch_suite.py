@@ -7,7 +7,7 @@ test under ``dist_init`` as torch runs it. ``test_ddp_comparison`` calls
 ``destroy_process_group()`` and then lets its DDP module go: the reducer dropped the
 gloo group's last reference with the GIL held, and ``~ProcessGroupGloo`` waited for a
 gloo thread that needed the GIL to free a finished all-reduce of a Python-made tensor
-(one run in about twelve hung; torch's race, see ``rpc/_ddp_groups.py``). The second
+(one run in about twelve hung; torch's race, see ``rpc/dist_autograd/_ddp_groups.py``). The second
 test makes that race certain: gloo's thread is still busy with such an all-reduce when
 the module goes.
 """

@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 
 from rallypoint import rpc
-from rallypoint.rpc import _acceptor, _auth, _connections, _wire
-from rallypoint.rpc._agent import current_rallypoint_agent
+from rallypoint.rpc._agent import _connections
+from rallypoint.rpc._agent._agent import current_rallypoint_agent
+from rallypoint.rpc._transport import _acceptor, _auth, _wire
 from rallypoint.testing import run_workers
 
 SECRET = {"RALLYPOINT_RPC_SECRET": "dos-secret"}

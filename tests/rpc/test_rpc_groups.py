@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from rallypoint import rpc
-from rallypoint.rpc._agent import current_rallypoint_agent
+from rallypoint.rpc._agent._agent import current_rallypoint_agent
 
 SECRET = {"RALLYPOINT_RPC_SECRET": "groups-secret"}
 
@@ -122,7 +122,7 @@ def test_dynamic_join_and_leave() -> None:
 def test_membership_token_is_released_when_the_change_fails(tmp_path: Any) -> None:
     import torch.distributed as dist
 
-    from rallypoint.rpc import _groups
+    from rallypoint.rpc._group import _groups
 
     store = dist.FileStore(str(tmp_path / "store"), -1)  # type: ignore[attr-defined]
     with pytest.raises(KeyError), _groups.membership_token(store, "a", 2.0):

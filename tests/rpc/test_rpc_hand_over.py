@@ -110,7 +110,7 @@ def _refuse_threads(refuse: bool) -> None:
     import logging
     import sys
 
-    from rallypoint.rpc import _transport
+    from rallypoint.rpc._transport import _connection as _transport
 
     if not _WARNINGS and not hasattr(_transport.Connection, "_real_spawn"):
         real = _transport.Connection._spawn_reader

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rallypoint import rpc
-from rallypoint.rpc._agent import current_rallypoint_agent
+from rallypoint.rpc._agent._agent import current_rallypoint_agent
 
 SECRET = {"RALLYPOINT_RPC_SECRET": "lifetime-secret"}
 _KEEP: list[Any] = []

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.skipif(not _ok, reason=_why)]
 WORKER = r"""
 import sys, time, torch
 from rallypoint import rpc
-from rallypoint.rpc._agent import current_rallypoint_agent
+from rallypoint.rpc._agent._agent import current_rallypoint_agent
 
 def echo(x):
     return x

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rallypoint import rpc
-from rallypoint.rpc import _agent as rpc_agent
+from rallypoint.rpc._agent import _agent as rpc_agent
 from rallypoint.testing import run_workers
 
 SECRET = {"RALLYPOINT_RPC_SECRET": "own-reply-secret"}
@@ -244,7 +244,7 @@ def test_the_monitor_survives_calls_added_while_it_looks_for_an_unread_one() -> 
     import socket
     import sys
 
-    from rallypoint.rpc._transport import Connection
+    from rallypoint.rpc._transport._connection import Connection
 
     ours, theirs = socket.socketpair(socket.AF_UNIX)
     conn = Connection(
@@ -288,8 +288,8 @@ def test_a_caller_reads_replies_that_arrived_in_one_piece_with_tensors() -> None
     sits in the buffer, and the reading caller must parse it, not wait on the socket."""
     import socket
 
-    from rallypoint.rpc import _wire
-    from rallypoint.rpc._transport import Connection
+    from rallypoint.rpc._transport import _wire
+    from rallypoint.rpc._transport._connection import Connection
 
     ours, theirs = socket.socketpair(socket.AF_UNIX)
     kwargs: dict[str, Any] = {"peer_id": 1, "uds": True, "shm_threshold": 1 << 30, "stats": {}}

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
-from rallypoint.rpc._autograd_context import AutogradContext, receive_message
-from rallypoint.rpc._autograd_engine import Round
-from rallypoint.rpc._shm import RemoteSegments, SegmentPool
+from rallypoint.rpc._transport._shm import RemoteSegments, SegmentPool
+from rallypoint.rpc.dist_autograd._context import AutogradContext, receive_message
+from rallypoint.rpc.dist_autograd._engine import Round
 
 
 @contextmanager

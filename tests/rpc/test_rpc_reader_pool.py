@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from rallypoint.rpc._reader_pool import ReaderPool
+from rallypoint.rpc._transport._reader_pool import ReaderPool
 
 
 def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:

@@ -1,6 +1,6 @@
 """Busy-polling: only while every other thread of the process waits, and only while it pays.
 
-These tests drive :class:`rallypoint.rpc._spin.Waits` directly, with real threads and
+These tests drive :class:`rallypoint.rpc._transport._spin.Waits` directly, with real threads and
 socket pairs: who may spin, what ends a spin (the thread's own socket, another waiting
 thread's socket, another thread woken, the window, a CPU that another task holds), and
 the policy that stops spinning when waits stop ending within the window.
@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from rallypoint.rpc import _spin
-from rallypoint.rpc._spin import OTHER, READY, TIMEOUT, WAITS, SpinPolicy, Waits
+from rallypoint.rpc._transport import _spin
+from rallypoint.rpc._transport._spin import OTHER, READY, TIMEOUT, WAITS, SpinPolicy, Waits
 
 CONTENDED_S = _spin.CONTENDED_S
 

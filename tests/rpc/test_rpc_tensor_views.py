@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rallypoint import rpc
-from rallypoint.rpc import _wire
+from rallypoint.rpc._transport import _wire
 from rallypoint.testing._workers import runner_for
 
 SECRET = {"RALLYPOINT_RPC_SECRET": "views-secret"}

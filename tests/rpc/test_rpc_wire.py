@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from rallypoint.rpc import RpcProtocolError, _wire
-from rallypoint.rpc._framing import Frame, FrameReader
-from rallypoint.rpc._shm import PARALLEL_COPY_BYTES, SegmentPool, copy_in
-from rallypoint.rpc._transport import Connection
+from rallypoint.rpc import RpcProtocolError
+from rallypoint.rpc._transport import _wire
+from rallypoint.rpc._transport._connection import Connection
+from rallypoint.rpc._transport._framing import Frame, FrameReader
+from rallypoint.rpc._transport._shm import PARALLEL_COPY_BYTES, SegmentPool, copy_in
 
 
 def _roundtrip(obj: Any) -> Any:
@@ -513,7 +514,7 @@ def test_every_way_a_frame_carries_tensors_delivers_them_exactly(uds: bool) -> N
     from the tensors' own memory; large ones on a Unix socket go through shared memory;
     a frame with more descriptors than the read buffer holds is parsed in pieces. The lean
     form's raw tensors keep their tensor's shape (as bytes), the general form's are 1-D."""
-    from rallypoint.rpc._transport import COPIED_BYTES
+    from rallypoint.rpc._transport._connection import COPIED_BYTES
 
     if uds:
         a, b = socket.socketpair(socket.AF_UNIX)

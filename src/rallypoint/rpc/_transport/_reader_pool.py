@@ -1,7 +1,7 @@
 """The threads that read connections, kept for the next reader when they are done.
 
 A request that blocks hands its connection's reader role to another thread (see
-:mod:`rallypoint.rpc._transport`). Starting a new thread for every hand-over is costly
+:mod:`rallypoint.rpc._transport._connection`). Starting a new thread for every hand-over is costly
 for what runs on it next, not only for the start itself: a new thread has no torch
 intra-op (OpenMP) team yet, so the first operators it runs build one. Model-parallel
 programs, whose every stage forward runs long enough to be handed over, ran their
@@ -23,7 +23,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from rallypoint.rpc._spin import WAITS
+from rallypoint.rpc._transport._spin import WAITS
 
 logger = logging.getLogger("rallypoint.rpc")
 

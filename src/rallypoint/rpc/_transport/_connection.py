@@ -9,16 +9,16 @@ parse many frames per ``recv``, and requests run directly on the reader thread.
 A request that blocks (a nested RPC, a lock, a slow function) would stall every later
 frame on its connection, so a monitor hands the reader role to a fresh thread once the
 current one has been busy for ``STALL_SECONDS``; the old thread finishes its request,
-sends the reply and parks in the agent's :class:`~rallypoint.rpc._reader_pool.ReaderPool`,
-where the next hand-over finds it. Fast calls pay no thread hand-off; blocking ones cannot
-deadlock the connection.
+sends the reply and parks in the agent's
+:class:`~rallypoint.rpc._transport._reader_pool.ReaderPool`, where the next hand-over
+finds it. Fast calls pay no thread hand-off; blocking ones cannot deadlock the connection.
 
 Replies come back on the connection the caller opened. Nothing reads it while no call
 waits for a reply: a thread in ``rpc_sync`` reads its own reply (:meth:`Connection.
 read_until`), so the reply wakes the one thread that needs it, not a reader thread that
 then wakes the caller; calls whose callers do not wait (``rpc_async``) get a reader
 thread (:meth:`Connection.expect_reply`) that leaves once no call is pending. Whoever
-reads may busy-poll for the next frame before it sleeps (:mod:`rallypoint.rpc._spin`).
+reads may busy-poll for the next frame before it sleeps (:mod:`rallypoint.rpc._transport._spin`).
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from typing import Any, TypeAlias
 
 import torch
 
-from rallypoint.rpc import _wire
 from rallypoint.rpc._errors import RpcConnectionError, RpcProtocolError
-from rallypoint.rpc._framing import Frame, FrameReader, sendmsg_all, tensor_view
-from rallypoint.rpc._reader_pool import ReaderPool
-from rallypoint.rpc._shm import Segment, SegmentPool
-from rallypoint.rpc._spin import WAITS
+from rallypoint.rpc._transport import _wire
+from rallypoint.rpc._transport._framing import Frame, FrameReader, sendmsg_all, tensor_view
+from rallypoint.rpc._transport._reader_pool import ReaderPool
+from rallypoint.rpc._transport._shm import Segment, SegmentPool
+from rallypoint.rpc._transport._spin import WAITS
 
 logger = logging.getLogger("rallypoint.rpc")
 

@@ -20,8 +20,8 @@ import socket
 from rallypoint._core import acceptor as _core
 from rallypoint._core.acceptor import MAX_PENDING, OnAuthenticated, max_pending
 from rallypoint._core.handshake import ServerHandshake
-from rallypoint.rpc._auth import SCHEME
-from rallypoint.rpc._spin import WAITS
+from rallypoint.rpc._transport._auth import SCHEME
+from rallypoint.rpc._transport._spin import WAITS
 
 __all__ = ["MAX_PENDING", "Acceptor", "max_pending"]
 

@@ -24,7 +24,7 @@ from urllib.parse import ParseResult, urlparse
 import torch.distributed as dist_module
 
 from rallypoint._core.envvars import USE_AGENT_STORE
-from rallypoint.rpc._spin import WAITS
+from rallypoint.rpc._transport._spin import WAITS
 
 # torch.distributed does not re-export its store classes in its stubs
 dist: Any = dist_module

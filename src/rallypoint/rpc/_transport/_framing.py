@@ -1,9 +1,9 @@
 """Frames on a socket: the buffered reader that parses them, and the vectored send.
 
-A frame is a 24-byte header (:data:`rallypoint.rpc._wire.HEADER`), the pickle, and, for
+A frame is a 24-byte header (:data:`rallypoint.rpc._transport._wire.HEADER`), the pickle, and, for
 each tensor, a descriptor and (inline) its bytes. On a Unix socket a tensor may instead
 live in a shared-memory segment whose file descriptor travels as ``SCM_RIGHTS``
-ancillary data (:mod:`rallypoint.rpc._shm`). :class:`FrameReader` parses many frames per
+ancillary data (:mod:`rallypoint.rpc._transport._shm`). :class:`FrameReader` parses many frames per
 ``recv``; :func:`sendmsg_all` sends one or more frames' buffers with as few ``sendmsg``
 calls as the kernel allows.
 """
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rallypoint.rpc import _wire
 from rallypoint.rpc._errors import RpcProtocolError
-from rallypoint.rpc._shm import RemoteSegments, SegmentPool
+from rallypoint.rpc._transport import _wire
+from rallypoint.rpc._transport._shm import RemoteSegments, SegmentPool
 
 _BUFFER = 1 << 18
 _IOV_MAX = 512

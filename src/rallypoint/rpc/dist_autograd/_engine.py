@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from rallypoint.rpc import _ddp
+from rallypoint.rpc.dist_autograd import _ddp
 
 _ACC: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 _ENGINE: Any = torch.autograd.Variable._execution_engine

@@ -16,7 +16,7 @@ Lifetime model (documented in docs/rpc.md):
   sends decrements to owners in batches. At zero the owner drops the value.
 - Shutdown drops every table; RRefs used after shutdown raise.
 
-An RRef talks only to its worker's :class:`~rallypoint.rpc._rref_table.RRefTable` (the
+An RRef talks only to its worker's :class:`~rallypoint.rpc._rref._table.RRefTable` (the
 values it owns, and a :class:`~rallypoint.rpc._backend.Caller` to reach the others).
 """
 
@@ -29,14 +29,10 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from rallypoint.rpc import _wire
-from rallypoint.rpc._autograd import CURRENT_AUTOGRAD
-from rallypoint.rpc._autograd_checks import check_context_id
 from rallypoint.rpc._backend import CURRENT_AGENT
 from rallypoint.rpc._errors import RpcError
-from rallypoint.rpc._groups import WorkerInfo
 from rallypoint.rpc._remote_errors import ErrorReply
-from rallypoint.rpc._rref_table import (
+from rallypoint.rpc._rref._table import (
     CURRENT_TABLE,
     RRefId,
     RRefTable,
@@ -46,7 +42,11 @@ from rallypoint.rpc._rref_table import (
     owner_invoke,
     owner_type,
 )
+from rallypoint.rpc._transport import _wire
+from rallypoint.rpc._worker_info import WorkerInfo
 from rallypoint.rpc.constants import UNSET_RPC_TIMEOUT
+from rallypoint.rpc.dist_autograd._autograd import CURRENT_AUTOGRAD
+from rallypoint.rpc.dist_autograd._checks import check_context_id
 
 T = TypeVar("T")
 Fork = tuple[str, int]

@@ -17,9 +17,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from rallypoint.rpc._agent._peers import PeerTable
 from rallypoint.rpc._backend import Caller
 from rallypoint.rpc._errors import RpcError, RpcTimeoutError
-from rallypoint.rpc._peers import PeerTable
 from rallypoint.rpc.constants import DEFAULT_RPC_TIMEOUT_SEC
 
 PROBE_AFTER = 0.5

@@ -4,10 +4,10 @@ A call to ``dst`` moves tensors with this worker's device map for ``dst``; a rep
 ``dst`` with the inverse of ``dst``'s map onto this worker (torch's rule). Every RRef in
 the message is forked through the worker's RRef table.
 
-Inside a distributed autograd context (:mod:`rallypoint.rpc._autograd`) a message starts
-with a tag, ``b"AG"``, the context id and a message id, before the pickle (which always
-starts with ``0x80``). Every call made in a context is tagged, so the callee runs it in
-the context; a reply is tagged only if it carries tensors that require grad. A non-zero
+Inside a distributed autograd context (:mod:`rallypoint.rpc.dist_autograd._autograd`) a
+message starts with a tag, ``b"AG"``, the context id and a message id, before the pickle
+(which always starts with ``0x80``). Every call made in a context is tagged, so the callee
+runs it in the context; a reply is tagged only if it carries tensors that require grad. A non-zero
 message id means the message has such tensors: the sender records a send, the receiver
 wraps them in ``RecvRpcBackward`` nodes. Outside a context nothing changes.
 """
@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from rallypoint.rpc import _wire
-from rallypoint.rpc._autograd import DistAutograd
-from rallypoint.rpc._autograd_context import AutogradContext
-from rallypoint.rpc._peers import PeerTable
-from rallypoint.rpc._rref import RRef, reduce_rref
-from rallypoint.rpc._rref_table import RRefTable
+from rallypoint.rpc._agent._peers import PeerTable
+from rallypoint.rpc._rref._rref import RRef, reduce_rref
+from rallypoint.rpc._rref._table import RRefTable
+from rallypoint.rpc._transport import _wire
+from rallypoint.rpc.dist_autograd._autograd import DistAutograd
+from rallypoint.rpc.dist_autograd._context import AutogradContext
 
 TAG = struct.Struct("<2sqq")
 TAG_MAGIC = b"AG"
@@ -33,7 +33,8 @@ _TAG_FIRST = TAG_MAGIC[0]
 
 
 class Codec:
-    """Pickles messages for a peer (tensors out of band, see :mod:`rallypoint.rpc._wire`)."""
+    """Pickles messages for a peer (tensors out of band, see
+    :mod:`rallypoint.rpc._transport._wire`)."""
 
     def __init__(self, peers: PeerTable, rrefs: RRefTable, autograd: DistAutograd) -> None:
         self._peers = peers

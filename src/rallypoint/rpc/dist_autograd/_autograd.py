@@ -11,7 +11,7 @@ torch's design (FAST mode), in Python:
 - In a context, every call carries the context id; a message with tensors that require
   grad also carries a *message id*. The sender records a *send* (the tensors' gradient
   edges); the receiver wraps each such tensor in a ``RecvRpcBackward`` node and records
-  a *receive*. The codec does both (:class:`~rallypoint.rpc._codec.Codec`).
+  a *receive*. The codec does both (:class:`~rallypoint.rpc._agent._codec.Codec`).
 - ``backward(context_id, roots)`` runs the local pass from the roots; every received
   tensor it reaches sends its gradient to the sender (``_propagate``, one-way), which
   runs its own pass from the matching send, and so on. The dependency counting lives in
@@ -41,20 +41,20 @@ from typing import Any, TypeAlias
 import torch
 from torch.autograd.graph import Node
 
-from rallypoint.rpc import _autograd_routes as routes
-from rallypoint.rpc._autograd_checks import check_roots
-from rallypoint.rpc._autograd_context import (
+from rallypoint.rpc._backend import Caller
+from rallypoint.rpc._current import Current
+from rallypoint.rpc._transport._spin import WAITS
+from rallypoint.rpc._worker_info import WorkerInfo
+from rallypoint.rpc.dist_autograd import _routes as routes
+from rallypoint.rpc.dist_autograd._checks import check_roots
+from rallypoint.rpc.dist_autograd._context import (
     AutogradContext,
     SendRecord,
     edge_of,
     receive_message,
 )
-from rallypoint.rpc._autograd_engine import Round, SourceKey, execute, track_node_hooks
-from rallypoint.rpc._autograd_routes import Notice, Offer, Outgoing
-from rallypoint.rpc._backend import Caller
-from rallypoint.rpc._current import Current
-from rallypoint.rpc._groups import WorkerInfo
-from rallypoint.rpc._spin import WAITS
+from rallypoint.rpc.dist_autograd._engine import Round, SourceKey, execute, track_node_hooks
+from rallypoint.rpc.dist_autograd._routes import Notice, Offer, Outgoing
 
 Grad: TypeAlias = "torch.Tensor | None"
 Items: TypeAlias = "list[tuple[int, int, Grad]]"  # (message id, tensor index, gradient)

@@ -5,11 +5,11 @@
 - :meth:`Group.leave`: a dynamic member leaves under the token (rank 0, the store host,
   leaves last); a static group meets at a store barrier. Without a deadline (torch's
   default) both wait as long as the awaited workers are alive; they give up at once when
-  every awaited worker is dead or unreachable (:mod:`rallypoint.rpc._liveness`), naming
+  every awaited worker is dead or unreachable (:mod:`rallypoint.rpc._agent._liveness`), naming
   them, and at the deadline when one was given.
 
-The group changes the :class:`~rallypoint.rpc._peers.PeerTable`, opens and drops
-connections through :class:`~rallypoint.rpc._connections.Connections`, and notifies
+The group changes the :class:`~rallypoint.rpc._agent._peers.PeerTable`, opens and drops
+connections through :class:`~rallypoint.rpc._agent._connections.Connections`, and notifies
 members through a :class:`~rallypoint.rpc._backend.Caller`; members find the receiving
 worker's group through :data:`CURRENT_GROUP`.
 """
@@ -23,16 +23,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rallypoint.rpc import _groups
+from rallypoint.rpc._agent._connections import Connections
+from rallypoint.rpc._agent._liveness import Prober, probe_timeout
+from rallypoint.rpc._agent._peers import PeerTable
 from rallypoint.rpc._backend import Caller
-from rallypoint.rpc._connections import Connections
 from rallypoint.rpc._current import Current
 from rallypoint.rpc._errors import RpcConnectionError, RpcError, RpcShutdownError
-from rallypoint.rpc._groups import WorkerInfo, WorkerRecord
-from rallypoint.rpc._liveness import Prober, probe_timeout
-from rallypoint.rpc._peers import PeerTable
-from rallypoint.rpc._spin import WAITS
-from rallypoint.rpc._store import wait_for_names
+from rallypoint.rpc._group import _groups
+from rallypoint.rpc._group._groups import WorkerRecord
+from rallypoint.rpc._group._store import wait_for_names
+from rallypoint.rpc._transport._spin import WAITS
+from rallypoint.rpc._worker_info import WorkerInfo
 
 logger = logging.getLogger("rallypoint.rpc")
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from rallypoint.rpc._ddp_groups import GROUPS
+from rallypoint.rpc.dist_autograd._ddp_groups import GROUPS
 
 _Entry = tuple["weakref.ref[Any]", int]  # (the DDP module, the parameter's index in its reducer)
 

@@ -2,7 +2,7 @@
 
 :class:`RRefTable` holds the values this worker owns with their counts of live RRefs,
 the RRefs pinned while a fork of them is in flight, and the decrements waiting to be sent
-(the lifetime model is described in :mod:`rallypoint.rpc._rref`). The agent owns one
+(the lifetime model is described in :mod:`rallypoint.rpc._rref._rref`). The agent owns one
 table, sends through it (a :class:`~rallypoint.rpc._backend.Caller`) and flushes its
 decrements from its monitor; remote calls find it through :data:`CURRENT_TABLE`.
 """
@@ -20,12 +20,12 @@ import torch
 
 from rallypoint.rpc._backend import Caller
 from rallypoint.rpc._current import Current
-from rallypoint.rpc._groups import WorkerInfo
 from rallypoint.rpc._remote_errors import plain_errors
+from rallypoint.rpc._worker_info import WorkerInfo
 from rallypoint.rpc.functions import async_execution, is_async_execution, no_future_error
 
 if TYPE_CHECKING:
-    from rallypoint.rpc._rref import RRef
+    from rallypoint.rpc._rref._rref import RRef
 
 
 class RRefId(NamedTuple):

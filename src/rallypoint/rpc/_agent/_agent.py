@@ -2,14 +2,15 @@
 
 The parts, each with its own small interface:
 
-- :class:`~rallypoint.rpc._peers.PeerTable`: the group (names, ranks, device maps, dead peers);
-- :class:`~rallypoint.rpc._calls.PendingCalls`: our calls awaiting a reply, with timeouts;
-- :class:`~rallypoint.rpc._rref_table.RRefTable`: values we own, forks in flight, decrements;
-- :class:`~rallypoint.rpc._autograd.DistAutograd`: distributed autograd contexts;
-- :class:`~rallypoint.rpc._codec.Codec`: messages pickled for a peer;
-- :class:`~rallypoint.rpc._dispatch.Dispatcher`: frames in (run calls, complete futures);
-- :class:`~rallypoint.rpc._connections.Connections`: the listener and the sockets;
-- :class:`~rallypoint.rpc._membership.Group`: joining, leaving, the shutdown barrier.
+- :class:`~rallypoint.rpc._agent._peers.PeerTable`: the group (names, ranks, device maps,
+  dead peers);
+- :class:`~rallypoint.rpc._agent._calls.PendingCalls`: our calls awaiting a reply, with timeouts;
+- :class:`~rallypoint.rpc._rref._table.RRefTable`: values we own, forks in flight, decrements;
+- :class:`~rallypoint.rpc.dist_autograd._autograd.DistAutograd`: distributed autograd contexts;
+- :class:`~rallypoint.rpc._agent._codec.Codec`: messages pickled for a peer;
+- :class:`~rallypoint.rpc._agent._dispatch.Dispatcher`: frames in (run calls, complete futures);
+- :class:`~rallypoint.rpc._agent._connections.Connections`: the listener and the sockets;
+- :class:`~rallypoint.rpc._agent._membership.Group`: joining, leaving, the shutdown barrier.
 
 Threads per worker: one accept thread, one reader per connection (requests run on it;
 see ``_transport`` for the hand-off when a request blocks), and one monitor that fires
@@ -32,30 +33,32 @@ import torch
 
 from rallypoint._core.checks import check_seconds
 from rallypoint._core.envvars import RPC_ADDR
-from rallypoint.rpc import _groups, _wire
-from rallypoint.rpc._auth import resolve_secret
-from rallypoint.rpc._autograd import CURRENT_AUTOGRAD, DistAutograd, current_context
-from rallypoint.rpc._autograd_context import AutogradContext
+from rallypoint.rpc._agent._calls import PendingCalls, fail
+from rallypoint.rpc._agent._codec import Codec
+from rallypoint.rpc._agent._connections import Connections
+from rallypoint.rpc._agent._dispatch import Dispatcher
+from rallypoint.rpc._agent._membership import CURRENT_GROUP, Group
+from rallypoint.rpc._agent._peers import PeerTable
 from rallypoint.rpc._backend import CURRENT_AGENT, Args, Func, Fut, Kwargs, RpcAgent
 from rallypoint.rpc._builtins import resolve as builtin_overload
-from rallypoint.rpc._calls import PendingCalls, fail
-from rallypoint.rpc._codec import Codec
-from rallypoint.rpc._connections import Connections
-from rallypoint.rpc._ddp_groups import GROUPS as DDP_GROUPS
-from rallypoint.rpc._dispatch import Dispatcher
 from rallypoint.rpc._errors import NOT_INITIALIZED, RpcError, RpcShutdownError
-from rallypoint.rpc._groups import WorkerInfo, WorkerRecord
-from rallypoint.rpc._membership import CURRENT_GROUP, Group
+from rallypoint.rpc._group import _groups
+from rallypoint.rpc._group._groups import WorkerRecord
+from rallypoint.rpc._group._store import hosts_store, store_host
 from rallypoint.rpc._options import RallypointRpcBackendOptions
-from rallypoint.rpc._peers import PeerTable
-from rallypoint.rpc._rref import RRef, remote_rref
-from rallypoint.rpc._rref_table import CURRENT_TABLE, RRefTable
-from rallypoint.rpc._shm import SegmentPool
-from rallypoint.rpc._spin import WAITS
-from rallypoint.rpc._store import hosts_store, store_host
+from rallypoint.rpc._rref._rref import RRef, remote_rref
+from rallypoint.rpc._rref._table import CURRENT_TABLE, RRefTable
 from rallypoint.rpc._torch_names import hold_pyrref, release_pyrref
-from rallypoint.rpc._transport import Connection
+from rallypoint.rpc._transport import _wire
+from rallypoint.rpc._transport._auth import resolve_secret
+from rallypoint.rpc._transport._connection import Connection
+from rallypoint.rpc._transport._shm import SegmentPool
+from rallypoint.rpc._transport._spin import WAITS
+from rallypoint.rpc._worker_info import WorkerInfo
 from rallypoint.rpc.constants import UNSET_RPC_TIMEOUT
+from rallypoint.rpc.dist_autograd._autograd import CURRENT_AUTOGRAD, DistAutograd, current_context
+from rallypoint.rpc.dist_autograd._context import AutogradContext
+from rallypoint.rpc.dist_autograd._ddp_groups import GROUPS as DDP_GROUPS
 
 logger = logging.getLogger("rallypoint.rpc")
 

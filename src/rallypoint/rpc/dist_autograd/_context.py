@@ -19,7 +19,7 @@ from torch.autograd.graph import Node, get_gradient_edge
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from rallypoint.rpc._autograd_engine import Round, SourceKey
+    from rallypoint.rpc.dist_autograd._engine import Round, SourceKey
 
 
 class _RecvRpc(torch.autograd.Function):

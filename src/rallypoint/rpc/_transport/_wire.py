@@ -18,7 +18,7 @@ preceded by ``b"S"``, the table size and each entry's start (``lo``). Nothing he
 before the connection has authenticated.
 
 Flat messages (only atomic values and whole CPU tensors: most calls and replies) take
-the lean form of :mod:`rallypoint.rpc._lean` instead, which starts with ``b"L"``.
+the lean form of :mod:`rallypoint.rpc._transport._lean` instead, which starts with ``b"L"``.
 
 Distributed autograd hooks in at both ends: ``encode(grad_sink=...)`` collects the tensors
 that need a gradient (in pickle order) and moves their references out of the pickle into a
@@ -41,9 +41,9 @@ from typing import Any
 import torch
 import torch.jit._state
 
-from rallypoint.rpc import _lean
 from rallypoint.rpc._builtins import BuiltinOp
 from rallypoint.rpc._device_maps import DeviceMap
+from rallypoint.rpc._transport import _lean
 
 MAGIC = b"RP"
 HEADER = struct.Struct("<2sBBIQQ")

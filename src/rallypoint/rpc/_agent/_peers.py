@@ -20,7 +20,8 @@ from rallypoint.rpc._device_maps import (
     validate_device_maps,
 )
 from rallypoint.rpc._errors import RpcError
-from rallypoint.rpc._groups import WorkerInfo, WorkerRecord
+from rallypoint.rpc._group._groups import WorkerRecord
+from rallypoint.rpc._worker_info import WorkerInfo
 
 
 class PeerTable:

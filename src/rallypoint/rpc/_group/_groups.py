@@ -1,4 +1,4 @@
-"""Group membership in the store: worker identities, records, static and dynamic groups.
+"""Group membership in the store: worker records, static and dynamic groups.
 
 Every worker publishes a :class:`WorkerRecord` (name, rank, TCP address, abstract Unix
 socket, host key, device count, device maps, devices) in the rendezvous store; records are
@@ -31,51 +31,14 @@ import torch
 from rallypoint._core.net import local_address_towards as local_address_towards
 from rallypoint.rpc._device_maps import DeviceMap, device_maps_from_json, device_maps_to_json
 from rallypoint.rpc._errors import RpcError
-from rallypoint.rpc._spin import WAITS
-from rallypoint.rpc._store import wait_for_keys
+from rallypoint.rpc._group._store import wait_for_keys
+from rallypoint.rpc._transport._spin import WAITS
+from rallypoint.rpc._worker_info import WorkerInfo
 
-_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_:")
 TOKEN_KEY = "token"
 MEMBERS_KEY = "members"
 KIND_KEY = "group_kind"
 _NO_TIMEOUT = 1800.0
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """A worker's name and id (its rank), as in ``torch.distributed.rpc.WorkerInfo``."""
-
-    name: str
-    id: int
-
-    def __post_init__(self) -> None:
-        # torch's constructor checks the name, with this type and message
-        if not isinstance(self.name, str) or not _valid_name(self.name):
-            raise RuntimeError(_name_error(self.name))
-
-    def __repr__(self) -> str:
-        return f"WorkerInfo(id={self.id}, name={self.name})"
-
-    __str__ = __repr__
-
-
-def _valid_name(name: str) -> bool:
-    return bool(name) and len(name) < 128 and set(name) <= _NAME_CHARS
-
-
-def _name_error(name: object) -> str:
-    return (
-        "Worker name must match ^[A-Za-z0-9-_:]*$, and must be non-empty and shorter "
-        f"than 128 chars, got {name!r}"
-    )
-
-
-def validate_name(name: object) -> str:
-    if not isinstance(name, str):
-        raise TypeError(f"worker name must be a str, got {type(name).__name__}")
-    if not _valid_name(name):
-        raise ValueError(_name_error(name))
-    return name
 
 
 # ---- what a record says about this process -----------------------------------------------

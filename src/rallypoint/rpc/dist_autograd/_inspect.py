@@ -10,11 +10,11 @@ they read rallypoint's contexts through this module.
 
 torch puts a ``SendRpcBackward`` node into the graph for every message that carries
 tensors which require grad. rallypoint records a send as the gradient edges of those
-tensors instead (see :mod:`rallypoint.rpc._autograd`), so :meth:`DistAutogradContext.
+tensors instead (see :mod:`rallypoint.rpc.dist_autograd._autograd`), so :meth:`DistAutogradContext.
 _send_functions` shows each send as a :class:`SendRpcBackward` whose ``next_functions``
 are those edges, as the node's are in torch. Received tensors get a real node, one per
 message as in torch (``torch::distributed::autograd::RecvRpcBackward``, see
-:func:`rallypoint.rpc._autograd_context.receive_message`).
+:func:`rallypoint.rpc.dist_autograd._context.receive_message`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 
 from torch.autograd.graph import Node
 
-from rallypoint.rpc._autograd import DistAutograd
-from rallypoint.rpc._autograd_context import AutogradContext
+from rallypoint.rpc.dist_autograd._autograd import DistAutograd
+from rallypoint.rpc.dist_autograd._context import AutogradContext
 
 
 class SendRpcBackward:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from rallypoint.rpc._errors import RpcError, RpcTimeoutError
-from rallypoint.rpc._transport import Connection
+from rallypoint.rpc._transport._connection import Connection
 from rallypoint.rpc._wait_all import record_failure
 
 

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from torch.autograd.graph import Node
 
 if TYPE_CHECKING:
-    from rallypoint.rpc._autograd_context import AutogradContext
-    from rallypoint.rpc._autograd_engine import Round
+    from rallypoint.rpc.dist_autograd._context import AutogradContext
+    from rallypoint.rpc.dist_autograd._engine import Round
 
 Offer: TypeAlias = "tuple[str, int, str, int, tuple[int, ...], int]"
 """A route for one send: the offering worker's name and rank, where its gradients go (the

@@ -1,8 +1,8 @@
 """The authenticated sockets of one worker: the ones it accepts and the ones it opens.
 
-Every connection answers the HMAC challenge (:mod:`rallypoint.rpc._auth`) before its
+Every connection answers the HMAC challenge (:mod:`rallypoint.rpc._transport._auth`) before its
 first frame; accepted ones authenticate on the acceptor's thread
-(:mod:`rallypoint.rpc._acceptor`, which also bounds what unauthenticated peers cost). A
+(:mod:`rallypoint.rpc._transport._acceptor`, which also bounds what unauthenticated peers cost). A
 worker opens at most one connection to each peer for its own calls (on first use, over
 the abstract Unix socket when the peer shares the host) and accepts the peers'
 connections for theirs; frames from accepted connections wait until the group is known
@@ -18,16 +18,17 @@ import socket
 import threading
 from typing import Any
 
-from rallypoint.rpc._acceptor import Acceptor
-from rallypoint.rpc._auth import client_handshake
-from rallypoint.rpc._calls import PendingCalls
+from rallypoint.rpc._agent._calls import PendingCalls
+from rallypoint.rpc._agent._peers import PeerTable
 from rallypoint.rpc._errors import NOT_INITIALIZED, RpcConnectionError, RpcError
-from rallypoint.rpc._groups import WorkerInfo, host_key
+from rallypoint.rpc._group._groups import host_key
 from rallypoint.rpc._options import RallypointRpcBackendOptions
-from rallypoint.rpc._peers import PeerTable
-from rallypoint.rpc._reader_pool import ReaderPool
-from rallypoint.rpc._shm import SegmentPool
-from rallypoint.rpc._transport import Connection, OnFrame, ReadInterrupted, connect
+from rallypoint.rpc._transport._acceptor import Acceptor
+from rallypoint.rpc._transport._auth import client_handshake
+from rallypoint.rpc._transport._connection import Connection, OnFrame, ReadInterrupted, connect
+from rallypoint.rpc._transport._reader_pool import ReaderPool
+from rallypoint.rpc._transport._shm import SegmentPool
+from rallypoint.rpc._worker_info import WorkerInfo
 
 logger = logging.getLogger("rallypoint.rpc")
 

@@ -9,7 +9,7 @@ Change ``import torch.distributed.autograd as dist_autograd`` to
         grads = dist_autograd.get_gradients(context_id)   # {tensor: gradient}
 
 Under ``BackendType.RALLYPOINT`` it is rallypoint's implementation (torch's FAST mode on
-rallypoint's transport, see :mod:`rallypoint.rpc._autograd`); under
+rallypoint's transport, see :mod:`rallypoint.rpc.dist_autograd._autograd`); under
 ``BackendType.TENSORPIPE`` every call goes to ``torch.distributed.autograd``, so one
 program runs on both. Errors are torch's (types and messages), except that before
 ``init_rpc`` the message names ``rallypoint.rpc.init_rpc`` instead of torch's internal
@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from rallypoint.rpc._autograd import CURRENT_AUTOGRAD, DistAutograd, current_context
-from rallypoint.rpc._autograd_checks import check_context_id, root_list
-from rallypoint.rpc._autograd_inspect import DistAutogradContext, debug_info
 from rallypoint.rpc._backend import CURRENT_AGENT
+from rallypoint.rpc.dist_autograd._autograd import CURRENT_AUTOGRAD, DistAutograd, current_context
+from rallypoint.rpc.dist_autograd._checks import check_context_id, root_list
+from rallypoint.rpc.dist_autograd._inspect import DistAutogradContext, debug_info
 
 __all__ = ["backward", "context", "get_gradients", "is_available"]
 
@@ -144,7 +144,7 @@ def _context_id_argument(function: str, context_id: object) -> int:
 
 
 # ---- torch's private helpers (torch's own tests and debugging tools use them) -------------
-# Under BackendType.TENSORPIPE each is torch's; see rallypoint.rpc._autograd_inspect.
+# Under BackendType.TENSORPIPE each is torch's; see rallypoint.rpc.dist_autograd._inspect.
 
 
 def _is_valid_context(context_id: int) -> None:

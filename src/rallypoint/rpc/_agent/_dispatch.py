@@ -23,17 +23,17 @@ from typing import Any
 
 import torch
 
-from rallypoint.rpc import _wire
-from rallypoint.rpc._autograd import run_in
-from rallypoint.rpc._autograd_context import AutogradContext
-from rallypoint.rpc._calls import PendingCalls, fail
-from rallypoint.rpc._codec import Codec
+from rallypoint.rpc._agent._calls import PendingCalls, fail
+from rallypoint.rpc._agent._codec import Codec
 from rallypoint.rpc._errors import RpcError
-from rallypoint.rpc._framing import Frame
-from rallypoint.rpc._groups import WorkerInfo
 from rallypoint.rpc._remote_errors import ErrorReply, has_plain_errors
-from rallypoint.rpc._rref import collect_confirmations
-from rallypoint.rpc._transport import Connection
+from rallypoint.rpc._rref._rref import collect_confirmations
+from rallypoint.rpc._transport import _wire
+from rallypoint.rpc._transport._connection import Connection
+from rallypoint.rpc._transport._framing import Frame
+from rallypoint.rpc._worker_info import WorkerInfo
+from rallypoint.rpc.dist_autograd._autograd import run_in
+from rallypoint.rpc.dist_autograd._context import AutogradContext
 from rallypoint.rpc.functions import is_async_execution, no_future_error
 
 logger = logging.getLogger("rallypoint.rpc")
