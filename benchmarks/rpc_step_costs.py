@@ -74,7 +74,11 @@ class _ProbedEngine:
 
 
 def _install_probes() -> None:
-    from rallypoint.rpc import _autograd, _autograd_engine, _codec, _transport, optim
+    from rallypoint.rpc import optim
+    from rallypoint.rpc._agent import _codec
+    from rallypoint.rpc._transport import _connection as _transport
+    from rallypoint.rpc.dist_autograd import _autograd
+    from rallypoint.rpc.dist_autograd import _engine as _autograd_engine
 
     for name in ("call", "reply"):
         _probe(_codec.Codec, name, "encode")

@@ -20,10 +20,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "rallypoint.cli._report:report_main",
         "draw a job's timeline from its --events files (PNG, HTML or SVG)",
     ),
-    "build-native": (
-        "rallypoint.cli._build_native:build_native_main",
-        "compile rallypoint.rpc's optional C++ fast path for the installed torch",
-    ),
     "stacks": (
         "rallypoint.cli._stacks:stacks_main",
         "print the Python stacks of every worker of a running job, grouped",

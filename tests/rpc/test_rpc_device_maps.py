@@ -195,7 +195,7 @@ def test_options_normalise_and_reject_many_to_one() -> None:
 
 
 def test_cuda_tensor_without_map_is_refused_before_sending() -> None:
-    from rallypoint.rpc import _wire
+    from rallypoint.rpc._transport import _wire
 
     with pytest.raises(RuntimeError, match="no device map entry for cuda:0"):
         _wire._send_device(_FakeCuda(), None, "w1")  # type: ignore[arg-type]

@@ -189,7 +189,7 @@ def test_public_surface_mirrors_torch() -> None:
 
 
 def _tensorpipe_options_without_backend(path: str) -> dict[str, Any]:
-    from rallypoint.rpc._agent import current_rallypoint_agent
+    from rallypoint.rpc._agent._agent import current_rallypoint_agent
     from rallypoint.rpc._backend import CURRENT_AGENT
 
     out: dict[str, Any] = {}

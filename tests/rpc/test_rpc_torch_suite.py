@@ -112,7 +112,7 @@ def _one_leaves_right_after_init(backend: str, gone: str) -> str:
     if rank == 0 and backend == "RALLYPOINT":
         # make torch's race certain: rank 0 opens its warm-up connection to w2 only after
         # w2 has left (torch's RpcTest.test_local_shutdown loses it now and then)
-        from rallypoint.rpc._connections import Connections
+        from rallypoint.rpc._agent._connections import Connections
 
         real = Connections._open
 

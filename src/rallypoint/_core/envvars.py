@@ -10,8 +10,6 @@ __all__ = [
     "AGENT_CPP_LOG_LEVEL",
     "ERROR_FILE",
     "IGNORE_SLURM",
-    "NATIVE",
-    "NATIVE_DIR",
     "PROGRESS_FILE",
     "PROGRESS_SLOT",
     "RESTART_COUNT",
@@ -62,9 +60,3 @@ SNAPSHOT_EVERY = "RALLYPOINT_SNAPSHOT_EVERY"
 AGENT_CPP_LOG_LEVEL = "RALLYPOINT_AGENT_CPP_LOG_LEVEL"
 """torch's C++ log level in the agent of a multi-node ``rallypoint run`` (``FATAL`` unless
 set: INFO, WARNING, ERROR or FATAL); the workers keep ``TORCH_CPP_LOG_LEVEL``."""
-NATIVE = "RALLYPOINT_NATIVE"
-"""The RPC part's compiled fast path (``rallypoint build-native``): ``0`` never uses it;
-unset or ``1``: used when built."""
-NATIVE_DIR = "RALLYPOINT_NATIVE_DIR"
-"""Where ``rallypoint build-native`` puts the compiled module and the RPC part looks for
-it (default ``$XDG_CACHE_HOME/rallypoint/native``, else ``~/.cache/rallypoint/native``)."""

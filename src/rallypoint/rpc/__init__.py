@@ -19,16 +19,21 @@ Backends: ``BackendType.RALLYPOINT`` (default: HMAC-authenticated TCP, Unix sock
 shared memory on one host) and ``BackendType.TENSORPIPE`` (torch's agent). Every connection
 must know the job's secret (``RALLYPOINT_RPC_SECRET``, set by ``rallypoint run``).
 
-Imports point down these lines, and within a line from left to right (no cycles)::
+The tree, one concept per subpackage; imports point down these lines, never up::
 
-    optim, nn -> dist_autograd -> _api -> _registry -> _agent (RALLYPOINT) | _tensorpipe
-    the agent's parts:  _membership, _dispatch, _connections, _codec
-    its bookkeeping:    _rref, _rref_table, _autograd, _autograd_engine, _ddp, _liveness,
-                        _peers, _calls
-    bytes and store:    _acceptor, _transport, _reader_pool, _auth, _wire, _shm, _groups,
-                        _store
-    shared:             _backend, _current, _options, _device_maps, _errors, constants,
-                        functions  ->  rallypoint._core
+    public:          api (shim), nn, optim, dist_autograd's API -> _api, _all_gather
+    _api -> _registry -> _agent (BackendType.RALLYPOINT) | _tensorpipe (TENSORPIPE)
+    _agent/          the agent: membership, connections, dispatch, codec, calls, peers,
+                     liveness; the only part that ties the parts below together
+                     (with _torch_names: torch's names for the running agent and RRefs)
+    _rref/           RRefs and the table of values a worker owns
+    dist_autograd/   distributed autograd: contexts, routes, engine, DDP under it
+    _group/          group records and the rendezvous store
+    _transport/      connections, frames, wire form, shared memory, handshake, readers,
+                     spin waits
+    shared:          _worker_info, _backend, _current, _options, _device_maps, _errors,
+                     _remote_errors, _builtins, _wait_all, functions, constants
+                     ->  rallypoint._core
 """
 
 from __future__ import annotations
@@ -59,7 +64,6 @@ from rallypoint.rpc._errors import (
     RpcShutdownError,
     RpcTimeoutError,
 )
-from rallypoint.rpc._groups import WorkerInfo
 from rallypoint.rpc._options import RallypointRpcBackendOptions, RpcBackendOptions
 from rallypoint.rpc._registry import (
     BackendValue,
@@ -68,8 +72,9 @@ from rallypoint.rpc._registry import (
     init_backend,
     register_backend,
 )
-from rallypoint.rpc._rref import RRef
-from rallypoint.rpc._rref import RRef as PyRRef  # torch's rpc.PyRRef: its RRefs' own class
+from rallypoint.rpc._rref._rref import RRef
+from rallypoint.rpc._rref._rref import RRef as PyRRef  # torch's rpc.PyRRef: its RRefs' own class
+from rallypoint.rpc._worker_info import WorkerInfo
 from rallypoint.rpc.api import (
     _get_current_rpc_agent as _get_current_rpc_agent,  # torch's private helpers, as above
 )

@@ -17,12 +17,13 @@ import torch.distributed.rpc.api as _torch_rpc_api
 
 from rallypoint._core.checks import check_int, check_seconds
 from rallypoint._core.forking import fork_safe_lock
-from rallypoint.rpc import _registry, _rref
-from rallypoint.rpc._auth import require_secret_source
+from rallypoint.rpc import _registry
 from rallypoint.rpc._backend import CURRENT_AGENT
-from rallypoint.rpc._groups import validate_name
+from rallypoint.rpc._group._store import create_store
 from rallypoint.rpc._options import RallypointRpcBackendOptions, RpcBackendOptions
-from rallypoint.rpc._store import create_store
+from rallypoint.rpc._rref import _rref
+from rallypoint.rpc._transport._auth import require_secret_source
+from rallypoint.rpc._worker_info import validate_name
 from rallypoint.rpc.constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 
 logger = logging.getLogger("rallypoint.rpc")

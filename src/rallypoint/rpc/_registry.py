@@ -130,7 +130,7 @@ def _rallypoint_options(rpc_timeout: float, init_method: str, **kwargs: Any) -> 
 def _rallypoint_init(
     store: Any, name: str, rank: int, world_size: int | None, rpc_backend_options: Any
 ) -> Any:
-    from rallypoint.rpc._agent import start_agent
+    from rallypoint.rpc._agent._agent import start_agent
 
     return start_agent(store, name, rank, world_size, rpc_backend_options)
 

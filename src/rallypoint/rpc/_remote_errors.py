@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from rallypoint._core.forking import fork_safe_lock
 
 if TYPE_CHECKING:
-    from rallypoint.rpc._groups import WorkerInfo
+    from rallypoint.rpc._worker_info import WorkerInfo
 
 _TORCH_KEEPS = (RuntimeError, ValueError, TypeError)
 _cache: dict[tuple[type[BaseException], bool], type[BaseException]] = {}

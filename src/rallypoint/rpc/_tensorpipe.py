@@ -27,7 +27,8 @@ def construct_options(rpc_timeout: float, init_method: str, **kwargs: Any) -> An
 
 def register_reducer(cls: type, reducer: Any) -> None:
     """Pickle instances of ``cls`` with ``reducer`` in torch's RPC messages (its internal
-    pickler's registry), as :func:`rallypoint.rpc._wire.register_reducer` does in ours."""
+    pickler's registry), as :func:`rallypoint.rpc._transport._wire.register_reducer` does
+    in ours."""
     if _rpc().is_available():
         _rpc().internal._internal_rpc_pickler._register_reducer(cls, reducer)
 

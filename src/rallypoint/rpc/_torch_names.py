@@ -25,7 +25,7 @@ import torch
 
 from rallypoint._core.forking import fork_safe_lock
 from rallypoint.rpc._backend import CURRENT_AGENT
-from rallypoint.rpc._rref import RRef
+from rallypoint.rpc._rref._rref import RRef
 
 _MODULE: Any = getattr(torch._C, "_distributed_rpc", None)
 _TORCH_PYRREF: Any = getattr(_MODULE, "PyRRef", None)

@@ -23,7 +23,7 @@ from rallypoint.rpc._all_gather import barrier as _barrier
 from rallypoint.rpc._all_gather import wait_all_workers as _wait_all_workers
 from rallypoint.rpc._api import get_worker_info, remote, rpc_async, rpc_sync, shutdown
 from rallypoint.rpc._backend import CURRENT_AGENT, RpcAgent
-from rallypoint.rpc._rref import RRef
+from rallypoint.rpc._rref._rref import RRef
 from rallypoint.rpc._torch_names import answer_agent_check_too
 from rallypoint.rpc._wait_all import wrap_torch_wait_all
 

@@ -26,10 +26,11 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from rallypoint.rpc import _tensorpipe, _wire
+from rallypoint.rpc import _tensorpipe
 from rallypoint.rpc._api import remote, rpc_async, rpc_sync
 from rallypoint.rpc._backend import CURRENT_AGENT
-from rallypoint.rpc._rref import RRef
+from rallypoint.rpc._rref._rref import RRef
+from rallypoint.rpc._transport import _wire
 
 __all__ = ["RemoteModule"]
 

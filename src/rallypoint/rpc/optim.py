@@ -35,10 +35,10 @@ import torch
 from rallypoint._core.forking import fork_safe_lock
 from rallypoint.rpc import dist_autograd
 from rallypoint.rpc._api import rpc_async
-from rallypoint.rpc._autograd import CURRENT_AUTOGRAD
 from rallypoint.rpc._backend import CURRENT_AGENT
-from rallypoint.rpc._rref import RRef
+from rallypoint.rpc._rref._rref import RRef
 from rallypoint.rpc.constants import UNSET_RPC_TIMEOUT
+from rallypoint.rpc.dist_autograd._autograd import CURRENT_AUTOGRAD
 
 __all__ = ["DistributedOptimizer"]
 

@@ -1,0 +1,102 @@
+"""Encoding calls and replies for one peer: its device map, RRefs, and autograd tags.
+
+A call to ``dst`` moves tensors with this worker's device map for ``dst``; a reply to
+``dst`` with the inverse of ``dst``'s map onto this worker (torch's rule). Every RRef in
+the message is forked through the worker's RRef table.
+
+Inside a distributed autograd context (:mod:`rallypoint.rpc.dist_autograd._autograd`) a
+message starts with a tag, ``b"AG"``, the context id and a message id, before the pickle
+(which always starts with ``0x80``). Every call made in a context is tagged, so the callee
+runs it in the context; a reply is tagged only if it carries tensors that require grad. A non-zero
+message id means the message has such tensors: the sender records a send, the receiver
+wraps them in ``RecvRpcBackward`` nodes. Outside a context nothing changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from typing import Any
+
+import torch
+
+from rallypoint.rpc._agent._peers import PeerTable
+from rallypoint.rpc._rref._rref import RRef, reduce_rref
+from rallypoint.rpc._rref._table import RRefTable
+from rallypoint.rpc._transport import _wire
+from rallypoint.rpc.dist_autograd._autograd import DistAutograd
+from rallypoint.rpc.dist_autograd._context import AutogradContext
+
+TAG = struct.Struct("<2sqq")
+TAG_MAGIC = b"AG"
+_TAG_FIRST = TAG_MAGIC[0]
+
+
+class Codec:
+    """Pickles messages for a peer (tensors out of band, see
+    :mod:`rallypoint.rpc._transport._wire`)."""
+
+    def __init__(self, peers: PeerTable, rrefs: RRefTable, autograd: DistAutograd) -> None:
+        self._peers = peers
+        self._fork = functools.partial(reduce_rref, rrefs)
+        self._autograd = autograd
+
+    def call(
+        self, dst: str, payload: Any, ctx: AutogradContext | None = None
+    ) -> tuple[bytes, list[torch.Tensor]]:
+        """A call's ``(func, args, kwargs)`` for ``dst``: this worker's map for ``dst``."""
+        device_map = self._peers.device_maps.get(dst)
+        if ctx is None:
+            return _wire.encode(
+                payload, dst=dst, device_map=device_map, rref_type=RRef, rref_hook=self._fork
+            )
+        return self._tagged(dst, payload, device_map, ctx, always=True)
+
+    def reply(
+        self, dst: str, value: Any, ctx: AutogradContext | None = None
+    ) -> tuple[bytes, list[torch.Tensor]]:
+        """A call's return value for the caller ``dst``: the inverse of ``dst``'s map."""
+        device_map = self._peers.reverse_maps.get(dst)
+        if ctx is None:
+            return _wire.encode(
+                value, dst=dst, device_map=device_map, rref_type=RRef, rref_hook=self._fork
+            )
+        return self._tagged(dst, value, device_map, ctx, always=False)
+
+    def _tagged(
+        self, dst: str, obj: Any, device_map: Any, ctx: AutogradContext, *, always: bool
+    ) -> tuple[bytes, list[torch.Tensor]]:
+        # as in torch, tensors sent with grad mode off are not recorded
+        needs_grad: list[torch.Tensor] | None = [] if torch.is_grad_enabled() else None
+        data, raws = _wire.encode(
+            obj,
+            dst=dst,
+            device_map=device_map,
+            rref_type=RRef,
+            rref_hook=self._fork,
+            grad_sink=needs_grad,
+        )
+        message_id = 0
+        if needs_grad:
+            message_id = self._autograd.record_send(ctx, dst, needs_grad)
+        elif not always:
+            return data, raws
+        ctx.known.add(dst)
+        return TAG.pack(TAG_MAGIC, ctx.id, message_id) + data, raws
+
+    def decode(
+        self, src: str, data: bytes, tensors: list[torch.Tensor]
+    ) -> tuple[Any, AutogradContext | None]:
+        """A message from ``src``, and the autograd context it arrived in (if tagged)."""
+        if not data or data[0] != _TAG_FIRST:
+            return _wire.decode(data, tensors), None
+        magic, context_id, message_id = TAG.unpack_from(data)
+        if magic != TAG_MAGIC:
+            raise ValueError(f"bad message tag {magic!r}")
+        ctx = self._autograd.get_or_create(context_id)
+        ctx.known.add(src)
+        body = memoryview(data)[TAG.size :]
+        if not message_id:
+            return _wire.decode(body, tensors), ctx
+        hook = self._autograd.receiver(ctx, src, message_id)
+        return _wire.decode(body, tensors, recv_hook=hook), ctx

@@ -1,0 +1,126 @@
+"""Gradients that would only pass through a worker go straight on: one hop fewer.
+
+A pipeline's driver ``A`` receives a stage's output from ``B`` and sends it, unchanged,
+to ``C`` (``h = rpc_sync(B, stage1, x); y = rpc_sync(C, stage2, h)``). In torch's FAST
+mode the gradient of ``h`` comes back from ``C`` to ``A``, whose pass only hands it to
+``B``: a whole hop (a wake-up and a pass) on the critical path of every step.
+
+Here, when ``A`` propagates gradients in a round, it *offers* a route for each of its
+sends whose gradients would only pass through ``A``: every tensor of the send is an output
+of one received message (from ``B``), which nothing else in the round reaches. Offers
+travel with every propagation of the round, so they reach the workers further down a
+pipeline too. A ``C`` that has not sent those gradients yet *takes* the offer: it sends them
+straight to ``B``, as the gradients of ``B``'s message, and gives ``A`` a *notice* (the
+message ids it routed), so that ``A``'s round settles without them. When ``A`` called
+``backward`` (the usual driver), the notice travels with the credit, as statuses do, and
+``A`` settles its round as the credit comes back: no message of its own, which would wake
+``A`` while ``B`` needs the CPU. Otherwise it is a propagation to ``A`` of its own, with
+its share of the credit. Either way ``backward`` returns after ``A`` read the notice.
+A ``C`` that already sent them (another source reached them first) ignores the offer:
+they come to ``A`` as before.
+
+Error texts keep torch's trail: gradients that skip ``A`` still name it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from torch.autograd.graph import Node
+
+if TYPE_CHECKING:
+    from rallypoint.rpc.dist_autograd._context import AutogradContext
+    from rallypoint.rpc.dist_autograd._engine import Round
+
+Offer: TypeAlias = "tuple[str, int, str, int, tuple[int, ...], int]"
+"""A route for one send: the offering worker's name and rank, where its gradients go (the
+worker, its message id), the input of that message's node for each tensor of the send,
+and how many outputs that node has."""
+Items: TypeAlias = "list[tuple[int, int, Any]]"
+Notice: TypeAlias = "tuple[str, int]"
+"""A send of ``worker`` (its message id) whose gradients went straight on."""
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """What one pass sends, per peer."""
+
+    items: dict[str, Items] = field(default_factory=dict)  # gradients: message id, index, grad
+    notices: dict[str, list[int]] = field(default_factory=dict)  # sends routed past the peer
+    offers: list[tuple[int, Offer]] = field(default_factory=list)  # routes this pass knows
+    via: dict[str, int] = field(default_factory=dict)  # a routed peer: the rank it skips
+
+    def peers(self) -> list[str]:
+        return list(dict.fromkeys([*self.items, *self.notices]))
+
+
+def offer(ctx: AutogradContext, rnd: Round, me: tuple[str, int], out: Outgoing) -> None:
+    """The routes this pass offers: for this worker's sends whose gradients would only
+    pass through it, and those offered to it in the round that are still open."""
+    for message_id, send in dict(ctx.sends).items():  # callers record sends meanwhile
+        if send.peer == me[0]:
+            continue
+        through = rnd.pass_through(message_id, len(send.edges))
+        if through is None:
+            continue
+        node, inputs = through
+        record = ctx.recvs[node]
+        if record.peer != send.peer:  # else the gradients would go back where they are
+            out.offers.append(
+                (message_id, (*me, record.peer, record.message_id, tuple(inputs), record.outputs))
+            )
+    out.offers += [(message_id, route) for (_, message_id), route in rnd.routes.items()]
+
+
+def learn(rnd: Round, offers: list[tuple[int, Offer]]) -> None:
+    """Routes offered in a propagation that arrived (kept for the rest of the round)."""
+    for message_id, route in offers:
+        rnd.routes.setdefault((route[0], message_id), route)
+
+
+def add(
+    out: Outgoing, rnd: Round, me: str, peer: str, message_id: int, sent: dict[int, Any]
+) -> bool:
+    """Send a received message's gradients by the route offered for it, if any."""
+    route = rnd.routes.get((peer, message_id))
+    if route is None or route[2] == me:
+        return False
+    del rnd.routes[(peer, message_id)]
+    _, via_rank, target, target_id, inputs, outputs = route
+    by_input = {inputs[i]: grad for i, grad in sent.items()}
+    out.items.setdefault(target, []).extend(
+        (target_id, position, by_input.get(position)) for position in range(outputs)
+    )
+    out.notices.setdefault(peer, []).append(message_id)
+    out.via[target] = via_rank
+    return True
+
+
+def split(notices: list[Notice] | None, me: str) -> tuple[list[int], list[Notice]]:
+    """Notices that arrived: the message ids of this worker's, and the others (for the
+    worker that called ``backward``, carried on with the credit)."""
+    if not notices:
+        return [], []
+    return [m for owner, m in notices if owner == me], [n for n in notices if n[0] != me]
+
+
+def sort_notices(
+    out: Outgoing, origin: str, carried: list[Notice] | None
+) -> tuple[list[Notice], dict[str, list[Notice]]]:
+    """A pass's notices: those carried with the credit (the origin's), and those sent to
+    their owners, per owner."""
+    carried = list(carried or ())
+    direct: dict[str, list[Notice]] = {}
+    for owner, message_ids in out.notices.items():
+        notices = [(owner, m) for m in message_ids]
+        if owner == origin:
+            carried += notices
+        else:
+            direct[owner] = notices
+    return carried, direct
+
+
+def routed_nodes(ctx: AutogradContext, message_ids: list[int]) -> set[Node]:
+    """The received messages' nodes whose gradients a notice says went straight on."""
+    return {node for m in message_ids for node, _ in ctx.sends[m].edges}
