@@ -26,7 +26,10 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 __all__ = [
     "GEMM_FACTOR",
@@ -94,6 +97,9 @@ def slow_node(times: LinkTimes) -> tuple[int, str] | None:
 
 GEMM = """
 import sys, time, torch
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 worst = 0.0
 for d in range(torch.cuda.device_count()):
     a = torch.randn(4096, 4096, device=f"cuda:{d}", dtype=torch.float16)
@@ -130,7 +136,7 @@ def gemm_seconds(timeout: float = 60.0) -> float:
         return 0.0
 
 
-def measure(store: Any, group_rank: int, nnodes: int, addr: str, timeout: float) -> LinkTimes:
+def measure(store: Store, group_rank: int, nnodes: int, addr: str, timeout: float) -> LinkTimes:
     """Run the two rings among the round's agents (all of them call it) and gather every
     node's times. ``store``: a prefix of the round's store for this alone; ``addr``: where
     the others reach this node."""

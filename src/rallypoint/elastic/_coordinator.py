@@ -63,6 +63,8 @@ from rallypoint.supervise._state import Failure, GroupInfo, Outcome, OutcomeKind
 from rallypoint.supervise._summary import PEER_LOSS
 
 if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
     from rallypoint.rendezvous import RendezvousHandler, RendezvousInfo
 
 __all__ = ["EXIT_BARRIER", "POLL_EVERY", "ElasticCoordinator"]
@@ -310,7 +312,7 @@ class ElasticCoordinator:
         self.observer.emit("members", round=k, members=members, group_rank=group_rank)
         return Round(number=k, group=group, members=members, store=store, job=self.job)
 
-    def _burn_in(self, rnd: Round, round_store: Any) -> bool:
+    def _burn_in(self, rnd: Round, round_store: Store) -> bool:
         """Time the nodes' links (``_burn_in``); True when a slow node is being excluded
         (the round is decided: every node restarts without it)."""
         store = prefixed(f"rallypoint/round{rnd.number}/burnin", round_store)

@@ -16,7 +16,7 @@ first agent, unless the user gave every node one), ``same_failure`` and ``node_f
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rallypoint._core.status import JobStatus
 from rallypoint.elastic._records import (
@@ -44,7 +44,7 @@ class RoundStore:
     """The keys of one round."""
 
     def __init__(self, store: Store) -> None:
-        self.store: Any = store
+        self.store: Store = store
 
     def publish_node(self, group_rank: int, node: NodeRecord) -> None:
         self.store.set(f"node/{group_rank}", node.to_json())
@@ -105,7 +105,7 @@ class RunStore:
     """The keys of the whole run (every round)."""
 
     def __init__(self, store: Store) -> None:
-        self.store: Any = store
+        self.store: Store = store
 
     def restarts(self, spend: int = 0) -> int:
         """The job's restart counter after adding ``spend``."""

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rallypoint.rpc._options import RallypointRpcBackendOptions
 from rallypoint.rpc.constants import DEFAULT_INIT_METHOD, DEFAULT_RPC_TIMEOUT_SEC
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 __all__ = [
     "BackendValue",
@@ -128,7 +131,7 @@ def _rallypoint_options(rpc_timeout: float, init_method: str, **kwargs: Any) -> 
 
 
 def _rallypoint_init(
-    store: Any, name: str, rank: int, world_size: int | None, rpc_backend_options: Any
+    store: Store, name: str, rank: int, world_size: int | None, rpc_backend_options: Any
 ) -> Any:
     from rallypoint.rpc._agent._agent import start_agent
 
@@ -142,7 +145,7 @@ def _tensorpipe_options(rpc_timeout: float, init_method: str, **kwargs: Any) -> 
 
 
 def _tensorpipe_init(
-    store: Any, name: str, rank: int, world_size: int | None, rpc_backend_options: Any
+    store: Store, name: str, rank: int, world_size: int | None, rpc_backend_options: Any
 ) -> Any:
     from rallypoint.rpc._tensorpipe import start_tensorpipe
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import importlib
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rallypoint.rpc._backend import CURRENT_AGENT, Args, Func, Fut, Kwargs, RpcAgent
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 
 def _rpc() -> Any:
@@ -84,7 +87,7 @@ class TensorPipeAgentAdapter(RpcAgent):
 
 
 def start_tensorpipe(
-    store: Any, name: str, rank: int, world_size: int | None, options: Any
+    store: Store, name: str, rank: int, world_size: int | None, options: Any
 ) -> TensorPipeAgentAdapter:
     """The TENSORPIPE backend's ``init_backend_handler``."""
     rpc = _rpc()

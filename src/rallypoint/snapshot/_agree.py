@@ -34,10 +34,13 @@ import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rallypoint.snapshot._ckdir import Checkpoint
 from rallypoint.snapshot._records import Key
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 __all__ = ["Agreement", "Choice", "Holder", "next_generation"]
 
@@ -88,7 +91,7 @@ class Agreement:
 
     def __init__(
         self,
-        store: Any,
+        store: Store,
         *,
         rank: int,
         world: int,
@@ -98,7 +101,7 @@ class Agreement:
     ) -> None:
         from torch._C._distributed_c10d import PrefixStore
 
-        self.store: Any = PrefixStore(PREFIX, store)
+        self.store: Any = PrefixStore(PREFIX, store)  # torch's stub lacks append()
         self.rank = rank
         self.world = world
         self.group_rank = group_rank

@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -60,6 +60,9 @@ from rallypoint.rpc.dist_autograd._autograd import CURRENT_AUTOGRAD, DistAutogra
 from rallypoint.rpc.dist_autograd._context import AutogradContext
 from rallypoint.rpc.dist_autograd._ddp_groups import GROUPS as DDP_GROUPS
 
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
 logger = logging.getLogger("rallypoint.rpc")
 
 _CFuture: Callable[[list[torch.device]], Fut] = torch._C.Future  # type: ignore[assignment]  # the stubs call it Generic; it takes a device list
@@ -87,7 +90,7 @@ class RallypointAgent(RpcAgent):
 
     def __init__(
         self,
-        store: Any,
+        store: Store,
         name: str,
         rank: int,
         world_size: int | None,
@@ -428,7 +431,7 @@ class RallypointAgent(RpcAgent):
 
 
 def start_agent(
-    store: Any,
+    store: Store,
     name: str,
     rank: int,
     world_size: int | None,

@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rallypoint.rpc._agent._connections import Connections
 from rallypoint.rpc._agent._liveness import Prober, probe_timeout
@@ -35,6 +35,9 @@ from rallypoint.rpc._group._store import wait_for_names
 from rallypoint.rpc._transport._spin import WAITS
 from rallypoint.rpc._worker_info import WorkerInfo
 
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
 logger = logging.getLogger("rallypoint.rpc")
 
 _LINGER_AFTER_FAILED_INIT = 5.0
@@ -45,7 +48,7 @@ _LINGER_AFTER_SHUTDOWN = 10.0
 class Group:
     """One worker's membership: static (``world_size`` given) or dynamic."""
 
-    store: Any
+    store: Store
     me: WorkerInfo
     world_size: int | None
     hosts_store: bool  # rank 0 hosts the TCPStore: it must leave last
@@ -262,7 +265,7 @@ class Group:
             )
 
     def close(self) -> None:
-        self.store = None
+        self.store = None  # type: ignore[assignment]  # drops the connection; never used again
 
 
 CURRENT_GROUP: Current[Group] = Current()

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,9 @@ from rallypoint.rpc._errors import RpcError
 from rallypoint.rpc._group._store import wait_for_keys
 from rallypoint.rpc._transport._spin import WAITS
 from rallypoint.rpc._worker_info import WorkerInfo
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 TOKEN_KEY = "token"
 MEMBERS_KEY = "members"
@@ -109,7 +112,7 @@ class WorkerRecord:
         )
 
 
-def claim_kind(store: Any, static: bool) -> None:
+def claim_kind(store: Store, static: bool) -> None:
     """Record whether the group is static or dynamic; a worker of the other kind is
     refused with torch's error (the first worker to join decides)."""
     kind = "static" if static else "dynamic"
@@ -125,16 +128,16 @@ def claim_kind(store: Any, static: bool) -> None:
 
 
 # ---- static groups ---------------------------------------------------------------------
-def publish_static(store: Any, record: WorkerRecord) -> None:
+def publish_static(store: Store, record: WorkerRecord) -> None:
     store.set(f"worker/{record.rank}", record.to_json())
 
 
-def published_ranks(store: Any, world_size: int) -> list[int]:
+def published_ranks(store: Store, world_size: int) -> list[int]:
     """The ranks that have published their record so far."""
     return [r for r in range(world_size) if store.check([f"worker/{r}"])]
 
 
-def gather_static(store: Any, world_size: int, timeout: float) -> list[WorkerRecord]:
+def gather_static(store: Store, world_size: int, timeout: float) -> list[WorkerRecord]:
     rank_of = {f"worker/{r}": r for r in range(world_size)}
     keys = list(rank_of)
     deadline = time.monotonic() + (timeout if timeout > 0 else _NO_TIMEOUT)
@@ -159,7 +162,7 @@ def gather_static(store: Any, world_size: int, timeout: float) -> list[WorkerRec
 
 # ---- dynamic groups --------------------------------------------------------------------
 @contextmanager
-def membership_token(store: Any, name: str, timeout: float) -> Iterator[None]:
+def membership_token(store: Store, name: str, timeout: float) -> Iterator[None]:
     """Hold the group's membership token; always released, even when the body fails."""
     mine = f"{name}:{os.getpid()}:{time.monotonic_ns()}"
     deadline = time.monotonic() + (timeout if timeout > 0 else _NO_TIMEOUT)
@@ -182,24 +185,24 @@ def membership_token(store: Any, name: str, timeout: float) -> Iterator[None]:
         store.compare_set(TOKEN_KEY, mine, "")
 
 
-def read_members(store: Any) -> list[str]:
+def read_members(store: Store) -> list[str]:
     if not store.check([MEMBERS_KEY]):
         return []
     data = store.get(MEMBERS_KEY)
     return list(json.loads(data)) if data else []
 
 
-def write_members(store: Any, names: Sequence[str]) -> None:
+def write_members(store: Store, names: Sequence[str]) -> None:
     store.set(MEMBERS_KEY, json.dumps(list(names)))
 
 
-def read_record(store: Any, name: str) -> WorkerRecord:
+def read_record(store: Store, name: str) -> WorkerRecord:
     return WorkerRecord.from_json(store.get(f"member/{name}"))
 
 
-def write_record(store: Any, record: WorkerRecord) -> None:
+def write_record(store: Store, record: WorkerRecord) -> None:
     store.set(f"member/{record.name}", record.to_json())
 
 
-def delete_record(store: Any, name: str) -> None:
+def delete_record(store: Store, name: str) -> None:
     store.delete_key(f"member/{name}")

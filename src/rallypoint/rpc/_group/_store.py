@@ -18,13 +18,16 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import ParseResult, urlparse
 
 import torch.distributed as dist_module
 
 from rallypoint._core.envvars import USE_AGENT_STORE
 from rallypoint.rpc._transport._spin import WAITS
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 # torch.distributed does not re-export its store classes in its stubs
 dist: Any = dist_module
@@ -153,7 +156,7 @@ def _tcp_store(host: str, port: int, rank: int, world_size: int | None, timeout:
 
 
 def wait_for_keys(
-    store: Any,
+    store: Store,
     keys: Sequence[str],
     deadline: float,
     *,
@@ -194,7 +197,7 @@ def wait_for_keys(
 
 
 def wait_for_names(
-    store: Any,
+    store: Store,
     prefix: str,
     names: Sequence[str],
     deadline: float,

@@ -29,12 +29,15 @@ import os
 import secrets
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rallypoint._core import handshake as _handshake
 from rallypoint._core.envvars import RPC_ALLOW_STORE_SECRET, RPC_SECRET
 from rallypoint._core.handshake import HandshakeError, Scheme
 from rallypoint.rpc._errors import RpcAuthenticationError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 logger = logging.getLogger("rallypoint.rpc")
 
@@ -42,7 +45,7 @@ _MAGIC = b"RPRPC1\x00\x00"
 _STORE_SECRET_KEY = "rpc_store_secret"
 
 
-def resolve_secret(options: Any, store: Any) -> bytes:
+def resolve_secret(options: Any, store: Store) -> bytes:
     """The job's RPC secret, from the options' file, the environment, or (if allowed) the store."""
     secret_file = getattr(options, "secret_file", None)
     if secret_file is not None:
