@@ -15,6 +15,7 @@ from rallypoint._core.disk import check_writable
 from rallypoint.cli._parser import PROG, UsageError
 from rallypoint.elastic._options import parse_nnodes
 from rallypoint.launcher._config import LaunchConfig
+from rallypoint.observe._flight import parse_buffer
 from rallypoint.observe._stragglers import parse_threshold
 from rallypoint.supervise._worker import Target
 
@@ -48,6 +49,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
         events=args.events,
         straggler_threshold=_straggler_threshold(args.straggler_threshold),
         straggler_window=_seconds(args.straggler_window),
+        flight_recorder=_flight_recorder(args.flight_recorder),
     )
     snapshots = _snapshot_env(args)
     if snapshots:
@@ -67,6 +69,13 @@ def _max_same_failure(value: str) -> int | None:
 def _straggler_threshold(value: str) -> float | None:
     try:
         return parse_threshold(value, "--straggler-threshold")
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _flight_recorder(value: str) -> int | None:
+    try:
+        return parse_buffer(value, "--flight-recorder")
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rallypoint.observe._events import Event
-from rallypoint.observe._stacks_format import _ranks_text
+from rallypoint.observe._stacks_format import ranks_text
 
 __all__ = ["SlowSpan", "StepLanes", "StepSample", "build_lanes"]
 
@@ -73,7 +73,7 @@ def _add_samples(lanes: StepLanes, event: Event, t: float) -> None:
 def _who(event: Event, ranks: list[int]) -> str:
     host = event.get("host")
     if event.get("scope") == "node":
-        where = ", ".join(str(x) for x in (host, _ranks_text(ranks)) if x)
+        where = ", ".join(str(x) for x in (host, ranks_text(ranks)) if x)
         return f"node {event.get('group_rank', '?')} ({where})"
     return f"rank {ranks[0]}" + (f" on {host}" if host else "")
 

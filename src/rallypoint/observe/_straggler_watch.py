@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from rallypoint.observe._progress import ProgressBoard
-from rallypoint.observe._stacks_format import _ranks_text
+from rallypoint.observe._stacks_format import ranks_text
 from rallypoint.observe._stragglers import (
     WINDOW_S,
     NodePace,
@@ -75,7 +75,7 @@ def describe(change: Straggler, threshold: float) -> str:
     if change.scope == "rank":
         who, others = f"rank {change.key} on {change.host}", "the other ranks"
     else:
-        who = f"node {change.key} ({change.host}, {_ranks_text(list(change.ranks))})"
+        who = f"node {change.key} ({change.host}, {ranks_text(list(change.ranks))})"
         others = "the other nodes"
     return (
         f"rallypoint: straggler: {who} takes {change.step_s:.3g} s per step, "
