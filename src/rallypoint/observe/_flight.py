@@ -7,11 +7,12 @@ unless the user set torch's own variables, which win.
 
 Worker side: :func:`install_flight_dumper` (called by the worker bootstrap, next to the
 stack dumper) makes a FIFO ``$RALLYPOINT_STACKS_DIR/<pid>.fr`` and a daemon thread that
-blocks reading it. A request is one line (its number); the thread calls torch's
-``_dump_fr_trace()``, adds the group memberships from ``torch.distributed`` and writes
-``<pid>.fr.json`` (renamed into place). A thread, not a signal handler: a Python handler
-never runs while the main thread is blocked in a collective, but that call releases the
-GIL, so the thread runs; a busy Python loop lets it run every switch interval.
+blocks reading it. A request is one line (a token; ``... arrivals`` for straggler
+sampling: every entry, no frames); the thread calls torch's ``_dump_fr_trace()``, adds
+the group memberships from ``torch.distributed`` and writes ``<pid>.fr.dump.json`` (or
+``<pid>.fr.arrivals.json``), renamed into place. A thread, not a signal handler: a Python
+handler never runs while the main thread is blocked in a collective, but that call
+releases the GIL, so the thread runs; a busy Python loop lets it run every switch interval.
 
 Agent side: :class:`FlightRequest` writes a request into each worker's FIFO (a worker
 without one answers at once with an error) and :meth:`FlightRequest.results` waits for the
@@ -143,7 +144,7 @@ def trace_from_dump(
     return RankTrace(rank=rank, groups=tuple(traces))
 
 
-def _dump_this_worker(rank: int, frames: bool) -> RankTrace:
+def _dump_this_worker(rank: int, frames: bool, keep: int = KEEP_COMPLETED) -> RankTrace:
     if "torch.distributed" not in sys.modules:
         return RankTrace(rank=rank, error="torch.distributed is not in use")
     import torch
@@ -153,7 +154,14 @@ def _dump_this_worker(rank: int, frames: bool) -> RankTrace:
         dump = pickle.loads(raw)
     except Exception as exc:
         return RankTrace(rank=rank, error=f"torch's Flight Recorder dump failed: {exc}")
-    return trace_from_dump(rank, dump, _groups_of_this_worker())
+    return trace_from_dump(rank, dump, _groups_of_this_worker(), keep)
+
+
+def _answers(request: str, rank: int) -> list[tuple[bool, RankTrace]]:
+    """What a request gets: ``(final, trace)`` pairs, computed one after the other."""
+    if request.endswith(" arrivals"):  # straggler sampling: every entry, never frames
+        return [(True, _dump_this_worker(rank, False, keep=1 << 30))]
+    return [(False, _dump_this_worker(rank, False)), (True, _dump_this_worker(rank, True))]
 
 
 def _serve(fd: int, directory: str, rank: int) -> None:
@@ -167,20 +175,29 @@ def _serve(fd: int, directory: str, rank: int) -> None:
         pending += data
         if b"\n" not in pending:
             continue
-        lines = pending.split(b"\n")
-        pending = lines[-1]
-        request = lines[-2].decode(errors="replace").strip()
-        for frames in (False, True):
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            request = line.decode(errors="replace").strip()
             try:
-                trace = _dump_this_worker(rank, frames)
+                answers = _answers(request, rank)
             except Exception as exc:  # never let the thread die: the next request gets one
-                trace = RankTrace(rank=rank, error=f"dump failed: {exc!r}")
-            answer = {"request": request, "frames": frames, "trace": trace.to_json()}
-            tmp = os.path.join(directory, f"{pid}.fr.tmp")
-            with contextlib.suppress(OSError):
-                with open(tmp, "w", encoding="utf-8") as fh:
-                    fh.write(json.dumps(answer))
-                os.replace(tmp, os.path.join(directory, f"{pid}.fr.json"))
+                answers = [(True, RankTrace(rank=rank, error=f"dump failed: {exc!r}"))]
+            for final, trace in answers:
+                answer = {"request": request, "final": final, "trace": trace.to_json()}
+                with contextlib.suppress(OSError):
+                    _write(directory, pid, request, json.dumps(answer))
+
+
+def _answer_path(directory: str, pid: int, request: str) -> str:
+    kind = "arrivals" if request.endswith(" arrivals") else "dump"  # one never hides the other
+    return os.path.join(directory, f"{pid}.fr.{kind}.json")
+
+
+def _write(directory: str, pid: int, request: str, text: str) -> None:
+    tmp = os.path.join(directory, f"{pid}.fr.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, _answer_path(directory, pid, request))
 
 
 def install_flight_dumper(env: Mapping[str, str] | None = None) -> str | None:
@@ -211,10 +228,17 @@ def install_flight_dumper(env: Mapping[str, str] | None = None) -> str | None:
 class FlightRequest:
     """Ask the local workers for their Flight Recorder (see the module docstring)."""
 
-    def __init__(self, pids_by_rank: Mapping[int, int], directory: str | os.PathLike[str]):
+    def __init__(
+        self,
+        pids_by_rank: Mapping[int, int],
+        directory: str | os.PathLike[str],
+        *,
+        arrivals: bool = False,
+    ) -> None:
+        """``arrivals``: every recorded entry, without frames (straggler sampling)."""
         self.directory = os.fspath(directory)
         self.started = time.monotonic()
-        self.token = f"{os.getpid()}-{time.monotonic_ns()}"
+        self.token = f"{os.getpid()}-{time.monotonic_ns()}" + (" arrivals" if arrivals else "")
         self.errors: dict[int, str] = {}
         self.waiting: dict[int, int] = {}  # rank -> pid
         for rank, pid in sorted(pids_by_rank.items()):
@@ -235,14 +259,14 @@ class FlightRequest:
     def _read(self, rank: int, pid: int) -> tuple[RankTrace, bool] | None:
         """The worker's answer to this request, and whether it has the frames."""
         try:
-            with open(os.path.join(self.directory, f"{pid}.fr.json"), encoding="utf-8") as fh:
+            with open(_answer_path(self.directory, pid, self.token), encoding="utf-8") as fh:
                 answer = json.load(fh)
         except (OSError, ValueError):
             return None
         if not isinstance(answer, dict) or answer.get("request") != self.token:
             return None
         try:
-            return RankTrace.from_json(answer["trace"]), bool(answer["frames"])
+            return RankTrace.from_json(answer["trace"]), bool(answer["final"])
         except (KeyError, ValueError) as exc:
             return RankTrace(rank=rank, error=str(exc)), True
 
@@ -273,6 +297,6 @@ class FlightRequest:
 
 def remove_flight_files(directory: str | os.PathLike[str], pid: int) -> None:
     """Delete an exited worker's FIFO and last dump."""
-    for suffix in (".fr", ".fr.json", ".fr.tmp"):
+    for suffix in (".fr", ".fr.dump.json", ".fr.arrivals.json", ".fr.tmp"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(os.fspath(directory), f"{pid}{suffix}"))

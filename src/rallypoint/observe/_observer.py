@@ -33,6 +33,7 @@ from rallypoint.observe._flight import (
     remove_flight_files,
 )
 from rallypoint.observe._flight_format import format_hang_report
+from rallypoint.observe._flight_records import RankTrace
 from rallypoint.observe._progress import ProgressBoard
 from rallypoint.observe._stacks import StackDump, collect_stacks, remove_dump_file, stacks_env
 from rallypoint.observe._straggler_watch import StragglerWatch
@@ -47,6 +48,8 @@ __all__ = ["Observer", "WatchOptions"]
 
 STACKS_TIMEOUT = 5.0
 """Seconds to wait for a worker's stack dump."""
+ARRIVALS_TIMEOUT = 1.0
+"""Seconds a straggler sample waits for the workers' recorded arrivals."""
 FLIGHT_TIMEOUT = 7.0
 """Seconds after the request to wait for the workers' Flight Recorder dumps with their
 issuing frames (torch's first takes about a second; without frames, milliseconds)."""
@@ -139,7 +142,13 @@ class Observer(Closing):
             group_rank=group_rank,
             nnodes=nnodes,
             window_s=self.straggler_window,
+            arrivals=self._arrivals if nnodes == 1 and self.flight_recorder else None,
         )
+
+    def _arrivals(self, pids_by_rank: Mapping[int, int]) -> dict[int, RankTrace]:
+        """The workers' recorded collectives (no frames) for straggler detection."""
+        request = FlightRequest(pids_by_rank, self.stacks_dir, arrivals=True)
+        return request.results(ARRIVALS_TIMEOUT)
 
     def hung(self) -> bool:
         return (
