@@ -23,10 +23,15 @@ print(f"buffer={os.environ.get('TORCH_FR_BUFFER_SIZE')} dumper={os.path.exists(f
 
 
 def test_worker_env_defaults_and_the_users_settings_win() -> None:
-    assert flight_recorder_env({}, DEFAULT_BUFFER) == {"TORCH_FR_BUFFER_SIZE": "2000"}
-    assert flight_recorder_env({"PATH": "/bin"}, None) == {"TORCH_FR_BUFFER_SIZE": "0"}
-    assert flight_recorder_env({"TORCH_FR_BUFFER_SIZE": "5"}, 100) == {}
-    assert flight_recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "5"}, 100) == {}
+    nccl = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": "/d/nccl_trace_rank_"}
+    assert flight_recorder_env({}, DEFAULT_BUFFER, "/d") == {
+        "TORCH_FR_BUFFER_SIZE": "2000", **nccl
+    }  # fmt: skip
+    assert flight_recorder_env({"PATH": "/bin"}, None, "/d") == {"TORCH_FR_BUFFER_SIZE": "0"}
+    assert flight_recorder_env({"TORCH_FR_BUFFER_SIZE": "5"}, 100, "/d") == nccl
+    assert flight_recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, 100, "/d") == {}
+    mine = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_FR_DUMP_TEMP_FILE": "/mine/x"}
+    assert flight_recorder_env(mine, 100, "/d") == {"TORCH_FR_BUFFER_SIZE": "100"}
 
 
 def test_the_option_in_the_config_and_on_the_command_line(tmp_path: Path) -> None:

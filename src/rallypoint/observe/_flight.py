@@ -37,6 +37,7 @@ from rallypoint.observe._flight_records import FlightEntry, GroupTrace, RankTrac
 __all__ = [
     "BUFFER_ENV",
     "DEFAULT_BUFFER",
+    "NCCL_DUMP_PREFIX",
     "FlightRequest",
     "flight_recorder_env",
     "install_flight_dumper",
@@ -67,11 +68,31 @@ def parse_buffer(value: int | str | None, name: str = "flight_recorder") -> int 
     return int(text)
 
 
-def flight_recorder_env(env: Mapping[str, str], buffer: int | None) -> dict[str, str]:
-    """The variables to add to a worker's ``env``: none where the user set torch's own."""
-    if any(k in env for k in _USER_BUFFER_ENVS):
-        return {}
-    return {BUFFER_ENV: str(buffer or 0)}
+NCCL_DUMP_PREFIX = "nccl_trace_rank_"
+"""Where NCCL's watchdog writes a worker's Flight Recorder when a collective times out:
+``<stacks dir>/nccl_trace_rank_<rank>`` (``TORCH_FR_DUMP_TEMP_FILE``)."""
+
+
+def flight_recorder_env(
+    env: Mapping[str, str], buffer: int | None, directory: str | None = None
+) -> dict[str, str]:
+    """The variables to add to a worker's ``env``; a variable the user set is never touched.
+
+    ``TORCH_FR_BUFFER_SIZE`` (unless ``TORCH_NCCL_TRACE_BUFFER_SIZE`` is set), and with
+    recording on, for NCCL: ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` and ``TORCH_FR_DUMP_TEMP_FILE``
+    in ``directory``, so that a worker that NCCL's watchdog ends on a collective timeout
+    leaves its trace on the agent's disk (the watchdog aborts the process after the
+    timeout, whatever ``--hang-timeout`` says: see docs/diagnosis.md).
+    """
+    out: dict[str, str] = {}
+    if not any(k in env for k in _USER_BUFFER_ENVS):
+        out[BUFFER_ENV] = str(buffer or 0)
+    if not _recording({**env, **out}):
+        return out
+    out.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if directory is not None:
+        out["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(directory, NCCL_DUMP_PREFIX)
+    return {k: v for k, v in out.items() if k not in env}
 
 
 def _recording(env: Mapping[str, str]) -> bool:
