@@ -99,6 +99,8 @@ def test_every_hang_names_its_root_rank_and_collective(tmp_path: Path) -> None:
     assert busy["rank"] == "2" and busy["collective"].startswith("all_reduce #4 of world"), busy
     assert "rank 2 never issued it" in busy["collective"]
     assert busy["issued at"] == f"{_line('# WORLD')} (ranks 0,1,3)"
+    first_block = err.split("Root cause (Flight Recorder):")[1].split("Collectives by group")[0]
+    assert "while True:  # BUSY" in first_block  # the culprit's stack, in the block
     # an extra broadcast on rank 1: a mismatch at #4
     assert extra["rank"] == "1" and extra["collective"].startswith("#4 of world"), extra
     assert "mismatch: rank 1 issued broadcast" in extra["collective"]

@@ -12,6 +12,8 @@ workers, a block in the style of the failure summary::
       waiting    : rank 2 in all_reduce #6 of group [2, 3] (train.py:15)
                    ranks 0,1 in all_reduce #9 of world [0, 1, 2, 3] (train.py:16)
       rank 3 is in: sleep at train.py:14
+        File "train.py", line 14, in <module>
+          time.sleep(3600)
 
 then one line per group (last collective completed by all, what is pending where), then
 the stacks grouped as before. Without data it says so in one line and prints the stacks.
@@ -26,10 +28,12 @@ from rallypoint.observe._flight_analysis import Diagnosis, GroupState, RootKind,
 from rallypoint.observe._flight_records import FlightEntry, RankTrace
 from rallypoint.observe._stacks import StackDump
 from rallypoint.observe._stacks_format import (
+    format_frames,
     format_grouped_stacks,
     is_library,
     ranks_text,
     stack_summary,
+    user_frames,
 )
 
 __all__ = ["format_collectives", "format_hang_report", "issuing_line"]
@@ -100,6 +104,7 @@ def _root_block(diag: Diagnosis, dumps: Mapping[int, StackDump]) -> list[str]:
     main = dump.main if dump is not None else None
     if main is not None:
         lines.append(f"  rank {root.rank} is in: {stack_summary(main.frames)}")
+        lines.extend(format_frames(user_frames(main.frames), "    "))
     for other in diag.roots[1:]:
         lines.append(f"  also       : rank {other.rank}: {other.group.collective()}")
     return lines

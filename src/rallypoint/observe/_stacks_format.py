@@ -24,6 +24,7 @@ from rallypoint.observe._stacks import Frame, StackDump, ThreadStack
 
 __all__ = [
     "FULL_STACKS_ENV",
+    "format_frames",
     "format_grouped_stacks",
     "is_library",
     "ranks_text",
@@ -129,7 +130,8 @@ def _ours(thread: ThreadStack) -> bool:
     return any(f.name == "_serve" and f.filename.endswith("_flight.py") for f in thread.frames)
 
 
-def _format_frames(frames: tuple[Frame, ...], indent: str) -> list[str]:
+def format_frames(frames: tuple[Frame, ...], indent: str) -> list[str]:
+    """``frames`` (innermost first) as a traceback prints them: most recent call last."""
     out = []
     for f in reversed(frames):  # traceback order: most recent call last
         out.append(f'{indent}File "{f.filename}", line {f.lineno}, in {f.name}')
@@ -172,7 +174,7 @@ def format_grouped_stacks(stacks_by_rank: Mapping[int, StackDump]) -> str:
         lines.append("  on " + "; ".join(f"{h}: {', '.join(rs)}" for h, rs in by_host.items()))
         if key[0] == "stack" and main is not None:
             lines.append("  Stack (most recent call last):")
-            lines.extend(_format_frames(user_frames(main.frames), "    "))
+            lines.extend(format_frames(user_frames(main.frames), "    "))
             others = [t for t in first.threads if t is not main and not _ours(t)]
             for t in others:
                 where = stack_summary(t.frames) if t.frames else "no Python frames"
