@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from rallypoint.observe._arrivals import MIN_COLLECTIVES, is_straggler, judge_arrivals
+from rallypoint.observe._events import read_events
 from rallypoint.observe._flight_records import FlightEntry, GroupTrace, RankTrace
+from rallypoint.observe._lanes import build_lanes
+from rallypoint.observe._report_lanes import lane_tooltips
 
 MS = 1_000_000
 
@@ -103,3 +106,11 @@ def test_lock_step_ddp_names_the_slow_rank_and_nobody_without(tmp_path: Path, sl
     assert "arrives last at" in lines[0] and "ms after the others" in lines[0]
     assert named[0]["scope"] == "arrival" and named[0]["rank"] == slow
     assert named[0]["lag_s"] > 0.03 and lags[-1]["lag_s"][str(slow)] > 0.03
+    # the report's lanes: each rank's arrival lag, and the span where it was slow
+    ordered = read_events(events)
+    lanes = build_lanes(ordered, ordered[0].ts, ordered[-1].ts - ordered[0].ts)
+    assert lanes is not None
+    tips = lane_tooltips(lanes)
+    assert "ms after the others (median lag" in tips[f"lane-{slow}"], tips
+    spans = [t for k, t in tips.items() if k.startswith("slow-")]
+    assert spans and f"rank {slow} on" in spans[0] and "arrives last at the collectives" in spans[0]
