@@ -57,6 +57,14 @@ def test_a_clock_offset_between_nodes_is_subtracted() -> None:
     assert real is not None and real.rank == 3 and 58e-3 < real.lag_s < 62e-3
 
 
+def test_one_nodes_ranks_are_compared_among_themselves() -> None:
+    # ranks 2 and 3 of a 4-rank world, as the agent of their node sees them: one clock
+    local = {r: t for r, t in _traces({3: 60 * MS}).items() if r in (2, 3)}
+    assert judge_arrivals(local, window_s=30) is None  # no collective with every member
+    verdict = judge_arrivals(local, window_s=30, subset=True)
+    assert verdict is not None and verdict.rank == 3 and is_straggler(verdict, 1.5)
+
+
 DDP = """
 import sys, time
 import torch, torch.distributed as dist
@@ -69,7 +77,7 @@ slow = int(sys.argv[1])
 model = DDP(torch.nn.Linear(64, 64))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 x = torch.randn(8, 64)
-end = time.monotonic() + 8
+end = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < end:
     rl.progress()
     time.sleep(0.09 if rank == slow else 0.03)  # the forward pass's compute
@@ -88,7 +96,7 @@ def test_lock_step_ddp_names_the_slow_rank_and_nobody_without(tmp_path: Path, sl
     events = tmp_path / "events.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "4",
-         "--straggler-window", "4", "--events", str(events), str(script), str(slow)],
+         "--straggler-window", "4", "--events", str(events), str(script), str(slow), "8"],
         capture_output=True, text=True, timeout=100,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -114,3 +122,26 @@ def test_lock_step_ddp_names_the_slow_rank_and_nobody_without(tmp_path: Path, sl
     assert "ms after the others (median lag" in tips[f"lane-{slow}"], tips
     spans = [t for k, t in tips.items() if k.startswith("slow-")]
     assert spans and f"rank {slow} on" in spans[0] and "arrives last at the collectives" in spans[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_agents_each_judge_their_own_ranks(tmp_path: Path, endpoint: str) -> None:
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP)
+    cmd = [
+        sys.executable, "-m", "rallypoint", "run", "--nnodes", "2", "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "job-arrive",
+        "--rdzv-conf", "is_host=false,read_timeout=20", "--straggler-window", "4",
+        str(script), "3", "12",
+    ]  # fmt: skip
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errs
+    lines = [x for err in errs for x in err.splitlines() if "straggler:" in x]
+    # rank 3's node sees rank 2 wait for it; ranks 0 and 1 arrive together: one report
+    assert len(lines) == 1 and lines[0].startswith("rallypoint: straggler: rank 3 on "), errs
+    assert "arrives last at" in lines[0]

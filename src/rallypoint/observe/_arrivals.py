@@ -15,11 +15,14 @@ ratio a step-time comparison uses). A job without a slow rank has a different la
 each time and short lags: nobody is named.
 
 **Clocks.** ``time_created_ns`` is each node's wall clock. Ranks of one node share it, so
-one node's job needs nothing. Across nodes, :func:`judge_arrivals` takes a per-rank
-``offsets`` (nanoseconds to subtract: that node's clock minus the reference's); the
-agents currently pass none, so cross-node arrivals rely on the nodes' clocks being
-synchronised (NTP/PTP keeps them within a millisecond or so, well under the lags that
-matter: a third of a step at the default threshold).
+the agents compare arrivals *within each node only* (``subset=True``: one node's ranks
+of a larger job): each agent judges its own ranks and reports the one its node's other
+ranks wait for; nothing crosses the network and no clock offset enters. What this cannot
+see is a whole node that is slow with all its ranks (or a node with one rank); the
+step-time comparison across nodes stays for that, and lock-step hides it. The pure logic
+also takes a per-rank ``offsets`` (nanoseconds to subtract: that node's clock minus the
+reference's) for a cross-node comparison once offsets are estimated; the agents do not
+pass any yet.
 """
 
 from __future__ import annotations
@@ -71,15 +74,16 @@ def _union(intervals: list[tuple[int, int]]) -> int:
 
 
 def _collectives(
-    traces: Mapping[int, RankTrace], offsets: Mapping[int, int], since_ns: int
+    traces: Mapping[int, RankTrace], offsets: Mapping[int, int], since_ns: int, subset: bool
 ) -> list[dict[int, int]]:
-    """``{rank: arrival}`` of every collective every member issued, newer than ``since_ns``."""
+    """``{rank: arrival}`` of every collective every member issued (every member in
+    ``traces`` with ``subset``), newer than ``since_ns``."""
     found: list[dict[int, int]] = []
     names = {g.name for t in traces.values() if t.error is None for g in t.groups}
     for name in sorted(names):
         members = {r: g for r, t in traces.items() if t.error is None and (g := t.group(name))}
         ranks = set().union(*(g.ranks for g in members.values())) or set(members)
-        if len(members) < 2 or not ranks <= set(members):
+        if len(members) < 2 or not (subset or ranks <= set(members)):
             continue  # a group with one member, or one without data from every member
         seqs = set.intersection(*({e.seq for e in g.entries} for g in members.values()))
         for seq in sorted(seqs):
@@ -98,9 +102,14 @@ def judge_arrivals(
     *,
     window_s: float,
     offsets: Mapping[int, int] | None = None,
+    subset: bool = False,
 ) -> ArrivalVerdict | None:
     """The rank the others wait for (see the module docstring), or ``None`` without enough
-    collectives in the last ``window_s`` seconds (of the newest arrival)."""
+    collectives in the last ``window_s`` seconds (of the newest arrival).
+
+    ``subset``: ``traces`` are some members of the groups (one node's ranks of a larger
+    job); arrivals are compared among them only.
+    """
     offsets = offsets or {}
     newest = max(
         (e.created_ns - offsets.get(t.rank, 0) for t in traces.values() if t.error is None
@@ -109,7 +118,7 @@ def judge_arrivals(
     )  # fmt: skip
     if newest is None:
         return None
-    found = _collectives(traces, offsets, newest - int(window_s * 1e9))
+    found = _collectives(traces, offsets, newest - int(window_s * 1e9), subset)
     if len(found) < MIN_COLLECTIVES:
         return None
     lags: dict[int, list[float]] = {}

@@ -142,7 +142,7 @@ class Observer(Closing):
             group_rank=group_rank,
             nnodes=nnodes,
             window_s=self.straggler_window,
-            arrivals=self._arrivals if nnodes == 1 and self.flight_recorder else None,
+            arrivals=self._arrivals if self.flight_recorder else None,
         )
 
     def _arrivals(self, pids_by_rank: Mapping[int, int]) -> dict[int, RankTrace]:

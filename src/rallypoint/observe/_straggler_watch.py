@@ -144,10 +144,7 @@ class StragglerWatch:
         """One node on its own: judge its ranks every ``every`` seconds."""
         if self._due():
             self._judge([self.local_pace(running)])
-            if self._arrivals is not None and isinstance(running, Mapping) and len(running) > 1:
-                traces = self._arrivals(running)
-                window = self.window.window_s
-                self._judge_arrivals(judge_arrivals(traces, window_s=window))
+            self._sample_arrivals(running)
 
     def exchange(self, store: PaceStore, running: Collection[int]) -> None:
         """A node of a multi-node job: publish this node's summary every ``every`` seconds;
@@ -158,6 +155,15 @@ class StragglerWatch:
         store.set(pace_key(self.round, self.group_rank), pace.to_json())
         if self.group_rank == 0:
             self._judge(self._fresh(self._read_all(store, pace)))
+        self._sample_arrivals(running)  # within this node: one clock
+
+    def _sample_arrivals(self, running: Collection[int]) -> None:
+        """Judge this node's ranks by their arrival at the collectives (``_arrivals``)."""
+        if self._arrivals is not None and isinstance(running, Mapping) and len(running) > 1:
+            traces = self._arrivals(running)
+            local = {r: t for r, t in traces.items() if r in running}
+            window = self.window.window_s
+            self._judge_arrivals(judge_arrivals(local, window_s=window, subset=self.nnodes > 1))
 
     # ------------------------------------------------------------------ steps
     def _due(self) -> bool:
