@@ -92,15 +92,19 @@ def test_every_hang_names_its_root_rank_and_collective(tmp_path: Path) -> None:
     )  # fmt: skip
     err = proc.stderr
     assert proc.returncode == 1, err
+    print(err)  # shown when an assertion fails
     blocks = root_causes(err)
     assert len(blocks) == len(cases), err
     busy, extra, asynchronous, pairs, size = blocks
     # a rank that never issues #4 (a busy loop) while the others wait in it
     assert busy["rank"] == "2" and busy["collective"].startswith("all_reduce #4 of world"), busy
-    assert "rank 2 never issued it" in busy["collective"]
-    assert busy["issued at"] == f"{_line('# WORLD')} (ranks 0,1,3)"
+    # (under load, the busy rank's dump may not come in time: then it is named for that)
+    assert "rank 2 never issued it" in busy["collective"] or "rank 2 sent no" in busy["collective"]
+    assert busy["issued at"].startswith(f"{_line('# WORLD')} ("), busy
+    assert "ranks 0,1,3 in all_reduce #4 of world" in busy["waiting"], busy
     first_block = err.split("Root cause (Flight Recorder):")[1].split("Collectives by group")[0]
-    assert "while True:  # BUSY" in first_block  # the culprit's stack, in the block
+    busy_line = int(_line("# BUSY").split(":")[1])  # the loop is on this line or the next
+    assert re.search(rf'cases.py", line ({busy_line}|{busy_line + 1}), in <module>', first_block)
     # an extra broadcast on rank 1: a mismatch at #4
     assert extra["rank"] == "1" and extra["collective"].startswith("#4 of world"), extra
     assert "mismatch: rank 1 issued broadcast" in extra["collective"]
@@ -116,6 +120,7 @@ def test_every_hang_names_its_root_rank_and_collective(tmp_path: Path) -> None:
     assert size["rank"] == "3" and size["collective"].startswith("#4 of world"), size
     assert "rank 3 issued all_reduce of [8] Float" in size["collective"]
     assert "ranks 0-2 issued all_reduce of [4] Float" in size["collective"]
+    assert "ranks 0-2 in all_reduce #5 of world [0, 1, 2, 3]" in size["waiting"], size
     # stacks start at the user's code: no launcher frames
     stacks = err.split("Collectives by group")[1]
     assert "runpy" not in stacks and "rallypoint/supervise" not in stacks, stacks

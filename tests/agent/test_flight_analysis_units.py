@@ -124,3 +124,18 @@ def test_torchs_dump_becomes_a_trace() -> None:
     assert [e.seq for e in world.entries] == [1, 2] and world.entries[1].op == "all_reduce"
     assert (pair.ranks, pair.issued, pair.completed) == ((1, 3), 1, 0)  # -1: none completed
     assert pair.entries[0].frames[1] == ("/home/u/train.py", 9, "<module>")
+
+
+def test_a_member_without_data_is_the_suspect() -> None:
+    # rank 2 did not answer (a busy loop under load): the others wait in #5
+    traces = {r: _world(r, 5, 4) for r in (0, 1, 3)} | {2: RankTrace(2, error="no dump")}
+    diag = analyse(traces)
+    assert diag.root is not None
+    assert (diag.root.rank, diag.root.kind, diag.root.group.stuck_seq) == (
+        2, RootKind.NO_DATA, 5
+    )  # fmt: skip
+    dumps = {r: StackDump(rank=r, host="h", pid=r, flight=t) for r, t in traces.items()}
+    text = format_hang_report(dumps)
+    assert "  rank       : 2" in text and "all_reduce #5 of world" in text
+    assert "rank 2 sent no Flight Recorder data" in text
+    assert "no Flight Recorder data from rank 2: no dump" in text

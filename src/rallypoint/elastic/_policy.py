@@ -35,9 +35,10 @@ from rallypoint.supervise._state import OutcomeKind, Stop
 __all__ = ["MEMBERSHIP_CHANGED", "ElasticPolicy"]
 
 MEMBERSHIP_CHANGED = "membership changed ({waiting} node(s) waiting to join or lost)"
-STACKS_TIMEOUT = 10.0
-"""Seconds the node that saw a hang waits for every node's stacks."""
-HANG_REPORT_WAIT = 15.0
+STACKS_TIMEOUT = 15.0
+"""Seconds the node that saw a hang waits for every node's stacks (each node takes up to
+``observe._observer.FLIGHT_TIMEOUT`` for its workers' Flight Recorders)."""
+HANG_REPORT_WAIT = 20.0
 """Seconds the other nodes keep answering stack requests after a hang."""
 TICK_WAIT = 0.2
 """Most seconds one :meth:`ElasticPolicy.poll` waits for its store checks."""

@@ -31,6 +31,9 @@ __all__ = ["Diagnosis", "GroupState", "RootCause", "RootKind", "analyse"]
 class RootKind(enum.Enum):
     NEVER_ISSUED = "never issued"
     MISMATCH = "mismatch"
+    NO_DATA = "no data"
+    """A member of the stuck group sent no trace (a busy worker that did not answer in
+    time, a dead one): the others wait in a collective that it may not have issued."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +53,8 @@ class GroupState:
     mismatched: tuple[int, ...] = ()
     expected: FlightEntry | None = None
     """The entry most members issued at ``stuck_seq``."""
+    unknown: tuple[int, ...] = ()
+    """Members without a trace."""
 
     @property
     def stuck(self) -> bool:
@@ -83,6 +88,11 @@ class Diagnosis:
     waits: Mapping[int, tuple[GroupState, ...]]
     """``{rank: the stuck groups it waits in}``."""
     no_data: tuple[int, ...] = ()
+    elsewhere: Mapping[int, tuple[tuple[GroupState, int, FlightEntry | None], ...]] = field(
+        default_factory=dict
+    )
+    """``{rank: (group, number, entry)}``: collectives a rank waits in past its groups'
+    stuck ones (it completed those: a size mismatch lets some ranks through)."""
 
     @property
     def root(self) -> RootCause | None:
@@ -112,14 +122,18 @@ def _group_state(name: str, members: dict[int, RankTrace], ranks: tuple[int, ...
             mismatched = tuple(
                 sorted(r for r, e in issued.items() if e is not None and e.signature != best)
             )
+    unknown = tuple(r for r in ranks if r not in traces)
     return GroupState(
-        name, ranks, world, lowest, seq, issued, waiting, missing, mismatched, expected
+        name, ranks, world, lowest, seq, issued, waiting, missing, mismatched, expected, unknown
     )
 
 
 def _roots(groups: list[GroupState], waits: dict[int, tuple[GroupState, ...]]) -> list[RootCause]:
     stuck = [g for g in groups if g.stuck]
-    blockers = {r: {b for g in gs for b in (*g.missing, *g.mismatched)} for r, gs in waits.items()}
+    blockers = {
+        r: {b for g in gs for b in (*g.missing, *g.mismatched, *g.unknown)}
+        for r, gs in waits.items()
+    }
     led: Counter[int] = Counter()
     for start in waits:
         seen, todo = {start}, [start]
@@ -135,11 +149,12 @@ def _roots(groups: list[GroupState], waits: dict[int, tuple[GroupState, ...]]) -
                     todo.append(b)
     roots: list[RootCause] = []
     for rank, count in sorted(led.items(), key=lambda kv: (-kv[1], kv[0])):
-        own = [g for g in stuck if rank in g.missing]
+        own = [g for g in stuck if rank in g.missing or rank in g.unknown]
         # the group this rank alone blocks first, then the smallest one
-        own.sort(key=lambda g: (len(g.missing), len(g.ranks), g.name))
+        own.sort(key=lambda g: (len(g.missing) + len(g.unknown), len(g.ranks), g.name))
         if own:
-            roots.append(RootCause(rank, RootKind.NEVER_ISSUED, own[0], count))
+            kind = RootKind.NEVER_ISSUED if rank in own[0].missing else RootKind.NO_DATA
+            roots.append(RootCause(rank, kind, own[0], count))
     if not roots:  # everyone waits: a mismatch (or groups entered in opposite orders)
         for g in stuck:
             for rank in g.mismatched or g.missing:
@@ -166,4 +181,13 @@ def analyse(traces: Mapping[int, RankTrace]) -> Diagnosis:
     for state in groups:
         for r in state.waiting:
             waits[r] = (*waits.get(r, ()), state)
-    return Diagnosis(tuple(groups), tuple(_roots(groups, waits)), waits, no_data)
+    elsewhere: dict[int, tuple[tuple[GroupState, int, FlightEntry | None], ...]] = {}
+    by_name = {g.name: g for g in groups}
+    for r, t in sorted(ok.items()):
+        for g in t.groups:
+            seq = g.completed + 1
+            state = by_name[g.name]
+            if g.issued >= seq and seq != state.stuck_seq:
+                elsewhere[r] = (*elsewhere.get(r, ()), (state, seq, g.entry(seq)))
+    roots = tuple(_roots(groups, waits))
+    return Diagnosis(tuple(groups), roots, waits, no_data, elsewhere)

@@ -67,6 +67,11 @@ def _what(diag: Diagnosis) -> str:
             f"#{g.stuck_seq} of {g.label}: mismatch: rank {root.rank} issued {_describe(theirs)}"
             f", {ranks_text(sorted(others))} issued {_describe(g.expected)}"
         )
+    if root.kind is RootKind.NO_DATA:
+        return (
+            f"{g.collective()}: the others wait in it; rank {root.rank} sent no Flight "
+            "Recorder data (see its stack)"
+        )
     return f"{g.collective()}: rank {root.rank} never issued it"
 
 
@@ -79,6 +84,13 @@ def _waiting_lines(diag: Diagnosis, culprit: int) -> list[str]:
             entry = g.issued.get(rank)
             where = issuing_line(entry) or "?"
             by_where.setdefault((g.collective(entry), where), []).append(rank)
+    for rank, pending in sorted(diag.elsewhere.items()):
+        if rank == culprit or rank in diag.waits:
+            continue
+        for g, seq, entry in pending:
+            op = entry.op if entry is not None else "collective"
+            where = issuing_line(entry) or "?"
+            by_where.setdefault((f"{op} #{seq} of {g.label}", where), []).append(rank)
     return [f"{ranks_text(rs)} in {what} ({where})" for (what, where), rs in by_where.items()]
 
 
@@ -121,6 +133,8 @@ def _group_line(g: GroupState) -> str:
         parts.append(f"never issued by {ranks_text(list(g.missing))}")
     if g.mismatched:
         parts.append(f"mismatch on {ranks_text(list(g.mismatched))}")
+    if g.unknown:
+        parts.append(f"no data from {ranks_text(list(g.unknown))}")
     return head + "; " + "; ".join(parts)
 
 
@@ -128,8 +142,6 @@ def format_collectives(diag: Diagnosis) -> list[str]:
     """One line per process group: what all completed, what is pending and where."""
     lines = ["Collectives by group (Flight Recorder):"]
     lines.extend(_group_line(g) for g in diag.groups)
-    if diag.no_data:
-        lines.append(f"  no Flight Recorder data from {ranks_text(list(diag.no_data))}")
     return lines
 
 
@@ -141,7 +153,10 @@ def format_hang_report(dumps: Mapping[int, StackDump], *, hang: bool = True) -> 
     stacks = format_grouped_stacks(dumps) if dumps else "(no stacks)\n"
     usable = [t for t in traces.values() if t.error is None and t.groups]
     if not usable:
-        why = next((t.error for t in traces.values() if t.error), "recording off")
+        errors = {r: t.error for r, t in traces.items() if t.error}
+        why = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())) or "recording off"
+        if len(set(errors.values())) == 1:
+            why = next(iter(errors.values()))
         return f"No Flight Recorder data ({why}): the Python stacks only.\n{stacks}"
     diag = analyse(traces)
     lines: list[str] = []
@@ -150,4 +165,6 @@ def format_hang_report(dumps: Mapping[int, StackDump], *, hang: bool = True) -> 
     elif hang:
         lines.append("Flight Recorder: no collective is pending in any group.")
     lines.extend(format_collectives(diag))
+    for rank in diag.no_data:
+        lines.append(f"  no Flight Recorder data from rank {rank}: {traces[rank].error}")
     return "\n".join(lines) + "\n\n" + stacks

@@ -50,7 +50,7 @@ STACKS_TIMEOUT = 5.0
 """Seconds to wait for a worker's stack dump."""
 ARRIVALS_TIMEOUT = 1.0
 """Seconds a straggler sample waits for the workers' recorded arrivals."""
-FLIGHT_TIMEOUT = 7.0
+FLIGHT_TIMEOUT = 10.0
 """Seconds after the request to wait for the workers' Flight Recorder dumps with their
 issuing frames (torch's first takes about a second; without frames, milliseconds)."""
 
