@@ -269,8 +269,12 @@ def test_stacks_on_demand_for_a_running_job(tmp_path: Path, endpoint: str) -> No
             a.kill()
             a.wait(10)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    first = proc.stdout.splitlines()[0]
-    assert first.startswith("rank") and "elastic.py" in proc.stdout, proc.stdout
+    # the collective view from the Flight Recorders of both nodes' workers, then the stacks
+    view = proc.stdout.splitlines()[:2]
+    assert view[0] == "Collectives by group (Flight Recorder):", proc.stdout
+    assert view[1].startswith("  world [0, 1, 2, 3]: #"), proc.stdout
+    assert "Root cause" not in proc.stdout  # a running job: a collective in flight is normal
+    assert "\nrank" in proc.stdout and "elastic.py" in proc.stdout, proc.stdout
     for rank in range(4):
         assert f" {rank} (pid " in proc.stdout, proc.stdout  # every rank of both nodes
 

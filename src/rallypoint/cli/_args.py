@@ -15,6 +15,7 @@ from rallypoint._core.disk import check_writable
 from rallypoint.cli._parser import PROG, UsageError
 from rallypoint.elastic._options import BUILTIN_CHECKS, parse_nnodes
 from rallypoint.launcher._config import LaunchConfig
+from rallypoint.observe._flight import parse_buffer
 from rallypoint.observe._stragglers import parse_threshold
 from rallypoint.supervise._worker import Target
 
@@ -50,6 +51,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
         events=args.events,
         straggler_threshold=_straggler_threshold(args.straggler_threshold),
         straggler_window=_seconds(args.straggler_window),
+        flight_recorder=_flight_recorder(args.flight_recorder),
     )
     options.update(_health(args))
     snapshots = _snapshot_env(args)
@@ -94,6 +96,13 @@ def _count_or_off(value: str, flag: str) -> int | None:
 def _straggler_threshold(value: str) -> float | None:
     try:
         return parse_threshold(value, "--straggler-threshold")
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _flight_recorder(value: str) -> int | None:
+    try:
+        return parse_buffer(value, "--flight-recorder")
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
 

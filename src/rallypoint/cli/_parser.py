@@ -242,6 +242,13 @@ def _rallypoint(o: _Options) -> None:
         help="seconds one health check may take before it is killed and fails (default 60)",
     )
     o.opt(
+        "--flight-recorder",
+        "--flight_recorder",
+        default="2000",
+        help="collectives each worker's torch Flight Recorder keeps, used to name the rank and "
+        "collective of a hang: a number, or off (default 2000; TORCH_FR_BUFFER_SIZE wins)",
+    )
+    o.opt(
         "--snapshot-dir",
         "--snapshot_dir",
         default=None,

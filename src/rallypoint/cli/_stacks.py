@@ -2,7 +2,9 @@
 
 Connects to the job's rendezvous store as a client (it never hosts one), asks every agent
 of the run for its workers' Python stacks (the agents answer from their monitor loop) and
-prints them grouped by identical stacks, plus one line per node that did not answer.
+prints them grouped by identical stacks, plus one line per node that did not answer. Above
+the stacks, the collective view from the workers' Flight Recorders: each process group's
+last collective completed by all its members, and what is pending on which ranks.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ def stacks_main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
         return 2
     from rallypoint.elastic._rendezvous import create_rendezvous, run_store_namespace
+    from rallypoint.observe._flight_format import format_hang_report
     from rallypoint.observe._stacks_exchange import request_stacks
-    from rallypoint.observe._stacks_format import format_grouped_stacks
     from rallypoint.rendezvous import RendezvousError
 
     conf = {"is_host": "false", "read_timeout": str(max(args.timeout, 1.0))}
@@ -55,7 +57,7 @@ def stacks_main(argv: Sequence[str] | None = None) -> int:
     except (RendezvousError, ValueError, RuntimeError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    print(format_grouped_stacks(dumps) if dumps else "(no running workers answered)")
+    print(format_hang_report(dumps, hang=False) if dumps else "(no running workers answered)")
     for node, why in sorted(missing.items()):
         print(f"node {node}: {why}")
     return 1 if missing else 0

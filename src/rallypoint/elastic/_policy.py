@@ -26,8 +26,8 @@ from typing import Any
 
 from rallypoint._core.blocking import InThread, call_in_thread
 from rallypoint.elastic._round import Round
+from rallypoint.observe._flight_format import format_hang_report
 from rallypoint.observe._stacks_exchange import request_stacks
-from rallypoint.observe._stacks_format import format_grouped_stacks
 from rallypoint.observe._straggler_watch import StragglerWatch
 from rallypoint.supervise._output import write_console
 from rallypoint.supervise._state import OutcomeKind, Stop
@@ -35,9 +35,10 @@ from rallypoint.supervise._state import OutcomeKind, Stop
 __all__ = ["MEMBERSHIP_CHANGED", "ElasticPolicy"]
 
 MEMBERSHIP_CHANGED = "membership changed ({waiting} node(s) waiting to join or lost)"
-STACKS_TIMEOUT = 10.0
-"""Seconds the node that saw a hang waits for every node's stacks."""
-HANG_REPORT_WAIT = 15.0
+STACKS_TIMEOUT = 15.0
+"""Seconds the node that saw a hang waits for every node's stacks (each node takes up to
+``observe._observer.FLIGHT_TIMEOUT`` for its workers' Flight Recorders)."""
+HANG_REPORT_WAIT = 20.0
 """Seconds the other nodes keep answering stack requests after a hang."""
 TICK_WAIT = 0.2
 """Most seconds one :meth:`ElasticPolicy.poll` waits for its store checks."""
@@ -137,7 +138,7 @@ class ElasticPolicy:
             self.job.answer_stacks(running, self.rnd.group_rank)
             t.join(0.05)
         dumps, missing = result.get("r", ({}, {}))
-        text = format_grouped_stacks(dumps) if dumps else "(no stacks)"
+        text = format_hang_report(dumps)
         for node, why in sorted(missing.items()):
             text += f"\nnode {node}: {why}"
         write_console(2, f"rallypoint: {reason}; stacks of every rank:\n{text}\n".encode())

@@ -15,7 +15,7 @@ group                     options                                              d
 ``world``                 master_addr, master_port, rank_offset, world_size,   supervise
                           run_id
 ``watch``                 hang_timeout, events, straggler_threshold,           observe
-                          straggler_window
+                          straggler_window, flight_recorder
 ``restarts``              max_restarts, on_hang, max_same_failure,             elastic
                           max_node_failures, burn_in
 ``rendezvous``            nnodes (as min_nodes/max_nodes), rdzv_backend,       elastic
@@ -75,6 +75,7 @@ class LaunchOptions(TypedDict, total=False):
     events: str | os.PathLike[str] | None
     straggler_threshold: float | str | None
     straggler_window: timedelta | float
+    flight_recorder: int | str | None
     max_restarts: int
     max_same_failure: int | None
     max_node_failures: int | None
@@ -190,7 +191,9 @@ def _world(o: Mapping[str, Any]) -> WorldOptions:
 
 
 def _watch(o: Mapping[str, Any]) -> WatchOptions:
-    kw = _pick(o, "hang_timeout", "events", "straggler_threshold", "straggler_window")
+    kw = _pick(
+        o, "hang_timeout", "events", "straggler_threshold", "straggler_window", "flight_recorder"
+    )
     if "events" in kw:
         kw["events"] = _path(kw["events"])
     return WatchOptions(**kw)
@@ -302,6 +305,7 @@ class LaunchConfig:
     events = _Flat[str | None]("watch")
     straggler_threshold = _Flat[float | None]("watch")
     straggler_window = _Flat[timedelta]("watch")
+    flight_recorder = _Flat[int | None]("watch")
     max_restarts = _Flat[int]("restarts")
     on_hang = _Flat[Literal["restart", "fail"]]("restarts")
     max_same_failure = _Flat[int | None]("restarts")

@@ -16,14 +16,18 @@ kind           fields
 ``restart``    ``round`` (the new round), ``restart_count``, ``reason``
 ``hang``       ``round``, ``idle_s`` (seconds without progress), ``action``
 ``failure``    ``round``, ``rank``, ``exitcode``, ``message`` -- the job's root cause
-``straggler``  ``round``, ``scope`` (``rank`` / ``node``), ``state`` (``slow`` / ``recovered``),
-               ``rank`` (scope ``rank``), ``group_rank``, ``host``, ``ranks``, ``step_s``,
-               ``median_s`` (of the others), ``threshold``
+``straggler``  ``round``, ``scope`` (``rank`` / ``node`` / ``arrival``), ``state`` (``slow`` /
+               ``recovered``), ``rank`` (scopes ``rank`` and ``arrival``), ``group_rank``,
+               ``host``, ``ranks``, ``step_s``, ``median_s`` (of the others), ``threshold``;
+               scope ``arrival`` (the rank the others wait for at their collectives) has
+               ``lag_s``, ``last``, ``collectives`` and ``ratio`` instead of the step times
 ``step_times`` ``round``, ``step_s`` (``{"rank": seconds per step}``), ``median_s`` -- at most
                every 10 s (or the window), written by the node that judges stragglers
 ``health``     ``round``, ``check``, ``ok``, ``seconds``, ``exitcode``, ``timed_out``,
                ``skipped`` -- a health check ran before this node joined a round
 ``spare``      ``round`` -- this node waits as a spare (the round was full at MAX)
+``arrival_lags`` ``round``, ``lag_s`` (``{"rank": median seconds after the others' arrival at
+               the collectives}``) -- each straggler sampling period, one node's jobs
 ``job_end``    ``status`` (``succeeded`` / ``failed``), ``exitcode``
 ============== ==============================================================================
 
@@ -62,6 +66,7 @@ EVENT_KINDS = frozenset(
         "failure",
         "straggler",
         "step_times",
+        "arrival_lags",
         "job_end",
         "health",
         "spare",

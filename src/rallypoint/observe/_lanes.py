@@ -1,4 +1,5 @@
-"""Step-time lanes of a job's report: each rank's step time over time, stragglers marked.
+"""Step-time lanes of a job's report: each rank's step time over time, stragglers marked,
+and each rank's arrival lag at the collectives where the agent sampled it.
 
 Built from the ``step_times`` events (every measured rank's seconds per step, at most every
 10 s or the window, with the median of the job) and the ``straggler`` events (a rank or
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rallypoint.observe._events import Event
-from rallypoint.observe._stacks_format import _ranks_text
+from rallypoint.observe._stacks_format import ranks_text
 
 __all__ = ["SlowSpan", "StepLanes", "StepSample", "build_lanes"]
 
@@ -51,6 +52,9 @@ class StepLanes:
     ranks: list[int] = field(default_factory=list)
     samples: dict[int, list[StepSample]] = field(default_factory=dict)
     slow: list[SlowSpan] = field(default_factory=list)
+    lags: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
+    """``(t, seconds)``: each rank's median arrival lag at the collectives
+    (``arrival_lags`` events: the Flight Recorder's view in lock-step training)."""
 
 
 def _number(value: object) -> float | None:
@@ -73,7 +77,7 @@ def _add_samples(lanes: StepLanes, event: Event, t: float) -> None:
 def _who(event: Event, ranks: list[int]) -> str:
     host = event.get("host")
     if event.get("scope") == "node":
-        where = ", ".join(str(x) for x in (host, _ranks_text(ranks)) if x)
+        where = ", ".join(str(x) for x in (host, ranks_text(ranks)) if x)
         return f"node {event.get('group_rank', '?')} ({where})"
     return f"rank {ranks[0]}" + (f" on {host}" if host else "")
 
@@ -82,7 +86,13 @@ def _slow_label(event: Event, ranks: list[int], start: float, end: float | None)
     step_s, median_s = _number(event.get("step_s")), _number(event.get("median_s"))
     others = "nodes" if event.get("scope") == "node" else "ranks"
     label = f"straggler: {_who(event, ranks)}"
-    if step_s is not None and median_s:
+    lag_s, ratio = _number(event.get("lag_s")), _number(event.get("ratio"))
+    if event.get("scope") == "arrival" and lag_s is not None and ratio is not None:
+        label += (
+            f": arrives last at the collectives, {lag_s * 1e3:.3g} ms after the others "
+            f"(its pace {ratio:.1f}x theirs)"
+        )
+    elif step_s is not None and median_s:
         label += (
             f": {step_s:.3g} s per step, {step_s / median_s:.1f}x the median of the other "
             f"{others} ({median_s:.3g} s)"
@@ -106,6 +116,10 @@ def build_lanes(ordered: Sequence[Event], t0: float, end: float) -> StepLanes | 
         t = e.ts - t0
         if e.kind == "step_times":
             _add_samples(lanes, e, t)
+        elif e.kind == "arrival_lags" and isinstance(lags := e.get("lag_s"), dict):
+            for key, value in lags.items():
+                if str(key).isdigit() and isinstance(value, int | float):
+                    lanes.lags.setdefault(int(key), []).append((t, float(value)))
         elif e.kind == "straggler":
             ranks = _straggler_ranks(e)
             key = (e.get("round"), e.get("scope"), e.rank, e.get("group_rank"), tuple(ranks))
@@ -120,7 +134,7 @@ def build_lanes(ordered: Sequence[Event], t0: float, end: float) -> StepLanes | 
     for first, start, rs in opened.values():
         label = _slow_label(first, rs, start, None)
         lanes.slow += [SlowSpan(r, start, max(end, start), label) for r in rs]
-    if not lanes.samples and not lanes.slow:
+    if not lanes.samples and not lanes.slow and not lanes.lags:
         return None
-    lanes.ranks = sorted(set(lanes.samples) | {s.rank for s in lanes.slow})
+    lanes.ranks = sorted(set(lanes.samples) | {s.rank for s in lanes.slow} | set(lanes.lags))
     return lanes

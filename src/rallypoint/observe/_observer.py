@@ -13,6 +13,7 @@ free of their details:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -24,9 +25,17 @@ from typing import Any
 from rallypoint._core.checks import check_int, check_seconds
 from rallypoint._core.closing import Closing
 from rallypoint.observe._events import EventLog
+from rallypoint.observe._flight import (
+    DEFAULT_BUFFER,
+    FlightRequest,
+    flight_recorder_env,
+    parse_buffer,
+    remove_flight_files,
+)
+from rallypoint.observe._flight_format import format_hang_report
+from rallypoint.observe._flight_records import RankTrace
 from rallypoint.observe._progress import ProgressBoard
 from rallypoint.observe._stacks import StackDump, collect_stacks, remove_dump_file, stacks_env
-from rallypoint.observe._stacks_format import format_grouped_stacks
 from rallypoint.observe._straggler_watch import StragglerWatch
 from rallypoint.observe._stragglers import (
     DEFAULT_THRESHOLD,
@@ -39,6 +48,11 @@ __all__ = ["Observer", "WatchOptions"]
 
 STACKS_TIMEOUT = 5.0
 """Seconds to wait for a worker's stack dump."""
+ARRIVALS_TIMEOUT = 1.0
+"""Seconds a straggler sample waits for the workers' recorded arrivals."""
+FLIGHT_TIMEOUT = 10.0
+"""Seconds after the request to wait for the workers' Flight Recorder dumps with their
+issuing frames (torch's first takes about a second; without frames, milliseconds)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,8 +68,12 @@ class WatchOptions:
     is reported once (``None``, also given as ``"off"``: not watched)."""
     straggler_window: timedelta = timedelta(seconds=WINDOW_S)
     """Step times are averaged over this much recent history (at least 5 steps)."""
+    flight_recorder: int | str | None = DEFAULT_BUFFER
+    """Collectives each worker's Flight Recorder keeps (``None``, also ``"off"``: none);
+    the user's own ``TORCH_FR_BUFFER_SIZE`` wins."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "flight_recorder", parse_buffer(self.flight_recorder))
         check_seconds(self.hang_timeout, "hang_timeout", allow_none=True)
         threshold = parse_threshold(self.straggler_threshold)
         object.__setattr__(self, "straggler_threshold", threshold)
@@ -74,6 +92,8 @@ class Observer(Closing):
         self.straggler_threshold = watch.straggler_threshold
         self.straggler_window = watch.straggler_window.total_seconds()
         self.node = node
+        assert not isinstance(watch.flight_recorder, str)
+        self.flight_recorder = watch.flight_recorder
         self.stacks_dir = Path(tempfile.mkdtemp(prefix="rallypoint-stacks-"))
         wants_board = hang_timeout is not None or self.straggler_threshold is not None
         self.board = ProgressBoard(nproc) if wants_board else None
@@ -88,8 +108,10 @@ class Observer(Closing):
         """What this observer made in temporary directories (:meth:`close` removes it)."""
         return [str(self.stacks_dir), *([self.board.path] if self.board is not None else [])]
 
-    def worker_env(self, local_rank: int) -> dict[str, str]:
-        env = stacks_env(self.stacks_dir)
+    def worker_env(self, local_rank: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """What to add to a worker's environment ``base`` (the user's settings win)."""
+        env = flight_recorder_env(base or {}, self.flight_recorder, str(self.stacks_dir))
+        env.update(stacks_env(self.stacks_dir))
         if self.board is not None:
             env.update(self.board.env(local_rank))
         return env
@@ -120,7 +142,13 @@ class Observer(Closing):
             group_rank=group_rank,
             nnodes=nnodes,
             window_s=self.straggler_window,
+            arrivals=self._arrivals if self.flight_recorder else None,
         )
+
+    def _arrivals(self, pids_by_rank: Mapping[int, int]) -> dict[int, RankTrace]:
+        """The workers' recorded collectives (no frames) for straggler detection."""
+        request = FlightRequest(pids_by_rank, self.stacks_dir, arrivals=True)
+        return request.results(ARRIVALS_TIMEOUT)
 
     def hung(self) -> bool:
         return (
@@ -133,14 +161,18 @@ class Observer(Closing):
         return 0.0 if self.board is None else self.board.seconds_since_progress()
 
     def collect(self, pids_by_rank: Mapping[int, int]) -> dict[int, StackDump]:
-        """This node's workers' stacks, keyed by global rank."""
-        return collect_stacks(pids_by_rank, STACKS_TIMEOUT, directory=self.stacks_dir)
+        """This node's workers' stacks and Flight Recorder dumps, keyed by global rank."""
+        request = FlightRequest(pids_by_rank, self.stacks_dir)
+        dumps = collect_stacks(pids_by_rank, STACKS_TIMEOUT, directory=self.stacks_dir)
+        traces = request.results(FLIGHT_TIMEOUT)
+        return {r: dataclasses.replace(d, flight=traces.get(r)) for r, d in dumps.items()}
 
     def local_stacks_text(self, pids_by_rank: Mapping[int, int]) -> str:
-        return format_grouped_stacks(self.collect(pids_by_rank))
+        return format_hang_report(self.collect(pids_by_rank))
 
     def forget(self, pid: int) -> None:
         remove_dump_file(self.stacks_dir, pid)
+        remove_flight_files(self.stacks_dir, pid)
 
     def close(self) -> None:
         if self.board is not None:

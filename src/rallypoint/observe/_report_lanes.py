@@ -45,9 +45,22 @@ def _lane_label(rank: int, samples: list[StepSample]) -> str:
     )
 
 
+def _lag_label(lags: list[tuple[float, float]]) -> str:
+    if not lags:
+        return ""
+    values = [lag for _, lag in lags]
+    return (
+        f"; arrives at the collectives {values[-1] * 1e3:.3g} ms after the others "
+        f"(median lag; {min(values) * 1e3:.3g} to {max(values) * 1e3:.3g} ms over the job)"
+    )
+
+
 def lane_tooltips(lanes: StepLanes) -> dict[str, str]:
     """The tooltip of every lane and slow span, by the group id they are drawn with."""
-    tips = {f"lane-{r}": _lane_label(r, lanes.samples.get(r, [])) for r in lanes.ranks}
+    tips = {
+        f"lane-{r}": _lane_label(r, lanes.samples.get(r, [])) + _lag_label(lanes.lags.get(r, []))
+        for r in lanes.ranks
+    }
     tips.update({f"slow-{i}": span.label for i, span in enumerate(lanes.slow)})
     return tips
 

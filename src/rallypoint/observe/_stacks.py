@@ -32,6 +32,7 @@ from typing import IO, Any
 from rallypoint._core import envvars
 from rallypoint._core.checks import check_seconds
 from rallypoint._core.procs import pid_alive
+from rallypoint.observe._flight_records import RankTrace
 
 __all__ = [
     "DEFAULT_STACKS_SIGNAL",
@@ -179,7 +180,7 @@ class StackDump:
     """The stacks of one worker (``threads``), or why there are none (``error``).
 
     ``main`` is the process' oldest thread (faulthandler lists it last): the one that
-    runs the training loop in a worker.
+    runs the training loop in a worker. ``flight`` is its Flight Recorder, when asked for.
     """
 
     rank: int
@@ -187,6 +188,7 @@ class StackDump:
     pid: int | None
     threads: tuple[ThreadStack, ...] = ()
     error: str | None = None
+    flight: RankTrace | None = None
 
     @property
     def main(self) -> ThreadStack | None:
@@ -207,6 +209,7 @@ class StackDump:
                 }
                 for t in self.threads
             ],
+            "flight": None if self.flight is None else self.flight.to_json(),
         }
 
     @classmethod
@@ -226,12 +229,14 @@ class StackDump:
             )
             pid = obj["pid"]
             error = obj["error"]
+            flight = obj.get("flight")
             return cls(
                 rank=int(obj["rank"]),
                 host=str(obj["host"]),
                 pid=None if pid is None else int(pid),
                 threads=threads,
                 error=None if error is None else str(error),
+                flight=None if flight is None else RankTrace.from_json(flight),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed stack dump record: {exc!r}") from None

@@ -20,9 +20,20 @@ import sysconfig
 from collections.abc import Mapping
 from typing import Any
 
-from rallypoint.observe._stacks import Frame, StackDump
+from rallypoint.observe._stacks import Frame, StackDump, ThreadStack
 
-__all__ = ["format_grouped_stacks", "stack_summary"]
+__all__ = [
+    "FULL_STACKS_ENV",
+    "format_frames",
+    "format_grouped_stacks",
+    "is_library",
+    "ranks_text",
+    "stack_summary",
+    "user_frames",
+]
+
+FULL_STACKS_ENV = "RALLYPOINT_FULL_STACKS"
+"""Set to 1 to keep the launcher's own frames (rallypoint, runpy) at the base of stacks."""
 
 
 @functools.cache
@@ -39,7 +50,7 @@ _WRAPPER_NAMES = frozenset(
 )
 
 
-def _is_library(filename: str) -> bool:
+def is_library(filename: str) -> bool:
     return filename.startswith("<") or filename.startswith(_library_prefixes())
 
 
@@ -68,7 +79,7 @@ def stack_summary(frames: tuple[Frame, ...]) -> str:
     """
     if not frames:
         return "no Python frames"
-    user = next((i for i, f in enumerate(frames) if not _is_library(f.filename)), None)
+    user = next((i for i, f in enumerate(frames) if not is_library(f.filename)), None)
     if user is None:
         f = frames[0]
         return f"{f.name} at {os.path.basename(f.filename)}:{f.lineno}"
@@ -84,7 +95,7 @@ def stack_summary(frames: tuple[Frame, ...]) -> str:
     return f"in {frames[user].name} at {at}"
 
 
-def _ranks_text(ranks: list[int]) -> str:
+def ranks_text(ranks: list[int]) -> str:
     parts: list[str] = []
     i = 0
     while i < len(ranks):
@@ -99,7 +110,28 @@ def _ranks_text(ranks: list[int]) -> str:
     return ("ranks " if len(ranks) > 1 else "rank ") + ",".join(parts)
 
 
-def _format_frames(frames: tuple[Frame, ...], indent: str) -> list[str]:
+def user_frames(frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
+    """``frames`` (innermost first) without the launcher's frames below the user's first.
+
+    A worker's stack starts in rallypoint (the warm process, the worker bootstrap) and
+    runpy; everything outside the user's outermost frame goes, unless
+    ``RALLYPOINT_FULL_STACKS=1``. A stack with no user frame is kept whole.
+    """
+    if os.environ.get(FULL_STACKS_ENV, "") not in ("", "0"):
+        return frames
+    outermost_user = next(
+        (i for i in range(len(frames) - 1, -1, -1) if not is_library(frames[i].filename)), None
+    )
+    return frames if outermost_user is None else frames[: outermost_user + 1]
+
+
+def _ours(thread: ThreadStack) -> bool:
+    """rallypoint's own helper threads in a worker (the Flight Recorder dumper)."""
+    return any(f.name == "_serve" and f.filename.endswith("_flight.py") for f in thread.frames)
+
+
+def format_frames(frames: tuple[Frame, ...], indent: str) -> list[str]:
+    """``frames`` (innermost first) as a traceback prints them: most recent call last."""
     out = []
     for f in reversed(frames):  # traceback order: most recent call last
         out.append(f'{indent}File "{f.filename}", line {f.lineno}, in {f.name}')
@@ -114,6 +146,7 @@ def format_grouped_stacks(stacks_by_rank: Mapping[int, StackDump]) -> str:
     One headline per group (``ranks 0,2,3: all_reduce at train.py:42``), the hosts and
     pids, then the group's full main-thread stack once (most recent call last) and the
     innermost frame of each other thread. Workers without a dump are grouped by reason.
+    Stacks start at the user's code (:func:`user_frames`).
     """
     groups: dict[tuple[Any, ...], list[StackDump]] = {}
     for rank in sorted(stacks_by_rank):
@@ -122,7 +155,7 @@ def format_grouped_stacks(stacks_by_rank: Mapping[int, StackDump]) -> str:
         if dump.error is not None or main is None:
             key: tuple[Any, ...] = ("error", dump.error or "empty dump")
         else:
-            key = ("stack", tuple((f.filename, f.lineno, f.name) for f in main.frames))
+            key = ("stack", tuple((f.filename, f.lineno, f.name) for f in user_frames(main.frames)))
         groups.setdefault(key, []).append(dump)
     lines: list[str] = []
     for key, dumps in groups.items():
@@ -130,9 +163,9 @@ def format_grouped_stacks(stacks_by_rank: Mapping[int, StackDump]) -> str:
         first = dumps[0]
         main = first.main
         if key[0] == "error" or main is None:
-            lines.append(f"{_ranks_text(ranks)}: no stack: {key[1]}")
+            lines.append(f"{ranks_text(ranks)}: no stack: {key[1]}")
         else:
-            lines.append(f"{_ranks_text(ranks)}: {stack_summary(main.frames)}")
+            lines.append(f"{ranks_text(ranks)}: {stack_summary(main.frames)}")
         by_host: dict[str, list[str]] = {}
         for d in dumps:
             by_host.setdefault(d.host, []).append(
@@ -141,8 +174,8 @@ def format_grouped_stacks(stacks_by_rank: Mapping[int, StackDump]) -> str:
         lines.append("  on " + "; ".join(f"{h}: {', '.join(rs)}" for h, rs in by_host.items()))
         if key[0] == "stack" and main is not None:
             lines.append("  Stack (most recent call last):")
-            lines.extend(_format_frames(main.frames, "    "))
-            others = [t for t in first.threads if t is not main]
+            lines.extend(format_frames(user_frames(main.frames), "    "))
+            others = [t for t in first.threads if t is not main and not _ours(t)]
             for t in others:
                 where = stack_summary(t.frames) if t.frames else "no Python frames"
                 lines.append(f"  other thread {t.thread_id}: {where}")

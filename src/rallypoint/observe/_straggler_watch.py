@@ -27,11 +27,13 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
+from rallypoint.observe._arrivals import ArrivalVerdict, is_straggler, judge_arrivals
+from rallypoint.observe._flight_records import RankTrace
 from rallypoint.observe._progress import ProgressBoard
-from rallypoint.observe._stacks_format import _ranks_text
+from rallypoint.observe._stacks_format import ranks_text
 from rallypoint.observe._stragglers import (
     WINDOW_S,
     NodePace,
@@ -75,7 +77,7 @@ def describe(change: Straggler, threshold: float) -> str:
     if change.scope == "rank":
         who, others = f"rank {change.key} on {change.host}", "the other ranks"
     else:
-        who = f"node {change.key} ({change.host}, {_ranks_text(list(change.ranks))})"
+        who = f"node {change.key} ({change.host}, {ranks_text(list(change.ranks))})"
         others = "the other nodes"
     return (
         f"rallypoint: straggler: {who} takes {change.step_s:.3g} s per step, "
@@ -84,10 +86,22 @@ def describe(change: Straggler, threshold: float) -> str:
     )
 
 
+def describe_arrival(verdict: ArrivalVerdict, host: str, threshold: float) -> str:
+    """The screen line for a rank the others wait for at their collectives."""
+    return (
+        f"rallypoint: straggler: rank {verdict.rank} on {host} arrives last at "
+        f"{verdict.last} of {verdict.collectives} collectives, {verdict.lag_s * 1e3:.3g} ms "
+        f"after the others; they wait for it: its pace is {verdict.ratio:.1f}x theirs "
+        f"(Flight Recorder arrivals; --straggler-threshold {threshold:g})\n"
+    )
+
+
 class StragglerWatch:
     """Straggler detection for one attempt (round) of one node; see the module docstring.
 
     ``emit`` writes an event (``Observer.emit``), ``say`` a line on the screen.
+    ``arrivals`` (one node): the workers' Flight Recorder traces by rank, given
+    ``{rank: pid}``; with it, lock-step stragglers are found by arrival (``_arrivals``).
     """
 
     def __init__(
@@ -104,6 +118,7 @@ class StragglerWatch:
         nnodes: int = 1,
         window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
+        arrivals: Callable[[Mapping[int, int]], Mapping[int, RankTrace]] | None = None,
     ) -> None:
         self.board = board
         self.detector = StragglerDetector(threshold)
@@ -121,12 +136,15 @@ class StragglerWatch:
         self._next_log = 0.0
         self._seq = 0
         self._seen: dict[int, tuple[int, float]] = {}  # group rank -> (seq, when it changed)
+        self._arrivals = arrivals
+        self._late: int | None = None  # the rank reported as arriving last, until it recovers
 
     # ------------------------------------------------------------------ entry points
     def tick(self, running: Collection[int]) -> None:
         """One node on its own: judge its ranks every ``every`` seconds."""
         if self._due():
             self._judge([self.local_pace(running)])
+            self._sample_arrivals(running)
 
     def exchange(self, store: PaceStore, running: Collection[int]) -> None:
         """A node of a multi-node job: publish this node's summary every ``every`` seconds;
@@ -137,6 +155,15 @@ class StragglerWatch:
         store.set(pace_key(self.round, self.group_rank), pace.to_json())
         if self.group_rank == 0:
             self._judge(self._fresh(self._read_all(store, pace)))
+        self._sample_arrivals(running)  # within this node: one clock
+
+    def _sample_arrivals(self, running: Collection[int]) -> None:
+        """Judge this node's ranks by their arrival at the collectives (``_arrivals``)."""
+        if self._arrivals is not None and isinstance(running, Mapping) and len(running) > 1:
+            traces = self._arrivals(running)
+            local = {r: t for r, t in traces.items() if r in running}
+            window = self.window.window_s
+            self._judge_arrivals(judge_arrivals(local, window_s=window, subset=self.nnodes > 1))
 
     # ------------------------------------------------------------------ steps
     def _due(self) -> bool:
@@ -203,6 +230,43 @@ class StragglerWatch:
                 threshold=self.detector.threshold,
             )
         self._log_step_times(paces)
+
+    def _judge_arrivals(self, verdict: ArrivalVerdict | None) -> None:
+        """Report a rank once when the others start waiting for it, once when they stop."""
+        threshold = self.detector.threshold
+        if verdict is None:
+            return  # too few collectives in the window: no change either way
+        if self._late is not None and (
+            verdict.rank != self._late or verdict.ratio <= self.detector.recover_at
+        ):
+            self._emit_arrival(self._late, verdict, slow=False)
+            self._late = None
+        if self._late is None and is_straggler(verdict, threshold):
+            self._late = verdict.rank
+            self._say(describe_arrival(verdict, self.host, threshold))
+            self._emit_arrival(verdict.rank, verdict, slow=True)
+        self._emit(
+            "arrival_lags",
+            round=self.round,
+            lag_s={str(r): float(f"{v:.4g}") for r, v in verdict.lags_s.items()},
+        )
+
+    def _emit_arrival(self, rank: int, verdict: ArrivalVerdict, *, slow: bool) -> None:
+        self._emit(
+            "straggler",
+            rank=rank,
+            round=self.round,
+            scope="arrival",
+            state="slow" if slow else "recovered",
+            host=self.host,
+            group_rank=self.group_rank,
+            ranks=[rank],
+            lag_s=float(f"{verdict.lag_s:.4g}"),
+            last=verdict.last,
+            collectives=verdict.collectives,
+            ratio=float(f"{verdict.ratio:.4g}"),
+            threshold=self.detector.threshold,
+        )
 
     def _log_step_times(self, paces: Sequence[NodePace]) -> None:
         ranks = sorted((r for p in paces for r in p.ranks), key=lambda r: r.rank)

@@ -113,7 +113,7 @@ class WorkerStarter:
         env = worker_env(
             self.base_env, group, local_rank=local_rank, workers=self.workers, error_file=error_file
         )
-        env.update(self.observer.worker_env(local_rank))
+        env.update(self.observer.worker_env(local_rank, env))
         return WorkerSpec(
             local_rank=local_rank,
             rank=group.rank_offset + local_rank,

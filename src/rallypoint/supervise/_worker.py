@@ -312,10 +312,12 @@ def _show_rank(target: Target) -> None:
 
 def _install_stack_dumper() -> None:
     """Answer the agent's stack requests (``rallypoint stacks``, hang reports)."""
+    from rallypoint.observe._flight import install_flight_dumper
     from rallypoint.observe._stacks import install_stack_dumper
 
     try:
         install_stack_dumper()
+        install_flight_dumper()
     except (OSError, ValueError) as exc:
         with contextlib.suppress(BaseException):
             sys.stderr.write(f"rallypoint: stack dumps unavailable in this worker: {exc}\n")

@@ -1,0 +1,147 @@
+"""Stragglers in lock-step training, named by their arrival at the collectives."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rallypoint.observe._arrivals import MIN_COLLECTIVES, is_straggler, judge_arrivals
+from rallypoint.observe._events import read_events
+from rallypoint.observe._flight_records import FlightEntry, GroupTrace, RankTrace
+from rallypoint.observe._lanes import build_lanes
+from rallypoint.observe._report_lanes import lane_tooltips
+
+MS = 1_000_000
+
+
+def _traces(late: dict[int, int], *, jitter_ms: float = 1.0, n: int = 30) -> dict[int, RankTrace]:
+    """4 ranks, ``n`` all_reduces 100 ms apart; rank r issues each ``late[r]`` ns late."""
+    rng = random.Random(7)
+    traces = {}
+    for rank in range(4):
+        entries = tuple(
+            FlightEntry(
+                seq, "all_reduce", ((4,),), ("Float",),
+                seq * 100 * MS + late.get(rank, 0) + int(rng.uniform(0, jitter_ms) * MS), True,
+            )
+            for seq in range(1, n + 1)
+        )  # fmt: skip
+        traces[rank] = RankTrace(rank, (GroupTrace("0", (0, 1, 2, 3), n, n, entries, True),))
+    return traces
+
+
+def test_the_rank_the_others_wait_for_is_named_and_nobody_otherwise() -> None:
+    verdict = judge_arrivals(_traces({2: 60 * MS}), window_s=30)
+    assert verdict is not None and verdict.rank == 2 and verdict.last == verdict.collectives
+    assert 55e-3 < verdict.lag_s < 62e-3 and 2.0 < verdict.ratio < 3.0, verdict
+    assert is_straggler(verdict, 1.5) and not is_straggler(verdict, 3.0)
+    assert verdict.lags_s[2] > 0.05 and abs(verdict.lags_s[0]) < 0.002
+    balanced = judge_arrivals(_traces({}, jitter_ms=5.0), window_s=30)
+    assert balanced is not None and not is_straggler(balanced, 1.5), balanced
+    assert judge_arrivals(_traces({2: 60 * MS}, n=MIN_COLLECTIVES - 1), window_s=30) is None
+
+
+def test_a_clock_offset_between_nodes_is_subtracted() -> None:
+    # rank 3 alone on a node whose clock runs 50 ms ahead: late on paper, not in truth
+    skewed = _traces({3: 50 * MS})
+    assert is_straggler(judge_arrivals(skewed, window_s=30), 1.5)  # what an offset fakes
+    offsets = {3: 50 * MS}
+    assert not is_straggler(judge_arrivals(skewed, window_s=30, offsets=offsets), 1.5)
+    # a real straggler on the skewed node keeps its true lag
+    real = judge_arrivals(_traces({3: 110 * MS}), window_s=30, offsets=offsets)
+    assert real is not None and real.rank == 3 and 58e-3 < real.lag_s < 62e-3
+
+
+def test_one_nodes_ranks_are_compared_among_themselves() -> None:
+    # ranks 2 and 3 of a 4-rank world, as the agent of their node sees them: one clock
+    local = {r: t for r, t in _traces({3: 60 * MS}).items() if r in (2, 3)}
+    assert judge_arrivals(local, window_s=30) is None  # no collective with every member
+    verdict = judge_arrivals(local, window_s=30, subset=True)
+    assert verdict is not None and verdict.rank == 3 and is_straggler(verdict, 1.5)
+
+
+DDP = """
+import sys, time
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import rallypoint.launcher as rl
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+slow = int(sys.argv[1])
+model = DDP(torch.nn.Linear(64, 64))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(8, 64)
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    rl.progress()
+    time.sleep(0.09 if rank == slow else 0.03)  # the forward pass's compute
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("slow", [2, -1])
+def test_lock_step_ddp_names_the_slow_rank_and_nobody_without(tmp_path: Path, slow: int) -> None:
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP)
+    events = tmp_path / "events.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "4",
+         "--straggler-window", "4", "--events", str(events), str(script), str(slow), "8"],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in events.read_text().splitlines()]
+    named = [r for r in records if r["kind"] == "straggler"]
+    lags = [r for r in records if r["kind"] == "arrival_lags"]
+    assert lags, "the arrivals were sampled"
+    if slow < 0:
+        assert "straggler" not in proc.stderr and not named, proc.stderr
+        return
+    lines = [x for x in proc.stderr.splitlines() if "straggler:" in x]
+    assert len(lines) == 1 and lines[0].startswith(f"rallypoint: straggler: rank {slow} on "), (
+        proc.stderr
+    )
+    assert "arrives last at" in lines[0] and "ms after the others" in lines[0]
+    assert named[0]["scope"] == "arrival" and named[0]["rank"] == slow
+    assert named[0]["lag_s"] > 0.03 and lags[-1]["lag_s"][str(slow)] > 0.03
+    # the report's lanes: each rank's arrival lag, and the span where it was slow
+    ordered = read_events(events)
+    lanes = build_lanes(ordered, ordered[0].ts, ordered[-1].ts - ordered[0].ts)
+    assert lanes is not None
+    tips = lane_tooltips(lanes)
+    assert "ms after the others (median lag" in tips[f"lane-{slow}"], tips
+    spans = [t for k, t in tips.items() if k.startswith("slow-")]
+    assert spans and f"rank {slow} on" in spans[0] and "arrives last at the collectives" in spans[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_agents_each_judge_their_own_ranks(tmp_path: Path, endpoint: str) -> None:
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP)
+    cmd = [
+        sys.executable, "-m", "rallypoint", "run", "--nnodes", "2", "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "job-arrive",
+        "--rdzv-conf", "is_host=false,read_timeout=20", "--straggler-window", "4",
+        str(script), "3", "12",
+    ]  # fmt: skip
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errs
+    lines = [x for err in errs for x in err.splitlines() if "straggler:" in x]
+    # rank 3's node sees rank 2 wait for it; ranks 0 and 1 arrive together: one report
+    assert len(lines) == 1 and lines[0].startswith("rallypoint: straggler: rank 3 on "), errs
+    assert "arrives last at" in lines[0]
