@@ -139,3 +139,15 @@ def test_a_member_without_data_is_the_suspect() -> None:
     assert "  rank       : 2" in text and "all_reduce #5 of world" in text
     assert "rank 2 sent no Flight Recorder data" in text
     assert "no Flight Recorder data from rank 2: no dump" in text
+
+
+def test_a_rank_proven_never_to_issue_beats_one_that_sent_nothing() -> None:
+    # rank 2 never issued #5 (its trace says so); rank 0, a waiter, did not answer in time
+    # (a loaded machine): the evidence names rank 2, rank 0 is only a suspect after it
+    traces = {r: _world(r, 5, 4) for r in (1, 3)} | {2: _world(2, 4, 4)}
+    traces[0] = RankTrace(0, error="no Flight Recorder dump within 10 s")
+    diag = analyse(traces)
+    assert [(r.rank, r.kind) for r in diag.roots] == [
+        (2, RootKind.NEVER_ISSUED),
+        (0, RootKind.NO_DATA),
+    ]

@@ -77,9 +77,8 @@ slow = int(sys.argv[1])
 model = DDP(torch.nn.Linear(64, 64))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 x = torch.randn(8, 64)
-end = time.monotonic() + float(sys.argv[2])
-while time.monotonic() < end:
-    rl.progress()
+for _ in range(int(sys.argv[2])):  # a count, not a clock: ranks that stopped apart would
+    rl.progress()                   # leave the last one alone in DDP's all_reduce
     time.sleep(0.09 if rank == slow else 0.03)  # the forward pass's compute
     opt.zero_grad()
     model(x).sum().backward()
@@ -96,7 +95,7 @@ def test_lock_step_ddp_names_the_slow_rank_and_nobody_without(tmp_path: Path, sl
     events = tmp_path / "events.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "4",
-         "--straggler-window", "4", "--events", str(events), str(script), str(slow), "8"],
+         "--straggler-window", "4", "--events", str(events), str(script), str(slow), "80"],
         capture_output=True, text=True, timeout=100,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

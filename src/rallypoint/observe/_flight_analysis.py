@@ -155,6 +155,9 @@ def _roots(groups: list[GroupState], waits: dict[int, tuple[GroupState, ...]]) -
         if own:
             kind = RootKind.NEVER_ISSUED if rank in own[0].missing else RootKind.NO_DATA
             roots.append(RootCause(rank, kind, own[0], count))
+    # evidence first: a rank whose own trace shows it never issued the collective ranks
+    # above one that sent no trace (only suspected: busy, slow to answer, or dead)
+    roots.sort(key=lambda root: root.kind is RootKind.NO_DATA)
     if not roots:  # everyone waits: a mismatch (or groups entered in opposite orders)
         for g in stuck:
             for rank in g.mismatched or g.missing:
