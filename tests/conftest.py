@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from _support.store_host import store_host
 from rallypoint.testing import worker_zygote
-from rallypoint.testing._store_host import store_host
 from rallypoint.testing._zygote import Zygote
 
 
