@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from _support.store_host import store_host
 from rallypoint.testing import worker_zygote
 from rallypoint.testing._zygote import Zygote
 
@@ -20,6 +21,14 @@ def zygote() -> Iterator[Zygote]:
     threads looked a name up blocked for good in its own store connect)."""
     with worker_zygote() as made:
         yield made
+
+
+@pytest.fixture
+def endpoint() -> Iterator[str]:
+    """``HOST:PORT`` of a c10d rendezvous store hosted for a multi-node test (so it outlives
+    the agents) in a process of its own; the agents get ``--rdzv-conf is_host=false``."""
+    with store_host() as port:
+        yield f"127.0.0.1:{port}"
 
 
 @pytest.fixture

@@ -353,7 +353,7 @@ def _thread_names() -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_a_store_host_serves_from_another_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rallypoint.testing._store_host import store_host
+    from _support.store_host import store_host
 
     for zygote in (_workers._ZYGOTE, None):  # forked by the zygote; a new interpreter
         monkeypatch.setattr(_workers, "_ZYGOTE", zygote)

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rallypoint.testing._store_host import store_host
+from _support.store_host import store_host
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -1,0 +1,1 @@
+"""Helpers only rallypoint's own tests use (not shipped with the package)."""
