@@ -63,3 +63,20 @@ def test_gemm_seconds_is_zero_without_a_gpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert gemm_seconds() == 0.0
+
+
+def test_the_gemm_child_runs_and_says_when_there_is_no_gpu() -> None:
+    """The child the burn-in starts on GPU nodes really runs (a broken script would make
+    every GPU node's GEMM time 0.0, silently)."""
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: test_gemm_seconds_on_a_real_gpu covers it")
+    done = subprocess.run(
+        [sys.executable, "-m", "rallypoint.elastic._gpu_probe", "--gemm"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 5 and "no GPU visible" in done.stdout, done.stdout + done.stderr

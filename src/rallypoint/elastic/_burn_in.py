@@ -13,8 +13,8 @@ link is slow scores high both ways. Every node gathers every node's times and re
 same verdict: the slowest node is slow when its score is above :data:`SLOW_FACTOR` times
 the median and :data:`SLOW_SECONDS`. It needs three nodes at least (with two, a slow link
 has no side). On GPU nodes each agent also times a GEMM on each of its GPUs (in a child
-process) and a node whose slowest GPU is :data:`GEMM_FACTOR` times slower than the median
-is slow too. The verdict's node is then excluded like one that keeps failing.
+process, ``_gpu_probe --gemm``) and a node whose slowest GPU is :data:`GEMM_FACTOR` times
+slower than the median is slow too. The verdict's node is then excluded like one that keeps failing.
 
 In an all-reduce every rank waits for the slowest, so timing one would show every node
 equally slow; point-to-point rings are what tell them apart.
@@ -23,10 +23,13 @@ equally slow; point-to-point rings are what tell them apart.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
+
+from rallypoint.elastic._check_run import run_command
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -95,44 +98,19 @@ def slow_node(times: LinkTimes) -> tuple[int, str] | None:
     return None
 
 
-GEMM = """
-import sys, time, torch
-
-if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
-worst = 0.0
-for d in range(torch.cuda.device_count()):
-    a = torch.randn(4096, 4096, device=f"cuda:{d}", dtype=torch.float16)
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize(d)
-        start = time.perf_counter()
-        a @ a
-        torch.cuda.synchronize(d)
-        best = min(best, time.perf_counter() - start)
-    worst = max(worst, best)
-print(worst)
-"""
-"""Times a 4096x4096 fp16 GEMM on each visible GPU (in a child: the agent keeps no CUDA
-context) and prints the slowest GPU's best of five."""
-
-
 def gemm_seconds(timeout: float = 60.0) -> float:
-    """This node's slowest GPU GEMM time (``GEMM``); 0.0 without a GPU or if it fails
-    (a GPU that fails is the health check's business, not the burn-in's)."""
-    import subprocess
-    import sys
+    """This node's slowest GPU GEMM time (``_gpu_probe --gemm``, in a child process); 0.0
+    without a GPU or if it fails (a GPU that fails is the health check's business, not the
+    burn-in's). A CPU-only build of torch has no GPU to time: no child then."""
+    import torch
 
+    if torch.version.cuda is None and torch.version.hip is None:
+        return 0.0
+    argv = [sys.executable, "-m", "rallypoint.elastic._gpu_probe", "--gemm"]
+    result = run_command("burn-in GEMM", timeout, argv=argv)
     try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return 0.0
-        done = subprocess.run(
-            [sys.executable, "-c", GEMM], capture_output=True, text=True, timeout=timeout
-        )
-        return float(done.stdout.strip()) if done.returncode == 0 else 0.0
-    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return float(result.output.split()[-1]) if result.ok else 0.0
+    except (ValueError, IndexError):
         return 0.0
 
 

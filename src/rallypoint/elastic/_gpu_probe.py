@@ -2,8 +2,13 @@
 
 Each visible GPU allocates :data:`ALLOC_MIB` MiB and runs a matmul whose result is
 checked against the CPU's; every device says how long it took. Exit status: 0 healthy,
-1 a device failed (its line says how), 5 no GPU to check (``GPU_SKIPPED``). The caller
+1 a device failed (its line says how), 5 no GPU to check (:data:`NO_GPU`). The caller
 bounds the whole run with the check's time limit.
+
+``python -m rallypoint.elastic._gpu_probe --gemm``: the burn-in's GEMM (``_burn_in``): a
+:data:`GEMM_SIZE` square fp16 GEMM on each visible GPU, best of five; its last line is the
+slowest GPU's time in seconds (exit 5 without a GPU). Both run in a child process, so the
+agent never holds a CUDA context.
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ from __future__ import annotations
 import sys
 import time
 
-__all__ = ["main"]
+__all__ = ["GEMM_SIZE", "NO_GPU", "gemm_main", "main"]
 
 ALLOC_MIB = 256
 SIZE = 1024
+GEMM_SIZE = 4096
+NO_GPU = 5
 
 
 def _check_device(index: int) -> str:
@@ -41,12 +48,41 @@ def _check_device(index: int) -> str:
     return ""
 
 
+def _no_gpu() -> bool:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return False
+    print("no GPU visible to this node", flush=True)
+    return True
+
+
+def gemm_main() -> int:
+    """The slowest visible GPU's best-of-five GEMM time, printed in seconds."""
+    import torch
+
+    if _no_gpu():
+        return NO_GPU
+    worst = 0.0
+    for index in range(torch.cuda.device_count()):
+        a = torch.randn(GEMM_SIZE, GEMM_SIZE, device=f"cuda:{index}", dtype=torch.float16)
+        best = float("inf")
+        for _ in range(5):
+            torch.cuda.synchronize(index)
+            started = time.perf_counter()
+            a @ a
+            torch.cuda.synchronize(index)
+            best = min(best, time.perf_counter() - started)
+        worst = max(worst, best)
+    print(repr(worst), flush=True)
+    return 0
+
+
 def main() -> int:
     import torch
 
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        print("no GPU visible to this node", flush=True)
-        return 5
+    if _no_gpu():
+        return NO_GPU
     failed = 0
     for index in range(torch.cuda.device_count()):
         try:
@@ -60,4 +96,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(gemm_main() if sys.argv[1:] == ["--gemm"] else main())
