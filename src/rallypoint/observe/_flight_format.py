@@ -24,13 +24,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from rallypoint._core.frames import is_library
 from rallypoint.observe._flight_analysis import Diagnosis, GroupState, RootKind, analyse
 from rallypoint.observe._flight_records import FlightEntry, RankTrace
 from rallypoint.observe._stacks import StackDump
 from rallypoint.observe._stacks_format import (
     format_frames,
     format_grouped_stacks,
-    is_library,
     ranks_text,
     stack_summary,
     user_frames,

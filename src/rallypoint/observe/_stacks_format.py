@@ -12,21 +12,18 @@ innermost user frame is waiting in.
 from __future__ import annotations
 
 import ast
-import functools
 import os
 import re
-import sys
-import sysconfig
 from collections.abc import Mapping
 from typing import Any
 
+from rallypoint._core.frames import is_library
 from rallypoint.observe._stacks import Frame, StackDump, ThreadStack
 
 __all__ = [
     "FULL_STACKS_ENV",
     "format_frames",
     "format_grouped_stacks",
-    "is_library",
     "ranks_text",
     "stack_summary",
     "user_frames",
@@ -36,22 +33,9 @@ FULL_STACKS_ENV = "RALLYPOINT_FULL_STACKS"
 """Set to 1 to keep the launcher's own frames (rallypoint, runpy) at the base of stacks."""
 
 
-@functools.cache
-def _library_prefixes() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    roots.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # rallypoint
-    roots.update(p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) if p)
-    return tuple(sorted(os.path.join(r, "") for r in roots))
-
-
 _WRAPPER_NAMES = frozenset(
     {"wrapper", "inner", "wrapped", "_fn", "decorate_context", "<lambda>", "<genexpr>", "__call__"}
 )
-
-
-def is_library(filename: str) -> bool:
-    return filename.startswith("<") or filename.startswith(_library_prefixes())
 
 
 def _called_in(source: str) -> str | None:

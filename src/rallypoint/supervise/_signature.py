@@ -10,34 +10,16 @@ text that is compared; :class:`Streak` counts it across attempts.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import sys
-import sysconfig
 from dataclasses import dataclass
+
+from rallypoint._core.frames import is_library
 
 __all__ = ["Streak", "failure_signature", "repeated_line"]
 
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)')
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*)(?::|$)")
 _TRACEBACK_START = "Traceback (most recent call last):"
-
-
-def _library_dirs() -> tuple[str, ...]:
-    """Where Python's, installed packages' and rallypoint's own files live."""
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    for name in ("stdlib", "platstdlib", "purelib", "platlib"):
-        with contextlib.suppress(KeyError):
-            paths.add(sysconfig.get_path(name))
-    paths.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # rallypoint
-    return tuple(sorted(os.path.join(os.path.abspath(p), "") for p in paths if p))
-
-
-def _is_user_file(path: str, libraries: tuple[str, ...]) -> bool:
-    if path.startswith("<"):  # <frozen runpy>, <string>
-        return False
-    return not os.path.abspath(path).startswith(libraries)
 
 
 def failure_signature(rank: int, detail: str, traceback_text: str) -> str:
@@ -47,11 +29,10 @@ def failure_signature(rank: int, detail: str, traceback_text: str) -> str:
     if traceback_text.rfind(_TRACEBACK_START) < 0:
         block = ""
     lines = block.splitlines()
-    libraries = _library_dirs()
     frame = ""
     for line in lines:
         m = _FRAME.match(line)
-        if m and _is_user_file(m.group(1), libraries):
+        if m and not is_library(m.group(1)):
             frame = f"{m.group(1)}:{m.group(2)}"
     exception = ""
     for line in reversed(lines):
