@@ -13,26 +13,37 @@ import os
 import shutil
 import sys
 import threading
-import time
 from pathlib import Path
 
-__all__ = ["DiskTrouble", "check_writable", "free_space"]
+from rallypoint._core.throttle import Throttle
+
+__all__ = ["DiskTrouble", "check_writable", "format_free", "free_bytes", "free_space"]
 
 REPEAT_SECONDS = 60.0
 
 
-def free_space(path: str | os.PathLike[str]) -> str:
-    """``"1.2 GiB free"`` on the filesystem of ``path`` (or its nearest existing parent)."""
-    try:
-        free = shutil.disk_usage(_existing(path)).free
-    except OSError:
-        return "free space unknown"
+def free_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes free on the filesystem of ``path`` (or its nearest existing parent); ``OSError``
+    when that cannot be read."""
+    return shutil.disk_usage(_existing(path)).free
+
+
+def format_free(free: int) -> str:
+    """``"1.2 GiB free"``."""
     size = float(free)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":
             return f"{size:.0f} {unit} free" if unit == "B" else f"{size:.1f} {unit} free"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def free_space(path: str | os.PathLike[str]) -> str:
+    """``"1.2 GiB free"`` on the filesystem of ``path`` (or its nearest existing parent)."""
+    try:
+        return format_free(free_bytes(path))
+    except OSError:
+        return "free space unknown"
 
 
 def check_writable(directory: str | os.PathLike[str], option: str) -> Path:
@@ -79,20 +90,13 @@ class DiskTrouble:
         """What is written there (``"worker logs"``)."""
         self.consequence = consequence
         """What happens instead (``"output still goes to the console"``)."""
-        self.every = every
-        self._last: dict[str | int, float] = {}
-        self._lock = threading.Lock()
+        self._throttle = Throttle(every)
 
     def report(self, directory: str | os.PathLike[str], action: str, exc: OSError) -> bool:
         """Say that ``action`` failed under ``directory`` unless a line was said for its
         filesystem within the last minute; returns whether a line was written."""
-        key = _filesystem(directory)
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(key)
-            if last is not None and now - last < self.every:
-                return False
-            self._last[key] = now
+        if not self._throttle.ready(_filesystem(directory)):
+            return False
         reason = exc.strerror or str(exc)
         line = (
             f"rallypoint: cannot write {self.what} under {directory}: {action} failed "

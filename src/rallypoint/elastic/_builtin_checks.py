@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import socket
 import sys
 import time
 from collections.abc import Callable
 
 from rallypoint._core.blocking import call_in_thread
-from rallypoint._core.disk import check_writable, free_space
+from rallypoint._core.disk import check_writable, format_free, free_bytes
 from rallypoint.elastic._check_run import CheckResult, HealthContext, run_command
+from rallypoint.elastic._gpu_probe import NO_GPU
 
 __all__ = ["DISK_FLOOR", "STORE_LATENCY_BOUND", "check_disk", "check_store", "run_builtin"]
 
@@ -29,8 +29,6 @@ DISK_FLOOR = 256 * 1024 * 1024
 """Least free bytes ``builtin:disk`` wants on each directory's filesystem."""
 STORE_LATENCY_BOUND = 1.0
 """Most seconds ``builtin:store`` allows a set and a get of a probe key to take."""
-GPU_SKIPPED = 5
-"""Exit code of ``_gpu_probe`` when there is no GPU to check."""
 
 
 def run_builtin(check: str, context: HealthContext, timeout: float) -> CheckResult:
@@ -65,13 +63,13 @@ def check_disk(directories: tuple[tuple[str, str], ...]) -> str:
             problems.append(str(exc))
             continue
         try:
-            free = shutil.disk_usage(path).free
+            free = free_bytes(path)
         except OSError as exc:
             problems.append(f"{what} {path}: cannot read its free space ({exc.strerror or exc})")
             continue
         if free < DISK_FLOOR:
             problems.append(
-                f"{what} {path}: {free_space(path)}, below the floor of "
+                f"{what} {path}: {format_free(free)}, below the floor of "
                 f"{DISK_FLOOR // (1024 * 1024)} MiB"
             )
     return "\n".join(problems)
@@ -103,7 +101,7 @@ def check_store(context: HealthContext) -> str:
 def _gpu(context: HealthContext, timeout: float) -> CheckResult:
     argv = [sys.executable, "-m", "rallypoint.elastic._gpu_probe"]
     result = run_command("builtin:gpu", timeout, poll=context.poll, argv=argv)
-    if result.exitcode == GPU_SKIPPED:
+    if result.exitcode == NO_GPU:
         last = result.output.strip().splitlines()[-1:] or ["no GPU"]
         return CheckResult("builtin:gpu", ok=True, seconds=result.seconds, skipped=last[0])
     return result

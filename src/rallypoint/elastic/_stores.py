@@ -113,28 +113,26 @@ class RunStore:
 
     def same_failure(self, signature: str) -> int:
         """Count a round that failed with ``signature`` (``""``: one that ended otherwise,
-        which breaks the run); returns how many rounds in a row failed with it. Only the
-        node that decides a round calls it, so rounds never race."""
-        count = 0
-        if signature:
-            if self.store.check(["same_failure"]):
-                last, _, n = bytes(self.store.get("same_failure")).decode().rpartition("\n")
-                count = int(n) if last == signature and n.isdigit() else 0
-            count += 1
-        self.store.set("same_failure", f"{signature}\n{count}")
-        return count
+        which breaks the run); returns how many rounds in a row failed with it."""
+        return self._streak("same_failure", signature)
 
     def node_failed(self, node: str) -> int:
         """Count a round whose root cause was on ``node`` (``""``: a round that failed
         otherwise, which breaks every node's run); returns how many rounds in a row it was
-        that node. Only the node that decides a round calls it."""
+        that node."""
+        return self._streak("node_failures", node)
+
+    def _streak(self, key: str, value: str) -> int:
+        """The run of rounds in a row that ended with ``value`` under ``key``, this one
+        counted (0 for ``""``). Only the node that decides a round calls it, so rounds
+        never race."""
         count = 0
-        if node:
-            if self.store.check(["node_failures"]):
-                last, _, n = bytes(self.store.get("node_failures")).decode().rpartition("\n")
-                count = int(n) if last == node and n.isdigit() else 0
+        if value:
+            if self.store.check([key]):
+                last, _, n = bytes(self.store.get(key)).decode().rpartition("\n")
+                count = int(n) if last == value and n.isdigit() else 0
             count += 1
-        self.store.set("node_failures", f"{node}\n{count}")
+        self.store.set(key, f"{value}\n{count}")
         return count
 
     def exclusions(self) -> list[ExclusionRecord]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 
 from rallypoint._core.disk import free_space
+from rallypoint._core.throttle import Throttle
 from rallypoint.snapshot._ckdir import KEEP, Checkpoint, CheckpointDir, step_name
 from rallypoint.snapshot._layout import Meta, decode_meta, encode_meta
 from rallypoint.snapshot._report import Reporter
@@ -85,7 +85,7 @@ class Persister:
         self._thread: threading.Thread | None = None
         self._busy_fid = -1
         self._group: Any = None
-        self._last_line = -float("inf")
+        self._lines = Throttle(REPEAT)
         self.refused = ""
         """Why this job does not write ``directory`` (another live job writes its namespace)."""
         self.failures = 0
@@ -168,10 +168,8 @@ class Persister:
             self.ckdir.remove_partial(step)
         if collective and self.rank != 0:
             return  # every rank got the same exception: rank 0 says it
-        now = time.monotonic()
-        if now - self._last_line < REPEAT:
+        if not self._lines.ready():
             return
-        self._last_line = now
         where = self.ckdir.own
         self.report.always(
             f"rank {self.rank}: persisting step {step} to {where} failed ({describe(exc)}; "

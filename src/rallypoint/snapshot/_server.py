@@ -42,6 +42,7 @@ from typing import Any, NoReturn
 
 from rallypoint._core.acceptor import Acceptor
 from rallypoint._core.handshake import ServerHandshake
+from rallypoint._core.throttle import Throttle
 from rallypoint.snapshot._auth import SCHEME, AuthError, client_handshake
 from rallypoint.snapshot._records import Key, Records, Slot
 from rallypoint.snapshot._wire import (
@@ -79,13 +80,10 @@ class _Log:
     """At most one line per ``every`` seconds on stderr (an attacker cannot flood it)."""
 
     def __init__(self, every: float = 10.0) -> None:
-        self.every = every
-        self._last = -every
+        self._throttle = Throttle(every)
 
     def __call__(self, text: str) -> None:
-        now = time.monotonic()
-        if now - self._last >= self.every:
-            self._last = now
+        if self._throttle.ready():
             with contextlib.suppress(OSError):
                 sys.stderr.write(f"rallypoint snapshot server: {text}\n")
 
