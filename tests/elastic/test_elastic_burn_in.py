@@ -80,3 +80,11 @@ def test_the_gemm_child_runs_and_says_when_there_is_no_gpu() -> None:
         timeout=60,
     )
     assert done.returncode == 5 and "no GPU visible" in done.stdout, done.stdout + done.stderr
+
+
+def test_burn_in_takes_only_a_bool() -> None:
+    from rallypoint.launcher import LaunchConfig
+
+    assert LaunchConfig(burn_in=True).burn_in is True
+    with pytest.raises(TypeError, match="burn_in must be True or False, got 'yes'"):
+        LaunchConfig(burn_in="yes")  # type: ignore[arg-type]
