@@ -132,7 +132,7 @@ def test_two_agents_each_judge_their_own_ranks(tmp_path: Path, endpoint: str) ->
         sys.executable, "-m", "rallypoint", "run", "--nnodes", "2", "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "job-arrive",
         "--rdzv-conf", "is_host=false,read_timeout=20", "--straggler-window", "4",
-        str(script), "3", "12",
+        str(script), "3", "36",
     ]  # fmt: skip
     procs = [
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -20,6 +20,7 @@ translates them into its own exception at its boundary.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -192,7 +193,14 @@ def client_handshake(
 ) -> None:
     """Answer the server's challenge before ``deadline`` and check that the server knows
     the secret too; ``hello`` goes with the answer where the scheme has one."""
-    first = _recv(sock, len(scheme.magic) + _NONCE, deadline)
+    try:
+        first = _recv(sock, len(scheme.magic) + _NONCE, deadline)
+    except HandshakeError:  # before a word of the handshake: not a failed authentication
+        raise ConnectionResetError(
+            errno.ECONNRESET,
+            f"the {scheme.what} server closed the connection before its greeting "
+            "(it is shutting down, or turned the connection down)",
+        ) from None
     if first[: len(scheme.magic)] != scheme.magic:
         raise HandshakeError(f"the peer is not a rallypoint {scheme.what} server")
     server_nonce = first[len(scheme.magic) :]

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import NoReturn
 
-__all__ = ["descendants", "exit_now", "kill_descendants", "pid_alive"]
+__all__ = ["descendants", "exit_now", "kill_descendants", "pid_alive", "pid_running"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -21,6 +21,19 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def pid_running(pid: int) -> bool:
+    """Whether ``pid`` is a live process: like :func:`pid_alive`, but a zombie (exited, not
+    yet reaped) does not count. Without ``/proc``, as :func:`pid_alive`."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return pid_alive(pid)
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
 
 
 def exit_now(code: int) -> NoReturn:

@@ -28,10 +28,11 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from rallypoint._core import envvars
+from rallypoint._core.procs import pid_running
 from rallypoint.observe._flight_records import FlightEntry, GroupTrace, RankTrace
 
 __all__ = [
@@ -178,11 +179,15 @@ def _dump_this_worker(rank: int, frames: bool, keep: int = KEEP_COMPLETED) -> Ra
     return trace_from_dump(rank, dump, _groups_of_this_worker(), keep)
 
 
-def _answers(request: str, rank: int) -> list[tuple[bool, RankTrace]]:
-    """What a request gets: ``(final, trace)`` pairs, computed one after the other."""
+def _answers(request: str, rank: int) -> Iterator[tuple[bool, RankTrace]]:
+    """What a request gets: ``(final, trace)`` pairs, each yielded as soon as it is made, so
+    that the frameless answer is written before torch's first symbolisation (which imports
+    some 800 modules: seconds on a busy machine) starts."""
     if request.endswith(" arrivals"):  # straggler sampling: every entry, never frames
-        return [(True, _dump_this_worker(rank, False, keep=1 << 30))]
-    return [(False, _dump_this_worker(rank, False)), (True, _dump_this_worker(rank, True))]
+        yield True, _dump_this_worker(rank, False, keep=1 << 30)
+        return
+    yield False, _dump_this_worker(rank, False)
+    yield True, _dump_this_worker(rank, True)
 
 
 def _serve(fd: int, directory: str, rank: int) -> None:
@@ -200,13 +205,17 @@ def _serve(fd: int, directory: str, rank: int) -> None:
         for line in lines:
             request = line.decode(errors="replace").strip()
             try:
-                answers = _answers(request, rank)
+                for final, trace in _answers(request, rank):
+                    _answer(directory, pid, request, final, trace)
             except Exception as exc:  # never let the thread die: the next request gets one
-                answers = [(True, RankTrace(rank=rank, error=f"dump failed: {exc!r}"))]
-            for final, trace in answers:
-                answer = {"request": request, "final": final, "trace": trace.to_json()}
-                with contextlib.suppress(OSError):
-                    _write(directory, pid, request, json.dumps(answer))
+                trace = RankTrace(rank=rank, error=f"dump failed: {exc!r}")
+                _answer(directory, pid, request, True, trace)
+
+
+def _answer(directory: str, pid: int, request: str, final: bool, trace: RankTrace) -> None:
+    answer = {"request": request, "final": final, "trace": trace.to_json()}
+    with contextlib.suppress(OSError):
+        _write(directory, pid, request, json.dumps(answer))
 
 
 def _answer_path(directory: str, pid: int, request: str) -> str:
@@ -291,6 +300,20 @@ class FlightRequest:
         except (KeyError, ValueError) as exc:
             return RankTrace(rank=rank, error=str(exc)), True
 
+    def ready(self) -> bool:
+        """Whether every worker asked wrote its final answer or exited (never waits)."""
+        head = json.dumps({"request": self.token, "final": True})[:-1].encode()
+        for pid in self.waiting.values():
+            try:
+                with open(_answer_path(self.directory, pid, self.token), "rb") as fh:
+                    if fh.read(len(head)) == head:
+                        continue
+            except OSError:
+                pass
+            if pid_running(pid):
+                return False
+        return True
+
     def results(self, timeout: float) -> dict[int, RankTrace]:
         """Every worker's trace, or one with ``error`` set, ``timeout`` seconds after the
         request at most. A worker answers twice: at once without the issuing frames, then
@@ -306,6 +329,9 @@ class FlightRequest:
                     out[rank] = answer[0]
                     if answer[1]:
                         del waiting[rank]
+                elif not pid_running(pid) and self._read(rank, pid) is None:
+                    out[rank] = RankTrace(rank=rank, error="it exited before answering")
+                    del waiting[rank]
             if not waiting or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)

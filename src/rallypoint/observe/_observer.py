@@ -33,7 +33,6 @@ from rallypoint.observe._flight import (
     remove_flight_files,
 )
 from rallypoint.observe._flight_format import format_hang_report
-from rallypoint.observe._flight_records import RankTrace
 from rallypoint.observe._progress import ProgressBoard
 from rallypoint.observe._stacks import StackDump, collect_stacks, remove_dump_file, stacks_env
 from rallypoint.observe._straggler_watch import StragglerWatch
@@ -48,8 +47,6 @@ __all__ = ["Observer", "WatchOptions"]
 
 STACKS_TIMEOUT = 5.0
 """Seconds to wait for a worker's stack dump."""
-ARRIVALS_TIMEOUT = 1.0
-"""Seconds a straggler sample waits for the workers' recorded arrivals."""
 FLIGHT_TIMEOUT = 10.0
 """Seconds after the request to wait for the workers' Flight Recorder dumps with their
 issuing frames (torch's first takes about a second; without frames, milliseconds)."""
@@ -145,10 +142,10 @@ class Observer(Closing):
             arrivals=self._arrivals if self.flight_recorder else None,
         )
 
-    def _arrivals(self, pids_by_rank: Mapping[int, int]) -> dict[int, RankTrace]:
-        """The workers' recorded collectives (no frames) for straggler detection."""
-        request = FlightRequest(pids_by_rank, self.stacks_dir, arrivals=True)
-        return request.results(ARRIVALS_TIMEOUT)
+    def _arrivals(self, pids_by_rank: Mapping[int, int]) -> FlightRequest:
+        """Ask the workers for their recorded collectives (no frames) for straggler
+        detection; :class:`StragglerWatch` reads the answers a period later."""
+        return FlightRequest(pids_by_rank, self.stacks_dir, arrivals=True)
 
     def hung(self) -> bool:
         return (
@@ -162,8 +159,11 @@ class Observer(Closing):
 
     def collect(self, pids_by_rank: Mapping[int, int]) -> dict[int, StackDump]:
         """This node's workers' stacks and Flight Recorder dumps, keyed by global rank."""
-        request = FlightRequest(pids_by_rank, self.stacks_dir)
+        # stacks first: faulthandler reads every thread's frames from a signal handler, which
+        # can crash a worker whose Flight Recorder thread is busy importing (torch's first
+        # symbolisation imports some 800 modules) at that moment
         dumps = collect_stacks(pids_by_rank, STACKS_TIMEOUT, directory=self.stacks_dir)
+        request = FlightRequest(pids_by_rank, self.stacks_dir)
         traces = request.results(FLIGHT_TIMEOUT)
         return {r: dataclasses.replace(d, flight=traces.get(r)) for r, d in dumps.items()}
 

@@ -45,12 +45,26 @@ from rallypoint.observe._stragglers import (
     pace_every,
 )
 
-__all__ = ["STALE_AFTER", "STEP_LOG_EVERY", "PaceStore", "StragglerWatch", "pace_key"]
+__all__ = [
+    "STALE_AFTER",
+    "STEP_LOG_EVERY",
+    "PaceStore",
+    "StragglerWatch",
+    "TraceRequest",
+    "pace_key",
+]
 
 STEP_LOG_EVERY = 10.0
 """Least seconds between two ``step_times`` events (the window, when that is shorter)."""
 STALE_AFTER = 3
 """Periods without a new summary after which a node's summary no longer counts."""
+
+
+class TraceRequest(Protocol):
+    """A request for the workers' Flight Recorder traces (``_flight.FlightRequest``)."""
+
+    def ready(self) -> bool: ...
+    def results(self, timeout: float) -> dict[int, RankTrace]: ...
 
 
 class PaceStore(Protocol):
@@ -100,8 +114,10 @@ class StragglerWatch:
     """Straggler detection for one attempt (round) of one node; see the module docstring.
 
     ``emit`` writes an event (``Observer.emit``), ``say`` a line on the screen.
-    ``arrivals`` (one node): the workers' Flight Recorder traces by rank, given
-    ``{rank: pid}``; with it, lock-step stragglers are found by arrival (``_arrivals``).
+    ``arrivals``: asks this node's workers, given ``{rank: pid}``, for their Flight Recorder
+    traces; with it, lock-step stragglers are found by arrival (``_arrivals``). The answers
+    are read on a later tick, once all came (or at the next period, what came), so the
+    monitor loop never waits for a worker (the entries carry their own times).
     """
 
     def __init__(
@@ -118,7 +134,7 @@ class StragglerWatch:
         nnodes: int = 1,
         window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
-        arrivals: Callable[[Mapping[int, int]], Mapping[int, RankTrace]] | None = None,
+        arrivals: Callable[[Mapping[int, int]], TraceRequest] | None = None,
     ) -> None:
         self.board = board
         self.detector = StragglerDetector(threshold)
@@ -137,33 +153,46 @@ class StragglerWatch:
         self._seq = 0
         self._seen: dict[int, tuple[int, float]] = {}  # group rank -> (seq, when it changed)
         self._arrivals = arrivals
+        self._asked: TraceRequest | None = None  # a request not read yet
         self._late: int | None = None  # the rank reported as arriving last, until it recovers
 
     # ------------------------------------------------------------------ entry points
     def tick(self, running: Collection[int]) -> None:
         """One node on its own: judge its ranks every ``every`` seconds."""
+        self._read_arrivals(running)
         if self._due():
             self._judge([self.local_pace(running)])
-            self._sample_arrivals(running)
+            self._ask_arrivals(running)
 
     def exchange(self, store: PaceStore, running: Collection[int]) -> None:
         """A node of a multi-node job: publish this node's summary every ``every`` seconds;
         the node with group rank 0 also reads every node's and judges the job."""
+        self._read_arrivals(running)
         if not self._due():
             return
         pace = self.local_pace(running)
         store.set(pace_key(self.round, self.group_rank), pace.to_json())
         if self.group_rank == 0:
             self._judge(self._fresh(self._read_all(store, pace)))
-        self._sample_arrivals(running)  # within this node: one clock
+        self._ask_arrivals(running)  # within this node: one clock
 
-    def _sample_arrivals(self, running: Collection[int]) -> None:
-        """Judge this node's ranks by their arrival at the collectives (``_arrivals``)."""
+    def _ask_arrivals(self, running: Collection[int]) -> None:
+        """Ask this node's workers for their arrivals at the collectives (``_arrivals``);
+        a request not yet answered in full is judged on what came."""
         if self._arrivals is not None and isinstance(running, Mapping) and len(running) > 1:
-            traces = self._arrivals(running)
-            local = {r: t for r, t in traces.items() if r in running}
-            window = self.window.window_s
-            self._judge_arrivals(judge_arrivals(local, window_s=window, subset=self.nnodes > 1))
+            self._read_arrivals(running, force=True)
+            self._asked = self._arrivals(running)
+
+    def _read_arrivals(self, running: Collection[int], *, force: bool = False) -> None:
+        """Judge the ranks by the answers to the last request, once every worker answered
+        (never waiting for one: the monitor loop goes on meanwhile)."""
+        asked = self._asked
+        if asked is None or not (force or asked.ready()):
+            return
+        self._asked = None
+        local = {r: t for r, t in asked.results(0.0).items() if r in running}
+        window = self.window.window_s
+        self._judge_arrivals(judge_arrivals(local, window_s=window, subset=self.nnodes > 1))
 
     # ------------------------------------------------------------------ steps
     def _due(self) -> bool:

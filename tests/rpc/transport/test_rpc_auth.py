@@ -73,6 +73,17 @@ def test_server_that_does_not_know_the_secret_is_refused() -> None:
     server.close()
 
 
+def test_a_server_that_closes_before_its_greeting_is_gone_not_a_wrong_secret() -> None:
+    # a peer that shut down with a connection still in its listen backlog: the client's
+    # init_rpc takes it for a peer that left (torch's does too), not a secret mismatch
+    server, client = _pair()
+    server.close()
+    with pytest.raises(ConnectionResetError, match="before its greeting") as caught:
+        _auth.client_handshake(client, b"secret", {"name": "w", "id": 0}, 5)
+    assert not isinstance(caught.value, rpc.RpcAuthenticationError)
+    client.close()
+
+
 def _rejections(records: list[logging.LogRecord]) -> int:
     return sum("rejected a connection" in r.getMessage() for r in records)
 

@@ -1,0 +1,81 @@
+"""The agent's request for its workers' Flight Recorder traces, against real worker
+processes running the dumper thread (``install_flight_dumper``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rallypoint._core import envvars
+from rallypoint.observe import _flight
+from rallypoint.observe._flight import FlightRequest
+from rallypoint.observe._flight_records import RankTrace
+
+WORKER = """
+import sys, time
+from rallypoint.observe._flight import install_flight_dumper
+install_flight_dumper()
+print("ready", flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def _worker(directory: Path, rank: int, lives: float) -> subprocess.Popen[str]:
+    env = {**os.environ, envvars.STACKS_DIR: str(directory), "RANK": str(rank)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WORKER, str(lives)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+@pytest.mark.timeout(30)
+def test_answers_come_without_waiting_and_an_exited_worker_is_not_waited_for(
+    tmp_path: Path,
+) -> None:
+    alive, dying = _worker(tmp_path, 0, 60), _worker(tmp_path, 1, 60)
+    try:
+        os.kill(dying.pid, signal.SIGSTOP)  # asked while it lives, it never answers
+        request = FlightRequest({0: alive.pid, 1: dying.pid}, tmp_path, arrivals=True)
+        time.sleep(0.3)
+        assert not request.ready()  # rank 1 still may answer
+        traces = request.results(0.0)  # what came so far, without waiting
+        assert traces[0].error == "torch.distributed is not in use"  # (no torch in it)
+        assert "no Flight Recorder dump within 0 s" in str(traces[1].error)
+        dying.kill()
+        dying.wait(5)
+        assert request.ready()
+        started = time.monotonic()
+        traces = request.results(10.0)
+        assert time.monotonic() - started < 2.0  # not the full timeout for the dead one
+        assert traces[1].error == "it exited before answering"
+        # a worker gone before the request: nobody reads its FIFO
+        gone = FlightRequest({1: dying.pid}, tmp_path)
+        assert gone.ready() and "no Flight Recorder dumper" in str(gone.results(10.0)[1].error)
+    finally:
+        alive.kill()
+        alive.wait()
+        dying.kill()
+        dying.wait()
+
+
+def test_the_frameless_answer_is_made_before_the_one_with_frames(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made: list[bool] = []
+
+    def dump(rank: int, frames: bool, keep: int = 0) -> RankTrace:
+        made.append(frames)
+        return RankTrace(rank=rank)
+
+    monkeypatch.setattr(_flight, "_dump_this_worker", dump)
+    answers = _flight._answers("token", 3)
+    assert next(answers) == (False, RankTrace(rank=3)) and made == [False]  # frames not yet
+    assert next(answers) == (True, RankTrace(rank=3)) and made == [False, True]
+    assert list(_flight._answers("token arrivals", 3)) == [(True, RankTrace(rank=3))]
