@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from _support.flight import root_causes
+
 CASES = """
 import os, sys, time
 import torch, torch.distributed as dist
@@ -49,25 +51,6 @@ dist.all_reduce(torch.ones(4))
 def _line(marker: str) -> str:
     number = next(i for i, line in enumerate(CASES.splitlines(), 1) if line.endswith(marker))
     return f"cases.py:{number}"
-
-
-def root_causes(text: str) -> list[dict[str, str]]:
-    """Each ``Root cause (Flight Recorder):`` block of ``text`` as ``{field: value}``."""
-    blocks = []
-    for chunk in text.split("Root cause (Flight Recorder):")[1:]:
-        fields: dict[str, str] = {}
-        last = ""
-        for line in chunk.splitlines()[1:]:
-            m = re.match(r"^  (rank|host|collective|issued at|waiting) +: (.*)$", line)
-            if m:
-                last = m.group(1)
-                fields[last] = m.group(2)
-            elif line.startswith("               ") and last:
-                fields[last] += "; " + line.strip()  # a continued field
-            elif not line.startswith("  "):
-                break
-        blocks.append(fields)
-    return blocks
 
 
 def _run(script: Path, *args: str, timeout: float = 200) -> subprocess.CompletedProcess[str]:

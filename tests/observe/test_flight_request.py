@@ -16,6 +16,7 @@ from rallypoint._core import envvars
 from rallypoint.observe import _flight
 from rallypoint.observe._flight import FlightRequest
 from rallypoint.observe._flight_records import RankTrace
+from rallypoint.observe._stacks import THREAD_WAIT, collect_stacks
 
 WORKER = """
 import sys, time
@@ -75,7 +76,51 @@ def test_the_frameless_answer_is_made_before_the_one_with_frames(
         return RankTrace(rank=rank)
 
     monkeypatch.setattr(_flight, "_dump_this_worker", dump)
-    answers = _flight._answers("token", 3)
+    answers = _flight.answers("token", 3)
     assert next(answers) == (False, RankTrace(rank=3)) and made == [False]  # frames not yet
     assert next(answers) == (True, RankTrace(rank=3)) and made == [False, True]
-    assert list(_flight._answers("token arrivals", 3)) == [(True, RankTrace(rank=3))]
+    assert list(_flight.answers("token arrivals", 3)) == [(True, RankTrace(rank=3))]
+
+
+STACKS_WORKER = """
+import os, sys, time
+from rallypoint.observe._flight import install_flight_dumper
+from rallypoint.observe._fifo import fifo_path
+from rallypoint.observe._stacks import dump_stacks_now, install_stack_dumper
+install_stack_dumper()
+if sys.argv[1] == "thread":
+    install_flight_dumper(on_stacks=dump_stacks_now)
+else:  # a FIFO whose reader never answers: a thread that cannot get the GIL
+    os.mkfifo(fifo_path(os.environ["RALLYPOINT_STACKS_DIR"], os.getpid()), 0o600)
+    fd = os.open(fifo_path(os.environ["RALLYPOINT_STACKS_DIR"], os.getpid()), os.O_RDWR)
+print("ready", flush=True)
+def waiting_here():
+    time.sleep(60)
+waiting_here()
+"""
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("how", ["thread", "deaf"])
+def test_stacks_come_from_the_thread_and_by_signal_when_it_does_not_answer(
+    tmp_path: Path, how: str
+) -> None:
+    env = {**os.environ, envvars.STACKS_DIR: str(tmp_path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STACKS_WORKER, how], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        started = time.monotonic()
+        dump = collect_stacks({0: proc.pid}, 10.0, directory=tmp_path)[0]
+        took = time.monotonic() - started
+        assert dump.error is None and dump.main is not None
+        assert dump.main.frames[0].name == "waiting_here", dump.main  # in time.sleep
+        current = next(t for t in dump.threads if t.current)
+        if how == "thread":  # written from the Flight Recorder thread, with the GIL held
+            assert any(f.name == "dump_stacks_now" for f in current.frames) and took < 1.0
+        else:  # its thread never answered: the signal, after THREAD_WAIT
+            assert current is dump.main and took >= THREAD_WAIT
+    finally:
+        proc.kill()
+        proc.wait()

@@ -30,6 +30,7 @@ from rallypoint.observe._flight_format import format_hang_report
 from rallypoint.observe._stacks_exchange import request_stacks
 from rallypoint.observe._straggler_watch import StragglerWatch
 from rallypoint.supervise._output import write_console
+from rallypoint.supervise._policy import collective_timeout_reason
 from rallypoint.supervise._state import OutcomeKind, Stop
 
 __all__ = ["MEMBERSHIP_CHANGED", "ElasticPolicy"]
@@ -117,6 +118,21 @@ class ElasticPolicy:
         except Exception as exc:
             return Stop(OutcomeKind.LOST, f"lost the rendezvous store: {exc}")
         return Stop(OutcomeKind.HANG, reason)
+
+    def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> None:
+        """As a hang: the first node to see it gathers every node's stacks and traces (the
+        ranks that timed out left theirs), the others answer until it has them."""
+        self.job.observer.emit("collective_timeout", round=self.rnd.number, rank=rank)
+        reason = collective_timeout_reason(rank)
+
+        def report() -> None:
+            if self.job.run.first_to_see_hang(self.rnd.number):
+                self._report_stacks(running, reason)
+            else:
+                self._answer_until_reported(running)
+
+        with contextlib.suppress(_Interrupted, Exception):  # the failure is reported anyway
+            call_in_thread(report, poll=self._stop_if_signalled, name="rallypoint-timeout")
 
     def _stop_if_signalled(self) -> None:
         if self.job.signal_pending():

@@ -28,11 +28,12 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from rallypoint._core import envvars
 from rallypoint._core.procs import pid_running
+from rallypoint.observe._fifo import STACKS_REQUEST, ask, fifo_path
 from rallypoint.observe._flight_records import FlightEntry, GroupTrace, RankTrace
 
 __all__ = [
@@ -40,9 +41,11 @@ __all__ = [
     "DEFAULT_BUFFER",
     "NCCL_DUMP_PREFIX",
     "FlightRequest",
+    "answers",
     "flight_recorder_env",
     "install_flight_dumper",
     "parse_buffer",
+    "recording",
     "remove_flight_files",
     "trace_from_dump",
 ]
@@ -88,7 +91,7 @@ def flight_recorder_env(
     out: dict[str, str] = {}
     if not any(k in env for k in _USER_BUFFER_ENVS):
         out[BUFFER_ENV] = str(buffer or 0)
-    if not _recording({**env, **out}):
+    if not recording({**env, **out}):
         return out
     out.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     if directory is not None:
@@ -96,7 +99,7 @@ def flight_recorder_env(
     return {k: v for k, v in out.items() if k not in env}
 
 
-def _recording(env: Mapping[str, str]) -> bool:
+def recording(env: Mapping[str, str]) -> bool:
     for key in _USER_BUFFER_ENVS:
         if key in env:
             return env[key].strip().isdigit() and int(env[key]) > 0
@@ -179,7 +182,7 @@ def _dump_this_worker(rank: int, frames: bool, keep: int = KEEP_COMPLETED) -> Ra
     return trace_from_dump(rank, dump, _groups_of_this_worker(), keep)
 
 
-def _answers(request: str, rank: int) -> Iterator[tuple[bool, RankTrace]]:
+def answers(request: str, rank: int) -> Iterator[tuple[bool, RankTrace]]:
     """What a request gets: ``(final, trace)`` pairs, each yielded as soon as it is made, so
     that the frameless answer is written before torch's first symbolisation (which imports
     some 800 modules: seconds on a busy machine) starts."""
@@ -190,7 +193,7 @@ def _answers(request: str, rank: int) -> Iterator[tuple[bool, RankTrace]]:
     yield True, _dump_this_worker(rank, True)
 
 
-def _serve(fd: int, directory: str, rank: int) -> None:
+def _serve(fd: int, directory: str, rank: int, on_stacks: Callable[[], None] | None) -> None:
     pid = os.getpid()
     pending = b""
     while True:
@@ -204,8 +207,13 @@ def _serve(fd: int, directory: str, rank: int) -> None:
         *lines, pending = pending.split(b"\n")
         for line in lines:
             request = line.decode(errors="replace").strip()
+            if request == STACKS_REQUEST:
+                if on_stacks is not None:
+                    with contextlib.suppress(Exception):
+                        on_stacks()
+                continue
             try:
-                for final, trace in _answers(request, rank):
+                for final, trace in answers(request, rank):
                     _answer(directory, pid, request, final, trace)
             except Exception as exc:  # never let the thread die: the next request gets one
                 trace = RankTrace(rank=rank, error=f"dump failed: {exc!r}")
@@ -230,23 +238,31 @@ def _write(directory: str, pid: int, request: str, text: str) -> None:
     os.replace(tmp, _answer_path(directory, pid, request))
 
 
-def install_flight_dumper(env: Mapping[str, str] | None = None) -> str | None:
+def install_flight_dumper(
+    env: Mapping[str, str] | None = None, on_stacks: Callable[[], None] | None = None
+) -> str | None:
     """Start this worker's Flight Recorder dumper thread; return its FIFO's path.
 
+    ``on_stacks`` answers a stack request (``_stacks.dump_stacks_now``): from this thread,
+    with the GIL held, so no other thread's frames change while they are read.
     Does nothing (``None``) without ``RALLYPOINT_STACKS_DIR`` or with recording off.
     """
     env = os.environ if env is None else env
     directory = env.get(envvars.STACKS_DIR)
-    if not directory or not _recording(env):
+    if not directory or not recording(env):
         return None
     rank = int(env.get("RANK", "0") or 0)
-    path = os.path.join(directory, f"{os.getpid()}.fr")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+    path = fifo_path(directory, os.getpid())
+    for stale in (path, os.path.join(directory, f"{os.getpid()}.fr.final.json")):  # reused pid
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale)
     os.mkfifo(path, 0o600)
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # never EOF: this process holds a writer too
     thread = threading.Thread(
-        target=_serve, args=(fd, directory, rank), name="rallypoint-flight-recorder", daemon=True
+        target=_serve,
+        args=(fd, directory, rank, on_stacks),
+        name="rallypoint-flight-recorder",
+        daemon=True,
     )
     thread.start()
     return path
@@ -272,19 +288,11 @@ class FlightRequest:
         self.errors: dict[int, str] = {}
         self.waiting: dict[int, int] = {}  # rank -> pid
         for rank, pid in sorted(pids_by_rank.items()):
-            path = os.path.join(self.directory, f"{pid}.fr")
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError:
-                self.errors[rank] = "no Flight Recorder dumper (recording off, or still starting)"
-                continue
-            try:
-                os.write(fd, f"{self.token}\n".encode())
+            why = ask(self.directory, pid, self.token)
+            if why is None:
                 self.waiting[rank] = pid
-            except OSError as exc:
-                self.errors[rank] = f"cannot ask it: {exc.strerror}"
-            finally:
-                os.close(fd)
+            else:
+                self.errors[rank] = why
 
     def _read(self, rank: int, pid: int) -> tuple[RankTrace, bool] | None:
         """The worker's answer to this request, and whether it has the frames."""

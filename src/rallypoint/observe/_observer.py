@@ -32,6 +32,7 @@ from rallypoint.observe._flight import (
     parse_buffer,
     remove_flight_files,
 )
+from rallypoint.observe._flight_final import read_final_trace, remove_final_traces
 from rallypoint.observe._flight_format import format_hang_report
 from rallypoint.observe._progress import ProgressBoard
 from rallypoint.observe._stacks import StackDump, collect_stacks, remove_dump_file, stacks_env
@@ -95,6 +96,7 @@ class Observer(Closing):
         wants_board = hang_timeout is not None or self.straggler_threshold is not None
         self.board = ProgressBoard(nproc) if wants_board else None
         self.log: EventLog | None = None
+        self._exited: dict[int, int] = {}  # rank -> pid, this attempt's
         try:
             self.log = EventLog(watch.events, node=node) if watch.events else None
         except BaseException:
@@ -118,9 +120,13 @@ class Observer(Closing):
             self.log.emit(kind, **fields)
 
     def reset(self) -> None:
-        """A new attempt/round starts: idle time counts from now."""
+        """A new attempt/round starts: idle time counts from now; the last attempt's exited
+        workers and the traces they left are forgotten."""
         if self.board is not None:
             self.board.reset()
+        for rank, pid in self._exited.items():
+            remove_final_traces(self.stacks_dir, rank, pid)
+        self._exited.clear()
 
     def straggler_watch(
         self, *, round: int, rank_offset: int, group_rank: int = 0, nnodes: int = 1
@@ -158,21 +164,37 @@ class Observer(Closing):
         return 0.0 if self.board is None else self.board.seconds_since_progress()
 
     def collect(self, pids_by_rank: Mapping[int, int]) -> dict[int, StackDump]:
-        """This node's workers' stacks and Flight Recorder dumps, keyed by global rank."""
+        """This node's workers' stacks and Flight Recorder dumps, keyed by global rank, and
+        the traces that exited workers of this attempt left (``_flight_final``)."""
         # stacks first: faulthandler reads every thread's frames from a signal handler, which
         # can crash a worker whose Flight Recorder thread is busy importing (torch's first
         # symbolisation imports some 800 modules) at that moment
         dumps = collect_stacks(pids_by_rank, STACKS_TIMEOUT, directory=self.stacks_dir)
         request = FlightRequest(pids_by_rank, self.stacks_dir)
         traces = request.results(FLIGHT_TIMEOUT)
-        return {r: dataclasses.replace(d, flight=traces.get(r)) for r, d in dumps.items()}
+        out = {r: dataclasses.replace(d, flight=traces.get(r)) for r, d in dumps.items()}
+        for rank, pid in self._exited.items():
+            final = None if rank in out else read_final_trace(self.stacks_dir, rank, pid)
+            if final is not None:
+                why = "exited (a collective timed out: its error follows)"
+                out[rank] = StackDump(rank=rank, host=self.node, pid=pid, error=why, flight=final)
+        return dict(sorted(out.items()))
+
+    def left_trace(self, rank: int, pid: int) -> bool:
+        """Whether exited worker ``pid`` left a trace: it failed on a collective timeout
+        (its own, or the one NCCL's watchdog wrote before it aborted the process)."""
+        return read_final_trace(self.stacks_dir, rank, pid) is not None
 
     def local_stacks_text(self, pids_by_rank: Mapping[int, int]) -> str:
         return format_hang_report(self.collect(pids_by_rank))
 
-    def forget(self, pid: int) -> None:
+    def forget(self, pid: int, rank: int | None = None) -> None:
+        """Worker ``pid`` exited: its files go, but for a trace it left (kept for a report
+        on this attempt's failure until :meth:`reset`)."""
         remove_dump_file(self.stacks_dir, pid)
         remove_flight_files(self.stacks_dir, pid)
+        if rank is not None:
+            self._exited[rank] = pid
 
     def close(self) -> None:
         if self.board is not None:

@@ -7,7 +7,11 @@ handler, so a worker blocked inside a gloo/NCCL call or holding the GIL in C cod
 answers. The file appears (renamed into place) only once the handler is installed, so the
 agent never sends the signal, whose default action kills, to a worker without it.
 
-Agent side: :func:`collect_stacks` signals the local workers and parses their dumps into
+Agent side: :func:`collect_stacks` asks each local worker's Flight Recorder thread (its
+request FIFO, ``_fifo``) to write the same dump from Python with the GIL held
+(:func:`dump_stacks_now`), which is safe where the signal handler races the threads that
+run; a worker whose thread does not answer within :data:`THREAD_WAIT` (recording off, or
+a thread holding the GIL in C) is signalled. The dumps are parsed into
 :class:`StackDump` objects (JSON-serialisable, for gathering across nodes through the
 store: ``_stacks_exchange``); ``_stacks_format`` groups them for people.
 
@@ -32,6 +36,7 @@ from typing import IO, Any
 from rallypoint._core import envvars
 from rallypoint._core.checks import check_seconds
 from rallypoint._core.procs import pid_alive
+from rallypoint.observe._fifo import STACKS_REQUEST, ask
 from rallypoint.observe._flight_records import RankTrace
 
 __all__ = [
@@ -52,6 +57,8 @@ __all__ = [
 STACKS_DIR_ENV = envvars.STACKS_DIR
 STACKS_SIGNAL_ENV = envvars.STACKS_SIGNAL
 DEFAULT_STACKS_SIGNAL = int(signal.SIGRTMIN) + 4
+THREAD_WAIT = 1.0
+"""Seconds a worker's Flight Recorder thread has to write its stacks before the signal."""
 
 _dump_file: IO[str] | None = None  # kept open for faulthandler for the process' lifetime
 
@@ -118,6 +125,18 @@ def install_stack_dumper(env: Mapping[str, str] | None = None) -> str | None:
     _dump_file = fh
     os.replace(tmp, final)  # visible only now that the handler is in place
     return final
+
+
+def dump_stacks_now() -> None:
+    """Write every thread's stack into this worker's dump file, as the signal would, but
+    from Python with the GIL held: no other thread's frames change meanwhile, where
+    faulthandler's signal handler reads them racing the threads that run (a worker whose
+    other thread was importing has died of it). The Flight Recorder thread calls this on
+    the agent's request (``_flight.install_flight_dumper``)."""
+    import faulthandler
+
+    if _dump_file is not None:
+        faulthandler.dump_traceback(file=_dump_file, all_threads=True)
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -292,26 +311,16 @@ def collect_stacks(
     directory = os.fspath(directory)
     results: dict[int, StackDump] = {}
     waiting: dict[int, tuple[int, str]] = {}  # rank -> (pid, path)
+    signal_at: dict[int, float] = {}  # asked its thread: signal it if no dump by then
     for rank, pid in sorted(pids_by_rank.items()):
         path = os.path.join(directory, f"{pid}.stacks")
-        if not os.path.exists(path):
-            results[rank] = StackDump(
-                rank=rank,
-                host=host,
-                pid=pid,
-                error="no stack dump handler (not a rallypoint worker, or still starting)",
-            )
-            continue
-        try:
-            os.truncate(path, 0)
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            results[rank] = StackDump(rank=rank, host=host, pid=pid, error="process has exited")
-            continue
-        except OSError as exc:
-            results[rank] = StackDump(
-                rank=rank, host=host, pid=pid, error=f"cannot signal it: {exc.strerror}"
-            )
+        why = _ask(directory, path, pid, signum)
+        if why is None:
+            signal_at[rank] = time.monotonic() + THREAD_WAIT
+        elif why == "signalled":
+            why = None
+        if why is not None:
+            results[rank] = StackDump(rank=rank, host=host, pid=pid, error=why)
             continue
         waiting[rank] = (pid, path)
 
@@ -325,6 +334,13 @@ def collect_stacks(
                 size = os.stat(path).st_size
             except FileNotFoundError:
                 size = 0
+            if size == 0 and now >= signal_at.get(rank, now + 1):
+                del signal_at[rank]
+                why = _signal(pid, signum)  # its thread did not answer (the GIL is held)
+                if why is not None:
+                    results[rank] = StackDump(rank=rank, host=host, pid=pid, error=why)
+                    del waiting[rank]
+                    continue
             old = sizes.get(rank)
             if old is None or old[0] != size:
                 sizes[rank] = (size, now)
@@ -347,6 +363,31 @@ def collect_stacks(
             break
         time.sleep(0.01)
     return dict(sorted(results.items()))
+
+
+def _ask(directory: str, path: str, pid: int, signum: int) -> str | None:
+    """Ask worker ``pid`` for a dump into ``path`` (emptied first): ``None`` when its thread
+    was asked, ``"signalled"`` when it was signalled instead, else why neither happened."""
+    if not os.path.exists(path):
+        return "no stack dump handler (not a rallypoint worker, or still starting)"
+    try:
+        os.truncate(path, 0)
+    except OSError as exc:
+        return f"cannot empty its dump file: {exc.strerror}"
+    if ask(directory, pid, STACKS_REQUEST) is None:  # its thread dumps, GIL held
+        return None
+    return _signal(pid, signum) or "signalled"
+
+
+def _signal(pid: int, signum: int) -> str | None:
+    """Send the stack-dump signal; why it could not be sent, if so."""
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        return "process has exited"
+    except OSError as exc:
+        return f"cannot signal it: {exc.strerror}"
+    return None
 
 
 def remove_dump_file(directory: str | os.PathLike[str], pid: int) -> None:

@@ -23,6 +23,7 @@ import signal
 import time
 from typing import Any
 
+from rallypoint.observe._flight_final import COLLECTIVE_TIMEOUT
 from rallypoint.observe._observer import Observer
 from rallypoint.supervise._messages import Exited
 from rallypoint.supervise._output import OutputRouter
@@ -149,7 +150,19 @@ class Attempt:
         self._end(kind)
         self.root = root
         self.cause_until = None
+        if kind is OutcomeKind.FAILED and self._collective_timed_out(root):
+            # the rank that never issued the collective still runs: report before the stop
+            running = {w.rank: w.pid for w in self.workers if w.status is None}
+            self.policy.on_collective_timeout(running, root.rank)
         self._stop(signal.SIGTERM)
+
+    def _collective_timed_out(self, w: Worker) -> bool:
+        """Its error says so (gloo), or it left a trace (NCCL's watchdog aborts the process
+        without a Python error, after writing the trace)."""
+        traceback_text, _ = error_info(bytes(w.result), w.error_file)
+        if COLLECTIVE_TIMEOUT.search(traceback_text) is not None:
+            return True
+        return self.observer.left_trace(w.rank, w.pid)
 
     def _peer_loss(self, w: Worker) -> bool:
         """Whether the failed worker ``w`` says a peer vanished under it: in its error file,
@@ -223,7 +236,7 @@ class Attempt:
         self.kill_at = self.stopper.stop(self.workers, signum, quick=quick)
 
     def _on_exit(self, w: Worker) -> None:
-        self.observer.forget(w.pid)
+        self.observer.forget(w.pid, w.rank)
         state = w.state()
         fields: dict[str, Any] = {}
         if state.exitcode is not None and state.exitcode < 0:

@@ -7,7 +7,9 @@ an elastic job alike (composition, not subclassing):
 - :meth:`AttemptPolicy.poll`, each monitor tick: another reason to stop the workers now
   (a restart decided elsewhere, a membership change, a lost store), or ``None``;
 - :meth:`AttemptPolicy.on_hang`, when no worker reported progress for ``hang_timeout``,
-  while the workers still run (so that their stacks can be collected first).
+  while the workers still run (so that their stacks can be collected first);
+- :meth:`AttemptPolicy.on_collective_timeout`, when the first failure is a collective
+  that timed out, before the others are stopped: the rank that never issued it still runs.
 
 :class:`LocalPolicy` is the single-node one: each tick feeds straggler detection (when
 on); a hang prints the local workers' stacks.
@@ -23,7 +25,7 @@ from rallypoint.observe._straggler_watch import StragglerWatch
 from rallypoint.supervise._output import write_console
 from rallypoint.supervise._state import OutcomeKind, Stop
 
-__all__ = ["AttemptPolicy", "LocalPolicy"]
+__all__ = ["AttemptPolicy", "LocalPolicy", "collective_timeout_reason"]
 
 
 class AttemptPolicy(Protocol):
@@ -35,6 +37,10 @@ class AttemptPolicy(Protocol):
 
     def on_hang(self, running: Mapping[int, int], idle_s: float) -> Stop:
         """No worker reported progress for ``idle_s`` seconds; the workers still run."""
+        ...
+
+    def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> None:
+        """Rank ``rank`` failed because a collective timed out; ``running`` still run."""
         ...
 
 
@@ -66,3 +72,14 @@ class LocalPolicy:
         text = self.observer.local_stacks_text(running)
         write_console(2, f"rallypoint: {reason}; stacks:\n{text}\n".encode())
         return Stop(OutcomeKind.HANG, reason)
+
+    def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> None:
+        self.observer.emit("collective_timeout", round=self.attempt, rank=rank)
+        text = self.observer.local_stacks_text(running)
+        write_console(
+            2, f"rallypoint: {collective_timeout_reason(rank)}; stacks:\n{text}\n".encode()
+        )
+
+
+def collective_timeout_reason(rank: int) -> str:
+    return f"rank {rank} failed: a collective timed out (Flight Recorder of every rank below)"

@@ -283,6 +283,7 @@ def execute(target: Target, result_fd: int) -> NoReturn:
             pickled = None
         with contextlib.suppress(BaseException):
             _send_result(result_fd, ("err", pickled, tb_text, f"{type(exc).__name__}: {exc}"))
+        _leave_final_trace(exc)
         if isinstance(exc, KeyboardInterrupt):
             _finish()
             signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -313,14 +314,22 @@ def _show_rank(target: Target) -> None:
 def _install_stack_dumper() -> None:
     """Answer the agent's stack requests (``rallypoint stacks``, hang reports)."""
     from rallypoint.observe._flight import install_flight_dumper
-    from rallypoint.observe._stacks import install_stack_dumper
+    from rallypoint.observe._stacks import dump_stacks_now, install_stack_dumper
 
     try:
         install_stack_dumper()
-        install_flight_dumper()
+        install_flight_dumper(on_stacks=dump_stacks_now)
     except (OSError, ValueError) as exc:
         with contextlib.suppress(BaseException):
             sys.stderr.write(f"rallypoint: stack dumps unavailable in this worker: {exc}\n")
+
+
+def _leave_final_trace(exc: BaseException) -> None:
+    """A collective timed out: leave this worker's Flight Recorder for the agent's report."""
+    from rallypoint.observe._flight_final import leave_final_trace
+
+    with contextlib.suppress(Exception):
+        leave_final_trace(f"{exc}")
 
 
 def _user_traceback(exc: BaseException) -> str:
