@@ -121,3 +121,12 @@ def test_peer_loss_errors_are_recognised(tmp_path: Path) -> None:
     own = tmp_path / "own.json"
     own.write_text(json.dumps({"message": {"message": "ValueError: boom"}}))
     assert peer_loss(gloo) and not peer_loss(own) and not peer_loss(tmp_path / "missing.json")
+    # a collective that timed out names gloo's transport too, but no peer vanished: it is a
+    # failure of its own (a multi-node job then does not wait the liveness window for one)
+    timeout = tmp_path / "timeout.json"
+    timeout.write_text(
+        json.dumps({"message": {"message": "RuntimeError: [../gloo/transport/tcp/unbound_"
+                                "buffer.cc:78] Timed out waiting 3000ms for recv operation "
+                                "to complete"}})
+    )  # fmt: skip
+    assert not peer_loss(timeout)

@@ -60,7 +60,7 @@ from rallypoint.supervise._errors import (
 from rallypoint.supervise._output import write_console
 from rallypoint.supervise._signature import failure_signature
 from rallypoint.supervise._state import Failure, GroupInfo, Outcome, OutcomeKind
-from rallypoint.supervise._summary import PEER_LOSS
+from rallypoint.supervise._summary import peer_vanished
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -422,7 +422,7 @@ class ElasticCoordinator:
         if rnd.store.decided():
             return True
         window = self.job.handler.liveness_window()
-        if not PEER_LOSS.search(failure.traceback) or window is None:
+        if not peer_vanished(failure.traceback) or window is None:
             return False
         deadline = time.monotonic() + window.total_seconds()
         while time.monotonic() < deadline:

@@ -26,6 +26,7 @@ from rallypoint.observe._flight_records import RankTrace
 
 __all__ = [
     "COLLECTIVE_TIMEOUT",
+    "has_final_trace",
     "leave_final_trace",
     "read_final_trace",
     "remove_final_traces",
@@ -59,6 +60,11 @@ def leave_final_trace(error: str, env: Mapping[str, str] | None = None) -> bool:
             fh.write(json.dumps(answer))
         os.replace(tmp, _final_path(directory, os.getpid()))
     return True
+
+
+def has_final_trace(directory: str | os.PathLike[str], pid: int) -> bool:
+    """Whether worker ``pid`` began to leave its trace (:func:`leave_final_trace`)."""
+    return os.path.exists(_final_path(os.fspath(directory), pid))
 
 
 def read_final_trace(directory: str | os.PathLike[str], rank: int, pid: int) -> RankTrace | None:

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +25,7 @@ from typing import Any
 
 from rallypoint._core.checks import check_int, check_seconds
 from rallypoint._core.closing import Closing
+from rallypoint._core.procs import pid_running
 from rallypoint.observe._events import EventLog
 from rallypoint.observe._flight import (
     DEFAULT_BUFFER,
@@ -32,7 +34,11 @@ from rallypoint.observe._flight import (
     parse_buffer,
     remove_flight_files,
 )
-from rallypoint.observe._flight_final import read_final_trace, remove_final_traces
+from rallypoint.observe._flight_final import (
+    has_final_trace,
+    read_final_trace,
+    remove_final_traces,
+)
 from rallypoint.observe._flight_format import format_hang_report
 from rallypoint.observe._progress import ProgressBoard
 from rallypoint.observe._stacks import StackDump, collect_stacks, remove_dump_file, stacks_env
@@ -165,15 +171,23 @@ class Observer(Closing):
 
     def collect(self, pids_by_rank: Mapping[int, int]) -> dict[int, StackDump]:
         """This node's workers' stacks and Flight Recorder dumps, keyed by global rank, and
-        the traces that exited workers of this attempt left (``_flight_final``)."""
+        the traces that workers of this attempt left as they failed (``_flight_final``)."""
+        # a worker that is leaving its trace fails on a collective timeout: it is not asked
+        # (its thread would wait behind the imports of its own last dump); it is given until
+        # the deadline to exit, then its trace is read
+        leaving = {r: p for r, p in pids_by_rank.items() if has_final_trace(self.stacks_dir, p)}
+        live = {r: p for r, p in pids_by_rank.items() if r not in leaving}
         # stacks first: faulthandler reads every thread's frames from a signal handler, which
         # can crash a worker whose Flight Recorder thread is busy importing (torch's first
         # symbolisation imports some 800 modules) at that moment
-        dumps = collect_stacks(pids_by_rank, STACKS_TIMEOUT, directory=self.stacks_dir)
-        request = FlightRequest(pids_by_rank, self.stacks_dir)
+        dumps = collect_stacks(live, STACKS_TIMEOUT, directory=self.stacks_dir)
+        request = FlightRequest(live, self.stacks_dir)
         traces = request.results(FLIGHT_TIMEOUT)
         out = {r: dataclasses.replace(d, flight=traces.get(r)) for r, d in dumps.items()}
-        for rank, pid in self._exited.items():
+        deadline = request.started + FLIGHT_TIMEOUT
+        while any(pid_running(p) for p in leaving.values()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for rank, pid in {**self._exited, **leaving}.items():
             final = None if rank in out else read_final_trace(self.stacks_dir, rank, pid)
             if final is not None:
                 why = "exited (a collective timed out: its error follows)"

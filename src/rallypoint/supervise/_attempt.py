@@ -32,10 +32,10 @@ from rallypoint.supervise._signals import SignalQueue
 from rallypoint.supervise._state import Failure, Outcome, OutcomeKind, Stop, Worker
 from rallypoint.supervise._stop import Stopper
 from rallypoint.supervise._summary import (
-    PEER_LOSS,
     bad_target_message,
     error_info,
     fatal_message,
+    peer_vanished,
 )
 from rallypoint.supervise._warm import WarmProcess
 from rallypoint.supervise._worker import BAD_TARGET_EXIT, FATAL_EXIT
@@ -170,7 +170,7 @@ class Attempt:
         while w.res_fd in self.by_res and self._read_result(w, until_empty=True):
             pass
         traceback_text, _ = error_info(bytes(w.result), w.error_file)
-        return PEER_LOSS.search(traceback_text) is not None
+        return peer_vanished(traceback_text)
 
     def _take_signals(self) -> None:
         while (signum := self.signals.pop()) is not None:

@@ -12,6 +12,7 @@ import textwrap
 from datetime import datetime
 from pathlib import Path
 
+from rallypoint.observe._flight_final import COLLECTIVE_TIMEOUT
 from rallypoint.supervise._errors import WorkerSummary
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "fatal_message",
     "format_summary",
     "peer_loss",
+    "peer_vanished",
 ]
 
 PEER_LOSS = re.compile(
@@ -31,13 +33,20 @@ PEER_LOSS = re.compile(
 """Errors a rank gets when a peer vanished mid-collective: a consequence of a failure."""
 
 
+def peer_vanished(text: str) -> bool:
+    """Whether an error ``text`` says that a peer vanished mid-collective (:data:`PEER_LOSS`).
+    A collective that timed out is not that, though gloo's error names its transport: the
+    peers are there, one of them never came (``observe._flight_final.COLLECTIVE_TIMEOUT``)."""
+    return PEER_LOSS.search(text) is not None and COLLECTIVE_TIMEOUT.search(text) is None
+
+
 def peer_loss(error_file: Path) -> bool:
     """Whether the worker's recorded error says that a peer vanished under it."""
     try:
         text = error_file.read_text(errors="replace")
     except OSError:
         return False
-    return PEER_LOSS.search(text) is not None
+    return peer_vanished(text)
 
 
 _WIDTH = 72
