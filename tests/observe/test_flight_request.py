@@ -71,8 +71,11 @@ def test_the_frameless_answer_is_made_before_the_one_with_frames(
 ) -> None:
     made: list[bool] = []
 
-    def dump(rank: int, frames: bool, keep: int = 0) -> RankTrace:
+    windows: list[int | None] = []
+
+    def dump(rank: int, frames: bool, keep: int = 0, window_ns: int | None = None) -> RankTrace:
         made.append(frames)
+        windows.append(window_ns)
         return RankTrace(rank=rank)
 
     monkeypatch.setattr(_flight, "_dump_this_worker", dump)
@@ -80,6 +83,8 @@ def test_the_frameless_answer_is_made_before_the_one_with_frames(
     assert next(answers) == (False, RankTrace(rank=3)) and made == [False]  # frames not yet
     assert next(answers) == (True, RankTrace(rank=3)) and made == [False, True]
     assert list(_flight.answers("token arrivals", 3)) == [(True, RankTrace(rank=3))]
+    assert list(_flight.answers("token arrivals 2.5", 3)) == [(True, RankTrace(rank=3))]
+    assert windows[-2:] == [None, 2_500_000_000]  # the straggler window: nothing older
 
 
 STACKS_WORKER = """
@@ -124,3 +129,23 @@ def test_stacks_come_from_the_thread_and_by_signal_when_it_does_not_answer(
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_arrivals_answer_keeps_the_entries_of_the_window_up_to_the_newest() -> None:
+    def entry(seq: int, created_s: float) -> dict[str, object]:
+        return {
+            "pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": seq,
+            "profiling_name": "gloo:all_reduce", "time_created_ns": int(created_s * 1e9),
+            "input_sizes": [[4]], "input_dtypes": ["Float"], "retired": True, "is_p2p": False,
+        }  # fmt: skip
+
+    dump = {
+        "pg_status": {"0": {"last_enqueued_collective": 4, "last_completed_collective": 4}},
+        "entries": [entry(1, 100.0), entry(2, 150.0), entry(3, 171.0), entry(4, 200.0)],
+    }
+    groups = {"0": ((0, 1), True)}
+    every = _flight.trace_from_dump(0, dump, groups, keep=1 << 30)
+    recent = _flight.trace_from_dump(0, dump, groups, keep=1 << 30, window_ns=30_000_000_000)
+    assert [e.seq for e in every.groups[0].entries] == [1, 2, 3, 4]
+    assert [e.seq for e in recent.groups[0].entries] == [3, 4]  # created from 170 s on
+    assert (recent.groups[0].issued, recent.groups[0].completed) == (4, 4)

@@ -16,6 +16,7 @@ from rallypoint.cli._parser import UsageError, build_parser
 from rallypoint.cli._report import report_main
 from rallypoint.launcher import LaunchConfig
 from rallypoint.observe._events import EventLog, read_events
+from rallypoint.observe._flight_records import RankTrace
 from rallypoint.observe._report import render_report
 from rallypoint.observe._straggler_watch import StragglerWatch, describe, pace_key
 from rallypoint.observe._stragglers import (
@@ -353,3 +354,35 @@ def test_report_without_step_times_has_no_lanes(tmp_path: Path) -> None:
     assert build_timeline(read_events([events_file])).lanes is None
     out = render_report(read_events([events_file]), tmp_path / "plain.svg")
     assert "lane-0" not in Path(out).read_text()
+
+
+class _Request:
+    """A Flight Recorder request that every worker answered at once (no traces)."""
+
+    def ready(self) -> bool:
+        return True
+
+    def results(self, timeout: float) -> dict[int, RankTrace]:
+        return {}
+
+
+@pytest.mark.parametrize(("window_s", "asked"), [(30.0, 15), (4.0, 75)])
+def test_arrivals_are_sampled_about_every_sixth_of_the_window(window_s: float, asked: int) -> None:
+    # a sample costs every worker a dump of its Flight Recorder: not every 2 s period
+    clock = [0.0]
+    requests: list[dict[int, int]] = []
+
+    def ask(running: dict[int, int]) -> _Request:
+        requests.append(running)
+        return _Request()
+
+    watch = StragglerWatch(
+        _Board(2),  # type: ignore[arg-type]
+        threshold=1.5, host="h", round=0, rank_offset=0, emit=lambda *a, **k: None,
+        say=lambda line: None, window_s=window_s, clock=lambda: clock[0], arrivals=ask,
+    )  # fmt: skip
+    for tick in range(1, 601):  # 60 s of monitor ticks, 0.1 s apart
+        clock[0] = tick * 0.1
+        watch.tick({0: 100, 1: 101})
+    assert len(requests) == pytest.approx(asked, abs=2), len(requests)
+    assert requests[0] == {0: 100, 1: 101}

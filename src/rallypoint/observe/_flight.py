@@ -7,9 +7,10 @@ unless the user set torch's own variables, which win.
 
 Worker side: :func:`install_flight_dumper` (called by the worker bootstrap, next to the
 stack dumper) makes a FIFO ``$RALLYPOINT_STACKS_DIR/<pid>.fr`` and a daemon thread that
-blocks reading it. A request is one line (a token; ``... arrivals`` for straggler
-sampling: every entry, no frames); the thread calls torch's ``_dump_fr_trace()``, adds
-the group memberships from ``torch.distributed`` and writes ``<pid>.fr.dump.json`` (or
+blocks reading it. A request is one line (a token; ``... arrivals [SECONDS]`` for
+straggler sampling: the entries of the last SECONDS up to the newest, no frames; ``stacks``
+for a stack dump, ``_stacks``); the thread calls torch's ``_dump_fr_trace()``, adds the
+group memberships from ``torch.distributed`` and writes ``<pid>.fr.dump.json`` (or
 ``<pid>.fr.arrivals.json``), renamed into place. A thread, not a signal handler: a Python
 handler never runs while the main thread is blocked in a collective, but that call
 releases the GIL, so the thread runs; a busy Python loop lets it run every switch interval.
@@ -131,19 +132,27 @@ def trace_from_dump(
     dump: Mapping[str, Any],
     groups: Mapping[str, tuple[tuple[int, ...], bool]],
     keep: int = KEEP_COMPLETED,
+    window_ns: int | None = None,
 ) -> RankTrace:
-    """A :class:`RankTrace` from torch's unpickled dump and this worker's groups."""
+    """A :class:`RankTrace` from torch's unpickled dump and this worker's groups;
+    ``window_ns``: only the entries created that long before the newest one, or later."""
     status = dump.get("pg_status", {})
     by_group: dict[str, list[FlightEntry]] = {}
     issued: dict[str, int] = {}
     completed: dict[str, int] = {}
-    for e in dump.get("entries", []):
+    entries = dump.get("entries", [])
+    oldest = None
+    if window_ns is not None and entries:
+        oldest = max(int(e["time_created_ns"]) for e in entries) - window_ns
+    for e in entries:
         if e.get("is_p2p"):
             continue
         name = str(e["process_group"][0])
         st = status.get(str(e["pg_id"]), {})
         issued[name] = max(0, int(st.get("last_enqueued_collective", 0)))  # -1: none
         completed[name] = max(0, int(st.get("last_completed_collective", 0)))
+        if oldest is not None and int(e["time_created_ns"]) < oldest:
+            continue
         by_group.setdefault(name, []).append(
             FlightEntry(
                 seq=int(e["collective_seq_id"]),
@@ -169,7 +178,9 @@ def trace_from_dump(
     return RankTrace(rank=rank, groups=tuple(traces))
 
 
-def _dump_this_worker(rank: int, frames: bool, keep: int = KEEP_COMPLETED) -> RankTrace:
+def _dump_this_worker(
+    rank: int, frames: bool, keep: int = KEEP_COMPLETED, window_ns: int | None = None
+) -> RankTrace:
     if "torch.distributed" not in sys.modules:
         return RankTrace(rank=rank, error="torch.distributed is not in use")
     import torch
@@ -179,15 +190,18 @@ def _dump_this_worker(rank: int, frames: bool, keep: int = KEEP_COMPLETED) -> Ra
         dump = pickle.loads(raw)
     except Exception as exc:
         return RankTrace(rank=rank, error=f"torch's Flight Recorder dump failed: {exc}")
-    return trace_from_dump(rank, dump, _groups_of_this_worker(), keep)
+    return trace_from_dump(rank, dump, _groups_of_this_worker(), keep, window_ns)
 
 
 def answers(request: str, rank: int) -> Iterator[tuple[bool, RankTrace]]:
     """What a request gets: ``(final, trace)`` pairs, each yielded as soon as it is made, so
     that the frameless answer is written before torch's first symbolisation (which imports
     some 800 modules: seconds on a busy machine) starts."""
-    if request.endswith(" arrivals"):  # straggler sampling: every entry, never frames
-        yield True, _dump_this_worker(rank, False, keep=1 << 30)
+    token, _, window = request.partition(" arrivals")
+    if token != request:  # straggler sampling: the entries of the window, never frames
+        window_s = float(window) if window.strip() else None
+        window_ns = None if window_s is None else int(window_s * 1e9)
+        yield True, _dump_this_worker(rank, False, keep=1 << 30, window_ns=window_ns)
         return
     yield False, _dump_this_worker(rank, False)
     yield True, _dump_this_worker(rank, True)
@@ -227,7 +241,7 @@ def _answer(directory: str, pid: int, request: str, final: bool, trace: RankTrac
 
 
 def _answer_path(directory: str, pid: int, request: str) -> str:
-    kind = "arrivals" if request.endswith(" arrivals") else "dump"  # one never hides the other
+    kind = "arrivals" if " arrivals" in request else "dump"  # one never hides the other
     return os.path.join(directory, f"{pid}.fr.{kind}.json")
 
 
@@ -280,11 +294,15 @@ class FlightRequest:
         directory: str | os.PathLike[str],
         *,
         arrivals: bool = False,
+        window_s: float | None = None,
     ) -> None:
-        """``arrivals``: every recorded entry, without frames (straggler sampling)."""
+        """``arrivals``: the recorded entries, without frames (straggler sampling): those
+        created in the ``window_s`` seconds up to each worker's newest, or all."""
         self.directory = os.fspath(directory)
         self.started = time.monotonic()
-        self.token = f"{os.getpid()}-{time.monotonic_ns()}" + (" arrivals" if arrivals else "")
+        self.token = f"{os.getpid()}-{time.monotonic_ns()}"
+        if arrivals:
+            self.token += " arrivals" + ("" if window_s is None else f" {window_s:g}")
         self.errors: dict[int, str] = {}
         self.waiting: dict[int, int] = {}  # rank -> pid
         for rank, pid in sorted(pids_by_rank.items()):

@@ -157,7 +157,8 @@ class Observer(Closing):
     def _arrivals(self, pids_by_rank: Mapping[int, int]) -> FlightRequest:
         """Ask the workers for their recorded collectives (no frames) for straggler
         detection; :class:`StragglerWatch` reads the answers a period later."""
-        return FlightRequest(pids_by_rank, self.stacks_dir, arrivals=True)
+        window = self.straggler_window  # nothing older is judged (``judge_arrivals``)
+        return FlightRequest(pids_by_rank, self.stacks_dir, arrivals=True, window_s=window)
 
     def hung(self) -> bool:
         return (
