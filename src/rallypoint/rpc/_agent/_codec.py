@@ -46,26 +46,24 @@ class Codec:
     ) -> tuple[bytes, list[torch.Tensor]]:
         """A call's ``(func, args, kwargs)`` for ``dst``: this worker's map for ``dst``."""
         device_map = self._peers.device_maps.get(dst)
-        if ctx is None:
-            return _wire.encode(
-                payload, dst=dst, device_map=device_map, rref_type=RRef, rref_hook=self._fork
-            )
-        return self._tagged(dst, payload, device_map, ctx, always=True)
+        return self._encode(dst, payload, device_map, ctx, always=True)
 
     def reply(
         self, dst: str, value: Any, ctx: AutogradContext | None = None
     ) -> tuple[bytes, list[torch.Tensor]]:
         """A call's return value for the caller ``dst``: the inverse of ``dst``'s map."""
         device_map = self._peers.reverse_maps.get(dst)
+        return self._encode(dst, value, device_map, ctx, always=False)
+
+    def _encode(
+        self, dst: str, obj: Any, device_map: Any, ctx: AutogradContext | None, *, always: bool
+    ) -> tuple[bytes, list[torch.Tensor]]:
+        """``obj`` for ``dst``; within an autograd context, tagged with it (``always``: even
+        when no tensor needs a gradient)."""
         if ctx is None:
             return _wire.encode(
-                value, dst=dst, device_map=device_map, rref_type=RRef, rref_hook=self._fork
+                obj, dst=dst, device_map=device_map, rref_type=RRef, rref_hook=self._fork
             )
-        return self._tagged(dst, value, device_map, ctx, always=False)
-
-    def _tagged(
-        self, dst: str, obj: Any, device_map: Any, ctx: AutogradContext, *, always: bool
-    ) -> tuple[bytes, list[torch.Tensor]]:
         # as in torch, tensors sent with grad mode off are not recorded
         needs_grad: list[torch.Tensor] | None = [] if torch.is_grad_enabled() else None
         data, raws = _wire.encode(

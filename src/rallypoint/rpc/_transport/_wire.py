@@ -355,6 +355,15 @@ def decode(
         _state.tensors, _state.received, _state.los = saved
 
 
+def _raw(index: int) -> torch.Tensor:
+    """The ``index``-th raw tensor of the message being unpickled."""
+    tensors = getattr(_state, "tensors", None)
+    if tensors is None:
+        raise RuntimeError("rallypoint RPC tensors can only be unpickled by the RPC agent")
+    tensor: torch.Tensor = tensors[index]
+    return tensor
+
+
 def _rebuild_tensor(
     index: int,
     dtype: torch.dtype,
@@ -363,10 +372,7 @@ def _rebuild_tensor(
     device: str | None,
     is_parameter: bool,
 ) -> torch.Tensor:
-    tensors = getattr(_state, "tensors", None)
-    if tensors is None:
-        raise RuntimeError("rallypoint RPC tensors can only be unpickled by the RPC agent")
-    raw = tensors[index]
+    raw = _raw(index)
     tensor = torch.empty(shape, dtype=dtype) if raw.numel() == 0 else raw.view(dtype).reshape(shape)
     return _finish(tensor, requires_grad, device, is_parameter)
 
@@ -381,10 +387,7 @@ def _rebuild_view(
     device: str | None,
     is_parameter: bool,
 ) -> torch.Tensor:
-    tensors = getattr(_state, "tensors", None)
-    if tensors is None:
-        raise RuntimeError("rallypoint RPC tensors can only be unpickled by the RPC agent")
-    raw = tensors[index]
+    raw = _raw(index)
     los = getattr(_state, "los", None)
     offset = raw.storage_offset() + start - (los[index] if los else 0)
     size = torch.empty(0, dtype=dtype).element_size()
