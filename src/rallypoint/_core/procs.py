@@ -33,7 +33,8 @@ def pid_running(pid: int) -> bool:
         return False
     except OSError:
         return pid_alive(pid)
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
+    state = stat[stat.rfind(b")") + 2 :][:1]  # the field after "(command)"
+    return state not in (b"Z", b"X")
 
 
 def exit_now(code: int) -> NoReturn:

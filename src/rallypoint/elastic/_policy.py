@@ -105,10 +105,7 @@ class ElasticPolicy:
         )
 
         def report() -> None:
-            if self.job.run.first_to_see_hang(self.rnd.number):
-                self._report_stacks(running, reason)
-            else:
-                self._answer_until_reported(running)
+            self._report_once(running, reason)
             self.rnd.claim(reason, spend=True, force_fail=action == "fail")
 
         try:
@@ -124,15 +121,20 @@ class ElasticPolicy:
         ranks that timed out left theirs), the others answer until it has them."""
         self.job.observer.emit("collective_timeout", round=self.rnd.number, rank=rank)
         reason = collective_timeout_reason(rank)
-
-        def report() -> None:
-            if self.job.run.first_to_see_hang(self.rnd.number):
-                self._report_stacks(running, reason)
-            else:
-                self._answer_until_reported(running)
-
         with contextlib.suppress(_Interrupted, Exception):  # the failure is reported anyway
-            call_in_thread(report, poll=self._stop_if_signalled, name="rallypoint-timeout")
+            call_in_thread(
+                lambda: self._report_once(running, reason),
+                poll=self._stop_if_signalled,
+                name="rallypoint-timeout",
+            )
+
+    def _report_once(self, running: Mapping[int, int], reason: str) -> None:
+        """One report for the job: the first node to see it gathers every node's stacks and
+        prints them; the others answer until it has."""
+        if self.job.run.first_to_see_hang(self.rnd.number):
+            self._report_stacks(running, reason)
+        else:
+            self._answer_until_reported(running)
 
     def _stop_if_signalled(self) -> None:
         if self.job.signal_pending():

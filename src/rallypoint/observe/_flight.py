@@ -49,6 +49,7 @@ __all__ = [
     "recording",
     "remove_flight_files",
     "trace_from_dump",
+    "write_answer",
 ]
 
 DEFAULT_BUFFER = 2000
@@ -235,9 +236,8 @@ def _serve(fd: int, directory: str, rank: int, on_stacks: Callable[[], None] | N
 
 
 def _answer(directory: str, pid: int, request: str, final: bool, trace: RankTrace) -> None:
-    answer = {"request": request, "final": final, "trace": trace.to_json()}
     with contextlib.suppress(OSError):
-        _write(directory, pid, request, json.dumps(answer))
+        write_answer(_answer_path(directory, pid, request), request, final, trace)
 
 
 def _answer_path(directory: str, pid: int, request: str) -> str:
@@ -245,11 +245,13 @@ def _answer_path(directory: str, pid: int, request: str) -> str:
     return os.path.join(directory, f"{pid}.fr.{kind}.json")
 
 
-def _write(directory: str, pid: int, request: str, text: str) -> None:
-    tmp = os.path.join(directory, f"{pid}.fr.tmp")
+def write_answer(path: str, request: str, final: bool, trace: RankTrace) -> None:
+    """Write one answer to ``request`` at ``path``: whole, renamed into place."""
+    text = json.dumps({"request": request, "final": final, "trace": trace.to_json()})
+    tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
-    os.replace(tmp, _answer_path(directory, pid, request))
+    os.replace(tmp, path)
 
 
 def install_flight_dumper(
@@ -370,6 +372,7 @@ class FlightRequest:
 
 def remove_flight_files(directory: str | os.PathLike[str], pid: int) -> None:
     """Delete an exited worker's FIFO and last dump."""
-    for suffix in (".fr", ".fr.dump.json", ".fr.arrivals.json", ".fr.tmp"):
+    written = (".fr.dump.json", ".fr.arrivals.json")  # and their write_answer() .tmp
+    for suffix in (".fr", *written, *(f"{w}.tmp" for w in written)):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(os.fspath(directory), f"{pid}{suffix}"))

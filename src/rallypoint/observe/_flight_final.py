@@ -21,7 +21,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from rallypoint._core import envvars
-from rallypoint.observe._flight import NCCL_DUMP_PREFIX, answers, recording, trace_from_dump
+from rallypoint.observe._flight import (
+    NCCL_DUMP_PREFIX,
+    answers,
+    recording,
+    trace_from_dump,
+    write_answer,
+)
 from rallypoint.observe._flight_records import RankTrace
 
 __all__ = [
@@ -54,17 +60,21 @@ def leave_final_trace(error: str, env: Mapping[str, str] | None = None) -> bool:
         return False
     rank = int(env.get("RANK", "0") or 0)
     for final, trace in answers("final", rank):
-        answer = {"request": "final", "final": final, "trace": trace.to_json()}
-        tmp = os.path.join(directory, f"{os.getpid()}.fr.final.tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(answer))
-        os.replace(tmp, _final_path(directory, os.getpid()))
+        write_answer(_final_path(directory, os.getpid()), "final", final, trace)
     return True
 
 
-def has_final_trace(directory: str | os.PathLike[str], pid: int) -> bool:
-    """Whether worker ``pid`` began to leave its trace (:func:`leave_final_trace`)."""
-    return os.path.exists(_final_path(os.fspath(directory), pid))
+def has_final_trace(directory: str | os.PathLike[str], rank: int, pid: int) -> bool:
+    """Whether worker ``pid`` (``rank``) began to leave a trace: its own
+    (:func:`leave_final_trace`), or NCCL's watchdog's before it aborts the process."""
+    directory = os.fspath(directory)
+    return os.path.exists(_final_path(directory, pid)) or os.path.exists(
+        _nccl_path(directory, rank)
+    )
+
+
+def _nccl_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"{NCCL_DUMP_PREFIX}{rank}")
 
 
 def read_final_trace(directory: str | os.PathLike[str], rank: int, pid: int) -> RankTrace | None:
@@ -76,9 +86,8 @@ def read_final_trace(directory: str | os.PathLike[str], rank: int, pid: int) -> 
         open(_final_path(directory, pid), encoding="utf-8") as fh,
     ):
         return RankTrace.from_json(json.load(fh)["trace"])
-    nccl = os.path.join(directory, f"{NCCL_DUMP_PREFIX}{rank}")
     try:
-        with open(nccl, "rb") as fh:
+        with open(_nccl_path(directory, rank), "rb") as fh:
             dump = pickle.load(fh)  # written by this job's worker into the agent's own 0700 dir
     except (OSError, pickle.UnpicklingError, EOFError, ValueError):
         return None
@@ -102,6 +111,8 @@ def _groups_of_dump(dump: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...],
 
 def remove_final_traces(directory: str | os.PathLike[str], rank: int, pid: int) -> None:
     """Delete what an exited worker left (:func:`read_final_trace` reads it)."""
-    for name in (f"{pid}.fr.final.json", f"{pid}.fr.final.tmp", f"{NCCL_DUMP_PREFIX}{rank}"):
+    directory = os.fspath(directory)
+    final = _final_path(directory, pid)
+    for path in (final, f"{final}.tmp", _nccl_path(directory, rank)):
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(os.fspath(directory), name))
+            os.unlink(path)

@@ -176,7 +176,7 @@ class Observer(Closing):
         # a worker that is leaving its trace fails on a collective timeout: it is not asked
         # (its thread would wait behind the imports of its own last dump); it is given until
         # the deadline to exit, then its trace is read
-        leaving = {r: p for r, p in pids_by_rank.items() if has_final_trace(self.stacks_dir, p)}
+        leaving = {r: p for r, p in pids_by_rank.items() if has_final_trace(self.stacks_dir, r, p)}
         live = {r: p for r, p in pids_by_rank.items() if r not in leaving}
         # stacks first: faulthandler reads every thread's frames from a signal handler, which
         # can crash a worker whose Flight Recorder thread is busy importing (torch's first
@@ -198,7 +198,7 @@ class Observer(Closing):
     def left_trace(self, rank: int, pid: int) -> bool:
         """Whether exited worker ``pid`` left a trace: it failed on a collective timeout
         (its own, or the one NCCL's watchdog wrote before it aborted the process)."""
-        return read_final_trace(self.stacks_dir, rank, pid) is not None
+        return has_final_trace(self.stacks_dir, rank, pid)
 
     def local_stacks_text(self, pids_by_rank: Mapping[int, int]) -> str:
         return format_hang_report(self.collect(pids_by_rank))

@@ -314,11 +314,12 @@ def collect_stacks(
     signal_at: dict[int, float] = {}  # asked its thread: signal it if no dump by then
     for rank, pid in sorted(pids_by_rank.items()):
         path = os.path.join(directory, f"{pid}.stacks")
-        why = _ask(directory, path, pid, signum)
+        why = _emptied(path)
         if why is None:
-            signal_at[rank] = time.monotonic() + THREAD_WAIT
-        elif why == "signalled":
-            why = None
+            if ask(directory, pid, STACKS_REQUEST) is None:  # its thread dumps, GIL held
+                signal_at[rank] = time.monotonic() + THREAD_WAIT
+            else:  # no thread to ask: the signal, now
+                why = _signal(pid, signum)
         if why is not None:
             results[rank] = StackDump(rank=rank, host=host, pid=pid, error=why)
             continue
@@ -365,18 +366,15 @@ def collect_stacks(
     return dict(sorted(results.items()))
 
 
-def _ask(directory: str, path: str, pid: int, signum: int) -> str | None:
-    """Ask worker ``pid`` for a dump into ``path`` (emptied first): ``None`` when its thread
-    was asked, ``"signalled"`` when it was signalled instead, else why neither happened."""
+def _emptied(path: str) -> str | None:
+    """Empty a worker's dump file for the next dump; why that cannot be done, if so."""
     if not os.path.exists(path):
         return "no stack dump handler (not a rallypoint worker, or still starting)"
     try:
         os.truncate(path, 0)
     except OSError as exc:
         return f"cannot empty its dump file: {exc.strerror}"
-    if ask(directory, pid, STACKS_REQUEST) is None:  # its thread dumps, GIL held
-        return None
-    return _signal(pid, signum) or "signalled"
+    return None
 
 
 def _signal(pid: int, signum: int) -> str | None:
