@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rallypoint.observe._flight import trace_from_dump
+from rallypoint.observe._flight import merged_dumps, trace_from_dump
 from rallypoint.observe._flight_analysis import RootKind, analyse
 from rallypoint.observe._flight_format import format_hang_report
 from rallypoint.observe._flight_records import FlightEntry, GroupTrace, RankTrace
@@ -124,6 +124,34 @@ def test_torchs_dump_becomes_a_trace() -> None:
     assert [e.seq for e in world.entries] == [1, 2] and world.entries[1].op == "all_reduce"
     assert (pair.ranks, pair.issued, pair.completed) == ((1, 3), 1, 0)  # -1: none completed
     assert pair.entries[0].frames[1] == ("/home/u/train.py", 9, "<module>")
+
+
+def _nccl_entry(seq: int, state: str) -> dict[str, object]:
+    # the shape torch 2.11+cu130's NCCL recorder gave on an H200 (2026-11-26)
+    return {"record_id": seq - 1, "pg_id": 0, "process_group": ("0", "default_pg"),
+            "collective_seq_id": seq, "p2p_seq_id": 0, "profiling_name": "nccl:all_reduce",
+            "time_created_ns": 100 + seq, "input_sizes": [[1024]], "input_dtypes": ["Float"],
+            "state": state, "time_discovered_started_ns": None, "retired": False,
+            "is_p2p": False}  # fmt: skip
+
+
+def test_nccls_recorder_is_merged_and_its_lagging_status_is_not_believed() -> None:
+    """NCCL keeps its own recorder (``_dump_nccl_trace``), whose status still said nothing
+    completed while its entries said ``completed`` (seen on an H200)."""
+    gloo = {"entries": [], "pg_status": {}}
+    nccl = {
+        "pg_status": {"0": {"last_enqueued_collective": 3, "last_completed_collective": -1}},
+        "entries": [_nccl_entry(1, "completed"), _nccl_entry(2, "completed"),
+                    _nccl_entry(3, "started")],
+    }  # fmt: skip
+    dump = merged_dumps([gloo, nccl])
+    assert dump["pg_status"] == nccl["pg_status"] and len(dump["entries"]) == 3
+    (world,) = trace_from_dump(0, dump, {"0": ((0, 1), True)}).groups
+    assert (world.issued, world.completed) == (3, 2)
+    assert [e.completed for e in world.entries] == [True, True, False]
+    newer = {"0": {"last_enqueued_collective": 5, "last_completed_collective": 5}}
+    merged = merged_dumps([{"pg_status": newer}, nccl])
+    assert merged["pg_status"] == newer  # the recorder that saw more of the group wins
 
 
 def test_a_member_without_data_is_the_suspect() -> None:

@@ -29,7 +29,7 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from rallypoint._core import envvars
@@ -45,6 +45,7 @@ __all__ = [
     "answers",
     "flight_recorder_env",
     "install_flight_dumper",
+    "merged_dumps",
     "parse_buffer",
     "recording",
     "remove_flight_files",
@@ -161,7 +162,7 @@ def trace_from_dump(
                 sizes=tuple(tuple(int(n) for n in s) for s in e.get("input_sizes", [])),
                 dtypes=tuple(str(d) for d in e.get("input_dtypes", [])),
                 created_ns=int(e["time_created_ns"]),
-                completed=bool(e.get("retired")),
+                completed=bool(e.get("retired")) or e.get("state") == "completed",
                 frames=tuple(
                     (str(f["filename"]), int(f["line"]), str(f["name"]))
                     for f in e.get("frames", [])
@@ -171,7 +172,8 @@ def trace_from_dump(
     traces = []
     for name in sorted(set(groups) | set(by_group), key=lambda n: (len(n), n)):
         entries = by_group.get(name, [])
-        done = completed.get(name, max((e.seq for e in entries if e.completed), default=0))
+        # NCCL's status lags: its watchdog marks entries completed before it counts them
+        done = max(completed.get(name, 0), max((e.seq for e in entries if e.completed), default=0))
         last = issued.get(name, max((e.seq for e in entries), default=0))
         recent = tuple(e for e in entries if e.seq > done - keep)
         ranks, world = groups.get(name, ((), False))
@@ -187,11 +189,35 @@ def _dump_this_worker(
     import torch
 
     try:
-        raw = torch._C._distributed_c10d._dump_fr_trace(True, frames)  # type: ignore[attr-defined]
-        dump = pickle.loads(raw)
+        dump = merged_dumps(pickle.loads(raw) for raw in _raw_dumps(torch, frames))
     except Exception as exc:
         return RankTrace(rank=rank, error=f"torch's Flight Recorder dump failed: {exc}")
     return trace_from_dump(rank, dump, _groups_of_this_worker(), keep, window_ns)
+
+
+def _raw_dumps(torch: Any, frames: bool) -> Iterator[bytes]:
+    """torch keeps two recorders: one for gloo (and other CPU backends), dumped by
+    ``_dump_fr_trace``, and NCCL's own (CUDA events), dumped by ``_dump_nccl_trace`` in
+    CUDA builds; NCCL's holds entries only once CUDA is in use."""
+    c10d = torch._C._distributed_c10d
+    yield c10d._dump_fr_trace(True, frames)
+    nccl = getattr(c10d, "_dump_nccl_trace", None)
+    if nccl is not None and torch.cuda.is_initialized():
+        yield nccl(True, frames, False)
+
+
+def merged_dumps(dumps: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """One dump of several recorders' dumps: their entries, and each group's status from
+    the recorder that saw more of it."""
+    entries: list[Any] = []
+    status: dict[str, Any] = {}
+    for dump in dumps:
+        entries.extend(dump.get("entries", []))
+        for pg_id, st in dump.get("pg_status", {}).items():
+            seen = status.get(pg_id, {}).get("last_enqueued_collective", -1)
+            if int(st.get("last_enqueued_collective", -1)) >= int(seen):
+                status[pg_id] = st
+    return {"entries": entries, "pg_status": status}
 
 
 def answers(request: str, rank: int) -> Iterator[tuple[bool, RankTrace]]:
