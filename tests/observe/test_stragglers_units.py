@@ -345,6 +345,29 @@ def test_report_draws_a_lane_per_rank_with_the_straggler_marked(tmp_path: Path) 
     assert Path(png).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_report_draws_each_ranks_arrival_lag_in_its_lane(tmp_path: Path) -> None:
+    """Lock-step training: equal step times, and the lag at the collectives drawn."""
+    events_file = tmp_path / "lockstep.jsonl"
+    now = [1_700_000_000.0]
+    log = EventLog(events_file, node="nodeA", clock=lambda: now[0])
+    for rank in range(3):
+        log.emit("worker_start", rank=rank, local_rank=rank, round=0, pid=100 + rank)
+    for i in range(5):
+        now[0] += 2.0
+        log.emit("step_times", round=0, step_s={"0": 0.2, "1": 0.2, "2": 0.2}, median_s=0.2)
+        lag = 0.06 if i >= 2 else 0.001
+        log.emit("arrival_lags", round=0, lag_s={"0": -0.002, "1": lag, "2": 0.001})
+    log.emit("job_end", status="succeeded", exitcode=0)
+    log.close()
+    out = tmp_path / "lockstep.html"
+    assert report_main([str(events_file), "-o", str(out)]) == 0
+    html = out.read_text()
+    for rank in range(3):
+        assert f'<g id="lag-{rank}">' in html
+    assert "black line: arrival lag at the collectives (lane top: 60 ms)" in html, html
+    assert "lag 60 ms" in html, "the lane's label gives its last lag"
+
+
 def test_report_without_step_times_has_no_lanes(tmp_path: Path) -> None:
     events_file = tmp_path / "plain.jsonl"
     log = EventLog(events_file, node="n")

@@ -4,6 +4,10 @@ One lane per rank: its step time as a colour strip (blue faster than the job's m
 grey at the median, red slower), downsampled to at most :data:`MAX_SEGMENTS` segments per
 lane (the slowest sample of each bin is kept, so a straggler never disappears), and each
 span where a rank was reported slow outlined in red with a marker where it was reported.
+Where the agents sampled arrivals at the collectives (``arrival_lags`` events), each lane
+also carries its rank's arrival lag as a black line (the lane's top edge: the largest lag
+of the job; its bottom: none or early), and its label the last lag: in lock-step training
+every step time is the same and the lag is where the straggler shows.
 """
 
 from __future__ import annotations
@@ -65,6 +69,25 @@ def lane_tooltips(lanes: StepLanes) -> dict[str, str]:
     return tips
 
 
+def _tick_label(rank: int, lanes: StepLanes) -> str:
+    lags = lanes.lags.get(rank)
+    return f"rank {rank}\nlag {lags[-1][1] * 1e3:.3g} ms" if lags else f"rank {rank}"
+
+
+def _draw_lags(ax: Any, lanes: StepLanes, y_of: dict[int, int]) -> float:
+    """Each rank's arrival lag over time inside its lane; the largest lag drawn (0: none)."""
+    peak = max((lag for series in lanes.lags.values() for _, lag in series), default=0.0)
+    if peak <= 0:
+        return 0.0
+    for rank, series in sorted(lanes.lags.items()):
+        y = y_of[rank]
+        times = [t for t, _ in series] + [max(lanes.end, series[-1][0])]
+        heights = [y + 0.3 - 0.6 * max(lag, 0.0) / peak for _, lag in series]
+        ax.step(times, [*heights, heights[-1]], where="post", color="black", linewidth=1.0,
+                gid=f"lag-{rank}")  # fmt: skip
+    return peak
+
+
 def draw_lanes(fig: Any, ax: Any, lanes: StepLanes, span: float) -> None:
     """Draw ``lanes`` on ``ax`` (a matplotlib Axes sharing x with the timeline)."""
     from matplotlib import colormaps
@@ -99,14 +122,17 @@ def draw_lanes(fig: Any, ax: Any, lanes: StepLanes, span: float) -> None:
             gid=f"slow-{i}",
         )
         ax.plot(slow.start, y - 0.42, marker="v", markersize=8, color=SLOW_COLOR)
-    ax.set_yticks(range(len(lanes.ranks)), [f"rank {r}" for r in lanes.ranks])
+    peak = _draw_lags(ax, lanes, y_of)
+    ax.set_yticks(range(len(lanes.ranks)), [_tick_label(r, lanes) for r in lanes.ranks])
     ax.set_ylim(len(lanes.ranks) - 0.5, -0.5)
     ax.set_title(
         "step time per rank (between progress() calls) relative to the job's median; "
-        "red outline: reported straggler",
+        "red outline: reported straggler"
+        + (f";\nblack line: arrival lag at the collectives (lane top: {peak * 1e3:.3g} ms)"
+           if peak > 0 else ""),
         loc="left",
         fontsize=9,
-    )
+    )  # fmt: skip
     fig.colorbar(
         ScalarMappable(norm=norm, cmap=cmap),
         ax=ax,
