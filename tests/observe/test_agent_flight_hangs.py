@@ -149,6 +149,6 @@ def test_across_two_agents_the_root_is_on_the_other_node(tmp_path: Path, endpoin
     [block] = root_causes(joined)  # one agent prints the report
     # ranks 0,1 on one node, 2,3 on the other; pairs [0, 2] and [1, 3] cross the nodes
     assert block["rank"] == "3", joined
-    assert block["collective"] == "all_reduce #1 of group [1, 3]: rank 3 never issued it"
+    assert block["collective"] == "all_reduce #1 of group [1, 3]: rank 3 never issued it", joined
     assert "rank 1 in all_reduce #1 of group [1, 3]" in block["waiting"], block
     assert "ranks 0,2 in all_reduce #4 of world [0, 1, 2, 3]" in joined, joined

@@ -125,22 +125,36 @@ def test_lock_step_ddp_names_the_slow_rank_and_nobody_without(tmp_path: Path, sl
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_two_agents_each_judge_their_own_ranks(tmp_path: Path, endpoint: str) -> None:
+@pytest.mark.parametrize("slow", [1, -1])
+def test_across_two_agents_the_judge_names_a_slow_rank_of_the_other_node(
+    tmp_path: Path, endpoint: str, slow: int
+) -> None:
+    """One rank per node: nothing to compare within a node; the node with group rank 0
+    compares both, the other node's arrivals corrected by its measured clock offset; and
+    names nobody when no rank is slow."""
     script = tmp_path / "ddp.py"
     script.write_text(DDP)
+    events = [tmp_path / f"events{i}.jsonl" for i in range(2)]
     cmd = [
-        sys.executable, "-m", "rallypoint", "run", "--nnodes", "2", "--nproc-per-node", "2",
+        sys.executable, "-m", "rallypoint", "run", "--nnodes", "2", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "job-arrive",
         "--rdzv-conf", "is_host=false,read_timeout=20", "--straggler-window", "4",
-        str(script), "3", "36",
     ]  # fmt: skip
     procs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
+        subprocess.Popen([*cmd, "--events", str(e), str(script), str(slow), "48"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for e in events
+    ]  # fmt: skip
     errs = [p.communicate(timeout=120)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), errs
-    lines = [x for err in errs for x in err.splitlines() if "straggler:" in x]
-    # rank 3's node sees rank 2 wait for it; ranks 0 and 1 arrive together: one report
-    assert len(lines) == 1 and lines[0].startswith("rallypoint: straggler: rank 3 on "), errs
+    lines = [x for err in errs for x in err.splitlines() if "straggler" in x]
+    records = [json.loads(line) for e in events for line in e.read_text().splitlines()]
+    named = [r for r in records if r["kind"] == "straggler"]
+    lags = [r["lag_s"] for r in records if r["kind"] == "arrival_lags"]
+    assert lags and all(set(lag) == {"0", "1"} for lag in lags), "both nodes compared"
+    if slow < 0:
+        assert not lines and not named, errs
+        return
+    assert len(lines) == 1 and lines[0].startswith("rallypoint: straggler: rank 1 on "), errs
     assert "arrives last at" in lines[0]
+    assert named[0]["rank"] == 1 and named[0]["scope"] == "arrival" and named[0]["lag_s"] > 0.03

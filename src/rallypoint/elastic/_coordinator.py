@@ -188,9 +188,14 @@ class ElasticCoordinator:
                 rank_offset=rnd.group.rank_offset,
                 group_rank=rnd.group_rank,
                 nnodes=rnd.nnodes,
+                clock_store=self.job.open_store,
             )
             policy = ElasticPolicy(rnd, host=self.supervisor.host, stragglers=stragglers)
-            outcome = self.supervisor.run_attempt(rnd.group, rnd.number, policy)
+            try:
+                outcome = self.supervisor.run_attempt(rnd.group, rnd.number, policy)
+            finally:
+                if stragglers is not None:
+                    stragglers.close()
             if self.job.blocking(functools.partial(self._after_round, rnd, outcome)):
                 return self.supervisor.results(outcome)
 

@@ -95,6 +95,20 @@ class Job:
         if store is not None:
             self._adopt(store, open_run_store(self.handler, self.run_id, self.endpoint))
 
+    def open_store(self) -> Store:
+        """A connection of its own to the run store, for a thread that blocks in it (the
+        clock responder of straggler detection): torch's ``clone()`` of a TCPStore or
+        FileStore; for stores that have none (etcd's), the handler's ``open_run_store``
+        (a c10d handler's shares one side connection with the heartbeats: not that)."""
+        try:
+            clone: Store = self.run.store.clone()  # type: ignore[attr-defined]  # no stub
+            return clone
+        except RuntimeError:  # "pure virtual function": a store written in Python
+            store = open_run_store(self.handler, self.run_id, self.endpoint)
+            if store is None:
+                raise
+            return store
+
     def adopt_round_store(self, store: Store) -> None:
         """Without a run store of its own, the backend's round store plays that role."""
         if self._run is None:

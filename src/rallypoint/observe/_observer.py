@@ -17,7 +17,7 @@ import dataclasses
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +26,7 @@ from typing import Any
 from rallypoint._core.checks import check_int, check_seconds
 from rallypoint._core.closing import Closing
 from rallypoint._core.procs import pid_running
+from rallypoint.observe._clock_offset import ClockStore
 from rallypoint.observe._events import EventLog
 from rallypoint.observe._flight import (
     DEFAULT_BUFFER,
@@ -135,9 +136,16 @@ class Observer(Closing):
         self._exited.clear()
 
     def straggler_watch(
-        self, *, round: int, rank_offset: int, group_rank: int = 0, nnodes: int = 1
+        self,
+        *,
+        round: int,
+        rank_offset: int,
+        group_rank: int = 0,
+        nnodes: int = 1,
+        clock_store: Callable[[], ClockStore] | None = None,
     ) -> StragglerWatch | None:
-        """Straggler detection for one attempt (``None`` when it is off)."""
+        """Straggler detection for one attempt (``None`` when it is off); ``clock_store``
+        opens a run-store connection of its own (``StragglerWatch``)."""
         if self.board is None or self.straggler_threshold is None:
             return None
         check_int(rank_offset, "rank_offset", minimum=0)
@@ -152,6 +160,7 @@ class Observer(Closing):
             nnodes=nnodes,
             window_s=self.straggler_window,
             arrivals=self._arrivals if self.flight_recorder else None,
+            clock_store=clock_store,
         )
 
     def _arrivals(self, pids_by_rank: Mapping[int, int]) -> FlightRequest:

@@ -30,8 +30,8 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
-from rallypoint.observe._arrivals import ArrivalVerdict, is_straggler, judge_arrivals
-from rallypoint.observe._flight_records import RankTrace
+from rallypoint.observe._arrival_watch import ArrivalStore, ArrivalWatch, TraceRequest
+from rallypoint.observe._clock_offset import ClockStore
 from rallypoint.observe._progress import ProgressBoard
 from rallypoint.observe._stacks_format import ranks_text
 from rallypoint.observe._stragglers import (
@@ -50,7 +50,6 @@ __all__ = [
     "STEP_LOG_EVERY",
     "PaceStore",
     "StragglerWatch",
-    "TraceRequest",
     "pace_key",
 ]
 
@@ -60,19 +59,8 @@ STALE_AFTER = 3
 """Periods without a new summary after which a node's summary no longer counts."""
 
 
-class TraceRequest(Protocol):
-    """A request for the workers' Flight Recorder traces (``_flight.FlightRequest``)."""
-
-    def ready(self) -> bool: ...
-    def results(self, timeout: float) -> dict[int, RankTrace]: ...
-
-
-class PaceStore(Protocol):
-    """The part of torch's ``c10d.Store`` the exchange uses."""
-
-    def set(self, key: str, value: str, /) -> None: ...
-    def check(self, keys: list[str], /) -> bool: ...
-    def multi_get(self, keys: list[str], /) -> list[bytes]: ...
+class PaceStore(ArrivalStore, Protocol):
+    """The part of torch's ``c10d.Store`` the exchanges use."""
 
 
 def pace_key(round: int, group_rank: int) -> str:
@@ -100,24 +88,14 @@ def describe(change: Straggler, threshold: float) -> str:
     )
 
 
-def describe_arrival(verdict: ArrivalVerdict, host: str, threshold: float) -> str:
-    """The screen line for a rank the others wait for at their collectives."""
-    return (
-        f"rallypoint: straggler: rank {verdict.rank} on {host} arrives last at "
-        f"{verdict.last} of {verdict.collectives} collectives, {verdict.lag_s * 1e3:.3g} ms "
-        f"after the others; they wait for it: its pace is {verdict.ratio:.1f}x theirs "
-        f"(Flight Recorder arrivals; --straggler-threshold {threshold:g})\n"
-    )
-
-
 class StragglerWatch:
     """Straggler detection for one attempt (round) of one node; see the module docstring.
 
     ``emit`` writes an event (``Observer.emit``), ``say`` a line on the screen.
     ``arrivals``: asks this node's workers, given ``{rank: pid}``, for their Flight Recorder
-    traces; with it, lock-step stragglers are found by arrival (``_arrivals``). The answers
-    are read on a later tick, once all came (or at the next period, what came), so the
-    monitor loop never waits for a worker (the entries carry their own times).
+    traces; with it, lock-step stragglers are found by arrival (``_arrival_watch``), and
+    ``clock_store`` opens the store connection its clock responder blocks on. :meth:`close`
+    at the end of the attempt.
     """
 
     def __init__(
@@ -135,6 +113,7 @@ class StragglerWatch:
         window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
         arrivals: Callable[[Mapping[int, int]], TraceRequest] | None = None,
+        clock_store: Callable[[], ClockStore] | None = None,
     ) -> None:
         self.board = board
         self.detector = StragglerDetector(threshold)
@@ -152,55 +131,53 @@ class StragglerWatch:
         self._next_log = 0.0
         self._seq = 0
         self._seen: dict[int, tuple[int, float]] = {}  # group rank -> (seq, when it changed)
-        self._arrivals = arrivals
-        self._asked: TraceRequest | None = None  # a request not read yet
         # a sample costs each worker a dump of its whole Flight Recorder (~40 ms of CPU
         # with 2000 entries): every sixth of the window is enough for the arrivals in it
         self.arrivals_every = max(self.every, window_s / 6)
-        self._next_arrivals = 0.0
-        self._late: int | None = None  # the rank reported as arriving last, until it recovers
+        self.arrivals = None if arrivals is None else ArrivalWatch(
+            arrivals,
+            threshold=threshold,
+            recover_at=self.detector.recover_at,
+            host=host,
+            round=round,
+            group_rank=group_rank,
+            nnodes=nnodes,
+            window_s=window_s,
+            every=self.arrivals_every - self.every / 2,  # asked on the due tick
+            emit=emit,
+            say=say,
+            clock=clock,
+            clock_store=clock_store,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ entry points
     def tick(self, running: Collection[int]) -> None:
         """One node on its own: judge its ranks every ``every`` seconds."""
-        self._read_arrivals(running)
+        if self.arrivals is not None:
+            self.arrivals.read(running)
         if self._due():
             self._judge([self.local_pace(running)])
-            self._ask_arrivals(running)
+            if self.arrivals is not None:
+                self.arrivals.ask(running)
 
     def exchange(self, store: PaceStore, running: Collection[int]) -> None:
         """A node of a multi-node job: publish this node's summary every ``every`` seconds;
         the node with group rank 0 also reads every node's and judges the job."""
-        self._read_arrivals(running)
+        if self.arrivals is not None:
+            self.arrivals.read(running, store)
         if not self._due():
             return
         pace = self.local_pace(running)
         store.set(pace_key(self.round, self.group_rank), pace.to_json())
         if self.group_rank == 0:
             self._judge(self._fresh(self._read_all(store, pace)))
-        self._ask_arrivals(running)  # within this node: one clock
+        if self.arrivals is not None:
+            self.arrivals.ask(running, store)
 
-    def _ask_arrivals(self, running: Collection[int]) -> None:
-        """Ask this node's workers for their arrivals at the collectives (``_arrivals``);
-        a request not yet answered in full is judged on what came."""
-        if self._arrivals is not None and isinstance(running, Mapping) and len(running) > 1:
-            now = self._clock()
-            if now < self._next_arrivals:
-                return
-            self._next_arrivals = now + self.arrivals_every - self.every / 2
-            self._read_arrivals(running, force=True)
-            self._asked = self._arrivals(running)
-
-    def _read_arrivals(self, running: Collection[int], *, force: bool = False) -> None:
-        """Judge the ranks by the answers to the last request, once every worker answered
-        (never waiting for one: the monitor loop goes on meanwhile)."""
-        asked = self._asked
-        if asked is None or not (force or asked.ready()):
-            return
-        self._asked = None
-        local = {r: t for r, t in asked.results(0.0).items() if r in running}
-        window = self.window.window_s
-        self._judge_arrivals(judge_arrivals(local, window_s=window, subset=self.nnodes > 1))
+    def close(self) -> None:
+        """The attempt ended: stop what runs in the background (the clock responder)."""
+        if self.arrivals is not None:
+            self.arrivals.close()
 
     # ------------------------------------------------------------------ steps
     def _due(self) -> bool:
@@ -267,43 +244,6 @@ class StragglerWatch:
                 threshold=self.detector.threshold,
             )
         self._log_step_times(paces)
-
-    def _judge_arrivals(self, verdict: ArrivalVerdict | None) -> None:
-        """Report a rank once when the others start waiting for it, once when they stop."""
-        threshold = self.detector.threshold
-        if verdict is None:
-            return  # too few collectives in the window: no change either way
-        if self._late is not None and (
-            verdict.rank != self._late or verdict.ratio <= self.detector.recover_at
-        ):
-            self._emit_arrival(self._late, verdict, slow=False)
-            self._late = None
-        if self._late is None and is_straggler(verdict, threshold):
-            self._late = verdict.rank
-            self._say(describe_arrival(verdict, self.host, threshold))
-            self._emit_arrival(verdict.rank, verdict, slow=True)
-        self._emit(
-            "arrival_lags",
-            round=self.round,
-            lag_s={str(r): float(f"{v:.4g}") for r, v in verdict.lags_s.items()},
-        )
-
-    def _emit_arrival(self, rank: int, verdict: ArrivalVerdict, *, slow: bool) -> None:
-        self._emit(
-            "straggler",
-            rank=rank,
-            round=self.round,
-            scope="arrival",
-            state="slow" if slow else "recovered",
-            host=self.host,
-            group_rank=self.group_rank,
-            ranks=[rank],
-            lag_s=float(f"{verdict.lag_s:.4g}"),
-            last=verdict.last,
-            collectives=verdict.collectives,
-            ratio=float(f"{verdict.ratio:.4g}"),
-            threshold=self.detector.threshold,
-        )
 
     def _log_step_times(self, paces: Sequence[NodePace]) -> None:
         ranks = sorted((r for p in paces for r in p.ranks), key=lambda r: r.rank)

@@ -193,8 +193,9 @@ class RendezvousHandler(ABC):
         its keys under ``namespace``; ``None`` when the backend has no run-level store
         (then use the round's ``RendezvousInfo.store``).
 
-        Each call opens its own connection, so a call blocked on one store does not delay
-        another (the agent keeps one for its monitor loop and one for stack requests).
+        The connection does not queue behind the handler's own blocking waits; a c10d
+        handler's is the one side connection per process its heartbeats use too, so a
+        caller must not block in it (``Store.clone()`` makes a connection of one's own).
         """
         return None
 
