@@ -62,8 +62,16 @@ def test_the_rank_that_never_issued_the_timed_out_collective_is_named(tmp_path: 
     assert block["issued at"] == f"{_line('# WORLD')} (ranks 0-2)", block
     assert f"rank 3 is in: sleep at {_line('# STUCK')}" in err
     assert "ranks 0-2: no stack: exited (a collective timed out" in err
-    # the failure summary still shows the first failure, as torchrun's does
+    # the failure summary still shows the first failure, as torchrun's does, and what it
+    # waited for
     assert "Root cause (first failure):" in err
+    summary = err.split("Root cause (first failure):")[1]
+    waited = re.search(
+        r"  waited for: rank 3 on \S+ \(pid \d+\): all_reduce #4 of world "
+        r"\[0, 1, 2, 3\]: rank 3 never issued it \(Flight Recorder",
+        summary,
+    )
+    assert waited, summary
 
 
 @pytest.mark.slow
@@ -88,6 +96,9 @@ def test_across_two_agents_one_report_names_the_rank_on_the_other_node(
     assert len(blocks) == 1, errs  # one node reports for the job
     assert blocks[0]["rank"] == "3", blocks
     assert blocks[0]["collective"].endswith("rank 3 never issued it"), blocks
+    for err in errs:  # every node's failure summary names it (the reporter's, in the store)
+        summary = err.split("Root cause (first failure):")[1]
+        assert re.search(r"  waited for: rank 3 on \S+ \(pid \d+\): ", summary), summary
 
 
 def test_a_worker_leaves_its_trace_only_for_a_collective_timeout(tmp_path: Path) -> None:

@@ -193,6 +193,7 @@ class LocalCoordinator:
                 traceback_text=failure.traceback,
                 others=others,
                 attempts=attempts,
+                culprit=failure.culprit,
             ),
             others=tuple(others),
             exception=failure.exception,

@@ -26,7 +26,7 @@ from typing import Any
 
 from rallypoint._core.blocking import InThread, call_in_thread
 from rallypoint.elastic._round import Round
-from rallypoint.observe._flight_format import format_hang_report
+from rallypoint.observe._flight_format import culprit_line, format_hang_report
 from rallypoint.observe._stacks_exchange import request_stacks
 from rallypoint.observe._straggler_watch import StragglerWatch
 from rallypoint.supervise._output import write_console
@@ -116,32 +116,36 @@ class ElasticPolicy:
             return Stop(OutcomeKind.LOST, f"lost the rendezvous store: {exc}")
         return Stop(OutcomeKind.HANG, reason)
 
-    def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> None:
+    def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> str:
         """As a hang: the first node to see it gathers every node's stacks and traces (the
-        ranks that timed out left theirs), the others answer until it has them."""
+        ranks that timed out left theirs), the others answer until it has them; it names
+        the culprit in the run store for every node's failure summary."""
         self.job.observer.emit("collective_timeout", round=self.rnd.number, rank=rank)
         reason = collective_timeout_reason(rank)
+        culprit = ""
         with contextlib.suppress(_Interrupted, Exception):  # the failure is reported anyway
-            call_in_thread(
+            culprit = call_in_thread(
                 lambda: self._report_once(running, reason),
                 poll=self._stop_if_signalled,
                 name="rallypoint-timeout",
             )
+        return culprit
 
-    def _report_once(self, running: Mapping[int, int], reason: str) -> None:
+    def _report_once(self, running: Mapping[int, int], reason: str) -> str:
         """One report for the job: the first node to see it gathers every node's stacks and
-        prints them; the others answer until it has."""
+        prints them (returning the culprit's line); the others answer until it has."""
         if self.job.run.first_to_see_hang(self.rnd.number):
-            self._report_stacks(running, reason)
-        else:
-            self._answer_until_reported(running)
+            return self._report_stacks(running, reason)
+        self._answer_until_reported(running)
+        return ""
 
     def _stop_if_signalled(self) -> None:
         if self.job.signal_pending():
             raise _Interrupted
 
-    def _report_stacks(self, running: Mapping[int, int], reason: str) -> None:
-        """Ask every node for its stacks (answering our own meanwhile) and print them."""
+    def _report_stacks(self, running: Mapping[int, int], reason: str) -> str:
+        """Ask every node for its stacks (answering our own meanwhile) and print them;
+        the culprit's line, also written to the run store for the other nodes."""
         result: dict[str, Any] = {}
 
         def ask() -> None:
@@ -160,7 +164,11 @@ class ElasticPolicy:
         for node, why in sorted(missing.items()):
             text += f"\nnode {node}: {why}"
         write_console(2, f"rallypoint: {reason}; stacks of every rank:\n{text}\n".encode())
+        culprit = culprit_line(dumps)
+        if culprit:
+            self.job.run.publish_culprit(self.rnd.number, culprit)
         self.job.run.hang_reported(self.rnd.number)
+        return culprit
 
     def _answer_until_reported(self, running: Mapping[int, int]) -> None:
         """Another node asks for everyone's stacks: keep answering until it has them."""

@@ -177,3 +177,14 @@ class RunStore:
 
     def hang_is_reported(self, round_number: int) -> bool:
         return bool(self.store.check([f"hang/{round_number}/done"]))
+
+    def publish_culprit(self, round_number: int, line: str) -> None:
+        """The Flight Recorder's culprit of a round's hang or collective timeout."""
+        self.store.set(f"hang/{round_number}/culprit", line)
+
+    def culprit(self, round_number: int) -> str:
+        """What :meth:`publish_culprit` wrote for the round (``""``: nothing, yet)."""
+        key = f"hang/{round_number}/culprit"
+        if not self.store.check([key]):
+            return ""
+        return bytes(self.store.get(key)).decode(errors="replace")

@@ -36,6 +36,17 @@ def root_cause(rnd: Round) -> RootRecord:
     return rnd.store.root(ROOT_WAIT)
 
 
+def _culprit(rnd: Round, outcome: Outcome) -> str:
+    """The culprit the node that reported the collective timeout named (this one, or
+    another through the run store)."""
+    if outcome.failure is not None and outcome.failure.culprit:
+        return outcome.failure.culprit
+    try:
+        return rnd.job.run.culprit(rnd.number)
+    except Exception:  # the store is gone: the summary goes without it
+        return ""
+
+
 def raise_failure(
     rnd: Round, outcome: Outcome, decision: Decision, root: RootRecord, *, title: str
 ) -> NoReturn:
@@ -58,6 +69,7 @@ def raise_failure(
         traceback_text=failure.traceback,
         others=others,
         attempts=f"{restarts} restart(s) used of {restarts}" if restarts else "no restarts",
+        culprit=_culprit(rnd, outcome),
     )
     raise WorkerFailedError(
         f"rank {failure.rank} on {failure.host} {failure.detail}",

@@ -36,7 +36,7 @@ from rallypoint.observe._stacks_format import (
     user_frames,
 )
 
-__all__ = ["format_collectives", "format_hang_report", "issuing_line"]
+__all__ = ["culprit_line", "format_collectives", "format_hang_report", "issuing_line"]
 
 
 def issuing_line(entry: FlightEntry | None) -> str | None:
@@ -143,6 +143,21 @@ def format_collectives(diag: Diagnosis) -> list[str]:
     lines = ["Collectives by group (Flight Recorder):"]
     lines.extend(_group_line(g) for g in diag.groups)
     return lines
+
+
+def culprit_line(dumps: Mapping[int, StackDump]) -> str:
+    """One line naming the root cause of a hang or collective timeout by the Flight
+    Recorder (``rank 3 on h (pid 9): all_reduce #1 of group [1, 3]: rank 3 never issued
+    it``); ``""`` without data or without a pending collective."""
+    traces = {r: d.flight for r, d in dumps.items() if d.flight is not None}
+    if not any(t.error is None and t.groups for t in traces.values()):
+        return ""
+    diag = analyse(traces)
+    if diag.root is None:
+        return ""
+    dump = dumps.get(diag.root.rank)
+    where = f" on {dump.host} (pid {dump.pid})" if dump is not None else ""
+    return f"rank {diag.root.rank}{where}: {_what(diag)}"
 
 
 def format_hang_report(dumps: Mapping[int, StackDump], *, hang: bool = True) -> str:

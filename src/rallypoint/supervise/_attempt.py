@@ -78,6 +78,7 @@ class Attempt:
         self.by_res = {w.res_fd: w for w in workers}
         self.kind: OutcomeKind | None = None
         self.root: Worker | None = None
+        self.culprit = ""  # the rank the root waited for (a collective timeout's report)
         self.consequence: Worker | None = None  # a peer-loss failure waiting for its cause
         self.cause_until: float | None = None
         self.signum = 0
@@ -153,7 +154,7 @@ class Attempt:
         if kind is OutcomeKind.FAILED and self._collective_timed_out(root):
             # the rank that never issued the collective still runs: report before the stop
             running = {w.rank: w.pid for w in self.workers if w.status is None}
-            self.policy.on_collective_timeout(running, root.rank)
+            self.culprit = self.policy.on_collective_timeout(running, root.rank)
         self._stop(signal.SIGTERM)
 
     def _collective_timed_out(self, w: Worker) -> bool:
@@ -298,4 +299,5 @@ class Attempt:
             time=time.time() - (time.monotonic() - root.exited_at),
             elapsed=root.exited_at - self.started,
             bad_target=bad,
+            culprit=self.culprit,
         )

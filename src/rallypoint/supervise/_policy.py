@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
+from rallypoint.observe._flight_format import culprit_line, format_hang_report
 from rallypoint.observe._observer import Observer
 from rallypoint.observe._straggler_watch import StragglerWatch
 from rallypoint.supervise._output import write_console
@@ -39,8 +40,9 @@ class AttemptPolicy(Protocol):
         """No worker reported progress for ``idle_s`` seconds; the workers still run."""
         ...
 
-    def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> None:
-        """Rank ``rank`` failed because a collective timed out; ``running`` still run."""
+    def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> str:
+        """Rank ``rank`` failed because a collective timed out; ``running`` still run.
+        Returns the culprit's line for the failure summary (``""``: not known here)."""
         ...
 
 
@@ -73,12 +75,14 @@ class LocalPolicy:
         write_console(2, f"rallypoint: {reason}; stacks:\n{text}\n".encode())
         return Stop(OutcomeKind.HANG, reason)
 
-    def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> None:
+    def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> str:
         self.observer.emit("collective_timeout", round=self.attempt, rank=rank)
-        text = self.observer.local_stacks_text(running)
+        dumps = self.observer.collect(running)
+        text = format_hang_report(dumps)
         write_console(
             2, f"rallypoint: {collective_timeout_reason(rank)}; stacks:\n{text}\n".encode()
         )
+        return culprit_line(dumps)
 
 
 def collective_timeout_reason(rank: int) -> str:

@@ -80,6 +80,9 @@ class Failure:
     """Seconds from the supervisor's start to that exit."""
     bad_target: str = ""
     """Why the target could not start (``BAD_TARGET`` only)."""
+    culprit: str = ""
+    """When a collective timed out: the rank the others waited for, by the Flight Recorder
+    (``observe._flight_format.culprit_line``), where this node made that report."""
 
 
 @dataclass(slots=True)

@@ -78,8 +78,10 @@ def format_summary(
     traceback_text: str,
     others: list[WorkerSummary],
     attempts: str,
+    culprit: str = "",
 ) -> str:
-    """One screen: the root cause with its traceback, then one line per other rank."""
+    """One screen: the root cause with its traceback, then one line per other rank.
+    ``culprit``: the rank the first failure waited for, when a collective timed out."""
     rule = "=" * _WIDTH
     stamp = datetime.fromtimestamp(when).isoformat(sep=" ", timespec="milliseconds")
     lines = [
@@ -93,6 +95,8 @@ def format_summary(
         f"  exitcode  : {root.exitcode} ({root.detail})",
         f"  time      : {stamp} ({elapsed:.2f} s after start)",
     ]
+    if culprit:  # the first failure is a victim: name what it waited for
+        lines.append(f"  waited for: {culprit} (Flight Recorder; the report above)")
     tb = traceback_text.rstrip()
     if tb:
         tb_lines = tb.splitlines()
