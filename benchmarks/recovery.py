@@ -24,7 +24,7 @@ torchrun in the same scenario, with ``--max-restarts 1``.
     .venv/bin/python benchmarks/recovery.py --sections spare --repeat 3 --timeout 60
 
 No single point of failure (``--sections spof``): three nodes x one worker train in a loop
-(``rallypoint.testing._training_log``: gloo all_reduces, each step's time logged) on a
+(``tests/_support/training_log.py``: gloo all_reduces, each step's time logged) on a
 3-member etcd cluster (loopback; 500 ms election timeout), and lose
 - the etcd leader (SIGKILL; the nodes talk to it),
 - the etcd leader's link (network namespaces: etcd on three fake hosts, two training
@@ -56,7 +56,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]  # tests/_support: the training log
 
 WORKER = """
 import os, sys, time
@@ -266,7 +267,7 @@ def _ha_agent(
 
 @contextlib.contextmanager
 def _training_dir() -> Iterator[tuple[Path, Path]]:
-    from rallypoint.testing._training_log import STEP_WORKER
+    from _support.training_log import STEP_WORKER
 
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "train.py"
@@ -284,9 +285,9 @@ def _restarts(out: Path) -> int:
 
 def etcd_loss(kind: str, timeout: float) -> tuple[float, int] | None:
     """(seconds from the loss until every rank stepped after it, restarts seen)."""
+    from _support.training_log import step_times, wait_training
     from rallypoint.testing._etcd_cluster import EtcdCluster
     from rallypoint.testing._netns import Network
-    from rallypoint.testing._training_log import step_times, wait_training
 
     with contextlib.ExitStack() as stack:
         script, out = stack.enter_context(_training_dir())
@@ -365,7 +366,7 @@ def rendezvous_loss(kind: str) -> float:
 
 def c10d_host_loss(tool: str, timeout: float) -> tuple[float, list[int | None]]:
     """Kill the node hosting the c10d store: (seconds until the others exited, exit codes)."""
-    from rallypoint.testing._training_log import wait_training
+    from _support.training_log import wait_training
 
     with _training_dir() as (script, out):
         endpoint = f"127.0.0.1:{_free_port()}"
