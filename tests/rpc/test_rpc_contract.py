@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rallypoint.testing._rpc_contract import PATTERNS, run_rpc_contract, run_rpc_pattern
-from rallypoint.testing._rpc_patterns import pipeline_reference
-from rallypoint.testing._rpc_program_ddp import assert_same_training
+from rallypoint.testing._rpc._contract import PATTERNS, run_rpc_contract, run_rpc_pattern
+from rallypoint.testing._rpc._patterns import pipeline_reference
+from rallypoint.testing._rpc._program_ddp import assert_same_training
 from rallypoint.testing._workers import run_workers
 
 

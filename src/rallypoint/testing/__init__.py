@@ -38,8 +38,8 @@ _LAZY_NAMES: dict[str, str] = {
     "make_tls_files": "rallypoint.testing._etcd",
     "TLSFiles": "rallypoint.testing._etcd",
     "KVContract": "rallypoint.testing._rendezvous_contract",
-    "run_rpc_contract": "rallypoint.testing._rpc_contract",
-    "run_rpc_autograd_contract": "rallypoint.testing._rpc_autograd_contract",
+    "run_rpc_contract": "rallypoint.testing._rpc._contract",
+    "run_rpc_autograd_contract": "rallypoint.testing._rpc._autograd_contract",
 }
 
 __all__ = [
@@ -65,8 +65,8 @@ if TYPE_CHECKING:
     from rallypoint.testing._etcd_cluster import EtcdCluster
     from rallypoint.testing._netns import Host, NetnsError, Network, netns_available
     from rallypoint.testing._rendezvous_contract import KVContract
-    from rallypoint.testing._rpc_autograd_contract import run_rpc_autograd_contract
-    from rallypoint.testing._rpc_contract import run_rpc_contract
+    from rallypoint.testing._rpc._autograd_contract import run_rpc_autograd_contract
+    from rallypoint.testing._rpc._contract import run_rpc_contract
     from rallypoint.testing._workers import WorkerError, run_workers, worker_zygote
 
 

@@ -1,6 +1,6 @@
 """Distributed autograd through rallypoint.rpc: rallypoint's own against torch's, one run.
 
-The contract (rallypoint.testing._rpc_autograd_contract) runs on both backends; each run
+The contract (rallypoint.testing._rpc._autograd_contract) runs on both backends; each run
 checks its gradients against a single-process reference. Here the two runs are compared
 with each other: the same gradients, the same errors (type and message), and the same
 parameters after training with DistributedOptimizer (SGD and Adam).
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from rallypoint.testing._rpc_autograd_contract import run_rpc_autograd_contract, train_reference
+from rallypoint.testing._rpc._autograd_contract import run_rpc_autograd_contract, train_reference
 
 CHECKS = 32
 

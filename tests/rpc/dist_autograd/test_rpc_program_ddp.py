@@ -1,6 +1,6 @@
 """pytorch/examples' DDP+RPC program runs on rallypoint with only its imports changed.
 
-The program (rallypoint.testing._rpc_program_ddp: a RemoteModule embedding on a
+The program (rallypoint.testing._rpc._program_ddp: a RemoteModule embedding on a
 parameter server, a DDP linear on two trainers, distributed autograd and
 DistributedOptimizer) runs as torch's own program (its import block swapped for torch's)
 on TensorPipe, and with rallypoint's imports on rallypoint's backend: both must train
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.testing import _rpc_program_ddp as program
-from rallypoint.testing import _torch_program
-from rallypoint.testing._rpc_contract import run_rpc_pattern
+from rallypoint.testing._rpc import _program_ddp as program
+from rallypoint.testing._rpc import _torch_program
+from rallypoint.testing._rpc._contract import run_rpc_pattern
 from rallypoint.testing._workers import run_reference_workers
 
 

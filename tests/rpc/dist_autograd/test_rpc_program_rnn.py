@@ -1,6 +1,6 @@
 """A torch distributed-autograd program runs on rallypoint with only its imports changed.
 
-The program (rallypoint.testing._rpc_program_rnn, pytorch/examples' model-parallel RNN)
+The program (rallypoint.testing._rpc._program_rnn, pytorch/examples' model-parallel RNN)
 runs as torch's own program (its import block swapped for torch's, nothing else changed)
 on TensorPipe and with rallypoint's imports on rallypoint's backend: both must train to
 the same numbers, and those must match the same model trained in one process. (The
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from rallypoint.testing import _rpc_program_rnn as program
-from rallypoint.testing._rpc_contract import run_rpc_pattern
-from rallypoint.testing._torch_program import run_written_program
+from rallypoint.testing._rpc import _program_rnn as program
+from rallypoint.testing._rpc._contract import run_rpc_pattern
+from rallypoint.testing._rpc._torch_program import run_written_program
 from rallypoint.testing._workers import run_reference_workers, run_workers
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rallypoint.cli._run import run_main
-from rallypoint.testing._rpc_contract import run_rpc_pattern
+from rallypoint.testing._rpc._contract import run_rpc_pattern
 
 SECRET = {"RALLYPOINT_RPC_SECRET": "store-secret"}
 BIND_ERRORS = ("failed to bind", "EADDRINUSE", "address already in use")  # c10d's words

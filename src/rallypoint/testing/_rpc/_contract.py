@@ -7,7 +7,7 @@ that ran, per rank, and raises (naming the check) on the first failure. Backends
 in error classes and wording beyond what is checked here.
 
 ``run_rpc_pattern(backend, pattern)`` runs one pattern of real RPC programs
-(:mod:`rallypoint.testing._rpc_patterns`: an RRef-heavy observer/agent, a parameter
+(:mod:`rallypoint.testing._rpc._patterns`: an RRef-heavy observer/agent, a parameter
 server whose workers wait in ``shutdown()``, a process group and RPC on one port, a
 model-parallel RNN and a pipeline trained with distributed autograd); every backend must
 return the same results.
@@ -25,7 +25,7 @@ import torch
 
 from rallypoint._core.envvars import RPC_SECRET
 from rallypoint.rpc.functions import async_execution
-from rallypoint.testing._rpc_patterns import PATTERNS, run_rpc_pattern
+from rallypoint.testing._rpc._patterns import PATTERNS, run_rpc_pattern
 from rallypoint.testing._workers import run_reference_workers, run_workers
 
 __all__ = ["PATTERNS", "run_rpc_contract", "run_rpc_pattern"]

@@ -14,11 +14,11 @@ deterministic stand-ins, so that every backend must give *the same results*:
 - ``process_group_and_rpc``: ``init_process_group`` and ``init_rpc`` on the same
   ``MASTER_PORT``, in both orders; no store bind error may be logged.
 - ``model_parallel_rnn``: the model-parallel RNN trained with distributed autograd and
-  ``DistributedOptimizer`` (:mod:`rallypoint.testing._rpc_program_rnn`, a torch program
+  ``DistributedOptimizer`` (:mod:`rallypoint.testing._rpc._program_rnn`, a torch program
   with only its imports changed).
 - ``ddp_rpc``: pytorch/examples' DDP+RPC program: a ``RemoteModule`` embedding on a
   parameter server, a DDP linear on two trainers over gloo, distributed autograd and
-  ``DistributedOptimizer`` (:mod:`rallypoint.testing._rpc_program_ddp`).
+  ``DistributedOptimizer`` (:mod:`rallypoint.testing._rpc._program_ddp`).
 - ``pipeline``: the pipeline-parallel example: two model shards held in RRefs on two
   workers, each guarding its forward with a lock; the master splits every batch into
   micro-batches in flight together (``RRef(x)`` -> ``shard1.remote().forward`` -> the
@@ -44,8 +44,8 @@ import torch
 
 from rallypoint._core.envvars import RPC_SECRET
 from rallypoint.rpc.functions import async_execution
-from rallypoint.testing._rpc_program_ddp import run_program as _ddp_rpc
-from rallypoint.testing._rpc_program_rnn import run_program as _model_parallel_rnn
+from rallypoint.testing._rpc._program_ddp import run_program as _ddp_rpc
+from rallypoint.testing._rpc._program_rnn import run_program as _model_parallel_rnn
 from rallypoint.testing._workers import run_reference_workers, run_workers
 
 BIND_ERRORS = ("failed to bind", "EADDRINUSE", "address already in use")

@@ -146,6 +146,6 @@ def run_program(backend: str) -> dict[str, Any] | None:
 
 def torch_version(directory: Path, module_name: str = "torch_rnn_program") -> Path:
     """Write this program with torch's imports (and nothing else changed) into ``directory``."""
-    from rallypoint.testing import _torch_program
+    from rallypoint.testing._rpc import _torch_program
 
     return _torch_program.torch_version(__file__, TORCH_IMPORTS, directory, module_name)
