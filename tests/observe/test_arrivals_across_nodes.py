@@ -57,6 +57,32 @@ def test_a_skewed_clock_is_measured_through_a_real_store(stores: Any) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_the_responder_outlives_a_quiet_spell_and_ends_with_its_store(
+    stores: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The judge pings a node only now and then: a timeout in ``get`` is no reason to stop
+    answering; a store that went away is."""
+    from torch.distributed import TCPStore
+
+    from rallypoint.observe import _clock_offset
+
+    monkeypatch.setattr(_clock_offset, "RESPONDER_TIMEOUT", timedelta(seconds=0.3))
+    judge = stores()
+    responder = ClockResponder(stores(), round=0, group_rank=1)
+    time.sleep(1.0)  # three timeouts
+    assert responder._thread.is_alive()
+    assert ClockProbe(round=0).measure(judge, 1) is not None
+    responder.close(judge)
+    assert not responder._thread.is_alive()
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = TCPStore("127.0.0.1", server.port, is_master=False)
+    lonely = ClockResponder(client, round=0, group_rank=1)
+    del server
+    lonely._thread.join(5)
+    assert not lonely._thread.is_alive(), "the store went away: the thread ends"
+
+
+@pytest.mark.timeout(30)
 def test_a_node_that_does_not_answer_is_skipped_for_a_while(stores: Any) -> None:
     judge = stores()
     probe = ClockProbe(round=0)

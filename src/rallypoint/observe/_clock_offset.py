@@ -13,9 +13,10 @@ as long); of :data:`SAMPLES` exchanges the one with the least delay counts. Thro
 store on a LAN that is a fraction of a millisecond, against the tens of milliseconds a
 straggler makes the others wait.
 
-The responder blocks in ``get`` (never in a ``wait`` with a timeout: c10d logs a warning
-for every timeout), so that ``t2`` is the ping's arrival and not a poll later; it is
-stopped by a ``stop`` written to the key it waits on.
+The responder blocks in ``get`` on a connection of its own, so that ``t2`` is the ping's
+arrival and not a poll later, with a timeout of :data:`RESPONDER_TIMEOUT` (the judge pings
+a node only now and then, and c10d logs a warning for every timeout); it is stopped by a
+``stop`` written to the key it waits on, and ends when the store goes away.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ PONG_WAIT = timedelta(seconds=1)
 """How long the judge waits for an answer before it skips the node for now."""
 RETRY_AFTER = 6
 """Measurements a node that did not answer is skipped for."""
+RESPONDER_TIMEOUT = timedelta(hours=24)
+"""How long the responder's ``get`` blocks before it asks again."""
 STOP = b"stop"
 
 
@@ -53,6 +56,7 @@ class ClockStore(Protocol):
 
     def set(self, key: str, value: str, /) -> None: ...
     def get(self, key: str, /) -> bytes: ...
+    def set_timeout(self, timeout: timedelta, /) -> None: ...
     def wait(self, keys: list[str], timeout: timedelta, /) -> None: ...
     def delete_key(self, key: str, /) -> bool: ...
 
@@ -94,6 +98,7 @@ class ClockResponder:
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
         self._store = store
+        store.set_timeout(RESPONDER_TIMEOUT)
         self.round = round
         self.group_rank = group_rank
         self._clock = clock
@@ -106,8 +111,10 @@ class ClockResponder:
         while not self._stopped.is_set():
             try:
                 ping = self._store.get(ping_key(self.round, self.group_rank, self._n))
-            except Exception:  # the store timed out or went away: nobody pings any more
-                return
+            except Exception as exc:
+                if _timed_out(exc):
+                    continue  # a day without a ping: ask again
+                return  # the store went away: nobody pings any more
             t2 = self._clock()
             if ping == STOP or self._stopped.is_set():
                 return
@@ -122,6 +129,11 @@ class ClockResponder:
         with contextlib.suppress(Exception):
             store.set(ping_key(self.round, self.group_rank, self._n), STOP.decode())
         self._thread.join(timeout=1.0)
+
+
+def _timed_out(exc: Exception) -> bool:
+    """torch's store timeout (``DistStoreError``), or a Python store's (``LookupError``)."""
+    return isinstance(exc, LookupError) or type(exc).__name__ == "DistStoreError"
 
 
 class ClockProbe:
