@@ -79,6 +79,20 @@ def test_internal_lazy_names_resolve_but_stay_out_of_dir() -> None:
     assert dir_() == ["Closing", "__all__"]
 
 
+def test_faces_of_public_parts_keep_internal_names_out_of_dir() -> None:
+    import rallypoint.launcher
+    import rallypoint.observe
+    import rallypoint.snapshot
+
+    for module, name in [
+        (rallypoint.launcher, "run_job"),
+        (rallypoint.observe, "Observer"),
+        (rallypoint.snapshot, "serve"),
+    ]:
+        assert getattr(module, name) is not None
+        assert name not in dir(module) and name not in module.__all__
+
+
 def test_set_public_module_leaves_names_defined_elsewhere() -> None:
     import datetime
 
