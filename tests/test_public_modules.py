@@ -59,6 +59,40 @@ def test_lazy_attributes_import_on_first_use_and_cache() -> None:
         getattr_("x")
 
 
+def test_internal_lazy_names_resolve_but_stay_out_of_dir() -> None:
+    """A public package's face may offer its siblings an internal name: it resolves, but
+    ``dir()`` (the public surface) never lists it and its ``__module__`` stays private."""
+    from rallypoint._core import lazy_attributes
+    from rallypoint._core.checks import check_int
+
+    namespace: dict[str, object] = {"__all__": ["Closing"]}
+    getattr_, dir_ = lazy_attributes(
+        "rallypoint._core",
+        namespace,
+        {"Closing": "rallypoint._core.closing"},
+        public_home=True,
+        internal={"check_int": "rallypoint._core.checks"},
+    )
+    assert getattr_("check_int") is check_int
+    assert check_int.__module__ == "rallypoint._core.checks"
+    assert "check_int" not in dir_() and "check_int" not in namespace
+    assert dir_() == ["Closing", "__all__"]
+
+
+def test_faces_of_public_parts_keep_internal_names_out_of_dir() -> None:
+    import rallypoint.launcher
+    import rallypoint.observe
+    import rallypoint.snapshot
+
+    for module, name in [
+        (rallypoint.launcher, "run_job"),
+        (rallypoint.observe, "Observer"),
+        (rallypoint.snapshot, "serve"),
+    ]:
+        assert getattr(module, name) is not None
+        assert name not in dir(module) and name not in module.__all__
+
+
 def test_set_public_module_leaves_names_defined_elsewhere() -> None:
     import datetime
 

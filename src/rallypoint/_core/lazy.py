@@ -5,6 +5,10 @@ its public attributes and the modules that define them; :func:`lazy_attributes` 
 module-level ``__getattr__`` and ``__dir__`` (PEP 562) from that map::
 
     __getattr__, __dir__ = lazy_attributes(__name__, globals(), {"run_workers": "pkg._workers"})
+
+A public package may also offer its sibling packages a few ``internal`` names (the
+launcher side's machinery): those resolve the same way but are not listed by ``dir()``,
+so the package's public surface stays what its ``__all__`` says.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ def lazy_attributes(
     *,
     submodules: Iterable[str] = (),
     public_home: bool = False,
+    internal: Mapping[str, str] | None = None,
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``, whose globals are ``namespace``.
 
@@ -33,14 +38,19 @@ def lazy_attributes(
     is stored in ``namespace``, so each is imported once. With ``public_home`` the package
     is where its names are documented: a class or function that is resolved reports
     ``package`` as its ``__module__`` (see :func:`~rallypoint._core.public.set_public_module`).
+    ``internal`` maps names for rallypoint's other packages only: resolved like ``names``,
+    but left out of ``dir()`` and never given ``package`` as their ``__module__``.
     """
     table = dict(names)
+    hidden = dict(internal or {})
     children = frozenset(submodules)
 
     def __getattr__(name: str) -> Any:
-        module = table.get(name)
+        module = table.get(name) or hidden.get(name)
         if module is not None:
             value = getattr(importlib.import_module(module), name)
+            if name in hidden:  # not cached: dir() lists the namespace
+                return value
             namespace[name] = value
             if public_home:
                 set_public_module(package, namespace, [name])

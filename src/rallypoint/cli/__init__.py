@@ -8,4 +8,36 @@ dispatch to:
 - ``_stacks``: ``rallypoint stacks``; ``_report``: ``rallypoint report``.
 
 Nothing here decides how a job runs: that is ``rallypoint.launcher`` and below.
+
+Its face offers ``rallypoint.__main__`` one entry point per command, ``run_main``,
+``report_main`` and ``stacks_main`` (each ``argv -> exit status``), imported on first
+access: importing this package loads nothing.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rallypoint._core.lazy import lazy_attributes
+
+if TYPE_CHECKING:
+    from rallypoint.cli._report import report_main
+    from rallypoint.cli._run import run_main
+    from rallypoint.cli._stacks import stacks_main
+
+# private module -> the names it offers rallypoint.__main__ (each resolved on first access)
+_MODULES = {
+    "_report": ("report_main",),
+    "_run": ("run_main",),
+    "_stacks": ("stacks_main",),
+}
+_HOME = {name: f"rallypoint.cli.{module}" for module, names in _MODULES.items() for name in names}
+
+__all__ = [
+    "report_main",
+    "run_main",
+    "stacks_main",
+]
+
+
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _HOME)

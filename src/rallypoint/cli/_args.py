@@ -13,11 +13,10 @@ from typing import Any, Literal
 from rallypoint._core import envvars
 from rallypoint._core.disk import check_writable
 from rallypoint.cli._parser import PROG, UsageError
-from rallypoint.elastic._options import BUILTIN_CHECKS, parse_nnodes
-from rallypoint.launcher._config import LaunchConfig
-from rallypoint.observe._flight import parse_buffer
-from rallypoint.observe._stragglers import parse_threshold
-from rallypoint.supervise._worker import Target
+from rallypoint.elastic import BUILTIN_CHECKS, parse_nnodes
+from rallypoint.launcher import LaunchConfig
+from rallypoint.observe import parse_buffer, parse_threshold
+from rallypoint.supervise import Target
 
 __all__ = ["config_from_args", "parse_nproc"]
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint._core import envvars
-from rallypoint.elastic._options import parse_nnodes
+from rallypoint.elastic import parse_nnodes
 
 __all__ = [
     "DEFAULT_RDZV_PORT",

@@ -7,7 +7,7 @@ import argparse
 import os
 from typing import Any, NoReturn
 
-from rallypoint.supervise._options import DEFAULT_PREFIX
+from rallypoint.supervise import DEFAULT_PREFIX
 
 __all__ = ["PROG", "UsageError", "build_parser"]
 

@@ -34,8 +34,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def report_main(argv: Sequence[str] | None = None) -> int:
     """``rallypoint report``: exit 0 on success, 2 with a one-line error on bad input."""
-    from rallypoint.observe._events import EventLogError, read_events
-    from rallypoint.observe._report import render_report
+    from rallypoint.observe import EventLogError, read_events, render_report
 
     try:
         args = _parser().parse_args(argv)

@@ -21,7 +21,7 @@ import sys
 import threading
 
 from rallypoint._core import envvars
-from rallypoint.supervise._warm import WarmProcess
+from rallypoint.supervise import WarmProcess
 
 __all__ = ["main", "run_main"]
 
@@ -56,7 +56,7 @@ def run_main(
         except (ValueError, TypeError) as exc:
             warm.kill()
             return _fail(PROG, str(exc))
-        from rallypoint.launcher._run import run_job
+        from rallypoint.launcher import run_job
 
         if owns_process and config.rendezvous.multi_node:
             _quiet_agent_torch()
@@ -113,7 +113,7 @@ def _last_line_written() -> None:
 
 def _exit_status(exc: Exception, prog: str) -> int:
     """The one screen (or line) printed for a failed job, and the exit status."""
-    from rallypoint.elastic._exits import EXIT_EXCLUDED, EXIT_UNHEALTHY
+    from rallypoint.elastic import EXIT_EXCLUDED, EXIT_UNHEALTHY
     from rallypoint.launcher import (
         LaunchError,
         LaunchInterruptedError,

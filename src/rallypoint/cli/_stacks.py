@@ -42,9 +42,8 @@ def stacks_main(argv: Sequence[str] | None = None) -> int:
     if args.timeout <= 0:
         print(f"{PROG}: error: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
         return 2
-    from rallypoint.elastic._rendezvous import create_rendezvous, run_store_namespace
-    from rallypoint.observe._flight_format import format_hang_report
-    from rallypoint.observe._stacks_exchange import request_stacks
+    from rallypoint.elastic import create_rendezvous, run_store_namespace
+    from rallypoint.observe import format_hang_report, request_stacks
     from rallypoint.rendezvous import RendezvousError
 
     conf = {"is_host": "false", "read_timeout": str(max(args.timeout, 1.0))}

@@ -48,19 +48,21 @@ from rallypoint.elastic._records import Action, Decision, FailureRecord, NodeRec
 from rallypoint.elastic._round import Round
 from rallypoint.elastic._stores import RoundStore, prefixed
 from rallypoint.elastic._verdict import raise_failure, root_cause
-from rallypoint.observe._observer import Observer
-from rallypoint.observe._stacks_exchange import publish_node_count
-from rallypoint.supervise._errors import (
+from rallypoint.observe import Observer, publish_node_count
+from rallypoint.supervise import (
+    Failure,
+    GroupInfo,
     LaunchError,
     LaunchInterruptedError,
     LaunchTimeoutError,
     NodeExcludedError,
+    Outcome,
+    OutcomeKind,
     RendezvousFailedError,
+    failure_signature,
+    peer_vanished,
+    write_console,
 )
-from rallypoint.supervise._output import write_console
-from rallypoint.supervise._signature import failure_signature
-from rallypoint.supervise._state import Failure, GroupInfo, Outcome, OutcomeKind
-from rallypoint.supervise._summary import peer_vanished
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store

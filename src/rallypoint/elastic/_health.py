@@ -23,9 +23,8 @@ from rallypoint.elastic._builtin_checks import run_builtin
 from rallypoint.elastic._check_run import CheckResult, HealthContext, run_command
 from rallypoint.elastic._exits import EXIT_UNHEALTHY
 from rallypoint.elastic._options import HealthOptions
-from rallypoint.observe._observer import Observer
-from rallypoint.supervise._errors import UnhealthyNodeError
-from rallypoint.supervise._output import write_console
+from rallypoint.observe import Observer
+from rallypoint.supervise import UnhealthyNodeError, write_console
 
 __all__ = ["HealthChecks", "screen"]
 

@@ -17,9 +17,8 @@ from rallypoint._core.blocking import call_in_thread
 from rallypoint.elastic._options import RestartOptions
 from rallypoint.elastic._rendezvous import open_run_store
 from rallypoint.elastic._stores import RunStore, prefixed
-from rallypoint.observe._observer import Observer
-from rallypoint.observe._stacks_exchange import answer_stacks_request, latest_stacks_request
-from rallypoint.supervise._errors import LaunchInterruptedError, RendezvousFailedError
+from rallypoint.observe import Observer, answer_stacks_request, latest_stacks_request
+from rallypoint.supervise import LaunchInterruptedError, RendezvousFailedError
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store

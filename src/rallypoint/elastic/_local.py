@@ -15,20 +15,24 @@ from typing import Any, NoReturn
 from rallypoint.elastic._health import HealthChecks
 from rallypoint.elastic._options import RestartOptions
 from rallypoint.elastic._protocols import NodeSupervisor
-from rallypoint.observe._observer import Observer
-from rallypoint.supervise._errors import (
+from rallypoint.observe import Observer
+from rallypoint.supervise import (
     BadTargetError,
+    GroupInfo,
     HangError,
     LaunchInterruptedError,
     LaunchTimeoutError,
+    LocalPolicy,
+    Outcome,
+    OutcomeKind,
+    Streak,
     WorkerFailedError,
+    WorldOptions,
+    failure_signature,
+    format_summary,
+    repeated_line,
+    write_console,
 )
-from rallypoint.supervise._options import WorldOptions
-from rallypoint.supervise._output import write_console
-from rallypoint.supervise._policy import LocalPolicy
-from rallypoint.supervise._signature import Streak, failure_signature, repeated_line
-from rallypoint.supervise._state import GroupInfo, Outcome, OutcomeKind
-from rallypoint.supervise._summary import format_summary
 
 __all__ = ["LocalCoordinator"]
 

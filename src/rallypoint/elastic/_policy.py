@@ -26,12 +26,8 @@ from typing import Any
 
 from rallypoint._core.blocking import InThread, call_in_thread
 from rallypoint.elastic._round import Round
-from rallypoint.observe._flight_format import culprit_line, format_hang_report
-from rallypoint.observe._stacks_exchange import request_stacks
-from rallypoint.observe._straggler_watch import StragglerWatch
-from rallypoint.supervise._output import write_console
-from rallypoint.supervise._policy import collective_timeout_reason
-from rallypoint.supervise._state import OutcomeKind, Stop
+from rallypoint.observe import StragglerWatch, culprit_line, format_hang_report, request_stacks
+from rallypoint.supervise import OutcomeKind, Stop, collective_timeout_reason, write_console
 
 __all__ = ["MEMBERSHIP_CHANGED", "ElasticPolicy"]
 

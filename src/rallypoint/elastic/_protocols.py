@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from rallypoint.supervise._policy import AttemptPolicy
-from rallypoint.supervise._state import GroupInfo, Outcome
+from rallypoint.supervise import AttemptPolicy, GroupInfo, Outcome
 
 __all__ = ["NodeSupervisor"]
 

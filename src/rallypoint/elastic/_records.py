@@ -18,7 +18,7 @@ from typing import Any
 
 from rallypoint._core.status import WorkerStatus
 from rallypoint.rendezvous import RendezvousStateError
-from rallypoint.supervise._errors import WorkerSummary
+from rallypoint.supervise import WorkerSummary
 
 __all__ = ["Action", "Decision", "FailureRecord", "NodeRecord", "RootRecord"]
 

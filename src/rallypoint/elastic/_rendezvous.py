@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from rallypoint.elastic._options import RendezvousOptions
-from rallypoint.supervise._errors import RendezvousFailedError
+from rallypoint.supervise import RendezvousFailedError
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from rallypoint.elastic._job import Job
 from rallypoint.elastic._records import Action, Decision, ExclusionRecord
 from rallypoint.elastic._stores import RoundStore
-from rallypoint.supervise._signature import repeated_line
-from rallypoint.supervise._state import GroupInfo
+from rallypoint.supervise import GroupInfo, repeated_line
 
 __all__ = ["Round"]
 

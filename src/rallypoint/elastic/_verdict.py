@@ -12,14 +12,15 @@ from typing import NoReturn
 
 from rallypoint.elastic._records import Decision, RootRecord
 from rallypoint.elastic._round import Round
-from rallypoint.supervise._errors import (
+from rallypoint.supervise import (
     BadTargetError,
     HangError,
+    Outcome,
+    OutcomeKind,
     RendezvousFailedError,
     WorkerFailedError,
+    format_summary,
 )
-from rallypoint.supervise._state import Outcome, OutcomeKind
-from rallypoint.supervise._summary import format_summary
 
 __all__ = ["ROOT_WAIT", "raise_failure", "root_cause"]
 

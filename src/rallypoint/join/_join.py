@@ -60,7 +60,7 @@ from rallypoint.join._interface import (
 )
 from rallypoint.join._options import JoinOptions
 from rallypoint.join._shadow import GatedJoinConfig, shadow_iterations
-from rallypoint.observe._progress import progress
+from rallypoint.observe import progress
 
 __all__ = ["Join", "JoinSummary"]
 

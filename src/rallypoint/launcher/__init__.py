@@ -25,6 +25,10 @@ Exception tree::
 
 Importing this package loads nothing (not torch, not its own modules): training scripts
 import ``progress`` from here, so each name is imported on first access.
+
+Internal: ``run_job`` (one job from a config and a target, with a warm process) is offered
+to ``rallypoint.cli`` only; it resolves like the public names but is not in ``__all__`` or
+``dir()``.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ if TYPE_CHECKING:
     from rallypoint.launcher._api import launch
     from rallypoint.launcher._config import DEFAULT_PREFIX, LaunchConfig, LaunchOptions
     from rallypoint.observe import EventLog, progress, read_events, render_report
-    from rallypoint.supervise._errors import (
+    from rallypoint.supervise import (
         BadTargetError,
         FatalError,
         HangError,
@@ -55,12 +59,15 @@ if TYPE_CHECKING:
         WorkerSummary,
     )
 
+if TYPE_CHECKING:  # internal, for rallypoint.cli (``X as X``: re-exported, for mypy)
+    from rallypoint.launcher._run import run_job as run_job
+
 # module -> the public names it defines (each resolved on first access)
 _MODULES = {
     "rallypoint.launcher._api": ("launch",),
     "rallypoint.launcher._config": ("DEFAULT_PREFIX", "LaunchConfig", "LaunchOptions"),
     "rallypoint.observe": ("EventLog", "progress", "read_events", "render_report"),
-    "rallypoint.supervise._errors": (
+    "rallypoint.supervise": (
         "BadTargetError",
         "FatalError",
         "HangError",
@@ -108,7 +115,9 @@ __all__ = [
 ]
 
 
-_getattr, __dir__ = lazy_attributes(__name__, globals(), _HOME)
+_getattr, __dir__ = lazy_attributes(
+    __name__, globals(), _HOME, internal={"run_job": "rallypoint.launcher._run"}
+)
 
 
 def __getattr__(name: str) -> object:

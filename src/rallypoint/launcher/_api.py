@@ -72,7 +72,7 @@ _OPENMP_WARNING = (
 def _forked_workers_would_hang(config: LaunchConfig) -> bool:
     """Whether forked workers would use more than one intra-op thread, and a probe child
     forked now hangs in a parallel op (see :mod:`rallypoint.supervise._fork_probe`)."""
-    from rallypoint.supervise._fork_probe import openmp_survives_fork
+    from rallypoint.supervise import openmp_survives_fork
 
     torch = sys.modules.get("torch")
     if config.start_method != "fork" or torch is None:
@@ -95,8 +95,7 @@ def _wrap_parallel(fn: Callable[..., Any], config: LaunchConfig) -> Callable[...
 
 def _run(fn: Callable[..., Any], args: tuple[Any, ...], config: LaunchConfig) -> list[Any]:
     from rallypoint.launcher._run import run_job
-    from rallypoint.supervise._warm import WarmProcess
-    from rallypoint.supervise._worker import CALLABLES, Target
+    from rallypoint.supervise import CALLABLES, Target, WarmProcess
 
     key = uuid.uuid4().hex
     CALLABLES[key] = (fn, args)

@@ -36,14 +36,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, Literal, TypedDict, TypeVar, Unpack, overload
 
-from rallypoint.elastic._options import (
+from rallypoint.elastic import (
     HealthOptions,
     RendezvousOptions,
     RestartOptions,
     parse_nnodes,
 )
-from rallypoint.observe._observer import WatchOptions
-from rallypoint.supervise._options import (
+from rallypoint.observe import WatchOptions
+from rallypoint.supervise import (
     DEFAULT_PREFIX,
     OutputOptions,
     StdSpec,

@@ -20,18 +20,18 @@ from typing import Any, Protocol
 
 from rallypoint._core import envvars
 from rallypoint._core.status import JobStatus
-from rallypoint.elastic._check_run import HealthContext
-from rallypoint.elastic._health import HealthChecks
-from rallypoint.elastic._job import stop_on_signal
-from rallypoint.elastic._local import LocalCoordinator
+from rallypoint.elastic import HealthChecks, HealthContext, LocalCoordinator, stop_on_signal
 from rallypoint.launcher._config import LaunchConfig
-from rallypoint.observe._observer import Observer
-from rallypoint.supervise._env import user_rpc_secret
-from rallypoint.supervise._errors import LaunchInterruptedError
-from rallypoint.supervise._signals import SignalQueue
-from rallypoint.supervise._supervisor import Supervisor, prepare_warm
-from rallypoint.supervise._warm import WarmProcess
-from rallypoint.supervise._worker import Target
+from rallypoint.observe import Observer
+from rallypoint.supervise import (
+    LaunchInterruptedError,
+    SignalQueue,
+    Supervisor,
+    Target,
+    WarmProcess,
+    prepare_warm,
+    user_rpc_secret,
+)
 
 __all__ = ["run_job"]
 
@@ -133,8 +133,7 @@ def _coordinator(
             timeout=config.stop.timeout,
             health=health,
         )
-    from rallypoint.elastic._coordinator import ElasticCoordinator
-    from rallypoint.elastic._rendezvous import connect
+    from rallypoint.elastic import ElasticCoordinator, connect
 
     job_id = config.world.run_id or "none"
     return ElasticCoordinator(

@@ -7,6 +7,13 @@
 
 Importing this package loads nothing: ``progress`` is called from training loops and
 ``join`` imports it, so each name is imported on first access.
+
+Internal names: the launcher side (``rallypoint.supervise``, ``rallypoint.elastic``,
+``rallypoint.launcher``, ``rallypoint.cli``) gets the machinery it drives from here too,
+never from a private module: the :class:`Observer` of a node and its ``WatchOptions``, the
+stack and Flight Recorder dumpers a worker installs, the hang report's lines, the stacks
+exchange between nodes, the straggler watch and the parsers of their flags. Those resolve
+on access like the public names but are not in ``__all__`` or ``dir()``: not for users.
 """
 
 from __future__ import annotations
@@ -19,6 +26,24 @@ if TYPE_CHECKING:
     from rallypoint.observe._events import Event, EventLog, EventLogError, read_events
     from rallypoint.observe._progress import ProgressBoard, progress
     from rallypoint.observe._report import render_report
+
+if TYPE_CHECKING:  # internal, for the launcher side (``X as X``: re-exported, for mypy)
+    from rallypoint.observe._flight import install_flight_dumper as install_flight_dumper
+    from rallypoint.observe._flight import parse_buffer as parse_buffer
+    from rallypoint.observe._flight_final import COLLECTIVE_TIMEOUT as COLLECTIVE_TIMEOUT
+    from rallypoint.observe._flight_final import leave_final_trace as leave_final_trace
+    from rallypoint.observe._flight_format import culprit_line as culprit_line
+    from rallypoint.observe._flight_format import format_hang_report as format_hang_report
+    from rallypoint.observe._observer import Observer as Observer
+    from rallypoint.observe._observer import WatchOptions as WatchOptions
+    from rallypoint.observe._stacks import dump_stacks_now as dump_stacks_now
+    from rallypoint.observe._stacks import install_stack_dumper as install_stack_dumper
+    from rallypoint.observe._stacks_exchange import answer_stacks_request as answer_stacks_request
+    from rallypoint.observe._stacks_exchange import latest_stacks_request as latest_stacks_request
+    from rallypoint.observe._stacks_exchange import publish_node_count as publish_node_count
+    from rallypoint.observe._stacks_exchange import request_stacks as request_stacks
+    from rallypoint.observe._straggler_watch import StragglerWatch as StragglerWatch
+    from rallypoint.observe._stragglers import parse_threshold as parse_threshold
 
 # private module -> the public names it defines (each resolved on first access)
 _MODULES = {
@@ -41,4 +66,27 @@ __all__ = [
 ]
 
 
-__getattr__, __dir__ = lazy_attributes(__name__, globals(), _HOME)
+# internal: private module -> the names the launcher side uses (not in ``__all__``)
+_INTERNAL_MODULES = {
+    "_flight": ("install_flight_dumper", "parse_buffer"),
+    "_flight_final": ("COLLECTIVE_TIMEOUT", "leave_final_trace"),
+    "_flight_format": ("culprit_line", "format_hang_report"),
+    "_observer": ("Observer", "WatchOptions"),
+    "_stacks": ("dump_stacks_now", "install_stack_dumper"),
+    "_stacks_exchange": (
+        "answer_stacks_request",
+        "latest_stacks_request",
+        "publish_node_count",
+        "request_stacks",
+    ),
+    "_straggler_watch": ("StragglerWatch",),
+    "_stragglers": ("parse_threshold",),
+}
+_INTERNAL = {
+    name: f"rallypoint.observe.{module}"
+    for module, names in _INTERNAL_MODULES.items()
+    for name in names
+}
+
+
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _HOME, internal=_INTERNAL)

@@ -28,6 +28,10 @@ security model. Exceptions: ``TypeError``/``ValueError`` for bad input, and
 cannot load.
 
 Importing this package loads nothing (not torch): each name is imported on first use.
+
+Internal: ``serve`` (the node's snapshot server's loop, run in the process that
+``rallypoint.supervise`` forks for it) resolves the same way, for the launcher side only;
+it is not in ``__all__`` or ``dir()``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ from rallypoint._core.lazy import lazy_attributes
 if TYPE_CHECKING:
     from rallypoint.snapshot._api import configure, restore, save, wait
     from rallypoint.snapshot._errors import SnapshotError
+
+if TYPE_CHECKING:  # internal, for rallypoint.supervise (``X as X``: re-exported, for mypy)
+    from rallypoint.snapshot._server import serve as serve
 
 __all__ = ["SnapshotError", "configure", "restore", "save", "wait"]
 
@@ -53,4 +60,5 @@ __getattr__, __dir__ = lazy_attributes(
         "wait": "rallypoint.snapshot._api",
     },
     public_home=True,
+    internal={"serve": "rallypoint.snapshot._server"},
 )

@@ -23,8 +23,7 @@ import signal
 import time
 from typing import Any
 
-from rallypoint.observe._flight_final import COLLECTIVE_TIMEOUT
-from rallypoint.observe._observer import Observer
+from rallypoint.observe import COLLECTIVE_TIMEOUT, Observer
 from rallypoint.supervise._messages import Exited
 from rallypoint.supervise._output import OutputRouter
 from rallypoint.supervise._policy import AttemptPolicy

@@ -20,9 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
-from rallypoint.observe._flight_format import culprit_line, format_hang_report
-from rallypoint.observe._observer import Observer
-from rallypoint.observe._straggler_watch import StragglerWatch
+from rallypoint.observe import Observer, StragglerWatch, culprit_line, format_hang_report
 from rallypoint.supervise._output import write_console
 from rallypoint.supervise._state import OutcomeKind, Stop
 

@@ -64,7 +64,7 @@ def fork_snapshot_server(close: Iterable[int]) -> SnapshotServer:
             set_parent_death_signal(signal.SIGKILL)
             with contextlib.suppress(OSError):
                 os.setpgid(0, 0)  # not in the warm process's group: never signalled with it
-            from rallypoint.snapshot._server import serve
+            from rallypoint.snapshot import serve
 
             serve(listener)
         finally:

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from rallypoint.observe._observer import Observer
+from rallypoint.observe import Observer
 from rallypoint.supervise._env import worker_env
 from rallypoint.supervise._main_module import describe_main
 from rallypoint.supervise._options import OutputOptions, WorkerOptions

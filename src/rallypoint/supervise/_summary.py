@@ -12,7 +12,7 @@ import textwrap
 from datetime import datetime
 from pathlib import Path
 
-from rallypoint.observe._flight_final import COLLECTIVE_TIMEOUT
+from rallypoint.observe import COLLECTIVE_TIMEOUT
 from rallypoint.supervise._errors import WorkerSummary
 
 __all__ = [

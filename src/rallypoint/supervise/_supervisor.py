@@ -24,7 +24,7 @@ from rallypoint._core import envvars
 from rallypoint._core.closing import Closing
 from rallypoint._core.disk import check_writable
 from rallypoint._core.net import port_is_free
-from rallypoint.observe._observer import Observer
+from rallypoint.observe import Observer
 from rallypoint.supervise._attempt import Attempt
 from rallypoint.supervise._env import base_env
 from rallypoint.supervise._errors import (

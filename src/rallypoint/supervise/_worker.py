@@ -313,8 +313,7 @@ def _show_rank(target: Target) -> None:
 
 def _install_stack_dumper() -> None:
     """Answer the agent's stack requests (``rallypoint stacks``, hang reports)."""
-    from rallypoint.observe._flight import install_flight_dumper
-    from rallypoint.observe._stacks import dump_stacks_now, install_stack_dumper
+    from rallypoint.observe import dump_stacks_now, install_flight_dumper, install_stack_dumper
 
     try:
         install_stack_dumper()
@@ -326,7 +325,7 @@ def _install_stack_dumper() -> None:
 
 def _leave_final_trace(exc: BaseException) -> None:
     """A collective timed out: leave this worker's Flight Recorder for the agent's report."""
-    from rallypoint.observe._flight_final import leave_final_trace
+    from rallypoint.observe import leave_final_trace
 
     with contextlib.suppress(Exception):
         leave_final_trace(f"{exc}")

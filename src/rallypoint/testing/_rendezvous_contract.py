@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from rallypoint.rendezvous._kv import KeyValueStore, KVStateError
+from rallypoint.rendezvous import KeyValueStore, KVStateError
 
 T = TypeVar("T")
 
