@@ -16,7 +16,7 @@ import pytest
 from rallypoint.snapshot._auth import client_handshake
 from rallypoint.snapshot._client import NodeClient, ServerError
 from rallypoint.snapshot._server import HANDSHAKE_SECONDS
-from rallypoint.supervise._warm import WarmProcess
+from rallypoint.supervise._warm._process import WarmProcess
 
 SECRET = b"job-secret"
 

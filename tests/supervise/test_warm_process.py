@@ -7,8 +7,8 @@ import socket
 import pytest
 
 from rallypoint.launcher import WarmErrorKind, WarmProcessError
-from rallypoint.supervise._messages import Exited, Failed, StoreStarted, decode, recv, send
-from rallypoint.supervise._warm import WarmProcess
+from rallypoint.supervise._warm._messages import Exited, Failed, StoreStarted, decode, recv, send
+from rallypoint.supervise._warm._process import WarmProcess
 
 
 def test_messages_travel_as_typed_dataclasses() -> None:

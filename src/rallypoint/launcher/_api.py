@@ -71,7 +71,7 @@ _OPENMP_WARNING = (
 
 def _forked_workers_would_hang(config: LaunchConfig) -> bool:
     """Whether forked workers would use more than one intra-op thread, and a probe child
-    forked now hangs in a parallel op (see :mod:`rallypoint.supervise._fork_probe`)."""
+    forked now hangs in a parallel op (see :mod:`rallypoint.supervise._warm._fork_probe`)."""
     from rallypoint.supervise import openmp_survives_fork
 
     torch = sys.modules.get("torch")

@@ -2,8 +2,9 @@
 
 Internal; the public names live in :mod:`rallypoint.launcher`. The parts:
 
-- ``_warm`` / ``_warm_server`` / ``_messages``: the warm process that imports torch once
-  and forks every worker, and the typed messages between it and the supervisor;
+- ``_warm/``: the warm process that imports torch once and forks every worker (``_server``),
+  the supervisor's handle on it (``_process``), the typed messages between them
+  (``_messages``), the OpenMP fork probe and the snapshot server it forks;
 - ``_worker`` / ``_spawned``: what a worker does before and after the user's code;
 - ``_env``: the environment torchrun gives workers; ``_output``: their stdout/stderr;
 - ``_supervisor``: :class:`Supervisor` runs one attempt of the local workers under a
@@ -12,7 +13,7 @@ Internal; the public names live in :mod:`rallypoint.launcher`. The parts:
 - ``_summary``: what a failed worker left behind, and the failure screen;
 - ``_options``: the option groups this part reads; ``_errors``: the launcher's errors.
 
-This package imports nothing at import time: ``rallypoint run`` imports ``_warm`` and forks
+This package imports nothing at import time: ``rallypoint run`` imports ``_warm._process`` and forks
 the warm process before anything else is loaded. Its face below offers the packages above it
 (``rallypoint.elastic``, ``rallypoint.launcher``, ``rallypoint.cli``, ``rallypoint.__main__``)
 the names they use, each imported on first access; they import nothing else from here:
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
         WorkerFailedError,
         WorkerSummary,
     )
-    from rallypoint.supervise._fork_probe import openmp_survives_fork
     from rallypoint.supervise._options import (
         DEFAULT_PREFIX,
         OutputOptions,
@@ -64,7 +64,8 @@ if TYPE_CHECKING:
     from rallypoint.supervise._state import Failure, GroupInfo, Outcome, OutcomeKind, Stop
     from rallypoint.supervise._summary import format_summary, peer_vanished
     from rallypoint.supervise._supervisor import Supervisor, prepare_warm
-    from rallypoint.supervise._warm import WarmProcess
+    from rallypoint.supervise._warm._fork_probe import openmp_survives_fork
+    from rallypoint.supervise._warm._process import WarmProcess
     from rallypoint.supervise._worker import CALLABLES, Target
 
 # private module -> the names it offers the packages above (each resolved on first access)
@@ -86,7 +87,7 @@ _MODULES = {
         "WorkerFailedError",
         "WorkerSummary",
     ),
-    "_fork_probe": ("openmp_survives_fork",),
+    "_warm._fork_probe": ("openmp_survives_fork",),
     "_options": (
         "DEFAULT_PREFIX",
         "OutputOptions",
@@ -103,7 +104,7 @@ _MODULES = {
     "_state": ("Failure", "GroupInfo", "Outcome", "OutcomeKind", "Stop"),
     "_summary": ("format_summary", "peer_vanished"),
     "_supervisor": ("Supervisor", "prepare_warm"),
-    "_warm": ("WarmProcess",),
+    "_warm._process": ("WarmProcess",),
     "_worker": ("CALLABLES", "Target"),
 }
 _HOME = {

@@ -24,7 +24,6 @@ import time
 from typing import Any
 
 from rallypoint.observe import COLLECTIVE_TIMEOUT, Observer
-from rallypoint.supervise._messages import Exited
 from rallypoint.supervise._output import OutputRouter
 from rallypoint.supervise._policy import AttemptPolicy
 from rallypoint.supervise._signals import SignalQueue
@@ -36,7 +35,8 @@ from rallypoint.supervise._summary import (
     fatal_message,
     peer_vanished,
 )
-from rallypoint.supervise._warm import WarmProcess
+from rallypoint.supervise._warm._messages import Exited
+from rallypoint.supervise._warm._process import WarmProcess
 from rallypoint.supervise._worker import BAD_TARGET_EXIT, FATAL_EXIT
 
 __all__ = ["Attempt"]

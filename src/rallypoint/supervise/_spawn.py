@@ -15,7 +15,7 @@ from rallypoint.supervise._main_module import describe_main
 from rallypoint.supervise._options import OutputOptions, WorkerOptions
 from rallypoint.supervise._output import LOG_TROUBLE, Duplicate, OutputRouter
 from rallypoint.supervise._state import GroupInfo, Worker
-from rallypoint.supervise._warm import WarmProcess
+from rallypoint.supervise._warm._process import WarmProcess
 from rallypoint.supervise._worker import CALLABLES, Target, WorkerSpec
 
 __all__ = ["WorkerStarter"]

@@ -18,7 +18,7 @@ from datetime import timedelta
 import psutil
 
 from rallypoint.supervise._state import Worker
-from rallypoint.supervise._warm import WarmProcess
+from rallypoint.supervise._warm._process import WarmProcess
 
 __all__ = ["QUICK_GRACE", "Stopper"]
 

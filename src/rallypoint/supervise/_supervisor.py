@@ -42,7 +42,7 @@ from rallypoint.supervise._signals import SignalQueue
 from rallypoint.supervise._spawn import WorkerStarter
 from rallypoint.supervise._state import GroupInfo, Outcome, Worker
 from rallypoint.supervise._stop import Stopper
-from rallypoint.supervise._warm import WarmProcess
+from rallypoint.supervise._warm._process import WarmProcess
 from rallypoint.supervise._worker import Target
 
 __all__ = ["Supervisor", "prepare_warm"]

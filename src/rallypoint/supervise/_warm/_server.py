@@ -41,7 +41,8 @@ from typing import Any, NoReturn
 from rallypoint._core.net import port_is_free
 from rallypoint._core.procs import kill_descendants
 from rallypoint.supervise._errors import WarmErrorKind
-from rallypoint.supervise._messages import (
+from rallypoint.supervise._summary import describe_status
+from rallypoint.supervise._warm._messages import (
     Exited,
     Failed,
     Init,
@@ -60,8 +61,7 @@ from rallypoint.supervise._messages import (
     recv,
     send,
 )
-from rallypoint.supervise._snapshots import SnapshotServer, fork_snapshot_server
-from rallypoint.supervise._summary import describe_status
+from rallypoint.supervise._warm._snapshots import SnapshotServer, fork_snapshot_server
 from rallypoint.supervise._worker import WorkerSpec, child_main, set_parent_death_signal
 
 __all__ = ["WARM_MODULES", "serve"]

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from rallypoint.supervise._errors import WarmErrorKind, WarmProcessError
-    from rallypoint.supervise._messages import Exited, Request
+    from rallypoint.supervise._warm._messages import Exited, Request
     from rallypoint.supervise._worker import WorkerSpec
 
 __all__ = ["REPLY_TIMEOUT", "WarmProcess"]
@@ -77,7 +77,7 @@ class WarmProcess:
             try:
                 _die_with(launcher)
                 parent.close()
-                from rallypoint.supervise._warm_server import serve
+                from rallypoint.supervise._warm._server import serve
 
                 serve(child, import_torch)
             except BaseException:
@@ -98,7 +98,7 @@ class WarmProcess:
         ``poll()`` is called every 50 ms while waiting (raise from it to stop waiting).
         Does nothing once the warm process is :attr:`ready`.
         """
-        from rallypoint.supervise._messages import Init, Ready
+        from rallypoint.supervise._warm._messages import Init, Ready
 
         if self.ready:
             return
@@ -110,34 +110,34 @@ class WarmProcess:
 
     def start_store(self, host: str, port: int) -> tuple[int, int]:
         """Start the store server; returns ``(port, store_pid)``."""
-        from rallypoint.supervise._messages import StartStore, StoreStarted
+        from rallypoint.supervise._warm._messages import StartStore, StoreStarted
 
         reply = self._request(StartStore(host, port), StoreStarted)
         return reply.port, reply.pid
 
     def reset_store(self) -> int:
         """Replace the store server by an empty one on the same port."""
-        from rallypoint.supervise._messages import ResetStore, StoreStarted
+        from rallypoint.supervise._warm._messages import ResetStore, StoreStarted
 
         return self._request(ResetStore(), StoreStarted).port
 
     def start_snapshots(self) -> tuple[str, int, str]:
         """Start the node's snapshot server, or a new one if it died; returns ``(socket
         path, pid, how the previous server ended or "")``."""
-        from rallypoint.supervise._messages import SnapshotsStarted, StartSnapshots
+        from rallypoint.supervise._warm._messages import SnapshotsStarted, StartSnapshots
 
         reply = self._request(StartSnapshots(), SnapshotsStarted)
         return reply.path, reply.pid, reply.replaced
 
     def remove_on_exit(self, paths: list[str]) -> None:
         """Have the warm process remove ``paths`` should this process die without closing."""
-        from rallypoint.supervise._messages import RemoveOnExit
+        from rallypoint.supervise._warm._messages import RemoveOnExit
 
         self._send(RemoveOnExit(tuple(paths)))
 
     def spawn_many(self, requests: list[tuple[WorkerSpec, list[int]]]) -> list[int]:
         """Start several workers: all requests go out first, so forks start back to back."""
-        from rallypoint.supervise._messages import Spawn, Spawned
+        from rallypoint.supervise._warm._messages import Spawn, Spawned
 
         for spec, fds in requests:
             self._send(Spawn(spec), fds)
@@ -152,7 +152,7 @@ class WarmProcess:
         return self._reply(expect)
 
     def _send(self, msg: Request, fds: list[int] | None = None) -> None:
-        from rallypoint.supervise._messages import send
+        from rallypoint.supervise._warm._messages import send
 
         try:
             send(self.sock, msg, fds)
@@ -161,7 +161,7 @@ class WarmProcess:
 
     def _reply(self, expect: type[_R]) -> _R:
         from rallypoint.supervise._errors import WarmErrorKind
-        from rallypoint.supervise._messages import Exited, Failed, Ready, recv
+        from rallypoint.supervise._warm._messages import Exited, Failed, Ready, recv
 
         # ``Init`` waits for ``import torch`` and the preloads (no limit); anything else is
         # a fork or a store bind and answers in milliseconds unless the process is stuck.
@@ -192,7 +192,7 @@ class WarmProcess:
 
     def read_events(self) -> list[Exited]:
         """Workers reaped since the last call; call when ``fileno()`` is readable."""
-        from rallypoint.supervise._messages import Exited, decode
+        from rallypoint.supervise._warm._messages import Exited, decode
 
         out = list(self.events)
         self.events.clear()
@@ -229,7 +229,7 @@ class WarmProcess:
             self.kill()
             return
         self._closed = True
-        from rallypoint.supervise._messages import Shutdown, send
+        from rallypoint.supervise._warm._messages import Shutdown, send
 
         with contextlib.suppress(OSError):
             send(self.sock, Shutdown())
