@@ -13,7 +13,7 @@ import pytest
 from rallypoint.cli._args import config_from_args
 from rallypoint.cli._parser import UsageError, build_parser
 from rallypoint.launcher import LaunchConfig
-from rallypoint.observe._flight import DEFAULT_BUFFER, flight_recorder_env, parse_buffer
+from rallypoint.observe._flight._recorder import DEFAULT_BUFFER, flight_recorder_env, parse_buffer
 
 SHOWS_ITS_RECORDER = """
 import os

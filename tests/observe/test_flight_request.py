@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from rallypoint._core import envvars
-from rallypoint.observe import _flight
-from rallypoint.observe._flight import FlightRequest
-from rallypoint.observe._flight_records import RankTrace
+from rallypoint.observe._flight import _recorder as _flight
+from rallypoint.observe._flight._recorder import FlightRequest
+from rallypoint.observe._flight._records import RankTrace
 from rallypoint.observe._stacks import THREAD_WAIT, collect_stacks
 
 WORKER = """
 import sys, time
-from rallypoint.observe._flight import install_flight_dumper
+from rallypoint.observe._flight._recorder import install_flight_dumper
 install_flight_dumper()
 print("ready", flush=True)
 time.sleep(float(sys.argv[1]))
@@ -89,7 +89,7 @@ def test_the_frameless_answer_is_made_before_the_one_with_frames(
 
 STACKS_WORKER = """
 import os, sys, time
-from rallypoint.observe._flight import install_flight_dumper
+from rallypoint.observe._flight._recorder import install_flight_dumper
 from rallypoint.observe._fifo import fifo_path
 from rallypoint.observe._stacks import dump_stacks_now, install_stack_dumper
 install_stack_dumper()

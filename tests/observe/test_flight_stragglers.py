@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.observe._arrivals import MIN_COLLECTIVES, is_straggler, judge_arrivals
 from rallypoint.observe._events import read_events
-from rallypoint.observe._flight_records import FlightEntry, GroupTrace, RankTrace
+from rallypoint.observe._flight._records import FlightEntry, GroupTrace, RankTrace
 from rallypoint.observe._lanes import build_lanes
 from rallypoint.observe._report_lanes import lane_tooltips
+from rallypoint.observe._stragglers._arrivals import MIN_COLLECTIVES, is_straggler, judge_arrivals
 
 MS = 1_000_000
 

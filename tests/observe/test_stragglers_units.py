@@ -16,10 +16,9 @@ from rallypoint.cli._parser import UsageError, build_parser
 from rallypoint.cli._report import report_main
 from rallypoint.launcher import LaunchConfig
 from rallypoint.observe._events import EventLog, read_events
-from rallypoint.observe._flight_records import RankTrace
+from rallypoint.observe._flight._records import RankTrace
 from rallypoint.observe._report import render_report
-from rallypoint.observe._straggler_watch import StragglerWatch, describe, pace_key
-from rallypoint.observe._stragglers import (
+from rallypoint.observe._stragglers._pace import (
     NodePace,
     PaceWindow,
     RankPace,
@@ -28,6 +27,7 @@ from rallypoint.observe._stragglers import (
     median,
     parse_threshold,
 )
+from rallypoint.observe._stragglers._watch import StragglerWatch, describe, pace_key
 from rallypoint.observe._timeline import build_timeline
 
 

@@ -3,7 +3,7 @@
 Each tick (at most every ``poll_every`` seconds, about four store round trips): answer
 stack requests, follow a decision another node wrote (``restart``), restart when nodes wait
 to join or members were lost (without spending budget), and every few seconds exchange
-the nodes' step-time summaries for straggler detection (``observe._straggler_watch``). A
+the nodes' step-time summaries for straggler detection (``observe._stragglers._watch``). A
 hang is the whole job's: the first node to see it asks every node for its workers' stacks
 and prints them grouped, the others keep answering until it has them; then the round is
 decided (a restart that spends budget, or a failure with ``on_hang="fail"``). A store

@@ -6,7 +6,7 @@ The run store (``rallypoint/<run_id>/job/`` on the rendezvous backend, from
 ``handler.open_run_store()``) outlives rounds: ``restarts`` (the job's budget counter, so
 every node and every worker sees the same ``TORCHELASTIC_RESTART_COUNT``), ``status``,
 ``left/<k>``, ``hang/<k>``, ``pace/<k>/<g>`` (each node's step-time summary,
-``observe._straggler_watch``), the ``stacks/*`` exchange (so ``rallypoint stacks`` finds
+``observe._stragglers._watch``), the ``stacks/*`` exchange (so ``rallypoint stacks`` finds
 it without knowing the round), ``rpc_secret`` (the job's RPC secret, set once by the
 first agent, unless the user gave every node one), ``same_failure`` and ``node_failures``
 (the runs of identical root causes and of failures rooted on one node) and ``excluded``

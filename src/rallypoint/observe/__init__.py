@@ -28,12 +28,12 @@ if TYPE_CHECKING:
     from rallypoint.observe._report import render_report
 
 if TYPE_CHECKING:  # internal, for the launcher side (``X as X``: re-exported, for mypy)
-    from rallypoint.observe._flight import install_flight_dumper as install_flight_dumper
-    from rallypoint.observe._flight import parse_buffer as parse_buffer
-    from rallypoint.observe._flight_final import COLLECTIVE_TIMEOUT as COLLECTIVE_TIMEOUT
-    from rallypoint.observe._flight_final import leave_final_trace as leave_final_trace
-    from rallypoint.observe._flight_format import culprit_line as culprit_line
-    from rallypoint.observe._flight_format import format_hang_report as format_hang_report
+    from rallypoint.observe._flight._final import COLLECTIVE_TIMEOUT as COLLECTIVE_TIMEOUT
+    from rallypoint.observe._flight._final import leave_final_trace as leave_final_trace
+    from rallypoint.observe._flight._format import culprit_line as culprit_line
+    from rallypoint.observe._flight._format import format_hang_report as format_hang_report
+    from rallypoint.observe._flight._recorder import install_flight_dumper as install_flight_dumper
+    from rallypoint.observe._flight._recorder import parse_buffer as parse_buffer
     from rallypoint.observe._observer import Observer as Observer
     from rallypoint.observe._observer import WatchOptions as WatchOptions
     from rallypoint.observe._stacks import dump_stacks_now as dump_stacks_now
@@ -42,8 +42,8 @@ if TYPE_CHECKING:  # internal, for the launcher side (``X as X``: re-exported, f
     from rallypoint.observe._stacks_exchange import latest_stacks_request as latest_stacks_request
     from rallypoint.observe._stacks_exchange import publish_node_count as publish_node_count
     from rallypoint.observe._stacks_exchange import request_stacks as request_stacks
-    from rallypoint.observe._straggler_watch import StragglerWatch as StragglerWatch
-    from rallypoint.observe._stragglers import parse_threshold as parse_threshold
+    from rallypoint.observe._stragglers._pace import parse_threshold as parse_threshold
+    from rallypoint.observe._stragglers._watch import StragglerWatch as StragglerWatch
 
 # private module -> the public names it defines (each resolved on first access)
 _MODULES = {
@@ -68,9 +68,9 @@ __all__ = [
 
 # internal: private module -> the names the launcher side uses (not in ``__all__``)
 _INTERNAL_MODULES = {
-    "_flight": ("install_flight_dumper", "parse_buffer"),
-    "_flight_final": ("COLLECTIVE_TIMEOUT", "leave_final_trace"),
-    "_flight_format": ("culprit_line", "format_hang_report"),
+    "_flight._recorder": ("install_flight_dumper", "parse_buffer"),
+    "_flight._final": ("COLLECTIVE_TIMEOUT", "leave_final_trace"),
+    "_flight._format": ("culprit_line", "format_hang_report"),
     "_observer": ("Observer", "WatchOptions"),
     "_stacks": ("dump_stacks_now", "install_stack_dumper"),
     "_stacks_exchange": (
@@ -79,8 +79,8 @@ _INTERNAL_MODULES = {
         "publish_node_count",
         "request_stacks",
     ),
-    "_straggler_watch": ("StragglerWatch",),
-    "_stragglers": ("parse_threshold",),
+    "_stragglers._watch": ("StragglerWatch",),
+    "_stragglers._pace": ("parse_threshold",),
 }
 _INTERNAL = {
     name: f"rallypoint.observe.{module}"

@@ -1,5 +1,6 @@
 """The request FIFO of a worker (``$RALLYPOINT_STACKS_DIR/<pid>.fr``): the agent writes one
-line per request; the worker's Flight Recorder thread (``_flight``) reads and answers it."""
+line per request; the worker's Flight Recorder thread (``_flight._recorder``) reads and
+answers it."""
 
 from __future__ import annotations
 

@@ -26,30 +26,30 @@ from typing import Any
 from rallypoint._core.checks import check_int, check_seconds
 from rallypoint._core.closing import Closing
 from rallypoint._core.procs import pid_running
-from rallypoint.observe._clock_offset import ClockStore
 from rallypoint.observe._events import EventLog
-from rallypoint.observe._flight import (
+from rallypoint.observe._flight._final import (
+    has_final_trace,
+    read_final_trace,
+    remove_final_traces,
+)
+from rallypoint.observe._flight._format import format_hang_report
+from rallypoint.observe._flight._recorder import (
     DEFAULT_BUFFER,
     FlightRequest,
     flight_recorder_env,
     parse_buffer,
     remove_flight_files,
 )
-from rallypoint.observe._flight_final import (
-    has_final_trace,
-    read_final_trace,
-    remove_final_traces,
-)
-from rallypoint.observe._flight_format import format_hang_report
 from rallypoint.observe._progress import ProgressBoard
 from rallypoint.observe._stacks import StackDump, collect_stacks, remove_dump_file, stacks_env
-from rallypoint.observe._straggler_watch import StragglerWatch
-from rallypoint.observe._stragglers import (
+from rallypoint.observe._stragglers._clock_offset import ClockStore
+from rallypoint.observe._stragglers._pace import (
     DEFAULT_THRESHOLD,
     WINDOW_S,
     check_window,
     parse_threshold,
 )
+from rallypoint.observe._stragglers._watch import StragglerWatch
 
 __all__ = ["Observer", "WatchOptions"]
 
@@ -181,7 +181,7 @@ class Observer(Closing):
 
     def collect(self, pids_by_rank: Mapping[int, int]) -> dict[int, StackDump]:
         """This node's workers' stacks and Flight Recorder dumps, keyed by global rank, and
-        the traces that workers of this attempt left as they failed (``_flight_final``)."""
+        the traces that workers of this attempt left as they failed (``_flight._final``)."""
         # a worker that is leaving its trace fails on a collective timeout: it is not asked
         # (its thread would wait behind the imports of its own last dump); it is given until
         # the deadline to exit, then its trace is read

@@ -37,7 +37,7 @@ from rallypoint._core import envvars
 from rallypoint._core.checks import check_seconds
 from rallypoint._core.procs import pid_alive
 from rallypoint.observe._fifo import STACKS_REQUEST, ask
-from rallypoint.observe._flight_records import RankTrace
+from rallypoint.observe._flight._records import RankTrace
 
 __all__ = [
     "DEFAULT_STACKS_SIGNAL",
@@ -132,7 +132,7 @@ def dump_stacks_now() -> None:
     from Python with the GIL held: no other thread's frames change meanwhile, where
     faulthandler's signal handler reads them racing the threads that run (a worker whose
     other thread was importing has died of it). The Flight Recorder thread calls this on
-    the agent's request (``_flight.install_flight_dumper``)."""
+    the agent's request (``_flight._recorder.install_flight_dumper``)."""
     import faulthandler
 
     if _dump_file is not None:

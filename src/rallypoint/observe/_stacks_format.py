@@ -111,7 +111,8 @@ def user_frames(frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
 
 def _ours(thread: ThreadStack) -> bool:
     """rallypoint's own helper threads in a worker (the Flight Recorder dumper)."""
-    return any(f.name == "_serve" and f.filename.endswith("_flight.py") for f in thread.frames)
+    dumper = os.path.join("_flight", "_recorder.py")
+    return any(f.name == "_serve" and f.filename.endswith(dumper) for f in thread.frames)
 
 
 def format_frames(frames: tuple[Frame, ...], indent: str) -> list[str]:

@@ -52,7 +52,7 @@ def prepare_warm(warm: WarmProcess, preload: tuple[str, ...], signals: SignalQue
     """Wait for the warm process's imports (``preload``); a signal stops the wait.
 
     Call it before anything makes temporary files: until it answers, the warm process
-    dies with its parent and could not remove them (``_warm_server``).
+    dies with its parent and could not remove them (``_warm._server``).
     """
     try:
         warm.init(preload, poll=lambda: signals.raise_if_signalled("the warm process"))

@@ -4,7 +4,7 @@ forks workers on command.
 The supervisor forks it first thing (the CLI before it even parses its arguments, so that
 ``import torch`` overlaps the launcher's own start-up) and talks to it over a Unix
 ``SOCK_SEQPACKET`` socketpair: one pickled message per packet (``_messages``), pipe ends
-passed with ``SCM_RIGHTS``. The warm process's own side is ``_warm_server``.
+passed with ``SCM_RIGHTS``. The warm process's own side is ``_server``.
 
 Kept light on purpose: the CLI imports this module before forking, so everything heavier
 (the messages, the worker side, the exceptions) is imported after the fork, where used.

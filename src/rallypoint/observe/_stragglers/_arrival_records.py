@@ -1,7 +1,7 @@
 """One node's Flight Recorder arrivals as a run-store record, for the judging node.
 
 Every node but the judge (group rank 0) writes what its workers answered to an arrivals
-request (``_flight``: the entries of the straggler window, no frames) under
+request (``_flight._recorder``: the entries of the straggler window, no frames) under
 ``arrivals/<round>/<group rank>``, only what the judge compares: per rank and group, the
 group's members and each collective's number and arrival (``time_created_ns``, the node's
 clock; ``_clock_offset`` says how the judge corrects it). About 25 bytes per collective,
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rallypoint.observe._flight_records import FlightEntry, GroupTrace, RankTrace
+from rallypoint.observe._flight._records import FlightEntry, GroupTrace, RankTrace
 
 __all__ = [
     "SHIP_LIMIT",

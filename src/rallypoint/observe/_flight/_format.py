@@ -25,8 +25,8 @@ import os
 from collections.abc import Mapping
 
 from rallypoint._core.frames import is_library
-from rallypoint.observe._flight_analysis import Diagnosis, GroupState, RootKind, analyse
-from rallypoint.observe._flight_records import FlightEntry, RankTrace
+from rallypoint.observe._flight._analysis import Diagnosis, GroupState, RootKind, analyse
+from rallypoint.observe._flight._records import FlightEntry, RankTrace
 from rallypoint.observe._stacks import StackDump
 from rallypoint.observe._stacks_format import (
     format_frames,

@@ -2,7 +2,7 @@
 
 torch's Flight Recorder (``torch._C._distributed_c10d._dump_fr_trace()``) keeps the last
 ``TORCH_FR_BUFFER_SIZE`` collectives of every process group of a worker, gloo's and NCCL's
-alike. A worker's dumper (``_flight``) turns its pickle into a :class:`RankTrace`: the
+alike. A worker's dumper (``_recorder``) turns its pickle into a :class:`RankTrace`: the
 groups the worker belongs to (global ranks, which torch's gloo dump leaves empty), each
 group's last issued and completed collective number, and the recent entries with the
 Python frames that issued them. All of it is JSON-compatible, for the stacks exchange.

@@ -35,7 +35,7 @@ from typing import Any
 from rallypoint._core import envvars
 from rallypoint._core.procs import pid_running
 from rallypoint.observe._fifo import STACKS_REQUEST, ask, fifo_path
-from rallypoint.observe._flight_records import FlightEntry, GroupTrace, RankTrace
+from rallypoint.observe._flight._records import FlightEntry, GroupTrace, RankTrace
 
 __all__ = [
     "BUFFER_ENV",

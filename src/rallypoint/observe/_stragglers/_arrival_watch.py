@@ -26,15 +26,15 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
-from rallypoint.observe._arrival_records import (
+from rallypoint.observe._flight._records import RankTrace
+from rallypoint.observe._stragglers._arrival_records import (
     NodeArrivals,
     arrivals_key,
     arrivals_record,
     read_arrivals_record,
 )
-from rallypoint.observe._arrivals import ArrivalVerdict, is_straggler, judge_arrivals
-from rallypoint.observe._clock_offset import ClockProbe, ClockResponder, ClockStore
-from rallypoint.observe._flight_records import RankTrace
+from rallypoint.observe._stragglers._arrivals import ArrivalVerdict, is_straggler, judge_arrivals
+from rallypoint.observe._stragglers._clock_offset import ClockProbe, ClockResponder, ClockStore
 
 __all__ = ["STALE_AFTER", "ArrivalStore", "ArrivalWatch", "TraceRequest", "describe_arrival"]
 
@@ -43,7 +43,7 @@ STALE_AFTER = 3
 
 
 class TraceRequest(Protocol):
-    """A request for the workers' Flight Recorder traces (``_flight.FlightRequest``)."""
+    """A request for the workers' Flight Recorder traces (``_flight._recorder.FlightRequest``)."""
 
     def ready(self) -> bool: ...
     def results(self, timeout: float) -> dict[int, RankTrace]: ...

@@ -30,11 +30,11 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
-from rallypoint.observe._arrival_watch import ArrivalStore, ArrivalWatch, TraceRequest
-from rallypoint.observe._clock_offset import ClockStore
 from rallypoint.observe._progress import ProgressBoard
 from rallypoint.observe._stacks_format import ranks_text
-from rallypoint.observe._stragglers import (
+from rallypoint.observe._stragglers._arrival_watch import ArrivalStore, ArrivalWatch, TraceRequest
+from rallypoint.observe._stragglers._clock_offset import ClockStore
+from rallypoint.observe._stragglers._pace import (
     WINDOW_S,
     NodePace,
     PaceWindow,

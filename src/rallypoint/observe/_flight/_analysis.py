@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from rallypoint.observe._flight_records import FlightEntry, RankTrace
+from rallypoint.observe._flight._records import FlightEntry, RankTrace
 
 __all__ = ["Diagnosis", "GroupState", "RootCause", "RootKind", "analyse"]
 

@@ -1,6 +1,6 @@
 """Straggler detection from progress heartbeats: the measuring window and the verdicts.
 
-Pure logic, no I/O (``_straggler_watch`` samples the board, exchanges summaries, prints).
+Pure logic, no I/O (``_watch`` samples the board, exchanges summaries, prints).
 
 **What is measured.** A rank's *step time* is the mean time between its consecutive
 :func:`rallypoint.progress` calls. The agent samples its board every :data:`PACE_EVERY`

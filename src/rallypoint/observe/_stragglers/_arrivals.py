@@ -31,7 +31,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rallypoint.observe._flight_records import RankTrace
+from rallypoint.observe._flight._records import RankTrace
 
 __all__ = ["MIN_COLLECTIVES", "MIN_SHARE", "ArrivalVerdict", "is_straggler", "judge_arrivals"]
 

@@ -21,14 +21,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from rallypoint._core import envvars
-from rallypoint.observe._flight import (
+from rallypoint.observe._flight._recorder import (
     NCCL_DUMP_PREFIX,
     answers,
     recording,
     trace_from_dump,
     write_answer,
 )
-from rallypoint.observe._flight_records import RankTrace
+from rallypoint.observe._flight._records import RankTrace
 
 __all__ = [
     "COLLECTIVE_TIMEOUT",
