@@ -111,9 +111,12 @@ def _traces(ranks: Mapping[int, int], *, shift: int = 0, n: int = 30) -> dict[in
 
 def test_a_record_round_trips_with_what_the_judge_compares() -> None:
     traces = _traces({0: 0, 1: 60 * MS})
+    timed = FlightEntry(31, "all_reduce", (), (), 5, True, duration_ns=2_500_000)
+    traces[3] = RankTrace(3, (GroupTrace("0", (0, 1), 31, 31, (timed,), True),))
     traces[2] = RankTrace(2, error="recording off")
     sample = read_arrivals_record(arrivals_record(NodeArrivals(7, "b", traces)).encode())
-    assert (sample.seq, sample.host, sorted(sample.traces)) == (7, "b", [0, 1])
+    assert (sample.seq, sample.host, sorted(sample.traces)) == (7, "b", [0, 1, 3])
+    assert sample.traces[3].groups[0].entries[0].duration_ns == 2_500_000  # NCCL's GPU time
     group = sample.traces[1].groups[0]
     assert (group.name, group.ranks, group.world) == ("0", (0, 1), True)
     assert [e.created_ns for e in group.entries] == [

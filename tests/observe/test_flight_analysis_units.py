@@ -141,14 +141,17 @@ def test_nccls_recorder_is_merged_and_its_lagging_status_is_not_believed() -> No
     gloo = {"entries": [], "pg_status": {}}
     nccl = {
         "pg_status": {"0": {"last_enqueued_collective": 3, "last_completed_collective": -1}},
-        "entries": [_nccl_entry(1, "completed"), _nccl_entry(2, "completed"),
-                    _nccl_entry(3, "started")],
+        "entries": [{**_nccl_entry(1, "completed"), "duration_ms": 0.002496},
+                    _nccl_entry(2, "completed"), _nccl_entry(3, "started")],
     }  # fmt: skip
     dump = merged_dumps([gloo, nccl])
     assert dump["pg_status"] == nccl["pg_status"] and len(dump["entries"]) == 3
     (world,) = trace_from_dump(0, dump, {"0": ((0, 1), True)}).groups
     assert (world.issued, world.completed) == (3, 2)
     assert [e.completed for e in world.entries] == [True, True, False]
+    assert [e.duration_ns for e in world.entries] == [2496, None, None]  # duration_ms, in ns
+    assert FlightEntry.from_json(world.entries[0].to_json()) == world.entries[0]
+    assert FlightEntry.from_json(world.entries[0].to_json()[:7]).duration_ns is None  # older
     newer = {"0": {"last_enqueued_collective": 5, "last_completed_collective": 5}}
     merged = merged_dumps([{"pg_status": newer}, nccl])
     assert merged["pg_status"] == newer  # the recorder that saw more of the group wins

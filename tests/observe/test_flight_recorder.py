@@ -32,6 +32,13 @@ def test_worker_env_defaults_and_the_users_settings_win() -> None:
     assert flight_recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, 100, "/d") == {}
     mine = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_FR_DUMP_TEMP_FILE": "/mine/x"}
     assert flight_recorder_env(mine, 100, "/d") == {"TORCH_FR_BUFFER_SIZE": "100"}
+    # straggler detection on: NCCL measures each collective's time on the GPU
+    timed = flight_recorder_env({}, 100, "/d", timing=True)
+    assert timed["TORCH_NCCL_ENABLE_TIMING"] == "1"
+    assert "TORCH_NCCL_ENABLE_TIMING" not in flight_recorder_env(
+        {"TORCH_NCCL_ENABLE_TIMING": "0"}, 100, "/d", timing=True
+    )
+    assert "TORCH_NCCL_ENABLE_TIMING" not in flight_recorder_env({}, None, "/d", timing=True)
 
 
 def test_the_option_in_the_config_and_on_the_command_line(tmp_path: Path) -> None:

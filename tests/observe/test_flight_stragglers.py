@@ -57,6 +57,35 @@ def test_a_clock_offset_between_nodes_is_subtracted() -> None:
     assert real is not None and real.rank == 3 and 58e-3 < real.lag_s < 62e-3
 
 
+def _nccl(durations: dict[int, float | None], n: int = 30) -> dict[int, RankTrace]:
+    """4 ranks whose CPUs enqueue each all_reduce together (100 ms apart); rank r's GPU
+    spends ``durations[r]`` ms in it (NCCL's timing), ``None``: not measured."""
+    rng = random.Random(3)
+    traces = {}
+    for rank in range(4):
+        ms = durations.get(rank, 62.0)
+        entries = tuple(
+            FlightEntry(seq, "all_reduce", ((4,),), ("Float",),
+                        seq * 100 * MS + int(rng.uniform(0, 0.2) * MS), True,
+                        duration_ns=None if ms is None else int((ms + rng.uniform(0, 1)) * MS))
+            for seq in range(1, n + 1)
+        )  # fmt: skip
+        traces[rank] = RankTrace(rank, (GroupTrace("0", (0, 1, 2, 3), n, n, entries, True),))
+    return traces
+
+
+def test_on_the_gpu_the_rank_that_spends_least_in_the_collective_arrived_last() -> None:
+    """The CPUs enqueue together; rank 2's GPU reaches the all_reduce 60 ms after the
+    others', which wait there for it: NCCL's durations name it, enqueue times do not."""
+    verdict = judge_arrivals(_nccl({2: 2.0}), window_s=30)
+    assert verdict is not None and verdict.rank == 2, verdict
+    assert 0.055 < verdict.lag_s < 0.065 and is_straggler(verdict, 1.5), verdict
+    assert not is_straggler(judge_arrivals(_nccl({}), window_s=30), 1.5)
+    # without a duration from every member, the CPU's enqueue times are all there is
+    blind = judge_arrivals(_nccl({2: 2.0, 0: None}), window_s=30)
+    assert not is_straggler(blind, 1.5), blind
+
+
 def test_one_nodes_ranks_are_compared_among_themselves() -> None:
     # ranks 2 and 3 of a 4-rank world, as the agent of their node sees them: one clock
     local = {r: t for r, t in _traces({3: 60 * MS}).items() if r in (2, 3)}

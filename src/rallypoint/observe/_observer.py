@@ -116,7 +116,12 @@ class Observer(Closing):
 
     def worker_env(self, local_rank: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """What to add to a worker's environment ``base`` (the user's settings win)."""
-        env = flight_recorder_env(base or {}, self.flight_recorder, str(self.stacks_dir))
+        env = flight_recorder_env(
+            base or {},
+            self.flight_recorder,
+            str(self.stacks_dir),
+            timing=self.board is not None and self.straggler_threshold is not None,
+        )
         env.update(stacks_env(self.stacks_dir))
         if self.board is not None:
             env.update(self.board.env(local_rank))

@@ -81,7 +81,11 @@ NCCL_DUMP_PREFIX = "nccl_trace_rank_"
 
 
 def flight_recorder_env(
-    env: Mapping[str, str], buffer: int | None, directory: str | None = None
+    env: Mapping[str, str],
+    buffer: int | None,
+    directory: str | None = None,
+    *,
+    timing: bool = False,
 ) -> dict[str, str]:
     """The variables to add to a worker's ``env``; a variable the user set is never touched.
 
@@ -89,7 +93,9 @@ def flight_recorder_env(
     recording on, for NCCL: ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` and ``TORCH_FR_DUMP_TEMP_FILE``
     in ``directory``, so that a worker that NCCL's watchdog ends on a collective timeout
     leaves its trace on the agent's disk (the watchdog aborts the process after the
-    timeout, whatever ``--hang-timeout`` says: see docs/diagnosis.md).
+    timeout, whatever ``--hang-timeout`` says: see docs/diagnosis.md); with ``timing``
+    (straggler detection on), ``TORCH_NCCL_ENABLE_TIMING=1``: each collective's time on
+    the GPU, where a rank whose GPU is slow shows (about 3 us per collective on an H200).
     """
     out: dict[str, str] = {}
     if not any(k in env for k in _USER_BUFFER_ENVS):
@@ -97,6 +103,8 @@ def flight_recorder_env(
     if not recording({**env, **out}):
         return out
     out.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if timing:
+        out["TORCH_NCCL_ENABLE_TIMING"] = "1"
     if directory is not None:
         out["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(directory, NCCL_DUMP_PREFIX)
     return {k: v for k, v in out.items() if k not in env}
@@ -167,6 +175,7 @@ def trace_from_dump(
                     (str(f["filename"]), int(f["line"]), str(f["name"]))
                     for f in e.get("frames", [])
                 ),
+                duration_ns=_duration_ns(e.get("duration_ms")),
             )
         )
     traces = []
@@ -179,6 +188,11 @@ def trace_from_dump(
         ranks, world = groups.get(name, ((), False))
         traces.append(GroupTrace(name, ranks, last, done, recent, world))
     return RankTrace(rank=rank, groups=tuple(traces))
+
+
+def _duration_ns(ms: Any) -> int | None:
+    """NCCL's ``duration_ms`` (with ``TORCH_NCCL_ENABLE_TIMING``, once done) in ns."""
+    return None if ms is None else round(float(ms) * 1e6)
 
 
 def _dump_this_worker(

@@ -22,7 +22,9 @@ class FlightEntry:
 
     ``op`` is torch's profiling name without the backend (``all_reduce``); ``frames`` are
     ``(filename, lineno, name)``, innermost first, as torch records them when the
-    collective is issued; ``created_ns`` is the wall clock (``time_ns``) at that moment.
+    collective is issued; ``created_ns`` is the wall clock (``time_ns``) at that moment;
+    ``duration_ns`` how long the collective ran on this rank's GPU, from the moment its
+    stream reached it to its end (NCCL with ``TORCH_NCCL_ENABLE_TIMING=1``, once done).
     """
 
     seq: int
@@ -32,6 +34,7 @@ class FlightEntry:
     created_ns: int
     completed: bool
     frames: tuple[tuple[str, int, str], ...] = ()
+    duration_ns: int | None = None
 
     @property
     def signature(self) -> tuple[Any, ...]:
@@ -47,11 +50,13 @@ class FlightEntry:
             self.created_ns,
             self.completed,
             [list(f) for f in self.frames],
+            self.duration_ns,
         ]
 
     @classmethod
     def from_json(cls, obj: Any) -> FlightEntry:
-        seq, op, sizes, dtypes, created, completed, frames = obj
+        seq, op, sizes, dtypes, created, completed, frames, *rest = obj
+        duration = rest[0] if rest else None
         return cls(
             seq=int(seq),
             op=str(op),
@@ -60,6 +65,7 @@ class FlightEntry:
             created_ns=int(created),
             completed=bool(completed),
             frames=tuple((str(f), int(n), str(name)) for f, n, name in frames),
+            duration_ns=None if duration is None else int(duration),
         )
 
 

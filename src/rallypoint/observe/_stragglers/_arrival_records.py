@@ -4,8 +4,9 @@ Every node but the judge (group rank 0) writes what its workers answered to an a
 request (``_flight._recorder``: the entries of the straggler window, no frames) under
 ``arrivals/<round>/<group rank>``, only what the judge compares: per rank and group, the
 group's members and each collective's number and arrival (``time_created_ns``, the node's
-clock; ``_clock_offset`` says how the judge corrects it). About 25 bytes per collective,
-at most :data:`SHIP_LIMIT` per group and rank (the newest).
+clock; ``_clock_offset`` says how the judge corrects it), and its time on the GPU where
+NCCL measured one. About 25 bytes per collective, at most :data:`SHIP_LIMIT` per group and
+rank (the newest).
 """
 
 from __future__ import annotations
@@ -56,8 +57,17 @@ def arrivals_record(sample: NodeArrivals) -> str:
 
 
 def _group_record(group: GroupTrace) -> list[Any]:
-    arrivals = [[e.seq, e.created_ns] for e in group.entries[-SHIP_LIMIT:]]
+    arrivals = [
+        [e.seq, e.created_ns] if e.duration_ns is None else [e.seq, e.created_ns, e.duration_ns]
+        for e in group.entries[-SHIP_LIMIT:]
+    ]
     return [group.name, list(group.ranks), group.world, arrivals]
+
+
+def _entry(arrival: list[Any]) -> FlightEntry:
+    seq, created, *duration = arrival
+    ns = int(duration[0]) if duration else None
+    return FlightEntry(int(seq), "", (), (), int(created), False, duration_ns=ns)
 
 
 def read_arrivals_record(raw: bytes | str) -> NodeArrivals:
@@ -72,11 +82,9 @@ def read_arrivals_record(raw: bytes | str) -> NodeArrivals:
                     GroupTrace(
                         str(name),
                         tuple(int(r) for r in members),
-                        issued=max((int(s) for s, _ in entries), default=0),
+                        issued=max((int(e[0]) for e in entries), default=0),
                         completed=0,
-                        entries=tuple(
-                            FlightEntry(int(s), "", (), (), int(t), False) for s, t in entries
-                        ),
+                        entries=tuple(_entry(e) for e in entries),
                         world=bool(world),
                     )
                     for name, members, world, entries in groups

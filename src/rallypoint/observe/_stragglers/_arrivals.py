@@ -14,15 +14,18 @@ wait for it long enough: ``W``, the time covered by the union of its lag interva
 ratio a step-time comparison uses). A job without a slow rank has a different last rank
 each time and short lags: nobody is named.
 
-**Clocks.** ``time_created_ns`` is each node's wall clock. Ranks of one node share it, so
-the agents compare arrivals *within each node only* (``subset=True``: one node's ranks
-of a larger job): each agent judges its own ranks and reports the one its node's other
-ranks wait for; nothing crosses the network and no clock offset enters. What this cannot
-see is a whole node that is slow with all its ranks (or a node with one rank); the
-step-time comparison across nodes stays for that, and lock-step hides it. The pure logic
-also takes a per-rank ``offsets`` (nanoseconds to subtract: that node's clock minus the
-reference's) for a cross-node comparison once offsets are estimated; the agents do not
-pass any yet.
+**On the GPU.** With NCCL, ``time_created_ns`` is when the CPU *enqueued* the collective;
+CPUs that run ahead of their GPUs enqueue at the same time, and a rank whose GPU is slow
+does not show there. Where every member measured the collective's time on its GPU
+(``duration_ns``: NCCL with ``TORCH_NCCL_ENABLE_TIMING=1``, which the agent sets while
+straggler detection is on), that is used instead: a collective ends at the same moment on
+every rank, so the rank that spent the least time in it arrived last, by the difference
+(no clock enters).
+
+**Clocks.** ``time_created_ns`` is each node's wall clock. ``offsets`` (nanoseconds to
+subtract per rank: its node's clock minus the judge's, ``_clock_offset``) put every rank on
+one clock; ``subset=True`` compares the ranks at hand when some members of a group are
+missing (a node whose offset is not known yet, or one node's ranks alone).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rallypoint.observe._flight._records import RankTrace
+from rallypoint.observe._flight._records import FlightEntry, RankTrace
 
 __all__ = ["MIN_COLLECTIVES", "MIN_SHARE", "ArrivalVerdict", "is_straggler", "judge_arrivals"]
 
@@ -87,14 +90,27 @@ def _collectives(
             continue  # a group with one member, or one without data from every member
         seqs = set.intersection(*({e.seq for e in g.entries} for g in members.values()))
         for seq in sorted(seqs):
-            arrival = {}
+            entries = {}
             for r, g in members.items():
                 entry = g.entry(seq)
-                assert entry is not None
-                arrival[r] = entry.created_ns - offsets.get(r, 0)
+                assert entry is not None  # seq is in every member's
+                entries[r] = entry
+            arrival = _arrival(entries, offsets)
             if min(arrival.values()) >= since_ns:
                 found.append(arrival)
     return found
+
+
+def _arrival(entries: Mapping[int, FlightEntry], offsets: Mapping[int, int]) -> dict[int, int]:
+    """Each rank's arrival at one collective: on the GPU where every member measured its
+    time there (it ends at the same moment on all: a rank that ran it for less arrived
+    later), else when its CPU issued it."""
+    issued = {r: e.created_ns - offsets.get(r, 0) for r, e in entries.items()}
+    durations = {r: e.duration_ns for r, e in entries.items()}
+    if any(d is None for d in durations.values()):
+        return issued
+    end = int(statistics.median(issued.values())) + max(d or 0 for d in durations.values())
+    return {r: end - (d or 0) for r, d in durations.items()}
 
 
 def judge_arrivals(
