@@ -19,7 +19,12 @@ from typing import Any
 
 from rallypoint._core.public import set_public_module
 
-__all__ = ["lazy_attributes"]
+__all__ = ["homes", "lazy_attributes"]
+
+
+def homes(package: str, modules: Mapping[str, Iterable[str]]) -> dict[str, str]:
+    """``{name: "package.module"}`` from a face's table ``{module: names}``."""
+    return {name: f"{package}.{module}" for module, names in modules.items() for name in names}
 
 
 def lazy_attributes(

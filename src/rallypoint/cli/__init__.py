@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rallypoint._core.lazy import lazy_attributes
+from rallypoint._core.lazy import homes, lazy_attributes
 
 if TYPE_CHECKING:
     from rallypoint.cli._report import report_main
@@ -31,7 +31,7 @@ _MODULES = {
     "_run": ("run_main",),
     "_stacks": ("stacks_main",),
 }
-_HOME = {name: f"rallypoint.cli.{module}" for module, names in _MODULES.items() for name in names}
+_HOME = homes(__name__, _MODULES)
 
 __all__ = [
     "report_main",

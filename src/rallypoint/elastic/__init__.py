@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rallypoint._core.lazy import lazy_attributes
+from rallypoint._core.lazy import homes, lazy_attributes
 
 if TYPE_CHECKING:
     from rallypoint.elastic._check_run import HealthContext
@@ -61,9 +61,7 @@ _MODULES = {
     ),
     "_rendezvous": ("connect", "create_rendezvous", "run_store_namespace"),
 }
-_HOME = {
-    name: f"rallypoint.elastic.{module}" for module, names in _MODULES.items() for name in names
-}
+_HOME = homes(__name__, _MODULES)
 
 __all__ = [
     "BUILTIN_CHECKS",

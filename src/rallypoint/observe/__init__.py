@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rallypoint._core.lazy import lazy_attributes
+from rallypoint._core.lazy import homes, lazy_attributes
 
 if TYPE_CHECKING:
     from rallypoint.observe._events import Event, EventLog, EventLogError, read_events
@@ -51,9 +51,7 @@ _MODULES = {
     "_progress": ("ProgressBoard", "progress"),
     "_report": ("render_report",),
 }
-_HOME = {
-    name: f"rallypoint.observe.{module}" for module, names in _MODULES.items() for name in names
-}
+_HOME = homes(__name__, _MODULES)
 
 __all__ = [
     "Event",
@@ -82,11 +80,7 @@ _INTERNAL_MODULES = {
     "_stragglers._watch": ("StragglerWatch",),
     "_stragglers._pace": ("parse_threshold",),
 }
-_INTERNAL = {
-    name: f"rallypoint.observe.{module}"
-    for module, names in _INTERNAL_MODULES.items()
-    for name in names
-}
+_INTERNAL = homes(__name__, _INTERNAL_MODULES)
 
 
 __getattr__, __dir__ = lazy_attributes(__name__, globals(), _HOME, internal=_INTERNAL)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rallypoint._core.lazy import lazy_attributes
+from rallypoint._core.lazy import homes, lazy_attributes
 
 if TYPE_CHECKING:
     from rallypoint.supervise._env import user_rpc_secret
@@ -107,9 +107,7 @@ _MODULES = {
     "_warm._process": ("WarmProcess",),
     "_worker": ("CALLABLES", "Target"),
 }
-_HOME = {
-    name: f"rallypoint.supervise.{module}" for module, names in _MODULES.items() for name in names
-}
+_HOME = homes(__name__, _MODULES)
 
 __all__ = [
     "CALLABLES",
