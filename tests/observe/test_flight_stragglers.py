@@ -103,12 +103,13 @@ import rallypoint.launcher as rl
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 slow = int(sys.argv[1])
+base = float(sys.argv[3]) if len(sys.argv) > 3 else 0.03  # the others' compute per step
 model = DDP(torch.nn.Linear(64, 64))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 x = torch.randn(8, 64)
 for _ in range(int(sys.argv[2])):  # a count, not a clock: ranks that stopped apart would
     rl.progress()                   # leave the last one alone in DDP's all_reduce
-    time.sleep(0.09 if rank == slow else 0.03)  # the forward pass's compute
+    time.sleep(3 * base if rank == slow else base)  # the forward pass's compute
     opt.zero_grad()
     model(x).sum().backward()
     opt.step()
@@ -160,7 +161,10 @@ def test_across_two_agents_the_judge_names_a_slow_rank_of_the_other_node(
 ) -> None:
     """One rank per node: nothing to compare within a node; the node with group rank 0
     compares both, the other node's arrivals corrected by its measured clock offset; and
-    names nobody when no rank is slow."""
+    names nobody when no rank is slow. (Without a slow rank the steps take 80 ms: on a
+    loaded 2-core machine one of two ranks can be starved by 10-20 ms a step, which at
+    30 ms steps is a real 1.5x straggler.)"""
+    base = "0.03" if slow >= 0 else "0.08"
     script = tmp_path / "ddp.py"
     script.write_text(DDP)
     events = [tmp_path / f"events{i}.jsonl" for i in range(2)]
@@ -170,7 +174,7 @@ def test_across_two_agents_the_judge_names_a_slow_rank_of_the_other_node(
         "--rdzv-conf", "is_host=false,read_timeout=20", "--straggler-window", "4",
     ]  # fmt: skip
     procs = [
-        subprocess.Popen([*cmd, "--events", str(e), str(script), str(slow), "48"],
+        subprocess.Popen([*cmd, "--events", str(e), str(script), str(slow), "48", base],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for e in events
     ]  # fmt: skip
