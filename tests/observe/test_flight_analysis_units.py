@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from rallypoint.observe._flight._analysis import RootKind, analyse
-from rallypoint.observe._flight._format import format_hang_report
+from rallypoint.observe._flight._format import format_hang_report, hang_report
 from rallypoint.observe._flight._recorder import merged_dumps, trace_from_dump
 from rallypoint.observe._flight._records import FlightEntry, GroupTrace, RankTrace
 from rallypoint.observe._stacks import StackDump
@@ -88,9 +88,15 @@ def test_report_text_json_round_trip_and_fallback() -> None:
         "  collective : all_reduce #5 of world [0, 1, 2, 3]: rank 2 never issued it",
     ]
     assert "  issued at  : train.py:15 (ranks 0,1,3)" in lines
+    # the failure summary's one line, from the same analysis
+    assert hang_report(dumps) == (
+        text,
+        "rank 2 on h (pid 102): all_reduce #5 of world [0, 1, 2, 3]: rank 2 never issued it",
+    )
     off = {r: StackDump(rank=r, host="h", pid=1, flight=RankTrace(r, error="recording off"))
            for r in range(2)}  # fmt: skip
     assert format_hang_report(off).startswith("No Flight Recorder data (recording off)")
+    assert hang_report(off)[1] == ""
     assert analyse({r: _world(r, 4, 4) for r in range(4)}).root is None
 
 

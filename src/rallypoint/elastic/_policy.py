@@ -26,7 +26,7 @@ from typing import Any
 
 from rallypoint._core.blocking import InThread, call_in_thread
 from rallypoint.elastic._round import Round
-from rallypoint.observe import StragglerWatch, culprit_line, format_hang_report, request_stacks
+from rallypoint.observe import StragglerWatch, hang_report, request_stacks
 from rallypoint.supervise import OutcomeKind, Stop, collective_timeout_reason, write_console
 
 __all__ = ["MEMBERSHIP_CHANGED", "ElasticPolicy"]
@@ -156,11 +156,10 @@ class ElasticPolicy:
             self.job.answer_stacks(running, self.rnd.group_rank)
             t.join(0.05)
         dumps, missing = result.get("r", ({}, {}))
-        text = format_hang_report(dumps)
+        text, culprit = hang_report(dumps)
         for node, why in sorted(missing.items()):
             text += f"\nnode {node}: {why}"
         write_console(2, f"rallypoint: {reason}; stacks of every rank:\n{text}\n".encode())
-        culprit = culprit_line(dumps)
         if culprit:
             self.job.run.publish_culprit(self.rnd.number, culprit)
         self.job.run.hang_reported(self.rnd.number)

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 if TYPE_CHECKING:  # internal, for the launcher side (``X as X``: re-exported, for mypy)
     from rallypoint.observe._flight._final import COLLECTIVE_TIMEOUT as COLLECTIVE_TIMEOUT
     from rallypoint.observe._flight._final import leave_final_trace as leave_final_trace
-    from rallypoint.observe._flight._format import culprit_line as culprit_line
     from rallypoint.observe._flight._format import format_hang_report as format_hang_report
+    from rallypoint.observe._flight._format import hang_report as hang_report
     from rallypoint.observe._flight._recorder import install_flight_dumper as install_flight_dumper
     from rallypoint.observe._flight._recorder import parse_buffer as parse_buffer
     from rallypoint.observe._observer import Observer as Observer
@@ -68,7 +68,7 @@ __all__ = [
 _INTERNAL_MODULES = {
     "_flight._recorder": ("install_flight_dumper", "parse_buffer"),
     "_flight._final": ("COLLECTIVE_TIMEOUT", "leave_final_trace"),
-    "_flight._format": ("culprit_line", "format_hang_report"),
+    "_flight._format": ("format_hang_report", "hang_report"),
     "_observer": ("Observer", "WatchOptions"),
     "_stacks": ("dump_stacks_now", "install_stack_dumper"),
     "_stacks_exchange": (

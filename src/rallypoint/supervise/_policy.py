@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
-from rallypoint.observe import Observer, StragglerWatch, culprit_line, format_hang_report
+from rallypoint.observe import Observer, StragglerWatch, hang_report
 from rallypoint.supervise._output import write_console
 from rallypoint.supervise._state import OutcomeKind, Stop
 
@@ -75,12 +75,11 @@ class LocalPolicy:
 
     def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> str:
         self.observer.emit("collective_timeout", round=self.attempt, rank=rank)
-        dumps = self.observer.collect(running)
-        text = format_hang_report(dumps)
+        text, culprit = hang_report(self.observer.collect(running))
         write_console(
             2, f"rallypoint: {collective_timeout_reason(rank)}; stacks:\n{text}\n".encode()
         )
-        return culprit_line(dumps)
+        return culprit
 
 
 def collective_timeout_reason(rank: int) -> str:

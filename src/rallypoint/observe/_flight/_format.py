@@ -36,7 +36,7 @@ from rallypoint.observe._stacks_format import (
     user_frames,
 )
 
-__all__ = ["culprit_line", "format_collectives", "format_hang_report", "issuing_line"]
+__all__ = ["format_collectives", "format_hang_report", "hang_report", "issuing_line"]
 
 
 def issuing_line(entry: FlightEntry | None) -> str | None:
@@ -98,13 +98,12 @@ def _root_block(diag: Diagnosis, dumps: Mapping[int, StackDump]) -> list[str]:
     root = diag.root
     assert root is not None
     dump = dumps.get(root.rank)
-    host = f"{dump.host} (pid {dump.pid})" if dump is not None else "?"
     g = root.group
     issuers = sorted(r for r in g.issued if r not in g.mismatched and g.issued[r] is not None)
     lines = [
         "Root cause (Flight Recorder):",
         f"  rank       : {root.rank}",
-        f"  host       : {host}",
+        f"  host       : {_where(dump) or '?'}",
         f"  collective : {_what(diag)}",
     ]
     if issuers:
@@ -120,6 +119,11 @@ def _root_block(diag: Diagnosis, dumps: Mapping[int, StackDump]) -> list[str]:
     for other in diag.roots[1:]:
         lines.append(f"  also       : rank {other.rank}: {other.group.collective()}")
     return lines
+
+
+def _where(dump: StackDump | None) -> str:
+    """``node7 (pid 4242)``: where a rank runs (``""``: not known)."""
+    return f"{dump.host} (pid {dump.pid})" if dump is not None else ""
 
 
 def _group_line(g: GroupState) -> str:
@@ -145,25 +149,17 @@ def format_collectives(diag: Diagnosis) -> list[str]:
     return lines
 
 
-def culprit_line(dumps: Mapping[int, StackDump]) -> str:
-    """One line naming the root cause of a hang or collective timeout by the Flight
-    Recorder (``rank 3 on h (pid 9): all_reduce #1 of group [1, 3]: rank 3 never issued
-    it``); ``""`` without data or without a pending collective."""
-    traces = {r: d.flight for r, d in dumps.items() if d.flight is not None}
-    if not any(t.error is None and t.groups for t in traces.values()):
-        return ""
-    diag = analyse(traces)
-    if diag.root is None:
-        return ""
-    dump = dumps.get(diag.root.rank)
-    where = f" on {dump.host} (pid {dump.pid})" if dump is not None else ""
-    return f"rank {diag.root.rank}{where}: {_what(diag)}"
-
-
 def format_hang_report(dumps: Mapping[int, StackDump], *, hang: bool = True) -> str:
     """The root-cause block (``hang``) and the collective view when there is data, then
     the stacks. ``hang=False`` (``rallypoint stacks`` on a running job, where a collective
     in flight is normal) leaves the root-cause block out."""
+    return hang_report(dumps, hang=hang)[0]
+
+
+def hang_report(dumps: Mapping[int, StackDump], *, hang: bool = True) -> tuple[str, str]:
+    """:func:`format_hang_report`'s text and the culprit in one line, from one analysis
+    (``rank 3 on h (pid 9): all_reduce #1 of group [1, 3]: rank 3 never issued it``;
+    ``""`` without data or without a pending collective), for the failure summary."""
     traces: dict[int, RankTrace] = {r: d.flight for r, d in dumps.items() if d.flight is not None}
     stacks = format_grouped_stacks(dumps) if dumps else "(no stacks)\n"
     usable = [t for t in traces.values() if t.error is None and t.groups]
@@ -172,7 +168,7 @@ def format_hang_report(dumps: Mapping[int, StackDump], *, hang: bool = True) -> 
         why = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())) or "recording off"
         if len(set(errors.values())) == 1:
             why = next(iter(errors.values()))
-        return f"No Flight Recorder data ({why}): the Python stacks only.\n{stacks}"
+        return f"No Flight Recorder data ({why}): the Python stacks only.\n{stacks}", ""
     diag = analyse(traces)
     lines: list[str] = []
     if hang and diag.root is not None:
@@ -182,4 +178,8 @@ def format_hang_report(dumps: Mapping[int, StackDump], *, hang: bool = True) -> 
     lines.extend(format_collectives(diag))
     for rank in diag.no_data:
         lines.append(f"  no Flight Recorder data from rank {rank}: {traces[rank].error}")
-    return "\n".join(lines) + "\n\n" + stacks
+    culprit = ""
+    if diag.root is not None:
+        where = _where(dumps.get(diag.root.rank))
+        culprit = f"rank {diag.root.rank}{' on ' + where if where else ''}: {_what(diag)}"
+    return "\n".join(lines) + "\n\n" + stacks, culprit
