@@ -10,7 +10,7 @@ One node judges its ranks itself. In a multi-node job only the node with group r
 judges, over every node's ranks: the others write their sample to the run store
 (``_arrival_records``, ``arrivals/<round>/<group rank>``) and answer its clock pings from
 a thread (``_clock_offset``); the judge reads the samples whose ``seq`` moved within
-:data:`STALE_AFTER` periods, measures each such node's clock offset (once, then one node
+``_exchange.STALE_AFTER`` periods, measures each such node's clock offset (once, then one node
 per period), subtracts it from that node's arrivals, and compares all ranks at once. So a
 rank is reported once for the job, whichever node it runs on, and a node whose ranks all
 arrive late is seen too. A node whose offset is not known yet (it has not answered a
@@ -35,11 +35,9 @@ from rallypoint.observe._stragglers._arrival_records import (
 )
 from rallypoint.observe._stragglers._arrivals import ArrivalVerdict, is_straggler, judge_arrivals
 from rallypoint.observe._stragglers._clock_offset import ClockProbe, ClockResponder, ClockStore
+from rallypoint.observe._stragglers._exchange import Freshness, RecordStore, read_present
 
-__all__ = ["STALE_AFTER", "ArrivalStore", "ArrivalWatch", "TraceRequest", "describe_arrival"]
-
-STALE_AFTER = 3
-"""Periods without a new sample after which a node's sample no longer counts."""
+__all__ = ["ArrivalStore", "ArrivalWatch", "TraceRequest", "describe_arrival"]
 
 
 class TraceRequest(Protocol):
@@ -49,11 +47,8 @@ class TraceRequest(Protocol):
     def results(self, timeout: float) -> dict[int, RankTrace]: ...
 
 
-class ArrivalStore(ClockStore, Protocol):
-    """The part of torch's ``c10d.Store`` the exchange of samples uses."""
-
-    def check(self, keys: list[str], /) -> bool: ...
-    def multi_get(self, keys: list[str], /) -> list[bytes]: ...
+class ArrivalStore(ClockStore, RecordStore, Protocol):
+    """The part of torch's ``c10d.Store`` the exchange of samples and clocks uses."""
 
 
 def describe_arrival(verdict: ArrivalVerdict, host: str, threshold: float) -> str:
@@ -106,7 +101,7 @@ class ArrivalWatch:
         self._next = 0.0
         self._late: int | None = None  # the rank reported as arriving last, until it recovers
         self._seq = 0
-        self._seen: dict[int, tuple[int, float]] = {}  # group rank -> (seq, when it moved)
+        self._freshness = Freshness(every, clock)
         self._hosts: dict[int, tuple[str, int]] = {}  # rank -> (host, group rank)
         self._wall_clock = wall_clock  # what torch stamps arrivals with
         self._probe = ClockProbe(round=round, clock=wall_clock)
@@ -179,12 +174,10 @@ class ArrivalWatch:
         """The judge: every fresh node's sample, its clock offset subtracted."""
         samples = {self.group_rank: own}
         keys = {g: arrivals_key(self.round, g) for g in range(self.nnodes) if g != self.group_rank}
-        present = [g for g, key in keys.items() if store.check([key])]
-        raws = store.multi_get([keys[g] for g in present]) if present else []
-        for g, raw in zip(present, raws, strict=True):
+        for g, raw in read_present(store, keys).items():
             with contextlib.suppress(ValueError):  # a garbled record counts as no record
-                sample = read_arrivals_record(bytes(raw))
-                if self._fresh(g, sample.seq):
+                sample = read_arrivals_record(raw)
+                if self._freshness.fresh(g, sample.seq):
                     samples[g] = sample
         clocks = self._probe.refresh(store, [g for g in samples if g != self.group_rank])
         traces: dict[int, RankTrace] = {}
@@ -197,14 +190,6 @@ class ArrivalWatch:
                 offsets[rank] = clocks[g].offset_ns if g in clocks else 0
                 self._hosts[rank] = (sample.host, g)
         self._judge(traces, offsets)
-
-    def _fresh(self, group_rank: int, seq: int) -> bool:
-        now = self._clock()
-        last, since = self._seen.get(group_rank, (-1, now))
-        if seq != last:
-            self._seen[group_rank] = (seq, now)
-            since = now
-        return now - since <= STALE_AFTER * self.every
 
     def _judge(self, traces: Mapping[int, RankTrace], offsets: Mapping[int, int]) -> None:
         subset = self.nnodes > 1  # a node's ranks, or those whose node's clock is known

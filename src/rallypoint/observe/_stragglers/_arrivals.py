@@ -106,11 +106,11 @@ def _arrival(entries: Mapping[int, FlightEntry], offsets: Mapping[int, int]) -> 
     time there (it ends at the same moment on all: a rank that ran it for less arrived
     later), else when its CPU issued it."""
     issued = {r: e.created_ns - offsets.get(r, 0) for r, e in entries.items()}
-    durations = {r: e.duration_ns for r, e in entries.items()}
-    if any(d is None for d in durations.values()):
+    timed = {r: e.duration_ns for r, e in entries.items() if e.duration_ns is not None}
+    if len(timed) < len(entries):
         return issued
-    end = int(statistics.median(issued.values())) + max(d or 0 for d in durations.values())
-    return {r: end - (d or 0) for r, d in durations.items()}
+    end = int(statistics.median(issued.values())) + max(timed.values())
+    return {r: end - d for r, d in timed.items()}
 
 
 def judge_arrivals(

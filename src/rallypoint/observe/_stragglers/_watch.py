@@ -13,7 +13,7 @@ for stack requests; one JSON record of about ``60 + 20 * nproc`` bytes every per
 and only the node with group rank 0 reads them all (one ``check`` and one ``multi_get``
 of ``nnodes`` keys per period) and judges the whole job. So a rank or a node is reported
 once for the job, on that node's screen and in its ``--events`` file. A summary whose
-``seq`` did not change for :data:`STALE_AFTER` periods (its node's workers finished, or
+``seq`` did not change for ``_exchange.STALE_AFTER`` periods (its node's workers finished, or
 the node is gone) no longer counts.
 
 What the judge writes: one line on stderr when a rank or node becomes slow; a
@@ -34,6 +34,7 @@ from rallypoint.observe._progress import ProgressBoard
 from rallypoint.observe._stacks_format import ranks_text
 from rallypoint.observe._stragglers._arrival_watch import ArrivalStore, ArrivalWatch, TraceRequest
 from rallypoint.observe._stragglers._clock_offset import ClockStore
+from rallypoint.observe._stragglers._exchange import Freshness, read_present
 from rallypoint.observe._stragglers._pace import (
     WINDOW_S,
     NodePace,
@@ -46,7 +47,6 @@ from rallypoint.observe._stragglers._pace import (
 )
 
 __all__ = [
-    "STALE_AFTER",
     "STEP_LOG_EVERY",
     "PaceStore",
     "StragglerWatch",
@@ -55,8 +55,6 @@ __all__ = [
 
 STEP_LOG_EVERY = 10.0
 """Least seconds between two ``step_times`` events (the window, when that is shorter)."""
-STALE_AFTER = 3
-"""Periods without a new summary after which a node's summary no longer counts."""
 
 
 class PaceStore(ArrivalStore, Protocol):
@@ -130,7 +128,7 @@ class StragglerWatch:
         self._next = clock() + self.every
         self._next_log = 0.0
         self._seq = 0
-        self._seen: dict[int, tuple[int, float]] = {}  # group rank -> (seq, when it changed)
+        self._freshness = Freshness(self.every, clock)
         # a sample costs each worker a dump of its whole Flight Recorder (~40 ms of CPU
         # with 2000 entries): every sixth of the window is enough for the arrivals in it
         self.arrivals_every = max(self.every, window_s / 6)
@@ -202,29 +200,16 @@ class StragglerWatch:
         return NodePace(self.group_rank, self.host, self._seq, tuple(ranks), here)
 
     def _read_all(self, store: PaceStore, own: NodePace) -> list[NodePace]:
-        keys = [pace_key(self.round, g) for g in range(self.nnodes) if g != self.group_rank]
-        if not keys:
-            return [own]
-        if not store.check(keys):  # some node has not published yet: read the others
-            keys = [k for k in keys if store.check([k])]
+        keys = {g: pace_key(self.round, g) for g in range(self.nnodes) if g != self.group_rank}
         paces = [own]
-        for raw in store.multi_get(keys) if keys else []:
+        for raw in read_present(store, keys).values():
             with contextlib.suppress(ValueError):  # a garbled record counts as no record
-                paces.append(NodePace.from_json(bytes(raw)))
+                paces.append(NodePace.from_json(raw))
         return paces
 
     def _fresh(self, paces: Sequence[NodePace]) -> list[NodePace]:
-        """The summaries whose node published a new one within ``STALE_AFTER`` periods."""
-        now = self._clock()
-        fresh = []
-        for pace in paces:
-            seq, since = self._seen.get(pace.group_rank, (-1, now))
-            if pace.seq != seq:
-                self._seen[pace.group_rank] = (pace.seq, now)
-                since = now
-            if now - since <= STALE_AFTER * self.every:
-                fresh.append(pace)
-        return fresh
+        """The summaries whose node published a new one lately (``_exchange``)."""
+        return [p for p in paces if self._freshness.fresh(p.group_rank, p.seq)]
 
     def _judge(self, paces: Sequence[NodePace]) -> None:
         for change in self.detector.update(paces):
