@@ -95,7 +95,7 @@ def flight_recorder_env(
     leaves its trace on the agent's disk (the watchdog aborts the process after the
     timeout, whatever ``--hang-timeout`` says: see docs/diagnosis.md); with ``timing``
     (straggler detection on), ``TORCH_NCCL_ENABLE_TIMING=1``: each collective's time on
-    the GPU, where a rank whose GPU is slow shows (about 3 us per collective on an H200).
+    the GPU, where a rank whose GPU is slow shows (about 3.5 us per collective on an H200).
     """
     out: dict[str, str] = {}
     if not any(k in env for k in _USER_BUFFER_ENVS):
