@@ -206,6 +206,23 @@ class RendezvousHandler(ABC):
         return None
 
     @property
+    def node_id(self) -> str | None:
+        """This node's identity in the rendezvous (as torch's node descriptor: its address,
+        process id and a counter), unique to this handler: an agent started again is a new
+        node; ``None`` when the backend does not name its nodes."""
+        return None
+
+    @property
+    def hosts_store(self) -> bool:
+        """Whether this node's process serves the rendezvous store (the c10d node whose
+        address is the endpoint): the store goes away when this process ends."""
+        return False
+
+    def leave(self) -> None:  # noqa: B027 - optional hook
+        """This node leaves the job for good while the others go on (it was excluded), so
+        that the next round does not wait for it; a backend without rounds does nothing."""
+
+    @property
     def spare_round(self) -> int | None:
         """While ``next_rendezvous()`` waits because round ``k`` was already full at
         ``max_nodes`` when this node arrived (a spare, to take a lost node's place at a

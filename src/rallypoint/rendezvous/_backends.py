@@ -37,7 +37,9 @@ def _handler(
     except BaseException:
         kv.close()
         raise
-    return DynamicRendezvousHandler(kv, config, backend_name=name, keep=keep)
+    return DynamicRendezvousHandler(
+        kv, config, backend_name=name, keep=keep, hosts_store=bool(keep)
+    )
 
 
 def _tcp(params: RendezvousParameters) -> tuple[KeyValueStore, list[Any]]:

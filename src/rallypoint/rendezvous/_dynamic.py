@@ -75,6 +75,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         config: the settings.
         backend_name: what :meth:`get_backend` returns.
         keep: objects to keep alive as long as the handler (e.g. a hosted TCPStore).
+        hosts_store: whether ``keep`` holds the server of the rendezvous store itself.
     """
 
     _local_ids = iter(range(1 << 62))
@@ -87,11 +88,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         *,
         backend_name: str = "c10d",
         keep: Sequence[Any] = (),
+        hosts_store: bool = False,
     ) -> None:
         self._kv = kv
         self._config = config
         self._backend_name = backend_name
         self._keep = list(keep)
+        self._hosts_store = hosts_store
         self._keys = Keys(config.run_id)
         self._addr = config.local_addr or local_fqdn()
         with DynamicRendezvousHandler._local_ids_lock:
@@ -118,6 +121,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def node_id(self) -> str:
         """This node's unique id in the store (address, pid, local counter, random)."""
         return self._node
+
+    @property
+    def hosts_store(self) -> bool:
+        """Whether this process serves the rendezvous store (c10d, the endpoint's node)."""
+        return self._hosts_store
 
     @property
     def store_endpoint(self) -> str:
