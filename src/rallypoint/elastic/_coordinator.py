@@ -19,7 +19,9 @@ Every node runs the same command; each node's coordinator loops over rounds:
    worker sees the same ``TORCHELASTIC_RESTART_COUNT``) and writes the round's decision.
    Every node sees it, stops its workers and either re-rendezvouses or, when the budget is
    spent, raises the same root cause (the earliest failure record) after the rendezvous is
-   closed. Membership changes (scale-up, node loss) restart without spending budget.
+   closed. Membership changes (scale-up, node loss) restart without spending budget. An
+   agent that was the root cause of ``--max-node-failures`` failures in a row is excluded
+   (``_exclusion``): it leaves, the others restart without it.
 4. When every node's workers succeeded the job's status is written, the rendezvous is
    closed and every node returns its results.
 
@@ -28,7 +30,6 @@ The stores and their keys: ``_stores``; the records: ``_records``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import signal
 import time
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from rallypoint._core.blocking import call_in_thread
 from rallypoint._core.status import JobStatus
 from rallypoint.elastic._burn_in import measure, slow_node
+from rallypoint.elastic._exclusion import leave_excluded, say_host_exclusions
 from rallypoint.elastic._health import HealthChecks
 from rallypoint.elastic._job import Job, interruptible
 from rallypoint.elastic._options import RestartOptions
@@ -55,7 +57,6 @@ from rallypoint.supervise import (
     LaunchError,
     LaunchInterruptedError,
     LaunchTimeoutError,
-    NodeExcludedError,
     Outcome,
     OutcomeKind,
     RendezvousFailedError,
@@ -115,8 +116,9 @@ class ElasticCoordinator:
         self.share_rpc_secret = share_rpc_secret
         """Give every node's workers the run store's RPC secret (False: the user set one)."""
         self.store_timeout = store_timeout
-        self.node = node or supervisor.host
-        """This node's name in exclusion records (``--local-addr``, else the host name)."""
+        self.addr = node or supervisor.host
+        """Where the other agents reach this node for the burn-in (``--local-addr``, else the
+        host name); its name in exclusion records is its rendezvous identity (``Job.node``)."""
         self.min_nodes = min_nodes
         self.health = health
         """Run before each round this node joins (``_health``)."""
@@ -144,17 +146,22 @@ class ElasticCoordinator:
             next_signal=sup.next_signal,
             signal_pending=sup.signal_pending,
             store_timeout=self.store_timeout,
-            node=self.node,
             min_nodes=self.min_nodes,
         )
         interruptible(self._job.open, sup.next_signal, "the rendezvous store")
         if self.health:
             job = self._job
             self.health.context.store = lambda: job.run.store if job.has_run_store else None
+        from rallypoint.rendezvous import RendezvousStateError
+
         try:
             return self._rounds()
         except (LaunchError, ValueError, TypeError):
             raise
+        except RendezvousStateError as exc:  # a malformed record: every agent runs our code
+            raise RendezvousFailedError(
+                f"rendezvous {self.endpoint!r}: {exc}; this node stopped"
+            ) from None
         except Exception as exc:  # the store went away between rounds
             raise RendezvousFailedError(
                 f"lost the rendezvous store ({type(exc).__name__}: {exc}); this node stopped"
@@ -167,8 +174,8 @@ class ElasticCoordinator:
             RendezvousGracefulExitError,
         )
 
+        say_host_exclusions(self.job, self.supervisor.host)
         while True:
-            self._refuse_if_excluded()
             if self.health:
                 self.health.run(self._local_round)  # an unhealthy node stays out
             try:
@@ -202,19 +209,6 @@ class ElasticCoordinator:
                 return self.supervisor.results(outcome)
 
     # ------------------------------------------------------------------ joining a round
-    def _refuse_if_excluded(self) -> None:
-        """A node on the job's exclusion list does not join (nor does a new agent started
-        on it): one line, exit status 4."""
-        if not self.job.has_run_store:
-            return  # the static backend: no run store before its one round
-        for record in self.job.blocking(self.job.run.exclusions):
-            if record.node == self.node:
-                since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.time))
-                raise NodeExcludedError(
-                    f"this node ({self.node}) is excluded from job {self.run_id!r} since "
-                    f"{since}: {record.reason}; not joining"
-                )
-
     def _next_rendezvous(self) -> RendezvousInfo:
         """``next_rendezvous()`` in a thread, so that SIGINT/SIGTERM still stop this node
         while it blocks inside the store (a blocked C call does not return for signals);
@@ -324,7 +318,7 @@ class ElasticCoordinator:
         (the round is decided: every node restarts without it)."""
         store = prefixed(f"rallypoint/round{rnd.number}/burnin", round_store)
         times = self.job.blocking(
-            lambda: measure(store, rnd.group_rank, rnd.nnodes, self.node, BURN_IN_TIMEOUT)
+            lambda: measure(store, rnd.group_rank, rnd.nnodes, self.addr, BURN_IN_TIMEOUT)
         )
         self.observer.emit(
             "burn_in",
@@ -346,7 +340,7 @@ class ElasticCoordinator:
             )
             return False
         if g == rnd.group_rank:
-            self.job.blocking(lambda: rnd.exclude_now(self.node, self.supervisor.host, why))
+            self.job.blocking(lambda: rnd.exclude_now(self.job.node, self.supervisor.host, why))
         return True
 
     # ------------------------------------------------------------------ after a round
@@ -373,26 +367,14 @@ class ElasticCoordinator:
                     return True
             case OutcomeKind.HANG | OutcomeKind.RESTART:
                 pass  # the round is decided already
-        decision = rnd.store.decision()
-        if decision.excluded and decision.excluded == self.node:
-            self._leave_excluded(rnd, decision)
+        decision = rnd.decision()
+        if decision.excluded and decision.excluded == self.job.node:
+            host = self.supervisor.host
+            leave_excluded(self.job, self.observer, rnd.number, decision, host, EXIT_BARRIER)
         if decision.action is Action.RESTART:
             self._announce_restart(rnd, decision)
             return False
         self._fail(rnd, outcome, decision)
-
-    def _leave_excluded(self, rnd: Round, decision: Decision) -> NoReturn:
-        """This node is excluded: leave the rendezvous at once (so the next round does not
-        wait for it) and end with exit status 4."""
-        self.observer.emit(
-            "exclusion", round=rnd.number, excluded=self.node, host=self.supervisor.host,
-            reason=decision.note,
-        )  # fmt: skip
-        leave = getattr(self.job.handler, "leave", None)
-        if callable(leave):
-            with contextlib.suppress(Exception):
-                leave()
-        raise NodeExcludedError(f"{decision.note}: this node leaves the job")
 
     def _on_failure(self, rnd: Round, failure: Failure, kind: OutcomeKind) -> None:
         w = failure.worker
@@ -418,7 +400,7 @@ class ElasticCoordinator:
                 force_fail=kind is OutcomeKind.BAD_TARGET or fatal,
                 signature=failure_signature(w.rank, w.detail, failure.traceback),
                 note=f"rank {w.rank} raised FatalError; not restarting" if fatal else "",
-                node=self.node,
+                node=self.job.node,
                 host=self.supervisor.host,
             )
 
@@ -475,7 +457,8 @@ class ElasticCoordinator:
     def _finish(self, rnd: Round, status: JobStatus) -> None:
         """Write the job's status, close the rendezvous, and wait briefly for the others."""
         try:
-            self.job.run.set_status(status)
+            self.job.run.set_end(rnd.number, rnd.nnodes)  # first: an excluded store host
+            self.job.run.set_status(status)  # serves until it sees both (``_exclusion``)
             self.job.handler.set_closed()
             # stop its heartbeats now, while the store is surely up (torch's agent calls
             # shutdown() at the end too); an in-process launch() leaves no thread behind

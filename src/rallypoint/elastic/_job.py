@@ -8,6 +8,7 @@ return for Python's signal handlers (``rallypoint._core.blocking``).
 
 from __future__ import annotations
 
+import os
 import secrets
 import signal
 from collections.abc import Callable, Mapping
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from rallypoint._core.blocking import call_in_thread
 from rallypoint.elastic._options import RestartOptions
-from rallypoint.elastic._rendezvous import open_run_store
+from rallypoint.elastic._rendezvous import open_run_store, run_store_namespace
 from rallypoint.elastic._stores import RunStore, prefixed
 from rallypoint.observe import Observer, answer_stacks_request, latest_stacks_request
 from rallypoint.supervise import LaunchInterruptedError, RendezvousFailedError
@@ -66,12 +67,12 @@ class Job:
         next_signal: Callable[[], int | None],
         signal_pending: Callable[[], bool] = lambda: False,
         store_timeout: float = 60.0,
-        node: str = "",
         min_nodes: int = 1,
     ) -> None:
         self.handler = handler
-        self.node = node
-        """This node's name in exclusion records: its ``--local-addr``, else its host name."""
+        self.node = handler.node_id or f"{os.uname().nodename}_{os.getpid()}"
+        """This agent's identity in the rendezvous, its name in exclusion records (a backend
+        that names no nodes: host and process id)."""
         self.min_nodes = min_nodes
         self.run_id = run_id
         self.endpoint = endpoint
@@ -92,7 +93,8 @@ class Job:
         """Open the run store through the handler (the ``static`` backend has none yet)."""
         store = open_run_store(self.handler, self.run_id, self.endpoint)
         if store is not None:
-            self._adopt(store, open_run_store(self.handler, self.run_id, self.endpoint))
+            second = open_run_store(self.handler, self.run_id, self.endpoint)
+            self._adopt(store, second, run_store_namespace(self.run_id))
 
     def open_store(self) -> Store:
         """A connection of its own to the run store, for a thread that blocks in it (the
@@ -112,16 +114,16 @@ class Job:
         """Without a run store of its own, the backend's round store plays that role."""
         if self._run is None:
             run = prefixed("rallypoint/job", store)
-            self._adopt(run, run)
+            self._adopt(run, run, "rallypoint/job")
 
-    def _adopt(self, store: Store, second: Store | None) -> None:
+    def _adopt(self, store: Store, second: Store | None, where: str) -> None:
         from rallypoint.rendezvous import KVError
 
         try:
             self.answered = latest_stacks_request(store)
         except (RuntimeError, KVError) as exc:
             raise RendezvousFailedError(f"rendezvous {self.endpoint!r}: {exc}") from None
-        self._run = RunStore(store)
+        self._run = RunStore(store, where)
         self.stacks_store = second
 
     @property

@@ -3,7 +3,8 @@
 - :class:`NodeRecord` (``node/<group rank>``): a node's local world size and host;
 - :class:`FailureRecord` (``failure/<group rank>``): a node's first worker failure;
 - :class:`Decision` (``restart``): the round's fate, decided once for the whole job;
-- :class:`RootRecord` (``root``): the job's root cause, the earliest failure, if any.
+- :class:`RootRecord` (``root``): the job's root cause, the earliest failure, if any;
+- :class:`ExclusionRecord` (``excluded``, a JSON list in the run store): an agent kept out.
 
 Each has ``to_json()`` and ``from_json()``; a malformed record raises
 ``RendezvousStateError`` naming the key, since every agent of a job runs the same code.
@@ -85,11 +86,13 @@ class FailureRecord:
 
 @dataclass(frozen=True, slots=True)
 class ExclusionRecord:
-    """A node kept out of the job for good: it was the root cause of failures in a row."""
+    """An agent kept out of the job for good: it was the root cause of failures in a row,
+    or the burn-in found it slow. The other agents on its host stay."""
 
     node: str
-    """The node's name: its ``--local-addr``, else its host name."""
+    """The agent's identity in the rendezvous (``RendezvousHandler.node_id``)."""
     host: str
+    """The host it ran on (several agents may share one)."""
     reason: str
     time: float
     """Unix time of the exclusion."""
@@ -103,6 +106,23 @@ class ExclusionRecord:
         return cls(
             node=str(f["node"]), host=str(f["host"]), reason=str(f["reason"]), time=float(f["time"])
         )
+
+    @staticmethod
+    def list_to_json(records: list[ExclusionRecord]) -> str:
+        return json.dumps([asdict(r) for r in records])
+
+    @classmethod
+    def list_from_json(cls, data: str | bytes, key: str) -> list[ExclusionRecord]:
+        """The records of the exclusion list stored under ``key`` (named when malformed)."""
+        try:
+            items = json.loads(data)
+            if not isinstance(items, list):
+                raise ValueError(f"not a list: {items!r:.80}")
+            return [cls.from_json(json.dumps(item)) for item in items]
+        except (ValueError, UnicodeDecodeError, RendezvousStateError) as exc:
+            raise RendezvousStateError(
+                f"the key {key!r} holds a malformed exclusion list ({exc})"
+            ) from None
 
 
 class Action(enum.Enum):

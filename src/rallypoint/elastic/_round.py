@@ -1,4 +1,10 @@
-"""One round of an elastic job as this node sees it, and the one decision about its fate."""
+"""One round of an elastic job as this node sees it, and the one decision about its fate.
+
+The first node to ``claim()`` the round decides it; the decision is written by
+compare-and-set, so that when the claiming node is lost before it writes one (its
+heartbeats stop), another node can write a restart instead and nobody waits out the
+store's ``read_timeout`` (:meth:`Round.decision`).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,14 @@ from dataclasses import dataclass, field
 from rallypoint.elastic._job import Job
 from rallypoint.elastic._records import Action, Decision, ExclusionRecord
 from rallypoint.elastic._stores import RoundStore
-from rallypoint.supervise import GroupInfo, repeated_line
+from rallypoint.supervise import GroupInfo, RendezvousFailedError, repeated_line
 
-__all__ = ["Round"]
+__all__ = ["TAKEOVER_AFTER", "Round"]
+
+TAKEOVER_AFTER = 5.0
+"""Seconds a node waits for the claimed round's decision before a lost member (a node
+whose heartbeats stopped, the claimer perhaps) lets it decide a restart itself; writing a
+decision takes a few store round trips."""
 
 
 @dataclass(slots=True)
@@ -81,8 +92,34 @@ class Round:
             note=note,
             excluded=excluded,
         )
-        self.claimed = True
-        self.store.decide(decision)
+        self.claimed = self.store.decide(decision) == decision
+
+    def decision(self) -> Decision:
+        """The round's decision, once written. While there is none after
+        :data:`TAKEOVER_AFTER` and a member is lost (the node that claimed the round, gone
+        before it wrote one), this node writes a restart without spending budget (the
+        membership changed); with no decision and no lost member within the store's
+        ``read_timeout``, :class:`RendezvousFailedError`."""
+        start = time.monotonic()
+        while not self.store.decided():
+            waited = time.monotonic() - start
+            if waited >= TAKEOVER_AFTER and self.job.nodes_waiting() > 0:
+                return self.store.decide(
+                    Decision(
+                        action=Action.RESTART,
+                        reason=f"a node was lost before it decided round {self.number}",
+                        count=self.job.run.restarts(0),
+                        by=self.group_rank,
+                    )
+                )
+            if waited >= self.job.store_timeout:
+                raise RendezvousFailedError(
+                    f"round {self.number} was claimed but not decided within "
+                    f"{self.job.store_timeout:g} s (read_timeout); this node stopped"
+                )
+            self.job.check_signals()
+            time.sleep(self.job.poll_every)
+        return self.store.decision()
 
     def _exclusion(self, node: str, host: str, strikes: int) -> tuple[str, str, bool]:
         """``(excluded node, note, force_fail)`` for a failure rooted on ``node`` for the
@@ -96,31 +133,32 @@ class Round:
             return (
                 "",
                 (
-                    f"node {node} was {why}, but without it {left} node(s) would be left, fewer "
-                    f"than the minimum of {self.job.min_nodes} (--nnodes): ending the job"
+                    f"node {node} (host {host}) was {why}, but without it {left} node(s) would "
+                    f"be left, fewer than the minimum of {self.job.min_nodes} (--nnodes): "
+                    "ending the job"
                 ),
                 True,
             )
         return node, self._exclude(node, host, why), False
 
     def _exclude(self, node: str, host: str, why: str) -> str:
-        """Put ``node`` on the job's exclusion list; returns the line every node says."""
+        """Put the agent ``node`` on the job's exclusion list (not its host: other agents
+        there stay); returns the line every node says."""
         self.job.run.exclude(ExclusionRecord(node=node, host=host, reason=why, time=time.time()))
-        return f"excluded node {node} ({host}): {why}; the job goes on with {self.nnodes - 1}"
+        left = self.nnodes - 1
+        return f"excluded node {node} (host {host}): {why}; the job goes on with {left}"
 
     def exclude_now(self, node: str, host: str, why: str) -> None:
         """Decide the round (if first) to restart without ``node``, spending nothing: the
         burn-in found it slow (the caller checked that MIN nodes remain)."""
         if not self.store.claim():
             return
-        self.claimed = True
-        self.store.decide(
-            Decision(
-                action=Action.RESTART,
-                reason=f"burn-in: node {node} is slow",
-                count=self.job.run.restarts(0),
-                by=self.group_rank,
-                note=self._exclude(node, host, why),
-                excluded=node,
-            )
+        decision = Decision(
+            action=Action.RESTART,
+            reason=f"burn-in: node {node} (host {host}) is slow",
+            count=self.job.run.restarts(0),
+            by=self.group_rank,
+            note=self._exclude(node, host, why),
+            excluded=node,
         )
+        self.claimed = self.store.decide(decision) == decision

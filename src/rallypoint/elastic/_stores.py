@@ -5,12 +5,14 @@ The round store (``rallypoint/round<k>/`` in the round's store) holds ``node/<g>
 The run store (``rallypoint/<run_id>/job/`` on the rendezvous backend, from
 ``handler.open_run_store()``) outlives rounds: ``restarts`` (the job's budget counter, so
 every node and every worker sees the same ``TORCHELASTIC_RESTART_COUNT``), ``status``,
+``end`` (the last round and its node count, written just before ``status``),
 ``left/<k>``, ``hang/<k>``, ``pace/<k>/<g>`` (each node's step-time summary,
 ``observe._stragglers._watch``), the ``stacks/*`` exchange (so ``rallypoint stacks`` finds
 it without knowing the round), ``rpc_secret`` (the job's RPC secret, set once by the
 first agent, unless the user gave every node one), ``same_failure`` and ``node_failures``
 (the runs of identical root causes and of failures rooted on one node) and ``excluded``
-(the nodes kept out of the job, a JSON list of ``ExclusionRecord``s).
+(the agents kept out of the job, a JSON list of ``ExclusionRecord``s, edited by
+compare-and-set so that two exclusions at once both stay).
 """
 
 from __future__ import annotations
@@ -77,8 +79,10 @@ class RoundStore:
         """Whether this node is the first to claim the round's decision."""
         return int(self.store.add("claim", 1)) == 1
 
-    def decide(self, decision: Decision) -> None:
-        self.store.set("restart", decision.to_json())
+    def decide(self, decision: Decision) -> Decision:
+        """Write ``decision`` unless the round has one already; returns the round's."""
+        raw = self.store.compare_set("restart", "", decision.to_json())
+        return Decision.from_json(bytes(raw))
 
     def decided(self) -> bool:
         return bool(self.store.check(["restart"]))
@@ -102,10 +106,11 @@ class RoundStore:
 
 
 class RunStore:
-    """The keys of the whole run (every round)."""
+    """The keys of the whole run (every round); ``where`` names them in errors."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, where: str = "the run store") -> None:
         self.store: Store = store
+        self.where = where
 
     def restarts(self, spend: int = 0) -> int:
         """The job's restart counter after adding ``spend``."""
@@ -136,21 +141,37 @@ class RunStore:
         return count
 
     def exclusions(self) -> list[ExclusionRecord]:
-        """The nodes kept out of the job, oldest first."""
-        if not self.store.check(["excluded"]):
-            return []
-        import json
+        """The agents kept out of the job, oldest first."""
+        return self._exclusions(self._excluded_raw())
 
-        raw = json.loads(bytes(self.store.get("excluded")).decode())
-        return [ExclusionRecord.from_json(json.dumps(item)) for item in raw]
+    def _excluded_raw(self) -> bytes:
+        return bytes(self.store.get("excluded")) if self.store.check(["excluded"]) else b""
+
+    def _exclusions(self, raw: bytes) -> list[ExclusionRecord]:
+        key = f"{self.where}/excluded"
+        return ExclusionRecord.list_from_json(raw, key) if raw else []
 
     def exclude(self, record: ExclusionRecord) -> None:
-        """Add ``record`` to the exclusion list (only the node that decides a round)."""
-        import json
+        """Add ``record`` to the exclusion list: compare-and-set, again while another
+        exclusion got in between (nodes decide different rounds' exclusions at once)."""
+        raw = self._excluded_raw()
+        while True:
+            new = ExclusionRecord.list_to_json([*self._exclusions(raw), record])
+            now = bytes(self.store.compare_set("excluded", raw.decode(), new))
+            if now == new.encode():
+                return
+            raw = self._excluded_raw()
 
-        items = [json.loads(r.to_json()) for r in self.exclusions()]
-        items.append(json.loads(record.to_json()))
-        self.store.set("excluded", json.dumps(items))
+    def set_end(self, round_number: int, nnodes: int) -> None:
+        """The round the job ended in and its node count (before :meth:`set_status`)."""
+        self.store.set("end", f"{round_number} {nnodes}")
+
+    def end(self) -> tuple[int, int] | None:
+        """What :meth:`set_end` wrote, or ``None``."""
+        if not self.store.check(["end"]):
+            return None
+        k, _, n = bytes(self.store.get("end")).decode().partition(" ")
+        return int(k), int(n)
 
     def rpc_secret(self, candidate: str) -> str:
         """The job's RPC secret: ``candidate`` if this node is the first to set it (an
