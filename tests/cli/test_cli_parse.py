@@ -124,7 +124,12 @@ def test_nproc_values() -> None:
         (["--start-method", "thread", "{script}"], "invalid choice"),
         (["--rdzv-endpoint", "nohostport", "{script}"], "HOST:PORT"),
         (["--preload", "a b", "{script}"], "preload"),
-        (["--numa-binding", "node", "{script}"], "not supported"),
+        (
+            ["--numa-binding", "nodes", "{script}"],
+            r"invalid choice: 'nodes' \(choose from 'node', 'socket', 'exclusive', "
+            r"'core-complex'\)",
+        ),
+        (["--logs-specs", "x", "{script}"], "--logs-specs is not supported"),
     ],
 )
 def test_bad_input(script: str, argv: list[str], match: str) -> None:

@@ -46,6 +46,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
         preload=tuple(m.strip() for m in str(args.preload).split(",") if m.strip()),
         signals_to_handle=args.signals_to_handle,
         virtual_local_rank=bool(args.virtual_local_rank),
+        numa_binding=args.numa_binding or None,
         on_hang=args.on_hang,
         events=args.events,
         straggler_threshold=_straggler_threshold(args.straggler_threshold),
@@ -147,9 +148,8 @@ def _multi_node(args: argparse.Namespace) -> bool:
 
 
 def _reject_unsupported(args: argparse.Namespace) -> None:
-    for name in ("logs_specs", "numa_binding"):
-        if getattr(args, name):
-            raise UsageError(f"--{name.replace('_', '-')} is not supported by rallypoint run")
+    if args.logs_specs:
+        raise UsageError("--logs-specs is not supported by rallypoint run")
     ignored = {
         "--event-log-handler": args.event_log_handler not in ("", "null"),
     }

@@ -7,7 +7,7 @@ import argparse
 import os
 from typing import Any, NoReturn
 
-from rallypoint.supervise import DEFAULT_PREFIX
+from rallypoint.supervise import DEFAULT_PREFIX, NUMA_MODES
 
 __all__ = ["PROG", "UsageError", "build_parser"]
 
@@ -151,7 +151,13 @@ def _workers(o: _Options) -> None:
         "--virtual_local_rank",
         help="LOCAL_RANK=0 for every worker, each seeing only its own GPU (CUDA_VISIBLE_DEVICES)",
     )
-    o.opt("--numa-binding", "--numa_binding", default=None, help="not supported")
+    o.opt(
+        "--numa-binding",
+        "--numa_binding",
+        default=None,
+        choices=NUMA_MODES,
+        help="bind each worker to the CPUs near GPU LOCAL_RANK (torch's modes; needs a GPU)",
+    )
 
 
 def _output(o: _Options) -> None:

@@ -17,7 +17,8 @@ Exception tree::
     ├── RendezvousFailedError             the multi-node rendezvous failed or was closed
     │   └── NodeExcludedError             this node is excluded from the job (exit status 4)
     ├── UnhealthyNodeError                a health check failed: this node stayed out
-    ├── WarmProcessError                  the warm process died or a ``preload`` failed
+    ├── WarmProcessError                  the warm process died, a ``preload`` failed, or
+    │                                     the GPUs' CPUs were not found (``numa_binding``)
     ├── PortInUseError(ValueError)        an explicit master port is busy
     └── BadTargetError(ValueError)        the script/module/command cannot be started
 

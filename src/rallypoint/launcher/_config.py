@@ -8,7 +8,7 @@ part that reads it:
 group                     options                                              defined in
 ========================= ==================================================== ============
 ``workers``               nproc, role, start_method, preload, env, cwd,        supervise
-                          virtual_local_rank
+                          virtual_local_rank, numa_binding
 ``output``                log_dir, redirects, tee, local_ranks_filter, prefix  supervise
 ``stop``                  monitor_interval, shutdown_timeout, timeout,         supervise
                           signals_to_handle
@@ -101,6 +101,7 @@ class LaunchOptions(TypedDict, total=False):
     env: Mapping[str, str]
     cwd: str | os.PathLike[str] | None
     virtual_local_rank: bool
+    numa_binding: Literal["node", "socket", "exclusive", "core-complex"] | None
     signals_to_handle: str
     parallel: object | None
 
@@ -141,7 +142,17 @@ def _path(value: Any) -> Any:
 
 
 def _workers(o: Mapping[str, Any]) -> WorkerOptions:
-    kw = _pick(o, "nproc", "role", "start_method", "preload", "env", "cwd", "virtual_local_rank")
+    kw = _pick(
+        o,
+        "nproc",
+        "role",
+        "start_method",
+        "preload",
+        "env",
+        "cwd",
+        "virtual_local_rank",
+        "numa_binding",
+    )
     if "preload" in kw:
         preload = kw["preload"]
         kw["preload"] = tuple(
@@ -286,6 +297,7 @@ class LaunchConfig:
     env = _Flat[Mapping[str, str]]("workers")
     cwd = _Flat[str | None]("workers")
     virtual_local_rank = _Flat[bool]("workers")
+    numa_binding = _Flat[str | None]("workers")
     log_dir = _Flat[str | None]("output")
     redirects = _Flat[StdSpec]("output")
     tee = _Flat[StdSpec]("output")

@@ -11,7 +11,9 @@ Internal; the public names live in :mod:`rallypoint.launcher`. The parts:
   policy (``_policy``) and returns an ``Outcome`` (``_state``);
 - ``_signals``, ``_stop``: signals to the launcher, stopping whole process trees;
 - ``_summary``: what a failed worker left behind, and the failure screen;
-- ``_options``: the option groups this part reads; ``_errors``: the launcher's errors.
+- ``_options``: the option groups this part reads; ``_errors``: the launcher's errors;
+- ``_numa``: ``numa_binding``, each worker on the CPUs near its GPU (torch's rules, run by
+  ``_warm._numa_probe`` in a child of the warm process).
 
 This package imports nothing at import time: ``rallypoint run`` imports ``_warm._process`` and forks
 the warm process before anything else is loaded. Its face below offers the packages above it
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
         WorkerFailedError,
         WorkerSummary,
     )
+    from rallypoint.supervise._numa import NUMA_MODES
     from rallypoint.supervise._options import (
         DEFAULT_PREFIX,
         OutputOptions,
@@ -88,6 +91,7 @@ _MODULES = {
         "WorkerSummary",
     ),
     "_warm._fork_probe": ("openmp_survives_fork",),
+    "_numa": ("NUMA_MODES",),
     "_options": (
         "DEFAULT_PREFIX",
         "OutputOptions",
@@ -112,6 +116,7 @@ _HOME = homes(__name__, _MODULES)
 __all__ = [
     "CALLABLES",
     "DEFAULT_PREFIX",
+    "NUMA_MODES",
     "AttemptPolicy",
     "BadTargetError",
     "Failure",

@@ -10,7 +10,8 @@ Exception tree::
     ├── RendezvousFailedError            the multi-node rendezvous failed or was closed
     │   └── NodeExcludedError            this node is excluded from the job (exit status 4)
     ├── UnhealthyNodeError               a health check failed: this node stayed out
-    └── WarmProcessError                 the warm process died or a ``preload`` failed
+    └── WarmProcessError                 the warm process died, a ``preload`` failed, or
+                                         the GPUs' CPUs were not found (``numa_binding``)
     PortInUseError(LaunchError, ValueError)  an explicitly given master port is busy
     BadTargetError(LaunchError, ValueError)  the script/module/command cannot be started
 
@@ -152,6 +153,8 @@ class WarmErrorKind(enum.Enum):
     """The warm process answered something unexpected."""
     SNAPSHOTS = "snapshots"
     """The node's snapshot server could not start (``rallypoint.snapshot``)."""
+    NUMA = "numa"
+    """torch could not say which CPUs are near the workers' GPUs (``numa_binding``)."""
 
 
 class WarmProcessError(LaunchError):

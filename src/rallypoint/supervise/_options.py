@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Literal, TypeAlias
 
 from rallypoint._core.checks import check_int, check_seconds
+from rallypoint.supervise._numa import check_numa_binding
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -102,6 +103,9 @@ class WorkerOptions:
     """torchrun's ``--virtual-local-rank``: every worker gets ``LOCAL_RANK=0`` and sees only
     its own GPU (``CUDA_VISIBLE_DEVICES``: the local rank's entry of the launcher's list,
     else the local rank itself)."""
+    numa_binding: str | None = None
+    """torchrun's ``--numa-binding``: ``node``, ``socket``, ``exclusive`` or
+    ``core-complex`` binds each worker to CPUs near GPU ``LOCAL_RANK`` (``_numa``)."""
 
     def __post_init__(self) -> None:
         check_int(self.nproc, "nproc", minimum=1)
@@ -122,8 +126,13 @@ class WorkerOptions:
             raise TypeError("env must be a mapping of str to str")
         if self.cwd is not None and not os.path.isdir(self.cwd):
             raise ValueError(f"cwd {self.cwd!r} is not a directory")
+        visible = self.env.get(_CUDA_DEVICES, os.environ.get(_CUDA_DEVICES))
         if self.virtual_local_rank:
-            visible_gpus(self.env.get(_CUDA_DEVICES, os.environ.get(_CUDA_DEVICES)), self.nproc)
+            visible_gpus(visible, self.nproc)
+        if self.numa_binding is not None:  # torch's AffinityMode is a str enum
+            mode = getattr(self.numa_binding, "value", self.numa_binding)
+            object.__setattr__(self, "numa_binding", mode)
+            check_numa_binding(self.numa_binding, self.nproc, visible)
 
 
 _CUDA_DEVICES = "CUDA_VISIBLE_DEVICES"

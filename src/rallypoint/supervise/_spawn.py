@@ -59,6 +59,8 @@ class WorkerStarter:
         self.log_root = log_root
         self.scratch = scratch
         self.target, self.exec_argv = self._prepare(target, scratch)
+        self.cpus: tuple[frozenset[int], ...] = ()
+        """Each local rank's CPUs under ``numa_binding`` (set once by the supervisor)."""
 
     def _prepare(self, target: Target, scratch: Path) -> tuple[Target, list[str] | None]:
         """What each worker runs in its process, or execs instead (``--no-python``, spawn)."""
@@ -121,6 +123,7 @@ class WorkerStarter:
             cwd=self.workers.cwd if self.workers.cwd is not None else os.getcwd(),
             target=self.target,
             exec_argv=self.exec_argv,
+            cpus=self.cpus[local_rank] if self.cpus else None,
         )
 
     def _fork(self, specs: list[WorkerSpec]) -> tuple[list[int], list[_Pipes]]:

@@ -148,11 +148,15 @@ class Supervisor(Closing):
 
     # ------------------------------------------------------------------ the warm process
     def init_warm(self) -> None:
-        """Wait for the warm process's imports (``preload``); once."""
+        """Wait for the warm process's imports (``preload``); once. Then, once, start the
+        snapshot server and find the CPUs of each local rank under ``numa_binding``."""
         prepare_warm(self.warm, self.workers.preload, self.signals)
         if not self._snapshots_tried:
             self._snapshots_tried = True
             self._start_snapshots()
+        mode = self.workers.numa_binding
+        if mode is not None and not self.starter.cpus:
+            self.starter.cpus = self.warm.find_cpus(mode, self.nproc, self.starter.base_env)
 
     def _start_snapshots(self) -> None:
         """The node's snapshot server (``rallypoint.snapshot``), or a new one if it died

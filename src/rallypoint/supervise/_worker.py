@@ -32,6 +32,7 @@ from rallypoint._core import envvars
 from rallypoint.supervise._errors import FatalError
 from rallypoint.supervise._identity import show_identity
 from rallypoint.supervise._main_module import load_main
+from rallypoint.supervise._numa import bind_to_cpus
 
 __all__ = [
     "BAD_TARGET_EXIT",
@@ -78,6 +79,8 @@ class WorkerSpec:
     target: Target
     exec_argv: list[str] | None = None
     """Set for ``--no-python`` and ``spawn``: exec this instead of running in-process."""
+    cpus: frozenset[int] | None = None
+    """The CPUs this worker binds to first (``numa_binding``); ``None``: the launcher's."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -113,6 +116,8 @@ def child_main(spec: WorkerSpec, fds: list[int], close: list[int]) -> NoReturn:
         os.dup2(devnull, 0)
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
+        if spec.cpus:  # before the user's code or an exec: every thread to come inherits it
+            bind_to_cpus(spec.cpus)
         for fd in close:
             if fd > 2 and fd not in fds:
                 with contextlib.suppress(OSError):

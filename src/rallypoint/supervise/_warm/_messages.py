@@ -6,6 +6,7 @@ Supervisor -> warm process, and the reply:
 - :class:`StartStore`, :class:`ResetStore` -> :class:`StoreStarted` | :class:`Failed`;
 - :class:`Spawn` with three file descriptors (stdout, stderr, result) -> :class:`Spawned`;
 - :class:`StartSnapshots` -> :class:`SnapshotsStarted` | :class:`Failed` (``SNAPSHOTS``);
+- :class:`FindCpus` -> :class:`CpusFound` | :class:`Failed` (``NUMA``);
 - :class:`Shutdown` (no reply: the warm process kills its workers and exits);
 - :class:`RemoveOnExit` (no reply): paths the warm process removes if the supervisor dies.
 
@@ -28,8 +29,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_MESSAGE",
+    "CpusFound",
     "Exited",
     "Failed",
+    "FindCpus",
     "Init",
     "Ready",
     "RemoveOnExit",
@@ -85,6 +88,16 @@ class StartSnapshots:
 
 
 @dataclass(frozen=True, slots=True)
+class FindCpus:
+    """Which CPUs each local rank binds to under ``numa_binding`` (``_numa_probe``)."""
+
+    mode: str
+    nproc: int
+    env: dict[str, str]
+    """The workers' environment: CUDA reads its ``CUDA_VISIBLE_DEVICES`` there."""
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     """Kill every worker, the store and the snapshot server, then exit."""
 
@@ -97,7 +110,9 @@ class RemoveOnExit:
     paths: tuple[str, ...]
 
 
-Request = Init | StartStore | ResetStore | Spawn | StartSnapshots | Shutdown | RemoveOnExit
+Request = (
+    Init | StartStore | ResetStore | Spawn | StartSnapshots | FindCpus | Shutdown | RemoveOnExit
+)
 
 
 # ---------------------------------------------------------------- warm process -> supervisor
@@ -123,6 +138,12 @@ class SnapshotsStarted:
 
 
 @dataclass(frozen=True, slots=True)
+class CpusFound:
+    cpus: tuple[frozenset[int], ...]
+    """One set per local rank."""
+
+
+@dataclass(frozen=True, slots=True)
 class Spawned:
     local_rank: int
     pid: int
@@ -142,7 +163,7 @@ class Exited:
     status: int
 
 
-Reply = Ready | StoreStarted | SnapshotsStarted | Spawned | Failed | Exited
+Reply = Ready | StoreStarted | SnapshotsStarted | CpusFound | Spawned | Failed | Exited
 
 
 def send(sock: socket.socket, msg: Request | Reply, fds: list[int] | None = None) -> None:
@@ -170,11 +191,13 @@ _TYPES = (
     ResetStore,
     Spawn,
     StartSnapshots,
+    FindCpus,
     Shutdown,
     RemoveOnExit,
     Ready,
     StoreStarted,
     SnapshotsStarted,
+    CpusFound,
     Spawned,
     Failed,
     Exited,

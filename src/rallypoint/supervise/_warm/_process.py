@@ -129,6 +129,13 @@ class WarmProcess:
         reply = self._request(StartSnapshots(), SnapshotsStarted)
         return reply.path, reply.pid, reply.replaced
 
+    def find_cpus(self, mode: str, nproc: int, env: dict[str, str]) -> tuple[frozenset[int], ...]:
+        """The CPUs of each local rank under ``numa_binding`` ``mode`` for workers with
+        environment ``env`` (torch's rules, run in a child of the warm process)."""
+        from rallypoint.supervise._warm._messages import CpusFound, FindCpus
+
+        return self._request(FindCpus(mode, nproc, env), CpusFound).cpus
+
     def remove_on_exit(self, paths: list[str]) -> None:
         """Have the warm process remove ``paths`` should this process die without closing."""
         from rallypoint.supervise._warm._messages import RemoveOnExit

@@ -43,8 +43,10 @@ from rallypoint._core.procs import kill_descendants
 from rallypoint.supervise._errors import WarmErrorKind
 from rallypoint.supervise._summary import describe_status
 from rallypoint.supervise._warm._messages import (
+    CpusFound,
     Exited,
     Failed,
+    FindCpus,
     Init,
     Ready,
     RemoveOnExit,
@@ -105,6 +107,16 @@ def _store_main(conn: socket.socket) -> NoReturn:
             busy = port != 0 and not port_is_free(port)
             kind = WarmErrorKind.PORT_IN_USE if busy else WarmErrorKind.STORE
             send(conn, Failed(kind, f"{type(exc).__name__}: {exc}"))
+
+
+def _find_cpus(mode: str, nproc: int, env: dict[str, str]) -> Reply:
+    """Each local rank's CPUs under ``numa_binding``, found in a child (CUDA stays out)."""
+    from rallypoint.supervise._warm._numa_probe import NumaProbeError, find_cpu_sets
+
+    try:
+        return CpusFound(find_cpu_sets(mode, nproc, env))
+    except (NumaProbeError, OSError) as exc:
+        return Failed(WarmErrorKind.NUMA, str(exc))
 
 
 class _Server:
@@ -181,6 +193,8 @@ class _Server:
                 send(self.sock, self._spawn(spec, fds))
             case StartSnapshots():
                 send(self.sock, self._snapshots())
+            case FindCpus(mode=mode, nproc=nproc, env=env):
+                send(self.sock, _find_cpus(mode, nproc, env))
             case _:
                 send(self.sock, Failed(WarmErrorKind.PROTOCOL, f"unexpected {msg!r}"))
 
