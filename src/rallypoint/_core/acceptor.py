@@ -14,6 +14,9 @@ a legitimate peer:
   its address's share drops that address's oldest pending handshake, one beyond the total
   drops the oldest of all. A flood neither exhausts file descriptors nor locks out a
   legitimate peer, which finishes its handshake in one round trip.
+- A Unix listener's connection whose peer runs as another uid (``SO_PEERCRED``:
+  :mod:`._core.peercred`) is dropped before the greeting: an abstract socket has no
+  file mode that keeps other local users out.
 - When ``accept()`` fails for want of resources (``EMFILE``, ``ENFILE``, ``ENOBUFS``,
   ``ENOMEM``) the listeners pause, 10 ms at first and up to 200 ms, instead of spinning
   on a socket that stays readable; connections wait in the kernel's backlog meanwhile
@@ -43,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rallypoint._core.handshake import HandshakeError, ServerHandshake
+from rallypoint._core.peercred import same_user
 
 __all__ = ["MAX_PENDING", "Acceptor", "RejectionLog", "max_pending"]
 
@@ -255,6 +259,11 @@ class Acceptor:
                 return  # e.g. ECONNABORTED: that one is gone, the next select retries
             self._pause = _PAUSE_MIN
             if uds:
+                ours, uid = same_user(sock)
+                if not ours:
+                    sock.close()
+                    self.rejections.reject(f"a local process (uid {uid})", "not this job's user")
+                    continue
                 self._start(sock, True, "a local process", "local")
             else:
                 self._start(sock, False, f"{addr[0]}:{addr[1]}", str(addr[0]))

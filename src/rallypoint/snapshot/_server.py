@@ -34,7 +34,6 @@ import errno
 import ipaddress
 import os
 import socket
-import struct
 import sys
 import threading
 import time
@@ -42,6 +41,7 @@ from typing import Any, NoReturn
 
 from rallypoint._core.acceptor import Acceptor
 from rallypoint._core.handshake import ServerHandshake
+from rallypoint._core.peercred import same_user
 from rallypoint._core.throttle import Throttle
 from rallypoint.snapshot._auth import SCHEME, AuthError, client_handshake
 from rallypoint.snapshot._records import Key, Records, Slot
@@ -146,8 +146,8 @@ class Server:
 
     # ------------------------------------------------------------------ the node's workers
     def _local(self, conn: socket.socket) -> None:
-        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-        if uid != os.getuid():
+        ours, uid = same_user(conn)
+        if not ours:
             self.log(f"refused a local connection from uid {uid}")
             conn.close()
             return

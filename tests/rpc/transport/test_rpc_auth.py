@@ -205,3 +205,66 @@ def test_secret_file_and_mismatched_secrets(tmp_path: Any) -> None:
     )
     assert all(isinstance(r, BaseException) for r in results), results
     assert any("secrets differ" in str(r) for r in results), results
+
+
+def _bytes_read_as(uid: int, name: str) -> int:
+    """How many bytes of the greeting a process running as ``uid`` reads from the Unix
+    socket ``name`` before the server closes it (40: it was let in)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the other user: nothing here but system calls, then _exit
+        got = -1
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(10)
+                sock.connect(name)
+                got = 0
+                while got < 40 and (chunk := sock.recv(40 - got)):
+                    got += len(chunk)
+        finally:
+            os.write(w, str(got).encode())
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as pipe:
+        answer = pipe.read()
+    os.waitpid(pid, 0)
+    return int(answer)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(os.getuid() != 0, reason="connecting as another user needs root (setuid)")
+def test_another_users_process_is_refused_on_the_unix_socket() -> None:
+    """The abstract socket has no file mode: any local user can connect. Its peer's uid
+    (SO_PEERCRED) must be ours before the greeting; the server serves the next one."""
+    from rallypoint.rpc._transport import _acceptor
+
+    secret = b"uid-secret"
+    admitted: list[tuple[socket.socket, bool]] = []
+    came = threading.Event()
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("rallypoint.rpc").addHandler(handler)
+
+    def admit(sock: socket.socket, uds: bool, hello: dict[str, Any]) -> None:
+        admitted.append((sock, uds))
+        came.set()
+
+    acceptor = _acceptor.Acceptor("127.0.0.1", secret, admit, deadline=10.0)
+    try:
+        assert _bytes_read_as(65534, acceptor.uds_name) == 0, "nobody's connection got in"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(5)
+            sock.connect(acceptor.uds_name)
+            _auth.client_handshake(sock, secret, {"name": "same-uid", "id": 1}, 5)
+            assert came.wait(5)
+        assert [uds for _, uds in admitted] == [True]
+        assert any("uid 65534" in line and "not this job's user" in line for line in lines)
+    finally:
+        logging.getLogger("rallypoint.rpc").removeHandler(handler)
+        for sock, _ in admitted:
+            sock.close()
+        acceptor.close()
