@@ -3,6 +3,9 @@ sent to the judging node, and a slow rank on another node named once."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from datetime import timedelta
@@ -45,6 +48,11 @@ def test_ntps_formula() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_skewed_clock_is_measured_through_a_real_store(stores: Any) -> None:
+    from rallypoint._core.cpp_log import _level
+
+    level = _level()
+    assert level is not None, "torch's C++ log level is where cpp_warnings_off looks"
+    before = level.value
     judge, node = stores(), stores()
     skewed = lambda: time.time_ns() - SKEW  # noqa: E731
     responder = ClockResponder(node, round=0, group_rank=1, clock=skewed)
@@ -54,6 +62,7 @@ def test_a_skewed_clock_is_measured_through_a_real_store(stores: Any) -> None:
     assert abs(offset.offset_ns + SKEW) <= offset.delay_ns // 2 + MS, offset
     responder.close(judge)
     assert not responder._thread.is_alive(), "a stop ends the thread blocked in get"
+    assert level.value == before, "C++ warnings are back once the responder ended"
 
 
 @pytest.mark.timeout(30)
@@ -80,6 +89,50 @@ def test_the_responder_outlives_a_quiet_spell_and_ends_with_its_store(
     del server
     lonely._thread.join(5)
     assert not lonely._thread.is_alive(), "the store went away: the thread ends"
+
+
+_AGENT = """
+import sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+from rallypoint.observe._stragglers._clock_offset import ClockProbe, ClockResponder
+
+def client():
+    return TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=10))
+
+judge = client()
+responder = ClockResponder(client(), round=0, group_rank=1)
+assert ClockProbe(round=0).measure(judge, 1) is not None  # answered: it waits for the next
+print("waiting", flush=True)
+responder._thread.join(30)
+print("alive" if responder._thread.is_alive() else "ended", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_store_lost_while_the_responder_waits_prints_nothing() -> None:
+    """c10d logs the failed ``get`` with its C++ backtrace (16 lines on stderr) before the
+    responder ends on it; an agent whose store went away says so once, elsewhere."""
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}  # c10's default
+    agent = subprocess.Popen(
+        [sys.executable, "-c", _AGENT, str(server.port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert agent.stdout is not None
+        assert agent.stdout.readline() == "waiting\n"
+        del server  # the store goes away
+        out, err = agent.communicate(timeout=40)
+    finally:
+        agent.kill()
+    assert out == "ended\n"
+    assert len(err.splitlines()) <= 1, err
 
 
 @pytest.mark.timeout(30)
