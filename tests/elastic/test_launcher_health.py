@@ -12,10 +12,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from rallypoint.elastic._builtin_checks import STORE_LATENCY_BOUND, check_store
-from rallypoint.elastic._check_run import HealthContext
+from rallypoint.elastic._check_run import OUTPUT_LINE_LIMIT, HealthContext
 from rallypoint.elastic._exits import EXIT_UNHEALTHY
 
 RALLYPOINT = [sys.executable, "-m", "rallypoint", "run"]
@@ -63,6 +64,60 @@ def test_a_hanging_check_is_cut_at_its_timeout(hello: Path, tmp_path: Path) -> N
     assert took < 20, took
     time.sleep(2)
     assert not marker.exists(), "what the check started must be killed with it"
+
+
+def _gone(pidfile: Path) -> bool:
+    """Whether the process whose pid ``pidfile`` holds is gone (a zombie counts as gone)."""
+    try:
+        proc = psutil.Process(int(pidfile.read_text()))
+        proc.wait(timeout=5)
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.TimeoutExpired:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_nothing_a_check_started_outlives_it(hello: Path, tmp_path: Path) -> None:
+    """What a check starts in a session of its own is killed with it, whether the check
+    exits (a daemon it left behind, re-parented) or times out (issue 50, section 5: a
+    ``setsid sleep`` stayed under PID 1)."""
+    daemon, own_session = tmp_path / "daemon.pid", tmp_path / "setsid.pid"
+
+    def start(pidfile: Path, seconds: int) -> str:
+        return f"setsid sh -c 'echo $$ > {pidfile}; exec sleep {seconds}'"
+
+    def wait_for(pidfile: Path) -> str:
+        return f"while [ ! -s {pidfile} ]; do sleep 0.01; done"
+
+    exits = f"({start(daemon, 178)} &); {wait_for(daemon)}"
+    hangs = f"{start(own_session, 177)} & {wait_for(own_session)}; echo started; sleep 60"
+    argv = ["--health-check", exits, "--health-check", hangs, "--health-check-timeout", "3"]
+    code, out, err = _run([*argv, str(hello)])
+    assert code == 3, (code, out, err)
+    assert "  timed out after 3 s (--health-check-timeout); killed" in err, err
+    assert "    started" in err, err
+    assert _gone(daemon), "the daemon of a check that exited outlived it"
+    assert _gone(own_session), "what a timed-out check started in its own session outlived it"
+
+
+@pytest.mark.timeout(60)
+def test_check_output_is_fit_for_a_terminal(hello: Path) -> None:
+    """A 200 KB line is cut and says by how much; escape sequences (clear screen, title)
+    and control characters are gone (issue 50, section 5)."""
+    check = (
+        "head -c 200000 /dev/zero | tr '\\0' x; echo; "
+        "printf 'a\\033[2J\\033[Hb\\033]0;pwned\\007c\\td\\r\\n'; exit 4"
+    )
+    code, out, err = _run(["--health-check", check, str(hello)])
+    assert code == 3, (code, out, err)
+    lines = err.splitlines()
+    assert lines[3:5] == [
+        "    " + "x" * OUTPUT_LINE_LIMIT + f" [... {200_000 - OUTPUT_LINE_LIMIT} bytes cut]",
+        "    abc\td",
+    ], err
+    assert "\x1b" not in err and "\r" not in err, err
 
 
 @pytest.mark.slow

@@ -8,7 +8,11 @@ never up from it.
   that say what to change;
 - :mod:`~rallypoint._core.net`: free ports and port checks;
 - :mod:`~rallypoint._core.procs`: process liveness, a process's descendants (``/proc``),
-  ending a process without finalization;
+  ending a process without finalization, child subreapers and parent-death signals;
+- :mod:`~rallypoint._core.subreaper`: a command run so that nothing it starts outlives it
+  (``python -m rallypoint._core.subreaper``);
+- :mod:`~rallypoint._core.terminal`: a child's text made fit for a terminal (control
+  characters out, lines capped);
 - :mod:`~rallypoint._core.envvars`: the names of the environment variables rallypoint sets
   or reads, spelled once;
 - :mod:`~rallypoint._core.closing`: the ``with obj:`` protocol for objects with ``close()``;
@@ -59,6 +63,8 @@ _SUBMODULES = (
     "net",
     "procs",
     "public",
+    "subreaper",
+    "terminal",
 )
 
 __all__ = [

@@ -9,7 +9,18 @@ import sys
 import time
 from typing import NoReturn
 
-__all__ = ["descendants", "exit_now", "kill_descendants", "pid_alive", "pid_running"]
+__all__ = [
+    "become_subreaper",
+    "descendants",
+    "exit_now",
+    "kill_descendants",
+    "pid_alive",
+    "pid_running",
+    "set_parent_death_signal",
+]
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def pid_alive(pid: int) -> bool:
@@ -52,6 +63,27 @@ def exit_now(code: int) -> NoReturn:
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(code)
+
+
+def set_parent_death_signal(signum: int) -> None:
+    """Ask Linux to send ``signum`` to this process when its parent dies (best effort)."""
+    import ctypes  # here: not on the launcher's path to forking its warm process
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+
+
+def become_subreaper() -> bool:
+    """Make this process a child subreaper (``PR_SET_CHILD_SUBREAPER``): orphans among its
+    descendants (a child that daemonized, or left its session with ``setsid``, and whose
+    parent exited) become its children instead of PID 1's. Returns whether it worked."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except Exception:
+        return False
 
 
 def _parents() -> dict[int, tuple[int, bool]]:

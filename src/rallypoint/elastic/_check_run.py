@@ -1,7 +1,17 @@
-"""Running one health check: a command in a session of its own, bounded in time, and
+"""Running one health check: a command bounded in time that leaves nothing behind, and
 how a check ended (:class:`CheckResult`); what the built-in checks look at on this node
 (:class:`HealthContext`). The checks themselves: ``_builtin_checks``; the list a node runs
-and the screen of a failure: ``_health``."""
+and the screen of a failure: ``_health``.
+
+A command runs under a child subreaper of its own (``rallypoint._core.subreaper``), as the
+workers run under the warm process: when the check exits, times out or the launcher is
+signalled, everything it started is killed, also what left its session (``setsid``) or
+daemonized, and even if the launcher itself dies.
+
+Its output is kept in a temporary file; the last :data:`OUTPUT_TAIL` bytes of it are read
+back fit for a terminal (``rallypoint._core.terminal``): each line cut to
+:data:`OUTPUT_LINE_LIMIT` bytes, saying how many were cut, without escape sequences or
+control characters."""
 
 from __future__ import annotations
 
@@ -15,12 +25,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING
 
+from rallypoint._core.subreaper import KILL_TIMEOUT, argv_for
+from rallypoint._core.terminal import split_clean
+
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
 __all__ = ["CheckResult", "HealthContext", "run_command"]
 
 POLL_EVERY = 0.05
+STOP_WAIT = KILL_TIMEOUT + 3.0
+"""Seconds a stopped check's subreaper has to kill what the check started and exit."""
+OUTPUT_TAIL = 64 * 1024
+"""Bytes of the end of a check's output read back."""
+OUTPUT_LINE_LIMIT = 1024
+"""Bytes of each line of that output kept (the screen shows the last lines)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,11 +80,12 @@ def run_command(
     argv: list[str] | None = None,
 ) -> CheckResult:
     """``/bin/sh -c command`` (or ``argv``) with its output in a temporary file, killed with
-    everything it started after ``timeout`` seconds; ``poll()`` may raise to stop it."""
+    everything it started when it ends or after ``timeout`` seconds; ``poll()`` may raise
+    to stop it."""
     started = time.monotonic()
     with _output_file() as out:
         proc = subprocess.Popen(
-            argv or ["/bin/sh", "-c", command],
+            argv_for(argv or ["/bin/sh", "-c", command]),
             stdin=subprocess.DEVNULL,
             stdout=out or subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
@@ -82,9 +102,7 @@ def run_command(
                 time.sleep(POLL_EVERY)
         finally:
             if proc.poll() is None:
-                with contextlib.suppress(OSError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _stop(proc)
         elapsed = time.monotonic() - started
         text = _read(out)
     code = None if timed_out else proc.returncode
@@ -96,6 +114,18 @@ def run_command(
         timed_out=timed_out,
         output=text,
     )
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Have the check's subreaper kill all the check started; SIGKILL it if it cannot."""
+    with contextlib.suppress(OSError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(STOP_WAIT)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 @contextlib.contextmanager
@@ -111,12 +141,30 @@ def _output_file() -> Iterator[IO[bytes] | None]:
         yield fp
 
 
-def _read(fp: IO[bytes] | None, limit: int = 64 * 1024) -> str:
+def _read(fp: IO[bytes] | None) -> str:
+    """The end of the output in ``fp``, fit for a terminal."""
     if fp is None:
         return ""
     try:
         size = fp.seek(0, os.SEEK_END)
-        fp.seek(max(0, size - limit))
-        return fp.read().decode(errors="replace")
+        start = max(0, size - OUTPUT_TAIL)
+        fp.seek(start)
+        data = fp.read()
+        before = _line_before(fp, start)
     except OSError:
         return ""
+    lines = split_clean(data, OUTPUT_LINE_LIMIT, colours=False, dropped=before)
+    return b"\n".join(lines).decode(errors="replace")
+
+
+def _line_before(fp: IO[bytes], end: int, most: int = 1 << 24) -> int:
+    """Bytes before ``end`` of the line that goes on at ``end`` (up to ``most``)."""
+    pos = end
+    while pos > 0 and end - pos < most:
+        block = min(OUTPUT_TAIL, pos)
+        fp.seek(pos - block)
+        newline = fp.read(block).rfind(b"\n")
+        if newline >= 0:
+            return end - (pos - block + newline + 1)
+        pos -= block
+    return end - pos

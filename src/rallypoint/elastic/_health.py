@@ -10,7 +10,8 @@ its ``--health-check`` list in order, each within ``--health-check-timeout``:
 
 The first failing check keeps the node out: :meth:`HealthChecks.run` raises
 :class:`UnhealthyNodeError` whose message is the screen (the check, its exit code or
-timeout, the last lines of its output), and ``rallypoint run`` exits with
+timeout, the last lines of its output: cut to a length, without escape sequences or control
+characters, ``_check_run``), and ``rallypoint run`` exits with
 ``EXIT_UNHEALTHY`` (``_exits``). A check that cannot run here (no GPU, no store on one node)
 is skipped, said once. Every result is an ``health`` event in ``--events``.
 """

@@ -4,6 +4,12 @@ The supervisor reads every worker's stdout and stderr pipe in one thread and wri
 lines only, so lines of different workers never interleave mid-line. Files keep the raw
 lines (no prefix) under torchrun's layout ``LOG_DIR/RUN_ID/attempt_N/LOCAL_RANK/``.
 
+What reaches the console is fit for a terminal (``rallypoint._core.terminal``): no escape
+sequence but colours, no control character but tabs, a carriage return keeps the text
+after it (a progress bar shows its last state), and a line over
+:data:`~rallypoint._core.terminal.LINE_LIMIT` bytes is cut, saying how many bytes were cut.
+A line still coming keeps at most that much in memory.
+
 torchrun's ``--duplicate-stdout-filters``/``--duplicate-stderr-filters``: the lines of a
 tee'd stream (file and console) that contain any of the filter strings are also copied,
 prefixed as on the console, to ``attempt_N/filtered_stdout.log``/``filtered_stderr.log``
@@ -24,10 +30,9 @@ from string import Template
 from typing import BinaryIO
 
 from rallypoint._core.disk import DiskTrouble
+from rallypoint._core.terminal import LINE_LIMIT, split_clean
 
 __all__ = ["LOG_TROUBLE", "Duplicate", "OutputRouter", "write_console"]
-
-_FLUSH_PARTIAL = 1 << 16
 
 LOG_TROUBLE = DiskTrouble("worker logs", "the job goes on, and so does its console output")
 
@@ -80,9 +85,10 @@ class Duplicate:
         self.needles = tuple(f.encode() for f in filters)
 
     def copy(self, prefix: bytes, lines: list[bytes]) -> None:
+        """Copy those of ``lines`` (without their newlines) that contain a filter."""
         if self.file is None:
             return
-        kept = [prefix + line for line in lines if any(n in line for n in self.needles)]
+        kept = [prefix + line + b"\n" for line in lines if any(n in line for n in self.needles)]
         if kept:
             _write_log(self.file, b"".join(kept))
 
@@ -94,7 +100,7 @@ class Duplicate:
 
 
 class _Sink:
-    __slots__ = ("console", "duplicate", "file", "pending", "prefix", "stream")
+    __slots__ = ("console", "dropped", "duplicate", "file", "pending", "prefix", "stream")
 
     def __init__(
         self,
@@ -110,36 +116,47 @@ class _Sink:
         self.file = file
         self.duplicate = duplicate  # only for a stream that goes to the console too
         self.pending = b""
+        """The start of a line still coming (at most ``LINE_LIMIT`` bytes of it)."""
+        self.dropped = 0
+        """Bytes of that line cut already."""
 
     def feed(self, data: bytes) -> None:
         if self.file is not None:
             _write_log(self.file, data)
         if not self.console:
             return
-        data = self.pending + data
-        cut = data.rfind(b"\n") + 1
-        if cut == 0 and len(data) < _FLUSH_PARTIAL:
-            self.pending = data
+        end = data.rfind(b"\n")
+        if end < 0:
+            self._grow(data)
             return
-        if cut == 0:
-            cut = len(data)
-        self.pending = data[cut:]
-        self._emit(data[:cut])
+        lines = split_clean(self.pending + data[:end], dropped=self.dropped)
+        self.pending, self.dropped = b"", 0
+        self._emit(lines)
+        self._grow(data[end + 1 :])
 
-    def _emit(self, chunk: bytes) -> None:
-        if not chunk.endswith(b"\n"):
-            chunk += b"\n"
+    def _grow(self, data: bytes) -> None:
+        """Add ``data`` (no newline) to the line still coming: what a carriage return
+        overwrites is forgotten, and what goes beyond ``LINE_LIMIT`` counted and cut."""
+        line = self.pending + data
+        cr = line.rfind(b"\r", 0, len(line) - 1)  # one at the end may start "\r\n"
+        if cr >= 0:
+            line, self.dropped = line[cr + 1 :], 0
+        if len(line) > LINE_LIMIT + 1:
+            self.dropped += len(line) - LINE_LIMIT - 1
+            line = line[: LINE_LIMIT + 1]  # one more than shown: clean_line cuts and counts
+        self.pending = line
+
+    def _emit(self, lines: list[bytes]) -> None:
+        """Write whole ``lines`` (without their newlines) to the console."""
         if self.duplicate is not None:
-            self.duplicate.copy(self.prefix, chunk.splitlines(keepends=True))
-        if self.prefix:
-            lines = chunk.splitlines(keepends=True)
-            chunk = b"".join(self.prefix + line for line in lines)
-        write_console(self.stream, chunk)
+            self.duplicate.copy(self.prefix, lines)
+        prefix = self.prefix
+        write_console(self.stream, prefix + (b"\n" + prefix).join(lines) + b"\n")
 
     def close(self) -> None:
-        if self.console and self.pending:
-            self._emit(self.pending)
-        self.pending = b""
+        if self.console and (self.pending or self.dropped):
+            self._emit(split_clean(self.pending, dropped=self.dropped))
+        self.pending, self.dropped = b"", 0
         if self.file is not None:
             with contextlib.suppress(OSError):
                 self.file.close()

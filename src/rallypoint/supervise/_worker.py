@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import faulthandler
 import io
 import json
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
 
 from rallypoint._core import envvars
+from rallypoint._core.procs import set_parent_death_signal
 from rallypoint.supervise._errors import FatalError
 from rallypoint.supervise._identity import show_identity
 from rallypoint.supervise._main_module import load_main
@@ -55,8 +55,6 @@ FATAL_EXIT = 122
 # callables registered by ``launch()`` before it forks its warm process: key -> fn, args
 CALLABLES: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
 
-_PR_SET_PDEATHSIG = 1
-
 
 @dataclass(frozen=True, slots=True)
 class Target:
@@ -82,13 +80,6 @@ class WorkerSpec:
     cpus: frozenset[int] | None = None
     """The CPUs this worker binds to first (``numa_binding``); ``None``: the launcher's."""
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def set_parent_death_signal(signum: int) -> None:
-    """Ask Linux to send ``signum`` to this process when its parent dies (best effort)."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
 
 
 def _reset_signals() -> None:

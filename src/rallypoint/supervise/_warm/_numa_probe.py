@@ -19,7 +19,7 @@ import signal
 import time
 from typing import Any, NoReturn
 
-from rallypoint.supervise._worker import set_parent_death_signal
+from rallypoint._core.procs import set_parent_death_signal
 
 __all__ = ["NumaProbeError", "find_cpu_sets"]
 

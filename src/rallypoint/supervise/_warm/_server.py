@@ -27,7 +27,6 @@ supervisor makes them only after ``Ready``) and exits.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import importlib
 import os
@@ -39,7 +38,7 @@ import traceback
 from typing import Any, NoReturn
 
 from rallypoint._core.net import port_is_free
-from rallypoint._core.procs import kill_descendants
+from rallypoint._core.procs import become_subreaper, kill_descendants, set_parent_death_signal
 from rallypoint.supervise._errors import WarmErrorKind
 from rallypoint.supervise._summary import describe_status
 from rallypoint.supervise._warm._messages import (
@@ -64,12 +63,11 @@ from rallypoint.supervise._warm._messages import (
     send,
 )
 from rallypoint.supervise._warm._snapshots import SnapshotServer, fork_snapshot_server
-from rallypoint.supervise._worker import WorkerSpec, child_main, set_parent_death_signal
+from rallypoint.supervise._worker import WorkerSpec, child_main
 
 __all__ = ["WARM_MODULES", "serve"]
 
 WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel")
-_PR_SET_CHILD_SUBREAPER = 36
 _ORPHANED_KILL_TIMEOUT = 1.5
 """Seconds the warm process of a dead supervisor spends killing its descendants."""
 
@@ -142,8 +140,7 @@ class _Server:
             signal.signal(sig, signal.SIG_IGN)
         set_parent_death_signal(signal.SIGKILL)  # until Ready (see the module docstring)
         self.parent = os.getppid()
-        with contextlib.suppress(Exception):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        become_subreaper()
         os.set_blocking(self.wake_w, False)
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)

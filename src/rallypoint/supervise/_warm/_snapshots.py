@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from rallypoint.supervise._worker import set_parent_death_signal
+from rallypoint._core.procs import set_parent_death_signal
 
 __all__ = ["SnapshotServer", "fork_snapshot_server"]
 
