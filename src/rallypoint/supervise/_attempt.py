@@ -5,6 +5,11 @@ are read as they fill; signals to the launcher wake the loop through a pipe. The
 failure stops every worker's whole process tree: SIGTERM, then SIGKILL after the grace
 period. The loop ends when every worker is gone and its pipes are drained.
 
+A signal to the launcher is forwarded to the workers, which get ``--shutdown-timeout``
+seconds to finish their handlers; the launcher says so. The same signal again (not an echo
+of the first: ``_signals.ECHO``) or another one kills them at once, as a second Ctrl-C
+does under most command-line tools.
+
 A rank that failed only because a peer vanished under it (``Connection reset by peer``
 in a collective: :data:`~rallypoint.supervise._summary.PEER_LOSS`) is a consequence, not
 the cause, yet its exit may be reported first: the warm process reports exits one at a
@@ -24,7 +29,7 @@ import time
 from typing import Any
 
 from rallypoint.observe import COLLECTIVE_TIMEOUT, Observer
-from rallypoint.supervise._output import OutputRouter
+from rallypoint.supervise._output import OutputRouter, write_console
 from rallypoint.supervise._policy import AttemptPolicy
 from rallypoint.supervise._signals import SignalQueue
 from rallypoint.supervise._state import Failure, Outcome, OutcomeKind, Stop, Worker
@@ -81,6 +86,7 @@ class Attempt:
         self.consequence: Worker | None = None  # a peer-loss failure waiting for its cause
         self.cause_until: float | None = None
         self.signum = 0
+        self.forced = False  # a second signal killed the workers
         self.reason = ""
         self.kill_at: float | None = None
         self.drain_until: float | None = None
@@ -174,9 +180,24 @@ class Attempt:
 
     def _take_signals(self) -> None:
         while (signum := self.signals.pop()) is not None:
+            name = signal.Signals(signum).name
             if self.kind is not OutcomeKind.SIGNAL:
                 self.kind, self.signum, self.root = OutcomeKind.SIGNAL, signum, None
                 self._stop(signum)
+                say = (
+                    f"received {name}: stopping the workers (SIGKILL in "
+                    f"{self.stopper.grace:g} s, --shutdown-timeout; send it again to kill "
+                    "them now)"
+                )
+            elif not self.forced:
+                self.forced = True
+                self.stopper.kill_trees(self.workers, signal.SIGKILL)
+                self.kill_at = time.monotonic() + 1.0
+                say = f"received {name} while stopping: killed the workers (SIGKILL) at once"
+            else:
+                continue
+            if any(w.status is None for w in self.workers):
+                write_console(2, f"rallypoint: {say}\n".encode())
 
     def _check_deadline(self, now: float) -> None:
         if self.kind is None and self.deadline is not None and now >= self.deadline:

@@ -1,4 +1,12 @@
-"""The launcher's signals: SIGINT/SIGTERM/... are queued and wake the monitor loop."""
+"""The launcher's signals: SIGINT/SIGTERM/... are queued and wake the monitor loop.
+
+A signal that comes again within :data:`ECHO` seconds is one signal sent twice by one
+sender, not a second request: ``timeout`` sends its SIGTERM to the launcher and then to the
+launcher's process group, and ``srun`` forwards the one it got to the tasks that the job
+step's own SIGTERM reaches too. It is queued once. A second signal after that (a user's
+second Ctrl-C) is queued, and an attempt that is stopping its workers then kills them at
+once (``_attempt``).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +14,16 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections import deque
 from typing import Any
 
 from rallypoint._core.closing import Closing
 
-__all__ = ["SignalQueue"]
+__all__ = ["ECHO", "SignalQueue"]
+
+ECHO = 1.0
+"""Seconds within which the same signal again is the same signal (see the docstring)."""
 
 
 class SignalQueue(Closing):
@@ -23,6 +35,8 @@ class SignalQueue(Closing):
 
     def __init__(self, signums: tuple[int, ...]) -> None:
         self._queue: deque[int] = deque()
+        self._last: dict[int, float] = {}
+        """When each signal was last queued."""
         self._old: dict[int, Any] = {}
         self._pipe: tuple[int, int] | None = None
         self._old_wakeup = -1
@@ -34,7 +48,13 @@ class SignalQueue(Closing):
         self._pipe = (r, w)
         self._old_wakeup = signal.set_wakeup_fd(w)
         for signum in signums:
-            self._old[signum] = signal.signal(signum, lambda s, _f: self._queue.append(s))
+            self._old[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(signum, -ECHO) >= ECHO:
+            self._last[signum] = now
+            self._queue.append(signum)
 
     @property
     def wake_fd(self) -> int | None:
