@@ -60,6 +60,7 @@ def test_a_repeated_failure_ends_the_job_on_every_node(tmp_path: Path, endpoint:
     for _, t in ends:  # every node says why, once
         assert t.count(f"the same failure (KeyError at {script}:9) ended 3 attempts") == 1, t
         assert "KeyError: 'batch_size'" in t[t.index("Root cause") :]
+        assert "FAILED (2 restart(s) used of 20)" in t, t  # not "20 of 20"
 
 
 def test_fatal_error_ends_the_job_at_once_on_every_node(tmp_path: Path, endpoint: str) -> None:
@@ -72,3 +73,4 @@ def test_fatal_error_ends_the_job_at_once_on_every_node(tmp_path: Path, endpoint
     for _, t in ends:
         assert "rallypoint: rank 1 raised FatalError; not restarting" in t, t
         assert "FatalError: the dataset is missing" in t[t.index("Root cause") :]
+        assert "FAILED (0 restart(s) used of 20)" in t, t

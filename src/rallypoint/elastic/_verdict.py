@@ -60,7 +60,8 @@ def raise_failure(
     if outcome.kind is OutcomeKind.BAD_TARGET:
         raise BadTargetError(failure.traceback or failure.detail)
     others = [w for w in outcome.workers if w.rank != failure.rank]
-    restarts = rnd.job.restarts.max_restarts
+    budget = rnd.job.restarts.max_restarts
+    used = decision.count  # spent before this round's end: less where it ended early
     summary = format_summary(
         title=title,
         root=failure.worker_state(),
@@ -69,7 +70,7 @@ def raise_failure(
         elapsed=failure.elapsed,
         traceback_text=failure.traceback,
         others=others,
-        attempts=f"{restarts} restart(s) used of {restarts}" if restarts else "no restarts",
+        attempts=f"{used} restart(s) used of {budget}" if budget else "no restarts",
         culprit=_culprit(rnd, outcome),
     )
     raise WorkerFailedError(
