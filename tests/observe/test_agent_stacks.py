@@ -26,12 +26,17 @@ from rallypoint.observe._stacks import (
     STACKS_SIGNAL_ENV,
     Frame,
     StackDump,
+    ThreadStack,
     collect_stacks,
     install_stack_dumper,
     parse_faulthandler_dump,
     stacks_env,
 )
 from rallypoint.observe._stacks_exchange import (
+    MAX_ANSWER_BYTES,
+    MAX_KEPT,
+    MIN_ANSWER_INTERVAL,
+    StacksAnswers,
     answer_stacks_request,
     latest_stacks_request,
     publish_node_count,
@@ -293,13 +298,12 @@ def _agent_loop(
     import torch.distributed as dist
 
     store = dist.PrefixStore("rallypoint/job1/", dist.TCPStore("127.0.0.1", port, is_master=False))
-    answered = latest_stacks_request(store)  # requests from before this agent started are not its
+    # requests from before this agent started are not its
+    answers = StacksAnswers(answered=latest_stacks_request(store))
     publish_node_count(store, 2)
     ready.wait(30)
     while not stop.is_set():
-        answered = answer_stacks_request(
-            store, node_rank=node_rank, answered=answered, collect=collect
-        )
+        answer_stacks_request(store, node_rank=node_rank, answers=answers, collect=collect)
         time.sleep(0.01)
 
 
@@ -379,4 +383,101 @@ def test_request_without_agents() -> None:
     with pytest.raises(ValueError, match="timeout must be positive"):
         request_stacks(store, timeout=0, nnodes=1)
     # no request pending: answering is one cheap read and calls nothing
-    assert answer_stacks_request(store, node_rank=0, answered=0, collect=dict) == 0
+    answers = StacksAnswers()
+    answer_stacks_request(store, node_rank=0, answers=answers, collect=dict)
+    assert answers.answered == 0
+
+
+def _huge_stacks() -> dict[int, StackDump]:
+    """Two ranks whose stacks hold a 4 MiB source line each."""
+    frame = Frame("/app/train.py", 7, "main", "x" * (4 << 20))
+    thread = ThreadStack("0x1", True, (frame,))
+    return {r: StackDump(rank=r, host="h", pid=100 + r, threads=(thread,)) for r in (0, 1)}
+
+
+@pytest.mark.timeout(60)
+def test_a_flood_of_requests_cannot_make_an_agent_store_much() -> None:
+    """Any store client can bump the request counter: the agent answers the newest request
+    at most once per MIN_ANSWER_INTERVAL, within MAX_ANSWER_BYTES (cut, with a note), keeps
+    at most MAX_KEPT answers in the store and removes the ones nobody collects."""
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.PrefixStore("job1", dist.TCPStore("127.0.0.1", master.port))  # "job1/" + key
+    attacker = dist.TCPStore("127.0.0.1", master.port, is_master=False)
+    collected: list[int] = []
+
+    def collect() -> dict[int, StackDump]:
+        collected.append(1)
+        return _huge_stacks()
+
+    def flood(answers: StacksAnswers, requests: int) -> None:
+        for _ in range(requests):
+            attacker.add("job1/stacks/request", 1)
+            answer_stacks_request(store, node_rank=0, answers=answers, collect=collect)
+
+    def answers_kept() -> list[bytes]:
+        latest = attacker.add("job1/stacks/request", 0)
+        keys = [f"stacks/{n}/node/0" for n in range(1, latest + 1)]
+        return [store.get(k) for k in keys if store.check([k])]
+
+    start = time.monotonic()
+    flood(StacksAnswers(answered=latest_stacks_request(store)), 200)
+    assert 1 <= len(collected) <= 1 + (time.monotonic() - start) / MIN_ANSWER_INTERVAL
+    assert 1 <= len(answers_kept()) <= MAX_KEPT
+
+    eager = StacksAnswers(answered=latest_stacks_request(store), min_interval=0.0)
+    collected.clear()
+    flood(eager, 20)
+    assert len(collected) == 20  # without the interval: each request answered...
+    kept = answers_kept()
+    assert len(kept) <= MAX_KEPT + 1  # ...and only the newest few kept (one from above)
+    for raw in kept:
+        answer = json.loads(raw)
+        assert len(raw) <= MAX_ANSWER_BYTES
+        assert answer["note"].endswith("only main threads, no source lines"), answer["note"]
+    assert master.num_keys() <= 2 + 2 * (MAX_KEPT + 1)  # request, answers and their counts
+
+    brief = StacksAnswers(answered=latest_stacks_request(store), min_interval=0.0, keep_for=0.0)
+    flood(brief, 1)
+    answer_stacks_request(store, node_rank=0, answers=brief, collect=collect)  # a tick later
+    latest = attacker.add("job1/stacks/request", 0)
+    assert not store.check([f"stacks/{latest}/node/0"]), "nobody collected it: removed"
+
+
+@pytest.mark.timeout(60)
+def test_rallypoint_stacks_leaves_no_answer_in_the_store(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import torch.distributed as dist
+
+    from rallypoint.cli._stacks import stacks_main
+    from rallypoint.elastic import create_rendezvous, run_store_namespace
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    endpoint = f"127.0.0.1:{master.port}"
+    conf = {"is_host": "false", "read_timeout": "10"}
+    handler = create_rendezvous("c10d", endpoint, "job1", 1, 1, conf)
+    store = handler.open_run_store(run_store_namespace("job1"))
+    answers = StacksAnswers(answered=latest_stacks_request(store))
+    publish_node_count(store, 1)
+    before = master.num_keys()
+    stop = threading.Event()
+
+    def agent() -> None:
+        while not stop.is_set():
+            answer_stacks_request(store, node_rank=0, answers=answers, collect=_huge_stacks)
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=agent, daemon=True)
+    thread.start()
+    try:
+        code = stacks_main(["--rdzv-endpoint", endpoint, "--rdzv-id", "job1", "--timeout", "20"])
+    finally:
+        stop.set()
+        thread.join(10)
+    out = capsys.readouterr().out
+    assert "ranks 0,1: " in out and "train.py:7" in out
+    assert "node 0: answered in part: over 1048576 bytes: only main threads" in out
+    assert code == 1  # a node answered in part
+    assert master.num_keys() == before, "the answer and the request's count are gone"

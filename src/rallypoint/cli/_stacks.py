@@ -2,7 +2,8 @@
 
 Connects to the job's rendezvous store as a client (it never hosts one), asks every agent
 of the run for its workers' Python stacks (the agents answer from their monitor loop) and
-prints them grouped by identical stacks, plus one line per node that did not answer. Above
+prints them grouped by identical stacks, plus one line per node that did not answer (or
+answered in part: an agent caps its answer, ``observe._stacks_exchange``). Above
 the stacks, the collective view from the workers' Flight Recorders: each process group's
 last collective completed by all its members, and what is pending on which ranks.
 """
@@ -34,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def stacks_main(argv: Sequence[str] | None = None) -> int:
-    """Exit 0 when every node answered, 1 when some did not, 2 on bad input."""
+    """Exit 0 when every node answered in full, 1 when some did not, 2 on bad input."""
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:

@@ -18,7 +18,12 @@ from rallypoint._core.blocking import call_in_thread
 from rallypoint.elastic._options import RestartOptions
 from rallypoint.elastic._rendezvous import open_run_store, run_store_namespace
 from rallypoint.elastic._stores import RunStore, prefixed
-from rallypoint.observe import Observer, answer_stacks_request, latest_stacks_request
+from rallypoint.observe import (
+    Observer,
+    StacksAnswers,
+    answer_stacks_request,
+    latest_stacks_request,
+)
 from rallypoint.supervise import LaunchInterruptedError, RendezvousFailedError
 
 if TYPE_CHECKING:
@@ -86,7 +91,7 @@ class Job:
         """Seconds a store call may take (``read_timeout``) before the store counts as lost."""
         self._run: RunStore | None = None
         self.stacks_store: Any = None  # a second connection, for a blocking stacks request
-        self.answered = 0
+        self.stacks_answers = StacksAnswers()
         self._rpc_secret = ""
 
     def open(self) -> None:
@@ -120,7 +125,7 @@ class Job:
         from rallypoint.rendezvous import KVError
 
         try:
-            self.answered = latest_stacks_request(store)
+            self.stacks_answers = StacksAnswers(answered=latest_stacks_request(store))
         except (RuntimeError, KVError) as exc:
             raise RendezvousFailedError(f"rendezvous {self.endpoint!r}: {exc}") from None
         self._run = RunStore(store, where)
@@ -144,10 +149,10 @@ class Job:
 
     def answer_stacks(self, running: Mapping[int, int], node_rank: int) -> None:
         """Answer another agent's (or ``rallypoint stacks``') request for stacks, if any."""
-        self.answered = answer_stacks_request(
+        answer_stacks_request(
             self.run.store,
             node_rank=node_rank,
-            answered=self.answered,
+            answers=self.stacks_answers,
             collect=lambda: self.observer.collect(running),
         )
 

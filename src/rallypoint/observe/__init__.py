@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # internal, for the launcher side (``X as X``: re-exported, f
     from rallypoint.observe._observer import WatchOptions as WatchOptions
     from rallypoint.observe._stacks import dump_stacks_now as dump_stacks_now
     from rallypoint.observe._stacks import install_stack_dumper as install_stack_dumper
+    from rallypoint.observe._stacks_exchange import StacksAnswers as StacksAnswers
     from rallypoint.observe._stacks_exchange import answer_stacks_request as answer_stacks_request
     from rallypoint.observe._stacks_exchange import latest_stacks_request as latest_stacks_request
     from rallypoint.observe._stacks_exchange import publish_node_count as publish_node_count
@@ -72,6 +73,7 @@ _INTERNAL_MODULES = {
     "_observer": ("Observer", "WatchOptions"),
     "_stacks": ("dump_stacks_now", "install_stack_dumper"),
     "_stacks_exchange": (
+        "StacksAnswers",
         "answer_stacks_request",
         "latest_stacks_request",
         "publish_node_count",
