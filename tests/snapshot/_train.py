@@ -14,7 +14,8 @@ argv: OUT MODE STEPS. MODE says how this run is interrupted at step 37:
 - ``fill``: rank 0 fills the file system of ``--snapshot-dir`` after step 18 (a file at
   ``SNAPSHOT_TEST_FILL``) and empties it again after step 33;
 - ``readonly``: rank 0 remounts ``SNAPSHOT_TEST_MOUNT`` read-only after step 18;
-- ``slow``: every step takes 0.3 s more (jobs that overlap).
+- ``hold``: after the checkpoint of step 4 is written, rank 0 writes ``OUT/held`` and every
+  rank waits for ``OUT/go`` (a job kept live while the test starts others).
 
 Every worker writes ``OUT/start-<rank>-<pid>`` (the step it resumed at, the number of steps
 its restored state had seen, the world size); rank 0 writes the parameters it restored
@@ -67,6 +68,15 @@ def _disk_trouble(mode: str, rank: int, step: int) -> None:
         os.unlink(os.environ["SNAPSHOT_TEST_FILL"])
 
 
+def _hold(out: str, rank: int) -> None:
+    snapshot.wait()  # step 4's checkpoint is complete
+    if rank == 0:
+        with open(os.path.join(out, "held"), "w"):
+            pass
+    while not os.path.exists(os.path.join(out, "go")):
+        time.sleep(0.05)
+
+
 def train(out: str, mode: str, steps: int) -> None:
     """One worker of the job: ``steps`` steps from the newest snapshot, interrupted as
     ``mode`` says."""
@@ -100,8 +110,6 @@ def train(out: str, mode: str, steps: int) -> None:
     for step in range(start, steps):
         if mode == "grow" and world == 1:
             time.sleep(0.02)
-        if mode == "slow":
-            time.sleep(0.3)
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(32, 8, generator=g)
         loss = model(x).pow(2).mean()
@@ -114,6 +122,8 @@ def train(out: str, mode: str, steps: int) -> None:
         state["progress"]["losses"].append(loss.item())
         snapshot.save(state, step=step + 1)
         _disk_trouble(mode, rank, step + 1)
+        if mode == "hold" and step + 1 == 4:
+            _hold(out, rank)
         if step + 1 == 37 and mode == "crash" and rank == 1 and first:
             snapshot.wait()
             os.kill(os.getpid(), signal.SIGKILL)

@@ -154,6 +154,7 @@ def test_dcp_persistence_and_a_fresh_process_restores_from_it(tmp_path: Path) ->
     [ns] = (tmp_path / "ck").iterdir()  # this process's namespace: run-local-<random>
     assert ns.name.startswith("run-local-")
     assert sorted(p.name for p in ns.glob("step-*")) == ["step-000000000002", "step-000000000004"]
+    snapshot.configure(dir=None)  # this "job" ends: a live job's checkpoints are never read
     code = f"""
 import torch
 from rallypoint import snapshot

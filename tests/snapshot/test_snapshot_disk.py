@@ -8,11 +8,13 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from _jobs import TRAIN, run, same_params, starts
+
+from rallypoint._core import envvars
 
 
 def _mount(target: Path, options: str) -> None:
@@ -135,33 +137,90 @@ def test_restore_falls_back_to_the_newest_checkpoint_every_rank_can_load(
     same_params(tmp_path / "b" / "final.pt", reference)
 
 
-def _job(tmp_path: Path, name: str, ck: Path, rdzv_id: str) -> subprocess.Popen[str]:
-    out = tmp_path / name
-    out.mkdir()
-    cmd = [
-        sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "2", "--rdzv-id", rdzv_id,
-        "--snapshot-dir", str(ck), "--snapshot-every", "2", str(TRAIN), str(out), "slow", "30",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
+@pytest.fixture
+def held_job(tmp_path: Path) -> Iterator[Callable[[Path, str], subprocess.Popen[str]]]:
+    """Starts ``rallypoint run`` of 30 steps that waits at step 4 (its checkpoint written)
+    until ``OUT/go`` exists: a job that is live for as long as the test needs (stopped at
+    the end of the test if it still runs)."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(ck: Path, rdzv_id: str) -> subprocess.Popen[str]:
+        out = tmp_path / rdzv_id
+        out.mkdir()
+        cmd = [
+            sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "2",
+            "--rdzv-id", rdzv_id, "--snapshot-dir", str(ck), "--snapshot-every", "2",
+            str(TRAIN), str(out), "hold", "30",
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        procs.append(proc)
+        deadline = time.monotonic() + 100
+        while not (out / "held").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.05)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()  # the launcher stops its workers
+            proc.communicate(timeout=60)
+
+
+def _release(proc: subprocess.Popen[str], out: Path) -> str:
+    (out / "go").touch()
+    text = proc.communicate(timeout=100)[0]
+    assert proc.returncode == 0, text
+    return text
+
+
+def _resume(tmp_path: Path, name: str, ck: Path, steps: int, source: str | None = None) -> str:
+    env = {} if source is None else {envvars.SNAPSHOT_RESUME_FROM: source}
+    return run(2, tmp_path / name, "none", steps, snapshot_dir=ck, every=2, run_id=name,
+               extra_env=env)  # fmt: skip
 
 
 @pytest.mark.timeout(300)
-def test_jobs_sharing_a_dir_keep_their_own_checkpoints(tmp_path: Path) -> None:
+def test_a_live_job_never_reads_another_live_jobs_checkpoints(
+    tmp_path: Path, held_job: Callable[[Path, str], subprocess.Popen[str]]
+) -> None:
     ck = tmp_path / "ck"
-    first = _job(tmp_path, "a", ck, "job-a")
-    deadline = time.monotonic() + 100
-    while not any(ck.rglob("step-000000000004/.metadata")):
-        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0]
-        time.sleep(0.1)
-    others = [_job(tmp_path, "b", ck, "job-b"), _job(tmp_path, "c", ck, "job-a")]
-    texts = [p.communicate(timeout=200)[0] for p in (first, *others)]
-    assert [p.returncode for p in (first, *others)] == [0, 0, 0], texts
-    # b persisted in its own namespace; a's checkpoints are a's (b never pruned them)
-    assert _steps(ck / "run-job-b") == ["step-000000000028", "step-000000000030"], texts
-    assert _steps(ck / "run-job-a") == ["step-000000000028", "step-000000000030"], texts
-    # c, started with a's run id while a ran, was refused (it restored a's checkpoint)
-    assert "another job with the same run id is writing" in texts[2], texts[2]
-    assert "restored step" in texts[2], texts[2]
+    a = held_job(ck, "job-a")  # live, with the checkpoints of steps 2 and 4
+    text = _resume(tmp_path, "job-b", ck, 8)
+    assert "restored" not in text, text  # another live job's checkpoints are another training
+    assert starts(tmp_path / "job-b") == [(0, 0, 2), (0, 0, 2)], text
+    assert _steps(ck / "run-job-b") == ["step-000000000006", "step-000000000008"]
+    # with a's own run id: the same training (its step 4 over b's 8); refused as a writer
+    same = run(2, tmp_path / "same", "none", 6, snapshot_dir=ck, every=2, run_id="job-a",
+               extra_env={envvars.SNAPSHOT_RESUME_FROM: "job-a"})  # fmt: skip
+    assert "another job with the same run id is writing" in same, same
+    assert starts(tmp_path / "same") == [(4, 4, 2), (4, 4, 2)], same
+    _release(a, tmp_path / "job-a")
+    assert _steps(ck / "run-job-a") == ["step-000000000028", "step-000000000030"]
+    assert _steps(ck / "run-job-b") == ["step-000000000006", "step-000000000008"]
+
+
+@pytest.mark.timeout(300)
+def test_a_relaunch_resumes_from_an_ended_job_and_an_explicit_choice_wins(
+    tmp_path: Path,
+) -> None:
+    ck = tmp_path / "ck"
+    _resume(tmp_path, "job-a", ck, 30)  # ended at 30
+    _resume(tmp_path, "job-b", ck, 12, source="none")  # a fresh start: 0 -> 12
+    assert starts(tmp_path / "job-b") == [(0, 0, 2), (0, 0, 2)]
+    # explicit choices win over the newest checkpoint (a's step 30)
+    _resume(tmp_path, "job-c", ck, 14, source="job-b")
+    assert starts(tmp_path / "job-c") == [(12, 12, 2), (12, 12, 2)]
+    path = ck / "run-job-b" / "step-000000000010"
+    text = _resume(tmp_path, "job-d", ck, 12, source=str(path))
+    assert starts(tmp_path / "job-d") == [(10, 10, 2), (10, 10, 2)]
+    assert "restored step 10 from disk on every rank (2 ranks; " in text, text
+    assert f"): {path} (--snapshot-resume-from {path})" in text, text
+    # no choice: the newest checkpoint of the jobs that ended, and which job's it is
+    text = _resume(tmp_path, "job-e", ck, 32)
+    assert starts(tmp_path / "job-e") == [(30, 30, 2), (30, 30, 2)]
+    line = f"{ck}/run-job-a/step-000000000030, a checkpoint of job 'job-a', which ended"
+    assert line in text, text

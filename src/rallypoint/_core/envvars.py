@@ -20,6 +20,7 @@ __all__ = [
     "SIGNALS_TO_HANDLE",
     "SNAPSHOT_DIR",
     "SNAPSHOT_EVERY",
+    "SNAPSHOT_RESUME_FROM",
     "SNAPSHOT_SOCKET",
     "STACKS_DIR",
     "STACKS_SIGNAL",
@@ -57,6 +58,8 @@ SNAPSHOT_DIR = "RALLYPOINT_SNAPSHOT_DIR"
 """``--snapshot-dir``: where every Kth snapshot is persisted with torch.distributed.checkpoint."""
 SNAPSHOT_EVERY = "RALLYPOINT_SNAPSHOT_EVERY"
 """``--snapshot-every``: K."""
+SNAPSHOT_RESUME_FROM = "RALLYPOINT_SNAPSHOT_RESUME_FROM"
+"""``--snapshot-resume-from``: ``none``, a run id, or an absolute path."""
 AGENT_CPP_LOG_LEVEL = "RALLYPOINT_AGENT_CPP_LOG_LEVEL"
 """torch's C++ log level in the agent of a multi-node ``rallypoint run`` (``FATAL`` unless
 set: INFO, WARNING, ERROR or FATAL); the workers keep ``TORCH_CPP_LOG_LEVEL``."""

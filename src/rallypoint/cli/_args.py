@@ -108,7 +108,8 @@ def _flight_recorder(value: str) -> int | None:
 
 
 def _snapshot_env(args: argparse.Namespace) -> dict[str, str]:
-    """``--snapshot-dir``/``--snapshot-every`` reach ``rallypoint.snapshot`` in the workers."""
+    """``--snapshot-dir``/``--snapshot-every``/``--snapshot-resume-from`` reach
+    ``rallypoint.snapshot`` in the workers."""
     env = {}
     if args.snapshot_every is not None:
         if args.snapshot_every < 1:
@@ -125,7 +126,25 @@ def _snapshot_env(args: argparse.Namespace) -> dict[str, str]:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         env[envvars.SNAPSHOT_DIR] = path
+    if args.snapshot_resume_from is not None:
+        env[envvars.SNAPSHOT_RESUME_FROM] = _resume_from(args)
     return env
+
+
+def _resume_from(args: argparse.Namespace) -> str:
+    """``--snapshot-resume-from``: ``none``, a run id, or a path (made absolute; it must
+    exist)."""
+    value: str = args.snapshot_resume_from
+    if not args.snapshot_dir:
+        raise UsageError("--snapshot-resume-from needs --snapshot-dir")
+    if not value:
+        raise UsageError("--snapshot-resume-from needs a run id, a path or none")
+    if "/" in value or value.startswith("."):
+        path = os.path.abspath(value)
+        if not os.path.isdir(path):
+            raise UsageError(f"--snapshot-resume-from {value!r}: no such directory")
+        return path
+    return value
 
 
 def _check_flags(args: argparse.Namespace) -> None:

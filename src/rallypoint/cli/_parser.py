@@ -267,3 +267,12 @@ def _rallypoint(o: _Options) -> None:
         type=int,
         help="K for --snapshot-dir (default 10)",
     )
+    o.opt(
+        "--snapshot-resume-from",
+        "--snapshot_resume_from",
+        default=None,
+        metavar="RUN_ID|PATH|none",
+        help="which checkpoints in --snapshot-dir a restore may read besides this job's own: "
+        "another job's (by its run id), a checkpoint or namespace (by its path), or none; "
+        "default: those of jobs that ended, never a running job's",
+    )

@@ -119,15 +119,20 @@ def restore(state: MutableMapping[str, Any]) -> int | None:
         return step
 
 
-def configure(*, dir: Any = UNSET, every: Any = UNSET, timeout: Any = UNSET) -> None:
+def configure(
+    *, dir: Any = UNSET, every: Any = UNSET, timeout: Any = UNSET, resume_from: Any = UNSET
+) -> None:
     """Change this process's snapshot options (each one given; the others stay).
 
     ``dir``: persist every ``every``-th snapshot there with torch.distributed.checkpoint
     (``None``: do not persist); ``--snapshot-dir`` sets it for every worker. ``every``:
     K >= 1 (``--snapshot-every``, default 10). ``timeout``: seconds (or a ``timedelta``)
-    to wait for the other ranks, default 300.
+    to wait for the other ranks, default 300. ``resume_from``
+    (``--snapshot-resume-from``): which checkpoints in ``dir`` a restore reads besides
+    this job's own: ``None`` (those of jobs that ended, never a live job's), ``"none"``
+    (only this job's), a run id, or a path (a checkpoint or a job's namespace).
     """
-    options = _options().update(dir=dir, every=every, timeout=timeout)
+    options = _options().update(dir=dir, every=every, timeout=timeout, resume_from=resume_from)
     with _STATE.lock:
         _STATE.options = options
         if _STATE.session is not None and _STATE.pid == os.getpid():

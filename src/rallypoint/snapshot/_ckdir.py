@@ -2,20 +2,34 @@
 
 ::
 
-    DIR/run-<run id>/step-<step>/      this job's DCP checkpoints (``.metadata`` once complete)
-    DIR/run-<run id>/.owner            which job writes the namespace (a token of the job)
-    DIR/run-<run id>/.live             every process of that job holds a shared flock on it
-    DIR/run-<run id>/.claim            held (exclusive flock) while the owner is checked
-    DIR/step-<step>/                   the layout before namespaces: read, never written
+    DIR/run-<run id>/step-<step>/        this job's DCP checkpoints (``.metadata`` once complete)
+    DIR/run-<run id>/step-<step>/.job    the token of the job that wrote it (after ``.metadata``)
+    DIR/run-<run id>/.owner              which job writes the namespace (a token of the job)
+    DIR/run-<run id>/.live               every process of that job holds a shared flock on it
+    DIR/run-<run id>/.claim              held (exclusive flock) while the owner is checked
+    DIR/run-<run id>/.resumed            the namespaces of ended jobs this job resumed from
+    DIR/step-<step>/                     the layout before namespaces: read, never written
 
 A job writes and prunes only its own namespace (its run id: ``--rdzv-id``, or the random id
 of a one-node job), so two jobs sharing ``DIR`` never delete each other's checkpoints; a
-second job with the same run id while the first one lives is refused (:meth:`claim`). A
-restore reads every namespace and the old flat layout (the newest complete checkpoint
-wins; a tie goes to this job's own). Another job's namespace is pruned only once that job
-ended (no process holds its ``.live``): its partial checkpoints (no ``.metadata``: a failed
-or interrupted save) at once, and all of it once this job has :data:`KEEP` complete
-checkpoints newer than every one of it (a restarted training superseded it).
+second job with the same run id while the first one lives is refused (:meth:`claim`).
+
+What a restore reads (:meth:`complete`) depends on ``--snapshot-resume-from``:
+
+- unset: this job's namespace, the namespaces of jobs that **ended** (no process holds
+  their ``.live``: a relaunched training with a new run id resumes from them) and the flat
+  layout; never the namespace of another live job, which is another training;
+- ``none``: only the checkpoints this job wrote itself (a fresh start that still resumes
+  after its own restarts);
+- a run id or a path: the checkpoints this job wrote, and those of that job (a namespace
+  under ``DIR``, refused while that job lives) or that path (one checkpoint, or a namespace).
+
+The newest complete checkpoint wins; on a tie this job's own, then the newest written.
+Another job's namespace is pruned only once that job ended: its partial checkpoints (no
+``.metadata``: a failed or interrupted save) at once; all of it only when this job resumed
+from it without being told to (``.resumed``: the same training, relaunched) and has
+:data:`KEEP` complete checkpoints newer than every one of it. The checkpoints of other
+trainings, and one chosen with ``--snapshot-resume-from``, are never removed.
 """
 
 from __future__ import annotations
@@ -29,10 +43,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["KEEP", "Checkpoint", "CheckpointDir", "namespace", "step_name"]
+__all__ = ["FRESH", "KEEP", "Checkpoint", "CheckpointDir", "namespace", "step_name"]
 
 KEEP = 2
 PREFIX = "run-"
+FRESH = "none"
+"""``--snapshot-resume-from none``: restore only what this job wrote itself."""
 _STEP = re.compile(r"^step-(\d{12})$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -48,10 +64,13 @@ def namespace(run_id: str) -> str:
 
 @dataclass(frozen=True, order=True, slots=True)
 class Checkpoint:
-    """A complete checkpoint: its step and its path relative to ``DIR``."""
+    """A complete checkpoint: its step, its path relative to ``DIR`` (absolute when it is
+    outside), and the run id of the job that wrote it when that is another job (``""``: this
+    job's own namespace)."""
 
     step: int
     name: str
+    job: str = ""
 
 
 def _steps(path: Path) -> Iterator[tuple[int, Path, bool]]:
@@ -65,6 +84,28 @@ def _steps(path: Path) -> Iterator[tuple[int, Path, bool]]:
         if m is not None:
             child = path / name
             yield int(m.group(1)), child, (child / ".metadata").is_file()
+
+
+def _step_of(path: Path) -> int:
+    m = _STEP.match(path.name)
+    return int(m.group(1)) if m is not None else -1
+
+
+def _job_of(ns: Path) -> str:
+    """The run id a namespace's name shows (the directory's own name outside ``DIR``)."""
+    return ns.name[len(PREFIX) :] if ns.name.startswith(PREFIX) else str(ns)
+
+
+def _relative(path: Path, root: Path) -> str:
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+
+def _written(checkpoint: Path) -> float:
+    """When ``checkpoint`` was completed (its ``.metadata``'s time)."""
+    try:
+        return (checkpoint / ".metadata").stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _open(path: Path) -> int:
@@ -139,9 +180,8 @@ class CheckpointDir:
             return True  # cannot tell (read-only): then nothing can be deleted either
         return True
 
-    def _others(self, *, ended: bool) -> list[Path]:
-        """``root`` itself (the flat layout) and the other jobs' namespaces (``ended``: only
-        those of jobs that ended)."""
+    def _ended_others(self) -> list[Path]:
+        """``root`` itself (the flat layout) and the namespaces of other jobs that ended."""
         try:
             names = sorted(os.listdir(self.root))
         except OSError:
@@ -150,20 +190,91 @@ class CheckpointDir:
         for name in names:
             path = self.root / name
             other = name.startswith(PREFIX) and path != self.own and path.is_dir()
-            if other and (not ended or self._ended(path)):
+            if other and self._ended(path):
                 out.append(path)
         return out
 
     # ------------------------------------------------------------------ reading
-    def complete(self) -> list[Checkpoint]:
-        """Complete checkpoints this job may restore, newest first (this job's first on a
-        tie)."""
-        found: list[tuple[int, int, str]] = []
-        for rank, ns in enumerate([self.own, *self._others(ended=False)]):
+    def complete(self, resume_from: str = "") -> list[Checkpoint]:
+        """Complete checkpoints this job may restore, newest first (see the module docstring
+        for ``resume_from``: ``""``, :data:`FRESH`, a run id or an absolute path)."""
+        found: list[tuple[int, bool, float, Checkpoint]] = []
+
+        def add(ns: Path, mine: bool, only_ours: bool = False) -> None:
+            job = "" if mine else _job_of(ns)
             for step, path, done in _steps(ns):
-                if done:
-                    found.append((step, -rank, str(path.relative_to(self.root))))
-        return [Checkpoint(step, name) for step, _, name in sorted(found, reverse=True)]
+                if done and (not only_ours or self.wrote(path)):
+                    name = _relative(path, self.root)
+                    found.append((step, mine, _written(path), Checkpoint(step, name, job)))
+
+        if not resume_from:
+            add(self.own, True)
+            for ns in self._ended_others():
+                add(ns, False)
+        else:
+            source = self.source(resume_from)
+            add(self.own, True, only_ours=source != self.own)
+            if source is not None and source != self.own and not self.refusal(resume_from):
+                if (source / ".metadata").is_file():  # one checkpoint
+                    step, job = _step_of(source), _job_of(source.parent)
+                    name = _relative(source, self.root)
+                    found.append((step, False, _written(source), Checkpoint(step, name, job)))
+                else:
+                    add(source, False)
+        found.sort(key=lambda f: (f[0], f[1], f[2]), reverse=True)
+        return [checkpoint for *_, checkpoint in found]
+
+    def source(self, resume_from: str) -> Path | None:
+        """The directory ``resume_from`` names (``None`` for ``""`` and :data:`FRESH`)."""
+        if resume_from in ("", FRESH):
+            return None
+        if os.path.isabs(resume_from):
+            return Path(resume_from)
+        return self.root / namespace(resume_from)
+
+    def refusal(self, resume_from: str) -> str:
+        """Why ``resume_from`` cannot be read (its job is live), or ``""``."""
+        source = self.source(resume_from)
+        if source is None or source == self.own:
+            return ""
+        ns = source.parent if (source / ".metadata").is_file() else source
+        if ns.name.startswith(PREFIX) and not self._ended(ns):
+            return (
+                f"--snapshot-resume-from {resume_from}: job {_job_of(ns)!r} is still running "
+                f"({ns}); a live job's checkpoints belong to another training"
+            )
+        return ""
+
+    def wrote(self, checkpoint: Path) -> bool:
+        """Whether this job wrote ``checkpoint`` (its ``.job`` holds this job's token)."""
+        try:
+            return (checkpoint / ".job").read_text() == self.token
+        except OSError:
+            return False
+
+    def mark_written(self, step: int) -> None:
+        """Record that this job wrote its checkpoint of ``step`` (after ``.metadata``)."""
+        path = self.own / step_name(step) / ".job"
+        tmp = path.with_name(".job.tmp")
+        tmp.write_text(self.token)
+        os.replace(tmp, path)
+
+    def record_resume(self, checkpoint: Checkpoint) -> None:
+        """Remember that this job continues the training of another job that ended, from
+        ``checkpoint`` (so that :meth:`prune` may remove that job's namespace once it is
+        superseded)."""
+        ns = (self.root / checkpoint.name).parent
+        if not checkpoint.job or not ns.is_relative_to(self.root):
+            return
+        with open(self.own / ".resumed", "a") as fp:
+            fp.write(f"{ns.relative_to(self.root)}\n")
+
+    def _resumed(self) -> set[Path]:
+        try:
+            lines = (self.own / ".resumed").read_text().splitlines()
+        except OSError:
+            return set()
+        return {self.root / line for line in lines if line}
 
     def own_complete(self) -> list[int]:
         return sorted(step for step, _, done in _steps(self.own) if done)
@@ -172,16 +283,20 @@ class CheckpointDir:
     def prune(self) -> None:
         """Keep this job's newest :data:`KEEP` complete checkpoints and remove its others;
         remove the partial checkpoints of jobs that ended; once this job has :data:`KEEP`,
-        remove the checkpoints (and namespaces) of jobs that ended which are all older than
-        the oldest one it keeps (a later job of the same training superseded them)."""
+        remove the namespaces of the ended jobs it resumed from on its own (``.resumed``)
+        whose checkpoints are all older than the oldest one it keeps (superseded), and those
+        of ended jobs that hold no complete checkpoint."""
         steps = self.own_complete()
         keep = steps[-KEEP:]
         for step, path, _ in _steps(self.own):
             if step not in keep:
                 shutil.rmtree(path, ignore_errors=True)
-        for ns in self._others(ended=True):
+        resumed = self._resumed()
+        for ns in self._ended_others():
             found = list(_steps(ns))
             older = len(keep) >= KEEP and all(step < keep[0] for step, _, done in found if done)
+            empty = not any(done for _, _, done in found)
+            older = older and (ns in resumed or empty)
             for _, path, done in found:
                 if not done or older:
                     shutil.rmtree(path, ignore_errors=True)
@@ -191,7 +306,7 @@ class CheckpointDir:
     def remove_partial(self, step: int) -> None:
         """A failed save: remove its directory and every other partial one."""
         shutil.rmtree(self.own / step_name(step), ignore_errors=True)
-        for ns in [self.own, *self._others(ended=True)]:
+        for ns in [self.own, *self._ended_others()]:
             for _, path, done in _steps(ns):
                 if not done:
                     shutil.rmtree(path, ignore_errors=True)

@@ -89,14 +89,15 @@ class LocalSession:
             return None
         for checkpoint in self.persister.complete():  # newest first
             loaded = self.persister.try_load(checkpoint)
-            where = self.persister.directory / checkpoint.name
             if not isinstance(loaded, str):
-                return self._apply_disk(state, *loaded, where)
+                self.persister.resumed(checkpoint)
+                return self._apply_disk(state, *loaded, self.persister.origin(checkpoint))
+            where = self.persister.directory / checkpoint.name
             self.report.always(f"cannot load the checkpoint {where} ({loaded}); trying the next")
         return None
 
     def _apply_disk(
-        self, state: MutableMapping[str, Any], meta: Meta, tensors: list[torch.Tensor], where: Any
+        self, state: MutableMapping[str, Any], meta: Meta, tensors: list[torch.Tensor], where: str
     ) -> int:
         notes = apply(state, meta.skeleton, tensors, [e.device for e in meta.entries], owned=True)
         for note in notes:

@@ -260,12 +260,13 @@ class NodeSession:
         self.settle()
         n, self.restores = self.restores, self.restores + 1
         start = time.perf_counter()
+        disk = self.persister.complete() if self.persister is not None else []
         try:
-            choice = self._choose(n)
+            choice = self._choose(n, disk)
         except (ServerError, OSError, RuntimeError) as exc:  # before any rank decided
             self.report.always(f"rank {self.rank}: cannot agree on a snapshot ({exc}); None")
             return None
-        step, source, memory = self._load(state, choice, n)
+        step, source, origin, memory = self._load(state, choice, n)
         self.keep = memory
         self.gen = self.agree.generation(n + 1, next_generation(memory[0] if memory else None))
         self._prune(n)
@@ -273,23 +274,26 @@ class NodeSession:
             took = time.perf_counter() - start
             self.report.always(
                 f"restored step {step} from {source} on every rank ({self.world} ranks; "
-                f"rank 0 took {took:.3f} s)"
+                f"rank 0 took {took:.3f} s){': ' + origin if origin else ''}"
             )
         return step
 
     def _load(
         self, state: MutableMapping[str, Any], choice: Choice, n: int
-    ) -> tuple[int | None, str, Key | None]:
-        """Load what the ranks agreed on: ``(step, "memory"/"disk"/"", the key in memory)``."""
+    ) -> tuple[int | None, str, str, Key | None]:
+        """Load what the ranks agreed on: ``(step, "memory"/"disk"/"", the checkpoint's
+        origin, the key in memory)``."""
         memory, disk = choice.memory, choice.disk
         if memory is not None and (not disk or memory[1] >= disk[0].step):
-            return self._from_memory(state, memory, choice.holders), "memory", memory
+            return self._from_memory(state, memory, choice.holders), "memory", "", memory
         if disk:
-            step = self._from_disk(state, disk, n)
-            if step is not None:
-                return step, "disk", None
+            checkpoint = self._from_disk(state, disk, n)
+            if checkpoint is not None:
+                assert self.persister is not None
+                self.persister.resumed(checkpoint)
+                return checkpoint.step, "disk", self.persister.origin(checkpoint), None
         self._explain(choice)
-        return None, "", None
+        return None, "", "", None
 
     def _prune(self, n: int) -> None:
         """Once every rank loaded its part, the node's server drops what it no longer needs
@@ -302,12 +306,11 @@ class NodeSession:
         except (ServerError, OSError, RuntimeError) as exc:
             self.report.once("prune", f"rank {self.rank}: could not prune old snapshots ({exc})")
 
-    def _choose(self, n: int) -> Choice:
+    def _choose(self, n: int, disk: list[Checkpoint]) -> Choice:
         def inventory() -> list[tuple[int, int, Key]]:
             records = self.client.inventory()["records"]
             return [(r["rank"], r["world"], (r["gen"], r["step"])) for r in records]
 
-        disk = self.persister.complete() if self.persister is not None else []
         return self.agree.choose(
             n,
             inventory=inventory if self.local_rank == 0 else None,
@@ -341,7 +344,7 @@ class NodeSession:
 
     def _from_disk(
         self, state: MutableMapping[str, Any], checkpoints: list[Checkpoint], n: int
-    ) -> int | None:
+    ) -> Checkpoint | None:
         """The newest of ``checkpoints`` that every rank loads (one that vanished or is
         damaged on some rank: every rank goes on to the next); ``None`` if none."""
         assert self.persister is not None
@@ -350,7 +353,7 @@ class NodeSession:
             if self.agree.all_loaded(n, attempt, not isinstance(loaded, str)):
                 assert not isinstance(loaded, str)
                 self._apply(state, *loaded, owned=True)
-                return checkpoint.step
+                return checkpoint
             if isinstance(loaded, str):
                 where = self.persister.directory / checkpoint.name
                 self.report.always(

@@ -38,6 +38,18 @@ def _check_dir(value: object) -> str | None:
     return path
 
 
+def _check_resume_from(value: object) -> str:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise TypeError(
+            f"resume_from must be a run id, a path or 'none', got {type(value).__name__}"
+        )
+    if value and ("/" in value or value.startswith(".")):
+        return os.path.abspath(value)  # a path: a checkpoint or a job's namespace
+    return value
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Options:
     dir: str | None = None
@@ -45,9 +57,13 @@ class Options:
     every: int = DEFAULT_EVERY
     timeout: float = DEFAULT_TIMEOUT
     """Seconds to wait for the other ranks (agreement, completion of a save)."""
+    resume_from: str = ""
+    """Which checkpoints under ``dir`` a restore may read besides this job's own: ``""``
+    (those of jobs that ended), ``"none"``, a run id, or an absolute path."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dir", _check_dir(self.dir))
+        object.__setattr__(self, "resume_from", _check_resume_from(self.resume_from))
         check_int(self.every, "every", minimum=1)
         secs = check_seconds(self.timeout, "timeout", numbers=True)
         if secs is None or not math.isfinite(secs):
@@ -61,12 +77,22 @@ class Options:
         return cls(
             dir=env.get(envvars.SNAPSHOT_DIR) or None,
             every=int(every) if every else DEFAULT_EVERY,
+            resume_from=env.get(envvars.SNAPSHOT_RESUME_FROM, ""),
         )
 
-    def update(self, *, dir: Any = UNSET, every: Any = UNSET, timeout: Any = UNSET) -> Options:
+    def update(
+        self,
+        *,
+        dir: Any = UNSET,
+        every: Any = UNSET,
+        timeout: Any = UNSET,
+        resume_from: Any = UNSET,
+    ) -> Options:
         changes: dict[str, Any] = {}
         if dir is not UNSET:
             changes["dir"] = dir
+        if resume_from is not UNSET:
+            changes["resume_from"] = "" if resume_from is None else resume_from
         if every is not UNSET:
             changes["every"] = every
         if timeout is not UNSET:

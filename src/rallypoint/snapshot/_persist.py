@@ -34,6 +34,7 @@ import torch
 from rallypoint._core.disk import free_space
 from rallypoint._core.throttle import Throttle
 from rallypoint.snapshot._ckdir import KEEP, Checkpoint, CheckpointDir, step_name
+from rallypoint.snapshot._errors import SnapshotError
 from rallypoint.snapshot._layout import Meta, decode_meta, encode_meta
 from rallypoint.snapshot._report import Reporter
 
@@ -74,9 +75,13 @@ class Persister:
         token: str,
         report: Reporter,
         timeout: float = 300.0,
+        resume_from: str = "",
     ) -> None:
         self.directory = Path(directory)
         self.ckdir = CheckpointDir(directory, run_id, token)
+        self.resume_from = resume_from
+        """``--snapshot-resume-from``: ``""`` (this job's and ended jobs' checkpoints),
+        ``none``, a run id or an absolute path (``_ckdir``)."""
         self.every = every
         self.rank = rank
         self.world = world
@@ -155,6 +160,7 @@ class Persister:
                 save(state, checkpoint_id=self.ckdir.own / step_name(step),
                      process_group=group, no_dist=no_dist)  # fmt: skip
                 if self.rank == 0:
+                    self.ckdir.mark_written(step)
                     self.ckdir.prune()
         except BaseException as exc:  # CheckpointException is one; training goes on
             if not isinstance(exc, Exception | CheckpointException):
@@ -178,8 +184,38 @@ class Persister:
 
     # ------------------------------------------------------------------ reading
     def complete(self) -> list[Checkpoint]:
-        """Complete checkpoints this job may restore, newest first."""
-        return self.ckdir.complete()
+        """Complete checkpoints this job may restore, newest first.
+
+        Raises ``SnapshotError`` when ``--snapshot-resume-from`` names a job or a path
+        that offers none (or a job that is still running) and this job wrote none yet."""
+        found = self.ckdir.complete(self.resume_from)
+        source = self.ckdir.source(self.resume_from)
+        if found or source is None:
+            return found
+        why = self.ckdir.refusal(self.resume_from) or (
+            f"--snapshot-resume-from {self.resume_from}: no complete checkpoint in {source}"
+        )
+        raise SnapshotError(why)
+
+    def resumed(self, checkpoint: Checkpoint) -> None:
+        """Every rank loaded ``checkpoint``: when it is an ended job's, found on its own (no
+        ``--snapshot-resume-from``), rank 0 records that this job continues that training."""
+        if self.rank != 0 or self.refused or self.resume_from or not checkpoint.job:
+            return
+        try:
+            self.ckdir.record_resume(checkpoint)
+        except OSError as exc:
+            self.report.once("resumed", f"could not record the resume in {self.ckdir.own}: {exc}")
+
+    def origin(self, checkpoint: Checkpoint) -> str:
+        """Where ``checkpoint`` comes from, for the restore line: its path, and the job that
+        wrote it when that is another job."""
+        where = self.directory / checkpoint.name
+        if not checkpoint.job:
+            return str(where)
+        if self.ckdir.source(self.resume_from) is not None:
+            return f"{where} (--snapshot-resume-from {self.resume_from})"
+        return f"{where}, a checkpoint of job {checkpoint.job!r}, which ended"
 
     def load(self, checkpoint: Checkpoint) -> tuple[Meta, list[torch.Tensor]]:
         """This rank's meta and full tensors from ``checkpoint``."""
@@ -229,5 +265,5 @@ def persister_for(
         return None
     return Persister(
         options.dir, options.every, rank=rank, world=world, run_id=run_id, token=token,
-        report=report, timeout=options.timeout,
+        report=report, timeout=options.timeout, resume_from=options.resume_from,
     )  # fmt: skip
