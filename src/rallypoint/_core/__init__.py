@@ -24,7 +24,11 @@ never up from it.
 - :mod:`~rallypoint._core.handshake`: the HMAC challenge over a job's secret, and
   ``recv_exact`` under one deadline;
 - :mod:`~rallypoint._core.acceptor`: listeners and unauthenticated handshakes on one
-  selector thread (the RPC port and the snapshot servers' peer port).
+  selector thread (the RPC port and the snapshot servers' peer port);
+- :mod:`~rallypoint._core.peercred`: whether a Unix socket's peer runs as our uid
+  (``SO_PEERCRED``);
+- :mod:`~rallypoint._core.cpp_log`: torch's C++ warnings off while a store failure that
+  rallypoint handles itself may come (found in the loaded library, never importing torch).
 """
 
 from __future__ import annotations
