@@ -54,8 +54,7 @@ def leave_excluded(
     observer.emit(
         "exclusion", round=round_number, excluded=job.node, host=host, reason=decision.note
     )
-    with contextlib.suppress(Exception):
-        job.handler.leave()
+    job.leave()  # done already when this agent decided its own exclusion
     if not job.handler.hosts_store:
         raise NodeExcludedError(f"{decision.note}: this node leaves the job")
     write_console(

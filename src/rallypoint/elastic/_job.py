@@ -8,6 +8,7 @@ return for Python's signal handlers (``rallypoint._core.blocking``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -93,6 +94,7 @@ class Job:
         self.stacks_store: Any = None  # a second connection, for a blocking stacks request
         self.stacks_answers = StacksAnswers()
         self._rpc_secret = ""
+        self._left = False
 
     def open(self) -> None:
         """Open the run store through the handler (the ``static`` backend has none yet)."""
@@ -155,6 +157,13 @@ class Job:
             answers=self.stacks_answers,
             collect=lambda: self.observer.collect(running),
         )
+
+    def leave(self) -> None:
+        """Leave the rendezvous for good, once (it counts this node gone in its round)."""
+        if not self._left:
+            self._left = True
+            with contextlib.suppress(Exception):
+                self.handler.leave()
 
     def nodes_waiting(self) -> int:
         """Nodes waiting to join, or members that missed their heartbeats (> 0: re-round)."""

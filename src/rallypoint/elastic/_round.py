@@ -92,7 +92,7 @@ class Round:
             note=note,
             excluded=excluded,
         )
-        self.claimed = self.store.decide(decision) == decision
+        self._decide(decision)
 
     def decision(self) -> Decision:
         """The round's decision, once written. While there is none after
@@ -161,4 +161,12 @@ class Round:
             note=self._exclude(node, host, why),
             excluded=node,
         )
+        self._decide(decision)
+
+    def _decide(self, decision: Decision) -> None:
+        """Write this node's decision. An agent that excludes itself (the root cause of the
+        failures, or the slow one) leaves the rendezvous first, so that the others, who
+        restart once they read the decision, never count on it in the next round."""
+        if decision.excluded == self.job.node:
+            self.job.leave()
         self.claimed = self.store.decide(decision) == decision
