@@ -30,9 +30,7 @@ def _torch_sets(mode: str, nproc: int) -> list[set[int]]:
     from torch.numa.binding import AffinityMode, NumaOptions, _get_logical_cpus_to_bind_to
 
     options = NumaOptions(affinity_mode=AffinityMode(mode))
-    return [
-        _get_logical_cpus_to_bind_to(gpu_index=i, numa_options=options) for i in range(nproc)
-    ]
+    return [_get_logical_cpus_to_bind_to(gpu_index=i, numa_options=options) for i in range(nproc)]
 
 
 def _affinity() -> list[int]:
@@ -108,7 +106,7 @@ def test_torchs_affinity_mode_is_accepted_as_the_mode(monkeypatch: pytest.Monkey
     from torch.numa.binding import AffinityMode
 
     monkeypatch.setattr(_numa, "visible_gpu_count", lambda visible, dev="/dev": 8)
-    options = WorkerOptions(nproc=2, numa_binding=AffinityMode.CORE_COMPLEX)  # type: ignore[arg-type]
+    options = WorkerOptions(nproc=2, numa_binding=AffinityMode.CORE_COMPLEX)
     assert options.numa_binding == "core-complex" and type(options.numa_binding) is str
 
 

@@ -2,10 +2,11 @@
 
 A worker forked from the warm process must look like a fresh interpreter to user code: its
 own session (so its whole tree can be signalled), default signal handlers, stdout/stderr on
-pipes to the supervisor, the job's environment, cwd, ``sys.argv`` and ``__main__``. The
-user's exception is caught here, printed like Python would, written to
-``TORCHELASTIC_ERROR_FILE`` in torch's JSON format (so ``@record`` users keep working) and
-reported to the supervisor, without the user decorating anything.
+pipes to the supervisor, its CPUs under ``numa_binding`` (``_numa``), the job's
+environment, cwd, ``sys.argv`` and ``__main__``. The user's exception is caught here,
+printed like Python would, written to ``TORCHELASTIC_ERROR_FILE`` in torch's JSON format
+(so ``@record`` users keep working) and reported to the supervisor, without the user
+decorating anything.
 """
 
 from __future__ import annotations
