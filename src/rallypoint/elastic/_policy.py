@@ -156,7 +156,7 @@ class ElasticPolicy:
             self.job.answer_stacks(running, self.rnd.group_rank)
             t.join(0.05)
         dumps, missing = result.get("r", ({}, {}))
-        text, culprit = hang_report(dumps)
+        text, culprit, _ = hang_report(dumps)
         for node, why in sorted(missing.items()):
             text += f"\nnode {node}: {why}"
         write_console(2, f"rallypoint: {reason}; stacks of every rank:\n{text}\n".encode())

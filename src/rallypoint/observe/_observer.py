@@ -32,7 +32,6 @@ from rallypoint.observe._flight._final import (
     read_final_trace,
     remove_final_traces,
 )
-from rallypoint.observe._flight._format import format_hang_report
 from rallypoint.observe._flight._recorder import (
     DEFAULT_BUFFER,
     FlightRequest,
@@ -213,9 +212,6 @@ class Observer(Closing):
         """Whether exited worker ``pid`` left a trace: it failed on a collective timeout
         (its own, or the one NCCL's watchdog wrote before it aborted the process)."""
         return has_final_trace(self.stacks_dir, rank, pid)
-
-    def local_stacks_text(self, pids_by_rank: Mapping[int, int]) -> str:
-        return format_hang_report(self.collect(pids_by_rank))
 
     def forget(self, pid: int, rank: int | None = None) -> None:
         """Worker ``pid`` exited: its files go, but for a trace it left (kept for a report

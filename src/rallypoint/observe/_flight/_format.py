@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from rallypoint._core.frames import is_library
 from rallypoint.observe._flight._analysis import Diagnosis, GroupState, RootKind, analyse
@@ -153,13 +154,25 @@ def format_hang_report(dumps: Mapping[int, StackDump], *, hang: bool = True) -> 
     """The root-cause block (``hang``) and the collective view when there is data, then
     the stacks. ``hang=False`` (``rallypoint stacks`` on a running job, where a collective
     in flight is normal) leaves the root-cause block out."""
-    return hang_report(dumps, hang=hang)[0]
+    return hang_report(dumps, hang=hang).text
 
 
-def hang_report(dumps: Mapping[int, StackDump], *, hang: bool = True) -> tuple[str, str]:
-    """:func:`format_hang_report`'s text and the culprit in one line, from one analysis
-    (``rank 3 on h (pid 9): all_reduce #1 of group [1, 3]: rank 3 never issued it``;
-    ``""`` without data or without a pending collective), for the failure summary."""
+class HangReport(NamedTuple):
+    """What one analysis of a hang says."""
+
+    text: str
+    """:func:`format_hang_report`'s text."""
+    culprit: str
+    """The culprit in one line (``rank 3 on h (pid 9): all_reduce #1 of group [1, 3]: rank
+    3 never issued it``; ``""`` without data or without a pending collective), for the
+    failure summary."""
+    rank: int | None = None
+    """The culprit's global rank (``None``: not known)."""
+
+
+def hang_report(dumps: Mapping[int, StackDump], *, hang: bool = True) -> HangReport:
+    """The report of a hang, its culprit in one line and the culprit's rank, from one
+    analysis of every rank's Flight Recorder."""
     traces: dict[int, RankTrace] = {r: d.flight for r, d in dumps.items() if d.flight is not None}
     stacks = format_grouped_stacks(dumps) if dumps else "(no stacks)\n"
     usable = [t for t in traces.values() if t.error is None and t.groups]
@@ -168,7 +181,7 @@ def hang_report(dumps: Mapping[int, StackDump], *, hang: bool = True) -> tuple[s
         why = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())) or "recording off"
         if len(set(errors.values())) == 1:
             why = next(iter(errors.values()))
-        return f"No Flight Recorder data ({why}): the Python stacks only.\n{stacks}", ""
+        return HangReport(f"No Flight Recorder data ({why}): the Python stacks only.\n{stacks}", "")
     diag = analyse(traces)
     lines: list[str] = []
     if hang and diag.root is not None:
@@ -182,4 +195,5 @@ def hang_report(dumps: Mapping[int, StackDump], *, hang: bool = True) -> tuple[s
     if diag.root is not None:
         where = _where(dumps.get(diag.root.rank))
         culprit = f"rank {diag.root.rank}{' on ' + where if where else ''}: {_what(diag)}"
-    return "\n".join(lines) + "\n\n" + stacks, culprit
+    root = diag.root.rank if diag.root is not None else None
+    return HangReport("\n".join(lines) + "\n\n" + stacks, culprit, root)
