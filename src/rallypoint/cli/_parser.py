@@ -146,6 +146,14 @@ def _workers(o: _Options) -> None:
         help="signals forwarded to the workers",
     )
     o.opt("--shutdown-timeout", "--shutdown_timeout", default=None, type=float, help="seconds")
+    o.opt(
+        "--restart-grace",
+        "--restart_grace",
+        default=10.0,
+        type=float,
+        help="seconds a worker of a @rallypoint.restartable function has to leave it when the "
+        "job restarts in process; one that does not is replaced (default 10)",
+    )
     o.flag(
         "--virtual-local-rank",
         "--virtual_local_rank",
@@ -254,6 +262,11 @@ def _rallypoint(o: _Options) -> None:
         help="collectives each worker's torch Flight Recorder keeps, used to name the rank and "
         "collective of a hang: a number, or off (default 2000; TORCH_FR_BUFFER_SIZE wins)",
     )
+    _snapshot(o)
+
+
+def _snapshot(o: _Options) -> None:
+    """``rallypoint.snapshot``'s options."""
     o.opt(
         "--snapshot-dir",
         "--snapshot_dir",
