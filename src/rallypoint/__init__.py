@@ -35,6 +35,7 @@ _LAZY_NAMES: dict[str, str] = {
     "LaunchError": "rallypoint.launcher",
     "WorkerFailedError": "rallypoint.launcher",
     "progress": "rallypoint.observe",
+    "restartable": "rallypoint.launcher",
 }
 _SUBPACKAGES = frozenset(
     {"distributed", "join", "launcher", "observe", "rendezvous", "rpc", "snapshot", "testing"}
@@ -53,6 +54,7 @@ __all__ = [
     "observe",
     "progress",
     "rendezvous",
+    "restartable",
     "rpc",
     "snapshot",
     "testing",
@@ -75,6 +77,7 @@ if TYPE_CHECKING:
         LaunchError,
         WorkerFailedError,
         launch,
+        restartable,
     )
     from rallypoint.observe import progress
 

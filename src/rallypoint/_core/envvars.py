@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "AGENT_CPP_LOG_LEVEL",
+    "CONTROL_FD",
     "ERROR_FILE",
     "IGNORE_SLURM",
     "PROGRESS_FILE",
@@ -52,6 +53,8 @@ PROGRESS_SLOT = "RALLYPOINT_PROGRESS_SLOT"
 STACKS_DIR = "RALLYPOINT_STACKS_DIR"
 STACKS_SIGNAL = "RALLYPOINT_STACKS_SIGNAL"
 IGNORE_SLURM = "RALLYPOINT_IGNORE_SLURM"
+CONTROL_FD = "RALLYPOINT_CONTROL_FD"
+"""The worker's end of its control channel to the agent (``@rallypoint.restartable``)."""
 SNAPSHOT_SOCKET = "RALLYPOINT_SNAPSHOT_SOCKET"
 """The Unix socket of this node's snapshot server (``rallypoint run`` sets it)."""
 SNAPSHOT_DIR = "RALLYPOINT_SNAPSHOT_DIR"

@@ -282,6 +282,7 @@ def _timing(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "monitor_interval": timedelta(seconds=float(args.monitor_interval)),
         "shutdown_timeout": timedelta(seconds=float(shutdown)),
+        "restart_grace": timedelta(seconds=float(args.restart_grace)),
         "timeout": _seconds(args.timeout),
         "hang_timeout": _seconds(args.hang_timeout),
     }

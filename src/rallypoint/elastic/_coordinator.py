@@ -61,6 +61,7 @@ from rallypoint.supervise import (
     OutcomeKind,
     RendezvousFailedError,
     failure_signature,
+    in_process_line,
     peer_vanished,
     write_console,
 )
@@ -200,8 +201,15 @@ class ElasticCoordinator:
                 clock_store=self.job.open_store,
             )
             policy = ElasticPolicy(rnd, host=self.supervisor.host, stragglers=stragglers)
+            window = self.job.handler.liveness_window()
             try:
-                outcome = self.supervisor.run_attempt(rnd.group, rnd.number, policy)
+                outcome = self.supervisor.run_attempt(
+                    rnd.group,
+                    rnd.number,
+                    policy,
+                    restart_in_process=rnd.group.restart_count < self.restarts.max_restarts,
+                    cause_wait=None if window is None else window.total_seconds(),
+                )
             finally:
                 if stragglers is not None:
                     stragglers.close()
@@ -372,7 +380,7 @@ class ElasticCoordinator:
             host = self.supervisor.host
             leave_excluded(self.job, self.observer, rnd.number, decision, host, EXIT_BARRIER)
         if decision.action is Action.RESTART:
-            self._announce_restart(rnd, decision)
+            self._announce_restart(rnd, decision, outcome)
             return False
         self._fail(rnd, outcome, decision)
 
@@ -441,17 +449,23 @@ class ElasticCoordinator:
             done = rnd.store.done()
         return True
 
-    def _announce_restart(self, rnd: Round, decision: Decision) -> None:
+    def _announce_restart(self, rnd: Round, decision: Decision, outcome: Outcome) -> None:
         where = "every node"
         if decision.excluded:
             where = f"the other nodes; {decision.note}"
-        write_console(
-            2,
-            f"rallypoint: {decision.reason}; restarting the workers on {where} "
-            f"(restarts used: {decision.count} of {self.restarts.max_restarts})\n".encode(),
-        )
+        used = f"restarts used: {decision.count} of {self.restarts.max_restarts}"
+        fields: dict[str, Any] = {}
+        line = f"restarting the workers on {where} ({used})"
+        if outcome.kept:
+            kept, fields = in_process_line(outcome)
+            line = f"in-process restart on {self.supervisor.host} ({used}): {kept}"
+        write_console(2, f"rallypoint: {decision.reason}; {line}\n".encode())
         self.observer.emit(
-            "restart", round=rnd.number + 1, restart_count=decision.count, reason=decision.reason
+            "restart",
+            round=rnd.number + 1,
+            restart_count=decision.count,
+            reason=decision.reason,
+            **fields,
         )
 
     def _finish(self, rnd: Round, status: JobStatus) -> None:

@@ -30,6 +30,7 @@ from rallypoint.supervise import (
     WorldOptions,
     failure_signature,
     format_summary,
+    in_process_line,
     repeated_line,
     write_console,
 )
@@ -87,10 +88,16 @@ class LocalCoordinator:
                     round=attempt, rank_offset=group.rank_offset
                 ),
             )
-            outcome = self.supervisor.run_attempt(group, attempt, policy)
+            outcome = self.supervisor.run_attempt(
+                group, attempt, policy, restart_in_process=attempt < self.restarts.max_restarts
+            )
             if outcome.kind is OutcomeKind.OK:
                 return self.supervisor.results(outcome)
-            self._after(outcome, attempt)
+            try:
+                self._after(outcome, attempt)
+            except BaseException:
+                self.supervisor.stop_kept()  # no attempt comes for them
+                raise
         raise AssertionError("unreachable: the last attempt raises")
 
     def _group(self) -> GroupInfo:
@@ -132,7 +139,7 @@ class LocalCoordinator:
                 )
             case OutcomeKind.HANG if restarts.on_hang == "restart" and left:
                 self.streak.reset()
-                self._announce_restart(attempt, outcome.reason)
+                self._announce_restart(attempt, outcome.reason, outcome)
             case OutcomeKind.HANG:
                 self.observer.emit("failure", round=attempt, message=outcome.reason)
                 why = "--on-hang fail" if restarts.on_hang == "fail" else "no restarts left"
@@ -147,7 +154,7 @@ class LocalCoordinator:
             case _ if left and not self._repeated(outcome):
                 assert outcome.failure is not None
                 root = outcome.failure.worker
-                self._announce_restart(attempt, f"rank {root.rank} {root.detail}")
+                self._announce_restart(attempt, f"rank {root.rank} {root.detail}", outcome)
             case _:
                 self._fail(outcome, attempt)
 
@@ -164,13 +171,19 @@ class LocalCoordinator:
         write_console(2, f"rallypoint: {repeated_line(signature, count, limit)}\n".encode())
         return True
 
-    def _announce_restart(self, attempt: int, reason: str) -> None:
-        write_console(
-            2,
-            f"rallypoint: {reason}; restarting the worker group "
-            f"(restart {attempt + 1} of {self.restarts.max_restarts})\n".encode(),
+    def _announce_restart(self, attempt: int, reason: str, outcome: Outcome) -> None:
+        count = f"restart {attempt + 1} of {self.restarts.max_restarts}"
+        fields: dict[str, Any] = {}
+        if outcome.kept:
+            line, fields = in_process_line(outcome)
+            write_console(2, f"rallypoint: in-process {count}: {line}\n".encode())
+        else:
+            write_console(
+                2, f"rallypoint: {reason}; restarting the worker group ({count})\n".encode()
+            )
+        self.observer.emit(
+            "restart", round=attempt + 1, restart_count=attempt + 1, reason=reason, **fields
         )
-        self.observer.emit("restart", round=attempt + 1, restart_count=attempt + 1, reason=reason)
 
     def _fail(self, outcome: Outcome, attempt: int) -> NoReturn:
         failure = outcome.failure

@@ -51,8 +51,22 @@ class NodeSupervisor(Protocol):
         """Whether a signal was received and not handled yet (peeks, does not take it)."""
         ...
 
-    def run_attempt(self, group: GroupInfo, number: int, policy: AttemptPolicy) -> Outcome:
-        """Run the local workers of ``group`` until they are gone."""
+    def run_attempt(
+        self,
+        group: GroupInfo,
+        number: int,
+        policy: AttemptPolicy,
+        *,
+        restart_in_process: bool = False,
+        cause_wait: float | None = None,
+    ) -> Outcome:
+        """Run the local workers of ``group`` until they are gone (or, with
+        ``restart_in_process``, parked for the next attempt: ``Outcome.kept``);
+        ``cause_wait``: how long a worker's peer-loss exception waits for its cause."""
+        ...
+
+    def stop_kept(self) -> None:
+        """Stop the workers kept for an in-process restart that will not come."""
         ...
 
     def results(self, outcome: Outcome) -> list[Any]:

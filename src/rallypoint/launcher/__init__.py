@@ -53,11 +53,13 @@ if TYPE_CHECKING:
         NodeExcludedError,
         PortInUseError,
         RendezvousFailedError,
+        RestartInterrupt,
         UnhealthyNodeError,
         WarmErrorKind,
         WarmProcessError,
         WorkerFailedError,
         WorkerSummary,
+        restartable,
     )
 
 if TYPE_CHECKING:  # internal, for rallypoint.cli (``X as X``: re-exported, for mypy)
@@ -78,11 +80,13 @@ _MODULES = {
         "NodeExcludedError",
         "PortInUseError",
         "RendezvousFailedError",
+        "RestartInterrupt",
         "UnhealthyNodeError",
         "WarmErrorKind",
         "WarmProcessError",
         "WorkerFailedError",
         "WorkerSummary",
+        "restartable",
     ),
     "rallypoint._core.status": ("JobStatus", "WorkerStatus"),
 }
@@ -103,6 +107,7 @@ __all__ = [
     "NodeExcludedError",
     "PortInUseError",
     "RendezvousFailedError",
+    "RestartInterrupt",
     "UnhealthyNodeError",
     "WarmErrorKind",
     "WarmProcessError",
@@ -113,6 +118,7 @@ __all__ = [
     "progress",
     "read_events",
     "render_report",
+    "restartable",
 ]
 
 

@@ -11,7 +11,7 @@ group                     options                                              d
                           virtual_local_rank, numa_binding
 ``output``                log_dir, redirects, tee, local_ranks_filter, prefix  supervise
 ``stop``                  monitor_interval, shutdown_timeout, timeout,         supervise
-                          signals_to_handle
+                          signals_to_handle, restart_grace
 ``world``                 master_addr, master_port, rank_offset, world_size,   supervise
                           run_id
 ``watch``                 hang_timeout, events, straggler_threshold,           observe
@@ -97,6 +97,7 @@ class LaunchOptions(TypedDict, total=False):
     duplicate_stdout_filters: Iterable[str]
     duplicate_stderr_filters: Iterable[str]
     shutdown_timeout: timedelta
+    restart_grace: timedelta
     timeout: timedelta | None
     env: Mapping[str, str]
     cwd: str | os.PathLike[str] | None
@@ -188,7 +189,9 @@ def _output(o: Mapping[str, Any]) -> OutputOptions:
 
 
 def _stop(o: Mapping[str, Any]) -> StopOptions:
-    kw = _pick(o, "monitor_interval", "shutdown_timeout", "timeout", "signals_to_handle")
+    kw = _pick(
+        o, "monitor_interval", "shutdown_timeout", "timeout", "signals_to_handle", "restart_grace"
+    )
     if "signals_to_handle" in kw:
         names = str(kw["signals_to_handle"]).split(",")
         kw["signals_to_handle"] = tuple(n.strip() for n in names if n.strip())
@@ -307,6 +310,7 @@ class LaunchConfig:
     duplicate_stderr_filters = _Flat[tuple[str, ...]]("output")
     monitor_interval = _Flat[timedelta]("stop")
     shutdown_timeout = _Flat[timedelta]("stop")
+    restart_grace = _Flat[timedelta]("stop")
     timeout = _Flat[timedelta | None]("stop")
     master_addr = _Flat[str]("world")
     master_port = _Flat[int | None]("world")

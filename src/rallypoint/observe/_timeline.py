@@ -1,7 +1,9 @@
 """A job's timeline, computed from its events: worker bars and marks, ready to draw.
 
 Ranks on the y axis, time (seconds since the first event) on the x axis, one bar per
-worker lifetime (``worker_start`` -> ``worker_exit``) coloured by how it ended; rounds,
+worker lifetime (``worker_start`` -> ``worker_exit``) coloured by how it ended, cut where
+an in-process restart kept the process (``worker_kept``: the part before is drawn as
+kept, and the process goes on in a new bar); rounds,
 restarts, hangs and the end of the job as vertical marks; the root-cause ``failure`` as a
 mark on its rank. Several files (one per node) are merged by time before this step.
 Step times and stragglers become lanes below (``_lanes``) when the events hold them.
@@ -30,6 +32,7 @@ STATE_COLORS = {
     "failed": "#c62828",
     "terminated": "#9e9e9e",
     "running": "#1565c0",
+    "kept": "#00897b",
 }
 MARK_STYLES = {  # kind -> (colour, legend label)
     "round": ("#607d8b", "round"),
@@ -121,6 +124,13 @@ def build_timeline(events: Sequence[Event]) -> Timeline:
         if e.kind == "worker_start" and r is not None:
             open_bars[_worker_key(e)] = e
             ranks.add(r)
+        elif e.kind == "worker_kept" and r is not None:
+            start = open_bars.pop(_worker_key(e), None)
+            begin = start.ts - t0 if start is not None else 0.0
+            label = _bar_label(start or e, r) + ": kept by an in-process restart"
+            timeline.bars.append(Bar(r, begin, t, "kept", label))
+            open_bars[_worker_key(e)] = e
+            ranks.add(r)
         elif e.kind == "worker_exit" and r is not None:
             start = open_bars.pop(_worker_key(e), None)
             ranks.add(r)
@@ -176,7 +186,11 @@ def _mark_label(e: Event) -> str:
         return f"round {e.get('round', '?')}" + (f" (world {world})" if world is not None else "")
     if e.kind == "restart":
         reason = e.get("reason")
-        return f"restart {e.get('restart_count', '')}".rstrip() + (f": {reason}" if reason else "")
+        label = f"restart {e.get('restart_count', '')}".rstrip() + (f": {reason}" if reason else "")
+        kept, replaced = e.get("kept"), e.get("replaced")
+        if isinstance(kept, list) and isinstance(replaced, list):
+            label += f" (in process: ranks {kept} kept, {replaced} replaced)"
+        return label
     if e.kind == "exclusion":
         return str(e.get("reason") or f"excluded node {e.get('excluded', '?')}")
     if e.kind == "hang":

@@ -23,6 +23,7 @@ __all__ = ["configure", "current_session", "restore", "save", "wait"]
 
 
 class _Session(Protocol):
+    def close(self) -> None: ...
     def configure(self, options: Options) -> None: ...
     def save(self, flat: Flat, step: int) -> None: ...
     def restore(self, state: MutableMapping[str, Any]) -> int | None: ...
@@ -33,6 +34,7 @@ class _State:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.pid = -1
+        self.attempt: tuple[str, ...] = ()
         self.session: _Session | None = None
         self.options: Options | None = None
         self.report = Reporter()
@@ -48,14 +50,26 @@ def _options() -> Options:
     return _STATE.options
 
 
+def _attempt() -> tuple[str, ...]:
+    """Which attempt of the job this process works in: an in-process restart
+    (``@rallypoint.restartable``) gives a kept process a new restart count and store."""
+    env = os.environ
+    return tuple(env.get(k, "") for k in (envvars.RESTART_COUNT, "MASTER_ADDR", "MASTER_PORT"))
+
+
 def current_session() -> _Session:
-    """This process's session (made on first use; a forked child makes its own)."""
+    """This process's session (made on first use; a forked child makes its own, and so
+    does a process kept across an in-process restart)."""
     with _STATE.lock:
+        attempt = _attempt()
+        if _STATE.session is not None and _STATE.pid == os.getpid() and _STATE.attempt != attempt:
+            _STATE.session.close()  # the previous attempt's, in this process
+            _STATE.session, _STATE.last_step = None, None
         if _STATE.session is None or _STATE.pid != os.getpid():
             if _STATE.pid != os.getpid():
                 _STATE.report = Reporter()
                 _STATE.last_step = None
-            _STATE.pid = os.getpid()
+            _STATE.pid, _STATE.attempt = os.getpid(), attempt
             _STATE.session = _make_session(_options(), _STATE.report)
             _STATE.session.configure(_options())
         return _STATE.session

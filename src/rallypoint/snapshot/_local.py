@@ -48,6 +48,10 @@ class LocalSession:
         store = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
         self.run_id, self.token = run_id, f"{run_id}@{store}"
 
+    def close(self) -> None:
+        if self.persister is not None:
+            self.persister.abandon()
+
     def configure(self, options: Options) -> None:
         self.options = options
         self.persister = persister_for(

@@ -73,9 +73,15 @@ class _Background:
         self._jobs.put((future, fn, args))
         return future
 
+    def stop(self) -> None:
+        """The thread ends after the job it runs (if any)."""
+        self._jobs.put((Future(), None, ()))
+
     def _run(self) -> None:
         while True:
             future, fn, args = self._jobs.get()
+            if fn is None:
+                return
             try:
                 future.set_result(fn(*args))
             except BaseException as exc:
@@ -249,6 +255,16 @@ class NodeSession:
                 pending.result(timeout=EXIT_WAIT)
         if self.persister is not None:
             self.persister.join(EXIT_WAIT)
+        self.client.close()
+
+    def close(self) -> None:
+        """This attempt is over and the process stays (an in-process restart): drop the
+        session without waiting for saves whose peers may be gone."""
+        atexit.unregister(self._at_exit)
+        self._bg.stop()
+        self.pending = None
+        if self.persister is not None:
+            self.persister.abandon()
         self.client.close()
 
     def _disable(self, why: str) -> None:

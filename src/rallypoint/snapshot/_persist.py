@@ -101,6 +101,11 @@ class Persister:
         self.join()
         self.ckdir.close()
 
+    def abandon(self) -> None:
+        """Stop owning the namespace without waiting for a write in progress (its peers may
+        be gone: the thread fails on its own and removes nothing of another attempt's)."""
+        self.ckdir.close()
+
     # ------------------------------------------------------------------ writing
     def due(self, step: int) -> bool:
         return step % self.every == 0

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         WorkerFailedError,
         WorkerSummary,
     )
+    from rallypoint.supervise._inprocess import in_process_line
     from rallypoint.supervise._numa import NUMA_MODES
     from rallypoint.supervise._options import (
         DEFAULT_PREFIX,
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     )
     from rallypoint.supervise._output import write_console
     from rallypoint.supervise._policy import AttemptPolicy, LocalPolicy, collective_timeout_reason
+    from rallypoint.supervise._restartable import RestartInterrupt, restartable
     from rallypoint.supervise._signals import SignalQueue
     from rallypoint.supervise._signature import Streak, failure_signature, repeated_line
     from rallypoint.supervise._state import Failure, GroupInfo, Outcome, OutcomeKind, Stop
@@ -101,7 +103,9 @@ _MODULES = {
         "WorldOptions",
         "parse_std_spec",
     ),
+    "_inprocess": ("in_process_line",),
     "_output": ("write_console",),
+    "_restartable": ("RestartInterrupt", "restartable"),
     "_policy": ("AttemptPolicy", "LocalPolicy", "collective_timeout_reason"),
     "_signals": ("SignalQueue",),
     "_signature": ("Streak", "failure_signature", "repeated_line"),
@@ -133,6 +137,7 @@ __all__ = [
     "OutputOptions",
     "PortInUseError",
     "RendezvousFailedError",
+    "RestartInterrupt",
     "SignalQueue",
     "StdSpec",
     "Stop",
@@ -151,11 +156,13 @@ __all__ = [
     "collective_timeout_reason",
     "failure_signature",
     "format_summary",
+    "in_process_line",
     "openmp_survives_fork",
     "parse_std_spec",
     "peer_vanished",
     "prepare_warm",
     "repeated_line",
+    "restartable",
     "user_rpc_secret",
     "write_console",
 ]

@@ -17,6 +17,12 @@ time, and on a busy host the launcher reads the consequence's before its cause's
 cause tore its connections down before it exited). So such a failure waits up to
 :data:`CAUSE_WAIT` seconds for the exit of a rank that failed for a reason of its own,
 which then is the root cause; if none comes, it is the root.
+
+With ``restart_grace`` (the caller has restarts left), workers of a
+``@rallypoint.restartable`` function are not signalled on a failure: they are interrupted
+and kept for the next attempt, and only the failed rank (a hang's culprit, a worker that
+does not leave its function in time, a worker without the decorator) is stopped
+(``_inprocess``).
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ import os
 import selectors
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rallypoint.observe import COLLECTIVE_TIMEOUT, Observer
+from rallypoint.supervise._inprocess import InProcess, main_thread_running
 from rallypoint.supervise._output import OutputRouter, write_console
 from rallypoint.supervise._policy import AttemptPolicy
 from rallypoint.supervise._signals import SignalQueue
@@ -50,6 +58,9 @@ _DRAIN = 0.5
 """Seconds to keep reading pipes after the last worker exited (its children may hold them)."""
 CAUSE_WAIT = 0.5
 """Seconds a failure caused by a vanished peer waits for the peer's own failure."""
+SECOND_GRACE = 1.0
+"""Seconds the ranks that sleep past ``--restart-grace`` get once the running ones are
+killed (they may have been blocked in a collective with them)."""
 
 
 class Attempt:
@@ -69,6 +80,9 @@ class Attempt:
         interval: float,
         deadline: float | None,
         started: float,
+        restart_grace: float | None = None,
+        reset_store: Callable[[], object] | None = None,
+        cause_wait: float = CAUSE_WAIT,
     ) -> None:
         self.warm, self.workers, self.router = warm, workers, router
         self.stopper, self.signals, self.observer, self.policy = stopper, signals, observer, policy
@@ -79,7 +93,7 @@ class Attempt:
             started,
         )
         self.by_pid = {w.pid: w for w in workers}
-        self.by_res = {w.res_fd: w for w in workers}
+        self.by_res = {w.res_fd: w for w in workers if w.res_fd >= 0}
         self.kind: OutcomeKind | None = None
         self.root: Worker | None = None
         self.culprit = ""  # the rank the root waited for (a collective timeout's report)
@@ -93,6 +107,17 @@ class Attempt:
         self.next_poll = time.monotonic() + interval
         self.pending: list[Exited] = warm.read_events() if warm.events else []
         self.sel = selectors.DefaultSelector()
+        self.inproc = InProcess(workers, restart_grace)
+        self.reset_store = reset_store
+        """Empty the workers' store (hosted here): a survivor blocked on it gets an error."""
+        self.cause_wait = cause_wait
+        """How long a function's peer-loss exception waits for its cause: on one node, an
+        exit; across nodes, the policy's restart (another node's failure)."""
+        self.stopping: list[Worker] = []
+        """The workers being stopped (all of them, but in an in-process restart)."""
+        self.told_to_fail: set[int] = set()
+        """Workers whose raised exception was judged their own (no cause to wait for)."""
+        self.released = False
 
     def run(self) -> Outcome:
         self._register()
@@ -120,6 +145,8 @@ class Attempt:
             self.sel.register(fd, selectors.EVENT_READ, "out")
         for fd in self.by_res:
             self.sel.register(fd, selectors.EVENT_READ, "res")
+        for fd in self.inproc.by_fd:
+            self.sel.register(fd, selectors.EVENT_READ, "ctl")
 
     def _reap(self, now: float) -> None:
         batch = []
@@ -134,7 +161,7 @@ class Attempt:
         for w in batch:
             if w.returncode == 0 or self.kind is not None:
                 continue
-            if self._peer_loss(w):  # a consequence: wait a moment for its cause
+            if w.pid not in self.told_to_fail and self._peer_loss(w):  # wait for its cause
                 if self.consequence is None:
                     self.consequence, self.cause_until = w, now + CAUSE_WAIT
                 continue
@@ -143,6 +170,10 @@ class Attempt:
             assert self.cause_until is not None
             if now >= self.cause_until or all(w.status is not None for w in self.workers):
                 self._fail(self.consequence, OutcomeKind.FAILED)
+        if self.kind is None and self.inproc.waiting:
+            assert self.cause_until is not None
+            if now >= self.cause_until:  # no cause came: the first one's failure is its own
+                self._own_failure(self.inproc.waiting.pop(0))
 
     @staticmethod
     def _failure_kind(w: Worker) -> OutcomeKind:
@@ -160,7 +191,7 @@ class Attempt:
             # the rank that never issued the collective still runs: report before the stop
             running = {w.rank: w.pid for w in self.workers if w.status is None}
             self.culprit = self.policy.on_collective_timeout(running, root.rank)
-        self._stop(signal.SIGTERM)
+        self._stop_or_restart(kind, f"rank {root.rank} {root.state().detail}")
 
     def _collective_timed_out(self, w: Worker) -> bool:
         """Its error says so (gloo), or it left a trace (NCCL's watchdog aborts the process
@@ -183,6 +214,7 @@ class Attempt:
             name = signal.Signals(signum).name
             if self.kind is not OutcomeKind.SIGNAL:
                 self.kind, self.signum, self.root = OutcomeKind.SIGNAL, signum, None
+                self.inproc.restarting = None  # every worker goes, kept ones too
                 self._stop(signum)
                 say = (
                     f"received {name}: stopping the workers (SIGKILL in "
@@ -202,6 +234,7 @@ class Attempt:
     def _check_deadline(self, now: float) -> None:
         if self.kind is None and self.deadline is not None and now >= self.deadline:
             self._end(OutcomeKind.TIMEOUT)
+            self.inproc.restarting = None
             self._stop(signal.SIGKILL)
 
     def _poll(self, now: float) -> None:
@@ -212,21 +245,47 @@ class Attempt:
         stop: Stop | None = self.policy.poll(running)
         if stop is None and self.observer.hung():
             stop = self.policy.on_hang(running, self.observer.idle_seconds())
-        if stop is not None:
-            self._end(stop.kind, stop.reason)
-            quick = stop.kind in (OutcomeKind.HANG, OutcomeKind.RESTART)
-            self._stop(signal.SIGTERM, quick=quick)
+        if stop is None:
+            return
+        self._end(stop.kind, stop.reason)
+        culprit = next((w for w in self.workers if w.rank == stop.culprit), None)
+        restartable = stop.kind in (OutcomeKind.HANG, OutcomeKind.RESTART)
+        if restartable and self.inproc.can_restart():
+            if culprit is not None and culprit.status is None:  # replaced alone
+                self._stop_some([culprit], signal.SIGKILL)
+            self._stop_or_restart(stop.kind, stop.reason)
+            return
+        quick = stop.kind in (OutcomeKind.HANG, OutcomeKind.RESTART)
+        self._stop(signal.SIGTERM, quick=quick)
 
     def _escalate(self, now: float) -> None:
         if self.kill_at is not None and now >= self.kill_at:
-            self.stopper.kill_trees(self.workers, signal.SIGKILL)
+            self._kill(self.stopping)
             self.kill_at = now + 1.0
+        overdue = self.inproc.overdue(now)
+        if not overdue:
+            return
+        # a rank that runs (spins, holds the GIL in C code) goes first; one that sleeps is
+        # likely blocked in a gloo collective with it, which fails once it is gone
+        running = [w for w in overdue if main_thread_running(w.pid)]
+        if running and len(running) < len(overdue):
+            overdue = running
+            assert self.inproc.restarting is not None
+            self.inproc.restarting.until = now + SECOND_GRACE
+        ranks = ", ".join(str(w.rank) for w in overdue)
+        write_console(
+            2,
+            f"rallypoint: in-process restart: rank(s) {ranks} did not leave the function "
+            f"within --restart-grace {self.inproc.grace:g} s: replaced\n".encode(),
+        )
+        self._stop_some(overdue, signal.SIGKILL)
 
     def _drained(self, now: float) -> bool:
-        if any(w.status is None for w in self.workers):
+        if any(not w.gone_or_parked for w in self.workers):
             return False
         if self.drain_until is None:
-            self.stopper.kill_trees(self.workers, signal.SIGKILL)  # no orphans, even on success
+            self._release_kept()
+            self._kill(self.workers)  # no orphans, even on success
             self.drain_until = now + _DRAIN
         return (not self.router.fds() and not self.by_res) or now >= self.drain_until
 
@@ -246,6 +305,9 @@ class Attempt:
                         self.sel.unregister(fd)
                 case "res":
                     self._read_result(self.by_res[fd])
+                case "ctl":
+                    if not self.inproc.on_readable(fd, self._on_raised):
+                        self.sel.unregister(fd)
                 case "signal":
                     self.signals.drain_wake_fd()
 
@@ -254,7 +316,75 @@ class Attempt:
         self.kind, self.reason = kind, reason
 
     def _stop(self, signum: int, *, quick: bool = False) -> None:
+        self.stopping = list(self.workers)
         self.kill_at = self.stopper.stop(self.workers, signum, quick=quick)
+
+    def _stop_some(self, targets: list[Worker], signum: int) -> None:
+        """Stop ``targets`` only (an in-process restart keeps the others)."""
+        self.stopping.extend(w for w in targets if w not in self.stopping)
+        spare = [w for w in self.workers if w not in self.stopping]
+        self.kill_at = self.stopper.stop(targets, signum, spare=spare)
+
+    def _kill(self, targets: list[Worker]) -> None:
+        """SIGKILL ``targets``' trees, sparing every worker that is not among them."""
+        spare = [w for w in self.workers if w not in targets or w.parked]
+        self.stopper.kill_trees(targets, signal.SIGKILL, spare=spare)
+
+    def _stop_or_restart(self, kind: OutcomeKind, reason: str) -> None:
+        """After a failure: interrupt the restartable workers (kept for an in-process
+        restart) and stop the others; or, when this attempt cannot restart in process,
+        stop them all."""
+        restartable = (OutcomeKind.FAILED, OutcomeKind.HANG, OutcomeKind.RESTART)
+        if kind in restartable and self.inproc.can_restart():
+            others = self.inproc.interrupt(reason, time.monotonic())
+            if others:
+                self._stop_some(others, signal.SIGTERM)
+            if self.reset_store is not None:  # a store wait cannot be interrupted otherwise
+                with contextlib.suppress(Exception):
+                    self.reset_store()
+                self.pending.extend(self.warm.read_events())  # exits it read meanwhile
+            return
+        for w in self.inproc.waiting:
+            self.inproc.verdict(w, False)
+        self.inproc.waiting.clear()
+        self._stop(signal.SIGTERM)
+
+    def _on_raised(self, w: Worker) -> None:
+        """``w``'s function raised: a consequence of a failure (keep it) or its own."""
+        if self.kind is not None:
+            self.inproc.verdict(w, self.inproc.restarting is not None)
+        elif self.inproc.consequence(w):
+            self.inproc.waiting.append(w)
+            if self.cause_until is None:
+                self.cause_until = time.monotonic() + self.cause_wait
+        else:
+            self._own_failure(w)
+
+    def _own_failure(self, w: Worker) -> None:
+        """``w``'s exception is its own: it re-raises, exits, and its exit is the root."""
+        self.told_to_fail.add(w.pid)
+        self.inproc.verdict(w, False)
+        if not self.inproc.waiting and self.consequence is None:
+            self.cause_until = None
+
+    def _release_kept(self) -> None:
+        """The kept workers' pipes and channel stay open for the next attempt."""
+        if self.released:
+            return
+        self.released = True
+        routed = set(self.router.fds())
+        for w in self.inproc.kept():
+            for fd in w.pipes:
+                if fd in routed:
+                    self.sel.unregister(fd)
+                    self.router.release(fd)
+            out, err = w.pipes  # a stream the worker closed is gone for good
+            w.pipes = (out if out in routed else -1, err if err in routed else -1)
+            if w.res_fd in self.by_res:
+                self.sel.unregister(w.res_fd)
+                del self.by_res[w.res_fd]
+            if w.control is not None and w.control.fileno() in self.inproc.by_fd:
+                self.sel.unregister(w.control.fileno())
 
     def _on_exit(self, w: Worker) -> None:
         self.observer.forget(w.pid, w.rank)
@@ -289,13 +419,16 @@ class Attempt:
         self.sel.unregister(w.res_fd)
         del self.by_res[w.res_fd]
         os.close(w.res_fd)
+        w.res_fd = -1
         return False
 
     def _close(self) -> None:
+        self._release_kept()
         self.router.close()
         for fd in self.by_res:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        self.inproc.close(self.inproc.kept())
         self.sel.close()
 
     def _outcome(self) -> Outcome:
@@ -307,6 +440,7 @@ class Attempt:
             signum=self.signum,
             reason=self.reason,
             results=[bytes(w.result) for w in self.workers],
+            kept=self.inproc.kept(),
         )
 
     def _failure(self, root: Worker, kind: OutcomeKind) -> Failure:

@@ -1,7 +1,8 @@
 """Whether this host can run ``nproc`` workers, checked before the first fork.
 
-The launcher holds six descriptors per worker while it starts them (three pipes) and five
-while they run (three read ends, two log files); each worker is a process of this user.
+The launcher holds eight descriptors per worker while it starts them (three pipes and the
+control channel's pair) and six while they run (three read ends, the control channel's
+end, two log files); each worker is a process of this user.
 Without the check, ``--nproc-per-node 10000`` forked until ``EMFILE`` and ended with a
 40-line traceback after 11 s. The soft open-files limit is raised up to the hard one when
 that is enough, as a user would with ``ulimit -n``.
@@ -14,7 +15,7 @@ import resource
 
 __all__ = ["check_worker_limits"]
 
-FDS_PER_WORKER = 6
+FDS_PER_WORKER = 8
 _SPARE_FDS = 64
 """Descriptors for everything else: the store, the rendezvous, the events file, logs."""
 _SPARE_PROCS = 16

@@ -219,10 +219,14 @@ class StopOptions:
     """Stop the job and raise ``LaunchTimeoutError`` after this long (``None``: no limit)."""
     signals_to_handle: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
     """Signals the launcher forwards to its workers."""
+    restart_grace: timedelta = timedelta(seconds=10)
+    """How long a worker of ``@rallypoint.restartable`` has to leave its function when
+    the job restarts in process; one that does not is replaced."""
 
     def __post_init__(self) -> None:
         check_seconds(self.monitor_interval, "monitor_interval")
         check_seconds(self.shutdown_timeout, "shutdown_timeout", allow_zero=True)
+        check_seconds(self.restart_grace, "restart_grace")
         check_seconds(self.timeout, "timeout", allow_none=True)
         for name in self.signals_to_handle:
             if name not in SIGNALS:

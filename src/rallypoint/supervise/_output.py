@@ -220,6 +220,11 @@ class OutputRouter:
         os.close(fd)
         return False
 
+    def release(self, fd: int) -> None:
+        """Stop routing ``fd`` without closing it: its worker is kept for the next attempt,
+        whose router takes it (a line it has not finished is shown now)."""
+        self._sinks.pop(fd).close()
+
     def close(self) -> None:
         """Drain what is left without blocking, then close everything."""
         for fd in list(self._sinks):

@@ -69,13 +69,13 @@ class LocalPolicy:
     def on_hang(self, running: Mapping[int, int], idle_s: float) -> Stop:
         reason = f"no worker reported progress for {idle_s:.1f} s (--hang-timeout)"
         self.observer.emit("hang", round=self.attempt, idle_s=round(idle_s, 3), action=self.action)
-        text = self.observer.local_stacks_text(running)
-        write_console(2, f"rallypoint: {reason}; stacks:\n{text}\n".encode())
-        return Stop(OutcomeKind.HANG, reason)
+        report = hang_report(self.observer.collect(running))
+        write_console(2, f"rallypoint: {reason}; stacks:\n{report.text}\n".encode())
+        return Stop(OutcomeKind.HANG, reason, report.rank)
 
     def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> str:
         self.observer.emit("collective_timeout", round=self.attempt, rank=rank)
-        text, culprit = hang_report(self.observer.collect(running))
+        text, culprit, _ = hang_report(self.observer.collect(running))
         write_console(
             2, f"rallypoint: {collective_timeout_reason(rank)}; stacks:\n{text}\n".encode()
         )

@@ -5,11 +5,16 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import socket
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from rallypoint._core.envvars import ERROR_FILE
 from rallypoint.observe import Observer
+from rallypoint.supervise._control import Assign, encode
+from rallypoint.supervise._control import pair as control_pair
 from rallypoint.supervise._env import worker_env
 from rallypoint.supervise._main_module import describe_main
 from rallypoint.supervise._options import OutputOptions, WorkerOptions
@@ -25,15 +30,18 @@ _SPAWNED = [sys.executable, "-u", "-m", "rallypoint.supervise._spawned"]
 
 @dataclass(slots=True)
 class _Pipes:
-    """The supervisor's read ends of one worker's stdout, stderr and result pipes."""
+    """The supervisor's read ends of one worker's stdout, stderr and result pipes, and its
+    end of the worker's control channel."""
 
     out: int
     err: int
     res: int
+    control: socket.socket
 
     def close(self) -> None:
         for fd in (self.out, self.err, self.res):
             os.close(fd)
+        self.control.close()
 
 
 class WorkerStarter:
@@ -76,11 +84,21 @@ class WorkerStarter:
             target = Target("payload", str(payload))
         return target, [*_SPAWNED, target.kind, target.name, *target.args]
 
-    def start(self, group: GroupInfo, attempt: int, router: OutputRouter) -> list[Worker]:
-        """Fork every local worker of ``group`` for ``attempt``; their output goes to ``router``."""
+    def start(
+        self,
+        group: GroupInfo,
+        attempt: int,
+        router: OutputRouter,
+        kept: Mapping[int, Worker] | None = None,
+    ) -> list[Worker]:
+        """Fork the local workers of ``group`` for ``attempt`` (their output goes to
+        ``router``); the ``kept`` ones (by local rank, parked after an in-process restart)
+        get the attempt's environment instead and go on in their processes."""
+        kept = kept or {}
         attempt_dir = (self.log_root or self.scratch) / f"attempt_{attempt}"
         specs = [self._spec(group, local_rank, attempt_dir) for local_rank in range(self.nproc)]
-        pids, pipes = self._fork(specs)
+        fresh = [spec for spec in specs if spec.local_rank not in kept]
+        pids, pipes = self._fork(fresh)
         out = self.output
         duplicates = {  # torchrun opens these files only when it has filters
             stream: router.duplicate(attempt_dir / f"filtered_{name}.log", filters)
@@ -90,13 +108,20 @@ class WorkerStarter:
             )
             if filters and self.log_root is not None
         }
-        started = []
-        for spec, pid, p in zip(specs, pids, pipes, strict=True):
-            rank_dir = attempt_dir / str(spec.local_rank)
-            self._route(router, spec, p, rank_dir, duplicates)
+        started = {}
+        for spec, pid, p in zip(fresh, pids, pipes, strict=True):
             os.set_blocking(p.res, False)
-            started.append(Worker(spec.local_rank, spec.rank, pid, rank_dir / "error.json", p.res))
-        return started
+            error_file = attempt_dir / str(spec.local_rank) / "error.json"
+            started[spec.local_rank] = Worker(
+                spec.local_rank, spec.rank, pid, error_file, p.res, pipes=(p.out, p.err),
+                control=p.control,
+            )  # fmt: skip
+        for spec in specs:
+            if spec.local_rank in kept:
+                started[spec.local_rank] = _resume(kept[spec.local_rank], spec, attempt)
+            w = started[spec.local_rank]
+            self._route(router, spec, w.pipes, attempt_dir / str(spec.local_rank), duplicates)
+        return [started[spec.local_rank] for spec in specs]
 
     @property
     def nproc(self) -> int:
@@ -129,11 +154,14 @@ class WorkerStarter:
     def _fork(self, specs: list[WorkerSpec]) -> tuple[list[int], list[_Pipes]]:
         requests: list[tuple[WorkerSpec, list[int]]] = []
         readers: list[_Pipes] = []
+        workers_ends: list[socket.socket] = []
         try:
             for spec in specs:
                 (out_r, out_w), (err_r, err_w), (res_r, res_w) = (os.pipe() for _ in range(3))
-                readers.append(_Pipes(out_r, err_r, res_r))
-                requests.append((spec, [out_w, err_w, res_w]))
+                agent_end, worker_end = control_pair()
+                workers_ends.append(worker_end)
+                readers.append(_Pipes(out_r, err_r, res_r, agent_end))
+                requests.append((spec, [out_w, err_w, res_w, worker_end.fileno()]))
             return self.warm.spawn_many(requests), readers
         except BaseException:
             for p in readers:
@@ -141,14 +169,16 @@ class WorkerStarter:
             raise
         finally:
             for _, write_ends in requests:
-                for fd in write_ends:
+                for fd in write_ends[:3]:
                     os.close(fd)
+            for sock in workers_ends:
+                sock.close()
 
     def _route(
         self,
         router: OutputRouter,
         spec: WorkerSpec,
-        pipes: _Pipes,
+        pipes: tuple[int, int],
         rank_dir: Path,
         duplicates: dict[int, Duplicate],
     ) -> None:
@@ -157,7 +187,9 @@ class WorkerStarter:
         redirect = out.std_mask("redirects", local_rank)
         tee = out.std_mask("tee", local_rank)
         mask = redirect | tee
-        for fd, stream, name in ((pipes.out, 1, "stdout"), (pipes.err, 2, "stderr")):
+        for fd, stream, name in ((pipes[0], 1, "stdout"), (pipes[1], 2, "stderr")):
+            if fd < 0:  # a kept worker that closed it
+                continue
             shown = not (redirect & stream)
             if out.local_ranks_filter is not None:
                 shown = shown and local_rank in out.local_ranks_filter
@@ -174,3 +206,25 @@ class WorkerStarter:
                 # as torchrun: only a tee'd stream's lines are duplicated
                 duplicate=duplicates.get(stream) if tee & stream and to_file else None,
             )
+
+
+def _resume(worker: Worker, spec: WorkerSpec, attempt: int) -> Worker:
+    """``worker``, kept from an earlier attempt, in ``attempt``: told its environment."""
+    assert worker.control is not None
+    try:
+        worker.control.setblocking(True)
+        worker.control.send(encode(Assign(spec.env)))
+    except OSError:
+        pass  # it died meanwhile: its exit is reported as any worker's
+    finally:
+        worker.control.setblocking(False)
+    return replace(
+        worker,
+        rank=spec.rank,
+        error_file=Path(spec.env[ERROR_FILE]) if ERROR_FILE in spec.env else worker.error_file,
+        parked=False,
+        interrupted_at=None,
+        raised="",
+        signalled=None,
+        kept_since=worker.kept_since if worker.kept_since is not None else attempt - 1,
+    )

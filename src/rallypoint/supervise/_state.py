@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import re
 import signal
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +66,8 @@ class Stop:
 
     kind: OutcomeKind
     reason: str
+    culprit: int | None = None
+    """A hang's root rank by the Flight Recorder (an in-process restart replaces it alone)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,9 @@ class Outcome:
     reason: str = ""
     results: list[bytes] = field(default_factory=list)
     """Each worker's raw result message by local rank (``launch()`` only)."""
+    kept: list[Worker] = field(default_factory=list)
+    """Workers that left their ``@rallypoint.restartable`` function and wait, alive, for
+    the next attempt (an in-process restart); the supervisor holds them until then."""
 
 
 _STOP_EXCEPTION = re.compile(r"^\s*(\w+\.)*(KeyboardInterrupt|SignalException)\b")
@@ -113,6 +119,24 @@ class Worker:
     exited_at: float = 0.0
     signalled: int | None = None
     result: bytearray = field(default_factory=bytearray)
+    pipes: tuple[int, int] = (-1, -1)
+    """The read ends of its stdout and stderr (routed by the attempt's ``OutputRouter``)."""
+    control: socket.socket | None = None
+    """The agent's end of its control channel (``_control``)."""
+    restartable: bool = False
+    """It entered ``@rallypoint.restartable``: it can restart in process."""
+    interrupted_at: float | None = None
+    """When the agent told it to leave its function (an in-process restart)."""
+    parked: bool = False
+    """It left its function and waits for the next attempt."""
+    raised: str = ""
+    """The traceback of an exception its function raised, awaiting the agent's verdict."""
+    kept_since: int | None = None
+    """The attempt it was started in, when it was kept from an earlier one."""
+
+    @property
+    def gone_or_parked(self) -> bool:
+        return self.status is not None or self.parked
 
     @property
     def returncode(self) -> int | None:

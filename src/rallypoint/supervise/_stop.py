@@ -36,26 +36,46 @@ class Stopper:
         self.store_pid = 0
         self.snapshot_pid = 0
 
-    def stop(self, workers: Sequence[Worker], signum: int, *, quick: bool = False) -> float:
-        """Send ``signum`` to every worker's tree; returns when to send SIGKILL."""
+    def stop(
+        self,
+        workers: Sequence[Worker],
+        signum: int,
+        *,
+        quick: bool = False,
+        spare: Sequence[Worker] = (),
+    ) -> float:
+        """Send ``signum`` to every worker's tree (but ``spare``'s); returns when to send
+        SIGKILL."""
         for w in workers:
             if w.status is None and w.signalled is None:
                 w.signalled = signum
-        self.kill_trees(workers, signum)
+        self.kill_trees(workers, signum, spare=spare)
         grace = min(self.grace, QUICK_GRACE) if quick else self.grace
         return time.monotonic() + grace
 
-    def kill_trees(self, workers: Sequence[Worker], signum: int) -> None:
+    def kill_trees(
+        self, workers: Sequence[Worker], signum: int, *, spare: Sequence[Worker] = ()
+    ) -> None:
         """Send ``signum`` once to every process of the workers' trees: each worker's
         session by ``killpg``, then whatever left it (a handler that runs twice because
-        it was signalled twice could cut its own checkpoint short)."""
+        it was signalled twice could cut its own checkpoint short). The trees of ``spare``
+        (workers kept for an in-process restart) are left alone."""
+        kept = {w.pid for w in spare if w.status is None}
         groups = set()
         for w in workers:
+            if w.pid in kept:
+                continue
             with contextlib.suppress(OSError):
                 os.killpg(w.pid, signum)
                 groups.add(w.pid)
+        kept_trees = set(kept)
+        for pid in kept:
+            with contextlib.suppress(psutil.Error):
+                kept_trees.update(c.pid for c in psutil.Process(pid).children(recursive=True))
         for p in self._descendants():
             with contextlib.suppress(psutil.Error, OSError):
+                if p.pid in kept_trees or os.getpgid(p.pid) in kept:
+                    continue
                 if os.getpgid(p.pid) not in groups:
                     p.send_signal(signum)
 

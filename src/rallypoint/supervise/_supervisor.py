@@ -25,7 +25,7 @@ from rallypoint._core.closing import Closing
 from rallypoint._core.disk import check_writable
 from rallypoint._core.net import port_is_free
 from rallypoint.observe import Observer
-from rallypoint.supervise._attempt import Attempt
+from rallypoint.supervise._attempt import CAUSE_WAIT, Attempt
 from rallypoint.supervise._env import base_env
 from rallypoint.supervise._errors import (
     BadTargetError,
@@ -141,6 +141,8 @@ class Supervisor(Closing):
         )
         self.signals = SignalQueue(stop.signal_numbers) if signals is None else signals
         self._snapshots_tried = False
+        self.kept: dict[int, Worker] = {}
+        """Workers parked by the last attempt for an in-process restart, by local rank."""
 
     @property
     def nproc(self) -> int:
@@ -205,24 +207,65 @@ class Supervisor(Closing):
         return self.signals.pending()
 
     # ------------------------------------------------------------------ attempts
-    def run_attempt(self, group: GroupInfo, number: int, policy: AttemptPolicy) -> Outcome:
-        """Start the local workers of ``group``, watch them until they are gone."""
+    def run_attempt(
+        self,
+        group: GroupInfo,
+        number: int,
+        policy: AttemptPolicy,
+        *,
+        restart_in_process: bool = False,
+        cause_wait: float | None = None,
+    ) -> Outcome:
+        """Start the local workers of ``group`` (but the ones kept from the last attempt,
+        which get its environment), watch them until they are gone; with
+        ``restart_in_process``, workers of a ``@rallypoint.restartable`` function are kept
+        for the next attempt instead (``Outcome.kept``). ``cause_wait``: how long an
+        exception of a worker's function that says a peer vanished waits for its cause
+        (another node's failure, in a multi-node job)."""
         if envvars.SNAPSHOT_SOCKET in self.starter.base_env:
             self._start_snapshots()  # replaced if it died since the last attempt
         router = OutputRouter()
         workers: list[Worker] = []
+        kept, self.kept = self.kept, {}
         try:
-            workers = self.starter.start(group, number, router)
+            workers = self.starter.start(group, number, router, kept)
         except BaseException:
-            self.stopper.kill_trees(workers, signal.SIGKILL)
+            self.stopper.kill_trees([*workers, *kept.values()], signal.SIGKILL)
             self.stopper.wait_all(workers, 5.0)
             router.close()
             raise
         self.observer.reset()
         for w in workers:
-            self.observer.emit(
-                "worker_start", round=number, rank=w.rank, local_rank=w.local_rank, pid=w.pid
-            )
+            event = "worker_kept" if w.local_rank in kept else "worker_start"
+            self.observer.emit(event, round=number, rank=w.rank, local_rank=w.local_rank, pid=w.pid)
+        grace = self.stop_options.restart_grace.total_seconds() if restart_in_process else None
+        outcome = self._attempt(workers, router, policy, number, grace, cause_wait)
+        self.kept = {w.local_rank: w for w in outcome.kept}
+        return outcome
+
+    def stop_kept(self) -> None:
+        """Stop the workers kept for an in-process restart that will not come."""
+        kept, self.kept = list(self.kept.values()), {}
+        if not kept:
+            return
+        self.stopper.kill_trees(kept, signal.SIGKILL)
+        self.stopper.wait_all(kept, 5.0)
+        for w in kept:
+            for fd in (*w.pipes, w.res_fd):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            if w.control is not None:
+                w.control.close()
+
+    def _attempt(
+        self,
+        workers: list[Worker],
+        router: OutputRouter,
+        policy: AttemptPolicy,
+        number: int,
+        grace: float | None,
+        cause_wait: float | None,
+    ) -> Outcome:
         return Attempt(
             warm=self.warm,
             workers=workers,
@@ -235,6 +278,9 @@ class Supervisor(Closing):
             interval=self.stop_options.monitor_interval.total_seconds(),
             deadline=self.deadline,
             started=self.started,
+            restart_grace=grace,
+            reset_store=self.warm.reset_store if self.stopper.store_pid else None,
+            cause_wait=CAUSE_WAIT if cause_wait is None else cause_wait,
         ).run()
 
     def results(self, outcome: Outcome) -> list[Any]:
@@ -258,5 +304,6 @@ class Supervisor(Closing):
         return values
 
     def close(self) -> None:
+        self.stop_kept()
         self.signals.close()
         shutil.rmtree(self._scratch, ignore_errors=True)

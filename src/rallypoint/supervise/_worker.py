@@ -103,7 +103,7 @@ def child_main(spec: WorkerSpec, fds: list[int], close: list[int]) -> NoReturn:
         os.setsid()
         _reset_signals()
         set_parent_death_signal(signal.SIGKILL)
-        out_fd, err_fd, result_fd = fds
+        out_fd, err_fd, result_fd, control_fd = fds
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(out_fd, 1)
@@ -114,17 +114,23 @@ def child_main(spec: WorkerSpec, fds: list[int], close: list[int]) -> NoReturn:
             if fd > 2 and fd not in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+        if control_fd == RESULT_FD:  # keep it from being overwritten by the result pipe
+            control_fd = os.dup(control_fd)
         if result_fd >= 0 and result_fd != RESULT_FD:
             os.dup2(result_fd, RESULT_FD, inheritable=False)
             os.close(result_fd)
             result_fd = RESULT_FD
         for fd in {devnull, out_fd, err_fd}:
-            if fd > 2 and fd != result_fd:
+            if fd > 2 and fd not in (result_fd, control_fd):
                 with contextlib.suppress(OSError):
                     os.close(fd)
         os.environ.clear()
         os.environ.update(spec.env)
         os.chdir(spec.cwd)
+        if spec.exec_argv is None:  # @rallypoint.restartable finds the agent there
+            os.environ[envvars.CONTROL_FD] = str(control_fd)
+        else:
+            os.close(control_fd)
         if spec.exec_argv is not None:
             if result_fd >= 0 and spec.target.kind == "payload":
                 os.set_inheritable(result_fd, True)

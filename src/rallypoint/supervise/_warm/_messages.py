@@ -4,7 +4,8 @@ Supervisor -> warm process, and the reply:
 
 - :class:`Init` -> :class:`Ready` | :class:`Failed` (``PRELOAD``);
 - :class:`StartStore`, :class:`ResetStore` -> :class:`StoreStarted` | :class:`Failed`;
-- :class:`Spawn` with three file descriptors (stdout, stderr, result) -> :class:`Spawned`;
+- :class:`Spawn` with four file descriptors (stdout, stderr, result, control) ->
+  :class:`Spawned`;
 - :class:`StartSnapshots` -> :class:`SnapshotsStarted` | :class:`Failed` (``SNAPSHOTS``);
 - :class:`FindCpus` -> :class:`CpusFound` | :class:`Failed` (``NUMA``);
 - :class:`Shutdown` (no reply: the warm process kills its workers and exits);

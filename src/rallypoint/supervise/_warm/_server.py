@@ -174,7 +174,7 @@ class _Server:
                 self._snapshots_ended(status)
 
     def _on_message(self) -> None:
-        msg, fds = recv(self.sock, maxfds=3)
+        msg, fds = recv(self.sock, maxfds=4)
         match msg:
             case None:
                 self._orphaned()
@@ -315,7 +315,7 @@ class _Server:
         self.sock.setblocking(False)
         while True:
             try:
-                msg, fds = recv(self.sock, maxfds=3)
+                msg, fds = recv(self.sock, maxfds=4)
             except BlockingIOError:
                 return
             for fd in fds:

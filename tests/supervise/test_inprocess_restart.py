@@ -1,0 +1,305 @@
+"""``@rallypoint.restartable``: a fault replaces the failed rank only; the other ranks leave
+their function, stay in their processes (their set-up is not repeated) and resume at the
+last snapshot, ending bit-identical to an uninterrupted run.
+
+Real ``rallypoint run`` jobs of ``_restart_train.py`` (gloo, 4 ranks unless said): every
+entry into the function writes ``enter-<restart>-<rank>`` (pid, start step), every process
+``setup-<pid>`` once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import rallypoint
+from rallypoint._core import envvars
+from rallypoint.observe import read_events
+from rallypoint.observe._timeline import build_timeline
+
+SCRIPT = Path(__file__).with_name("_restart_train.py")
+
+
+def _run(out: Path, mode: str, *flags: str, nproc: int = 4, steps: int = 30) -> tuple[int, str]:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", str(nproc),
+        "--max-restarts", "3", *flags, str(SCRIPT), str(out), mode, str(steps),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
+    return done.returncode, done.stdout + done.stderr
+
+
+def _entries(out: Path, restart: int) -> dict[int, tuple[int, int]]:
+    """``{rank: (pid, start step)}`` of the entries into the function at ``restart``."""
+    found = {}
+    for path in out.glob(f"enter-{restart}-*"):
+        pid, start = path.read_text().split()[:2]
+        found[int(path.name.rsplit("-", 1)[1])] = (int(pid), int(start))
+    return found
+
+
+def _setups(out: Path) -> int:
+    return len(list(out.glob("setup-*")))
+
+
+def _same_params(a: Path, b: Path) -> None:
+    x, y = torch.load(a), torch.load(b)
+    assert x.keys() == y.keys()
+    for name in x:
+        assert torch.equal(x[name], y[name]), name
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """30 uninterrupted steps of 4 ranks."""
+    out = tmp_path_factory.mktemp("reference")
+    code, text = _run(out, "none")
+    assert code == 0, text
+    return out / "final.pt"
+
+
+def _kept_and_replaced(out: Path, replaced: set[int]) -> None:
+    """Every rank entered the function twice, at step 0 and at step 10; the ranks in
+    ``replaced`` in a new process, the others in the same one (set-up ran once each)."""
+    first, second = _entries(out, 0), _entries(out, 1)
+    assert sorted(first) == sorted(second) == [0, 1, 2, 3]
+    assert {r for r in second if second[r][0] != first[r][0]} == replaced
+    assert all(start == 0 for _, start in first.values()), first
+    assert all(start == 10 for _, start in second.values()), second
+    assert _setups(out) == 4 + len(replaced)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_rank_alone_is_replaced_and_the_run_ends_bit_identical(
+    tmp_path: Path, reference: Path
+) -> None:
+    code, text = _run(tmp_path, "kill", "--events", str(tmp_path / "events"))
+    assert code == 0, text
+    _kept_and_replaced(tmp_path, {1})
+    pids = ", ".join(str(_entries(tmp_path, 0)[r][0]) for r in (0, 2, 3))
+    line = f"in-process restart 1 of 3: ranks 0, 2, 3 kept (pids {pids}); rank 1 replaced (killed"
+    assert line in text, text
+    _same_params(tmp_path / "final.pt", reference)
+    # the report draws the kept processes' first attempt as kept, the replaced one's as failed
+    timeline = build_timeline(read_events([tmp_path / "events"]))
+    first = {b.rank: b.state for b in sorted(timeline.bars, key=lambda b: -b.start)}
+    assert first == {0: "kept", 1: "failed", 2: "kept", 3: "kept"}, timeline.bars
+    restart = next(m for m in timeline.marks if m.kind == "restart")
+    assert "(in process: ranks [0, 2, 3] kept, [1] replaced)" in restart.label
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_raises_is_replaced_and_its_traceback_shown(
+    tmp_path: Path, reference: Path
+) -> None:
+    code, text = _run(tmp_path, "raise")
+    assert code == 0, text
+    _kept_and_replaced(tmp_path, {1})
+    assert "ValueError: rank 1 found a bad batch" in text, text
+    assert "rank 1 replaced (exited with 1)" in text, text
+    _same_params(tmp_path / "final.pt", reference)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_spinning_in_python_is_found_by_the_hang_timeout_and_replaced_alone(
+    tmp_path: Path, reference: Path
+) -> None:
+    code, text = _run(tmp_path, "spin", "--hang-timeout", "6")  # > start-up, on a busy host
+    assert code == 0, text
+    _kept_and_replaced(tmp_path, {1})
+    assert "no worker reported progress" in text, text
+    _same_params(tmp_path / "final.pt", reference)
+
+
+@pytest.mark.timeout(300)
+def test_a_survivor_that_ignores_the_interruption_is_replaced_after_the_grace(
+    tmp_path: Path, reference: Path
+) -> None:
+    code, text = _run(tmp_path, "ignore", "--restart-grace", "2")
+    assert code == 0, text
+    # rank 2 spins on; a rank blocked in a collective with it is freed once it is killed
+    _kept_and_replaced(tmp_path, {1, 2})
+    assert "rank(s) 2 did not leave the function within --restart-grace 2 s: replaced" in text
+    _same_params(tmp_path / "final.pt", reference)
+
+
+@pytest.mark.timeout(300)
+def test_a_script_without_the_decorator_restarts_every_process(
+    tmp_path: Path, reference: Path
+) -> None:
+    out = tmp_path / "o"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "4", "--max-restarts",
+           "1", str(SCRIPT), str(out), "kill", "30", "0"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "restarting the worker group (restart 1 of 1)" in done.stderr, done.stderr
+    assert "in-process" not in done.stderr
+    first, second = _entries(out, 0), _entries(out, 1)
+    assert not {pid for pid, _ in first.values()} & {pid for pid, _ in second.values()}
+    assert _setups(out) == 8
+    _same_params(out / "final.pt", reference)
+
+
+@pytest.mark.timeout(300)
+def test_twenty_in_process_restarts_leak_no_descriptor_thread_or_memory(tmp_path: Path) -> None:
+    # --preload: the replaced rank's first optimizer imports torch._dynamo (about 1 s)
+    code, text = _run(
+        tmp_path, "every", "--max-restarts", "25", "--max-same-failure", "off",
+        "--preload", "torch._dynamo", nproc=2, steps=12,
+    )  # fmt: skip
+    assert code == 0, text
+    assert text.count("in-process restart") == 20, text
+    usage = {}
+    for restart in range(21):
+        pid, _, fds, threads, rss = map(int, (tmp_path / f"enter-{restart}-0").read_text().split())
+        usage[restart] = (pid, fds, threads, rss)
+    assert len({u[0] for u in usage.values()}) == 1  # rank 0 never left its process
+    assert len({u[1] for u in usage.values()}) == 1, usage  # descriptors
+    assert len({u[2] for u in usage.values()}) == 1, usage  # threads
+    # the first restart allocates what gloo and the snapshot session keep; then flat
+    assert usage[20][3] - usage[1][3] < 4 << 20, usage
+    assert _setups(tmp_path) == 2 + 20
+
+
+@pytest.mark.timeout(300)
+def test_max_restarts_counts_in_process_restarts_and_nothing_is_left_running(
+    tmp_path: Path,
+) -> None:
+    code, text = _run(tmp_path, "every", "--max-restarts", "2", "--max-same-failure", "off",
+                      nproc=2, steps=12)  # fmt: skip
+    assert code == 1, text
+    assert text.count("in-process restart") == 2, text
+    assert "FAILED (attempt 3 of 3)" in text, text
+    pid = _entries(tmp_path, 0)[0][0]
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_outside_rallypoint_run_the_function_runs_once(tmp_path: Path) -> None:
+    script = tmp_path / "once.py"
+    script.write_text(
+        "import rallypoint\n"
+        "calls = []\n"
+        "@rallypoint.restartable\n"
+        "def train(x, *, y):\n"
+        "    calls.append(1)\n"
+        "    return x + y\n"
+        "print(train(40, y=2), len(calls), train.__name__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != envvars.CONTROL_FD}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.stdout.split() == ["42", "1", "train"], done.stdout + done.stderr
+
+
+def test_restartable_takes_a_function() -> None:
+    with pytest.raises(TypeError, match="restartable\\(\\) takes a function, got int"):
+        rallypoint.restartable(3)  # type: ignore[arg-type]
+
+
+def _work(out: str) -> int:
+    import signal
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    Path(out, f"pid-{restart}-{rank}").write_text(str(os.getpid()))
+    dist.barrier()
+    if rank == 1 and restart == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+    dist.destroy_process_group()
+    return os.getpid()
+
+
+@pytest.mark.timeout(120)
+def test_launch_restarts_a_restartable_function_in_process(tmp_path: Path) -> None:
+    pids = rallypoint.launch(rallypoint.restartable(_work), str(tmp_path), nproc=2, max_restarts=1)
+    first = int((tmp_path / "pid-0-0").read_text())
+    assert pids[0] == first  # rank 0 returned from the process it started in
+    assert pids[1] != int((tmp_path / "pid-0-1").read_text())
+
+
+# ---------------------------------------------------------------------- across nodes
+def _agent(
+    endpoint: str, out: Path, mode: str, *conf: str, nnodes: str = "2"
+) -> subprocess.Popen[str]:
+    """One agent of 2 ranks, as a user starts it on each node (default ``--local-addr``)."""
+    cmd = [
+        sys.executable, "-m", "rallypoint", "run", "--nnodes", nnodes, "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "inproc",
+        *conf, "--max-restarts", "3", str(SCRIPT), str(out), mode, "30",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+
+
+def _finish(agents: list[subprocess.Popen[str]]) -> list[str]:
+    texts = [p.communicate(timeout=150)[0] for p in agents]
+    assert [p.returncode for p in agents] == [0] * len(agents), texts
+    return texts
+
+
+@pytest.mark.timeout(300)
+def test_across_two_agents_a_crash_keeps_every_other_rank_on_both_nodes(
+    tmp_path: Path, reference: Path
+) -> None:
+    import socket
+
+    with socket.socket() as s:  # the first agent hosts the rendezvous store there
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    agents = [_agent(endpoint, tmp_path, "kill") for _ in range(2)]
+    try:
+        texts = _finish(agents)
+    finally:
+        for p in agents:
+            p.kill()
+    _kept_and_replaced(tmp_path, {1})
+    joined = "".join(texts)
+    assert "rank 0 kept" in joined and "ranks 2, 3 kept" in joined, joined
+    _same_params(tmp_path / "final.pt", reference)
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_leaves_the_other_nodes_ranks_in_their_processes(
+    tmp_path: Path, endpoint: str
+) -> None:
+    import psutil
+
+    conf = ["--rdzv-conf", "is_host=false,read_timeout=20,keep_alive_interval=0.5"]
+    agents = [_agent(endpoint, tmp_path, "node", *conf, nnodes="1:2") for _ in range(2)]
+    try:
+        marker = tmp_path / "at-fault"
+        while not marker.exists():
+            assert all(p.poll() is None for p in agents), [p.communicate() for p in agents]
+            time.sleep(0.05)
+        pid = int(marker.read_text())
+        [lost] = [a for a in agents if pid in {c.pid for c in psutil.Process(a.pid).children(True)}]
+        for proc in [psutil.Process(lost.pid), *psutil.Process(lost.pid).children(True)]:
+            proc.kill()
+        [survivor] = [a for a in agents if a is not lost]
+        [text] = _finish([survivor])
+    finally:
+        for p in agents:
+            p.kill()
+    first, second = _entries(tmp_path, 0), _entries(tmp_path, 1)
+    assert sorted(second) == [0, 1], second  # the world shrank to the surviving node
+    kept = {pid for pid, _ in second.values()}
+    assert kept < {pid for pid, _ in first.values()}, (first, second)  # the same processes
+    assert pid not in kept
+    assert "in-process restart" in text and "kept" in text, text
