@@ -103,7 +103,21 @@ class FakeSupervisor:
     def signal_pending(self) -> bool:
         return False
 
-    def run_attempt(self, group: GroupInfo, number: int, policy: AttemptPolicy) -> Outcome:
+    def start_standby(self, group: GroupInfo) -> None:
+        pass
+
+    def stop_kept(self) -> None:
+        pass
+
+    def run_attempt(
+        self,
+        group: GroupInfo,
+        number: int,
+        policy: AttemptPolicy,
+        *,
+        restart_in_process: bool = False,
+        cause_wait: float | None = None,
+    ) -> Outcome:
         self.groups.append(group)
         self.in_attempt.set()
         running = {group.rank_offset + lr: 10_000_000 + lr for lr in range(self.nproc)}

@@ -281,7 +281,10 @@ def test_a_lost_node_leaves_the_other_nodes_ranks_in_their_processes(
 ) -> None:
     import psutil
 
-    conf = ["--rdzv-conf", "is_host=false,read_timeout=20,keep_alive_interval=0.5"]
+    conf = [
+        "--rdzv-conf",
+        "is_host=false,read_timeout=20,keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=1",
+    ]
     agents = [_agent(endpoint, tmp_path, "node", *conf, nnodes="1:2") for _ in range(2)]
     try:
         marker = tmp_path / "at-fault"
@@ -303,3 +306,54 @@ def test_a_lost_node_leaves_the_other_nodes_ranks_in_their_processes(
     assert kept < {pid for pid, _ in first.values()}, (first, second)  # the same processes
     assert pid not in kept
     assert "in-process restart" in text and "kept" in text, text
+
+
+@pytest.mark.timeout(300)
+def test_a_hot_spare_set_up_ahead_takes_a_lost_nodes_ranks(tmp_path: Path, endpoint: str) -> None:
+    import psutil
+
+    conf = [
+        "--rdzv-conf",
+        "is_host=false,read_timeout=20,keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=1",
+        "--hot-spare",
+    ]
+    members = [_agent(endpoint, tmp_path, "node", *conf) for _ in range(2)]
+    agents = list(members)
+    try:
+        while len(_entries(tmp_path, 0)) < 4:  # the round is full: a third agent is a spare
+            assert all(p.poll() is None for p in agents), [p.communicate() for p in agents]
+            time.sleep(0.05)
+        spare = _agent(endpoint, tmp_path, "node", *conf)
+        agents.append(spare)
+        assert spare.stdout is not None
+        line = ""
+        while "hot spare:" not in line:
+            line = spare.stdout.readline()
+            assert line, spare.communicate()
+        standby = {int(p) for p in line.split("(pids ")[1].rstrip(")\n").split(", ")}
+        for pid in standby:  # their set-up ran, before any node was lost
+            while not (tmp_path / f"setup-{pid}").exists():
+                assert spare.poll() is None
+                time.sleep(0.05)
+        marker = tmp_path / "at-fault"
+        while not marker.exists():
+            assert all(p.poll() is None for p in agents)
+            time.sleep(0.05)
+        pid = int(marker.read_text())
+        [lost] = [
+            a for a in members if pid in {c.pid for c in psutil.Process(a.pid).children(True)}
+        ]
+        for proc in [psutil.Process(lost.pid), *psutil.Process(lost.pid).children(True)]:
+            proc.kill()
+        texts = _finish([a for a in agents if a is not lost])
+    finally:
+        for p in agents:
+            p.kill()
+    first, second = _entries(tmp_path, 0), _entries(tmp_path, 1)
+    assert sorted(second) == [0, 1, 2, 3], second
+    pids = {pid for pid, _ in second.values()}
+    survivors = {p for p, _ in first.values()} - {int(marker.read_text())}
+    assert pids == standby | (survivors & pids) and len(pids & standby) == 2, (first, second)
+    assert len(pids - standby) == 2 and pids - standby <= survivors  # kept in their processes
+    assert all(start == 10 for _, start in second.values()), second  # the snapshot, not 0
+    assert "the spare joins job" in "".join(texts)

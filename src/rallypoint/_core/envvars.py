@@ -23,6 +23,7 @@ __all__ = [
     "SNAPSHOT_EVERY",
     "SNAPSHOT_RESUME_FROM",
     "SNAPSHOT_SOCKET",
+    "STANDBY",
     "STACKS_DIR",
     "STACKS_SIGNAL",
     "TORCH_CPP_LOG_LEVEL",
@@ -55,6 +56,9 @@ STACKS_SIGNAL = "RALLYPOINT_STACKS_SIGNAL"
 IGNORE_SLURM = "RALLYPOINT_IGNORE_SLURM"
 CONTROL_FD = "RALLYPOINT_CONTROL_FD"
 """The worker's end of its control channel to the agent (``@rallypoint.restartable``)."""
+STANDBY = "RALLYPOINT_STANDBY"
+"""Set for a hot spare's workers: they run the set-up, then wait in the restartable
+function's wrapper for their ranks (``RANK``, ``WORLD_SIZE``... are not set until then)."""
 SNAPSHOT_SOCKET = "RALLYPOINT_SNAPSHOT_SOCKET"
 """The Unix socket of this node's snapshot server (``rallypoint run`` sets it)."""
 SNAPSHOT_DIR = "RALLYPOINT_SNAPSHOT_DIR"

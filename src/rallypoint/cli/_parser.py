@@ -103,6 +103,12 @@ def _nodes(o: _Options) -> None:
         help="end the job when the same root cause failed N attempts in a row, or off (default 3)",
     )
     o.flag(
+        "--hot-spare",
+        "--hot_spare",
+        help="while this node waits as a spare, start its workers: they run the script's "
+        "set-up and wait in their @rallypoint.restartable function for ranks",
+    )
+    o.flag(
         "--burn-in",
         "--burn_in",
         help="after each round forms, time the nodes' links and exclude a node much slower "

@@ -239,6 +239,21 @@ class ElasticCoordinator:
             f"it waits to take the place of a lost node at round {k + 1} or later\n".encode(),
         )
         self.observer.emit("spare", round=k, run_id=self.run_id)
+        if self.restarts.hot_spare:
+            self.supervisor.start_standby(self._standby_group())
+
+    def _standby_group(self) -> GroupInfo:
+        """What a hot spare's workers know before they have ranks."""
+        return GroupInfo(
+            group_rank=0,
+            group_world_size=0,
+            world_size=0,
+            rank_offset=0,
+            master_addr="",
+            master_port=0,
+            run_id=self.run_id,
+            max_restarts=self.restarts.max_restarts,
+        )
 
     def _say_admitted(self, k: int, group_rank: int) -> None:
         if self._spare is None:

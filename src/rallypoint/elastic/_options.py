@@ -44,9 +44,15 @@ class RestartOptions:
     """After each round forms, time the nodes' links and exclude a node much slower than
     the median (``elastic._burn_in``)."""
 
+    hot_spare: bool = False
+    """A node that waits as a spare starts its workers ahead: they run the script's set-up
+    and wait in their ``@rallypoint.restartable`` function for the ranks of the round that
+    admits the node."""
+
     def __post_init__(self) -> None:
-        if not isinstance(self.burn_in, bool):
-            raise TypeError(f"burn_in must be True or False, got {self.burn_in!r}")
+        for name in ("burn_in", "hot_spare"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_int(self.max_restarts, "max_restarts", minimum=0)
         check_int(self.max_same_failure, "max_same_failure", minimum=1, allow_none=True)
         check_int(self.max_node_failures, "max_node_failures", minimum=1, allow_none=True)

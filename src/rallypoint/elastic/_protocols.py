@@ -65,6 +65,10 @@ class NodeSupervisor(Protocol):
         ``cause_wait``: how long a worker's peer-loss exception waits for its cause."""
         ...
 
+    def start_standby(self, group: GroupInfo) -> None:
+        """Start the workers ahead, as a hot spare's (they wait for their ranks)."""
+        ...
+
     def stop_kept(self) -> None:
         """Stop the workers kept for an in-process restart that will not come."""
         ...

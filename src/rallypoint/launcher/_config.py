@@ -17,7 +17,7 @@ group                     options                                              d
 ``watch``                 hang_timeout, events, straggler_threshold,           observe
                           straggler_window, flight_recorder
 ``restarts``              max_restarts, on_hang, max_same_failure,             elastic
-                          max_node_failures, burn_in
+                          max_node_failures, burn_in, hot_spare
 ``rendezvous``            nnodes (as min_nodes/max_nodes), rdzv_backend,       elastic
                           rdzv_endpoint, rdzv_conf, node_rank, local_addr
 ``health``                health_check (as checks), health_check_timeout       elastic
@@ -80,6 +80,7 @@ class LaunchOptions(TypedDict, total=False):
     max_same_failure: int | None
     max_node_failures: int | None
     burn_in: bool
+    hot_spare: bool
     monitor_interval: timedelta
     master_addr: str
     master_port: int | None
@@ -327,6 +328,7 @@ class LaunchConfig:
     max_same_failure = _Flat[int | None]("restarts")
     max_node_failures = _Flat[int | None]("restarts")
     burn_in = _Flat[bool]("restarts")
+    hot_spare = _Flat[bool]("restarts")
     rdzv_backend = _Flat[str]("rendezvous", "backend")
     rdzv_endpoint = _Flat[str]("rendezvous", "endpoint")
     rdzv_conf = _Flat[Mapping[str, str]]("rendezvous", "conf")
@@ -360,7 +362,10 @@ class LaunchConfig:
 
 
 def _restarts(o: Mapping[str, Any]) -> RestartOptions:
-    names = ("max_restarts", "on_hang", "max_same_failure", "max_node_failures", "burn_in")
+    names = (
+        "max_restarts", "on_hang", "max_same_failure", "max_node_failures", "burn_in",
+        "hot_spare",
+    )  # fmt: skip
     return RestartOptions(**_pick(o, *names))
 
 

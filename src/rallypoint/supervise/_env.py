@@ -12,7 +12,13 @@ from rallypoint.supervise._options import WorkerOptions, visible_gpus
 from rallypoint.supervise._output import write_console
 from rallypoint.supervise._state import GroupInfo
 
-__all__ = ["base_env", "user_rpc_secret", "worker_env"]
+__all__ = ["STANDBY_UNSET", "base_env", "standby_env", "user_rpc_secret", "worker_env"]
+
+STANDBY_UNSET = (
+    "RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
+    "MASTER_ADDR", "MASTER_PORT", envvars.RESTART_COUNT,
+)  # fmt: skip
+"""What a hot spare's workers do not know until they are given ranks."""
 
 _OMP_WARNING = (
     "\n*****************************************\n"
@@ -91,3 +97,11 @@ def worker_env(
     env[envvars.USE_AGENT_STORE] = "True"
     env[envvars.ERROR_FILE] = str(error_file)
     return env
+
+
+def standby_env(env: dict[str, str]) -> dict[str, str]:
+    """A worker's environment as a hot spare: no ranks and no store yet (:data:`STANDBY_UNSET`),
+    and ``RALLYPOINT_STANDBY`` set, so that its restartable function waits for them."""
+    out = {k: v for k, v in env.items() if k not in STANDBY_UNSET}
+    out[envvars.STANDBY] = "1"
+    return out

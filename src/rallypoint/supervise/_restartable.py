@@ -185,6 +185,8 @@ class _Channel:
         # (the default action of a real-time signal ends the process); it raises only
         # while the function runs
         signal.signal(WAKE_SIGNAL, self._on_wake)
+        if os.environ.pop(envvars.STANDBY, ""):  # a hot spare: set up, now wait for ranks
+            self._take_assignment()
         while True:
             try:
                 value, failed = self._call(fn, args, kwargs)
@@ -241,6 +243,10 @@ class _Channel:
                 sys.stderr.write(f"rallypoint: in-process restart: teardown failed: {exc!r}\n")
             os._exit(1)
         self._send(Parked())
+        self._take_assignment()
+
+    def _take_assignment(self) -> None:
+        """Wait for the next attempt's environment and put it in ``os.environ``."""
         while True:
             msg = self.replies.get()
             if msg is None:  # the agent is gone

@@ -15,7 +15,7 @@ from rallypoint._core.envvars import ERROR_FILE
 from rallypoint.observe import Observer
 from rallypoint.supervise._control import Assign, encode
 from rallypoint.supervise._control import pair as control_pair
-from rallypoint.supervise._env import worker_env
+from rallypoint.supervise._env import standby_env, worker_env
 from rallypoint.supervise._main_module import describe_main
 from rallypoint.supervise._options import OutputOptions, WorkerOptions
 from rallypoint.supervise._output import LOG_TROUBLE, Duplicate, OutputRouter
@@ -122,6 +122,27 @@ class WorkerStarter:
             w = started[spec.local_rank]
             self._route(router, spec, w.pipes, attempt_dir / str(spec.local_rank), duplicates)
         return [started[spec.local_rank] for spec in specs]
+
+    def start_standby(self, group: GroupInfo) -> list[Worker]:
+        """Fork this node's workers as a hot spare's: they run the script's set-up and wait
+        in their restartable function for the ranks of the round that admits them
+        (``group`` only fills what does not depend on it)."""
+        standby_dir = (self.log_root or self.scratch) / "standby"
+        specs = []
+        for local_rank in range(self.nproc):
+            spec = self._spec(group, local_rank, standby_dir)
+            spec.env = standby_env(spec.env)
+            specs.append(spec)
+        pids, pipes = self._fork(specs)
+        workers = []
+        for spec, pid, p in zip(specs, pids, pipes, strict=True):
+            os.set_blocking(p.res, False)
+            error_file = standby_dir / str(spec.local_rank) / "error.json"
+            workers.append(
+                Worker(spec.local_rank, -1, pid, error_file, p.res, pipes=(p.out, p.err),
+                       control=p.control, parked=True)
+            )  # fmt: skip
+        return workers
 
     @property
     def nproc(self) -> int:

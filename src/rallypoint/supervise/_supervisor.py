@@ -226,7 +226,7 @@ class Supervisor(Closing):
             self._start_snapshots()  # replaced if it died since the last attempt
         router = OutputRouter()
         workers: list[Worker] = []
-        kept, self.kept = self.kept, {}
+        kept, self.kept = self._alive(self.kept), {}
         try:
             workers = self.starter.start(group, number, router, kept)
         except BaseException:
@@ -243,6 +243,45 @@ class Supervisor(Closing):
         self.kept = {w.local_rank: w for w in outcome.kept}
         return outcome
 
+    def start_standby(self, group: GroupInfo) -> None:
+        """Start this node's workers ahead, as a hot spare's: they run the script's set-up
+        and wait for the ranks of the round that admits the node (the next
+        :meth:`run_attempt` gives them, as to workers kept by an in-process restart)."""
+        if self.kept:
+            return
+        self.init_warm()
+        workers = self.starter.start_standby(group)
+        self.kept = {w.local_rank: w for w in workers}
+        pids = ", ".join(str(w.pid) for w in workers)
+        write_console(
+            2,
+            f"rallypoint: hot spare: {len(workers)} worker(s) run the script's set-up now "
+            f"and wait for ranks (pids {pids})\n".encode(),
+        )
+        for w in workers:
+            self.observer.emit("worker_standby", local_rank=w.local_rank, pid=w.pid)
+
+    def _alive(self, kept: dict[int, Worker]) -> dict[int, Worker]:
+        """``kept`` but the workers that exited since (a hot spare's set-up that failed, a
+        parked worker killed): those are started afresh."""
+        if not kept:
+            return kept
+        gone = {e.pid for e in self.warm.read_events()}
+        for local_rank, w in list(kept.items()):
+            if w.pid in gone:
+                del kept[local_rank]
+                self._close_worker(w)
+        return kept
+
+    def _close_worker(self, w: Worker) -> None:
+        for fd in (*w.pipes, w.res_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        if w.control is not None:
+            w.control.close()
+            w.control = None
+
     def stop_kept(self) -> None:
         """Stop the workers kept for an in-process restart that will not come."""
         kept, self.kept = list(self.kept.values()), {}
@@ -251,11 +290,7 @@ class Supervisor(Closing):
         self.stopper.kill_trees(kept, signal.SIGKILL)
         self.stopper.wait_all(kept, 5.0)
         for w in kept:
-            for fd in (*w.pipes, w.res_fd):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            if w.control is not None:
-                w.control.close()
+            self._close_worker(w)
 
     def _attempt(
         self,
