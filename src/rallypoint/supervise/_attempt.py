@@ -117,6 +117,8 @@ class Attempt:
         """The workers being stopped (all of them, but in an in-process restart)."""
         self.told_to_fail: set[int] = set()
         """Workers whose raised exception was judged their own (no cause to wait for)."""
+        self.raised_until: float | None = None
+        """Until when the peer-loss exceptions of ``inproc.waiting`` wait for their cause."""
         self.released = False
 
     def run(self) -> Outcome:
@@ -171,8 +173,8 @@ class Attempt:
             if now >= self.cause_until or all(w.status is not None for w in self.workers):
                 self._fail(self.consequence, OutcomeKind.FAILED)
         if self.kind is None and self.inproc.waiting:
-            assert self.cause_until is not None
-            if now >= self.cause_until:  # no cause came: the first one's failure is its own
+            assert self.raised_until is not None
+            if now >= self.raised_until:  # no cause came: the first one's failure is its own
                 self._own_failure(self.inproc.waiting.pop(0))
 
     @staticmethod
@@ -214,7 +216,7 @@ class Attempt:
             name = signal.Signals(signum).name
             if self.kind is not OutcomeKind.SIGNAL:
                 self.kind, self.signum, self.root = OutcomeKind.SIGNAL, signum, None
-                self.inproc.restarting = None  # every worker goes, kept ones too
+                self.inproc.restarting, self.raised_until = None, None  # every worker goes
                 self._stop(signum)
                 say = (
                     f"received {name}: stopping the workers (SIGKILL in "
@@ -234,7 +236,7 @@ class Attempt:
     def _check_deadline(self, now: float) -> None:
         if self.kind is None and self.deadline is not None and now >= self.deadline:
             self._end(OutcomeKind.TIMEOUT)
-            self.inproc.restarting = None
+            self.inproc.restarting, self.raised_until = None, None
             self._stop(signal.SIGKILL)
 
     def _poll(self, now: float) -> None:
@@ -291,7 +293,7 @@ class Attempt:
 
     def _wait(self, now: float) -> None:
         timeout = self.interval
-        waits = (self.kill_at, self.cause_until, self.drain_until)
+        waits = (self.kill_at, self.cause_until, self.raised_until, self.drain_until)
         for t in (*waits, self.deadline if self.kind is None else None):
             if t is not None:
                 timeout = min(timeout, max(0.0, t - now))
@@ -334,6 +336,7 @@ class Attempt:
         """After a failure: interrupt the restartable workers (kept for an in-process
         restart) and stop the others; or, when this attempt cannot restart in process,
         stop them all."""
+        self.raised_until = None  # whoever waited gets its verdict now
         restartable = (OutcomeKind.FAILED, OutcomeKind.HANG, OutcomeKind.RESTART)
         if kind in restartable and self.inproc.can_restart():
             others = self.inproc.interrupt(reason, time.monotonic())
@@ -355,8 +358,8 @@ class Attempt:
             self.inproc.verdict(w, self.inproc.restarting is not None)
         elif self.inproc.consequence(w):
             self.inproc.waiting.append(w)
-            if self.cause_until is None:
-                self.cause_until = time.monotonic() + self.cause_wait
+            if self.raised_until is None:
+                self.raised_until = time.monotonic() + self.cause_wait
         else:
             self._own_failure(w)
 
@@ -364,8 +367,8 @@ class Attempt:
         """``w``'s exception is its own: it re-raises, exits, and its exit is the root."""
         self.told_to_fail.add(w.pid)
         self.inproc.verdict(w, False)
-        if not self.inproc.waiting and self.consequence is None:
-            self.cause_until = None
+        if not self.inproc.waiting:
+            self.raised_until = None
 
     def _release_kept(self) -> None:
         """The kept workers' pipes and channel stay open for the next attempt."""
