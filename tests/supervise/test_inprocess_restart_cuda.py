@@ -1,7 +1,7 @@
 """In-process restart on a GPU (marked ``cuda``; skipped without one): a kept process keeps
 its CUDA context and its model on the GPU, aborts its NCCL communicators and makes new
-ones; 8 ranks sharing one GPU recover within the goal of issue 51 (1.5 s from the fault
-until every rank finished its next step)."""
+ones; 8 ranks sharing one GPU recover within the goal (1.5 s from the fault until every
+rank finished its next step)."""
 
 from __future__ import annotations
 
