@@ -10,7 +10,8 @@ argv: OUT MODE STEPS [DECORATED]. On the first attempt (``TORCHELASTIC_RESTART_C
 - ``kill``: SIGKILLs itself;
 - ``raise``: raises ``ValueError`` in the function;
 - ``node``: writes ``OUT/at-fault`` and sleeps: the test kills its node;
-- ``spin``: spins in Python without calling a collective (``--hang-timeout`` finds it);
+- ``spin``: spins in Python without calling a collective (``--hang-timeout`` finds it, or
+  the others' collective times out: ``RESTART_TEST_PG_TIMEOUT`` seconds);
 - ``ignore``: SIGKILLs itself, and rank 2 catches the interruption and spins on
   (``--restart-grace`` replaces it);
 - ``every``: rank 1 SIGKILLs itself once every rank entered the function, on every
@@ -27,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -81,7 +83,8 @@ def _fault(rank: int, restart: int) -> None:
 
 
 def train() -> None:
-    dist.init_process_group("gloo")
+    timeout = float(os.environ.get("RESTART_TEST_PG_TIMEOUT", "1800"))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     start = snapshot.restore(state) or 0

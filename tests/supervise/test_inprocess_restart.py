@@ -26,13 +26,20 @@ from rallypoint.observe._timeline import build_timeline
 SCRIPT = Path(__file__).with_name("_restart_train.py")
 
 
-def _run(out: Path, mode: str, *flags: str, nproc: int = 4, steps: int = 30) -> tuple[int, str]:
+def _run(
+    out: Path,
+    mode: str,
+    *flags: str,
+    nproc: int = 4,
+    steps: int = 30,
+    env: dict[str, str] | None = None,
+) -> tuple[int, str]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", str(nproc),
         "--max-restarts", "3", *flags, str(SCRIPT), str(out), mode, str(steps),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
     return done.returncode, done.stdout + done.stderr
 
@@ -116,6 +123,18 @@ def test_a_rank_spinning_in_python_is_found_by_the_hang_timeout_and_replaced_alo
     assert code == 0, text
     _kept_and_replaced(tmp_path, {1})
     assert "no worker reported progress" in text, text
+    _same_params(tmp_path / "final.pt", reference)
+
+
+@pytest.mark.timeout(300)
+def test_the_rank_a_timed_out_collective_waited_for_is_replaced_alone(
+    tmp_path: Path, reference: Path
+) -> None:
+    code, text = _run(tmp_path, "spin", env={"RESTART_TEST_PG_TIMEOUT": "3"})
+    assert code == 0, text
+    _kept_and_replaced(tmp_path, {1})
+    assert "a collective timed out" in text, text
+    assert "rank 1 replaced (killed by SIGKILL" in text, text
     _same_params(tmp_path / "final.pt", reference)
 
 

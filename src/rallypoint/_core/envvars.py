@@ -23,9 +23,9 @@ __all__ = [
     "SNAPSHOT_EVERY",
     "SNAPSHOT_RESUME_FROM",
     "SNAPSHOT_SOCKET",
-    "STANDBY",
     "STACKS_DIR",
     "STACKS_SIGNAL",
+    "STANDBY",
     "TORCH_CPP_LOG_LEVEL",
     "USE_AGENT_STORE",
 ]

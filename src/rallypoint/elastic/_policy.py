@@ -27,7 +27,13 @@ from typing import Any
 from rallypoint._core.blocking import InThread, call_in_thread
 from rallypoint.elastic._round import Round
 from rallypoint.observe import StragglerWatch, hang_report, request_stacks
-from rallypoint.supervise import OutcomeKind, Stop, collective_timeout_reason, write_console
+from rallypoint.supervise import (
+    Culprit,
+    OutcomeKind,
+    Stop,
+    collective_timeout_reason,
+    write_console,
+)
 
 __all__ = ["MEMBERSHIP_CHANGED", "ElasticPolicy"]
 
@@ -112,13 +118,13 @@ class ElasticPolicy:
             return Stop(OutcomeKind.LOST, f"lost the rendezvous store: {exc}")
         return Stop(OutcomeKind.HANG, reason)
 
-    def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> str:
+    def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> Culprit:
         """As a hang: the first node to see it gathers every node's stacks and traces (the
         ranks that timed out left theirs), the others answer until it has them; it names
         the culprit in the run store for every node's failure summary."""
         self.job.observer.emit("collective_timeout", round=self.rnd.number, rank=rank)
         reason = collective_timeout_reason(rank)
-        culprit = ""
+        culprit = Culprit()
         with contextlib.suppress(_Interrupted, Exception):  # the failure is reported anyway
             culprit = call_in_thread(
                 lambda: self._report_once(running, reason),
@@ -127,21 +133,21 @@ class ElasticPolicy:
             )
         return culprit
 
-    def _report_once(self, running: Mapping[int, int], reason: str) -> str:
+    def _report_once(self, running: Mapping[int, int], reason: str) -> Culprit:
         """One report for the job: the first node to see it gathers every node's stacks and
-        prints them (returning the culprit's line); the others answer until it has."""
+        prints them (returning the culprit); the others answer until it has."""
         if self.job.run.first_to_see_hang(self.rnd.number):
             return self._report_stacks(running, reason)
         self._answer_until_reported(running)
-        return ""
+        return Culprit()
 
     def _stop_if_signalled(self) -> None:
         if self.job.signal_pending():
             raise _Interrupted
 
-    def _report_stacks(self, running: Mapping[int, int], reason: str) -> str:
+    def _report_stacks(self, running: Mapping[int, int], reason: str) -> Culprit:
         """Ask every node for its stacks (answering our own meanwhile) and print them;
-        the culprit's line, also written to the run store for the other nodes."""
+        the culprit (its line is also written to the run store for the other nodes)."""
         result: dict[str, Any] = {}
 
         def ask() -> None:
@@ -156,14 +162,14 @@ class ElasticPolicy:
             self.job.answer_stacks(running, self.rnd.group_rank)
             t.join(0.05)
         dumps, missing = result.get("r", ({}, {}))
-        text, culprit, _ = hang_report(dumps)
+        text, culprit, culprit_rank = hang_report(dumps)
         for node, why in sorted(missing.items()):
             text += f"\nnode {node}: {why}"
         write_console(2, f"rallypoint: {reason}; stacks of every rank:\n{text}\n".encode())
         if culprit:
             self.job.run.publish_culprit(self.rnd.number, culprit)
         self.job.run.hang_reported(self.rnd.number)
-        return culprit
+        return Culprit(culprit, culprit_rank)
 
     def _answer_until_reported(self, running: Mapping[int, int]) -> None:
         """Another node asks for everyone's stacks: keep answering until it has them."""

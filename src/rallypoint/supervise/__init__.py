@@ -66,7 +66,14 @@ if TYPE_CHECKING:
     from rallypoint.supervise._restartable import RestartInterrupt, restartable
     from rallypoint.supervise._signals import SignalQueue
     from rallypoint.supervise._signature import Streak, failure_signature, repeated_line
-    from rallypoint.supervise._state import Failure, GroupInfo, Outcome, OutcomeKind, Stop
+    from rallypoint.supervise._state import (
+        Culprit,
+        Failure,
+        GroupInfo,
+        Outcome,
+        OutcomeKind,
+        Stop,
+    )
     from rallypoint.supervise._summary import format_summary, peer_vanished
     from rallypoint.supervise._supervisor import Supervisor, prepare_warm
     from rallypoint.supervise._warm._fork_probe import openmp_survives_fork
@@ -109,7 +116,7 @@ _MODULES = {
     "_policy": ("AttemptPolicy", "LocalPolicy", "collective_timeout_reason"),
     "_signals": ("SignalQueue",),
     "_signature": ("Streak", "failure_signature", "repeated_line"),
-    "_state": ("Failure", "GroupInfo", "Outcome", "OutcomeKind", "Stop"),
+    "_state": ("Culprit", "Failure", "GroupInfo", "Outcome", "OutcomeKind", "Stop"),
     "_summary": ("format_summary", "peer_vanished"),
     "_supervisor": ("Supervisor", "prepare_warm"),
     "_warm._process": ("WarmProcess",),
@@ -123,6 +130,7 @@ __all__ = [
     "NUMA_MODES",
     "AttemptPolicy",
     "BadTargetError",
+    "Culprit",
     "Failure",
     "FatalError",
     "GroupInfo",

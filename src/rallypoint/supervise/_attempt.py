@@ -192,8 +192,23 @@ class Attempt:
         if kind is OutcomeKind.FAILED and self._collective_timed_out(root):
             # the rank that never issued the collective still runs: report before the stop
             running = {w.rank: w.pid for w in self.workers if w.status is None}
-            self.culprit = self.policy.on_collective_timeout(running, root.rank)
+            self.culprit = self.policy.on_collective_timeout(running, root.rank).line
         self._stop_or_restart(kind, f"rank {root.rank} {root.state().detail}")
+
+    def _timed_out_in_process(self, w: Worker) -> bool:
+        """``w``'s function raised because a collective timed out: the rank it waited for
+        is killed alone, as a hang's culprit, and the others (``w`` too) restart in process.
+        False when that rank is not one of this node's (its own node handles it)."""
+        running = {x.rank: x.pid for x in self.workers if x.status is None}
+        culprit = self.policy.on_collective_timeout(running, w.rank)
+        target = next((x for x in self.workers if x.rank == culprit.rank), None)
+        if target is None or target is w or target.status is not None:
+            return False
+        self._end(OutcomeKind.FAILED)
+        self.root, self.culprit = target, culprit.line
+        self._stop_some([target], signal.SIGKILL)
+        self._stop_or_restart(OutcomeKind.FAILED, f"rank {w.rank}: a collective timed out")
+        return True
 
     def _collective_timed_out(self, w: Worker) -> bool:
         """Its error says so (gloo), or it left a trace (NCCL's watchdog aborts the process
@@ -356,6 +371,12 @@ class Attempt:
         """``w``'s function raised: a consequence of a failure (keep it) or its own."""
         if self.kind is not None:
             self.inproc.verdict(w, self.inproc.restarting is not None)
+        elif (
+            self.inproc.can_restart()
+            and COLLECTIVE_TIMEOUT.search(w.raised)
+            and self._timed_out_in_process(w)
+        ):
+            pass  # its culprit is replaced; it restarts in process
         elif self.inproc.consequence(w):
             self.inproc.waiting.append(w)
             if self.raised_until is None:

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from rallypoint.observe import Observer, StragglerWatch, hang_report
 from rallypoint.supervise._output import write_console
-from rallypoint.supervise._state import OutcomeKind, Stop
+from rallypoint.supervise._state import Culprit, OutcomeKind, Stop
 
 __all__ = ["AttemptPolicy", "LocalPolicy", "collective_timeout_reason"]
 
@@ -38,9 +38,10 @@ class AttemptPolicy(Protocol):
         """No worker reported progress for ``idle_s`` seconds; the workers still run."""
         ...
 
-    def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> str:
+    def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> Culprit:
         """Rank ``rank`` failed because a collective timed out; ``running`` still run.
-        Returns the culprit's line for the failure summary (``""``: not known here)."""
+        Returns the rank it waited for (its line for the failure summary, ``""`` when not
+        known here)."""
         ...
 
 
@@ -73,13 +74,13 @@ class LocalPolicy:
         write_console(2, f"rallypoint: {reason}; stacks:\n{report.text}\n".encode())
         return Stop(OutcomeKind.HANG, reason, report.rank)
 
-    def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> str:
+    def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> Culprit:
         self.observer.emit("collective_timeout", round=self.attempt, rank=rank)
-        text, culprit, _ = hang_report(self.observer.collect(running))
+        text, culprit, culprit_rank = hang_report(self.observer.collect(running))
         write_console(
             2, f"rallypoint: {collective_timeout_reason(rank)}; stacks:\n{text}\n".encode()
         )
-        return culprit
+        return Culprit(culprit, culprit_rank)
 
 
 def collective_timeout_reason(rank: int) -> str:

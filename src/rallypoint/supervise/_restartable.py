@@ -185,6 +185,9 @@ class _Channel:
         # (the default action of a real-time signal ends the process); it raises only
         # while the function runs
         signal.signal(WAKE_SIGNAL, self._on_wake)
+        # what the set-up made lives as long as the process: a restart's collection (the
+        # failed attempt's frames) need not walk it again (tens of ms after torch._dynamo)
+        gc.freeze()
         if os.environ.pop(envvars.STANDBY, ""):  # a hot spare: set up, now wait for ranks
             self._take_assignment()
         while True:

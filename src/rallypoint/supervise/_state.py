@@ -14,7 +14,7 @@ from rallypoint._core.status import WorkerStatus
 from rallypoint.supervise._errors import WorkerSummary
 from rallypoint.supervise._summary import describe_status, error_info
 
-__all__ = ["Failure", "GroupInfo", "Outcome", "OutcomeKind", "Stop", "Worker"]
+__all__ = ["Culprit", "Failure", "GroupInfo", "Outcome", "OutcomeKind", "Stop", "Worker"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +68,16 @@ class Stop:
     reason: str
     culprit: int | None = None
     """A hang's root rank by the Flight Recorder (an in-process restart replaces it alone)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Culprit:
+    """The rank a collective that timed out waited for, by the Flight Recorder."""
+
+    line: str = ""
+    """For the failure summary (``""``: not known)."""
+    rank: int | None = None
+    """Its global rank, when this node knows it."""
 
 
 @dataclass(frozen=True, slots=True)
