@@ -92,11 +92,12 @@ def test_report_text_json_round_trip_and_fallback() -> None:
     assert hang_report(dumps) == (
         text,
         "rank 2 on h (pid 102): all_reduce #5 of world [0, 1, 2, 3]: rank 2 never issued it",
+        2,
     )
     off = {r: StackDump(rank=r, host="h", pid=1, flight=RankTrace(r, error="recording off"))
            for r in range(2)}  # fmt: skip
     assert format_hang_report(off).startswith("No Flight Recorder data (recording off)")
-    assert hang_report(off)[1] == ""
+    assert hang_report(off).culprit == "" and hang_report(off).rank is None
     assert analyse({r: _world(r, 4, 4) for r in range(4)}).root is None
 
 

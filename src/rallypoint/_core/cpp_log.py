@@ -19,13 +19,14 @@ import ctypes
 import functools
 import os
 import sys
-import threading
 from collections.abc import Iterator
+
+from rallypoint._core.forking import fork_safe_lock
 
 __all__ = ["cpp_warnings_off"]
 
 _ERROR = 2  # c10's GLOG_ERROR
-_lock = threading.Lock()
+_lock = fork_safe_lock()
 _holders = 0
 _saved = 0
 
