@@ -207,7 +207,8 @@ class ElasticCoordinator:
                     rnd.group,
                     rnd.number,
                     policy,
-                    restart_in_process=rnd.group.restart_count < self.restarts.max_restarts,
+                    # a membership change restarts without spending budget
+                    restart_in_process=True,
                     cause_wait=None if window is None else window.total_seconds(),
                 )
             finally:

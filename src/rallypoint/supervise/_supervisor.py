@@ -283,10 +283,13 @@ class Supervisor(Closing):
             w.control = None
 
     def stop_kept(self) -> None:
-        """Stop the workers kept for an in-process restart that will not come."""
+        """Stop the workers kept for an in-process restart that will not come, as workers
+        are stopped: SIGTERM (their handlers run), SIGKILL after ``--shutdown-timeout``."""
         kept, self.kept = list(self.kept.values()), {}
         if not kept:
             return
+        self.stopper.kill_trees(kept, signal.SIGTERM)
+        self.stopper.wait_all(kept, self.stopper.grace)
         self.stopper.kill_trees(kept, signal.SIGKILL)
         self.stopper.wait_all(kept, 5.0)
         for w in kept:
