@@ -194,15 +194,96 @@ def test_options_normalise_and_reject_many_to_one() -> None:
         RallypointRpcBackendOptions(device_maps=[("w1", {})])  # type: ignore[arg-type]
 
 
-def test_cuda_tensor_without_map_is_refused_before_sending() -> None:
+TORCH_REFUSAL = (
+    "TensorPipe RPC backend only supports CPU tensors by default, please move your tensors to "
+    "CPU before sending them over RPC, or call `set_device_map` on "
+    "`TensorPipeRpcBackendOptions` to explicitly configure device mapping. "
+)
+
+
+def test_cuda_tensor_without_map_is_refused_before_sending_in_torchs_words() -> None:
     from rallypoint.rpc._transport import _wire
 
-    with pytest.raises(RuntimeError, match="no device map entry for cuda:0"):
+    with pytest.raises(RuntimeError) as request:
         _wire._send_device(_FakeCuda(), None, "w1")  # type: ignore[arg-type]
+    text = str(request.value)
+    assert text.startswith(
+        TORCH_REFUSAL + "Request device mapping is not available for destination w1 for device "
+        "cuda:0 but received a tensor on that device"
+    )
+    assert "set_device_map('w1', {'cuda:0': ...})" in text
+    with pytest.raises(RuntimeError, match="Response device mapping is not available for de"):
+        _wire._send_device(_FakeCuda(), {CPU: CPU}, "w0", True)  # type: ignore[arg-type]
     mapped = {d("cuda:0"): d("cuda:1")}
     assert _wire._send_device(_FakeCuda(), mapped, "w1") == "cuda:1"  # type: ignore[arg-type]
     assert _wire._send_device(torch.ones(1), None, "w1") is None
+    assert _wire._send_device(torch.ones(1), {CPU: d("cuda:2")}, "w1") == "cuda:2"
 
 
 class _FakeCuda:
     device = d("cuda:0")
+
+
+# ---- which map applies in which direction -------------------------------------------------
+# Maps that are not each other's inverse, so that every direction has a map of its own.
+DIRECTED = {
+    "w0": {"w1": {d("cuda:0"): d("cuda:1")}, "w2": {CPU: d("cuda:0")}},
+    "w1": {"w0": {d("cuda:2"): d("cuda:3")}},
+    "w2": {},
+}
+NAMES = ["w0", "w1", "w2"]
+
+
+def _inverse(map_: dict[torch.device, torch.device]) -> dict[torch.device, torch.device]:
+    return {v: k for k, v in map_.items()}
+
+
+@pytest.mark.parametrize("me", NAMES)
+def test_calls_and_replies_use_torchs_maps(me: str) -> None:
+    """A call goes with the caller's own map; the callee's reply with the inverse of that
+    map, which is torch's reverse map for the caller (``_create_reverse_mapping``)."""
+    own = DIRECTED[me]
+    torchs = torch_registry._create_reverse_mapping(me, NAMES, DIRECTED)
+    assert _device_maps.create_reverse_mapping(me, NAMES, DIRECTED) == torchs
+    for peer in NAMES:
+        call = _device_maps.send_map(_device_maps.Sent.CALL, peer, own, torchs)
+        reply = _device_maps.send_map(_device_maps.Sent.REPLY, peer, own, torchs)
+        assert call == own.get(peer, {})
+        assert reply == torchs.get(peer, {})
+        # what the peer's reply to this worker's call comes with is the inverse of the call's
+        theirs = torch_registry._create_reverse_mapping(peer, NAMES, DIRECTED)
+        assert _device_maps.send_map(_device_maps.Sent.REPLY, me, DIRECTED[peer], theirs) == (
+            _inverse(call)
+        )
+
+
+@pytest.mark.parametrize("me", NAMES)
+def test_gradients_go_back_with_the_inverse_of_the_map_they_came_with(me: str) -> None:
+    """torch's RecvRpcBackward keeps the reverse of the message's map: the gradients of a
+    received call go back with torch's reverse map for the caller (not this worker's own
+    map for it, which may be missing: the hang of the issue), those of a received reply
+    with this worker's own map for the callee."""
+    own = DIRECTED[me]
+    torchs = torch_registry._create_reverse_mapping(me, NAMES, DIRECTED)
+    for peer in NAMES:
+        peers_reverse = torch_registry._create_reverse_mapping(peer, NAMES, DIRECTED)
+        # a call from ``peer`` came with ``peer``'s own map for this worker
+        came = _device_maps.send_map(_device_maps.Sent.CALL, me, DIRECTED[peer], peers_reverse)
+        back = _device_maps.gradient_map(_device_maps.Sent.CALL, peer, own, torchs)
+        assert back == _inverse(came) == torchs.get(peer, {})
+        # a reply from ``peer`` came with the inverse of this worker's map for ``peer``
+        came = _device_maps.send_map(_device_maps.Sent.REPLY, me, DIRECTED[peer], peers_reverse)
+        back = _device_maps.gradient_map(_device_maps.Sent.REPLY, peer, own, torchs)
+        assert back == _inverse(came) == own.get(peer, {})
+
+
+def test_the_issues_group_sends_the_gradient_back_on_the_mapped_device() -> None:
+    """w0 maps cuda:0 to w1's cuda:0 and w1 has no map: w1 still sends the gradient of
+    w0's tensor back to cuda:0 (w1's own map for w0 is empty, which refused it)."""
+    maps: dict[str, dict[str, dict[torch.device, torch.device]]] = {
+        "w0": {"w1": {d("cuda:0"): d("cuda:0")}},
+        "w1": {},
+    }
+    torchs = torch_registry._create_reverse_mapping("w1", ["w0", "w1"], maps)
+    back = _device_maps.gradient_map(_device_maps.Sent.CALL, "w0", maps["w1"], torchs)
+    assert back == {d("cuda:0"): d("cuda:0")} and maps["w1"].get("w0") is None

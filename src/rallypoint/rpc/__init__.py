@@ -29,8 +29,8 @@ The tree, one concept per subpackage; imports point down these lines, never up::
     _rref/           RRefs and the table of values a worker owns
     dist_autograd/   distributed autograd: contexts, routes, engine, DDP under it
     _group/          group records and the rendezvous store
-    _transport/      connections, frames, wire form, shared memory, handshake, readers,
-                     spin waits
+    _transport/      connections, frames, wire form, shared memory, CUDA tensors (IPC
+                     or staged, and the choice), handshake, readers, spin waits
     shared:          _worker_info, _backend, _current, _options, _device_maps, _errors,
                      _remote_errors, _builtins, _wait_all, functions, constants
                      ->  rallypoint._core

@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeAlias
 import torch
 
 from rallypoint.rpc._current import Current
-from rallypoint.rpc._device_maps import to_device_map
+from rallypoint.rpc._device_maps import DeviceMap, to_device_map
 
 Func: TypeAlias = Callable[..., Any]
 Args: TypeAlias = tuple[Any, ...]
@@ -121,10 +121,12 @@ class Caller(Protocol):
 
     def remote(self, to: Any, func: Func, args: Args, kwargs: Kwargs, timeout: float) -> Any: ...
 
-    def oneway(self, to: str, func: Func, *args: Any) -> bool:
+    def oneway(self, to: str, func: Func, *args: Any, device_map: DeviceMap | None = None) -> bool:
         """Send ``func(*args)`` to ``to`` without waiting for, or expecting, a reply.
 
-        Returns whether the call went out (``False``: the agent is closed or ``to`` is
-        unknown or unreachable); it never raises.
+        ``device_map`` places its tensors (a gradient's; ``None``: this worker's map for
+        ``to``). Returns whether the call went out (``False``: the agent is closed or ``to``
+        is unknown or unreachable); it raises only when the message cannot be made (a
+        tensor on a device the map has no entry for).
         """
         ...

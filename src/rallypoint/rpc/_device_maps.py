@@ -8,10 +8,18 @@ A *device map* of worker ``A`` for worker ``B`` maps ``A``'s devices to ``B``'s 
 a tensor on ``A``'s ``cuda:0`` sent to ``B`` with ``{cuda:0: cuda:1}`` arrives on ``B``'s
 ``cuda:1``; the reply travels the inverse map. ``devices`` lists the devices a worker
 uses for RPC; when empty it is derived from its own maps and its peers' maps onto it.
+
+Which map places a tensor depends on the message it travels in (:class:`Sent`): a call
+uses the caller's map for the callee, a reply the inverse of the caller's map (the
+callee's *reverse map* for the caller). Distributed autograd sends each received tensor's
+gradient back with the inverse of the map that tensor came with (torch's
+``RecvRpcBackward`` keeps that reverse map): the gradients of a received call go back as a
+reply would, those of a received reply as a call would (:func:`gradient_map`).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeAlias
 
@@ -22,8 +30,11 @@ DeviceMap: TypeAlias = dict[torch.device, torch.device]
 
 __all__ = [
     "DeviceMap",
+    "Sent",
     "create_device_list",
     "create_reverse_mapping",
+    "gradient_map",
+    "send_map",
     "to_device",
     "to_device_list",
     "to_device_map",
@@ -175,6 +186,41 @@ def create_reverse_mapping(
         if my_name in all_device_maps[node]:
             reverse[node] = {v: k for k, v in all_device_maps[node][my_name].items()}
     return reverse
+
+
+class Sent(enum.Enum):
+    """The kind of message a tensor travels in, which decides the device map that places it."""
+
+    CALL = "call"  # a request (also a gradient on its way back): the sender's own map
+    REPLY = "reply"  # a call's return value: the inverse of the caller's map
+
+
+def send_map(
+    kind: Sent,
+    peer: str,
+    own: Mapping[str, DeviceMap],
+    reverse: Mapping[str, DeviceMap],
+) -> DeviceMap:
+    """The map that places the tensors of a message of ``kind`` to ``peer`` (``{}``: none).
+
+    ``own`` are this worker's maps (``device_maps``), ``reverse`` the inverses of the
+    peers' maps onto this worker (:func:`create_reverse_mapping`)."""
+    return (own if kind is Sent.CALL else reverse).get(peer) or {}
+
+
+def gradient_map(
+    received: Sent,
+    peer: str,
+    own: Mapping[str, DeviceMap],
+    reverse: Mapping[str, DeviceMap],
+) -> DeviceMap:
+    """The map the gradients of tensors received from ``peer`` in a message of kind
+    ``received`` go back with: the inverse of the map they came with (torch's rule).
+
+    A call from ``peer`` came with ``peer``'s map for this worker, whose inverse is the
+    reverse map; a reply came with the inverse of this worker's own map for ``peer``."""
+    back = Sent.REPLY if received is Sent.CALL else Sent.CALL
+    return send_map(back, peer, own, reverse)
 
 
 def create_device_list(

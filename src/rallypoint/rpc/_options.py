@@ -82,6 +82,9 @@ class RallypointRpcBackendOptions(RpcBackendOptions):
       other thread of the process waits too (never beside user code), and only while
       most of the process's recent waits ended within the window, so it costs CPU only
       where it pays; TensorPipe's threads busy-poll all the time.
+    - ``cuda_ipc``: send mapped CUDA tensors to workers on the same host by CUDA IPC
+      (torch's handles; the receiver maps a private copy in the sender's memory);
+      ``False`` stages them through pinned host memory, as between hosts.
     """
 
     num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS
@@ -97,6 +100,7 @@ class RallypointRpcBackendOptions(RpcBackendOptions):
     shm_threshold: int = 64 * 1024
     shm_pool_bytes: int = 1 << 30
     busy_poll_us: float = 1000.0
+    cuda_ipc: bool = True
 
     def __post_init__(self) -> None:
         RpcBackendOptions.__post_init__(self)
@@ -122,6 +126,8 @@ class RallypointRpcBackendOptions(RpcBackendOptions):
                 f"busy_poll_us must be microseconds from 0 to 1,000,000 (0: never busy-poll), "
                 f"got {spin!r}"
             )
+        if not isinstance(self.cuda_ipc, bool):
+            raise TypeError(f"cuda_ipc must be True or False, got {self.cuda_ipc!r}")
         if self.secret_file is not None and not os.path.isfile(self.secret_file):
             raise ValueError(
                 f"secret_file {os.fspath(self.secret_file)!r} does not exist; "

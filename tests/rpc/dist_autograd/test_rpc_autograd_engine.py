@@ -155,7 +155,7 @@ class _Caller:
     def __init__(self) -> None:
         self.sent: list[tuple[Any, ...]] = []
 
-    def oneway(self, to: str, func: Any, *args: Any) -> bool:
+    def oneway(self, to: str, func: Any, *args: Any, device_map: Any = None) -> bool:
         self.sent.append((to, func.__name__, *args))
         return True
 

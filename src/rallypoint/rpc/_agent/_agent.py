@@ -41,6 +41,7 @@ from rallypoint.rpc._agent._membership import CURRENT_GROUP, Group
 from rallypoint.rpc._agent._peers import PeerTable
 from rallypoint.rpc._backend import CURRENT_AGENT, Args, Func, Fut, Kwargs, RpcAgent
 from rallypoint.rpc._builtins import resolve as builtin_overload
+from rallypoint.rpc._device_maps import DeviceMap
 from rallypoint.rpc._errors import NOT_INITIALIZED, RpcError, RpcShutdownError
 from rallypoint.rpc._group import _groups
 from rallypoint.rpc._group._groups import WorkerRecord
@@ -49,9 +50,11 @@ from rallypoint.rpc._options import RallypointRpcBackendOptions
 from rallypoint.rpc._rref._rref import RRef, remote_rref
 from rallypoint.rpc._rref._table import CURRENT_TABLE, RRefTable
 from rallypoint.rpc._torch_names import hold_pyrref, release_pyrref
-from rallypoint.rpc._transport import _wire
+from rallypoint.rpc._transport import _cuda, _wire
 from rallypoint.rpc._transport._auth import resolve_secret
 from rallypoint.rpc._transport._connection import Connection
+from rallypoint.rpc._transport._cuda_routes import CudaInfo, CudaRouter
+from rallypoint.rpc._transport._cuda_routes import Peer as CudaPeer
 from rallypoint.rpc._transport._shm import SegmentPool
 from rallypoint.rpc._transport._spin import WAITS
 from rallypoint.rpc._worker_info import WorkerInfo
@@ -113,7 +116,9 @@ class RallypointAgent(RpcAgent):
             dead_workers=lambda: [n for n in self.peers.names() if self.peers.is_dead(n)],
             worker_id=self.peers.rank_of,
         )
-        self.codec = Codec(self.peers, self.rrefs, self.autograd)
+        self._cuda = CudaInfo.of_this_process(options.cuda_ipc)
+        me = CudaPeer(self.info.name, _groups.host_key(), self._cuda, _groups.device_count())
+        self.codec = Codec(self.peers, self.rrefs, self.autograd, CudaRouter(me, self._cuda_peer))
         self.dispatcher = Dispatcher(self.info, self.calls, self.codec)
         self._pool = SegmentPool(options.shm_pool_bytes) if options.shared_memory else None
         host = (
@@ -186,7 +191,15 @@ class RallypointAgent(RpcAgent):
             device_count=_groups.device_count(),
             device_maps=dict(self.options.device_maps),  # type: ignore[arg-type]
             devices=list(self.options.devices),  # type: ignore[arg-type]
+            cuda=self._cuda,
         )
+
+    def _cuda_peer(self, name: str) -> CudaPeer | None:
+        """What the CUDA routes need of a peer's record (``None``: not in the group)."""
+        if name not in self.peers:
+            return None
+        record = self.peers.record(name)
+        return CudaPeer(record.name, record.host_key, record.cuda, record.device_count)
 
     def set_rpc_timeout(self, seconds: float) -> None:
         # calls already sent keep their deadlines; backward passes and the shutdown's
@@ -274,10 +287,11 @@ class RallypointAgent(RpcAgent):
         payload = (builtin_overload(func, args, kwargs), args, kwargs)
         return remote_rref(self.rrefs, info, payload, timeout)
 
-    def oneway(self, to: str, func: Func, *args: Any) -> bool:
+    def oneway(self, to: str, func: Func, *args: Any, device_map: DeviceMap | None = None) -> bool:
         try:
             self.check_open()
-            sent = self._send(self.peers.resolve(to).name, (func, args, {}), 0, _ONEWAY)
+            dst = self.peers.resolve(to).name
+            sent = self._send(dst, (func, args, {}), 0, _ONEWAY, device_map=device_map)
             sent.wait()  # a one-way call's future is complete once the frame is queued
         except RpcError:
             return False
@@ -293,11 +307,13 @@ class RallypointAgent(RpcAgent):
         *,
         sync: bool = False,
         unread: list[tuple[Connection, Fut]] | None = None,
+        device_map: DeviceMap | None = None,
     ) -> Fut:
         """Send a call; ``sync``: this thread waits for the reply next and reads it itself
         when nobody reads the connection (one thread wake-up per call instead of two);
-        ``unread``: it will, after sending more calls (the call joins that list)."""
-        data, raws = self.codec.call(dst, payload, ctx)
+        ``unread``: it will, after sending more calls (the call joins that list);
+        ``device_map``: a gradient's map (see :meth:`Codec.call`)."""
+        data, raws = self.codec.call(dst, payload, ctx, device_map)
         # torch's own rpc_async returns the C++ future type too: it costs no Python
         # __init__ and, unlike the Python subclass, is not tracked by the GC
         future = _CFuture([])
@@ -353,6 +369,10 @@ class RallypointAgent(RpcAgent):
             return
         self._released_at = now
         DDP_GROUPS.release_due()  # gone DDP modules' groups: freed here, without the GIL
+        cuda = self.codec.cuda
+        if cuda is not None and cuda.shared:
+            cuda.shared = 0
+            _cuda.collect()  # copies shared by CUDA IPC whose receivers let them go
         if self.rrefs.has_releases():
             self.rrefs.send_releases(self.peers.reachable)
         if self.autograd.has_releases():

@@ -10,6 +10,12 @@ A call runs once the owners of the RRefs in its arguments have confirmed them (t
 order). A call that arrived in a distributed autograd context runs in it (the serving
 thread's current context while it runs), and its reply is encoded in it, also when an
 ``@async_execution`` call replies later from another thread.
+
+A reply whose tensors landed on GPUs completes its future with an unwrap function that
+makes the waiting thread's current streams wait for the decoding thread's
+(:class:`~rallypoint.rpc._transport._cuda.StreamSync`). A one-way call is decoded
+tolerantly (:func:`~rallypoint.rpc._transport._wire.decode`): a tensor it cannot place
+reaches the function as an ``Unreadable``, so a gradient propagation can report it.
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ import torch
 
 from rallypoint.rpc._agent._calls import PendingCalls, fail
 from rallypoint.rpc._agent._codec import Codec
+from rallypoint.rpc._device_maps import Sent
 from rallypoint.rpc._errors import RpcError
 from rallypoint.rpc._remote_errors import ErrorReply, has_plain_errors
 from rallypoint.rpc._rref._rref import collect_confirmations
 from rallypoint.rpc._transport import _wire
 from rallypoint.rpc._transport._connection import Connection
+from rallypoint.rpc._transport._cuda import StreamSync
 from rallypoint.rpc._transport._framing import Frame
 from rallypoint.rpc._worker_info import WorkerInfo
 from rallypoint.rpc.dist_autograd._autograd import run_in
@@ -42,6 +50,7 @@ _CALL = _wire.FrameKind.CALL
 _REPLY = _wire.FrameKind.REPLY
 _ERROR = _wire.FrameKind.ERROR
 _ONEWAY = _wire.FrameKind.ONEWAY
+_REPLIED = Sent.REPLY
 
 
 class Dispatcher:
@@ -83,7 +92,12 @@ class Dispatcher:
                 error: ErrorReply = pickle.loads(frame.data)
                 fail(future, error.rebuild())
                 return
-            value, _ = self._codec.decode(conn.peer_name, frame.data, frame.tensors)
+            devices: set[torch.device] = set()
+            value, _ = self._codec.decode(
+                conn.peer_name, frame.data, frame.tensors, kind=_REPLIED, devices=devices
+            )
+            if devices:
+                future._set_unwrap_func(StreamSync(devices).wait)
         except BaseException as exc:
             fail(future, exc)
             return
@@ -99,7 +113,7 @@ class Dispatcher:
             saved = collect_confirmations(forked)
             try:
                 (func, args, kwargs), ctx = self._codec.decode(
-                    conn.peer_name, frame.data, frame.tensors
+                    conn.peer_name, frame.data, frame.tensors, tolerant=frame.kind is _ONEWAY
                 )
             except AttributeError as exc:
                 # not the function's own error: a RuntimeError on the caller, as torch's

@@ -1,7 +1,8 @@
 """Group membership in the store: worker records, static and dynamic groups.
 
 Every worker publishes a :class:`WorkerRecord` (name, rank, TCP address, abstract Unix
-socket, host key, device count, device maps, devices) in the rendezvous store; records are
+socket, host key, device count, device maps, devices, and what decides whether CUDA
+tensors can reach it by CUDA IPC) in the rendezvous store; records are
 JSON, never pickle, because a TCPStore is open to anyone who can reach its port.
 
 - Static group (``world_size`` given): each rank writes ``worker/<rank>`` and waits for
@@ -32,6 +33,7 @@ from rallypoint._core.net import local_address_towards as local_address_towards
 from rallypoint.rpc._device_maps import DeviceMap, device_maps_from_json, device_maps_to_json
 from rallypoint.rpc._errors import RpcError
 from rallypoint.rpc._group._store import wait_for_keys
+from rallypoint.rpc._transport._cuda_routes import CudaInfo
 from rallypoint.rpc._transport._spin import WAITS
 from rallypoint.rpc._worker_info import WorkerInfo
 
@@ -76,6 +78,7 @@ class WorkerRecord:
     device_count: int
     device_maps: dict[str, DeviceMap]
     devices: list[torch.device]
+    cuda: CudaInfo | None = None  # None: a worker that did not say (staged CUDA tensors)
 
     @property
     def info(self) -> WorkerInfo:
@@ -93,6 +96,7 @@ class WorkerRecord:
                 "device_count": self.device_count,
                 "device_maps": device_maps_to_json(self.device_maps),
                 "devices": [str(d) for d in self.devices],
+                "cuda": None if self.cuda is None else self.cuda.to_json(),
             }
         )
 
@@ -109,6 +113,7 @@ class WorkerRecord:
             device_count=int(raw["device_count"]),
             device_maps=device_maps_from_json(raw["device_maps"]),
             devices=[torch.device(d) for d in raw["devices"]],
+            cuda=None if raw.get("cuda") is None else CudaInfo.from_json(raw["cuda"]),
         )
 
 

@@ -20,6 +20,15 @@ before the connection has authenticated.
 Flat messages (only atomic values and whole CPU tensors: most calls and replies) take
 the lean form of :mod:`rallypoint.rpc._transport._lean` instead, which starts with ``b"L"``.
 
+CUDA tensors need a device map entry (torch's rule and error text). Mapped to a GPU of a
+peer on the same host, a private copy is shared by CUDA IPC: its handle rides in the
+pickle and no bytes are sent; otherwise it is staged through pinned host memory and
+travels as a CPU tensor's bytes (:mod:`rallypoint.rpc._transport._cuda`). A message that
+places any tensor on a GPU starts with ``b"C"``: its receiver collects the devices
+(``decode(devices=...)``) so that the thread which uses the value can wait for them.
+``decode(tolerant=True)`` (one-way calls, which have nobody to fail) puts an
+:class:`Unreadable` in place of a tensor it cannot rebuild, for the function to report.
+
 Distributed autograd hooks in at both ends: ``encode(grad_sink=...)`` collects the tensors
 that need a gradient (in pickle order) and moves their references out of the pickle into a
 *grad table*, pickled ahead of it (``b"G"``, its length, the table); the pickle names them
@@ -43,7 +52,8 @@ import torch.jit._state
 
 from rallypoint.rpc._builtins import BuiltinOp
 from rallypoint.rpc._device_maps import DeviceMap
-from rallypoint.rpc._transport import _lean
+from rallypoint.rpc._transport import _cuda, _lean
+from rallypoint.rpc._transport._cuda_routes import CudaPath, CudaRouter
 
 MAGIC = b"RP"
 HEADER = struct.Struct("<2sBBIQQ")
@@ -76,6 +86,7 @@ _SPANS = struct.Struct("<1sI")  # b"S", entries; then one int64 ``lo`` per table
 _SPANS_MAGIC = b"S"
 _GRADS = struct.Struct("<1sI")  # b"G", the grad table's pickle length; then that pickle
 _GRADS_MAGIC = b"G"
+_CUDA_MAGIC = b"C"  # the message places tensors on a GPU (no payload)
 _state = threading.local()
 _SPARSE_LAYOUTS = frozenset(
     {torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
@@ -93,19 +104,40 @@ def register_reducer(cls: type, reducer: Callable[[Any], ReduceValue]) -> None:
     _REDUCERS[cls] = reducer
 
 
-def _send_device(tensor: torch.Tensor, device_map: DeviceMap | None, dst: str) -> str | None:
+def _send_device(
+    tensor: torch.Tensor, device_map: DeviceMap | None, dst: str, response: bool = False
+) -> str | None:
+    """Where ``tensor`` lands on ``dst`` (``None``: the CPU, unmapped); torch's error when
+    its device has no entry in the map of the message (``response``: a reply's)."""
     device = tensor.device
     if device.type == "cpu":
         if device_map and device in device_map and device_map[device].type != "cpu":
             return str(device_map[device])
         return None
     if device_map is None or device not in device_map:
+        kind = "Response" if response else "Request"
         raise RuntimeError(
-            f"cannot send a tensor on {device} to {dst}: there is no device map entry for "
-            f"{device}; call set_device_map({dst!r}, {{{str(device)!r}: ...}}) on the "
-            "options or move the tensor to CPU first"
+            "TensorPipe RPC backend only supports CPU tensors by default, please move your "
+            "tensors to CPU before sending them over RPC, or call `set_device_map` on "
+            "`TensorPipeRpcBackendOptions` to explicitly configure device mapping. "
+            f"{kind} device mapping is not available for destination {dst} for device "
+            f"{device} but received a tensor on that device (with rallypoint: "
+            f"set_device_map({dst!r}, {{{str(device)!r}: ...}}) on the "
+            f"{'caller' if response else 'sender'}'s options)"
         )
     return str(device_map[device])
+
+
+class Unreadable:
+    """What a tolerant decode puts in place of a tensor it could not rebuild."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = f"{type(error).__name__}: {error}"
+
+    def __repr__(self) -> str:
+        return f"Unreadable({self.error!r})"
 
 
 class _Encoder(pickle.Pickler):
@@ -118,11 +150,17 @@ class _Encoder(pickle.Pickler):
         rref_type: type | None,
         rref_hook: Callable[[Any], ReduceValue] | None,
         grad_sink: list[torch.Tensor] | None,
+        response: bool = False,
+        cuda: CudaRouter | None = None,
     ) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._tensors = tensors
         self._device_map = device_map
         self._dst = dst
+        self._response = response
+        self._cuda = cuda
+        self.places_cuda = False  # some tensor lands on a GPU
+        self.counters: list[tuple[bytes, int]] = []  # tensors shared by CUDA IPC
         self._rref_type = rref_type
         self._rref_hook = rref_hook
         self._grad_sink = grad_sink
@@ -136,7 +174,9 @@ class _Encoder(pickle.Pickler):
         if kind is torch.Tensor or kind is torch.nn.Parameter:
             if obj.is_quantized or obj.is_nested or obj.device.type == "meta":
                 return NotImplemented
-            target = _send_device(obj, self._device_map, self._dst)
+            target = _send_device(obj, self._device_map, self._dst, self._response)
+            if target is not None and target.startswith("cuda"):
+                self.places_cuda = True
             if obj.layout in _SPARSE_LAYOUTS:
                 rebuild = self._reduce_sparse(obj, target, kind is torch.nn.Parameter)
             elif obj.layout == torch.strided:
@@ -158,12 +198,18 @@ class _Encoder(pickle.Pickler):
         return NotImplemented
 
     def _reduce_tensor(self, obj: torch.Tensor, target: str | None, is_param: bool) -> Any:
-        """How ``obj`` travels: a reference into the tensor table."""
+        """How ``obj`` travels: a reference into the tensor table (or a CUDA IPC handle)."""
         if obj.device.type == "cpu" and obj.numel() and not (obj.is_conj() or obj.is_neg()):
             return self._view_of_storage(obj, target, is_param)
-        raw = obj.detach().resolve_conj().resolve_neg()
-        if raw.device.type != "cpu":
+        raw = obj.detach()
+        if raw.device.type == "cuda":
+            shared = self._share_cuda(raw, target, is_param, bool(obj.requires_grad))
+            if shared is not None:
+                return shared
+            raw = _cuda.to_host(raw)
+        elif raw.device.type != "cpu":
             raw = raw.cpu()
+        raw = raw.resolve_conj().resolve_neg()
         raw = (
             raw.contiguous().reshape(-1).view(_RAW) if raw.numel() else raw.new_empty(0, dtype=_RAW)
         )
@@ -177,6 +223,24 @@ class _Encoder(pickle.Pickler):
             is_param,
         )
         return (_rebuild_tensor, args)
+
+    def _share_cuda(
+        self, raw: torch.Tensor, target: str | None, is_param: bool, requires_grad: bool
+    ) -> ReduceValue | None:
+        """A CUDA tensor shared by CUDA IPC, if its route is IPC (else ``None``: staged)."""
+        if self._cuda is None or target is None or not target.startswith("cuda"):
+            return None
+        if not raw.numel():
+            return None
+        where = torch.device(target)
+        route = self._cuda.route(self._dst, raw.device, where)
+        if route.path is not CudaPath.IPC:
+            return None
+        args = _cuda.share(raw, route.index)
+        self.counters.append(_cuda.counter_of(args))
+        self._cuda.shared += 1
+        place = None if where.index == route.index else target  # another GPU of the receiver
+        return (_rebuild_cuda, (args, requires_grad, place, is_param))
 
     def _reduce_sparse(self, obj: torch.Tensor, target: str | None, is_param: bool) -> Any:
         """A sparse tensor travels as its index and value tensors (references into the
@@ -285,10 +349,14 @@ def encode(
     rref_type: type | None = None,
     rref_hook: Callable[[Any], ReduceValue] | None = None,
     grad_sink: list[torch.Tensor] | None = None,
+    response: bool = False,
+    cuda: CudaRouter | None = None,
 ) -> tuple[bytes, list[torch.Tensor]]:
     """Pickle ``obj``; its dense tensors come back separately as raw ``uint8`` tensors.
 
-    ``grad_sink``, if given, receives every tensor that requires grad (dense or sparse), in order.
+    ``grad_sink``, if given, receives every tensor that requires grad (dense or sparse), in
+    order. ``response``: a reply (for torch's error text); ``cuda``: the routes of CUDA
+    tensors (without it they are staged).
     """
     plain = _plain_pickle(obj)
     if plain is not None:
@@ -299,35 +367,49 @@ def encode(
             return lean
     buffer = io.BytesIO()
     tensors: list[torch.Tensor] = []
-    encoder = _Encoder(buffer, tensors, device_map, dst, rref_type, rref_hook, grad_sink)
-    encoder.dump(obj)
+    encoder = _Encoder(
+        buffer, tensors, device_map, dst, rref_type, rref_hook, grad_sink, response, cuda
+    )
+    try:
+        encoder.dump(obj)
+    except BaseException:
+        _cuda.release(encoder.counters)  # the copies shared so far: nobody will open them
+        raise
     body = buffer.getvalue()
     if encoder.grad_table:
         rebuilds = [_lean.Reduced(value) for value in encoder.grad_table]
         table = pickle.dumps(rebuilds, protocol=pickle.HIGHEST_PROTOCOL)
         body = _GRADS.pack(_GRADS_MAGIC, len(table)) + table + body
-    if not encoder.spans:
-        return body, tensors
-    los = encoder.cut_spans()
-    if not any(los):
-        return body, tensors
-    prefix = _SPANS.pack(_SPANS_MAGIC, len(los)) + struct.pack(f"<{len(los)}q", *los)
-    return prefix + body, tensors
+    if encoder.spans:
+        los = encoder.cut_spans()
+        if any(los):
+            body = _SPANS.pack(_SPANS_MAGIC, len(los)) + struct.pack(f"<{len(los)}q", *los) + body
+    if encoder.places_cuda:
+        body = _CUDA_MAGIC + body
+    return body, tensors
 
 
 def decode(
     data: bytes | memoryview,
     tensors: list[torch.Tensor],
     recv_hook: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+    *,
+    devices: set[torch.device] | None = None,
+    tolerant: bool = False,
 ) -> Any:
     """Unpickle a message produced by :func:`encode` with its raw tensors.
 
     ``recv_hook``, if given, gets all the received tensors that require grad at once (in
-    the sender's order) and returns the tensors to use in their place.
+    the sender's order) and returns the tensors to use in their place. ``devices``, if
+    given, gets the GPUs the message's tensors landed on. ``tolerant``: a tensor that
+    cannot be rebuilt becomes an :class:`Unreadable` instead of failing the message.
     """
-    if not tensors:
+    on_gpu = bool(data) and data[0] == _CUDA_MAGIC[0]
+    if on_gpu:
+        data = memoryview(data)[1:]
+    elif not tensors:
         return pickle.loads(data)
-    if data[0] == _lean.MAGIC:
+    elif data[0] == _lean.MAGIC:
         return _lean.decode(data, tensors, recv_hook)
     los: tuple[int, ...] | None = None
     if data[0] == _SPANS_MAGIC[0]:  # a pickle starts with 0x80: these are the spans' ``lo``
@@ -340,8 +422,11 @@ def decode(
         getattr(_state, "tensors", None),
         getattr(_state, "received", None),
         getattr(_state, "los", None),
+        getattr(_state, "devices", None),
+        getattr(_state, "tolerant", False),
     )
     _state.tensors, _state.received, _state.los = tensors, None, los
+    _state.devices, _state.tolerant = (devices if on_gpu else None), tolerant
     try:
         if data[0] == _GRADS_MAGIC[0]:
             magic, size = _GRADS.unpack_from(data)
@@ -352,7 +437,7 @@ def decode(
             data = memoryview(data)[_GRADS.size + size :]
         return pickle.loads(data)
     finally:
-        _state.tensors, _state.received, _state.los = saved
+        _state.tensors, _state.received, _state.los, _state.devices, _state.tolerant = saved
 
 
 def _raw(index: int) -> torch.Tensor:
@@ -371,10 +456,15 @@ def _rebuild_tensor(
     requires_grad: bool,
     device: str | None,
     is_parameter: bool,
-) -> torch.Tensor:
-    raw = _raw(index)
-    tensor = torch.empty(shape, dtype=dtype) if raw.numel() == 0 else raw.view(dtype).reshape(shape)
-    return _finish(tensor, requires_grad, device, is_parameter)
+) -> torch.Tensor | Unreadable:
+    try:
+        raw = _raw(index)
+        tensor = (
+            torch.empty(shape, dtype=dtype) if raw.numel() == 0 else raw.view(dtype).reshape(shape)
+        )
+        return _finish(tensor, requires_grad, device, is_parameter)
+    except Exception as exc:
+        return _unreadable(exc)
 
 
 def _rebuild_view(
@@ -386,15 +476,41 @@ def _rebuild_view(
     requires_grad: bool,
     device: str | None,
     is_parameter: bool,
-) -> torch.Tensor:
-    raw = _raw(index)
-    los = getattr(_state, "los", None)
-    offset = raw.storage_offset() + start - (los[index] if los else 0)
-    size = torch.empty(0, dtype=dtype).element_size()
-    if offset < 0 or offset % size:
-        raise ValueError(f"bad tensor offset {start} into table entry {index}")
-    tensor = torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), offset // size, shape, stride)
-    return _finish(tensor, requires_grad, device, is_parameter)
+) -> torch.Tensor | Unreadable:
+    try:
+        raw = _raw(index)
+        los = getattr(_state, "los", None)
+        offset = raw.storage_offset() + start - (los[index] if los else 0)
+        size = torch.empty(0, dtype=dtype).element_size()
+        if offset < 0 or offset % size:
+            raise ValueError(f"bad tensor offset {start} into table entry {index}")
+        storage = raw.untyped_storage()
+        tensor = torch.empty(0, dtype=dtype).set_(storage, offset // size, shape, stride)
+        return _finish(tensor, requires_grad, device, is_parameter)
+    except Exception as exc:
+        return _unreadable(exc)
+
+
+def _rebuild_cuda(
+    args: tuple[Any, ...], requires_grad: bool, device: str | None, is_parameter: bool
+) -> torch.Tensor | Unreadable:
+    """A tensor shared by CUDA IPC (see :mod:`._cuda`); ``device``: the GPU to copy it to,
+    when the map sends it to another GPU than the one it is opened on."""
+    try:
+        tensor = _cuda.open_shared(args)
+        devices = getattr(_state, "devices", None)
+        if devices is not None:
+            devices.add(tensor.device)
+        return _finish(tensor, requires_grad, device, is_parameter)
+    except Exception as exc:
+        return _unreadable(exc)
+
+
+def _unreadable(exc: Exception) -> Unreadable:
+    """In a tolerant decode, what stands for a tensor that could not be rebuilt."""
+    if not getattr(_state, "tolerant", False):
+        raise exc
+    return Unreadable(exc)
 
 
 def _rebuild_sparse(
@@ -435,9 +551,16 @@ def _finish(
 ) -> torch.Tensor:
     if device is not None:
         target = torch.device(device)
-        if target.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"tensor was mapped to {target} but this worker has no CUDA")
-        tensor = tensor.to(target)
+        if target.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"tensor was mapped to {target} but this worker has no CUDA")
+            devices = getattr(_state, "devices", None)
+            if devices is not None:
+                devices.add(target)
+        if tensor.device.type == "cpu":
+            tensor = _cuda.to_device(tensor, target)
+        else:  # opened on another GPU of this worker
+            tensor = tensor.to(target)
     if is_parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     if (requires_grad and tensor.is_floating_point()) or (requires_grad and tensor.is_complex()):

@@ -20,7 +20,13 @@ torch's design (FAST mode), in Python:
   a share (an exact fraction), a worker splits its share among the propagations its pass
   sends and gives it back to the caller of ``backward`` (``_credit``) when it sends none.
   ``backward`` returns when all of the credit is back, so when the pass is done on every
-  worker (one message per hop, none for replies); errors come back with the credit.
+  worker (one message per hop, none for replies); errors come back with the credit. Any
+  error in a pass fails it at once, wherever it happens: in a worker's local pass, in
+  sending a gradient (a device its map has no entry for, an unreachable peer) or in
+  reading one (a one-way propagation is decoded tolerantly, so a gradient that cannot be
+  placed reaches :meth:`DistAutograd.serve` as an error rather than a log line).
+- A received tensor's gradient goes back with the inverse of the device map it came with
+  (torch's rule; the codec keeps that map in the receive's record).
 - Leaf gradients accumulate in the context (``get_gradients``), never in ``.grad``.
 
 Unlike torch, a send whose gradient never comes (its result was unused) does not hang the
@@ -43,7 +49,9 @@ from torch.autograd.graph import Node
 
 from rallypoint.rpc._backend import Caller
 from rallypoint.rpc._current import Current
+from rallypoint.rpc._device_maps import DeviceMap
 from rallypoint.rpc._transport._spin import WAITS
+from rallypoint.rpc._transport._wire import Unreadable
 from rallypoint.rpc._worker_info import WorkerInfo
 from rallypoint.rpc.dist_autograd import _routes as routes
 from rallypoint.rpc.dist_autograd._checks import check_roots
@@ -206,19 +214,27 @@ class DistAutograd:
             self._contexts.clear()
 
     # ---- the codec's hooks ---------------------------------------------------------------
-    def record_send(self, ctx: AutogradContext, dst: str, tensors: list[torch.Tensor]) -> int:
-        """A message to ``dst`` carries ``tensors`` that require grad: its message id."""
+    def record_send(
+        self,
+        ctx: AutogradContext,
+        dst: str,
+        tensors: list[torch.Tensor],
+        device_map: DeviceMap | None = None,
+    ) -> int:
+        """A message to ``dst`` (placed by ``device_map``) carries ``tensors`` that require
+        grad: its message id."""
         message_id = next(self._message_ids)
-        ctx.sends[message_id] = SendRecord(dst, [edge_of(t) for t in tensors])
+        ctx.sends[message_id] = SendRecord(dst, [edge_of(t) for t in tensors], device_map)
         return message_id
 
     def receiver(
-        self, ctx: AutogradContext, src: str, message_id: int
+        self, ctx: AutogradContext, src: str, message_id: int, device_map: DeviceMap | None = None
     ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-        """The hook that wraps the tensors of message ``message_id`` from ``src``."""
+        """The hook that wraps the tensors of message ``message_id`` from ``src``, whose
+        gradients go back with ``device_map``."""
 
         def receive(raws: list[torch.Tensor]) -> list[torch.Tensor]:
-            return receive_message(ctx.recvs, src, message_id, raws)
+            return receive_message(ctx.recvs, src, message_id, raws, device_map)
 
         return receive
 
@@ -296,6 +312,9 @@ class DistAutograd:
         items, origin, weight, trail, statuses, offers, notices = message
         mine, carried = routes.split(notices, self.me.name)
         try:
+            unreadable: list[Any] = [g for _, _, g in items if isinstance(g, Unreadable)]
+            if unreadable:  # decoded tolerantly: a gradient this worker could not place
+                raise RuntimeError(f"could not read a gradient: {unreadable[0].error}")
             ctx = self.retrieve(context_id)
             arrivals: list[tuple[SourceKey, Grad]] = [((m, i), g) for m, i, g in items]
             outgoing, status = self._step(ctx, round_id, retain_graph, arrivals, (), offers, mine)
@@ -351,10 +370,8 @@ class DistAutograd:
                 me, peer, message_id = self.me.name, record.peer, record.message_id
                 if rnd.routes and routes.add(outgoing, rnd, me, peer, message_id, sent):
                     continue
-                outgoing.items.setdefault(record.peer, []).extend(
-                    (record.message_id, position, sent.get(position))
-                    for position in range(record.outputs)
-                )
+                grads = [(message_id, i, sent.get(i)) for i in range(record.outputs)]
+                outgoing.add(peer, grads, record.device_map)
             if outgoing.items:
                 routes.offer(ctx, rnd, (self.me.name, self.me.id), outgoing)
             settled = rnd.settled
@@ -386,29 +403,53 @@ class DistAutograd:
         if not peers:
             self._give_back(origin, ctx.id, round_id, weight, None, statuses, carried)
             return
-        share = weight if len(peers) == 1 else _split(weight, len(peers))
+        sends: list[tuple[str, Items, DeviceMap, bool]] = [
+            (peer, outgoing.items.get(peer, []), outgoing.maps.get(peer, {}), True)
+            for peer in peers
+        ]
+        sends += [(peer, items, device_map, False) for peer, device_map, items in outgoing.extra]
+        share = weight if len(sends) == 1 else _split(weight, len(sends))
         saved = getattr(_tls, "ctx", None)
         _tls.ctx = None  # protocol messages are not part of the context's forward pass
         try:
-            for peer in peers:
-                via = outgoing.via.get(peer)
+            for peer, items, device_map, first in sends:
+                via = outgoing.via.get(peer) if first else None
                 message: _Message = (
-                    outgoing.items.get(peer, []),
+                    items,
                     origin,
                     share,
                     trail if via is None else (*trail, via),
                     statuses,
                     outgoing.offers or None,
-                    [*direct.get(peer, ()), *carried] or None,
+                    ([*direct.get(peer, ()), *carried] or None) if first else None,
                 )
-                if not self._caller.oneway(
-                    peer, _propagate, ctx.id, round_id, retain_graph, *_flat(message)
-                ):
-                    error = f"Error on Node {self.me.id}: cannot reach worker {peer}"
+                error = self._send(peer, ctx.id, round_id, retain_graph, message, device_map)
+                if error is not None:
+                    error = error if origin == self.me.name else self._error(trail[:-1], error)
                     self._give_back(origin, ctx.id, round_id, share, error, statuses, carried)
                 statuses, carried = [], []
         finally:
             _tls.ctx = saved
+
+    def _send(
+        self,
+        peer: str,
+        context_id: int,
+        round_id: int,
+        retain_graph: bool,
+        message: _Message,
+        device_map: DeviceMap,
+    ) -> str | None:
+        """Send one propagation; why it could not go (the caller gives its share back with
+        that error, so the pass fails at once), or ``None``."""
+        try:
+            sent = self._caller.oneway(
+                peer, _propagate, context_id, round_id, retain_graph, *_flat(message),
+                device_map=device_map,
+            )  # fmt: skip
+        except Exception as exc:  # e.g. a gradient on a device the map has no entry for
+            return str(exc)
+        return None if sent else f"cannot reach worker {peer}"
 
     def _give_back(
         self,
@@ -462,7 +503,7 @@ class DistAutograd:
             if waiter is not None:
                 waiter.add(weight, error, statuses)
 
-    def _error(self, trail: tuple[int, ...], exc: BaseException) -> str:
+    def _error(self, trail: tuple[int, ...], exc: BaseException | str) -> str:
         """torch's text: ``Error on Node N: `` for every worker the gradient came through."""
         via = "".join(f"Error on Node {node}: " for node in trail[1:])
         return f"{via}Error on Node {self.me.id}: {exc}"

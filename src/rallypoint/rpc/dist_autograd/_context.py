@@ -3,8 +3,10 @@
 A message that carries tensors that require grad is recorded at both ends (torch's FAST
 mode): the sender keeps the tensors' gradient edges (:class:`SendRecord`, by message id);
 the receiver wraps the tensors in one ``RecvRpcBackward`` node (:func:`receive_message`)
-and keeps it (:class:`RecvRecord`). Leaf gradients of the context's backward passes
-accumulate here (:meth:`AutogradContext.accumulate`), never in ``.grad``.
+and keeps it (:class:`RecvRecord`), with the device map its gradients go back with (the
+inverse of the one the message came with, as torch's ``RecvRpcBackward``). Leaf gradients
+of the context's backward passes accumulate here (:meth:`AutogradContext.accumulate`),
+never in ``.grad``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.autograd.graph import Node, get_gradient_edge
+
+from rallypoint.rpc._device_maps import DeviceMap
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -59,14 +63,21 @@ class RecvRecord(NamedTuple):
     peer: str
     message_id: int
     outputs: int  # the message's tensors that require grad: the node's outputs
+    device_map: DeviceMap | None = None  # where their gradients go on the peer (None: CPU)
 
 
 def receive_message(
-    recvs: dict[Node, RecvRecord], src: str, message_id: int, raws: list[torch.Tensor]
+    recvs: dict[Node, RecvRecord],
+    src: str,
+    message_id: int,
+    raws: list[torch.Tensor],
+    device_map: DeviceMap | None = None,
 ) -> list[torch.Tensor]:
-    """Wrap a message's tensors that require grad in one ``RecvRpcBackward`` node."""
+    """Wrap a message's tensors that require grad in one ``RecvRpcBackward`` node; their
+    gradients will go back to ``src`` with ``device_map``."""
     outs = recv_wrap(raws)
-    recvs[outs[0].grad_fn] = RecvRecord(src, message_id, len(outs))  # type: ignore[index]
+    record = RecvRecord(src, message_id, len(outs), device_map)
+    recvs[outs[0].grad_fn] = record  # type: ignore[index]
     return outs
 
 
@@ -85,6 +96,7 @@ def recv_wrap(raws: list[torch.Tensor]) -> list[torch.Tensor]:
 class SendRecord:
     peer: str
     edges: list[tuple[Node, int]]
+    device_map: DeviceMap | None = None  # the map the message went with (None: none)
 
 
 class AutogradContext:

@@ -19,7 +19,9 @@ its share of the credit. Either way ``backward`` returns after ``A`` read the no
 A ``C`` that already sent them (another source reached them first) ignores the offer:
 they come to ``A`` as before.
 
-Error texts keep torch's trail: gradients that skip ``A`` still name it.
+Error texts keep torch's trail: gradients that skip ``A`` still name it. Routes are
+offered only for gradients that no device map places (CPU tensors, unmapped): a mapped
+gradient lands on the device the maps of its own hops give it, which a shortcut would skip.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from torch.autograd.graph import Node
+
+from rallypoint.rpc._device_maps import DeviceMap
 
 if TYPE_CHECKING:
     from rallypoint.rpc.dist_autograd._context import AutogradContext
@@ -44,15 +48,35 @@ Notice: TypeAlias = "tuple[str, int]"
 
 @dataclass(slots=True)
 class Outgoing:
-    """What one pass sends, per peer."""
+    """What one pass sends, per peer (and per device map, in the rare pass that sends a
+    peer gradients of messages that came with different maps: see :meth:`add`)."""
 
     items: dict[str, Items] = field(default_factory=dict)  # gradients: message id, index, grad
     notices: dict[str, list[int]] = field(default_factory=dict)  # sends routed past the peer
     offers: list[tuple[int, Offer]] = field(default_factory=list)  # routes this pass knows
     via: dict[str, int] = field(default_factory=dict)  # a routed peer: the rank it skips
+    maps: dict[str, DeviceMap] = field(default_factory=dict)  # a peer's items' map ({}: none)
+    extra: list[tuple[str, DeviceMap, Items]] = field(default_factory=list)  # other maps
 
     def peers(self) -> list[str]:
         return list(dict.fromkeys([*self.items, *self.notices]))
+
+    def add(self, peer: str, items: Items, device_map: DeviceMap | None) -> None:
+        """Gradients for ``peer``, placed by ``device_map``; those of another map than the
+        peer's first go in a propagation of their own."""
+        device_map = device_map or {}
+        known = self.maps.get(peer)
+        if known is None or peer not in self.items:
+            self.maps[peer] = device_map
+            self.items.setdefault(peer, []).extend(items)
+        elif known == device_map:
+            self.items[peer].extend(items)
+        else:
+            for i, (other, other_map, other_items) in enumerate(self.extra):
+                if other == peer and other_map == device_map:
+                    self.extra[i] = (peer, device_map, [*other_items, *items])
+                    return
+            self.extra.append((peer, device_map, list(items)))
 
 
 def offer(ctx: AutogradContext, rnd: Round, me: tuple[str, int], out: Outgoing) -> None:
@@ -61,11 +85,15 @@ def offer(ctx: AutogradContext, rnd: Round, me: tuple[str, int], out: Outgoing) 
     for message_id, send in dict(ctx.sends).items():  # callers record sends meanwhile
         if send.peer == me[0]:
             continue
+        if send.device_map:  # a mapped gradient takes every hop (see above)
+            continue
         through = rnd.pass_through(message_id, len(send.edges))
         if through is None:
             continue
         node, inputs = through
         record = ctx.recvs[node]
+        if record.device_map:
+            continue
         if record.peer != send.peer:  # else the gradients would go back where they are
             out.offers.append(
                 (message_id, (*me, record.peer, record.message_id, tuple(inputs), record.outputs))
@@ -89,9 +117,7 @@ def add(
     del rnd.routes[(peer, message_id)]
     _, via_rank, target, target_id, inputs, outputs = route
     by_input = {inputs[i]: grad for i, grad in sent.items()}
-    out.items.setdefault(target, []).extend(
-        (target_id, position, by_input.get(position)) for position in range(outputs)
-    )
+    out.add(target, [(target_id, i, by_input.get(i)) for i in range(outputs)], None)
     out.notices.setdefault(peer, []).append(message_id)
     out.via[target] = via_rank
     return True
