@@ -31,8 +31,15 @@ processes (torch's RPC state is global per process):
   the epochs paired in time is printed under the table (on the shared 2-vCPU VM one run
   of either backend could be 1.5x slower than the next). A second row gives the CPU time
   the three processes spent per step (all threads).
+- with a GPU (``--only cuda``, and in a full run; otherwise the run says why they are
+  skipped): two processes sharing cuda:0, worker0 mapping ``{0: 0}`` to worker1, each the
+  median of 5 runs that alternate the order of the backends: the round trip of an
+  ``rpc_sync`` echoing a 32x64 CUDA tensor, a 64 MiB CUDA echo (ms, both ends
+  synchronized), and a distributed-autograd step (a CUDA input that requires grad sent to
+  a ``Linear(1024, 1024)`` held by worker1, ``dist_autograd`` backward, whose gradient goes
+  back to worker0's GPU, and a ``DistributedOptimizer`` step)
 
-Usage: ``python benchmarks/rpc.py [--quick] [--only calls|throughput|lifecycle|autograd]
+Usage: ``python benchmarks/rpc.py [--quick] [--only calls|throughput|lifecycle|autograd|cuda]
 [--plot rpc.png]``. Prints a markdown table.
 """
 
@@ -42,6 +49,8 @@ import argparse
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -255,6 +264,95 @@ def chain_round_us(spin_s: float, rounds: int = 2000) -> float:
     return statistics.median(times[100:]) * 1e6
 
 
+def gpu_count() -> int:
+    """GPUs a worker sees, asked of a child process: this one forks the workers, and a
+    process that initialised CUDA cannot fork workers that use it."""
+    if torch.version.cuda is None:
+        return 0
+    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
+
+
+class _CudaStage(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(1024, 1024).cuda(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+def _cuda_forward(stage: Any, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = stage.local_value()(x)
+    return out
+
+
+def _cuda_params(stage: Any) -> list[Any]:
+    return [rpc.RRef(p) for p in stage.local_value().parameters()]
+
+
+def _median_us(fn: Any, n: int, warmup: int = 20) -> float:
+    times = []
+    for i in range(-warmup, n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if i >= 0:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _cuda_pair(backend: str, quick: bool) -> dict[str, float]:
+    rank = int(os.environ["RANK"])
+    kind = rpc.BackendType[backend]
+    options = _options(backend)
+    if rank == 0:
+        options.set_device_map("worker1", {0: 0})
+    torch.cuda.set_device(0)
+    rpc.init_rpc(
+        f"worker{rank}", backend=kind, rank=rank, world_size=2, rpc_backend_options=options
+    )
+    out: dict[str, float] = {}
+    if rank == 0:
+        from rallypoint.rpc import DistributedOptimizer, dist_autograd
+
+        n = 200 if quick else 2000
+        small = torch.randn(32, 64, device="cuda:0")
+        out["cuda_rtt_us"] = _median_us(lambda: rpc.rpc_sync("worker1", _echo, args=(small,)), n)
+        big = torch.rand(16 << 20, device="cuda:0")  # 64 MiB
+        rounds = 5 if quick else 30
+        echo = _median_us(lambda: rpc.rpc_sync("worker1", _echo, args=(big,)), rounds, 3)
+        out["cuda_echo_64MiB_ms"] = echo / 1e3
+        stage = rpc.remote("worker1", _CudaStage)
+        params = rpc.rpc_sync("worker1", _cuda_params, args=(stage,))
+        opt = DistributedOptimizer(torch.optim.SGD, params, lr=1e-3)
+        x = torch.randn(32, 1024, device="cuda:0", requires_grad=True)
+
+        def step() -> None:
+            with dist_autograd.context() as cid:
+                y = rpc.rpc_sync("worker1", _cuda_forward, args=(stage, x))
+                dist_autograd.backward(cid, [y.sum()])
+                opt.step(cid)
+
+        out["cuda_autograd_step_us"] = _median_us(step, n // 4)
+    rpc.shutdown()
+    return out
+
+
+def _cuda(quick: bool) -> dict[str, dict[str, float]]:
+    """The CUDA cases: the median of runs that alternate the order of the backends."""
+    runs: dict[str, list[dict[str, float]]] = {b: [] for b in BACKENDS}
+    for r in range(1 if quick else 5):
+        for backend in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:
+            run = run_workers(_cuda_pair, 2, backend, quick, timeout=600, env=_env)
+            runs[backend].append(run[0])
+    return {
+        b: {key: statistics.median(run[key] for run in v) for key in v[0]} for b, v in runs.items()
+    }
+
+
 def _pairs(quick: bool, only: str) -> dict[str, dict[str, float]]:
     """Each call metric: the median of runs that alternate the order of the backends (one
     run of TensorPipe's round trip ranged from 122 to 340 µs on the same idle machine)."""
@@ -275,6 +373,13 @@ def _env(rank: int) -> dict[str, str]:
 
 def measure(quick: bool, only: str = "all") -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {b: {} for b in BACKENDS}
+    if only in ("all", "cuda"):
+        gpus = gpu_count()
+        if gpus:
+            for backend, res in _cuda(quick).items():
+                results[backend].update(res)
+        else:
+            print("CUDA cases skipped: no GPU (torch sees none in a worker process)\n")
     if only in ("all", "autograd"):
         for backend, (step, cpu) in _autograd(quick).items():
             results[backend]["autograd_step_us"] = step
@@ -282,7 +387,7 @@ def measure(quick: bool, only: str = "all") -> dict[str, dict[str, float]]:
     if only in ("all", "calls", "throughput"):
         for backend, res in _pairs(quick, only).items():
             results[backend].update(res)
-    for backend in BACKENDS if only != "autograd" else ():
+    for backend in BACKENDS if only not in ("autograd", "cuda") else ():
         res = {}
         for ws in (2, 4, 8) if only in ("all", "lifecycle") else ():
             # slowest worker of each run, median of runs (one run is at the mercy of noise)
@@ -306,6 +411,9 @@ ROWS = [
     *[(f"shutdown, {ws} workers (s)", f"shutdown_{ws}_s", False) for ws in (2, 4, 8)],
     ("dist-autograd training step, 2 stages (µs)", "autograd_step_us", False),
     ("  its CPU time, 3 processes together (µs per step)", "autograd_cpu_us", False),
+    ("CUDA rpc_sync round trip of a 32x64 tensor on cuda:0, echoed (µs)", "cuda_rtt_us", False),
+    ("CUDA 64 MiB echo, one host (ms)", "cuda_echo_64MiB_ms", False),
+    ("CUDA dist-autograd step, Linear(1024) on worker1 (µs)", "cuda_autograd_step_us", False),
 ]
 
 
@@ -351,11 +459,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument(
         "--only",
-        choices=("all", "calls", "throughput", "lifecycle", "autograd"),
+        choices=("all", "calls", "throughput", "lifecycle", "autograd", "cuda"),
         default="all",
         help="calls: round trip, rpc_async and echo (no init/shutdown); throughput: only "
         "the rpc_async metric; lifecycle: only init_rpc/shutdown; autograd: only the "
-        "distributed-autograd training step",
+        "distributed-autograd training step; cuda: only the CUDA cases (needs a GPU)",
     )
     parser.add_argument("--plot", metavar="FILE", help="write a bar chart (needs matplotlib)")
     args = parser.parse_args()
