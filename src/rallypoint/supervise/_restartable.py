@@ -213,9 +213,7 @@ class _Channel:
             return fn(*args, **kwargs), False
         except RestartInterrupt:
             return None, True
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:
+        except Exception as exc:  # KeyboardInterrupt, SystemExit: the process ends as asked
             with self.lock:
                 self.in_fn = False
                 interrupted = self.interrupted
@@ -226,7 +224,7 @@ class _Channel:
             with self.lock:
                 self.in_fn = False
 
-    def _consequence(self, exc: BaseException) -> bool:
+    def _consequence(self, exc: Exception) -> bool:
         """Ask the agent whether ``exc`` was caused by a fault elsewhere."""
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         self._send(Raised(text[-8000:]))
@@ -241,8 +239,8 @@ class _Channel:
         """Tear down, park, take the next attempt's environment."""
         try:
             teardown()
-        except BaseException as exc:  # a poisoned CUDA context, say: this process is done
-            with contextlib.suppress(BaseException):
+        except Exception as exc:  # a poisoned CUDA context, say: this process is done
+            with contextlib.suppress(OSError, ValueError):
                 sys.stderr.write(f"rallypoint: in-process restart: teardown failed: {exc!r}\n")
             os._exit(1)
         self._send(Parked())
