@@ -18,6 +18,9 @@ class WorkerStatus(enum.StrEnum):
     TERMINATED = "terminated"
     """rallypoint stopped it (a failure elsewhere, a restart, a signal to the launcher)."""
     RUNNING = "running"
+    KEPT = "kept"
+    """It left its ``@rallypoint.restartable`` function and waits, alive, for the next
+    attempt (an in-process restart)."""
 
 
 class JobStatus(enum.StrEnum):

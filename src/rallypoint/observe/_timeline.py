@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from rallypoint._core.status import WorkerStatus
 from rallypoint.observe._events import Event
 from rallypoint.observe._lanes import StepLanes, build_lanes
 
@@ -28,11 +29,11 @@ __all__ = [
 ]
 
 STATE_COLORS = {
-    "succeeded": "#2e7d32",
-    "failed": "#c62828",
-    "terminated": "#9e9e9e",
-    "running": "#1565c0",
-    "kept": "#00897b",
+    WorkerStatus.SUCCEEDED: "#2e7d32",
+    WorkerStatus.FAILED: "#c62828",
+    WorkerStatus.TERMINATED: "#9e9e9e",
+    WorkerStatus.RUNNING: "#1565c0",
+    WorkerStatus.KEPT: "#00897b",
 }
 MARK_STYLES = {  # kind -> (colour, legend label)
     "round": ("#607d8b", "round"),
@@ -51,7 +52,7 @@ class Bar:
     rank: int
     start: float
     end: float
-    state: str
+    state: WorkerStatus
     label: str
 
 
@@ -79,12 +80,14 @@ class Timeline:
     """Step time per rank with the stragglers (``None`` without ``step_times`` events)."""
 
 
-def _state_of(event: Event) -> str:
+def _state_of(event: Event) -> WorkerStatus:
     state = event.get("state")
     if isinstance(state, str) and state in STATE_COLORS:
-        return state
+        return WorkerStatus(state)
     code = event.get("exitcode")
-    return "succeeded" if code == 0 else "failed" if isinstance(code, int) else "terminated"
+    if code == 0:
+        return WorkerStatus.SUCCEEDED
+    return WorkerStatus.FAILED if isinstance(code, int) else WorkerStatus.TERMINATED
 
 
 def _exit_text(event: Event) -> str:
@@ -128,7 +131,7 @@ def build_timeline(events: Sequence[Event]) -> Timeline:
             start = open_bars.pop(_worker_key(e), None)
             begin = start.ts - t0 if start is not None else 0.0
             label = _bar_label(start or e, r) + ": kept by an in-process restart"
-            timeline.bars.append(Bar(r, begin, t, "kept", label))
+            timeline.bars.append(Bar(r, begin, t, WorkerStatus.KEPT, label))
             open_bars[_worker_key(e)] = e
             ranks.add(r)
         elif e.kind == "worker_exit" and r is not None:
@@ -154,7 +157,7 @@ def build_timeline(events: Sequence[Event]) -> Timeline:
     for start in open_bars.values():
         r = rank_of(start)
         assert r is not None
-        state = "running" if job_end is None else "terminated"
+        state = WorkerStatus.RUNNING if job_end is None else WorkerStatus.TERMINATED
         note = "still running at the last event" if job_end is None else "no exit recorded"
         begin = start.ts - t0
         bar = Bar(r, begin, max(end, begin), state, f"{_bar_label(start, r)}: {note}")

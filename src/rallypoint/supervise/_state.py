@@ -153,6 +153,10 @@ class Worker:
         return None if self.status is None else describe_status(self.status)[0]
 
     def state(self) -> WorkerSummary:
+        if self.status is None and self.parked:
+            kept = WorkerStatus.KEPT
+            text = "kept for an in-process restart"
+            return WorkerSummary(self.rank, self.local_rank, self.pid, kept, None, text)
         if self.status is None:
             running = WorkerStatus.RUNNING
             return WorkerSummary(self.rank, self.local_rank, self.pid, running, None, "running")
