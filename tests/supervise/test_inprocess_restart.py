@@ -24,6 +24,8 @@ from rallypoint.observe import read_events
 from rallypoint.observe._timeline import build_timeline
 
 SCRIPT = Path(__file__).with_name("_restart_train.py")
+PRELOAD = "torch._dynamo"
+"""Imported once by the warm process, not by every worker's first optimizer (~1 s each)."""
 
 
 def _run(
@@ -37,7 +39,8 @@ def _run(
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", str(nproc),
-        "--max-restarts", "3", *flags, str(SCRIPT), str(out), mode, str(steps),
+        "--max-restarts", "3", "--preload", PRELOAD, *flags, str(SCRIPT), str(out), mode,
+        str(steps),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
@@ -157,7 +160,7 @@ def test_a_script_without_the_decorator_restarts_every_process(
     out = tmp_path / "o"
     out.mkdir()
     cmd = [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "4", "--max-restarts",
-           "1", str(SCRIPT), str(out), "kill", "30", "0"]  # fmt: skip
+           "1", "--preload", PRELOAD, str(SCRIPT), str(out), "kill", "30", "0"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -171,11 +174,9 @@ def test_a_script_without_the_decorator_restarts_every_process(
 
 @pytest.mark.timeout(300)
 def test_twenty_in_process_restarts_leak_no_descriptor_thread_or_memory(tmp_path: Path) -> None:
-    # --preload: the replaced rank's first optimizer imports torch._dynamo (about 1 s)
     code, text = _run(
-        tmp_path, "every", "--max-restarts", "25", "--max-same-failure", "off",
-        "--preload", "torch._dynamo", nproc=2, steps=12,
-    )  # fmt: skip
+        tmp_path, "every", "--max-restarts", "25", "--max-same-failure", "off", nproc=2, steps=12
+    )
     assert code == 0, text
     assert text.count("in-process restart") == 20, text
     usage = {}
@@ -259,7 +260,7 @@ def _agent(
     cmd = [
         sys.executable, "-m", "rallypoint", "run", "--nnodes", nnodes, "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "inproc",
-        *conf, "--max-restarts", "3", str(SCRIPT), str(out), mode, "30",
+        *conf, "--max-restarts", "3", "--preload", PRELOAD, str(SCRIPT), str(out), mode, "30",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.Popen(
