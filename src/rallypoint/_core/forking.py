@@ -6,10 +6,8 @@ first ``with lock:`` blocks for good. rallypoint's processes fork while threads 
 run: the launcher's warm process and the test harness fork workers, a ``DataLoader`` forks
 its workers beside RPC reader threads, and a store connect abandoned by
 :func:`~rallypoint._core.blocking.call_in_thread` ends, and takes that module's lock, at
-any moment. That explains a CI hang: four workers forked by ``run_workers`` never ended
-while a connect that the test before had abandoned finished in the test process (a child
-that inherits the held lock blocks in its first ``call_in_thread``, and the other workers
-wait for it in the rendezvous).
+any moment: a worker that inherits the held lock blocks in its first ``call_in_thread``,
+and the other workers wait for it in the rendezvous.
 
 :func:`fork_safe_lock` is a ``threading.Lock`` that is re-created free in every child, as
 the standard library does for its own module locks (``logging``, ``concurrent.futures``).

@@ -6,8 +6,7 @@ stays held in the child, for good. A Python lock can be made fork-safe
 its configuration under a lock that every name lookup takes (torch's c10d looks names up
 in every store connect and accept), so a worker forked from a pytest process in which a
 store server or an abandoned connect was looking a name up blocks in its own first
-connect. That hung CI (a worker's native stack: ``__resolv_conf_get`` waiting on
-``get_locked_global``) after the Python-level cures had landed.
+connect (its native stack: ``__resolv_conf_get`` waiting on ``get_locked_global``).
 
 The cure is to fork workers from a process that has no other threads. The zygote is
 forked from the test process once, before any test ran (so it has every test module

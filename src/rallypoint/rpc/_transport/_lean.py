@@ -4,8 +4,7 @@ Most messages are flat: a call ``(func, args, kwargs)`` whose arguments are numb
 strings and tensors (``rpc_sync(to, f, args=(x, 3))``), or a reply of one tensor or a
 tuple of them. The general form (:mod:`rallypoint.rpc._transport._wire`) pickles them with a
 ``Pickler`` subclass whose hook runs in Python for every object; this form describes the
-tensors in a small header and pickles the rest with the plain C pickler, about half the
-cost per message (see ``benchmarks/rpc.py``, the small-tensor round trip)::
+tensors in a small header and pickles the rest with the plain C pickler::
 
     b"L", shape kind (u8), tensor count (u16)
     per tensor: slot (u16), dtype code (u8), requires grad (u8), ndim (u8), shape (i64 each)

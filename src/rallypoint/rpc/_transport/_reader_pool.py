@@ -1,11 +1,9 @@
 """The threads that read connections, kept for the next reader when they are done.
 
 A request that blocks hands its connection's reader role to another thread (see
-:mod:`rallypoint.rpc._transport._connection`). Starting a new thread for every hand-over is costly
-for what runs on it next, not only for the start itself: a new thread has no torch
-intra-op (OpenMP) team yet, so the first operators it runs build one. Model-parallel
-programs, whose every stage forward runs long enough to be handed over, ran their
-forward passes about 10x slower on fresh threads (pytorch/examples' pipeline program).
+:mod:`rallypoint.rpc._transport._connection`). A new thread has no torch intra-op (OpenMP)
+team yet, so the first operators it runs build one: model-parallel programs, whose stage
+forwards are handed over, would pay that on every call.
 
 So a reader thread that finishes (its connection closed, or the request it kept after a
 hand-over is done) parks here, and the next hand-over takes a parked thread before it
@@ -39,12 +37,10 @@ def adopt_torch_threads() -> None:
     ``torch.set_num_threads`` sets OpenMP's and MKL's thread counts for the calling
     thread only (torch applies them to a new thread the first time that thread asks,
     e.g. in ``at::parallel_for``); a matmul run first on a fresh thread uses MKL's
-    default team, one OpenMP thread per core. A worker that set one thread then ran
+    default team, one OpenMP thread per core: a worker that set one thread would run
     every ``Linear`` of its RPC functions on two OpenMP threads, the second woken
-    through a futex for each call and spinning after it (about 1,000 wake-ups a second
-    in each stage of ``benchmarks/rpc.py``'s training step, on two vCPUs shared by three
-    processes). Asking for the count applies the settings, as torch's own thread pools
-    do when they start a thread."""
+    through a futex for each call and spinning after it. Asking for the count applies
+    the settings, as torch's own thread pools do when they start a thread."""
     torch.get_num_threads()
 
 

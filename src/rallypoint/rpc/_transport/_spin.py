@@ -1,49 +1,19 @@
 """Busy-polling while this process waits: who may spin, when it pays, and the spin itself.
 
-Every rallypoint thread that blocks says so here (:meth:`Waits.blocked`): a reader
-waiting for the next frame, a caller for its reply, ``dist_autograd.backward`` for its
-credit, the monitor between ticks, a worker in ``shutdown()``. A thread that starts to
-wait may first busy-poll for up to ``busy_poll_us`` (the *window*) if
+Every rallypoint thread that blocks says so here (:meth:`Waits.blocked`): a reader waiting
+for the next frame, a caller for its reply, ``dist_autograd.backward`` for its credit, the
+monitor between ticks, a worker in ``shutdown()``. A thread that starts to wait may first
+busy-poll for up to ``busy_poll_us`` (the *window*) if every other Python thread of the
+process is blocked in such a wait (a spinner takes the GIL constantly, so it never runs
+beside real work), and if the process's recent idle gaps that began at the same *site*
+mostly ended within the window (:class:`SpinPolicy`).
 
-- every other Python thread of the process is blocked in such a wait. A spinning thread
-  takes and drops the GIL hundreds of thousands of times a second, so a thread that
-  needs it for real work crawls beside it (a ``Linear`` forward and backward ran 70%
-  slower next to one): at most one thread per process spins, and none while user code
-  runs on another thread; and
-- the process's idle gaps that began at the same *site* mostly ended within the window
-  (:class:`SpinPolicy`): spinning that does not pay only burns CPU, and steals it from
-  the other processes of a pipeline. A gap begins when the last thread of the process
-  starts to wait and ends when any of its threads gets work; its site says what that
-  last thread had just done (the function it served, the call whose reply it awaits,
-  ``backward``). Gaps recur per site: the first stage of a pipeline waits long after
-  serving its forward call (the whole pipeline runs before its gradient comes back) and
-  briefly after sending its gradient (the optimizer step follows), so it spins only
-  after the latter.
-
-The spin polls every socket that a thread of the process waits on, and yields the CPU
-between polls (``sched_yield``): with more processes than cores (three pipeline workers
-on two vCPUs) a spinner that does not yield takes the CPU from the very process that is
-about to send (the step of ``benchmarks/rpc.py`` ran 2x slower); one that yields costs it
-a context switch. It ends when the thread's own event happens (:data:`READY`), when
-another waiting thread's socket becomes readable or another thread stops waiting
-(:data:`OTHER`: that thread needs the GIL, so this one blocks), or when the window
-passes (:data:`TIMEOUT`).
-
-A spin also stops when the CPU is taken (:data:`CONTENDED_S`): a ``sched_yield`` that
-returns only after two milliseconds means another task ran on this CPU for a time slice
-(a data loader, another job, a peer stage with a long forward). A message that arrives then
-waits for the end of that slice (4 ms on the README's VM) before the spinner sees it,
-where a thread that blocks is woken at once: so the thread blocks, and nobody in the
-process spins for a pause that starts at :data:`PAUSE_MIN_S` and doubles while the CPU
-stays taken, up to :data:`PAUSE_MAX_S`; a spin that yields for a while without losing the
-CPU resets it. On the README's VM, with two CPU-bound processes beside the training step
-(``benchmarks/rpc_ab.py --hogs 2``), this made the step 1.6x-1.8x faster; without them,
-where the step's own stages hold a spinner's CPU for up to 1.5 ms, it changed nothing.
-
-Why spin at all: a thread that blocks lets its CPU go idle, and a process that wakes up
-on an idle CPU runs cold. On the 2-vCPU VM of the README, a chain of three processes
-handing a message on, each running a small forward and backward pass, took 512 µs per
-round with blocking reads and 293 µs when each waited by yielding busy-polls.
+The spin polls every socket a thread of the process waits on, yielding the CPU between
+polls (``sched_yield``). It ends on the thread's own event (:data:`READY`), when another
+thread needs the GIL (:data:`OTHER`), or when the window passes (:data:`TIMEOUT`). A yield
+that takes :data:`CONTENDED_S` means another task holds the CPU: the thread blocks, and
+nobody in the process spins for a pause from :data:`PAUSE_MIN_S` doubling to
+:data:`PAUSE_MAX_S`. What each rule is worth: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
