@@ -68,9 +68,15 @@ def test_every_hang_names_its_root_rank_and_collective(tmp_path: Path) -> None:
     script = tmp_path / "cases.py"
     script.write_text(CASES)
     cases = ["busy", "extra", "async", "pairs", "size"]
+    # --preload torch._inductor: torch's first symbolisation of the recorded frames imports
+    # it (some 800 modules, about 1 s of CPU) in every worker that is asked, here 4 workers
+    # in each of 5 attempts; imported once by the warm process, the workers inherit it.
+    # What is checked is the analysis of each hang; the slow first symbolisation is met
+    # by the other tests of this file and of test_agent_multinode.
     proc = subprocess.run(
         [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "4", "--hang-timeout",
-         "3", "--max-restarts", str(len(cases) - 1), str(script), *cases],
+         "3", "--max-restarts", str(len(cases) - 1), "--preload", "torch._inductor",
+         str(script), *cases],
         capture_output=True, text=True, timeout=220,
     )  # fmt: skip
     err = proc.stderr
