@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import pickle
 import sys
@@ -88,8 +87,9 @@ def _forked_workers_would_hang(config: LaunchConfig) -> bool:
 def _wrap_parallel(fn: Callable[..., Any], config: LaunchConfig) -> Callable[..., Any]:
     if config.parallel is None:
         return fn
-    distributed = importlib.import_module("rallypoint.distributed")
-    wrapped: Callable[..., Any] = distributed.parallel_worker(fn, config.parallel)  # validates now
+    from rallypoint.distributed import parallel_worker
+
+    wrapped: Callable[..., Any] = parallel_worker(fn, config.parallel)  # validates now
     return wrapped
 
 
