@@ -36,6 +36,20 @@ def _worker(directory: Path, rank: int, lives: float) -> subprocess.Popen[str]:
     return proc
 
 
+def _wait_stopped(pid: int) -> None:
+    """Until every thread of ``pid`` is stopped (``T`` in ``/proc``): kill() returns before
+    a sleeping thread that another event wakes has seen the stop."""
+    while True:
+        states = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as fh:
+                stat = fh.read()
+            states.add(stat[stat.rfind(b")") + 2 :][:1])
+        if states == {b"T"}:
+            return
+        time.sleep(0.01)
+
+
 @pytest.mark.timeout(30)
 def test_answers_come_without_waiting_and_an_exited_worker_is_not_waited_for(
     tmp_path: Path,
@@ -43,6 +57,7 @@ def test_answers_come_without_waiting_and_an_exited_worker_is_not_waited_for(
     alive, dying = _worker(tmp_path, 0, 60), _worker(tmp_path, 1, 60)
     try:
         os.kill(dying.pid, signal.SIGSTOP)  # asked while it lives, it never answers
+        _wait_stopped(dying.pid)  # the stop takes effect when its threads next run
         request = FlightRequest({0: alive.pid, 1: dying.pid}, tmp_path, arrivals=True)
         time.sleep(0.3)
         assert not request.ready()  # rank 1 still may answer
