@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from _support import cli_zygote
+
 WORKER = """
 import json, os, sys
 import torch, torch.distributed as dist
@@ -54,7 +56,7 @@ def _agent(
         "--max-restarts", str(restarts), "--shutdown-timeout", "5",
         str(script), *args,
     ]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(procs: list[subprocess.Popen[str]], timeout: float = 100) -> list[tuple[int, str]]:
@@ -111,7 +113,7 @@ def test_world_env_crash_restarts_every_node_with_one_budget(tmp_path: Path, end
     assert [e.get("restart_count") for e in events if e.kind == "restart"] == [1, 1]
     assert [e.get("status") for e in events if e.kind == "job_end"] == ["succeeded"] * 2
     picture = tmp_path / "timeline.svg"
-    rep = subprocess.run(
+    rep = cli_zygote.run(
         [sys.executable, "-m", "rallypoint", "report", *map(str, logs), "-o", str(picture)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
@@ -151,7 +153,7 @@ def test_unreachable_endpoint_is_a_clear_error(tmp_path: Path) -> None:
         "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "x",
         "--rdzv-conf", "is_host=false,read_timeout=2", str(script),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=50)
+    proc = cli_zygote.run(cmd, capture_output=True, text=True, timeout=50)
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("rallypoint run: rendezvous '127.0.0.1:1'") and "127.0.0.1:1" in last
@@ -190,7 +192,7 @@ def _elastic_agent(
         "keep_alive_max_attempt=3",
         "--shutdown-timeout", "2", str(script), *args,
     ]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for(directory: Path, pattern: str, count: int, timeout: float = 60) -> None:
@@ -259,7 +261,7 @@ def test_stacks_on_demand_for_a_running_job(tmp_path: Path, endpoint: str) -> No
     agents = [_elastic_agent(endpoint, "job-st", script, str(envs), "3") for _ in range(2)]
     try:
         _wait_for(envs, "*-2-*", 4)
-        proc = subprocess.run(
+        proc = cli_zygote.run(
             [sys.executable, "-m", "rallypoint", "stacks", "--rdzv-endpoint", endpoint,
              "--rdzv-id", "job-st", "--timeout", "20"],
             capture_output=True, text=True, timeout=60,
@@ -280,7 +282,7 @@ def test_stacks_on_demand_for_a_running_job(tmp_path: Path, endpoint: str) -> No
 
 
 def test_stacks_bad_input() -> None:
-    proc = subprocess.run(
+    proc = cli_zygote.run(
         [sys.executable, "-m", "rallypoint", "stacks", "--rdzv-id", "x"],
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
@@ -320,7 +322,7 @@ def test_hang_across_nodes_prints_every_rank_and_restarts(tmp_path: Path, endpoi
             "--hang-timeout", "3", "--shutdown-timeout", "2", str(script),
         ]  # fmt: skip
         procs.append(
-            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
     results = _finish(procs)
     joined = "".join(text for _, text in results)
@@ -352,7 +354,7 @@ def test_etcd_backend_restart(tmp_path: Path) -> None:
                 "--max-restarts", "1", "--shutdown-timeout", "2", str(script), str(envs), "once",
             ]  # fmt: skip
             procs.append(
-                subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             )
         results = _finish(procs)
     for code, text in results:
@@ -441,7 +443,7 @@ def test_static_backend_node_ranks_and_restart(tmp_path: Path) -> None:
     envs.mkdir()
     port = free_port()
     procs = [
-        subprocess.Popen(
+        cli_zygote.Popen(
             [
                 sys.executable,
                 "-m",
