@@ -200,6 +200,13 @@ def _command(
     sys.exit(entry.main(argv))
 
 
+# Its frames lie under every stack the command's workers have (they are forked from
+# within it): named like runpy's (``<frozen runpy>``), they count as the launcher's, not the
+# user's, where rallypoint trims stacks to start at the user's code, as it does for
+# ``python -m rallypoint``.
+_command.__code__ = _command.__code__.replace(co_filename="<cli_zygote>")
+
+
 def _forkable(args: Sequence[str], env: Mapping[str, str], kwargs: dict[str, Any]) -> bool:
     if list(args[:3]) != _PREFIX or kwargs:
         return False
