@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from _support import cli_zygote
 from _support.flight import root_causes
 from rallypoint._core import envvars
 from rallypoint.observe._flight._final import (
@@ -48,7 +49,7 @@ def _line(marker: str) -> str:
 def test_the_rank_that_never_issued_the_timed_out_collective_is_named(tmp_path: Path) -> None:
     script = tmp_path / "timeout.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run(
+    proc = cli_zygote.run(
         [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "4", str(script)],
         capture_output=True, text=True, timeout=80,
     )  # fmt: skip
@@ -87,7 +88,7 @@ def test_across_two_agents_one_report_names_the_rank_on_the_other_node(
         "--rdzv-conf", "is_host=false,read_timeout=20", str(script),
     ]  # fmt: skip
     procs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
     errs = [p.communicate(timeout=100)[1] for p in procs]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from _support import cli_zygote
 from _support.flight import root_causes
 
 CASES = """
@@ -54,7 +55,7 @@ def _line(marker: str) -> str:
 
 
 def _run(script: Path, *args: str, timeout: float = 200) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return cli_zygote.run(
         [sys.executable, "-m", "rallypoint", "run", *args, str(script), "busy"],
         capture_output=True,
         text=True,
@@ -73,7 +74,7 @@ def test_every_hang_names_its_root_rank_and_collective(tmp_path: Path) -> None:
     # in each of 5 attempts; imported once by the warm process, the workers inherit it.
     # What is checked is the analysis of each hang; the slow first symbolisation is met
     # by the other tests of this file and of test_agent_multinode.
-    proc = subprocess.run(
+    proc = cli_zygote.run(
         [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "4", "--hang-timeout",
          "3", "--max-restarts", str(len(cases) - 1), "--preload", "torch._inductor",
          str(script), *cases],
@@ -145,7 +146,7 @@ def test_across_two_agents_the_root_is_on_the_other_node(tmp_path: Path, endpoin
             "--hang-timeout", "3", "--shutdown-timeout", "2", str(script), "xpairs",
         ]  # fmt: skip
         procs.append(
-            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
     texts = []
     for p in procs:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from _support import cli_zygote
+
 HANGS_ONCE = """
 import os, time
 import torch, torch.distributed as dist
@@ -29,7 +31,7 @@ dist.destroy_process_group()
 
 
 def _run(args: list[str], timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return cli_zygote.run(
         [sys.executable, "-m", "rallypoint", *args],
         capture_output=True,
         text=True,

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import rallypoint
+from _support import cli_zygote
 from rallypoint.cli._report import report_main
 
 STEPS = """
@@ -51,7 +52,7 @@ def test_one_node_names_the_slow_rank_once_and_report_marks_it(tmp_path: Path) -
         sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "3",
         "--straggler-window", "1", "--events", str(events), str(script), "1", "4",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=50)
+    proc = cli_zygote.run(cmd, capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if SCREEN in line]
     assert len(lines) == 1, proc.stderr
@@ -110,7 +111,7 @@ def test_two_agents_one_report_for_a_rank_of_the_other_node(tmp_path: Path) -> N
             str(script), "3", "4",
         ]  # fmt: skip
         procs.append(
-            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
     outs = []
     try:

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from _support import cli_zygote
 from rallypoint.cli._args import config_from_args
 from rallypoint.cli._parser import UsageError, build_parser
 from rallypoint.launcher import LaunchConfig
@@ -71,7 +71,7 @@ def test_workers_record_by_default_and_users_setting_wins(tmp_path: Path) -> Non
     )
     for flags, extra, expected in cases:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_FR_")}
-        proc = subprocess.run(
+        proc = cli_zygote.run(
             [
                 sys.executable,
                 "-m",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from _support import cli_zygote
 from rallypoint.observe._events import read_events
 from rallypoint.observe._flight._records import FlightEntry, GroupTrace, RankTrace
 from rallypoint.observe._lanes import build_lanes
@@ -123,7 +124,7 @@ def test_lock_step_ddp_names_the_slow_rank_and_nobody_without(tmp_path: Path, sl
     script = tmp_path / "ddp.py"
     script.write_text(DDP)
     events = tmp_path / "events.jsonl"
-    proc = subprocess.run(
+    proc = cli_zygote.run(
         [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "4",
          "--straggler-window", "4", "--events", str(events), str(script), str(slow), "80"],
         capture_output=True, text=True, timeout=100,
@@ -174,7 +175,7 @@ def test_across_two_agents_the_judge_names_a_slow_rank_of_the_other_node(
         "--rdzv-conf", "is_host=false,read_timeout=20", "--straggler-window", "4",
     ]  # fmt: skip
     procs = [
-        subprocess.Popen([*cmd, "--events", str(e), str(script), str(slow), "48", base],
+        cli_zygote.Popen([*cmd, "--events", str(e), str(script), str(slow), "48", base],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for e in events
     ]  # fmt: skip
