@@ -240,6 +240,7 @@ class _Forked:
         self._text = text
         self._chunks: dict[int, list[bytes]] = {}
         self._reading: dict[int, IO[Any]] = {}
+        self._result: tuple[Any, Any] | None = None
         close: list[int] = []
         try:
             out_fd = self._target(stdout, 1, close, "stdout")
@@ -294,6 +295,8 @@ class _Forked:
 
     def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
         assert input is None, "no input for a forked command"
+        if self._result is not None:  # as Popen's: the same output again
+            return self._result
         deadline = None if timeout is None else time.monotonic() + timeout
         with selectors.DefaultSelector() as sel:
             for fd in self._reading:
@@ -322,8 +325,12 @@ class _Forked:
             data = b"".join(self._chunks.pop(stream.fileno(), []))
             self._reading.pop(stream.fileno(), None)
             stream.close()
-            got.append(data.decode(errors="replace") if self._text else data)
-        return got[0], got[1]
+            if self._text:  # as Popen decodes: universal newlines
+                got.append(data.decode().replace("\r\n", "\n").replace("\r", "\n"))
+            else:
+                got.append(data)
+        self._result = (got[0], got[1])
+        return self._result
 
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:  # not reaped yet: the pid is still the command's
