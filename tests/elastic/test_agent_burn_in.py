@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from _support import cli_zygote
 from rallypoint.testing._netns import Network, netns_available
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
@@ -80,7 +81,7 @@ def test_nobody_is_excluded_on_a_healthy_network(tmp_path: Path, endpoint: str) 
     script = tmp_path / "w.py"
     script.write_text(WORKER)
     procs = [
-        subprocess.Popen(
+        cli_zygote.Popen(
             _cmd(
                 script, tmp_path, endpoint, ["--local-addr", f"127.0.0.{i + 2}"], "is_host=false,"
             ),

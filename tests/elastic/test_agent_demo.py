@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from _support import cli_zygote
+
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 
 
 def _agents(argvs: list[list[str]], timeout: float = 150) -> list[str]:
     procs = [
-        subprocess.Popen(
+        cli_zygote.Popen(
             [sys.executable, "-m", "rallypoint", "run", *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from _support import cli_zygote
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 WORKER = """
@@ -35,7 +37,7 @@ def _agents(endpoint: str, run_id: str, script: Path, mode: str) -> list[tuple[i
         str(script), mode,
     ]  # fmt: skip
     procs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
     ends = []

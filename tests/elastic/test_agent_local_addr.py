@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from _support import cli_zygote
 from rallypoint.launcher import LaunchConfig, launch
 
 WORKER = """
@@ -61,7 +62,7 @@ def test_one_node_the_workers_master_addr_is_the_local_addr(tmp_path: Path) -> N
         out.mkdir()
         argv = [*cmd, "--nproc-per-node", "2", "--local-addr", "127.0.0.5", str(script), str(out)]
         procs.append(
-            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cli_zygote.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
     _finish(procs)
     seen = {name: _seen(tmp_path / name) for name in launchers}
@@ -85,7 +86,7 @@ def test_two_nodes_every_worker_gets_the_store_hosts_local_addr(
         common = [*cmd, "--nnodes", "2", "--nproc-per-node", "1", *rdzv]
         common += ["--rdzv-conf", "is_host=false"]
         procs = [
-            subprocess.Popen(
+            cli_zygote.Popen(
                 [*common, "--local-addr", addr, str(script), str(out), addr],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -118,7 +119,7 @@ def test_launch_api_and_bad_input(tmp_path: Path) -> None:
             LaunchConfig(local_addr=bad)
     script = tmp_path / "hello.py"
     script.write_text("print('hello')\n")
-    proc = subprocess.run(
+    proc = cli_zygote.run(
         [*RALLYPOINT, "--local-addr", "", str(script)],
         capture_output=True,
         text=True,

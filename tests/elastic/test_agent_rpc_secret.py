@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from _support import cli_zygote
+
 WORKER = """
 import hashlib, os, sys
 import torch
@@ -36,7 +38,7 @@ def _agents(endpoint: str, run_id: str, script: Path, out: Path, env: dict[str, 
         str(script), str(out),
     ]  # fmt: skip
     procs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         for _ in range(2)
     ]
     texts = []

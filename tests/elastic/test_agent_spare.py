@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from _support import cli_zygote
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 WORKER = """
@@ -40,7 +42,7 @@ def _agent(endpoint: str, script: Path, out: Path, name: str) -> subprocess.Pope
         "is_host=false,read_timeout=20,keep_alive_interval=0.5,keep_alive_max_attempt=3",
         "--shutdown-timeout", "2", str(script), str(out), name,
     ]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for(directory: Path, pattern: str, count: int, timeout: float = 60) -> list[Path]:

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from _support import cli_zygote
 from rallypoint._core.net import free_port
 
 RALLYPOINT = [sys.executable, "-m", "rallypoint", "run"]
@@ -127,7 +128,7 @@ def _agent(
         "--rdzv-backend", backend, "--rdzv-endpoint", address, "--rdzv-id", "job",
         "--rdzv-conf", conf, "--shutdown-timeout", "2", str(script), *args,
     ]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _only_line(err: str) -> str:

@@ -6,13 +6,13 @@ identical tracebacks."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import rallypoint
+from _support import cli_zygote
 from rallypoint.cli._run import run_main
 from rallypoint.launcher import FatalError, LaunchConfig, WorkerFailedError, launch
 from rallypoint.supervise._signature import Streak, failure_signature
@@ -115,7 +115,7 @@ def test_fatal_error_through_launch() -> None:
 def test_bad_counts_are_one_line(tmp_path: Path, flag: str, value: str) -> None:
     script = tmp_path / "ok.py"
     script.write_text("print('hi')\n")
-    proc = subprocess.run(
+    proc = cli_zygote.run(
         [sys.executable, "-m", "rallypoint", "run", flag, value, str(script)],
         capture_output=True,
         text=True,
