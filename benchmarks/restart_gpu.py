@@ -1,0 +1,119 @@
+"""Benchmark: in-process vs full restart on one GPU, 8 ranks sharing it, each holding a model
+of about 100M parameters and Adam on ``cuda:0`` (a gloo world: NCCL refuses two ranks on
+one device). Rank 1 writes the time and SIGKILLs itself after step 5 of the first attempt;
+the figure is from then until every rank has finished its first step of the next attempt.
+In process, the 7 kept ranks keep their CUDA context and model (the decorated function
+re-creates only the process group); a full restart re-creates every rank. Variants
+alternate; both with ``--preload torch._dynamo``. Without a GPU it says so and exits 0.
+
+    python benchmarks/restart_gpu.py                 # 3 repeats
+    python benchmarks/restart_gpu.py --repeat 1 --params 20000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GOAL = 1.5
+
+WORKER = """
+import os, signal, sys, time
+import torch, torch.distributed as dist
+import rallypoint
+
+OUT, PARAMS, DECORATED = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+torch.cuda.set_device(0)
+width = max(1, int((PARAMS / 4) ** 0.5))
+model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4))).cuda()
+opt = torch.optim.Adam(model.parameters(), lr=1e-5)
+x = torch.randn(64, width, device="cuda")
+
+def train():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    for step in range(12):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        dist.all_reduce(loss.detach().cpu())
+        torch.cuda.synchronize()
+        if restart == 1 and step == 0:
+            open(os.path.join(OUT, f"resumed-{rank}"), "w").write(str(time.time()))
+        if restart == 0 and step == 5 and rank == 1:
+            open(os.path.join(OUT, "fault"), "w").write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+    dist.destroy_process_group()
+
+(rallypoint.restartable(train) if DECORATED else train)()
+"""
+
+
+def _gpu() -> bool:
+    code = "import torch; print(int(torch.cuda.is_available()))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return done.stdout.strip() == "1"
+
+
+def run_once(script: Path, decorated: bool, params: int, nproc: int) -> float | None:
+    with tempfile.TemporaryDirectory(prefix="rp-restart-gpu-") as tmp:
+        out = Path(tmp)
+        cmd = [
+            sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", str(nproc),
+            "--max-restarts", "1", "--preload", "torch._dynamo", str(script), str(out),
+            str(params), "1" if decorated else "0",
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        if done.returncode != 0:
+            print(done.stderr[-2000:], file=sys.stderr)
+            return None
+        fault = float((out / "fault").read_text())
+        resumed = [float(p.read_text()) for p in out.glob("resumed-*")]
+        return max(resumed) - fault if len(resumed) == nproc else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--params", type=int, default=100_000_000)
+    parser.add_argument("--nproc", type=int, default=8)
+    args = parser.parse_args()
+    if not _gpu():
+        print("restart_gpu: no GPU visible to torch here; nothing measured")
+        return
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "worker.py"
+        script.write_text(WORKER)
+        results: dict[str, list[float | None]] = {"in process": [], "full restart": []}
+        for _ in range(args.repeat):
+            for name, decorated in (("in process", True), ("full restart", False)):
+                results[name].append(run_once(script, decorated, args.params, args.nproc))
+                print(f"  {name}: {results[name][-1]}", file=sys.stderr)
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {os.cpu_count()} CPUs; "
+          f"{args.nproc} ranks on cuda:0, {args.params / 1e6:.0f}M parameters + Adam each")  # fmt: skip
+    print("| variant | recovery (s), median (min-max) | runs |")
+    print("| --- | --- | --- |")
+    for name, runs in results.items():
+        ok = [r for r in runs if r is not None]
+        cell = f"{statistics.median(ok):.2f} ({min(ok):.2f}-{max(ok):.2f})" if ok else "failed"
+        print(f"| {name} | {cell} | {len(ok)} of {len(runs)} |")
+    ok = [r for r in results["in process"] if r is not None]
+    if ok:
+        verdict = "holds" if statistics.median(ok) <= GOAL else "missed"
+        print(f"goal (in process at most {GOAL} s): {verdict}")
+
+
+if __name__ == "__main__":
+    main()
