@@ -18,7 +18,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,8 +100,10 @@ def main() -> None:
             for name, decorated in (("in process", True), ("full restart", False)):
                 results[name].append(run_once(script, decorated, args.params, args.nproc))
                 print(f"  {name}: {results[name][-1]}", file=sys.stderr)
-    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {os.cpu_count()} CPUs; "
-          f"{args.nproc} ranks on cuda:0, {args.params / 1e6:.0f}M parameters + Adam each")  # fmt: skip
+    device = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {os.cpu_count()} CPUs"
+    print(
+        f"{device}; {args.nproc} ranks on cuda:0, {args.params / 1e6:.0f}M parameters + Adam each"
+    )
     print("| variant | recovery (s), median (min-max) | runs |")
     print("| --- | --- | --- |")
     for name, runs in results.items():
