@@ -15,6 +15,7 @@ import pytest
 import torch.distributed as dist
 
 import rallypoint.distributed as rd
+from _support import cli_zygote
 from rallypoint._core.net import free_port
 from rallypoint.testing import run_workers
 
@@ -136,7 +137,7 @@ def _rallypoint_run(tmp_path: Path, extra_env: dict[str, str]) -> list[dict[str,
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(name, None)
     cmd = [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "4", str(script)]
-    proc = subprocess.run(
+    proc = cli_zygote.run(
         [*cmd, str(tmp_path)], env=env, capture_output=True, text=True, timeout=50
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

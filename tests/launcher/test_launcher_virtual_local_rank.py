@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from _support import cli_zygote
 from rallypoint.launcher import LaunchConfig, launch
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,7 +39,7 @@ def _start(
     if cuda is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda
     argv = [*launcher, "--nproc-per-node", str(nproc), *flags, str(script), str(out)]
-    proc = subprocess.Popen(
+    proc = cli_zygote.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     return proc, out

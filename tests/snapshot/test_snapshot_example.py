@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import runpy
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _support import cli_zygote
 from rallypoint.launcher import launch
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "snapshot_train.py"
@@ -18,7 +18,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "snapshot_train.py"
 
 def _run(*args: str) -> str:
     cmd = [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "2", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    proc = cli_zygote.run(cmd, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout + proc.stderr
 

@@ -15,6 +15,8 @@ import pytest
 from _jobs import TRAIN, run, same_params, starts
 from _ports import snapshot_listeners
 
+from _support import cli_zygote
+
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("virtual_local_rank", [False, True])  # True: LOCAL_RANK is 0 for all
@@ -86,7 +88,7 @@ def test_memory_stays_two_snapshots_per_rank_per_copy_after_1000_saves(
         "--rdzv-id", "memory", "--rdzv-conf", "is_host=false", str(script),
     ]  # fmt: skip
     procs = [
-        subprocess.Popen([*common, str(tmp_path / f"m{i}.json")], stdout=subprocess.PIPE,
+        cli_zygote.Popen([*common, str(tmp_path / f"m{i}.json")], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]  # fmt: skip
@@ -138,7 +140,7 @@ def test_a_single_node_job_listens_for_peers_on_loopback_only(tmp_path: Path) ->
         sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "2",
         "--max-restarts", "0", "--shutdown-timeout", "2", str(TRAIN), str(tmp_path), "node", "60",
     ]  # fmt: skip
-    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    agent = cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 90
         while not (tmp_path / "at37").exists():  # rank 1 saved step 37 and sleeps

@@ -20,6 +20,7 @@ from _jobs import TRAIN, same_params, starts
 from _ports import Holder, snapshot_listeners
 from _train import train
 
+from _support import cli_zygote
 from rallypoint.launcher import launch
 from rallypoint.testing import _workers
 from rallypoint.testing._netns import Network, netns_available
@@ -116,7 +117,7 @@ def test_whole_node_killed_at_37_replacement_resumes_at_37_bit_identical(
 
     def start() -> subprocess.Popen[str]:
         cmd = agent_cmd(endpoint, "nodeloss", tmp_path, "node")
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     agents = [start(), start()]
     try:
@@ -146,7 +147,7 @@ def test_strangers_holding_the_peer_port_do_not_stop_a_replacement_node_restorin
 
     def start() -> subprocess.Popen[str]:
         cmd = agent_cmd(endpoint, "hold", tmp_path, "node")
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     agents = [start(), start()]
     try:
@@ -210,7 +211,7 @@ def test_a_grown_world_cannot_be_mapped_from_memory_and_says_why(tmp_path: Path)
 
     def start() -> subprocess.Popen[str]:
         cmd = agent_cmd(endpoint, "grow", tmp_path, "grow", nnodes="1:2")
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     first = start()
     try:
