@@ -84,7 +84,7 @@ class InThread(Generic[T]):
     def _run(self) -> None:
         try:
             self._value = self._fn()
-        except BaseException as exc:  # handed to the caller
+        except BaseException as exc:  # SystemExit too: handed to the caller's thread
             self._error = exc
         finally:
             with _RUNNING_LOCK:

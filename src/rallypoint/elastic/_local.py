@@ -95,7 +95,7 @@ class LocalCoordinator:
                 return self.supervisor.results(outcome)
             try:
                 self._after(outcome, attempt)
-            except BaseException:
+            except BaseException:  # Ctrl-C too: the kept workers are stopped
                 self.supervisor.stop_kept()  # no attempt comes for them
                 raise
         raise AssertionError("unreachable: the last attempt raises")

@@ -393,7 +393,7 @@ def run_watched(
         try:
             with torch.set_grad_enabled(grad_enabled):
                 outcome.append(("ok", fn()))
-        except BaseException as exc:
+        except BaseException as exc:  # SystemExit too: handed to the caller's thread
             outcome.append(("err", exc))
         finally:
             done.set()
@@ -403,7 +403,7 @@ def run_watched(
     try:
         while not done.wait(channel.poll_interval):
             channel.raise_if_failed(force=True)
-    except BaseException:
+    except BaseException:  # Ctrl-C too: the worker thread is cancelled
         cancel.set()
         raise
     thread.join()

@@ -394,7 +394,7 @@ class Join:
             cancel = threading.Event()
             try:
                 run_watched(lambda: self._join_loop(cancel, deferred), channel, cancel)
-            except BaseException as error:
+            except BaseException as error:  # Ctrl-C too: the other ranks hear of it
                 self._on_error(error)
                 raise
         finally:

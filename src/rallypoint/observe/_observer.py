@@ -105,7 +105,7 @@ class Observer(Closing):
         self._exited: dict[int, int] = {}  # rank -> pid, this attempt's
         try:
             self.log = EventLog(watch.events, node=node) if watch.events else None
-        except BaseException:
+        except BaseException:  # Ctrl-C too: what was opened is closed
             self.close()
             raise
 

@@ -194,7 +194,7 @@ class ProgressBoard(Closing):
             size = _HEADER.size + 2 * nslots * _SLOT_SIZE
             os.ftruncate(fd, size)
             self._mm: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED)
-        except BaseException:
+        except BaseException:  # Ctrl-C too: fd and file go
             os.close(fd)
             os.unlink(self.path)
             raise

@@ -34,7 +34,7 @@ def _handler(
 ) -> DynamicRendezvousHandler:
     try:
         config = config_from_params(params)
-    except BaseException:
+    except BaseException:  # Ctrl-C too: the store is closed
         kv.close()
         raise
     return DynamicRendezvousHandler(

@@ -535,7 +535,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             try:
                 with self._errors():
                     self._close(self._side())
-            except BaseException as exc:  # handed to the caller
+            except BaseException as exc:  # SystemExit too: handed to the caller's thread
                 failure.append(exc)
             finally:
                 done.set()

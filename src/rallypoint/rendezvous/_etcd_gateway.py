@@ -291,7 +291,7 @@ class EtcdGateway:
             conn = http.client.HTTPConnection(host, port, timeout=timeout)
         try:
             conn.connect()
-        except BaseException:
+        except BaseException:  # Ctrl-C too: the connection is closed
             conn.close()
             raise
         return conn

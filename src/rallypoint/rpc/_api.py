@@ -77,7 +77,7 @@ def init_rpc(
             raise RuntimeError("RPC is already initialized")
         try:
             _start(backend, name, rank, world_size, rpc_backend_options)
-        except BaseException:
+        except BaseException:  # Ctrl-C too: no half-started agent stays current
             CURRENT_AGENT.clear()
             raise
 

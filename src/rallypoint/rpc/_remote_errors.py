@@ -133,7 +133,7 @@ class ErrorReply:
             return RuntimeError(text)
         try:
             return catchable_as_torch(kind)(text)
-        except BaseException as exc:
+        except BaseException as exc:  # as torch's _handle_exception: any constructor failure
             return RuntimeError(
                 f"Failed to create original exception type. Error msg was {exc}"
                 f" Original exception on remote side was {text}"

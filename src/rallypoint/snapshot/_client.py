@@ -69,7 +69,7 @@ class NodeClient:
         try:
             self.sock.connect(path)
             reply, _ = self._call({"op": "hello", "secret": secret.hex(), "host": host})
-        except BaseException:
+        except BaseException:  # Ctrl-C too: the socket is closed
             self.sock.close()
             raise
         self.port = int(reply["port"])

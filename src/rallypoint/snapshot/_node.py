@@ -84,7 +84,7 @@ class _Background:
                 return
             try:
                 future.set_result(fn(*args))
-            except BaseException as exc:
+            except BaseException as exc:  # SystemExit too: handed to the waiting thread
                 future.set_exception(exc)
 
 

@@ -167,7 +167,8 @@ class Persister:
                 if self.rank == 0:
                     self.ckdir.mark_written(step)
                     self.ckdir.prune()
-        except BaseException as exc:  # CheckpointException is one; training goes on
+        # torch's CheckpointException is a BaseException; training goes on
+        except BaseException as exc:
             if not isinstance(exc, Exception | CheckpointException):
                 raise
             self._failed(step, exc, collective=isinstance(exc, CheckpointException))

@@ -191,7 +191,7 @@ class Server:
         slot = self.records.begin(rank, world, key, nbytes, keep)
         try:
             recv_into(conn, slot.mapping()[:nbytes])
-        except BaseException:
+        except BaseException:  # Ctrl-C too: the half-written slot is freed
             self.records.abort(slot)
             raise
         self.records.commit(rank, key, slot.index)
@@ -334,7 +334,7 @@ class LocalSession:
             slot = self.records.begin(rank, world, key, nbytes, None)
             try:
                 recv_into(sock, slot.mapping()[:nbytes])
-            except BaseException:
+            except BaseException:  # Ctrl-C too: the half-written slot is freed
                 self.records.abort(slot)
                 raise
             self.records.commit(rank, key, slot.index)
@@ -356,7 +356,7 @@ class LocalSession:
         sock = socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS)
         try:
             client_handshake(sock, secret, deadline)
-        except BaseException:
+        except BaseException:  # Ctrl-C too: the socket is closed
             sock.close()
             raise
         sock.settimeout(PEER_TIMEOUT)

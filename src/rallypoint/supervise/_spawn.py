@@ -184,7 +184,7 @@ class WorkerStarter:
                 readers.append(_Pipes(out_r, err_r, res_r, agent_end))
                 requests.append((spec, [out_w, err_w, res_w, worker_end.fileno()]))
             return self.warm.spawn_many(requests), readers
-        except BaseException:
+        except BaseException:  # Ctrl-C too: the pipes are closed
             for p in readers:
                 p.close()
             raise

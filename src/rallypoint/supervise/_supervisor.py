@@ -229,7 +229,7 @@ class Supervisor(Closing):
         kept, self.kept = self._alive(self.kept), {}
         try:
             workers = self.starter.start(group, number, router, kept)
-        except BaseException:
+        except BaseException:  # Ctrl-C too: no half-started worker outlives it
             self.stopper.kill_trees([*workers, *kept.values()], signal.SIGKILL)
             self.stopper.wait_all(workers, 5.0)
             router.close()

@@ -141,7 +141,7 @@ def child_main(spec: WorkerSpec, fds: list[int], close: list[int]) -> NoReturn:
                 _write_bad_target(f"cannot execute {spec.exec_argv[0]!r}: {exc.strerror}")
                 os._exit(BAD_TARGET_EXIT)
         execute(spec.target, result_fd)
-    except BaseException:
+    except BaseException:  # a forked child reaches os._exit whatever it caught
         with contextlib.suppress(BaseException):
             os.write(2, ("rallypoint: worker setup failed:\n" + traceback.format_exc()).encode())
         os._exit(70)
@@ -275,7 +275,7 @@ def execute(target: Target, result_fd: int) -> NoReturn:
             result_fd = -1
     except SystemExit as exc:
         code = _exit_code(exc)
-    except BaseException as exc:
+    except BaseException as exc:  # the user's KeyboardInterrupt too is the worker's failure
         tb_text = _user_traceback(exc)
         with contextlib.suppress(BaseException):
             sys.stderr.write(tb_text)

@@ -369,7 +369,7 @@ class EtcdCluster(Closing):
     def __enter__(self) -> Self:
         try:
             self.start()
-        except BaseException:
+        except BaseException:  # Ctrl-C too: started servers are stopped
             self.close()
             raise
         return self

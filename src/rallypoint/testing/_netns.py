@@ -213,7 +213,7 @@ class Host:
             try:
                 _enter_netns(f"{_NETNS_DIR}/{self.name}")
                 result.append(fn())
-            except BaseException as exc:  # handed to the caller
+            except BaseException as exc:  # SystemExit too: handed to the caller's thread
                 failure.append(exc)
 
         thread = threading.Thread(target=run, name=f"netns-{self.hostname}", daemon=True)
@@ -280,7 +280,7 @@ class Network(Closing):
         atexit.register(self.close)
         try:
             self._build()
-        except BaseException:
+        except BaseException:  # Ctrl-C too: half-built namespaces are removed
             self.close()
             raise
 

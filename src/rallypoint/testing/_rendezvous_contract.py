@@ -35,7 +35,7 @@ def _threads(n: int, fn: Callable[[int], T]) -> list[T]:
     def run(i: int) -> None:
         try:
             results[i] = fn(i)
-        except BaseException as exc:  # pragma: no cover - reported below
+        except BaseException as exc:  # SystemExit too: reported by the caller's thread
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]

@@ -145,7 +145,7 @@ def _child_main(
     try:
         result: Any = fn(*args)
         payload = pickle.dumps(("ok", result))
-    except BaseException as exc:
+    except BaseException as exc:  # SystemExit too: reported to the parent
         tb = traceback.format_exc()
         try:
             pickled_exc: bytes | None = pickle.dumps(exc)
@@ -301,7 +301,7 @@ def _start(
                     [1, 2, writer.fileno(), dump_fd],
                 )
             )
-        except BaseException:
+        except BaseException:  # Ctrl-C too: the pipe is closed
             reader.close()
             raise
         finally:

@@ -277,7 +277,7 @@ def _fork_worker(sock: socket.socket, payload: bytes, fds: list[int]) -> int:
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
+    except BaseException:  # a forked child reports anything before it exits
         traceback.print_exc()
     finally:
         with contextlib.suppress(Exception):

@@ -389,7 +389,7 @@ class RallypointAgent(RpcAgent):
         hold_pyrref()  # isinstance(rref, torch's PyRRef) holds for ours (see _torch_names)
         try:
             self.group.join(self.record(), timeout)
-        except BaseException:
+        except BaseException:  # Ctrl-C too: the half-joined agent is closed
             self.close()
             raise
 

@@ -98,7 +98,7 @@ class Dispatcher:
             )
             if devices:
                 future._set_unwrap_func(StreamSync(devices).wait)
-        except BaseException as exc:
+        except BaseException as exc:  # anything, SystemExit too, fails the caller's future
             fail(future, exc)
             return
         future.set_result(value)
@@ -135,6 +135,7 @@ class Dispatcher:
                 return
             # more frames buffered: their replies go out together, after them
             self._reply(conn, frame.request_id, result, flush=not conn.frame_buffered(), ctx=ctx)
+        # a remote SystemExit too: the caller gets it, the server lives
         except BaseException as exc:
             if frame.kind is _ONEWAY:
                 logger.warning(
@@ -172,6 +173,7 @@ class Dispatcher:
         try:
             try:
                 value = fut.wait()
+            # a remote SystemExit too: the caller gets it, the server lives
             except BaseException as exc:
                 self._reply_error(conn, rid, exc, flush=True, type_name=type_name)
                 return
@@ -193,7 +195,7 @@ class Dispatcher:
     ) -> None:
         try:
             data, raws = self._codec.reply(conn.peer_name, value, ctx)
-        except BaseException as exc:
+        except BaseException as exc:  # anything, SystemExit too, is replied as an error
             self._reply_error(conn, rid, exc, flush=flush, type_name=type_name)
             return
         # not contextlib.suppress: it costs three calls of Python, for every reply

@@ -76,7 +76,7 @@ class Group:
         _groups.publish_static(store, record)
         try:
             self.peers.set(_groups.gather_static(store, world_size, timeout), static=True)
-        except BaseException:
+        except BaseException:  # Ctrl-C too: peers are told this rank is done
             store.set(f"init_done/{rank}", "1")
             if self.hosts_store:
                 ranks = [str(r) for r in _groups.published_ranks(store, world_size)]
@@ -115,7 +115,7 @@ class Group:
             self.connections.accept_calls()
             try:
                 gone = self._notify_joined(members, record, timeout)
-            except BaseException:
+            except BaseException:  # Ctrl-C too: the group forgets this worker
                 _groups.write_members(store, members)
                 _groups.delete_record(store, me.name)
                 self._tell_left(members, me.name, timeout)

@@ -199,7 +199,7 @@ def owner_create(
     def finish(result: torch.futures.Future[Any]) -> None:
         try:
             value = result.wait()
-        except BaseException as exc:
+        except BaseException as exc:  # anything, SystemExit too, settles the RRef
             _settle(entry, done, None, exc)
             return
         _settle(entry, done, value, None)

@@ -312,7 +312,7 @@ class Connection:
         except (OSError, EOFError, RpcProtocolError, ValueError, KeyError) as exc:
             if took:
                 self._lost_while_reading(generation, exc)
-        except BaseException:
+        except BaseException:  # Ctrl-C too: a half-read frame marks the connection
             if took:
                 self._abandoned = (generation, in_frame)
                 self.check_reading()

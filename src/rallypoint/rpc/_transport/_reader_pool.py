@@ -67,7 +67,7 @@ class ReaderPool:
             return
         try:
             threading.Thread(target=self._main, args=(task,), name=name, daemon=True).start()
-        except BaseException:
+        except BaseException:  # Ctrl-C too: the count stays true
             with self._lock:
                 self.started -= 1
             raise
@@ -80,7 +80,7 @@ class ReaderPool:
             threading.current_thread().name = name
             try:
                 target(*args)
-            except BaseException:  # the readers catch their own errors: a bug guard
+            except BaseException:  # a pooled thread must survive anything a reader raises
                 logger.exception("rallypoint.rpc: a reader thread failed")
             del task, target, args  # hold nothing of the last connection while parked
             task = self._park(inbox)

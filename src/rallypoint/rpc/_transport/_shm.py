@@ -265,7 +265,7 @@ class RemoteSegments:
         # under the lock: a thread sending on the connection may be in hand_back's loop
         try:
             mapped = _Mapped(fd)
-        except BaseException:
+        except BaseException:  # Ctrl-C too: the fd is closed
             os.close(fd)
             raise
         with self._lock:

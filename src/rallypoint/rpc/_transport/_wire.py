@@ -372,7 +372,7 @@ def encode(
     )
     try:
         encoder.dump(obj)
-    except BaseException:
+    except BaseException:  # Ctrl-C too: shared CUDA copies are released
         _cuda.release(encoder.counters)  # the copies shared so far: nobody will open them
         raise
     body = buffer.getvalue()

@@ -438,7 +438,7 @@ def _run(rnd: Round, plan: Plan) -> Outcome:
         grads = _ENGINE.run_backward(
             tuple(plan.outputs), tuple(plan.grads), retain, False, tuple(inputs), True, False
         )
-    except BaseException:
+    except BaseException:  # Ctrl-C too: DDP's hooks are restored
         if ddp is not None:
             ddp.restore()
             rnd.ddp = None

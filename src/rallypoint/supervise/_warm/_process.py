@@ -80,7 +80,7 @@ class WarmProcess:
                 from rallypoint.supervise._warm._server import serve
 
                 serve(child, import_torch)
-            except BaseException:
+            except BaseException:  # a forked child reaches os._exit whatever it caught
                 with contextlib.suppress(BaseException):
                     traceback.print_exc()
             finally:

@@ -199,7 +199,7 @@ class _Server:
         try:
             for name in preload:
                 importlib.import_module(name)
-        except BaseException as exc:
+        except BaseException as exc:  # a preload's SystemExit too is a failed preload
             text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             return Failed(WarmErrorKind.PRELOAD, f"--preload: cannot import: {text}")
         # children then share the warm heap without copy-on-write churn from their

@@ -47,7 +47,7 @@ def fork_snapshot_server(close: Iterable[int]) -> SnapshotServer:
         listener.bind(path)
         listener.listen(128)
         pid = os.fork()
-    except BaseException:
+    except BaseException:  # Ctrl-C too: socket and directory go
         listener.close()
         shutil.rmtree(directory, ignore_errors=True)
         raise
