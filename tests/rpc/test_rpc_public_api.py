@@ -64,18 +64,3 @@ def test_constants_module_has_torchs_names_and_values() -> None:
     from rallypoint.rpc.constants import DEFAULT_RPC_TIMEOUT_SEC  # as torch's module allows
 
     assert DEFAULT_RPC_TIMEOUT_SEC == rpc.DEFAULT_RPC_TIMEOUT_SEC
-
-
-def test_rpc_is_one_pure_python_code_path() -> None:
-    """No compiled twin: no C/C++ source ships, no command builds one, nothing switches."""
-    from pathlib import Path
-
-    from rallypoint.__main__ import COMMANDS
-
-    package = Path(rpc.__file__).parent
-    sources = [p for p in package.rglob("*") if p.suffix in {".c", ".cc", ".cpp", ".h"}]
-    assert sources == []
-    assert "build-native" not in COMMANDS
-    assert not any(
-        "NATIVE" in name for name in vars(importlib.import_module("rallypoint._core.envvars"))
-    )
