@@ -25,7 +25,7 @@ Scenarios, alternated within each repeat:
 
 torchrun gets a timeout: on this machine its restarted gloo workers can hang or fail to
 reach a stale address (docs/launcher.md, "Restarts"); the table says what happened.
-The goal (issue 51): on CPU, an in-process recovery no slower than the replaced rank's
+The goal: on CPU, an in-process recovery no slower than the replaced rank's
 own set-up (first line of the script to the call of the function, as that rank measured
 it) plus 1 s.
 
@@ -361,7 +361,7 @@ def report(results: dict[str, list[Run]], args: argparse.Namespace) -> None:
         held = sum(1 for r in done if r.recovery is not None and r.recovery <= r.setup + 1)
         back = f"; the kept ranks were back in the function {kept:.2f} s after the fault"
         print(
-            f"{name}: goal (issue 51: recovery <= the replaced rank's set-up + 1 s) "
+            f"{name}: goal (recovery <= the replaced rank's set-up + 1 s) "
             f"{'holds' if rec <= setup + 1 else 'missed'}: {rec:.2f} s vs {setup:.2f} + 1 s "
             f"(by medians; {held} of {len(done)} runs){back if kept is not None else ''}."
         )

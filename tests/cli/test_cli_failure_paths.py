@@ -1,4 +1,4 @@
-"""``rallypoint run`` failure paths on one node (issue 13): bad ``--nnodes``, torchrun
+"""``rallypoint run`` failure paths on one node: bad ``--nnodes``, torchrun
 parity of the workers' environment and of a script directory, the launcher SIGKILLed,
 and workers that tools can tell apart."""
 

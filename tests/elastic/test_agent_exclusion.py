@@ -1,4 +1,4 @@
-"""Exclusion of an agent that keeps failing (issues 42 and 50), with real agents on one
+"""Exclusion of an agent that keeps failing, with real agents on one
 host and the default ``--local-addr``, as on a laptop: exclusion names the agent (its
 identity in the rendezvous, shown with its host), so the healthy agents on the same host
 stay; the agent that hosts the rendezvous store keeps serving it when it is excluded; a

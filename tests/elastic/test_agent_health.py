@@ -1,4 +1,4 @@
-"""Health checks across nodes (issue 42, part 1): three agents on loopback, a c10d
+"""Health checks across nodes: three agents on loopback, a c10d
 rendezvous for 2 to 3 nodes; the node whose ``--health-check`` fails stays out (exit code 3
 and a screen naming the check) while the two healthy ones train at MIN."""
 

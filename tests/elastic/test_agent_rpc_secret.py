@@ -1,4 +1,4 @@
-"""One RPC secret per job under ``rallypoint run``, whatever the number of nodes (issue 12)."""
+"""One RPC secret per job under ``rallypoint run``, whatever the number of nodes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Spares (issue 42, part 3): with ``--nnodes 2:2`` a third agent is a spare; it says so
+"""Spares: with ``--nnodes 2:2`` a third agent is a spare; it says so
 once (the job and the round it waits out), then takes the place of a SIGKILLed node."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Agents whose rendezvous store cannot be reached, or stops answering (issue 13).
+"""Agents whose rendezvous store cannot be reached, or stops answering.
 
 Three kinds of endpoint: a port nobody listens on (refused), a server that accepts and never
 answers (a wrong port on a busy host, a half-dead store), and one that accepts and closes.
@@ -29,7 +29,7 @@ from rallypoint._core.net import free_port
 
 RALLYPOINT = [sys.executable, "-m", "rallypoint", "run"]
 SIGNAL_BOUND = 1.0
-"""Seconds from SIGINT/SIGTERM to the agent's exit (issue 13)."""
+"""Seconds from SIGINT/SIGTERM to the agent's exit."""
 
 
 class Endpoint:

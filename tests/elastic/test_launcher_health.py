@@ -1,4 +1,4 @@
-"""Health checks on one node (issue 42, part 1): ``--health-check`` runs before the workers
+"""Health checks on one node: ``--health-check`` runs before the workers
 start and before each restart; a failing or hanging check keeps the node out with exit
 code 3 and a screen that names the check, its exit code or timeout and its last lines."""
 
@@ -81,8 +81,8 @@ def _gone(pidfile: Path) -> bool:
 @pytest.mark.timeout(60)
 def test_nothing_a_check_started_outlives_it(hello: Path, tmp_path: Path) -> None:
     """What a check starts in a session of its own is killed with it, whether the check
-    exits (a daemon it left behind, re-parented) or times out (issue 50, section 5: a
-    ``setsid sleep`` stayed under PID 1)."""
+    exits (a daemon it left behind, re-parented) or times out (a ``setsid sleep``
+    must not stay behind under PID 1)."""
     daemon, own_session = tmp_path / "daemon.pid", tmp_path / "setsid.pid"
 
     def start(pidfile: Path, seconds: int) -> str:
@@ -105,7 +105,7 @@ def test_nothing_a_check_started_outlives_it(hello: Path, tmp_path: Path) -> Non
 @pytest.mark.timeout(60)
 def test_check_output_is_fit_for_a_terminal(hello: Path) -> None:
     """A 200 KB line is cut and says by how much; escape sequences (clear screen, title)
-    and control characters are gone (issue 50, section 5)."""
+    and control characters are gone."""
     check = (
         "head -c 200000 /dev/zero | tr '\\0' x; echo; "
         "printf 'a\\033[2J\\033[Hb\\033]0;pwned\\007c\\td\\r\\n'; exit 4"

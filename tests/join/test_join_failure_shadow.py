@@ -1,4 +1,4 @@
-"""A rank that raises inside Join and stays alive does not block the others (issue 13, 9).
+"""A rank that raises inside Join and stays alive does not block the others.
 
 Three ranks; rank 1 raises between two iterations and then waits in a barrier of the
 default group until the others are out (its process, and its process group, stay alive:

@@ -134,7 +134,7 @@ def test_torchs_dump_becomes_a_trace() -> None:
 
 
 def _nccl_entry(seq: int, state: str) -> dict[str, object]:
-    # the shape torch 2.11+cu130's NCCL recorder gave on an H200 (2026-11-26)
+    # the shape torch 2.11+cu130's NCCL recorder gave on an H200
     return {"record_id": seq - 1, "pg_id": 0, "process_group": ("0", "default_pg"),
             "collective_seq_id": seq, "p2p_seq_id": 0, "profiling_name": "nccl:all_reduce",
             "time_created_ns": 100 + seq, "input_sizes": [[1024]], "input_dtypes": ["Float"],

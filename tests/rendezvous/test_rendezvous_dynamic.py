@@ -549,9 +549,9 @@ def test_round_completes_when_a_node_writes_its_slot_late(
     memory: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The node that fills the round finalises it, waiting a while for every slot; a node
-    # starved between taking its number and writing its slot (a loaded host) used to make
-    # it give up, and with the round full no timer tried again: every node waited out
-    # join_timeout.
+    # starved between taking its number and writing its slot (a loaded host) must not make
+    # it give up: with the round full no timer would try again, and every node would wait
+    # out join_timeout.
     monkeypatch.setattr(_dynamic, "_SLOT_WAIT", timedelta(seconds=0.2))
     kv = memory.make_kv()
     assert isinstance(kv, MemoryKV)

@@ -209,8 +209,8 @@ def test_lease_expires_keys_of_a_dead_job(etcd: EtcdServer) -> None:
 
 
 def test_a_kv_dropped_without_close_stops_renewing_its_lease(etcd: EtcdServer) -> None:
-    """Its keep-alive thread used to hold it: the thread, and the lease, lived as long
-    as the process (a handler dropped without ``shutdown()`` kept its keys alive)."""
+    """Its keep-alive thread does not hold it: a handler dropped without ``shutdown()``
+    does not keep its lease, and its keys, alive as long as the process."""
     kv = _kv(etcd, lease_ttl=2)  # renewed every 0.67 s
     kv.set("k", b"1")
     thread = kv._keepalive

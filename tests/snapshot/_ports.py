@@ -31,8 +31,8 @@ def snapshot_listeners(agent_pid: int, timeout: float = 30) -> list[tuple[str, i
 
 class Holder:
     """``count`` idle connections to each address, each one reopened as soon as the
-    server drops it (finding 4 of issue 44: they used to fill the server's handshake
-    slots, and a replacement node's restore failed)."""
+    server drops it (enough of them can fill the server's handshake slots, and a
+    replacement node's restore must still succeed)."""
 
     def __init__(self, addresses: list[tuple[str, int]], count: int = 64) -> None:
         self.addresses = [("127.0.0.1" if ip == "0.0.0.0" else ip, port) for ip, port in addresses]

@@ -135,7 +135,7 @@ def test_snapshot_dir_restores_a_fresh_job_and_reshards_for_another_world(
 @pytest.mark.timeout(120)
 def test_a_single_node_job_listens_for_peers_on_loopback_only(tmp_path: Path) -> None:
     """Nobody else ever connects to the snapshot server of a one-node job: its peer port
-    is not on every interface (issue 44, finding 4: it was on 0.0.0.0)."""
+    is bound to loopback, not to 0.0.0.0."""
     cmd = [
         sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "2",
         "--max-restarts", "0", "--shutdown-timeout", "2", str(TRAIN), str(tmp_path), "node", "60",

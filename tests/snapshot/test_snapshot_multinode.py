@@ -138,8 +138,8 @@ def test_strangers_holding_the_peer_port_do_not_stop_a_replacement_node_restorin
     tmp_path: Path, reference4: Path
 ) -> None:
     """64 idle connections to the surviving node's snapshot peer port, reopened whenever
-    the server drops them, while a replacement node fetches its replica from there: it
-    used to wait behind them for one of 16 handshake slots, and its restore failed."""
+    the server drops them, while a replacement node fetches its replica from there: it must not
+    wait behind them for a handshake slot."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

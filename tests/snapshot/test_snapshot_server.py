@@ -180,9 +180,8 @@ server.run()
 @pytest.mark.timeout(60)
 def test_peers_are_served_again_after_the_server_ran_out_of_threads() -> None:
     """A flood of strangers while the server cannot start another thread, then a peer
-    is served. The accept loop used to end on the first ``can't start new thread``: no
-    peer was ever accepted again. (Strangers cost no thread since the handshakes moved
-    to one selector thread; an authenticated peer still takes one.)"""
+    is served: the accept loop outlives ``can't start new thread``. (Strangers cost no
+    thread, their handshakes share one selector thread; an authenticated peer takes one.)"""
     env = {**os.environ, "MALLOC_ARENA_MAX": "1"}  # no 64 MiB malloc arena per thread
     server = subprocess.Popen(
         [sys.executable, "-c", _FEW_THREADS],

@@ -1,4 +1,4 @@
-"""What a worker prints reaches the launcher's terminal fit for one (issue 50, section 5): a
+"""What a worker prints reaches the launcher's terminal fit for one: a
 200 KB line is cut and says by how much, escape sequences that clear the screen or set the
 title are gone (colours stay), a progress bar shows its last state; the log file keeps every
 byte as the worker wrote it."""

@@ -141,9 +141,9 @@ def _lookups_beside_a_tuple_builder() -> dict[str, Any]:
 
 @pytest.mark.timeout(60)
 def test_looking_up_ddp_modules_does_not_break_tuples_other_threads_build() -> None:
-    """The lookup used to hold a list of every object (``gc.get_objects()``) across thread
-    switches: a reader thread building a tuple failed with ``SystemError: bad argument to
-    internal function`` and a distributed backward hung (seen in CI)."""
+    """The lookup holds no list of every object (``gc.get_objects()``) across thread
+    switches, which makes a reader thread building a tuple fail with ``SystemError: bad
+    argument to internal function`` and a distributed backward hang."""
     result = run_workers(_lookups_beside_a_tuple_builder, 1, timeout=40)[0]
     assert result["errors"] == [] and result["lookups"] > 0
     assert result["found"] == {"[(True, [1])]"}  # the bias: the reducer's second parameter

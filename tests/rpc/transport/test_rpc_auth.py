@@ -175,7 +175,7 @@ def test_secret_sources(tmp_path: Any) -> None:
     with pytest.raises(WorkerError, match="no RPC secret: set RALLYPOINT_RPC_SECRET"):
         run_workers(_init_one, 1, timeout=20)
     # every worker fails before the store exists: none waits for a store host that failed
-    # (rank 0 used to fail after starting the store, and a later rank 1 waited for it for
+    # (had rank 0 failed after starting the store, a later rank 1 would wait for it for
     # the whole rpc_timeout)
     for text, seconds in run_workers(_init_without_secret, 2, timeout=25):
         assert text.startswith("no RPC secret: set RALLYPOINT_RPC_SECRET"), text

@@ -164,8 +164,8 @@ def _hand_over_without_threads() -> dict[str, Any]:
 
 @pytest.mark.timeout(60)
 def test_a_hand_over_that_cannot_start_a_thread_leaves_the_connection_read() -> None:
-    """A hand-over whose thread cannot start used to leave the connection with no reader
-    once the blocking request ended: every later frame on it went unread."""
+    """A hand-over whose thread cannot start still leaves the connection a reader once
+    the blocking request ended: every later frame on it is read."""
     out = run_workers(_hand_over_without_threads, 2, timeout=45, env=SECRET)[0]
     assert out["ping"] == "w1" and out["slow"] == 1.0, out
     assert 0.5 < out["ping_s"] < 3.0, out  # waited for the slow request, then was read
