@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.snapshot._ckdir import FRESH, Checkpoint, CheckpointDir, namespace, step_name
+from rallypoint._snapshot._ckdir import FRESH, Checkpoint, CheckpointDir, namespace, step_name
 
 HOLD = r"""
 import sys, time
-from rallypoint.snapshot._ckdir import CheckpointDir
+from rallypoint._snapshot._ckdir import CheckpointDir
 d = CheckpointDir(sys.argv[1], sys.argv[2], sys.argv[3])
 print(d.claim() or "claimed", flush=True)
 time.sleep(60)
@@ -163,9 +163,9 @@ def test_a_failed_save_removes_its_partial_directory(tmp_path: Path) -> None:
 def test_an_explicit_choice_with_nothing_to_offer_fails_the_restore(
     tmp_path: Path, live: subprocess.Popen[str]
 ) -> None:
+    from rallypoint._snapshot._persist import Persister
+    from rallypoint._snapshot._report import Reporter
     from rallypoint.snapshot import SnapshotError
-    from rallypoint.snapshot._persist import Persister
-    from rallypoint.snapshot._report import Reporter
 
     def persister(resume_from: str) -> Persister:
         return Persister(str(tmp_path), 2, rank=0, world=1, run_id="mine", token="t-mine",
