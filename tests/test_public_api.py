@@ -200,6 +200,8 @@ def test_the_face_table_reader() -> None:
         "x = 1\n"
         "if TYPE_CHECKING:\n"
         "    from pkg._a import A as A  # a comment\n"
+        "    # torch's name:\n"
+        "# a comment at the margin\n"
         "    from pkg._b import (\n"
         "        B as B,\n"
         "        c as C,\n"

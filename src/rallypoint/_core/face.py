@@ -39,12 +39,13 @@ def read_table(source: str) -> dict[str, tuple[str, str]]:
         if line.startswith("if TYPE_CHECKING:"):
             inside = True
             continue
-        if not inside or not line.strip():
-            continue
+        code = line.partition("#")[0].strip()
+        if not inside or not code:
+            continue  # outside the block, a blank line or a comment
         if not line[0].isspace():
             inside = False
             continue
-        statement += " " + line.partition("#")[0].strip()
+        statement += " " + code
         if statement.count("(") != statement.count(")"):
             continue  # a parenthesized import goes on
         words = statement.replace("(", " ").replace(")", " ").split(maxsplit=3)

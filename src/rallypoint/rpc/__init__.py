@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     from rallypoint.rpc import functions as functions
     from rallypoint.rpc import nn as nn
     from rallypoint.rpc import optim as optim
+
+    # _names: torch's private helpers that its users call; they resolve, unlisted
     from rallypoint.rpc._api import _set_rpc_timeout as _set_rpc_timeout
     from rallypoint.rpc._api import get_rpc_timeout as get_rpc_timeout
     from rallypoint.rpc._api import get_worker_info as get_worker_info
