@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from rallypoint._snapshot._agree import Agreement, next_generation, parse_where
-from rallypoint._snapshot._ckdir import Checkpoint
 from rallypoint._snapshot._flatten import apply, flatten
 from rallypoint._snapshot._layout import (
     HEADER_SIZE,
@@ -26,6 +25,7 @@ from rallypoint._snapshot._layout import (
 from rallypoint._snapshot._layout import Meta as SnapMeta
 from rallypoint._snapshot._options import Options
 from rallypoint._snapshot._records import Records, SlotState
+from rallypoint._snapshot._snapshot_dir import Checkpoint
 
 
 def _model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

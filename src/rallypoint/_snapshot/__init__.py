@@ -10,6 +10,6 @@ side forks the node's server (``_server.serve``) from its warm process.
 - ``_server``, ``_records``, ``_wire``, ``_auth``: the node's server, its slots, the wire
   form and the handshake between servers and clients;
 - ``_flatten``, ``_layout``: a state dict as tensors in shared memory;
-- ``_persist``, ``_ckdir``: torch.distributed.checkpoint in ``--snapshot-dir``;
+- ``_persist``, ``_snapshot_dir``: torch.distributed.checkpoint in ``--snapshot-dir``;
 - ``_options``, ``_errors``, ``_report``: settings, errors, the events a rank reports.
 """

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from rallypoint._snapshot._ckdir import Checkpoint
 from rallypoint._snapshot._records import Key
+from rallypoint._snapshot._snapshot_dir import Checkpoint
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store

@@ -32,7 +32,6 @@ import torch
 from rallypoint._core import envvars
 from rallypoint._core.net import local_address_towards
 from rallypoint._snapshot._agree import Agreement, Choice, next_generation
-from rallypoint._snapshot._ckdir import Checkpoint
 from rallypoint._snapshot._client import MapError, NodeClient, ServerError, SlotBuffer
 from rallypoint._snapshot._errors import SnapshotError
 from rallypoint._snapshot._flatten import Flat, apply
@@ -49,6 +48,7 @@ from rallypoint._snapshot._options import Options
 from rallypoint._snapshot._persist import Persister, persister_for
 from rallypoint._snapshot._records import Key
 from rallypoint._snapshot._report import Reporter
+from rallypoint._snapshot._snapshot_dir import Checkpoint
 
 __all__ = ["NodeSession"]
 

@@ -1,6 +1,6 @@
 """Every Kth snapshot on disk with ``torch.distributed.checkpoint`` (DCP), in the background.
 
-A checkpoint is ``DIR/run-<run id>/step-<step>/`` (``_ckdir``: one namespace per job),
+A checkpoint is ``DIR/run-<run id>/step-<step>/`` (``_snapshot_dir``: one namespace per job),
 written by DCP (no format of ours) from the bytes already staged in the snapshot's slot, by
 a thread, on a gloo group of its own (so it never interleaves with the training loop's
 collectives). Its keys:
@@ -33,10 +33,10 @@ import torch
 
 from rallypoint._core.disk import free_space
 from rallypoint._core.throttle import Throttle
-from rallypoint._snapshot._ckdir import KEEP, Checkpoint, CheckpointDir, step_name
 from rallypoint._snapshot._errors import SnapshotError
 from rallypoint._snapshot._layout import Meta, decode_meta, encode_meta
 from rallypoint._snapshot._report import Reporter
+from rallypoint._snapshot._snapshot_dir import KEEP, Checkpoint, CheckpointDir, step_name
 
 __all__ = ["KEEP", "REPEAT", "Persister", "describe", "persister_for"]
 
@@ -81,7 +81,7 @@ class Persister:
         self.ckdir = CheckpointDir(directory, run_id, token)
         self.resume_from = resume_from
         """``--snapshot-resume-from``: ``""`` (this job's and ended jobs' checkpoints),
-        ``none``, a run id or an absolute path (``_ckdir``)."""
+        ``none``, a run id or an absolute path (``_snapshot_dir``)."""
         self.every = every
         self.rank = rank
         self.world = world

@@ -1,4 +1,4 @@
-"""The ``--snapshot-dir`` layout (``_ckdir``): namespaces, who may write one, what a restore
+"""The ``--snapshot-dir`` layout (``_snapshot_dir``): namespaces, who may write one, what a restore
 lists and what a prune removes. A live job is a real process holding the namespace."""
 
 from __future__ import annotations
@@ -10,11 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint._snapshot._ckdir import FRESH, Checkpoint, CheckpointDir, namespace, step_name
+from rallypoint._snapshot._snapshot_dir import (
+    FRESH,
+    Checkpoint,
+    CheckpointDir,
+    namespace,
+    step_name,
+)
 
 HOLD = r"""
 import sys, time
-from rallypoint._snapshot._ckdir import CheckpointDir
+from rallypoint._snapshot._snapshot_dir import CheckpointDir
 d = CheckpointDir(sys.argv[1], sys.argv[2], sys.argv[3])
 print(d.claim() or "claimed", flush=True)
 time.sleep(60)
