@@ -1,4 +1,4 @@
-"""The burn-in's verdict (``elastic._burn_in.slow_node``) on made-up link times; the real
+"""The burn-in's verdict (``_elastic._burn_in.slow_node``) on made-up link times; the real
 measurement runs in ``tests/elastic/test_agent_burn_in.py``."""
 
 from __future__ import annotations

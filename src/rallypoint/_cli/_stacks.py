@@ -3,7 +3,7 @@
 Connects to the job's rendezvous store as a client (it never hosts one), asks every agent
 of the run for its workers' Python stacks (the agents answer from their monitor loop) and
 prints them grouped by identical stacks, plus one line per node that did not answer (or
-answered in part: an agent caps its answer, ``observe._stacks_exchange``). Above
+answered in part: an agent caps its answer, ``_watch._stacks_exchange``). Above
 the stacks, the collective view from the workers' Flight Recorders: each process group's
 last collective completed by all its members, and what is pending on which ranks.
 """

@@ -20,7 +20,7 @@ __all__ = [
 
 BACKENDS = ("c10d", "etcd", "etcd-v3", "file", "static")
 BUILTIN_CHECKS = ("builtin:disk", "builtin:gpu", "builtin:store")
-"""The health checks rallypoint runs itself (``elastic._health``)."""
+"""The health checks rallypoint runs itself (``_elastic._health``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,7 +42,7 @@ class RestartOptions:
 
     burn_in: bool = False
     """After each round forms, time the nodes' links and exclude a node much slower than
-    the median (``elastic._burn_in``)."""
+    the median (``_elastic._burn_in``)."""
 
     hot_spare: bool = False
     """A node that waits as a spare starts its workers ahead: they run the script's set-up
@@ -123,7 +123,7 @@ class RendezvousOptions:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HealthOptions:
-    """What this node checks before it joins a round (``elastic._health``)."""
+    """What this node checks before it joins a round (``_elastic._health``)."""
 
     checks: tuple[str, ...] = ()
     """Shell commands (exit 0: healthy) and ``builtin:disk``/``builtin:gpu``/``builtin:store``,

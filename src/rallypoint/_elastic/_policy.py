@@ -3,7 +3,7 @@
 Each tick (at most every ``poll_every`` seconds, about four store round trips): answer
 stack requests, follow a decision another node wrote (``restart``), restart when nodes wait
 to join or members were lost (without spending budget), and every few seconds exchange
-the nodes' step-time summaries for straggler detection (``observe._stragglers._watch``). A
+the nodes' step-time summaries for straggler detection (``_watch._stragglers._watch``). A
 hang is the whole job's: the first node to see it asks every node for its workers' stacks
 and prints them grouped, the others keep answering until it has them; then the round is
 decided (a restart that spends budget, or a failure with ``on_hang="fail"``). A store
@@ -38,7 +38,7 @@ __all__ = ["MEMBERSHIP_CHANGED", "ElasticPolicy"]
 MEMBERSHIP_CHANGED = "membership changed ({waiting} node(s) waiting to join or lost)"
 STACKS_TIMEOUT = 15.0
 """Seconds the node that saw a hang waits for every node's stacks (each node takes up to
-``observe._observer.FLIGHT_TIMEOUT`` for its workers' Flight Recorders)."""
+``_watch._observer.FLIGHT_TIMEOUT`` for its workers' Flight Recorders)."""
 HANG_REPORT_WAIT = 20.0
 """Seconds the other nodes keep answering stack requests after a hang."""
 TICK_WAIT = 0.2

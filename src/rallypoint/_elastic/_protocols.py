@@ -15,7 +15,7 @@ __all__ = ["NodeSupervisor"]
 
 
 class NodeSupervisor(Protocol):
-    """One node's workers, one attempt at a time (``supervise._supervisor.Supervisor``)."""
+    """One node's workers, one attempt at a time (``_supervise._supervisor.Supervisor``)."""
 
     @property
     def host(self) -> str:

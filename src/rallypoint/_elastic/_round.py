@@ -61,7 +61,7 @@ class Round:
 
         ``spend`` counts a restart against the job's budget; with the budget spent, or with
         ``force_fail``, the decision is to fail. Membership changes do not spend. A
-        failure's ``signature`` (``supervise._signature``) that ended ``max_same_failure``
+        failure's ``signature`` (``_supervise._signature``) that ended ``max_same_failure``
         rounds in a row fails the job too. ``note`` says why a failure is not restarted
         (every node prints it). The ``node`` (on ``host``) where the failure happened is
         excluded once it was the root cause of ``max_node_failures`` rounds in a row: the

@@ -7,7 +7,7 @@ The run store (``rallypoint/<run_id>/job/`` on the rendezvous backend, from
 every node and every worker sees the same ``TORCHELASTIC_RESTART_COUNT``), ``status``,
 ``end`` (the last round and its node count, written just before ``status``),
 ``left/<k>``, ``hang/<k>``, ``pace/<k>/<g>`` (each node's step-time summary,
-``observe._stragglers._watch``), the ``stacks/*`` exchange (so ``rallypoint stacks`` finds
+``_watch._stragglers._watch``), the ``stacks/*`` exchange (so ``rallypoint stacks`` finds
 it without knowing the round), ``rpc_secret`` (the job's RPC secret, set once by the
 first agent, unless the user gave every node one), ``same_failure`` and ``node_failures``
 (the runs of identical root causes and of failures rooted on one node) and ``excluded``

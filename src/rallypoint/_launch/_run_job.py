@@ -53,7 +53,7 @@ def run_job(
 
     Writes ``job_end`` to the event log however it ends. Waits for the warm process's
     imports first, so that it can clean up after this process from the moment anything
-    temporary exists (``supervise._warm._server``).
+    temporary exists (``_supervise._warm._server``).
     """
     run_id = config.world.run_id or uuid.uuid4().hex[:12]
     with SignalQueue(config.stop.signal_numbers) as signals:

@@ -1,6 +1,6 @@
 """The node's snapshot server: holds its workers' snapshots and the replicas of a peer's.
 
-Forked by the warm process of ``rallypoint run`` (``supervise._warm._server``), so it
+Forked by the warm process of ``rallypoint run`` (``_supervise._warm._server``), so it
 outlives every worker of the node and dies with the node's launcher. It holds the
 snapshots in anonymous shared memory (``_records``: two slots per rank) and moves bytes;
 it never unpickles anything.

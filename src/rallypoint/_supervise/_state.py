@@ -95,7 +95,7 @@ class Failure:
     """Why the target could not start (``BAD_TARGET`` only)."""
     culprit: str = ""
     """When a collective timed out: the rank the others waited for, by the Flight Recorder
-    (``observe._flight._format.hang_report``), where this node made that report."""
+    (``_watch._flight._format.hang_report``), where this node made that report."""
 
 
 @dataclass(slots=True)

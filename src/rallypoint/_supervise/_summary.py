@@ -36,7 +36,7 @@ PEER_LOSS = re.compile(
 def peer_vanished(text: str) -> bool:
     """Whether an error ``text`` says that a peer vanished mid-collective (:data:`PEER_LOSS`).
     A collective that timed out is not that, though gloo's error names its transport: the
-    peers are there, one of them never came (``observe._flight._final.COLLECTIVE_TIMEOUT``)."""
+    peers are there, one of them never came (``_watch._flight._final.COLLECTIVE_TIMEOUT``)."""
     return PEER_LOSS.search(text) is not None and COLLECTIVE_TIMEOUT.search(text) is None
 
 

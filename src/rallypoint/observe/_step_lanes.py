@@ -4,7 +4,7 @@ and each rank's arrival lag at the collectives where the agent sampled it.
 Built from the ``step_times`` events (every measured rank's seconds per step, at most every
 10 s or the window, with the median of the job) and the ``straggler`` events (a rank or
 node that became slow, or recovered) that the agent judging stragglers writes
-(``_stragglers._watch``).
+(``rallypoint._watch._stragglers._watch``).
 """
 
 from __future__ import annotations

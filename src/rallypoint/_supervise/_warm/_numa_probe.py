@@ -1,7 +1,7 @@
 """The CPUs each local rank binds to under ``numa_binding``, found by torch in a throwaway child.
 
 :func:`find_cpu_sets` runs in the warm process, which must never initialise CUDA (see
-``supervise._numa``). It forks a child that takes the workers' environment (their
+``_supervise._numa``). It forks a child that takes the workers' environment (their
 ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` decide which GPU is index N), runs
 ``torch.numa.binding``'s own computation for GPU ``local_rank`` of every local rank, as
 torchrun does for its workers, sends the sets back on a pipe and exits. The child starts
