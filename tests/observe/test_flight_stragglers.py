@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from _support import cli_zygote
+from rallypoint._watch._flight._records import FlightEntry, GroupTrace, RankTrace
+from rallypoint._watch._stragglers._arrivals import MIN_COLLECTIVES, is_straggler, judge_arrivals
 from rallypoint.observe._events import read_events
-from rallypoint.observe._flight._records import FlightEntry, GroupTrace, RankTrace
-from rallypoint.observe._lanes import build_lanes
-from rallypoint.observe._report_lanes import lane_tooltips
-from rallypoint.observe._stragglers._arrivals import MIN_COLLECTIVES, is_straggler, judge_arrivals
+from rallypoint.observe._step_lanes import build_lanes
+from rallypoint.observe._step_lanes_plot import lane_tooltips
 
 MS = 1_000_000
 
