@@ -113,8 +113,8 @@ if sys.argv[1] == "thread":
 else:  # a FIFO whose reader never answers: a thread that cannot get the GIL
     os.mkfifo(fifo_path(os.environ["RALLYPOINT_STACKS_DIR"], os.getpid()), 0o600)
     fd = os.open(fifo_path(os.environ["RALLYPOINT_STACKS_DIR"], os.getpid()), os.O_RDWR)
-print("ready", flush=True)
 def waiting_here():
+    print("ready", flush=True)  # from inside: the stacks taken after it show this frame
     time.sleep(60)
 waiting_here()
 """
