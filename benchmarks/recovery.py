@@ -24,7 +24,7 @@ torchrun in the same scenario, with ``--max-restarts 1``.
     .venv/bin/python benchmarks/recovery.py --sections spare --repeat 3 --timeout 60
 
 No single point of failure (``--sections spof``): three nodes x one worker train in a loop
-(``tests/_support/training_log.py``: gloo all_reduces, each step's time logged) on a
+(``rallypoint.testing.training_log``: gloo all_reduces, each step's time logged) on a
 3-member etcd cluster (loopback; 500 ms election timeout), and lose
 - the etcd leader (SIGKILL; the nodes talk to it),
 - the etcd leader's link (network namespaces: etcd on three fake hosts, two training
@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]  # tests/_support: the training log
+sys.path[:0] = [str(ROOT / "src")]
 
 WORKER = """
 import os, sys, time
@@ -267,11 +267,11 @@ def _ha_agent(
 
 @contextlib.contextmanager
 def _training_dir() -> Iterator[tuple[Path, Path]]:
-    from _support.training_log import STEP_WORKER
+    from rallypoint.testing import training_log
 
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "train.py"
-        script.write_text(STEP_WORKER)
+        script.write_text(training_log.STEP_WORKER)
         out = Path(tmp) / "out"
         out.mkdir()
         yield script, out
@@ -285,7 +285,7 @@ def _restarts(out: Path) -> int:
 
 def etcd_loss(kind: str, timeout: float) -> tuple[float, int] | None:
     """(seconds from the loss until every rank stepped after it, restarts seen)."""
-    from _support.training_log import step_times, wait_training
+    from rallypoint.testing import training_log
     from rallypoint.testing._etcd_cluster import EtcdCluster
     from rallypoint.testing._netns import Network
 
@@ -309,10 +309,10 @@ def etcd_loss(kind: str, timeout: float) -> tuple[float, int] | None:
         stack.callback(_stop, procs)
         world = len(procs)
         try:
-            wait_training(out, world, 0.0, timeout)
+            training_log.wait_training(out, world, 0.0, timeout)
             time.sleep(1)
             if kind == "node-kill":
-                host = next(t for t in step_times(out, world) if t.startswith("0-"))
+                host = next(t for t in training_log.step_times(out, world) if t.startswith("0-"))
                 victim = names.index(host.rsplit("-", 1)[1])
                 os.killpg(procs[victim].pid, signal.SIGKILL)
                 world -= 1
@@ -321,7 +321,7 @@ def etcd_loss(kind: str, timeout: float) -> tuple[float, int] | None:
             else:
                 cluster.cut(first)
             lost = time.time()
-            took = wait_training(out, world, lost, timeout)
+            took = training_log.wait_training(out, world, lost, timeout)
             time.sleep(5)  # past the liveness window: did anyone restart late?
             return took, _restarts(out)
         except TimeoutError:
@@ -366,7 +366,7 @@ def rendezvous_loss(kind: str) -> float:
 
 def c10d_host_loss(tool: str, timeout: float) -> tuple[float, list[int | None]]:
     """Kill the node hosting the c10d store: (seconds until the others exited, exit codes)."""
-    from _support.training_log import wait_training
+    from rallypoint.testing import training_log
 
     with _training_dir() as (script, out):
         endpoint = f"127.0.0.1:{_free_port()}"
@@ -374,7 +374,7 @@ def c10d_host_loss(tool: str, timeout: float) -> tuple[float, list[int | None]]:
         time.sleep(3)  # n0 binds the store's port first: it hosts the store
         procs += [_ha_agent(tool, n, "c10d", endpoint, script, out) for n in ("n1", "n2")]
         try:
-            wait_training(out, 3, 0.0, timeout)
+            training_log.wait_training(out, 3, 0.0, timeout)
             time.sleep(1)
             os.killpg(procs[0].pid, signal.SIGKILL)
             lost = time.monotonic()

@@ -3,7 +3,7 @@ leader killed, or its link cut) during rendezvous and during training, and a tra
 and go on: every rank keeps training, the job ends with exit 0 and the right result.
 
 Workers train in a loop of gloo all_reduces and log each step's time
-(``_support.training_log``); the test stops the job by creating ``out/stop``
+(``rallypoint.testing.training_log``); the test stops the job by creating ``out/stop``
 (the ranks agree on it through an all_reduce). Nothing here
 spends restart budget (``--max-restarts 0``): a member loss must not restart anyone, and a
 node loss is a membership change.
@@ -23,17 +23,17 @@ from typing import Any
 
 import pytest
 
-from _support.training_log import (
+from rallypoint.rendezvous._rounds import Keys
+from rallypoint.testing._etcd import etcd_binary
+from rallypoint.testing._etcd_cluster import EtcdCluster
+from rallypoint.testing._netns import Network, netns_available
+from rallypoint.testing.training_log import (
     STEP_WORKER,
     read_results,
     step_times,
     stop_training,
     wait_training,
 )
-from rallypoint.rendezvous._rounds import Keys
-from rallypoint.testing._etcd import etcd_binary
-from rallypoint.testing._etcd_cluster import EtcdCluster
-from rallypoint.testing._netns import Network, netns_available
 
 pytestmark = [
     pytest.mark.etcd,

@@ -16,6 +16,8 @@ Public names (resolved lazily: importing ``rallypoint.testing`` loads nothing he
 - :func:`run_rpc_contract`: the checks every RPC backend must pass, in fresh processes.
 - :func:`run_rpc_autograd_contract`: distributed autograd and ``DistributedOptimizer``
   patterns every RPC backend must pass (gradients against one process, errors, training).
+- :mod:`training_log`: a worker script that trains on gloo and logs each step's time, and
+  the calls that wait for every rank to train again after a fault.
 """
 
 from typing import TYPE_CHECKING
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING
 from rallypoint._core.face import face
 
 if TYPE_CHECKING:
+    from rallypoint.testing import training_log as training_log
     from rallypoint.testing._etcd import EtcdServer as EtcdServer
     from rallypoint.testing._etcd import TLSFiles as TLSFiles
     from rallypoint.testing._etcd import etcd_binary as etcd_binary
