@@ -67,8 +67,7 @@ from rallypoint.supervise import (
 )
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
-
+    from rallypoint._core.store import Store
     from rallypoint.rendezvous import RendezvousHandler, RendezvousInfo
 
 __all__ = ["EXIT_BARRIER", "POLL_EVERY", "ElasticCoordinator"]

@@ -8,8 +8,7 @@ from rallypoint.elastic._options import RendezvousOptions
 from rallypoint.supervise import RendezvousFailedError
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
-
+    from rallypoint._core.store import Store
     from rallypoint.rendezvous import RendezvousHandler
 
 __all__ = [

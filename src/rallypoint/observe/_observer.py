@@ -26,6 +26,7 @@ from typing import Any
 from rallypoint._core.checks import check_int, check_seconds
 from rallypoint._core.closing import Closing
 from rallypoint._core.procs import pid_running
+from rallypoint._core.store import Store
 from rallypoint.observe._events import EventLog
 from rallypoint.observe._flight._final import (
     has_final_trace,
@@ -41,7 +42,6 @@ from rallypoint.observe._flight._recorder import (
 )
 from rallypoint.observe._progress import ProgressBoard
 from rallypoint.observe._stacks import StackDump, collect_stacks, remove_dump_file, stacks_env
-from rallypoint.observe._stragglers._clock_offset import ClockStore
 from rallypoint.observe._stragglers._pace import (
     DEFAULT_THRESHOLD,
     WINDOW_S,
@@ -146,7 +146,7 @@ class Observer(Closing):
         rank_offset: int,
         group_rank: int = 0,
         nnodes: int = 1,
-        clock_store: Callable[[], ClockStore] | None = None,
+        clock_store: Callable[[], Store] | None = None,
     ) -> StragglerWatch | None:
         """Straggler detection for one attempt (``None`` when it is off); ``clock_store``
         opens a run-store connection of its own (``StragglerWatch``)."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from rallypoint.rpc._backend import CURRENT_AGENT, Args, Func, Fut, Kwargs, RpcAgent
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
+    from rallypoint._core.store import Store
 
 
 def _rpc() -> Any:
