@@ -47,7 +47,7 @@ import torch, torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from rallypoint import snapshot
-from rallypoint.snapshot import _api, _node   # imported before anything is timed
+from rallypoint._snapshot import _api, _node   # imported before anything is timed
 
 cfg = json.loads(os.environ["BENCH_CFG"])
 out = cfg["out"]

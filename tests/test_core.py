@@ -10,7 +10,9 @@ from datetime import timedelta
 
 import pytest
 
-from rallypoint._core import Closing, check_int, check_seconds, pid_alive, to_timedelta
+from rallypoint._core.checks import check_int, check_seconds, to_timedelta
+from rallypoint._core.closing import Closing
+from rallypoint._core.procs import pid_alive
 
 
 @pytest.mark.parametrize(
@@ -108,7 +110,7 @@ def test_closing_calls_close() -> None:
 def test_exit_now_flushes_and_skips_finalization() -> None:
     script = (
         "import atexit, sys\n"
-        "from rallypoint._core import exit_now\n"
+        "from rallypoint._core.procs import exit_now\n"
         "atexit.register(lambda: print('finalized'))\n"
         "print('out', end='')\n"
         "sys.stderr.write('err')\n"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from rallypoint._core.terminal import clean_line, split_clean
-from rallypoint.supervise import _output
+from rallypoint._supervise import _output
 
 
 @pytest.mark.timeout(10)

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import rallypoint
+from rallypoint._core.face import read_table
 
 PARTS = ["distributed", "join", "launcher", "observe", "rendezvous", "rpc", "snapshot", "testing"]
 """Every public part: each is checked by every test below."""
@@ -84,6 +85,8 @@ def test_launch_names_live_in_rallypoint_launcher() -> None:
         "import rallypoint.launcher",
         "import rallypoint.observe",
         "from rallypoint import snapshot",
+        "import rallypoint; import rallypoint.launcher; import rallypoint.observe",
+        "import rallypoint.distributed",
     ],
 )
 def test_import_does_not_load_torch(statement: str) -> None:
@@ -103,7 +106,7 @@ def test_progress_from_the_launcher_loads_only_progress() -> None:
     assert out.returncode == 0, out.stderr
     loaded = set(ast.literal_eval(out.stdout))
     assert "rallypoint.observe._progress" in loaded
-    parts = ("launcher", "supervise", "elastic", "cli")
+    parts = ("launcher", "_launch", "_supervise", "_elastic", "_cli", "_watch")
     assert {m for m in loaded if m.split(".")[1] in parts} == {"rallypoint.launcher"}
 
 
@@ -115,3 +118,105 @@ def test_worker_summary_and_statuses_and_the_deprecated_name() -> None:
     with pytest.warns(DeprecationWarning, match="WorkerState is deprecated: it is WorkerSummary"):
         old = launcher.WorkerState
     assert old is launcher.WorkerSummary
+
+
+FACE_MODULE = "rallypoint._core.face"
+FACES = ["rallypoint"] + [f"rallypoint.{part}" for part in PARTS]
+INTERNAL = [
+    "rallypoint._cli",
+    "rallypoint._core",
+    "rallypoint._elastic",
+    "rallypoint._launch",
+    "rallypoint._snapshot",
+    "rallypoint._supervise",
+    "rallypoint._supervise._inprocess",
+    "rallypoint._supervise._warm",
+    "rallypoint._watch",
+    "rallypoint._watch._flight",
+    "rallypoint._watch._stragglers",
+]
+
+
+@pytest.mark.parametrize("name", FACES)
+def test_every_face_lists_its_table_and_nothing_else(name: str) -> None:
+    """``__all__`` is the face's table, ``dir()`` shows exactly it (and dunders), every name
+    resolves, and nothing else does: no hidden names for other parts."""
+    module = importlib.import_module(name)
+    with open(module.__file__ or "", encoding="utf-8") as file:
+        table = read_table(file.read())
+    assert module.__all__ == sorted(n for n in table if not n.startswith("_"))
+    assert [n for n in dir(module) if not n.startswith("_")] == module.__all__
+    for entry in table:
+        assert getattr(module, entry) is not None, f"{name}.{entry}"
+    for hidden in ("run_job", "Observer", "serve", "lazy_attributes", "TYPE_CHECKING_"):
+        assert hidden not in table
+        if hidden not in vars(module):
+            with pytest.raises(AttributeError):
+                getattr(module, hidden)
+
+
+@pytest.mark.parametrize("name", FACES)
+def test_every_face_looks_the_same(name: str) -> None:
+    """A docstring, ``TYPE_CHECKING`` and ``face`` imports, one ``if TYPE_CHECKING:`` table
+    of ``from module import name as name`` lines, and ``__all__ = face(globals()...)``."""
+    module = importlib.import_module(name)
+    with open(module.__file__ or "", encoding="utf-8") as file:
+        body = ast.parse(file.read()).body
+    kinds = []
+    for node in body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            kinds.append("doc")
+        elif isinstance(node, ast.ImportFrom) and node.module in (
+            "typing",
+            "rallypoint._core.face",
+        ):
+            kinds.append("import")
+        elif isinstance(node, ast.If):
+            assert ast.unparse(node.test) == "TYPE_CHECKING", name
+            assert all(isinstance(n, ast.ImportFrom) for n in node.body), name
+            assert all(a.asname for n in node.body for a in n.names), name  # type: ignore[attr-defined]
+            kinds.append("table")
+        elif isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "__all__":
+            assert ast.unparse(node.value).startswith("face(globals()"), name
+            kinds.append("all")
+        else:
+            assert name == "rallypoint" and ast.unparse(node).startswith("__version__ = "), (
+                f"{name}: {ast.unparse(node)}"
+            )
+    assert kinds == ["doc", "import", "import", "table", "all"], name
+
+
+@pytest.mark.parametrize("name", INTERNAL)
+def test_internal_packages_are_a_docstring(name: str) -> None:
+    """Their modules are imported directly: an internal package re-exports nothing."""
+    module = importlib.import_module(name)
+    with open(module.__file__ or "", encoding="utf-8") as file:
+        body = ast.parse(file.read()).body
+    assert len(body) == 1 and isinstance(body[0], ast.Expr), name
+
+
+def test_the_face_table_reader() -> None:
+    source = (
+        "x = 1\n"
+        "if TYPE_CHECKING:\n"
+        "    from pkg._a import A as A  # a comment\n"
+        "    # torch's name:\n"
+        "# a comment at the margin\n"
+        "    from pkg._b import (\n"
+        "        B as B,\n"
+        "        c as C,\n"
+        "    )\n"
+        "\n"
+        "    from pkg import sub as sub\n"
+        "__all__ = face(globals())\n"
+    )
+    assert read_table(source) == {
+        "A": ("pkg._a", "A"),
+        "B": ("pkg._b", "B"),
+        "C": ("pkg._b", "c"),
+        "sub": ("pkg", "sub"),
+    }
+    with pytest.raises(ImportError, match="name as name"):
+        read_table("if TYPE_CHECKING:\n    from pkg._a import A\n")
+    with pytest.raises(ImportError, match="imports only"):
+        read_table("if TYPE_CHECKING:\n    X = 1\n")

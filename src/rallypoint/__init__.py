@@ -16,70 +16,30 @@ The parts live in subpackages, each with its own public surface:
 
 Importing ``rallypoint`` does no work and does not import torch: the launcher must start
 before torch is loaded so that the warm process can import it in parallel. Names are
-resolved lazily on first access.
+resolved lazily on first access (see ``rallypoint._core.face``).
 """
-
-from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rallypoint._core.lazy import lazy_attributes
+from rallypoint._core.face import face
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
-_LAZY_NAMES: dict[str, str] = {
-    "FatalError": "rallypoint.launcher",
-    "launch": "rallypoint.launcher",
-    "LaunchConfig": "rallypoint.launcher",
-    "LaunchError": "rallypoint.launcher",
-    "WorkerFailedError": "rallypoint.launcher",
-    "progress": "rallypoint.observe",
-    "restartable": "rallypoint.launcher",
-}
-_SUBPACKAGES = frozenset(
-    {"distributed", "join", "launcher", "observe", "rendezvous", "rpc", "snapshot", "testing"}
-)
-
-__all__ = [
-    "FatalError",
-    "LaunchConfig",
-    "LaunchError",
-    "WorkerFailedError",
-    "__version__",
-    "distributed",
-    "join",
-    "launch",
-    "launcher",
-    "observe",
-    "progress",
-    "rendezvous",
-    "restartable",
-    "rpc",
-    "snapshot",
-    "testing",
-]
-
 if TYPE_CHECKING:
-    from rallypoint import (
-        distributed,
-        join,
-        launcher,
-        observe,
-        rendezvous,
-        rpc,
-        snapshot,
-        testing,
-    )
-    from rallypoint.launcher import (
-        FatalError,
-        LaunchConfig,
-        LaunchError,
-        WorkerFailedError,
-        launch,
-        restartable,
-    )
-    from rallypoint.observe import progress
+    from rallypoint import distributed as distributed
+    from rallypoint import join as join
+    from rallypoint import launcher as launcher
+    from rallypoint import observe as observe
+    from rallypoint import rendezvous as rendezvous
+    from rallypoint import rpc as rpc
+    from rallypoint import snapshot as snapshot
+    from rallypoint import testing as testing
+    from rallypoint.launcher import FatalError as FatalError
+    from rallypoint.launcher import LaunchConfig as LaunchConfig
+    from rallypoint.launcher import LaunchError as LaunchError
+    from rallypoint.launcher import WorkerFailedError as WorkerFailedError
+    from rallypoint.launcher import launch as launch
+    from rallypoint.launcher import restartable as restartable
+    from rallypoint.observe import progress as progress
 
-
-__getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY_NAMES, submodules=_SUBPACKAGES)
+__all__ = face(globals())

@@ -13,15 +13,15 @@ from typing import NoReturn
 # subcommand -> ("module" with ``main(argv) -> int``, or "module:function"; one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": (
-        "rallypoint.cli:run_main",
+        "rallypoint._cli._run:run_main",
         "start workers on this node or as one node of a job (torchrun's options)",
     ),
     "report": (
-        "rallypoint.cli:report_main",
+        "rallypoint._cli._report:report_main",
         "draw a job's timeline from its --events files (PNG, HTML or SVG)",
     ),
     "stacks": (
-        "rallypoint.cli:stacks_main",
+        "rallypoint._cli._stacks:stacks_main",
         "print the Python stacks of every worker of a running job, grouped",
     ),
 }
@@ -39,10 +39,10 @@ def _run(argv: list[str]) -> NoReturn:
     imports and parses) stops it with one line, not a ``KeyboardInterrupt`` traceback."""
     try:
         # Fork the warm process first: it imports torch while we parse arguments.
-        from rallypoint.supervise import WarmProcess
+        from rallypoint._supervise._warm._process import WarmProcess
 
         warm = WarmProcess.fork()  # it dies with this process until it is ready
-        from rallypoint.cli import run_main
+        from rallypoint._cli._run import run_main
 
         code = run_main(argv, warm, owns_process=True)
     except KeyboardInterrupt:

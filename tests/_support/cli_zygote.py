@@ -21,7 +21,7 @@ would have been:
 - c10's C++ log level as ``import torch`` reads it from ``TORCH_CPP_LOG_LEVEL``, and the
   level the agent of a multi-node job gives its own torch (``FATAL``, or
   ``RALLYPOINT_AGENT_CPP_LOG_LEVEL``) after its warm process was forked, as
-  ``rallypoint.cli._run`` does when it imports torch itself.
+  ``rallypoint._cli._run`` does when it imports torch itself.
 
 A command that needs what cannot be set up so (another Python, an interpreter option, a
 variable read when an interpreter starts or torch is imported (``PYTHON*``, ``LD_*``,
@@ -64,8 +64,8 @@ _SERVER = f"""
 import socket, sys
 sys.path.insert(0, {_TESTS!r})
 import torch, torch.distributed, torch.nn.parallel
-import rallypoint.__main__, rallypoint.cli, rallypoint.cli._args, rallypoint.cli._run
-import rallypoint.launcher, rallypoint.supervise._warm._server
+import rallypoint.__main__, rallypoint._cli, rallypoint._cli._args, rallypoint._cli._run
+import rallypoint.launcher, rallypoint._supervise._warm._server
 import _support.cli_zygote
 from rallypoint.testing._zygote import _serve
 _serve(socket.socket(fileno=int(sys.argv[1])))
@@ -129,7 +129,7 @@ def _level(value: str | None) -> int | None:
 
 def _levels(env: Mapping[str, str]) -> tuple[int | None, int | None]:
     """c10's level in the workers and the warm process (what ``import torch`` reads from
-    the environment) and in the agent of a multi-node job (``rallypoint.cli._run`` has its
+    the environment) and in the agent of a multi-node job (``rallypoint._cli._run`` has its
     torch read ``RALLYPOINT_AGENT_CPP_LOG_LEVEL``, ``FATAL`` by default)."""
     return _level(env.get("TORCH_CPP_LOG_LEVEL")), _level(
         env.get("RALLYPOINT_AGENT_CPP_LOG_LEVEL", "FATAL")
@@ -190,7 +190,7 @@ def _command(
     tempfile.tempdir = None  # found again from this environment's TMPDIR when needed
 
     import rallypoint.__main__ as entry
-    from rallypoint.cli import _run
+    from rallypoint._cli import _run
 
     def quiet_agent_torch() -> None:  # the warm process is forked: it keeps user_level
         _set_cpp_level(agent_level)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.cli._run import run_main
+from rallypoint._cli._run import run_main
 
 RALLYPOINT = [sys.executable, "-m", "rallypoint"]
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.cli._args import config_from_args, parse_nproc
-from rallypoint.cli._parser import UsageError, build_parser
+from rallypoint._cli._args import config_from_args, parse_nproc
+from rallypoint._cli._parser import UsageError, build_parser
 
 
 @pytest.fixture
@@ -144,10 +144,10 @@ def test_the_launcher_process_never_imports_torch() -> None:
 
     code = (
         "import sys\n"
-        "from rallypoint.cli import _args, _parser, _run\n"
-        "from rallypoint.elastic import _coordinator, _local\n"
-        "from rallypoint.supervise import _supervisor\n"
-        "from rallypoint.supervise._warm import _process, _server\n"
+        "from rallypoint._cli import _args, _parser, _run\n"
+        "from rallypoint._elastic import _coordinator, _local\n"
+        "from rallypoint._supervise import _supervisor\n"
+        "from rallypoint._supervise._warm import _process, _server\n"
         "from rallypoint.launcher import LaunchConfig\n"
         "import rallypoint.__main__\n"
         "print('torch' in sys.modules)\n"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.cli._run import run_main
+from rallypoint._cli._run import run_main
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rallypoint.cli._cluster_env import (
+from rallypoint._cli._cluster_env import (
     DEFAULT_RDZV_PORT,
     compress_hostlist,
     detect_cluster_env,

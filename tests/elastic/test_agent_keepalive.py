@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from rallypoint.elastic._rendezvous import AGENT_KEEP_ALIVE_INTERVAL, create_rendezvous
+from rallypoint._elastic._rendezvous import AGENT_KEEP_ALIVE_INTERVAL, create_rendezvous
 
 
 @pytest.mark.timeout(60)

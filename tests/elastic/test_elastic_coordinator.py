@@ -18,12 +18,15 @@ from typing import Any
 
 import pytest
 
-from rallypoint.elastic._coordinator import ElasticCoordinator
-from rallypoint.elastic._options import RestartOptions
-from rallypoint.elastic._policy import ElasticPolicy
-from rallypoint.elastic._protocols import NodeSupervisor
-from rallypoint.elastic._rendezvous import run_store_namespace
-from rallypoint.elastic._stores import RunStore
+from rallypoint._elastic._coordinator import ElasticCoordinator
+from rallypoint._elastic._options import RestartOptions
+from rallypoint._elastic._policy import ElasticPolicy
+from rallypoint._elastic._protocols import NodeSupervisor
+from rallypoint._elastic._rendezvous import run_store_namespace
+from rallypoint._elastic._stores import RunStore
+from rallypoint._supervise._policy import AttemptPolicy
+from rallypoint._supervise._state import Failure, GroupInfo, Outcome, OutcomeKind
+from rallypoint._watch._observer import Observer, WatchOptions
 from rallypoint.launcher import (
     HangError,
     RendezvousFailedError,
@@ -32,10 +35,7 @@ from rallypoint.launcher import (
     WorkerSummary,
 )
 from rallypoint.observe import read_events
-from rallypoint.observe._observer import Observer, WatchOptions
 from rallypoint.rendezvous import DynamicRendezvousConfig, DynamicRendezvousHandler, MemoryKV
-from rallypoint.supervise._policy import AttemptPolicy
-from rallypoint.supervise._state import Failure, GroupInfo, Outcome, OutcomeKind
 
 RUN_ID = "job"
 FAST = {

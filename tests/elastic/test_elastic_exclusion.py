@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 from torch.distributed import HashStore
 
-from rallypoint.elastic import _round
-from rallypoint.elastic._records import Action, Decision, ExclusionRecord
-from rallypoint.elastic._round import Round
-from rallypoint.elastic._stores import RoundStore, RunStore
+from rallypoint._elastic import _round
+from rallypoint._elastic._records import Action, Decision, ExclusionRecord
+from rallypoint._elastic._round import Round
+from rallypoint._elastic._stores import RoundStore, RunStore
+from rallypoint._supervise._state import GroupInfo
 from rallypoint.launcher import RendezvousFailedError
 from rallypoint.rendezvous import RendezvousStateError
-from rallypoint.supervise import GroupInfo
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rallypoint.elastic._records import Action, Decision, FailureRecord, NodeRecord, RootRecord
+from rallypoint._elastic._records import Action, Decision, FailureRecord, NodeRecord, RootRecord
 from rallypoint.rendezvous import RendezvousStateError
 
 FAILURE = FailureRecord(
@@ -61,8 +61,8 @@ def test_malformed_records_are_state_errors(cls: type, data: bytes, match: str) 
 def test_exclusion_and_streak_keys_in_the_run_store() -> None:
     from torch.distributed import HashStore
 
-    from rallypoint.elastic._records import ExclusionRecord
-    from rallypoint.elastic._stores import RunStore
+    from rallypoint._elastic._records import ExclusionRecord
+    from rallypoint._elastic._stores import RunStore
 
     run = RunStore(HashStore())
     assert [run.node_failed(n) for n in ("c", "c", "b", "c", "c", "c")] == [1, 2, 1, 1, 2, 3]

@@ -13,9 +13,9 @@ import pytest
 
 import rallypoint
 from _support import cli_zygote
-from rallypoint.cli._run import run_main
+from rallypoint._cli._run import run_main
+from rallypoint._supervise._signature import Streak, failure_signature
 from rallypoint.launcher import FatalError, LaunchConfig, WorkerFailedError, launch
-from rallypoint.supervise._signature import Streak, failure_signature
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -16,9 +16,9 @@ import psutil
 import pytest
 
 from rallypoint._core.torch_c import HashStore
-from rallypoint.elastic._builtin_checks import STORE_LATENCY_BOUND, check_store
-from rallypoint.elastic._check_run import OUTPUT_LINE_LIMIT, HealthContext
-from rallypoint.elastic._exits import EXIT_UNHEALTHY
+from rallypoint._elastic._builtin_checks import STORE_LATENCY_BOUND, check_store
+from rallypoint._elastic._check_run import OUTPUT_LINE_LIMIT, HealthContext
+from rallypoint._elastic._exits import EXIT_UNHEALTHY
 
 RALLYPOINT = [sys.executable, "-m", "rallypoint", "run"]
 
@@ -279,7 +279,7 @@ def test_builtin_gpu_checks_every_visible_gpu() -> None:
     import torch
 
     proc = subprocess.run(
-        [sys.executable, "-m", "rallypoint.elastic._gpu_probe"],
+        [sys.executable, "-m", "rallypoint._elastic._gpu_probe"],
         capture_output=True,
         text=True,
         timeout=100,
@@ -291,8 +291,8 @@ def test_builtin_gpu_checks_every_visible_gpu() -> None:
 
 @pytest.mark.timeout(30)
 def test_health_check_options_flags_beat_pet(hello: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from rallypoint.cli._args import config_from_args
-    from rallypoint.cli._parser import build_parser
+    from rallypoint._cli._args import config_from_args
+    from rallypoint._cli._parser import build_parser
 
     def parse(argv: list[str]) -> Any:
         return config_from_args(build_parser().parse_args([*argv, str(hello)]))[0]

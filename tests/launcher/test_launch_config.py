@@ -7,9 +7,9 @@ from datetime import timedelta
 
 import pytest
 
+from rallypoint._launch._config import OPTION_NAMES
+from rallypoint._supervise._options import StopOptions, WorkerOptions
 from rallypoint.launcher import LaunchConfig
-from rallypoint.launcher._config import OPTION_NAMES
-from rallypoint.supervise._options import StopOptions, WorkerOptions
 
 
 def test_options_are_stored_parsed_in_groups() -> None:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from rallypoint._supervise._options import parse_std_spec
+from rallypoint._supervise._output import OutputRouter
+from rallypoint._supervise._summary import describe_status, format_summary
 from rallypoint.launcher import WorkerStatus, WorkerSummary
-from rallypoint.supervise._options import parse_std_spec
-from rallypoint.supervise._output import OutputRouter
-from rallypoint.supervise._summary import describe_status, format_summary
 
 
 @pytest.mark.parametrize(

@@ -16,12 +16,12 @@ import pytest
 from _support import cli_zygote
 from _support.flight import root_causes
 from rallypoint._core import envvars
-from rallypoint.observe._flight._final import (
+from rallypoint._watch._flight._final import (
     leave_final_trace,
     read_final_trace,
     remove_final_traces,
 )
-from rallypoint.observe._flight._recorder import NCCL_DUMP_PREFIX
+from rallypoint._watch._flight._recorder import NCCL_DUMP_PREFIX
 
 SCRIPT = """
 import time

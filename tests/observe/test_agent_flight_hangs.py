@@ -113,7 +113,7 @@ def test_every_hang_names_its_root_rank_and_collective(tmp_path: Path) -> None:
     assert "ranks 0-2 in all_reduce #5 of world [0, 1, 2, 3]" in size["waiting"], size
     # stacks start at the user's code: no launcher frames
     stacks = err.split("Collectives by group")[1]
-    assert "runpy" not in stacks and "rallypoint/supervise" not in stacks, stacks
+    assert "runpy" not in stacks and "rallypoint/_supervise" not in stacks, stacks
 
 
 @pytest.mark.slow

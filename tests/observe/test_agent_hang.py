@@ -113,7 +113,7 @@ def test_progress_is_exported() -> None:
 
 
 def test_peer_loss_errors_are_recognised(tmp_path: Path) -> None:
-    from rallypoint.supervise._summary import peer_loss
+    from rallypoint._supervise._summary import peer_loss
 
     gloo = tmp_path / "gloo.json"
     gloo.write_text(

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rallypoint.cli._report import report_main
+from rallypoint._cli._report import report_main
 from rallypoint.observe._events import Event, EventLog, read_events
 from rallypoint.observe._report import render_report, timeline_svg
 from rallypoint.observe._timeline import build_timeline

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from rallypoint._core.net import free_port
-from rallypoint.observe._stacks import (
+from rallypoint._watch._stacks import (
     DEFAULT_STACKS_SIGNAL,
     STACKS_DIR_ENV,
     STACKS_SIGNAL_ENV,
@@ -32,7 +32,7 @@ from rallypoint.observe._stacks import (
     parse_faulthandler_dump,
     stacks_env,
 )
-from rallypoint.observe._stacks_exchange import (
+from rallypoint._watch._stacks_exchange import (
     MAX_ANSWER_BYTES,
     MAX_KEPT,
     MIN_ANSWER_INTERVAL,
@@ -42,7 +42,7 @@ from rallypoint.observe._stacks_exchange import (
     publish_node_count,
     request_stacks,
 )
-from rallypoint.observe._stacks_format import format_grouped_stacks, stack_summary
+from rallypoint._watch._stacks_format import format_grouped_stacks, stack_summary
 from rallypoint.testing._zygote import Zygote
 
 _ctx = multiprocessing.get_context("fork")
@@ -451,8 +451,8 @@ def test_rallypoint_stacks_leaves_no_answer_in_the_store(
 ) -> None:
     import torch.distributed as dist
 
-    from rallypoint.cli._stacks import stacks_main
-    from rallypoint.elastic import create_rendezvous, run_store_namespace
+    from rallypoint._cli._stacks import stacks_main
+    from rallypoint._elastic._rendezvous import create_rendezvous, run_store_namespace
 
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     endpoint = f"127.0.0.1:{master.port}"

@@ -19,7 +19,7 @@ import pytest
 
 import rallypoint
 from _support import cli_zygote
-from rallypoint.cli._report import report_main
+from rallypoint._cli._report import report_main
 
 STEPS = """
 import os, sys, time

@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from rallypoint.observe._flight._records import FlightEntry, GroupTrace, RankTrace
-from rallypoint.observe._stragglers._arrival_records import (
+from rallypoint._watch._flight._records import FlightEntry, GroupTrace, RankTrace
+from rallypoint._watch._stragglers._arrival_records import (
     NodeArrivals,
     arrivals_record,
     read_arrivals_record,
 )
-from rallypoint.observe._stragglers._arrival_watch import ArrivalWatch
-from rallypoint.observe._stragglers._clock_offset import ClockProbe, ClockResponder, offset_from
+from rallypoint._watch._stragglers._arrival_watch import ArrivalWatch
+from rallypoint._watch._stragglers._clock_offset import ClockProbe, ClockResponder, offset_from
 
 MS = 1_000_000
 SKEW = 3_000_000_000  # node 1's clock runs 3 s behind the judge's
@@ -73,7 +73,7 @@ def test_the_responder_outlives_a_quiet_spell_and_ends_with_its_store(
     answering; a store that went away is."""
     from torch.distributed import TCPStore
 
-    from rallypoint.observe._stragglers import _clock_offset
+    from rallypoint._watch._stragglers import _clock_offset
 
     monkeypatch.setattr(_clock_offset, "RESPONDER_TIMEOUT", timedelta(seconds=0.3))
     judge = stores()
@@ -95,7 +95,7 @@ _AGENT = """
 import sys
 from datetime import timedelta
 from torch.distributed import TCPStore
-from rallypoint.observe._stragglers._clock_offset import ClockProbe, ClockResponder
+from rallypoint._watch._stragglers._clock_offset import ClockProbe, ClockResponder
 
 def client():
     return TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=10))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from rallypoint.observe._flight._analysis import RootKind, analyse
-from rallypoint.observe._flight._format import format_hang_report, hang_report
-from rallypoint.observe._flight._recorder import merged_dumps, trace_from_dump
-from rallypoint.observe._flight._records import FlightEntry, GroupTrace, RankTrace
-from rallypoint.observe._stacks import StackDump
+from rallypoint._watch._flight._analysis import RootKind, analyse
+from rallypoint._watch._flight._format import format_hang_report, hang_report
+from rallypoint._watch._flight._recorder import merged_dumps, trace_from_dump
+from rallypoint._watch._flight._records import FlightEntry, GroupTrace, RankTrace
+from rallypoint._watch._stacks import StackDump
 
 USER = ("/home/u/train.py", 15, "<module>")
 

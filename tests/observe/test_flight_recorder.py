@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from _support import cli_zygote
-from rallypoint.cli._args import config_from_args
-from rallypoint.cli._parser import UsageError, build_parser
+from rallypoint._cli._args import config_from_args
+from rallypoint._cli._parser import UsageError, build_parser
+from rallypoint._watch._flight._recorder import DEFAULT_BUFFER, flight_recorder_env, parse_buffer
 from rallypoint.launcher import LaunchConfig
-from rallypoint.observe._flight._recorder import DEFAULT_BUFFER, flight_recorder_env, parse_buffer
 
 SHOWS_ITS_RECORDER = """
 import os

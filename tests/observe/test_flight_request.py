@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from rallypoint._core import envvars
-from rallypoint.observe._flight import _recorder as _flight
-from rallypoint.observe._flight._recorder import FlightRequest
-from rallypoint.observe._flight._records import RankTrace
-from rallypoint.observe._stacks import THREAD_WAIT, collect_stacks
+from rallypoint._watch._flight import _recorder as _flight
+from rallypoint._watch._flight._recorder import FlightRequest
+from rallypoint._watch._flight._records import RankTrace
+from rallypoint._watch._stacks import THREAD_WAIT, collect_stacks
 
 WORKER = """
 import sys, time
-from rallypoint.observe._flight._recorder import install_flight_dumper
+from rallypoint._watch._flight._recorder import install_flight_dumper
 install_flight_dumper()
 print("ready", flush=True)
 time.sleep(float(sys.argv[1]))
@@ -104,9 +104,9 @@ def test_the_frameless_answer_is_made_before_the_one_with_frames(
 
 STACKS_WORKER = """
 import os, sys, time
-from rallypoint.observe._flight._recorder import install_flight_dumper
-from rallypoint.observe._fifo import fifo_path
-from rallypoint.observe._stacks import dump_stacks_now, install_stack_dumper
+from rallypoint._watch._flight._recorder import install_flight_dumper
+from rallypoint._watch._fifo import fifo_path
+from rallypoint._watch._stacks import dump_stacks_now, install_stack_dumper
 install_stack_dumper()
 if sys.argv[1] == "thread":
     install_flight_dumper(on_stacks=dump_stacks_now)

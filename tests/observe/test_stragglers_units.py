@@ -11,15 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from rallypoint._cli._args import config_from_args
+from rallypoint._cli._parser import UsageError, build_parser
+from rallypoint._cli._report import report_main
 from rallypoint._core.torch_c import HashStore
-from rallypoint.cli._args import config_from_args
-from rallypoint.cli._parser import UsageError, build_parser
-from rallypoint.cli._report import report_main
-from rallypoint.launcher import LaunchConfig
-from rallypoint.observe._events import EventLog, read_events
-from rallypoint.observe._flight._records import RankTrace
-from rallypoint.observe._report import render_report
-from rallypoint.observe._stragglers._pace import (
+from rallypoint._watch._flight._records import RankTrace
+from rallypoint._watch._stragglers._pace import (
     NodePace,
     PaceWindow,
     RankPace,
@@ -28,7 +25,10 @@ from rallypoint.observe._stragglers._pace import (
     median,
     parse_threshold,
 )
-from rallypoint.observe._stragglers._watch import StragglerWatch, describe, pace_key
+from rallypoint._watch._stragglers._watch import StragglerWatch, describe, pace_key
+from rallypoint.launcher import LaunchConfig
+from rallypoint.observe._events import EventLog, read_events
+from rallypoint.observe._report import render_report
 from rallypoint.observe._timeline import build_timeline
 
 

@@ -94,7 +94,7 @@ def train(out: str, mode: str, steps: int) -> None:
         torch.save(dict(model.state_dict()), os.path.join(out, f"restored-{start}-{world}.pt"))
 
     if mode == "savecrash" and rank == 1 and first:
-        from rallypoint.snapshot import _node
+        from rallypoint._snapshot import _node
 
         stage = _node._copy
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rallypoint import snapshot
-from rallypoint.snapshot import _api
+from rallypoint._snapshot import _api
 
 
 @pytest.fixture(autouse=True)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.cli._args import config_from_args
-from rallypoint.cli._parser import UsageError, build_parser
+from rallypoint._cli._args import config_from_args
+from rallypoint._cli._parser import UsageError, build_parser
 
 
 @pytest.fixture

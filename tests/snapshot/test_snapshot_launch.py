@@ -42,7 +42,7 @@ def test_crash_during_a_save_restores_the_previous_complete_step(
 MEMORY = r"""
 import json, os, sys, torch, torch.distributed as dist
 from rallypoint import snapshot
-from rallypoint.snapshot import _api
+from rallypoint._snapshot import _api
 
 dist.init_process_group("gloo")
 state = {"w": torch.zeros(1 << 14)}               # 64 KiB

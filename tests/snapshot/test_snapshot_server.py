@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from rallypoint.snapshot._auth import client_handshake
-from rallypoint.snapshot._client import NodeClient, ServerError
-from rallypoint.snapshot._server import HANDSHAKE_SECONDS
-from rallypoint.supervise._warm._process import WarmProcess
+from rallypoint._snapshot._auth import client_handshake
+from rallypoint._snapshot._client import NodeClient, ServerError
+from rallypoint._snapshot._server import HANDSHAKE_SECONDS
+from rallypoint._supervise._warm._process import WarmProcess
 
 SECRET = b"job-secret"
 
@@ -161,7 +161,7 @@ def test_the_socket_directory_is_private_and_slots_have_no_name(
 # the address space allows eight more (as a pids cgroup limit would, without being root).
 _FEW_THREADS = """
 import os, resource, socket, threading
-from rallypoint.snapshot._server import Server
+from rallypoint._snapshot._server import Server
 listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 listener.bind(f"\\0rallypoint-test-{os.getpid()}")
 listener.listen(8)

@@ -12,13 +12,20 @@ from typing import Any
 import pytest
 import torch
 
-from rallypoint.snapshot._agree import Agreement, next_generation, parse_where
-from rallypoint.snapshot._ckdir import Checkpoint
-from rallypoint.snapshot._flatten import apply, flatten
-from rallypoint.snapshot._layout import HEADER_SIZE, encode_meta, plan, read_meta, views, write_meta
-from rallypoint.snapshot._layout import Meta as SnapMeta
-from rallypoint.snapshot._options import Options
-from rallypoint.snapshot._records import Records, SlotState
+from rallypoint._snapshot._agree import Agreement, next_generation, parse_where
+from rallypoint._snapshot._flatten import apply, flatten
+from rallypoint._snapshot._layout import (
+    HEADER_SIZE,
+    encode_meta,
+    plan,
+    read_meta,
+    views,
+    write_meta,
+)
+from rallypoint._snapshot._layout import Meta as SnapMeta
+from rallypoint._snapshot._options import Options
+from rallypoint._snapshot._records import Records, SlotState
+from rallypoint._snapshot._snapshot_dir import Checkpoint
 
 
 def _model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.cli._args import _filters
+from rallypoint._cli._args import _filters
 from rallypoint.launcher import LaunchConfig, launch
 
 pytestmark = pytest.mark.timeout(120)

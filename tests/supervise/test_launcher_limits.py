@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.supervise import _limits
+from rallypoint._supervise import _limits
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
+from rallypoint._cli._run import run_main
 from rallypoint._core import envvars
-from rallypoint.cli._run import run_main
 from rallypoint.launcher import launch
 
 pytestmark = pytest.mark.timeout(90)

@@ -72,7 +72,7 @@ def test_probe_tells_a_broken_team_from_a_working_one(tmp_path) -> None:  # type
     code = textwrap.dedent(
         """
         import torch
-        from rallypoint.supervise._warm._fork_probe import openmp_survives_fork
+        from rallypoint._supervise._warm._fork_probe import openmp_survives_fork
         torch.set_num_threads(2)
         fresh = openmp_survives_fork(2)
         a = torch.randn(512, 512); a @ a

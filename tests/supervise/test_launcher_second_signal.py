@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rallypoint.supervise._signals import ECHO, SignalQueue
+from rallypoint._supervise._signals import ECHO, SignalQueue
 
 IGNORES_SIGNALS = """
 import signal, sys, time

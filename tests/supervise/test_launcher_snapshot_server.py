@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.cli._run import run_main
+from rallypoint._cli._run import run_main
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -16,7 +16,7 @@ SCRIPT = """
 import os, signal, sys, time
 import psutil, torch
 from rallypoint import snapshot
-from rallypoint.snapshot._api import current_session
+from rallypoint._snapshot._api import current_session
 
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 state = {"w": torch.zeros(1)}

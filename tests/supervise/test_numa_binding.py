@@ -17,11 +17,17 @@ from pathlib import Path
 
 import pytest
 
+from rallypoint._supervise import _numa
+from rallypoint._supervise._errors import WarmErrorKind
+from rallypoint._supervise._numa import (
+    NUMA_MODES,
+    check_numa_binding,
+    cpu_ranges,
+    visible_gpu_count,
+)
+from rallypoint._supervise._options import WorkerOptions
+from rallypoint._supervise._warm._numa_probe import NumaProbeError, find_cpu_sets
 from rallypoint.launcher import LaunchConfig, WarmProcessError, launch
-from rallypoint.supervise import NUMA_MODES, WarmErrorKind, _numa
-from rallypoint.supervise._numa import check_numa_binding, cpu_ranges, visible_gpu_count
-from rallypoint.supervise._options import WorkerOptions
-from rallypoint.supervise._warm._numa_probe import NumaProbeError, find_cpu_sets
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,9 +6,9 @@ import socket
 
 import pytest
 
+from rallypoint._supervise._warm._messages import Exited, Failed, StoreStarted, decode, recv, send
+from rallypoint._supervise._warm._process import WarmProcess
 from rallypoint.launcher import WarmErrorKind, WarmProcessError
-from rallypoint.supervise._warm._messages import Exited, Failed, StoreStarted, decode, recv, send
-from rallypoint.supervise._warm._process import WarmProcess
 
 
 def test_messages_travel_as_typed_dataclasses() -> None:

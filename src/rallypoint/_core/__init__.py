@@ -1,8 +1,9 @@
-"""rallypoint's torch-free common core: small helpers every part may import.
+"""rallypoint's common core: small helpers every part may import, each module imported
+directly (``from rallypoint._core.checks import check_int``).
 
-Nothing here imports torch, starts a thread or touches the network at import time, and
-nothing here imports another rallypoint package: dependencies point down to this package,
-never up from it.
+Nothing here but ``torch_c`` imports torch; nothing starts a thread or touches the network
+at import time, and nothing here imports another rallypoint package: dependencies point
+down to this package, never up from it.
 
 - :mod:`~rallypoint._core.checks`: validation of user input (ints, durations) with messages
   that say what to change;
@@ -16,7 +17,7 @@ never up from it.
 - :mod:`~rallypoint._core.envvars`: the names of the environment variables rallypoint sets
   or reads, spelled once;
 - :mod:`~rallypoint._core.closing`: the ``with obj:`` protocol for objects with ``close()``;
-- :mod:`~rallypoint._core.lazy`: a package's lazily imported public attributes (PEP 562);
+- :mod:`~rallypoint._core.face`: a public package's face, its names written once;
 - :mod:`~rallypoint._core.public`: public names report their public module;
 - :mod:`~rallypoint._core.blocking`: a blocking call (a C store call that ignores signals)
   run in a thread, so the caller keeps its own deadline and still handles signals;
@@ -28,60 +29,9 @@ never up from it.
 - :mod:`~rallypoint._core.peercred`: whether a Unix socket's peer runs as our uid
   (``SO_PEERCRED``);
 - :mod:`~rallypoint._core.cpp_log`: torch's C++ warnings off while a store failure that
-  rallypoint handles itself may come (found in the loaded library, never importing torch).
+  rallypoint handles itself may come (found in the loaded library, never importing torch);
+- :mod:`~rallypoint._core.ranks`: a list of ranks in a few characters (``0-3,7``);
+- :mod:`~rallypoint._core.store`: ``Store``, the one protocol of a key-value store;
+- :mod:`~rallypoint._core.torch_c`: the one module that touches ``torch._C`` (torch's store
+  classes, their stubs corrected, and the other private torch names rallypoint uses).
 """
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-from rallypoint._core.lazy import lazy_attributes
-
-if TYPE_CHECKING:
-    from rallypoint._core.checks import check_int, check_seconds, to_timedelta
-    from rallypoint._core.closing import Closing
-    from rallypoint._core.net import free_port, port_is_free
-    from rallypoint._core.procs import exit_now, pid_alive
-    from rallypoint._core.public import set_public_module
-
-# Resolved on first use: ``rallypoint/__init__`` imports this package on the launcher's
-# critical path (before the warm process is forked), so it loads only ``lazy``.
-_NAMES = {
-    "check_int": "rallypoint._core.checks",
-    "check_seconds": "rallypoint._core.checks",
-    "to_timedelta": "rallypoint._core.checks",
-    "Closing": "rallypoint._core.closing",
-    "free_port": "rallypoint._core.net",
-    "port_is_free": "rallypoint._core.net",
-    "exit_now": "rallypoint._core.procs",
-    "pid_alive": "rallypoint._core.procs",
-    "set_public_module": "rallypoint._core.public",
-}
-_SUBMODULES = (
-    "blocking",
-    "checks",
-    "closing",
-    "envvars",
-    "forking",
-    "lazy",
-    "net",
-    "procs",
-    "public",
-    "subreaper",
-    "terminal",
-)
-
-__all__ = [
-    "Closing",
-    "check_int",
-    "check_seconds",
-    "exit_now",
-    "free_port",
-    "lazy_attributes",
-    "pid_alive",
-    "port_is_free",
-    "set_public_module",
-    "to_timedelta",
-]
-
-__getattr__, __dir__ = lazy_attributes(__name__, globals(), _NAMES, submodules=_SUBMODULES)

@@ -17,12 +17,15 @@ __all__ = ["set_public_module"]
 def set_public_module(package: str, namespace: Mapping[str, Any], names: Iterable[str]) -> None:
     """Set ``__module__`` to ``package`` on every class and function among ``names``.
 
-    Only objects defined in a private module under ``package`` are touched: a name that
-    ``package`` merely re-exports from elsewhere (torch, another part) keeps its module.
+    Only objects defined in a private module of rallypoint are touched (``pkg._mod`` or an
+    internal package, ``rallypoint._snapshot._api``): a name that ``package`` re-exports
+    from another public module, or from torch, keeps its module.
     """
+    root = package.partition(".")[0]
     for name in names:
         obj = namespace.get(name)
         if not isinstance(obj, type | types.FunctionType) and not hasattr(obj, "__wrapped__"):
             continue  # a decorated function (functools.cache) keeps its own __module__
-        if obj.__module__.startswith(package + "._"):
+        home = obj.__module__.split(".")
+        if home[0] == root and any(part.startswith("_") for part in home[1:]):
             obj.__module__ = package

@@ -9,7 +9,7 @@ stops the command: a timeout, a signal to the launcher) or its parent dies
 (``PR_SET_PDEATHSIG``), it SIGKILLs the command and every descendant it finds in ``/proc``
 (:func:`~rallypoint._core.procs.kill_descendants`), reaps them and exits as the command did:
 its exit code, or killed by the same signal. The health checks run through it
-(``rallypoint.elastic._check_run``).
+(``rallypoint._elastic._check_run``).
 
 It starts with ``PARENT_PID``, the pid of the process that started it: if that one died
 before the parent-death signal was armed, the command never runs.

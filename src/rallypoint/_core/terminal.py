@@ -1,5 +1,5 @@
 """A child process's text made fit for a terminal: workers' lines on the launcher's console
-(``supervise._output``) and the last lines of a failed health check (``elastic._health``).
+(``_supervise._output``) and the last lines of a failed health check (``_elastic._health``).
 
 - Escape sequences that move the cursor, clear the screen, set the title or talk to the
   terminal (CSI, OSC, DCS, ...) and every other control character are removed; tabs stay,

@@ -17,49 +17,26 @@ Public names:
 Importing this package does not import torch; the collectives load it on first access.
 """
 
-from __future__ import annotations
-
 from typing import TYPE_CHECKING
 
-from rallypoint._core.lazy import lazy_attributes
-from rallypoint._core.public import set_public_module
-from rallypoint.distributed._config import DIM_NAMES, DistributedConfig
-from rallypoint.distributed._errors import (
-    AlreadyInitializedError,
-    BackendUnavailableError,
-    DistributedError,
-    NotInitializedError,
-)
-from rallypoint.distributed._init import destroy_process_group, init_process_group
-from rallypoint.distributed._mesh import ParallelGroups, get_parallel_groups, init_parallel_groups
-from rallypoint.distributed._worker import ParallelWorker, parallel_worker
+from rallypoint._core.face import face
 
 if TYPE_CHECKING:
-    from rallypoint.distributed._collectives import all_gather, all_to_all, reduce_scatter
+    from rallypoint.distributed._collectives import all_gather as all_gather
+    from rallypoint.distributed._collectives import all_to_all as all_to_all
+    from rallypoint.distributed._collectives import reduce_scatter as reduce_scatter
+    from rallypoint.distributed._config import DIM_NAMES as DIM_NAMES
+    from rallypoint.distributed._config import DistributedConfig as DistributedConfig
+    from rallypoint.distributed._errors import AlreadyInitializedError as AlreadyInitializedError
+    from rallypoint.distributed._errors import BackendUnavailableError as BackendUnavailableError
+    from rallypoint.distributed._errors import DistributedError as DistributedError
+    from rallypoint.distributed._errors import NotInitializedError as NotInitializedError
+    from rallypoint.distributed._init import destroy_process_group as destroy_process_group
+    from rallypoint.distributed._init import init_process_group as init_process_group
+    from rallypoint.distributed._mesh import ParallelGroups as ParallelGroups
+    from rallypoint.distributed._mesh import get_parallel_groups as get_parallel_groups
+    from rallypoint.distributed._mesh import init_parallel_groups as init_parallel_groups
+    from rallypoint.distributed._worker import ParallelWorker as ParallelWorker
+    from rallypoint.distributed._worker import parallel_worker as parallel_worker
 
-__all__ = [
-    "DIM_NAMES",
-    "AlreadyInitializedError",
-    "BackendUnavailableError",
-    "DistributedConfig",
-    "DistributedError",
-    "NotInitializedError",
-    "ParallelGroups",
-    "ParallelWorker",
-    "all_gather",
-    "all_to_all",
-    "destroy_process_group",
-    "get_parallel_groups",
-    "init_parallel_groups",
-    "init_process_group",
-    "parallel_worker",
-    "reduce_scatter",
-]
-
-__getattr__, __dir__ = lazy_attributes(
-    __name__,
-    globals(),
-    dict.fromkeys(("all_gather", "all_to_all", "reduce_scatter"), f"{__name__}._collectives"),
-    public_home=True,
-)
-set_public_module(__name__, globals(), __all__)
+__all__ = face(globals())

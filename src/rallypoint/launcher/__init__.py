@@ -3,9 +3,11 @@
 Workers are forked from a warm process that has already imported torch, get the
 environment torchrun sets, are watched by a supervisor that notices every exit at once,
 and are stopped together (whole process trees) on the first failure. See
-``docs/launcher.md``; the layers underneath are ``rallypoint.elastic`` (attempts, rounds,
-restarts), ``rallypoint.supervise`` (one node's workers) and :mod:`rallypoint.observe`
-(progress, stacks, events, report), whose public names are re-exported here.
+``docs/launcher.md``. This package is the launcher's face: ``launch`` and its config live
+in ``rallypoint._launch``, and the layers underneath are ``rallypoint._elastic`` (attempts,
+rounds, restarts), ``rallypoint._supervise`` (one node's workers), ``rallypoint._watch``
+(hang stacks, the Flight Recorder, stragglers) and :mod:`rallypoint.observe` (progress,
+events, report), whose public names are re-exported here.
 
 Exception tree::
 
@@ -26,116 +28,40 @@ Exception tree::
 
 Importing this package loads nothing (not torch, not its own modules): training scripts
 import ``progress`` from here, so each name is imported on first access.
-
-Internal: ``run_job`` (one job from a config and a target, with a warm process) is offered
-to ``rallypoint.cli`` only; it resolves like the public names but is not in ``__all__`` or
-``dir()``.
 """
-
-from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rallypoint._core.lazy import lazy_attributes
+from rallypoint._core.face import face
 
 if TYPE_CHECKING:
-    from rallypoint._core.status import JobStatus, WorkerStatus
-    from rallypoint.launcher._api import launch
-    from rallypoint.launcher._config import DEFAULT_PREFIX, LaunchConfig, LaunchOptions
-    from rallypoint.observe import EventLog, progress, read_events, render_report
-    from rallypoint.supervise import (
-        BadTargetError,
-        FatalError,
-        HangError,
-        LaunchError,
-        LaunchInterruptedError,
-        LaunchTimeoutError,
-        NodeExcludedError,
-        PortInUseError,
-        RendezvousFailedError,
-        RestartInterrupt,
-        UnhealthyNodeError,
-        WarmErrorKind,
-        WarmProcessError,
-        WorkerFailedError,
-        WorkerSummary,
-        restartable,
-    )
+    from rallypoint._core.status import JobStatus as JobStatus
+    from rallypoint._core.status import WorkerStatus as WorkerStatus
+    from rallypoint._launch._api import launch as launch
+    from rallypoint._launch._config import DEFAULT_PREFIX as DEFAULT_PREFIX
+    from rallypoint._launch._config import LaunchConfig as LaunchConfig
+    from rallypoint._launch._config import LaunchOptions as LaunchOptions
+    from rallypoint._supervise._errors import BadTargetError as BadTargetError
+    from rallypoint._supervise._errors import FatalError as FatalError
+    from rallypoint._supervise._errors import HangError as HangError
+    from rallypoint._supervise._errors import LaunchError as LaunchError
+    from rallypoint._supervise._errors import LaunchInterruptedError as LaunchInterruptedError
+    from rallypoint._supervise._errors import LaunchTimeoutError as LaunchTimeoutError
+    from rallypoint._supervise._errors import NodeExcludedError as NodeExcludedError
+    from rallypoint._supervise._errors import PortInUseError as PortInUseError
+    from rallypoint._supervise._errors import RendezvousFailedError as RendezvousFailedError
+    from rallypoint._supervise._errors import UnhealthyNodeError as UnhealthyNodeError
+    from rallypoint._supervise._errors import WarmErrorKind as WarmErrorKind
+    from rallypoint._supervise._errors import WarmProcessError as WarmProcessError
+    from rallypoint._supervise._errors import WorkerFailedError as WorkerFailedError
+    from rallypoint._supervise._errors import WorkerSummary as WorkerSummary
+    from rallypoint._supervise._inprocess._restartable import RestartInterrupt as RestartInterrupt
+    from rallypoint._supervise._inprocess._restartable import restartable as restartable
+    from rallypoint.observe import EventLog as EventLog
+    from rallypoint.observe import progress as progress
+    from rallypoint.observe import read_events as read_events
+    from rallypoint.observe import render_report as render_report
 
-if TYPE_CHECKING:  # internal, for rallypoint.cli (``X as X``: re-exported, for mypy)
-    from rallypoint.launcher._run import run_job as run_job
-
-# module -> the public names it defines (each resolved on first access)
-_MODULES = {
-    "rallypoint.launcher._api": ("launch",),
-    "rallypoint.launcher._config": ("DEFAULT_PREFIX", "LaunchConfig", "LaunchOptions"),
-    "rallypoint.observe": ("EventLog", "progress", "read_events", "render_report"),
-    "rallypoint.supervise": (
-        "BadTargetError",
-        "FatalError",
-        "HangError",
-        "LaunchError",
-        "LaunchInterruptedError",
-        "LaunchTimeoutError",
-        "NodeExcludedError",
-        "PortInUseError",
-        "RendezvousFailedError",
-        "RestartInterrupt",
-        "UnhealthyNodeError",
-        "WarmErrorKind",
-        "WarmProcessError",
-        "WorkerFailedError",
-        "WorkerSummary",
-        "restartable",
-    ),
-    "rallypoint._core.status": ("JobStatus", "WorkerStatus"),
-}
-_HOME = {name: module for module, names in _MODULES.items() for name in names}
-
-__all__ = [
-    "DEFAULT_PREFIX",
-    "BadTargetError",
-    "EventLog",
-    "FatalError",
-    "HangError",
-    "JobStatus",
-    "LaunchConfig",
-    "LaunchError",
-    "LaunchInterruptedError",
-    "LaunchOptions",
-    "LaunchTimeoutError",
-    "NodeExcludedError",
-    "PortInUseError",
-    "RendezvousFailedError",
-    "RestartInterrupt",
-    "UnhealthyNodeError",
-    "WarmErrorKind",
-    "WarmProcessError",
-    "WorkerFailedError",
-    "WorkerStatus",
-    "WorkerSummary",
-    "launch",
-    "progress",
-    "read_events",
-    "render_report",
-    "restartable",
-]
-
-
-_getattr, __dir__ = lazy_attributes(
-    __name__, globals(), _HOME, internal={"run_job": "rallypoint.launcher._run"}
-)
-
-
-def __getattr__(name: str) -> object:
-    if name == "WorkerState":  # the record's name until 0.1: torchelastic's WorkerState is
-        import warnings  # an enum of a whole group's state, a different thing
-
-        warnings.warn(
-            "rallypoint.launcher.WorkerState is deprecated: it is WorkerSummary (one "
-            "worker's record); the name goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return _getattr("WorkerSummary")
-    return _getattr(name)
+# WorkerState: the record's name until 0.1 (torchelastic's WorkerState is an enum of a
+# whole group's state, a different thing)
+__all__ = face(globals(), renamed={"WorkerState": "WorkerSummary"})

@@ -6,7 +6,7 @@ and adds one to its step counter, in a small shared file that the agent created 
 mapped; no syscall, no lock, no allocation (about 0.1 µs). The agent's
 :class:`ProgressBoard` reads the slots: "how long since any worker (or this one) made
 progress" for ``--hang-timeout``, and "how many steps by when" (:meth:`ProgressBoard.sample`)
-for straggler detection (``--straggler-threshold``, ``_stragglers``).
+for straggler detection (``--straggler-threshold``, ``rallypoint._watch._stragglers``).
 
 The worker finds its slot through two variables the agent sets::
 
@@ -23,7 +23,7 @@ then ``n`` ``float64`` times (``0.0`` = no progress since the last
 ``CLOCK_MONOTONIC`` is shared by all processes of a machine, so the agent compares the
 slots with its own ``time.monotonic()``. The two stores of one call are not atomic
 together: a reader can see the new time with the old count, which moves one step across
-the edge of a measuring window (``_stragglers`` averages over several).
+the edge of a measuring window (``rallypoint._watch._stragglers`` averages over several).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rallypoint.observe._events import Event
-from rallypoint.observe._report_lanes import SLOW_COLOR, draw_lanes, lane_tooltips
+from rallypoint.observe._step_lanes_plot import SLOW_COLOR, draw_lanes, lane_tooltips
 from rallypoint.observe._timeline import (
     FAILURE_COLOR,
     MARK_STYLES,

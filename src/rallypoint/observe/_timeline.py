@@ -6,7 +6,7 @@ an in-process restart kept the process (``worker_kept``: the part before is draw
 kept, and the process goes on in a new bar); rounds,
 restarts, hangs and the end of the job as vertical marks; the root-cause ``failure`` as a
 mark on its rank. Several files (one per node) are merged by time before this step.
-Step times and stragglers become lanes below (``_lanes``) when the events hold them.
+Step times and stragglers become lanes below (``_step_lanes``) when the events hold them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from rallypoint._core.status import WorkerStatus
 from rallypoint.observe._events import Event
-from rallypoint.observe._lanes import StepLanes, build_lanes
+from rallypoint.observe._step_lanes import StepLanes, build_lanes
 
 __all__ = [
     "FAILURE_COLOR",

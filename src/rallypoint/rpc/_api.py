@@ -248,3 +248,8 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
         agent.shutdown(bool(graceful), float(timeout))
     finally:
         CURRENT_AGENT.clear()
+
+
+def is_available() -> bool:
+    """Always true: the rallypoint backend needs only sockets (TENSORPIPE needs torch RPC)."""
+    return True

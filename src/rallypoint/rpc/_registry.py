@@ -17,6 +17,7 @@ A backend is a pair of handlers:
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -92,6 +93,9 @@ def register_backend(
     }
     members.update({m.name: m.value for m in BackendType})
     BackendType = _make_enum(members)
+    face = sys.modules.get("rallypoint.rpc")  # its re-export shows the new member too
+    if face is not None:
+        vars(face)["BackendType"] = BackendType
     return BackendType[backend_name]
 
 

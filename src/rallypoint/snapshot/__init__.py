@@ -27,38 +27,20 @@ security model. Exceptions: ``TypeError``/``ValueError`` for bad input, and
 :class:`SnapshotError` (``RuntimeError``) when the job agreed on a snapshot that this rank
 cannot load.
 
-Importing this package loads nothing (not torch): each name is imported on first use.
-
-Internal: ``serve`` (the node's snapshot server's loop, run in the process that
-``rallypoint.supervise`` forks for it) resolves the same way, for the launcher side only;
-it is not in ``__all__`` or ``dir()``.
+Importing this package loads nothing (not torch): each name is imported on first use. The
+machinery lives in ``rallypoint._snapshot``, shared with the launcher side, which forks
+the node's snapshot server (``rallypoint._snapshot._server``).
 """
-
-from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rallypoint._core.lazy import lazy_attributes
+from rallypoint._core.face import face
 
 if TYPE_CHECKING:
-    from rallypoint.snapshot._api import configure, restore, save, wait
-    from rallypoint.snapshot._errors import SnapshotError
+    from rallypoint._snapshot._api import configure as configure
+    from rallypoint._snapshot._api import restore as restore
+    from rallypoint._snapshot._api import save as save
+    from rallypoint._snapshot._api import wait as wait
+    from rallypoint._snapshot._errors import SnapshotError as SnapshotError
 
-if TYPE_CHECKING:  # internal, for rallypoint.supervise (``X as X``: re-exported, for mypy)
-    from rallypoint.snapshot._server import serve as serve
-
-__all__ = ["SnapshotError", "configure", "restore", "save", "wait"]
-
-__getattr__, __dir__ = lazy_attributes(
-    __name__,
-    globals(),
-    {
-        "SnapshotError": "rallypoint.snapshot._errors",
-        "configure": "rallypoint.snapshot._api",
-        "restore": "rallypoint.snapshot._api",
-        "save": "rallypoint.snapshot._api",
-        "wait": "rallypoint.snapshot._api",
-    },
-    public_home=True,
-    internal={"serve": "rallypoint.snapshot._server"},
-)
+__all__ = face(globals())

@@ -18,56 +18,27 @@ Public names (resolved lazily: importing ``rallypoint.testing`` loads nothing he
   patterns every RPC backend must pass (gradients against one process, errors, training).
 """
 
-from __future__ import annotations
-
 from typing import TYPE_CHECKING
 
-from rallypoint._core.lazy import lazy_attributes
-
-_LAZY_NAMES: dict[str, str] = {
-    "WorkerError": "rallypoint.testing._workers",
-    "run_workers": "rallypoint.testing._workers",
-    "worker_zygote": "rallypoint.testing._workers",
-    "Host": "rallypoint.testing._netns",
-    "NetnsError": "rallypoint.testing._netns",
-    "Network": "rallypoint.testing._netns",
-    "netns_available": "rallypoint.testing._netns",
-    "EtcdServer": "rallypoint.testing._etcd",
-    "EtcdCluster": "rallypoint.testing._etcd_cluster",
-    "etcd_binary": "rallypoint.testing._etcd",
-    "make_tls_files": "rallypoint.testing._etcd",
-    "TLSFiles": "rallypoint.testing._etcd",
-    "KVContract": "rallypoint.testing._rendezvous_contract",
-    "run_rpc_contract": "rallypoint.testing._rpc._contract",
-    "run_rpc_autograd_contract": "rallypoint.testing._rpc._autograd_contract",
-}
-
-__all__ = [
-    "EtcdCluster",
-    "EtcdServer",
-    "Host",
-    "KVContract",
-    "NetnsError",
-    "Network",
-    "TLSFiles",
-    "WorkerError",
-    "etcd_binary",
-    "make_tls_files",
-    "netns_available",
-    "run_rpc_autograd_contract",
-    "run_rpc_contract",
-    "run_workers",
-    "worker_zygote",
-]
+from rallypoint._core.face import face
 
 if TYPE_CHECKING:
-    from rallypoint.testing._etcd import EtcdServer, TLSFiles, etcd_binary, make_tls_files
-    from rallypoint.testing._etcd_cluster import EtcdCluster
-    from rallypoint.testing._netns import Host, NetnsError, Network, netns_available
-    from rallypoint.testing._rendezvous_contract import KVContract
-    from rallypoint.testing._rpc._autograd_contract import run_rpc_autograd_contract
-    from rallypoint.testing._rpc._contract import run_rpc_contract
-    from rallypoint.testing._workers import WorkerError, run_workers, worker_zygote
+    from rallypoint.testing._etcd import EtcdServer as EtcdServer
+    from rallypoint.testing._etcd import TLSFiles as TLSFiles
+    from rallypoint.testing._etcd import etcd_binary as etcd_binary
+    from rallypoint.testing._etcd import make_tls_files as make_tls_files
+    from rallypoint.testing._etcd_cluster import EtcdCluster as EtcdCluster
+    from rallypoint.testing._netns import Host as Host
+    from rallypoint.testing._netns import NetnsError as NetnsError
+    from rallypoint.testing._netns import Network as Network
+    from rallypoint.testing._netns import netns_available as netns_available
+    from rallypoint.testing._rendezvous_contract import KVContract as KVContract
+    from rallypoint.testing._rpc._autograd_contract import (
+        run_rpc_autograd_contract as run_rpc_autograd_contract,
+    )
+    from rallypoint.testing._rpc._contract import run_rpc_contract as run_rpc_contract
+    from rallypoint.testing._workers import WorkerError as WorkerError
+    from rallypoint.testing._workers import run_workers as run_workers
+    from rallypoint.testing._workers import worker_zygote as worker_zygote
 
-
-__getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY_NAMES, public_home=True)
+__all__ = face(globals())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.cli._run import run_main
+from rallypoint._cli._run import run_main
 from rallypoint.testing._rpc._contract import run_rpc_pattern
 
 SECRET = {"RALLYPOINT_RPC_SECRET": "store-secret"}

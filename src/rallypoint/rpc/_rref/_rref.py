@@ -381,3 +381,7 @@ def _rref_unpickle(
     if pending is not None:
         pending.append(confirmed)
     return RRef._make(table, owner, rref_id, confirmed, (sender, fork_id))
+
+
+PyRRef = RRef
+"""torch's ``rpc.PyRRef``: the class of its RRefs, here the same class."""

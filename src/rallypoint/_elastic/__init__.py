@@ -1,0 +1,17 @@
+"""Job-level coordination: attempts, rounds, the restart budget, node loss, scale-up, and
+the job's root cause.
+
+Internal, the launcher side: ``rallypoint._launch`` and ``rallypoint._cli`` import its
+modules directly. A coordinator owns one node's supervisor (``rallypoint._supervise``),
+behind the ``NodeSupervisor`` Protocol (``_protocols``), and runs it attempt after attempt:
+
+- ``_local``: ``LocalCoordinator``, one node on its own (a static world);
+- ``_coordinator``: ``ElasticCoordinator``, one node of a multi-node job, round after round
+  through a :mod:`rallypoint.rendezvous` handler (only its public API);
+- ``_policy``: what an elastic attempt checks each monitor tick, and the job-wide hang;
+- ``_job``, ``_round``, ``_stores``, ``_records``: the run and the round, their store keys
+  and the typed records the nodes exchange; ``_verdict``: the same error on every node;
+- ``_health``, ``_check_run``, ``_builtin_checks``, ``_burn_in``, ``_gpu_probe``,
+  ``_exclusion``: health checks and the exclusion list; ``_exits``: their exit statuses;
+- ``_rendezvous``: the agent's handler; ``_options``: the option groups this part reads.
+"""

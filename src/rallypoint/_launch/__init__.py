@@ -1,0 +1,11 @@
+"""Launching a job: :func:`launch`, its :class:`LaunchConfig`, and running one job on this
+node (``run_job``, shared by ``launch`` and ``rallypoint run``).
+
+Internal: the public names are re-exported by :mod:`rallypoint.launcher`; ``rallypoint._cli``
+imports ``_run_job`` and ``_config`` directly.
+
+- ``_config``: ``LaunchConfig`` / ``LaunchOptions``, built from the option groups of the
+  parts below;
+- ``_api``: :func:`launch`;
+- ``_run_job``: the observer, the supervisor and the coordinator that owns it.
+"""

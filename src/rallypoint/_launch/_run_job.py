@@ -1,0 +1,165 @@
+"""Run one job on this node: the observer, the supervisor, and the coordinator that owns it.
+
+Shared by :func:`~rallypoint.launcher.launch` and ``rallypoint run``: a single-node launch
+gets a :class:`~rallypoint._elastic._local.LocalCoordinator`, a multi-node one an
+:class:`~rallypoint._elastic._coordinator.ElasticCoordinator` (imported only then, with the
+rendezvous part).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+import uuid
+from collections.abc import Mapping
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, Protocol
+
+from rallypoint._core import envvars
+from rallypoint._core.status import JobStatus
+from rallypoint._elastic._check_run import HealthContext
+from rallypoint._elastic._health import HealthChecks
+from rallypoint._elastic._job import stop_on_signal
+from rallypoint._elastic._local import LocalCoordinator
+from rallypoint._launch._config import LaunchConfig
+from rallypoint._supervise._env import user_rpc_secret
+from rallypoint._supervise._errors import LaunchInterruptedError
+from rallypoint._supervise._signals import SignalQueue
+from rallypoint._supervise._supervisor import Supervisor, prepare_warm
+from rallypoint._supervise._warm._process import WarmProcess
+from rallypoint._supervise._worker import Target
+from rallypoint._watch._observer import Observer
+
+__all__ = ["run_job"]
+
+
+class _Coordinator(Protocol):
+    def run(self) -> list[Any]: ...
+
+
+def run_job(
+    config: LaunchConfig,
+    target: Target,
+    warm: WarmProcess,
+    *,
+    title: str,
+    collect_results: bool = False,
+    warn_omp: bool = False,
+) -> list[Any]:
+    """Run the job to its end; returns this node's per-rank results (``None`` for scripts).
+
+    Writes ``job_end`` to the event log however it ends. Waits for the warm process's
+    imports first, so that it can clean up after this process from the moment anything
+    temporary exists (``_supervise._warm._server``).
+    """
+    run_id = config.world.run_id or uuid.uuid4().hex[:12]
+    with SignalQueue(config.stop.signal_numbers) as signals:
+        prepare_warm(warm, config.workers.preload, signals)
+        return _run(config, target, warm, signals, run_id, title, collect_results, warn_omp)
+
+
+def _run(
+    config: LaunchConfig,
+    target: Target,
+    warm: WarmProcess,
+    signals: SignalQueue,
+    run_id: str,
+    title: str,
+    collect_results: bool,
+    warn_omp: bool,
+) -> list[Any]:
+    status, code = JobStatus.FAILED, 1
+    with Observer(nproc=config.workers.nproc, watch=config.watch, node=socket.gethostname()) as obs:
+        try:
+            with Supervisor(
+                warm,
+                target,
+                workers=config.workers,
+                output=config.output,
+                stop=config.stop,
+                observer=obs,
+                run_id=run_id,
+                collect_results=collect_results,
+                warn_omp=warn_omp,
+                signals=signals,
+            ) as supervisor:
+                results = _coordinator(config, supervisor, obs, run_id, title).run()
+            status, code = JobStatus.SUCCEEDED, 0
+            return results
+        except LaunchInterruptedError as exc:
+            status, code = JobStatus.INTERRUPTED, 128 + exc.signum
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                obs.emit("job_end", status=status, exitcode=code)
+
+
+def _health(config: LaunchConfig, supervisor: Supervisor, observer: Observer) -> HealthChecks:
+    """This node's ``health_check`` list; ``builtin:disk`` looks at the log, snapshot and
+    temp directories (the coordinator gives ``builtin:store`` its store)."""
+    dirs = []
+    if config.output.log_dir:
+        dirs.append(("--log-dir", os.path.abspath(config.output.log_dir)))
+    snapshots = config.workers.env.get(envvars.SNAPSHOT_DIR, os.environ.get(envvars.SNAPSHOT_DIR))
+    if snapshots:
+        dirs.append(("--snapshot-dir", os.path.abspath(snapshots)))
+    dirs.append(("the temp dir", tempfile.gettempdir()))
+    context = HealthContext(
+        directories=tuple(dirs),
+        poll=lambda: stop_on_signal(supervisor.next_signal(), "a health check"),
+        env=dict(config.workers.env),
+    )
+    return HealthChecks(config.health, context, observer)
+
+
+def _coordinator(
+    config: LaunchConfig, supervisor: Supervisor, observer: Observer, run_id: str, title: str
+) -> _Coordinator:
+    health = _health(config, supervisor, observer)
+    if not config.rendezvous.multi_node:
+        world = config.world
+        if config.rendezvous.local_addr is not None:  # as torchrun: this node's address
+            world = replace(world, master_addr=config.rendezvous.local_addr)
+        return LocalCoordinator(
+            supervisor,
+            observer,
+            world=world,
+            restarts=config.restarts,
+            run_id=run_id,
+            title=title,
+            timeout=config.stop.timeout,
+            health=health,
+        )
+    from rallypoint._elastic._coordinator import ElasticCoordinator
+    from rallypoint._elastic._rendezvous import connect
+
+    job_id = config.world.run_id or "none"
+    return ElasticCoordinator(
+        supervisor,
+        lambda: connect(config.rendezvous, job_id),
+        observer,
+        restarts=config.restarts,
+        run_id=job_id,
+        endpoint=config.rendezvous.endpoint,
+        title=title,
+        monitor_interval=config.stop.monitor_interval.total_seconds(),
+        timeout=config.stop.timeout,
+        share_rpc_secret=not user_rpc_secret(config.workers),
+        store_timeout=_read_timeout(config.rendezvous.conf),
+        node=config.rendezvous.local_addr or "",
+        min_nodes=config.rendezvous.min_nodes,
+        health=health,
+    )
+
+
+def _read_timeout(conf: Mapping[str, Any]) -> float:
+    """``--rdzv-conf read_timeout=`` in seconds (the handler validates it when it connects)."""
+    value = conf.get("read_timeout", 60.0)
+    try:
+        seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    except (TypeError, ValueError):
+        return 60.0
+    return seconds if seconds > 0 else 60.0

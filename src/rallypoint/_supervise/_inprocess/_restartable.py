@@ -1,0 +1,295 @@
+"""``@rallypoint.restartable``: the worker's side of an in-process restart.
+
+::
+
+    model = build_model()            # runs once per process: imports, CUDA, data, compile
+
+    @rallypoint.restartable
+    def train():
+        dist.init_process_group("gloo")
+        start = snapshot.restore(state) or 0
+        ...
+
+    train()
+
+Under ``rallypoint run`` or ``rallypoint.launch`` the wrapper tells the agent it can
+restart in process (:class:`~rallypoint._supervise._inprocess._control.Hello`) and calls
+the function.
+When another rank fails, the agent sends an ``Interrupt``: a thread of the wrapper aborts
+the NCCL communicators (which unblocks a collective stuck on them) and a signal raises
+:class:`RestartInterrupt` in the main thread at its next Python instruction (a blocked gloo
+collective fails on its own once the failed peer's connections close). The wrapper then
+tears torch.distributed down (every process group destroyed), reports ``Parked``, waits
+for the next attempt's environment, puts it in ``os.environ`` and calls the function
+again. An exception of the function's own is reported as ``Raised``; the agent's
+``Verdict`` says whether it was the consequence of a fault elsewhere (restart in process)
+or this rank's own failure (it propagates: the process exits and a fresh one replaces it).
+
+Anywhere else (plain ``python``, torchrun, a thread other than the main one) the wrapper
+calls the function once: scripts stay portable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import os
+import signal
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from queue import SimpleQueue
+from types import FrameType
+from typing import Any, ParamSpec, TypeVar
+
+from rallypoint._core import envvars
+from rallypoint._supervise._inprocess._control import (
+    MAX_MESSAGE,
+    Assign,
+    Done,
+    Hello,
+    Interrupt,
+    Message,
+    Parked,
+    Raised,
+    Verdict,
+    decode,
+    encode,
+)
+
+__all__ = ["WAKE_SIGNAL", "RestartInterrupt", "restartable"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+WAKE_SIGNAL = signal.SIGRTMIN + 3
+"""Raises :class:`RestartInterrupt` in the main thread while the function runs (a real-time
+signal: training code does not use it, and a sleep or a lock wait it interrupts)."""
+
+
+class RestartInterrupt(BaseException):
+    """Raised in the restartable function when another rank failed: the job restarts in
+    process. A ``BaseException``, so that ``except Exception`` in training code does not
+    swallow it."""
+
+
+def restartable(fn: Callable[P, R]) -> Callable[P, R]:
+    """Make ``fn`` restart in this process when another rank of the job fails (see the
+    module docstring); anywhere but under ``rallypoint run``/``launch``, call it once."""
+    if not callable(fn):
+        raise TypeError(f"restartable() takes a function, got {type(fn).__name__}")
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        channel = _channel()
+        if channel is None:
+            return fn(*args, **kwargs)
+        return channel.run(fn, args, kwargs)
+
+    return wrapper
+
+
+_CHANNEL: _Channel | None = None
+
+
+def _channel() -> _Channel | None:
+    """This process's channel to its agent; ``None`` outside ``rallypoint run``, off the
+    main thread, or when torch.distributed was set up before the function (then the
+    function could not set it up again: it runs once, said once)."""
+    global _CHANNEL
+    if _CHANNEL is not None and _CHANNEL.pid == os.getpid():
+        return _CHANNEL
+    fd = os.environ.get(envvars.CONTROL_FD, "")
+    if not fd.isdigit() or threading.current_thread() is not threading.main_thread():
+        return None
+    if _distributed_ready():
+        sys.stderr.write(
+            "rallypoint: torch.distributed was initialised before the @restartable function; "
+            "it cannot be restarted in process (init_process_group belongs inside it): a "
+            "failure restarts this process\n"
+        )
+        return None
+    try:
+        sock = socket.socket(fileno=int(fd))
+    except OSError:
+        return None
+    _CHANNEL = _Channel(sock)
+    return _CHANNEL
+
+
+def _distributed_ready() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
+class _Channel:
+    """The worker's end: one reader thread, the main thread's restart loop."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.pid = os.getpid()
+        self.sock = sock
+        self.lock = threading.RLock()  # the signal handler takes it in the main thread too
+        self.in_fn = False
+        self.interrupted = False
+        self.replies: SimpleQueue[Message | None] = SimpleQueue()
+        self.reader = threading.Thread(target=self._read, name="rallypoint-restart", daemon=True)
+        self.reader.start()
+        self._send(Hello(self.pid))
+
+    def _send(self, msg: Message) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.send(encode(msg))
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(MAX_MESSAGE)
+            except OSError:
+                data = b""
+            if not data:  # the agent is gone: whoever waits gets None
+                self.replies.put(None)
+                return
+            try:
+                msg = decode(data)
+            except ValueError:
+                continue
+            if isinstance(msg, Interrupt):
+                self._interrupt()
+            self.replies.put(msg)
+
+    def _interrupt(self) -> None:
+        """From the reader thread: abort NCCL, then raise in the main thread if it is in
+        the function (else the restart loop reads the message). The signal goes while the
+        lock is held, so the main thread cannot leave the function in between."""
+        with self.lock:
+            self.interrupted = True
+        abort_nccl()
+        with self.lock:
+            if self.in_fn:
+                with contextlib.suppress(OSError, ValueError):
+                    signal.pthread_kill(threading.main_thread().ident or 0, WAKE_SIGNAL)
+
+    def _on_wake(self, signum: int, frame: FrameType | None) -> None:
+        with self.lock:
+            raise_now = self.in_fn and self.interrupted
+            if raise_now:
+                self.in_fn = False  # once: the wrapper's own code is never interrupted
+        if raise_now:
+            raise RestartInterrupt("another rank failed: restarting in process")
+
+    # ------------------------------------------------------------------ the main thread
+    def run(self, fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+        # installed for good: a wake-up that races the function's return must find it
+        # (the default action of a real-time signal ends the process); it raises only
+        # while the function runs
+        signal.signal(WAKE_SIGNAL, self._on_wake)
+        # what the set-up made lives as long as the process: a restart's collection (the
+        # failed attempt's frames) need not walk it again (tens of ms after torch._dynamo)
+        gc.freeze()
+        if os.environ.pop(envvars.STANDBY, ""):  # a hot spare: set up, now wait for ranks
+            self._take_assignment()
+        while True:
+            try:
+                value, failed = self._call(fn, args, kwargs)
+            except RestartInterrupt:  # came as the function returned: restart anyway
+                value, failed = None, True
+            if not failed:
+                self._send(Done())
+                return value  # type: ignore[return-value]
+            self._restart()
+
+    def _call(
+        self, fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[R | None, bool]:
+        """``(value, False)``, or ``(None, True)`` when the job restarts in process; the
+        function's own failure propagates."""
+        with self.lock:
+            self.in_fn = not self.interrupted
+        try:
+            if not self.in_fn:
+                raise RestartInterrupt("another rank failed before the function started")
+            return fn(*args, **kwargs), False
+        except RestartInterrupt:
+            return None, True
+        except Exception as exc:  # KeyboardInterrupt, SystemExit: the process ends as asked
+            with self.lock:
+                self.in_fn = False
+                interrupted = self.interrupted
+            if interrupted or self._consequence(exc):
+                return None, True
+            raise
+        finally:
+            with self.lock:
+                self.in_fn = False
+
+    def _consequence(self, exc: Exception) -> bool:
+        """Ask the agent whether ``exc`` was caused by a fault elsewhere."""
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self._send(Raised(text[-8000:]))
+        while True:
+            msg = self.replies.get()
+            if msg is None or isinstance(msg, Verdict):
+                return msg is not None and msg.restart
+            if isinstance(msg, Interrupt):
+                return True
+
+    def _restart(self) -> None:
+        """Tear down, park, take the next attempt's environment."""
+        try:
+            teardown()
+        except Exception as exc:  # a poisoned CUDA context, say: this process is done
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.write(f"rallypoint: in-process restart: teardown failed: {exc!r}\n")
+            os._exit(1)
+        self._send(Parked())
+        self._take_assignment()
+
+    def _take_assignment(self) -> None:
+        """Wait for the next attempt's environment and put it in ``os.environ``."""
+        while True:
+            msg = self.replies.get()
+            if msg is None:  # the agent is gone
+                os._exit(1)
+            if isinstance(msg, Assign):
+                break
+        os.environ.update(msg.env)
+        with self.lock:
+            self.interrupted = False
+
+
+def abort_nccl() -> None:
+    """Abort every NCCL communicator (a collective blocked on one returns with an error);
+    gloo has no abort (pytorch#130345): its collectives fail when a peer's connection
+    closes."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    with contextlib.suppress(Exception):
+        import torch
+        from torch.distributed import distributed_c10d as c10d
+
+        if not c10d.is_nccl_available():
+            return
+        for pg in list(c10d._world.pg_map):
+            with contextlib.suppress(Exception):
+                backend = pg._get_backend(torch.device("cuda"))
+                if isinstance(backend, c10d.ProcessGroupNCCL):
+                    backend.abort()
+
+
+def teardown() -> None:
+    """What a kept process leaves behind of an attempt: nothing. Every process group is
+    destroyed (``rallypoint.distributed`` forgets its layout with them) and garbage (the
+    failed attempt's frames) is collected. ``rallypoint.snapshot`` starts a new session by
+    itself when the restart count changes."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+for _public in (RestartInterrupt, restartable):
+    _public.__module__ = "rallypoint.launcher"  # documented there

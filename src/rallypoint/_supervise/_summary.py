@@ -1,0 +1,177 @@
+"""What a failed worker left behind, and the failure screen printed (and raised) for it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import re
+import signal
+import textwrap
+from datetime import datetime
+from pathlib import Path
+
+from rallypoint._supervise._errors import WorkerSummary
+from rallypoint._watch._flight._final import COLLECTIVE_TIMEOUT
+
+__all__ = [
+    "PEER_LOSS",
+    "bad_target_message",
+    "describe_status",
+    "error_info",
+    "fatal_message",
+    "format_summary",
+    "peer_loss",
+    "peer_vanished",
+]
+
+PEER_LOSS = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|DistNetworkError|Socket Timeout|"
+    r"gloo/transport|NCCL"
+)
+"""Errors a rank gets when a peer vanished mid-collective: a consequence of a failure."""
+
+
+def peer_vanished(text: str) -> bool:
+    """Whether an error ``text`` says that a peer vanished mid-collective (:data:`PEER_LOSS`).
+    A collective that timed out is not that, though gloo's error names its transport: the
+    peers are there, one of them never came (``_watch._flight._final.COLLECTIVE_TIMEOUT``)."""
+    return PEER_LOSS.search(text) is not None and COLLECTIVE_TIMEOUT.search(text) is None
+
+
+def peer_loss(error_file: Path) -> bool:
+    """Whether the worker's recorded error says that a peer vanished under it."""
+    try:
+        text = error_file.read_text(errors="replace")
+    except OSError:
+        return False
+    return peer_vanished(text)
+
+
+_WIDTH = 72
+
+
+def describe_status(status: int) -> tuple[int, str]:
+    """Turn a ``waitpid`` status into ``(returncode, text)``; returncode < 0 for signals."""
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:
+        return code, _signal_text(-code)
+    return code, f"exited with {code}"
+
+
+def _signal_text(signum: int) -> str:
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    return f"killed by {name}"
+
+
+def format_summary(
+    *,
+    title: str,
+    root: WorkerSummary,
+    host: str,
+    when: float,
+    elapsed: float,
+    traceback_text: str,
+    others: list[WorkerSummary],
+    attempts: str,
+    culprit: str = "",
+) -> str:
+    """One screen: the root cause with its traceback, then one line per other rank.
+    ``culprit``: the rank the first failure waited for, when a collective timed out."""
+    rule = "=" * _WIDTH
+    stamp = datetime.fromtimestamp(when).isoformat(sep=" ", timespec="milliseconds")
+    lines = [
+        rule,
+        f"{title} FAILED ({attempts})",
+        "-" * _WIDTH,
+        "Root cause (first failure):",
+        f"  rank      : {root.rank} (local_rank: {root.local_rank})",
+        f"  host      : {host}",
+        f"  pid       : {root.pid}",
+        f"  exitcode  : {root.exitcode} ({root.detail})",
+        f"  time      : {stamp} ({elapsed:.2f} s after start)",
+    ]
+    if culprit:  # the first failure is a victim: name what it waited for
+        lines.append(f"  waited for: {culprit} (Flight Recorder; the report above)")
+    tb = traceback_text.rstrip()
+    if tb:
+        tb_lines = tb.splitlines()
+        if len(tb_lines) > 40:
+            tb_lines = [*tb_lines[:8], "  ...", *tb_lines[-30:]]
+        lines.append("  traceback :")
+        lines.extend(textwrap.indent("\n".join(tb_lines), "    ").splitlines())
+    else:
+        lines.append("  traceback : (none: the worker died without raising a Python exception)")
+    if others:
+        lines.append("Other ranks:")
+        for w in sorted(others, key=lambda w: w.rank):
+            lines.append(f"  rank {w.rank} (local_rank: {w.local_rank}, pid {w.pid}): {w.detail}")
+    lines.append(rule)
+    return "\n".join(lines)
+
+
+_SUPERVISE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _trim_fault(text: str) -> str:
+    """faulthandler's dump without the launcher's own frames and the module list."""
+    keep = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("Extension modules:"):
+            continue
+        if stripped.startswith("File ") and (
+            "<frozen runpy>" in stripped
+            or _SUPERVISE_DIR in stripped
+            or "rallypoint/__main__.py" in stripped
+            or "/bin/rallypoint" in stripped
+        ):
+            continue
+        keep.append(line)
+    return "\n".join(keep).strip()
+
+
+def error_info(result: bytes, error_file: Path) -> tuple[str, BaseException | None]:
+    """A failed worker's traceback and exception.
+
+    From its result pipe (``launch()`` workers), else ``TORCHELASTIC_ERROR_FILE`` (ours or
+    torch's ``@record``), plus faulthandler's dump for fatal signals.
+    """
+    tb, exc = "", None
+    if len(result) > 8:
+        with contextlib.suppress(Exception):
+            msg = pickle.loads(result[8:])
+            if msg[0] == "err":
+                tb = msg[2]
+                if msg[1] is not None:
+                    exc = pickle.loads(msg[1])
+    if not tb:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            message = json.loads(error_file.read_text())["message"]
+            if isinstance(message, str):
+                tb = message
+            else:
+                tb = message["extraInfo"]["py_callstack"] or message["message"]
+    with contextlib.suppress(OSError):
+        fault = _trim_fault(Path(f"{error_file}.fault").read_text())
+        if fault:
+            tb = f"{tb}\n{fault}" if tb else fault
+    return tb, exc
+
+
+def fatal_message(error_file: Path) -> str:
+    """The message of the ``FatalError`` the worker raised, or ``""``."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return str(json.loads(error_file.read_text())["rallypoint"]["fatal"])
+    return ""
+
+
+def bad_target_message(error_file: Path) -> str:
+    """The worker's "cannot start the target" message, or ``""``."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return str(json.loads(error_file.read_text())["rallypoint"]["bad_target"])
+    return ""

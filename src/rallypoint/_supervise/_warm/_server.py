@@ -1,0 +1,337 @@
+"""The warm process's side: import torch once, then fork workers and run the store on command.
+
+:func:`serve` runs in the child that :meth:`WarmProcess.fork` made. It stays clean (it never
+initialises a process group, runs a tensor op or starts a thread), so it can fork again for
+every restart. It is a child subreaper: workers and anything they start stay its
+descendants, and it reaps them on ``SIGCHLD`` and reports each worker's exit
+(:class:`~rallypoint._supervise._messages.Exited`) the moment it happens.
+
+The job's ``TCPStore`` server lives in a separate child (forked after ``import torch``), so
+that workers never inherit its listening socket and a restart can rebind the same port
+with an empty store.
+
+If the supervisor dies without a word (``kill -9``, the OOM killer), the warm process hears
+it at once. Until it is ready (its imports done: nothing else exists yet, and a Python
+handler would wait for ``import torch``'s long C calls) its parent-death signal is
+``SIGKILL``; from :class:`~rallypoint._supervise._messages.Ready` on it is ``SIGTERM``,
+which it catches (as it does the end of its socket). A SIGTERM while its parent lives (sent
+to the launcher's process group, or to every process of the job) is not that: the
+supervisor stops the workers gracefully, and this process ignores it, as it ignores the
+other signals the supervisor handles. Once orphaned, it SIGKILLs every descendant it
+has, found in ``/proc`` (workers, their children, whatever daemonized or started its own
+session: as a child subreaper it inherits those orphans), reaps them, removes the
+supervisor's temporary paths (:class:`~rallypoint._supervise._messages.RemoveOnExit`; the
+supervisor makes them only after ``Ready``) and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import os
+import selectors
+import shutil
+import signal
+import socket
+import traceback
+from typing import NoReturn
+
+from rallypoint._core.net import port_is_free
+from rallypoint._core.procs import become_subreaper, kill_descendants, set_parent_death_signal
+from rallypoint._supervise._errors import WarmErrorKind
+from rallypoint._supervise._summary import describe_status
+from rallypoint._supervise._warm._messages import (
+    CpusFound,
+    Exited,
+    Failed,
+    FindCpus,
+    Init,
+    Ready,
+    RemoveOnExit,
+    Reply,
+    Request,
+    ResetStore,
+    Shutdown,
+    SnapshotsStarted,
+    Spawn,
+    Spawned,
+    StartSnapshots,
+    StartStore,
+    StoreStarted,
+    recv,
+    send,
+)
+from rallypoint._supervise._warm._snapshots import SnapshotServer, fork_snapshot_server
+from rallypoint._supervise._worker import WorkerSpec, child_main
+
+__all__ = ["WARM_MODULES", "serve"]
+
+WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel")
+_ORPHANED_KILL_TIMEOUT = 1.5
+"""Seconds the warm process of a dead supervisor spends killing its descendants."""
+
+
+def serve(sock: socket.socket, import_torch: bool) -> NoReturn:
+    """Run the warm process on ``sock`` until the supervisor shuts it down or goes away."""
+    _Server(sock, import_torch).serve()
+
+
+def _store_main(conn: socket.socket) -> NoReturn:
+    """The store process: hosts one TCPStore server at a time, replaced on each reset."""
+    set_parent_death_signal(signal.SIGKILL)
+    from rallypoint._core.torch_c import TCPStore
+
+    store: TCPStore | None = None
+    host, port = "127.0.0.1", 0
+    while True:
+        msg, _ = recv(conn)
+        match msg:
+            case None:
+                os._exit(0)
+            case StartStore(host=host, port=port):
+                pass
+            case ResetStore():
+                pass  # the same host and port, an empty store
+            case _:
+                send(conn, Failed(WarmErrorKind.PROTOCOL, f"store: unexpected {msg!r}"))
+                continue
+        store = None  # closes the previous server before rebinding its port
+        try:
+            store = TCPStore(host, port, None, True, wait_for_workers=False, use_libuv=True)
+            port = store.port
+            send(conn, StoreStarted(port, os.getpid()))
+        except Exception as exc:
+            busy = port != 0 and not port_is_free(port)
+            kind = WarmErrorKind.PORT_IN_USE if busy else WarmErrorKind.STORE
+            send(conn, Failed(kind, f"{type(exc).__name__}: {exc}"))
+
+
+def _find_cpus(mode: str, nproc: int, env: dict[str, str]) -> Reply:
+    """Each local rank's CPUs under ``numa_binding``, found in a child (CUDA stays out)."""
+    from rallypoint._supervise._warm._numa_probe import NumaProbeError, find_cpu_sets
+
+    try:
+        return CpusFound(find_cpu_sets(mode, nproc, env))
+    except (NumaProbeError, OSError) as exc:
+        return Failed(WarmErrorKind.NUMA, str(exc))
+
+
+class _Server:
+    def __init__(self, sock: socket.socket, import_torch: bool) -> None:
+        self.sock = sock
+        self.import_torch = import_torch
+        self.workers: dict[int, int] = {}
+        self.store_pid = 0
+        self.store_sock: socket.socket | None = None
+        self.snapshots: SnapshotServer | None = None
+        self.snapshots_ended = ""
+        """How the last snapshot server died, until a new one is started."""
+        self.wake_r, self.wake_w = os.pipe()
+        self.remove_on_exit: list[str] = []
+        self.pid = os.getpid()
+        self.parent = 0
+
+    def serve(self) -> NoReturn:
+        # The terminal's ^C and hang-up, and whatever reaches the launcher's process group,
+        # are the supervisor's to handle (it stops the workers gracefully): this process
+        # must outlive their shutdown handlers. SIGTERM gets a handler at Ready.
+        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_IGN)
+        set_parent_death_signal(signal.SIGKILL)  # until Ready (see the module docstring)
+        self.parent = os.getppid()
+        become_subreaper()
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        if self.import_torch:
+            for name in WARM_MODULES:
+                importlib.import_module(name)
+        sel = selectors.DefaultSelector()
+        sel.register(self.sock, selectors.EVENT_READ)
+        sel.register(self.wake_r, selectors.EVENT_READ)
+        while True:
+            for key, _ in sel.select():
+                if key.fileobj is self.sock:
+                    self._on_message()
+                else:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wake_r, 4096)
+                    self._reap()
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid in self.workers:
+                del self.workers[pid]
+                send(self.sock, Exited(pid, status))
+            elif self.snapshots is not None and pid == self.snapshots.pid:
+                self._snapshots_ended(status)
+
+    def _on_message(self) -> None:
+        msg, fds = recv(self.sock, maxfds=4)
+        match msg:
+            case None:
+                self._orphaned()
+            case Shutdown():
+                self._shutdown()
+            case RemoveOnExit(paths=paths):
+                self.remove_on_exit.extend(paths)
+            case Init(preload=preload):
+                send(self.sock, self._init(preload))
+            case StartStore() | ResetStore():
+                send(self.sock, self._store(msg))
+            case Spawn(spec=spec):
+                send(self.sock, self._spawn(spec, fds))
+            case StartSnapshots():
+                send(self.sock, self._snapshots())
+            case FindCpus(mode=mode, nproc=nproc, env=env):
+                send(self.sock, _find_cpus(mode, nproc, env))
+            case _:
+                send(self.sock, Failed(WarmErrorKind.PROTOCOL, f"unexpected {msg!r}"))
+
+    def _init(self, preload: tuple[str, ...]) -> Reply:
+        try:
+            for name in preload:
+                importlib.import_module(name)
+        except BaseException as exc:  # a preload's SystemExit too is a failed preload
+            text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            return Failed(WarmErrorKind.PRELOAD, f"--preload: cannot import: {text}")
+        # children then share the warm heap without copy-on-write churn from their
+        # collections (no gc.collect() first: it costs ~80 ms on the critical path)
+        gc.freeze()
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != self.parent:  # it died before the signal was armed
+            self._orphaned()
+        return Ready(os.getpid())
+
+    def _spawn(self, spec: WorkerSpec, fds: list[int]) -> Reply:
+        close = [self.sock.fileno(), self.wake_r, self.wake_w]
+        if self.store_sock is not None:
+            close.append(self.store_sock.fileno())
+        pid = os.fork()
+        if pid == 0:
+            child_main(spec, fds, close)
+        for fd in fds:
+            os.close(fd)
+        self.workers[pid] = spec.local_rank
+        return Spawned(spec.local_rank, pid)
+
+    def _store(self, msg: Request) -> Reply:
+        if self.store_sock is None:
+            if not isinstance(msg, StartStore):
+                return Failed(WarmErrorKind.STORE, "store reset before start")
+            self.store_sock = self._fork_store()
+        send(self.store_sock, msg)
+        reply, _ = recv(self.store_sock)
+        if reply is None:
+            return Failed(WarmErrorKind.STORE, "the store process died")
+        assert isinstance(reply, StoreStarted | Failed), reply
+        return reply
+
+    def _snapshots_ended(self, status: int) -> None:
+        """The snapshot server died (killed, OOM): the next request starts a new one."""
+        assert self.snapshots is not None
+        shutil.rmtree(self.snapshots.directory, ignore_errors=True)  # not stop(): reaped
+        self.remove_on_exit.remove(self.snapshots.directory)
+        self.snapshots = None
+        self.snapshots_ended = describe_status(status)[1]
+
+    def _snapshots(self) -> Reply:
+        if self.snapshots is not None:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.snapshots.pid, os.WNOHANG)
+                if pid:  # died since the last reap
+                    self._snapshots_ended(status)
+        replaced, self.snapshots_ended = self.snapshots_ended, ""
+        if self.snapshots is None:
+            close = [self.sock.fileno(), self.wake_r, self.wake_w]
+            if self.store_sock is not None:
+                close.append(self.store_sock.fileno())
+            try:
+                self.snapshots = fork_snapshot_server(close)
+                self.remove_on_exit.append(self.snapshots.directory)
+            except OSError as exc:
+                return Failed(WarmErrorKind.SNAPSHOTS, f"{type(exc).__name__}: {exc}")
+        return SnapshotsStarted(self.snapshots.path, self.snapshots.pid, replaced)
+
+    def _fork_store(self) -> socket.socket:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                parent.close()
+                self.sock.close()
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                # the store outlives a SIGTERM to every process of the job (SLURM) while
+                # workers run their handlers; it dies with this process (PDEATHSIG)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                _store_main(child)
+            finally:
+                os._exit(1)
+        child.close()
+        self.store_pid = pid
+        return parent
+
+    def _on_sigterm(self, signum: int, _frame: object) -> None:
+        if os.getpid() != self.pid:  # a worker just forked, before it reset its handlers
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if os.getppid() == self.parent:
+            # Not the parent-death signal: a SIGTERM sent to the launcher's process group
+            # (``timeout``, ``kill -- -PGID``) or to every process of the job (SLURM). The
+            # supervisor got it too and stops the workers gracefully; killing them here
+            # would cut their own handlers short (the kernel re-parents this process
+            # before it sends the parent-death signal, so a dead parent shows here).
+            return
+        self._orphaned()
+
+    def _orphaned(self) -> NoReturn:
+        """The supervisor is gone (parent-death signal, or the end of the socket): leave
+        nothing of the job behind (see the module docstring)."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with contextlib.suppress(BaseException):
+            kill_descendants(_ORPHANED_KILL_TIMEOUT)
+        with contextlib.suppress(BaseException):
+            self._take_pending_paths()
+        for path in self.remove_on_exit:
+            with contextlib.suppress(BaseException):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
+        os._exit(1)
+
+    def _take_pending_paths(self) -> None:
+        """Paths the supervisor sent that the main loop has not read yet."""
+        self.sock.setblocking(False)
+        while True:
+            try:
+                msg, fds = recv(self.sock, maxfds=4)
+            except BlockingIOError:
+                return
+            for fd in fds:
+                os.close(fd)
+            if msg is None:
+                return
+            if isinstance(msg, RemoveOnExit):
+                self.remove_on_exit.extend(msg.paths)
+
+    def _shutdown(self) -> NoReturn:
+        for pid in list(self.workers):
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+        if self.store_pid:
+            with contextlib.suppress(OSError):
+                os.kill(self.store_pid, signal.SIGKILL)
+        if self.snapshots is not None:
+            self.snapshots.stop()
+        os._exit(0)
