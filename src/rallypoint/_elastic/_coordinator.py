@@ -81,6 +81,13 @@ EXIT_BARRIER = 10.0
 hosting the rendezvous store must not take it away while others still read it)."""
 
 
+def _store_of(info: RendezvousInfo) -> Store:
+    """The round's store (torch's class, as the handler API types it) as a ``Store``."""
+    from rallypoint._core.torch_c import as_torch_store
+
+    return as_torch_store(info.store)
+
+
 class ElasticCoordinator:
     """One node of a multi-node job (see the module docstring); owns the node's supervisor."""
 
@@ -185,7 +192,7 @@ class ElasticCoordinator:
             except RendezvousError as exc:
                 raise RendezvousFailedError(f"rendezvous failed: {exc}") from None
             rnd = self._setup_round(info)
-            if self.restarts.burn_in and self._burn_in(rnd, info.store):
+            if self.restarts.burn_in and self._burn_in(rnd, _store_of(info)):
                 decided = Outcome(OutcomeKind.RESTART, [], reason="burn-in")
                 if self.job.blocking(functools.partial(self._after_round, rnd, decided)):
                     return []
@@ -287,8 +294,9 @@ class ElasticCoordinator:
             k = self._local_round
         self._local_round = k + 1
         job = self.job
-        job.blocking(lambda: job.adopt_round_store(info.store))
-        store = RoundStore(prefixed(f"rallypoint/round{k}", info.store))
+        round_store = _store_of(info)
+        job.blocking(lambda: job.adopt_round_store(round_store))
+        store = RoundStore(prefixed(f"rallypoint/round{k}", round_store))
         group_rank, nnodes = int(info.rank), int(info.world_size)
         self._say_admitted(k, group_rank)
         sup = self.supervisor
