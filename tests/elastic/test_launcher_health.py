@@ -15,6 +15,7 @@ from typing import Any
 import psutil
 import pytest
 
+from rallypoint._core.torch_c import HashStore
 from rallypoint._elastic._builtin_checks import STORE_LATENCY_BOUND, check_store
 from rallypoint._elastic._check_run import OUTPUT_LINE_LIMIT, HealthContext
 from rallypoint._elastic._exits import EXIT_UNHEALTHY
@@ -205,31 +206,25 @@ def _has_gpu() -> bool:
     return bool(torch.cuda.is_available())
 
 
-class _SlowStore:
+class _SlowStore(HashStore):
     """A store whose reads take ``delay`` seconds (a loaded or far-away store)."""
 
     def __init__(self, delay: float) -> None:
+        super().__init__()
         self.delay = delay
-        self.data: dict[str, str] = {}
-
-    def set(self, key: str, value: str) -> None:
-        self.data[key] = value
 
     def get(self, key: str) -> bytes:
         time.sleep(self.delay)
-        return self.data[key].encode()
-
-    def delete_key(self, key: str) -> bool:
-        return self.data.pop(key, None) is not None
+        return super().get(key)
 
 
 @pytest.mark.timeout(30)
 def test_builtin_store_fails_above_its_latency_bound() -> None:
     fast, slow = _SlowStore(0.0), _SlowStore(STORE_LATENCY_BOUND + 0.3)
-    assert check_store(HealthContext(store=lambda: fast)) == ""  # type: ignore[arg-type,return-value]
-    problem = check_store(HealthContext(store=lambda: slow))  # type: ignore[arg-type,return-value]
+    assert check_store(HealthContext(store=lambda: fast)) == ""
+    problem = check_store(HealthContext(store=lambda: slow))
     assert "above the bound of 1 s" in problem, problem
-    assert not slow.data, "the probe key is removed"
+    assert slow.num_keys() == 0, "the probe key is removed"
 
 
 @pytest.mark.timeout(60)

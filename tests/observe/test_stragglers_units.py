@@ -14,6 +14,7 @@ import pytest
 from rallypoint._cli._args import config_from_args
 from rallypoint._cli._parser import UsageError, build_parser
 from rallypoint._cli._report import report_main
+from rallypoint._core.torch_c import HashStore
 from rallypoint._watch._flight._records import RankTrace
 from rallypoint._watch._stragglers._pace import (
     NodePace,
@@ -138,20 +139,6 @@ class _Board:
         return list(self.slots)
 
 
-class _Store:
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key: str, value: str) -> None:
-        self.data[key] = value.encode()
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.data for k in keys)
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        return [self.data[k] for k in keys]
-
-
 def _watch(
     board: _Board, g: int, clock: list[float], said: list[str], events: list[dict[str, object]]
 ) -> StragglerWatch:
@@ -177,7 +164,7 @@ def _step(boards: Sequence[_Board], t: float, per_step: dict[int, float]) -> Non
 
 def test_nodes_exchange_summaries_and_node_zero_reports_once() -> None:
     clock = [0.0]
-    store = _Store()
+    store = HashStore()
     boards = [_Board(2), _Board(2)]
     said: list[list[str]] = [[], []]
     events: list[list[dict[str, object]]] = [[], []]
@@ -188,7 +175,7 @@ def test_nodes_exchange_summaries_and_node_zero_reports_once() -> None:
         _step(boards, clock[0], per_step)
         for w in watches:
             w.exchange(store, running={0, 1, 2, 3})
-    assert pace_key(3, 1) in store.data and json.loads(store.data[pace_key(3, 1)])["n"] == 2
+    assert store.check([pace_key(3, 1)]) and json.loads(store.get(pace_key(3, 1)))["n"] == 2
     assert said[1] == [] and events[1] == []  # only node 0 judges
     assert len(said[0]) == 1 and "rank 3 on host1" in said[0][0]
     slow = [e for e in events[0] if e["kind"] == "straggler"]
@@ -201,20 +188,20 @@ def test_nodes_exchange_summaries_and_node_zero_reports_once() -> None:
 
 def test_a_garbled_or_stale_summary_is_left_out() -> None:
     clock = [0.0]
-    store = _Store()
+    store = HashStore()
     boards = [_Board(2), _Board(2)]
     said: list[str] = []
     events: list[dict[str, object]] = []
     w0 = _watch(boards[0], 0, clock, said, events)
     per_step = {0: 0.1, 1: 0.1, 2: 0.5, 3: 0.5}
-    store.data[pace_key(3, 1)] = b"{not json"
+    store.set(pace_key(3, 1), b"{not json")
     for tick in range(1, 11):
         clock[0] = tick * 1.0
         _step(boards, clock[0], per_step)
         w0.exchange(store, running={0, 1})
     assert said == []  # node 1's record is garbled: nothing to judge against
     # a record that never changes (its node stopped publishing) stops counting
-    store.data[pace_key(3, 1)] = _node(1, {2: 0.9, 3: 0.9}, seq=7).to_json().encode()
+    store.set(pace_key(3, 1), _node(1, {2: 0.9, 3: 0.9}, seq=7).to_json())
     for tick in range(11, 31):
         clock[0] = tick * 1.0
         _step(boards, clock[0], per_step)

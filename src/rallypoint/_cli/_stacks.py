@@ -43,6 +43,7 @@ def stacks_main(argv: Sequence[str] | None = None) -> int:
     if args.timeout <= 0:
         print(f"{PROG}: error: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
         return 2
+    from rallypoint._core.torch_c import as_torch_store
     from rallypoint._elastic._rendezvous import create_rendezvous, run_store_namespace
     from rallypoint._watch._flight._format import format_hang_report
     from rallypoint._watch._stacks_exchange import request_stacks
@@ -54,7 +55,7 @@ def stacks_main(argv: Sequence[str] | None = None) -> int:
         store = handler.open_run_store(run_store_namespace(args.rdzv_id))
         if store is None:
             raise ValueError(f"the {args.rdzv_backend} backend has no store to ask")
-        dumps, missing = request_stacks(store, timeout=args.timeout)
+        dumps, missing = request_stacks(as_torch_store(store), timeout=args.timeout)
     except (RendezvousError, ValueError, RuntimeError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

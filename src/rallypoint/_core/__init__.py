@@ -1,9 +1,9 @@
-"""rallypoint's torch-free common core: small helpers every part may import, each module
-imported directly (``from rallypoint._core.checks import check_int``).
+"""rallypoint's common core: small helpers every part may import, each module imported
+directly (``from rallypoint._core.checks import check_int``).
 
-Nothing here imports torch, starts a thread or touches the network at import time, and
-nothing here imports another rallypoint package: dependencies point down to this package,
-never up from it.
+Nothing here but ``torch_c`` imports torch; nothing starts a thread or touches the network
+at import time, and nothing here imports another rallypoint package: dependencies point
+down to this package, never up from it.
 
 - :mod:`~rallypoint._core.checks`: validation of user input (ints, durations) with messages
   that say what to change;
@@ -30,5 +30,8 @@ never up from it.
   (``SO_PEERCRED``);
 - :mod:`~rallypoint._core.cpp_log`: torch's C++ warnings off while a store failure that
   rallypoint handles itself may come (found in the loaded library, never importing torch);
-- :mod:`~rallypoint._core.ranks`: a list of ranks in a few characters (``0-3,7``).
+- :mod:`~rallypoint._core.ranks`: a list of ranks in a few characters (``0-3,7``);
+- :mod:`~rallypoint._core.store`: ``Store``, the one protocol of a key-value store;
+- :mod:`~rallypoint._core.torch_c`: the one module that touches ``torch._C`` (torch's store
+  classes, their stubs corrected, and the other private torch names rallypoint uses).
 """

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from rallypoint._elastic._check_run import run_command
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
+    from rallypoint._core.store import Store
 
 __all__ = [
     "GEMM_FACTOR",

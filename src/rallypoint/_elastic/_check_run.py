@@ -29,7 +29,7 @@ from rallypoint._core.subreaper import KILL_TIMEOUT, argv_for
 from rallypoint._core.terminal import split_clean
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
+    from rallypoint._core.store import Store
 
 __all__ = ["CheckResult", "HealthContext", "run_command"]
 

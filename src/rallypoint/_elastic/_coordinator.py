@@ -65,8 +65,7 @@ from rallypoint._watch._observer import Observer
 from rallypoint._watch._stacks_exchange import publish_node_count
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
-
+    from rallypoint._core.store import Store
     from rallypoint.rendezvous import RendezvousHandler, RendezvousInfo
 
 __all__ = ["EXIT_BARRIER", "POLL_EVERY", "ElasticCoordinator"]
@@ -80,6 +79,13 @@ BURN_IN_TIMEOUT = 120.0
 EXIT_BARRIER = 10.0
 """Seconds a node waits for the others to see the job's end before it returns (the node
 hosting the rendezvous store must not take it away while others still read it)."""
+
+
+def _store_of(info: RendezvousInfo) -> Store:
+    """The round's store (torch's class, as the handler API types it) as a ``Store``."""
+    from rallypoint._core.torch_c import as_torch_store
+
+    return as_torch_store(info.store)
 
 
 class ElasticCoordinator:
@@ -186,7 +192,7 @@ class ElasticCoordinator:
             except RendezvousError as exc:
                 raise RendezvousFailedError(f"rendezvous failed: {exc}") from None
             rnd = self._setup_round(info)
-            if self.restarts.burn_in and self._burn_in(rnd, info.store):
+            if self.restarts.burn_in and self._burn_in(rnd, _store_of(info)):
                 decided = Outcome(OutcomeKind.RESTART, [], reason="burn-in")
                 if self.job.blocking(functools.partial(self._after_round, rnd, decided)):
                     return []
@@ -288,8 +294,9 @@ class ElasticCoordinator:
             k = self._local_round
         self._local_round = k + 1
         job = self.job
-        job.blocking(lambda: job.adopt_round_store(info.store))
-        store = RoundStore(prefixed(f"rallypoint/round{k}", info.store))
+        round_store = _store_of(info)
+        job.blocking(lambda: job.adopt_round_store(round_store))
+        store = RoundStore(prefixed(f"rallypoint/round{k}", round_store))
         group_rank, nnodes = int(info.rank), int(info.world_size)
         self._say_admitted(k, group_rank)
         sup = self.supervisor

@@ -13,7 +13,7 @@ import os
 import secrets
 import signal
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from rallypoint._core.blocking import call_in_thread
 from rallypoint._elastic._options import RestartOptions
@@ -28,8 +28,7 @@ from rallypoint._watch._stacks_exchange import (
 )
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
-
+    from rallypoint._core.store import Store
     from rallypoint.rendezvous import RendezvousHandler
 
 __all__ = ["Job", "interruptible", "stop_on_signal"]
@@ -91,7 +90,7 @@ class Job:
         self.store_timeout = store_timeout
         """Seconds a store call may take (``read_timeout``) before the store counts as lost."""
         self._run: RunStore | None = None
-        self.stacks_store: Any = None  # a second connection, for a blocking stacks request
+        self.stacks_store: Store | None = None  # a second connection, for a blocking stacks request
         self.stacks_answers = StacksAnswers()
         self._rpc_secret = ""
         self._left = False
@@ -109,7 +108,7 @@ class Job:
         FileStore; for stores that have none (etcd's), the handler's ``open_run_store``
         (a c10d handler's shares one side connection with the heartbeats: not that)."""
         try:
-            clone: Store = self.run.store.clone()  # type: ignore[attr-defined]  # no stub
+            clone: Store = self.run.store.clone()
             return clone
         except RuntimeError:  # "pure virtual function": a store written in Python
             store = open_run_store(self.handler, self.run_id, self.endpoint)

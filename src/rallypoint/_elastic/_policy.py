@@ -149,10 +149,11 @@ class ElasticPolicy:
         result: dict[str, Any] = {}
 
         def ask() -> None:
+            store = self.job.stacks_store
+            if store is None:  # no run store: nobody to ask
+                return
             with contextlib.suppress(Exception):
-                result["r"] = request_stacks(
-                    self.job.stacks_store, timeout=STACKS_TIMEOUT, nnodes=self.rnd.nnodes
-                )
+                result["r"] = request_stacks(store, timeout=STACKS_TIMEOUT, nnodes=self.rnd.nnodes)
 
         t = threading.Thread(target=ask, name="rallypoint-stacks", daemon=True)
         t.start()

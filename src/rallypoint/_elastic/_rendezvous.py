@@ -8,8 +8,7 @@ from rallypoint._elastic._options import RendezvousOptions
 from rallypoint._supervise._errors import RendezvousFailedError
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
-
+    from rallypoint._core.store import Store
     from rallypoint.rendezvous import RendezvousHandler
 
 __all__ = [
@@ -82,9 +81,11 @@ def connect(options: RendezvousOptions, run_id: str) -> RendezvousHandler:
 
 def open_run_store(handler: RendezvousHandler, run_id: str, endpoint: str) -> Store | None:
     """A new connection to the run's store (``None``: the backend has none, use the round's)."""
+    from rallypoint._core.torch_c import as_torch_store
     from rallypoint.rendezvous import KVError, RendezvousError
 
     try:
-        return handler.open_run_store(run_store_namespace(run_id))
+        store = handler.open_run_store(run_store_namespace(run_id))
     except (RendezvousError, KVError, RuntimeError) as exc:
         raise RendezvousFailedError(f"rendezvous {endpoint!r}: {exc}") from None
+    return None if store is None else as_torch_store(store)

@@ -30,16 +30,16 @@ from rallypoint._elastic._records import (
 )
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
+    from rallypoint._core.store import Store
 
 __all__ = ["RoundStore", "RunStore", "prefixed"]
 
 
 def prefixed(prefix: str, store: Store) -> Store:
     """``store`` with every key under ``prefix/`` (torch's ``PrefixStore``)."""
-    from torch._C._distributed_c10d import PrefixStore
+    from rallypoint._core.torch_c import PrefixStore, as_torch_store
 
-    return PrefixStore(prefix, store)
+    return PrefixStore(prefix, as_torch_store(store))
 
 
 class RoundStore:

@@ -34,13 +34,13 @@ import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rallypoint._snapshot._records import Key
 from rallypoint._snapshot._snapshot_dir import Checkpoint
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
+    from rallypoint._core.store import Store
 
 __all__ = ["Agreement", "Choice", "Holder", "next_generation"]
 
@@ -99,9 +99,9 @@ class Agreement:
         group_world: int,
         timeout: timedelta,
     ) -> None:
-        from torch._C._distributed_c10d import PrefixStore
+        from rallypoint._core.torch_c import PrefixStore, as_torch_store
 
-        self.store: Any = PrefixStore(PREFIX, store)  # torch's stub lacks append()
+        self.store: Store = PrefixStore(PREFIX, as_torch_store(store))
         self.rank = rank
         self.world = world
         self.group_rank = group_rank

@@ -25,7 +25,7 @@ from collections.abc import MutableMapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -49,6 +49,9 @@ from rallypoint._snapshot._persist import Persister, persister_for
 from rallypoint._snapshot._records import Key
 from rallypoint._snapshot._report import Reporter
 from rallypoint._snapshot._snapshot_dir import Checkpoint
+
+if TYPE_CHECKING:
+    from rallypoint._core.torch_c import TCPStore
 
 __all__ = ["NodeSession"]
 
@@ -88,8 +91,8 @@ class _Background:
                 future.set_exception(exc)
 
 
-def _worker_store(timeout: float) -> Any:
-    from torch._C._distributed_c10d import TCPStore
+def _worker_store(timeout: float) -> TCPStore:
+    from rallypoint._core.torch_c import TCPStore
 
     return TCPStore(
         os.environ["MASTER_ADDR"],

@@ -26,6 +26,7 @@ from typing import Any
 from rallypoint._core.checks import check_int, check_seconds
 from rallypoint._core.closing import Closing
 from rallypoint._core.procs import pid_running
+from rallypoint._core.store import Store
 from rallypoint._watch._flight._final import (
     has_final_trace,
     read_final_trace,
@@ -39,7 +40,6 @@ from rallypoint._watch._flight._recorder import (
     remove_flight_files,
 )
 from rallypoint._watch._stacks import StackDump, collect_stacks, remove_dump_file, stacks_env
-from rallypoint._watch._stragglers._clock_offset import ClockStore
 from rallypoint._watch._stragglers._pace import (
     DEFAULT_THRESHOLD,
     WINDOW_S,
@@ -145,7 +145,7 @@ class Observer(Closing):
         rank_offset: int,
         group_rank: int = 0,
         nnodes: int = 1,
-        clock_store: Callable[[], ClockStore] | None = None,
+        clock_store: Callable[[], Store] | None = None,
     ) -> StragglerWatch | None:
         """Straggler detection for one attempt (``None`` when it is off); ``clock_store``
         opens a run-store connection of its own (``StragglerWatch``)."""

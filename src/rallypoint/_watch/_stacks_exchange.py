@@ -22,8 +22,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Protocol
 
+from rallypoint._core.store import Store
 from rallypoint._watch._flight._records import RankTrace
 from rallypoint._watch._stacks import StackDump, ThreadStack, positive_seconds
 
@@ -33,7 +33,6 @@ __all__ = [
     "MAX_KEPT",
     "MIN_ANSWER_INTERVAL",
     "StacksAnswers",
-    "StacksStore",
     "answer_stacks_request",
     "latest_stacks_request",
     "publish_node_count",
@@ -52,16 +51,6 @@ _SCAN_EVERY = 5.0
 """Seconds between the requester's reads of the answers already there, while it waits."""
 
 
-class StacksStore(Protocol):
-    """The part of torch's ``c10d.Store`` the exchange uses (TCPStore, FileStore, ...)."""
-
-    def set(self, key: str, value: str, /) -> None: ...
-    def get(self, key: str, /) -> bytes: ...
-    def add(self, key: str, amount: int, /) -> int: ...
-    def check(self, keys: list[str], /) -> bool: ...
-    def delete_key(self, key: str, /) -> bool: ...
-
-
 _REQUEST = "stacks/request"
 _NNODES = "stacks/nnodes"
 
@@ -74,12 +63,12 @@ def _count_key(request: int) -> str:
     return f"stacks/{request}/count"
 
 
-def publish_node_count(store: StacksStore, nnodes: int) -> None:
+def publish_node_count(store: Store, nnodes: int) -> None:
     """Agents call this after each round so that a requester knows how many answers to expect."""
     store.set(_NNODES, str(nnodes))
 
 
-def latest_stacks_request(store: StacksStore) -> int:
+def latest_stacks_request(store: Store) -> int:
     """The newest request id; an agent starts answering after this one."""
     return store.add(_REQUEST, 0)
 
@@ -107,7 +96,7 @@ class StacksAnswers:
 
 
 def answer_stacks_request(
-    store: StacksStore,
+    store: Store,
     *,
     node_rank: int,
     answers: StacksAnswers,
@@ -132,12 +121,12 @@ def answer_stacks_request(
         _remove(store, node_rank, answers.kept.popleft()[1])
 
 
-def _remove_old(store: StacksStore, node_rank: int, answers: StacksAnswers, now: float) -> None:
+def _remove_old(store: Store, node_rank: int, answers: StacksAnswers, now: float) -> None:
     while answers.kept and now - answers.kept[0][0] >= answers.keep_for:
         _remove(store, node_rank, answers.kept.popleft()[1])
 
 
-def _remove(store: StacksStore, node_rank: int, request: int) -> None:
+def _remove(store: Store, node_rank: int, request: int) -> None:
     """This node's answer to ``request``, and the request's count: the requester has
     given up on it by now (and deleted both if it read the answer)."""
     store.delete_key(_answer_key(request, node_rank))
@@ -194,7 +183,7 @@ def _frameless(trace: RankTrace | None) -> RankTrace | None:
 
 
 def request_stacks(
-    store: StacksStore,
+    store: Store,
     *,
     timeout: timedelta | float,
     nnodes: int | None = None,
@@ -236,7 +225,7 @@ def request_stacks(
 
 
 def _collect(
-    store: StacksStore,
+    store: Store,
     request: int,
     waiting: set[int],
     dumps: dict[int, StackDump],

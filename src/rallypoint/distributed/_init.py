@@ -137,8 +137,9 @@ _HOSTED_STORES: dict[tuple[str, int], Store] = {}
 
 def _make_store(config: DistributedConfig, environ: dict[str, str], generation: int) -> Store:
     """The TCPStore for ``env://``: a client of the launcher's store, or hosted by rank 0."""
-    from torch._C._distributed_c10d import TCPStore
     from torch.distributed.distributed_c10d import PrefixStore
+
+    from rallypoint._core.torch_c import TCPStore
 
     assert config.master_addr is not None and config.master_port is not None
     assert config.world_size is not None and config.rank is not None

@@ -297,7 +297,7 @@ class DeferredJoinMode:
             return self._switch
         keys = [f"{self._prefix}/record/{r}" for r in range(self._world_size)]
         if timeout is None:
-            timeout = self._store.timeout.total_seconds()  # type: ignore[attr-defined]
+            timeout = self._store.timeout.total_seconds()
         deadline = time.monotonic() + timeout
         pause = 0.0005
         while not self._store.check(keys):

@@ -54,9 +54,10 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store
 
 from rallypoint._core.forking import fork_safe_lock
+from rallypoint._core.store import Store
+from rallypoint._core.torch_c import as_torch_store
 from rallypoint.join._errors import EarlyTerminationError, RankFailedError
 
 logger = logging.getLogger("rallypoint.join")
@@ -82,11 +83,11 @@ def _next_join_id(group: dist.ProcessGroup) -> int:
 
 def _group_store(group: dist.ProcessGroup) -> Store | None:
     try:
-        return dist.distributed_c10d._get_process_group_store(group)
+        return as_torch_store(dist.distributed_c10d._get_process_group_store(group))
     except (KeyError, RuntimeError, ValueError):
         pass
     try:
-        return dist.distributed_c10d._get_default_store()
+        return as_torch_store(dist.distributed_c10d._get_default_store())
     except (RuntimeError, ValueError):
         return None
 

@@ -22,7 +22,9 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
+    from torch.distributed.distributed_c10d import Store as C10dStore
+
+    from rallypoint._core.store import Store
 
 
 class RendezvousError(Exception):
@@ -60,7 +62,7 @@ class RendezvousStoreInfo:
 
     @staticmethod
     def build(
-        rank: int, store: Store, local_addr: str | None, server_port: int | None = None
+        rank: int, store: Store | C10dStore, local_addr: str | None, server_port: int | None = None
     ) -> RendezvousStoreInfo:
         """Rank 0 publishes its address and a port in ``store``; every rank reads them.
 
@@ -71,9 +73,8 @@ class RendezvousStoreInfo:
 
             addr = local_addr or socket.getfqdn()
             port = server_port or free_port()
-            # torch's stub says str; the binding takes bytes too
-            store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, addr.encode())  # type: ignore[arg-type]
-            store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(port).encode())  # type: ignore[arg-type]
+            store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, addr)
+            store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(port))
         addr = store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode()
         port = int(store.get(RendezvousStoreInfo.MASTER_PORT_KEY).decode())
         return RendezvousStoreInfo(master_addr=addr, master_port=port)
@@ -90,7 +91,7 @@ class RendezvousInfo:
 
     def __init__(
         self,
-        store: Store,
+        store: C10dStore,
         rank: int,
         world_size: int,
         bootstrap_store_info: RendezvousStoreInfo | None = None,
@@ -101,7 +102,7 @@ class RendezvousInfo:
         self._bootstrap_store_info = bootstrap_store_info
 
     @property
-    def store(self) -> Store:
+    def store(self) -> C10dStore:
         """Store for the control plane, namespaced to this round."""
         return self._store
 
@@ -188,7 +189,7 @@ class RendezvousHandler(ABC):
         round, or when the backend does not number its rounds."""
         return None
 
-    def open_run_store(self, namespace: str) -> Store | None:
+    def open_run_store(self, namespace: str) -> C10dStore | None:
         """A new connection to a store that lives as long as the run (not one round), with
         its keys under ``namespace``; ``None`` when the backend has no run-level store
         (then use the round's ``RendezvousInfo.store``).

@@ -58,7 +58,8 @@ from rallypoint.rendezvous._rounds import (
 )
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store, TCPStore
+    from rallypoint._core.store import Store
+    from rallypoint._core.torch_c import TCPStore, TorchStore
 
 logger = logging.getLogger("rallypoint.rendezvous")
 
@@ -138,7 +139,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """The round this node was last admitted to (``None`` before the first)."""
         return self._round
 
-    def open_run_store(self, namespace: str) -> Store:
+    def open_run_store(self, namespace: str) -> TorchStore:
         """A new connection to the run's store, keys under ``namespace``."""
         return self._kv.clone().torch_store(namespace)
 
@@ -566,7 +567,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         port: int | None = None
         if self.use_agent_store and rank == 0:
             if self._agent_server is None:
-                from torch._C._distributed_c10d import TCPStore
+                from rallypoint._core.torch_c import TCPStore
 
                 self._agent_server = TCPStore(
                     self._addr, 0, is_master=True, wait_for_workers=False, multi_tenant=True

@@ -31,7 +31,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
+    from rallypoint._core.torch_c import TorchStore
 
 
 class KVError(Exception):
@@ -123,7 +123,7 @@ class KeyValueStore(ABC):
         """An independent connection to the same data (for another thread)."""
 
     @abstractmethod
-    def torch_store(self, prefix: str) -> Store:
+    def torch_store(self, prefix: str) -> TorchStore:
         """A ``torch.distributed.Store`` over the same data whose keys live under ``prefix``."""
 
     def close(self) -> None:  # noqa: B027 - optional hook

@@ -24,7 +24,7 @@ from rallypoint._core.forking import fork_safe_lock
 from rallypoint.rendezvous._kv import KeyValueStore, KVConnectionError, KVStateError
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
+    from rallypoint._core.torch_c import TCPStore, TorchStore
 
 _SIDE: dict[tuple[int, str], C10dKV] = {}
 _SIDE_LOCK = fork_safe_lock()
@@ -78,10 +78,10 @@ class C10dKV(KeyValueStore):
 
     def __init__(
         self,
-        store: Store,
+        store: TorchStore,
         *,
         endpoint: str,
-        connect: Callable[[], Store] | None = None,
+        connect: Callable[[], TorchStore] | None = None,
         share_key: str | None = None,
     ) -> None:
         self._store = store
@@ -90,7 +90,7 @@ class C10dKV(KeyValueStore):
         self._share_key = share_key
 
     @property
-    def store(self) -> Store:
+    def store(self) -> TorchStore:
         """The underlying torch store."""
         return self._store
 
@@ -101,7 +101,7 @@ class C10dKV(KeyValueStore):
 
     def set(self, key: str, value: bytes) -> None:
         try:
-            self._store.set(key, value)  # type: ignore[arg-type]  # the stub says str; bytes work
+            self._store.set(key, value)
         except (RuntimeError, ValueError) as exc:
             raise self._fail("set", exc) from exc
 
@@ -129,7 +129,7 @@ class C10dKV(KeyValueStore):
         if not items:
             return
         try:
-            self._store.multi_set([k for k, _ in items], [v for _, v in items])  # type: ignore[attr-defined]
+            self._store.multi_set([k for k, _ in items], [v for _, v in items])
         except (RuntimeError, ValueError) as exc:
             raise self._fail("multi_set", exc) from exc
 
@@ -159,13 +159,13 @@ class C10dKV(KeyValueStore):
         if not value:
             raise ValueError("set_if_absent needs a non-empty value")
         try:
-            return bytes(self._store.compare_set(key, b"", value))  # type: ignore[arg-type]
+            return bytes(self._store.compare_set(key, b"", value))
         except (RuntimeError, ValueError) as exc:
             raise self._fail("set_if_absent", exc) from exc
 
     def compare_and_swap(self, key: str, expected: bytes, desired: bytes) -> bytes:
         try:
-            return bytes(self._store.compare_set(key, expected, desired))  # type: ignore[arg-type]
+            return bytes(self._store.compare_set(key, expected, desired))
         except (RuntimeError, ValueError) as exc:
             raise self._fail("compare_and_swap", exc) from exc
 
@@ -218,30 +218,30 @@ class C10dKV(KeyValueStore):
                 _SIDE[key] = side
         return side
 
-    def _new_client(self) -> Store:
+    def _new_client(self) -> TorchStore:
         assert self._connect is not None
         try:
             return self._connect()
         except (RuntimeError, ValueError) as exc:
             raise self._fail("connect", exc) from exc
 
-    def torch_store(self, prefix: str) -> Store:
-        from torch._C._distributed_c10d import PrefixStore
+    def torch_store(self, prefix: str) -> TorchStore:
+        from rallypoint._core.torch_c import PrefixStore
 
         return PrefixStore(prefix, self._store)
 
 
 def tcp_kv(
     host: str, port: int, *, is_server: bool, timeout: timedelta
-) -> tuple[C10dKV, Store | None]:
+) -> tuple[C10dKV, TCPStore | None]:
     """Connect to (or host, if ``is_server``) a TCPStore; return the KV and the server.
 
     ``port`` 0 with ``is_server`` picks a free port. Raises :class:`KVConnectionError`
     naming ``host:port`` when the store cannot be reached or hosted.
     """
-    from torch._C._distributed_c10d import TCPStore
+    from rallypoint._core.torch_c import TCPStore
 
-    server: Store | None = None
+    server: TCPStore | None = None
     try:
         if is_server:
             server = TCPStore(
@@ -260,7 +260,7 @@ def tcp_kv(
 
     seconds = timeout.total_seconds()
 
-    def connect() -> Store:
+    def connect() -> TCPStore:
         # torch's connect can take twice its timeout (a retry after the first one ran
         # out), and its ping blocks in recv for good on a server that accepted and never
         # answers; a thread bounds both (see rallypoint._core.blocking)
@@ -288,7 +288,7 @@ def tcp_kv(
 
 def file_kv(path: str) -> C10dKV:
     """A KV over a ``FileStore`` at ``path`` (a file every node can reach)."""
-    from torch._C._distributed_c10d import FileStore
+    from rallypoint._core.torch_c import FileStore
 
     try:
         store = FileStore(path, -1)

@@ -50,8 +50,7 @@ from rallypoint.rendezvous._etcd_gateway import (
 from rallypoint.rendezvous._kv import KeyValueStore, KVConnectionError, KVError, KVStateError
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
-
+    from rallypoint._core.torch_c import TorchStore
     from rallypoint.rendezvous._api import RendezvousParameters
 
 DEFAULT_PORT = 2379
@@ -427,7 +426,7 @@ class EtcdKV(KeyValueStore):
     def clone(self) -> EtcdKV:
         return self  # connections are per thread already
 
-    def torch_store(self, prefix: str) -> Store:
+    def torch_store(self, prefix: str) -> TorchStore:
         from rallypoint.rendezvous._kv_store import KVTorchStore
 
         return KVTorchStore(self, prefix)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from rallypoint.rendezvous._kv import KeyValueStore, KVConnectionError, KVStateError
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
+    from rallypoint._core.torch_c import TorchStore
 
 
 class MemoryKV(KeyValueStore):
@@ -130,7 +130,7 @@ class MemoryKV(KeyValueStore):
     def clone(self) -> MemoryKV:
         return self
 
-    def torch_store(self, prefix: str) -> Store:
+    def torch_store(self, prefix: str) -> TorchStore:
         from rallypoint.rendezvous._kv_store import KVTorchStore
 
         return KVTorchStore(self, prefix)

@@ -7,21 +7,20 @@ it. Key ``k`` lives at ``<prefix>/k``, as with torch's ``PrefixStore``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
 
-from torch._C._distributed_c10d import Store
-
+from rallypoint._core.torch_c import TorchStore
 from rallypoint.rendezvous._kv import KeyValueStore
 
 
-def _as_bytes(value: str | bytes | bytearray | list[int]) -> bytes:
+def _as_bytes(value: str | bytes) -> bytes:
     if isinstance(value, str):
         return value.encode()
     return bytes(value)
 
 
-class KVTorchStore(Store):
+class KVTorchStore(TorchStore):
     """torch ``Store`` API mapped onto a :class:`KeyValueStore` under ``prefix``."""
 
     def __init__(
@@ -33,13 +32,13 @@ class KVTorchStore(Store):
         self.set_timeout(timeout)
 
     def _limit(self) -> timedelta:
-        limit: timedelta = Store.timeout.fget(self)  # type: ignore[attr-defined]  # pybind property
+        limit: timedelta = TorchStore.timeout.fget(self)  # type: ignore[attr-defined]  # pybind property
         return limit
 
     def _key(self, key: str) -> str:
         return f"{self._prefix}/{key}"  # the same mapping as torch's PrefixStore
 
-    def set(self, key: str, value: Any) -> None:
+    def set(self, key: str, value: str | bytes) -> None:
         self._kv.set(self._key(key), _as_bytes(value))
 
     def get(self, key: str) -> bytes:
@@ -56,7 +55,7 @@ class KVTorchStore(Store):
     def add(self, key: str, amount: int) -> int:
         return self._kv.add(self._key(key), amount)
 
-    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         return self._kv.compare_and_swap(self._key(key), _as_bytes(expected), _as_bytes(desired))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
@@ -73,7 +72,7 @@ class KVTorchStore(Store):
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.get(k) for k in keys]
 
-    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+    def multi_set(self, keys: list[str], values: Sequence[str | bytes]) -> None:
         self._kv.multi_set(
             [(self._key(k), _as_bytes(v)) for k, v in zip(keys, values, strict=True)]
         )

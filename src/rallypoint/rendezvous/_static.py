@@ -21,7 +21,7 @@ from rallypoint.rendezvous._api import (
 from rallypoint.rendezvous._endpoint import parse_rendezvous_endpoint
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
+    from rallypoint._core.torch_c import TCPStore
 
 _DEFAULT_TIMEOUT_S = 600
 
@@ -46,7 +46,7 @@ class StaticRendezvousHandler(RendezvousHandler):
         self.world_size = world_size
         self.run_id = run_id
         self.timeout = timeout
-        self._store: Store | None = None
+        self._store: TCPStore | None = None
 
     def get_backend(self) -> str:
         return "static"
@@ -56,7 +56,7 @@ class StaticRendezvousHandler(RendezvousHandler):
         return True
 
     def next_rendezvous(self) -> RendezvousInfo:
-        from torch._C._distributed_c10d import PrefixStore, TCPStore
+        from rallypoint._core.torch_c import PrefixStore, TCPStore
 
         if self._store is None:
             seconds = self.timeout.total_seconds()

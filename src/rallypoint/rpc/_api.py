@@ -17,6 +17,7 @@ import torch.distributed.rpc.api as _torch_rpc_api
 
 from rallypoint._core.checks import check_int, check_seconds
 from rallypoint._core.forking import fork_safe_lock
+from rallypoint._core.torch_c import PrefixStore, distributed_rpc
 from rallypoint.rpc import _registry
 from rallypoint.rpc._backend import CURRENT_AGENT
 from rallypoint.rpc._group._store import create_store
@@ -35,11 +36,8 @@ _init_counter = 0
 def _is_options(options: object) -> bool:
     if isinstance(options, RpcBackendOptions):
         return True
-    try:
-        from torch._C._distributed_rpc import RpcBackendOptions as TorchOptions
-    except ImportError:  # pragma: no cover - torch built without RPC
-        return False
-    return isinstance(options, TorchOptions)
+    torch_options = getattr(distributed_rpc, "RpcBackendOptions", None)
+    return torch_options is not None and isinstance(options, torch_options)
 
 
 def _integral(value: object) -> object:
@@ -134,11 +132,10 @@ def _start(backend: Any, name: str, rank: int, world_size: int | None, options: 
             require_secret_source(options)
 
     timeout = float(options.rpc_timeout)
-    store, rank, _ = create_store(options.init_method, rank, world_size, timeout, check_secret)
-    dist: Any = importlib.import_module("torch.distributed")
+    shared, rank, _ = create_store(options.init_method, rank, world_size, timeout, check_secret)
     # like torch, each init_rpc of a process uses a fresh key prefix; a failed one does not
     # consume it, so a retry meets the other workers' first attempt
-    store = dist.PrefixStore(f"rpc_prefix_{_init_counter}", store)
+    store = PrefixStore(f"rpc_prefix_{_init_counter}", shared)
     agent = _registry.init_backend(
         backend,
         store=store,

@@ -24,8 +24,10 @@ from typing import Any
 import torch
 from torch.jit._builtins import _find_builtin as _untyped_find_builtin
 
+from rallypoint._core.torch_c import check_schema, find_dispatcher_schema, get_schema, jit_operation
+
 _find_builtin: Callable[[Any], str | None] = _untyped_find_builtin
-_check_schema: Any = torch._C._check_schema_allow_fake_script_object
+_check_schema: Any = check_schema
 
 NO_MATCH = "Overloaded torch operator invoked from Python failed to match any schema:\n"
 
@@ -63,7 +65,7 @@ def _operator(qualname: str, overload: str) -> Callable[..., Any]:
 
 def _is_dispatcher_op(qualname: str, overload: str) -> bool:
     try:
-        torch._C._dispatch_find_schema_or_throw(qualname, overload)
+        find_dispatcher_schema(qualname, overload)
     except RuntimeError:
         return False
     return True
@@ -72,12 +74,12 @@ def _is_dispatcher_op(qualname: str, overload: str) -> bool:
 @functools.cache
 def _overloads(qualname: str) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
     """The operator's overloads with their schemas: the dispatcher's, TorchScript's."""
-    _, names = torch._C._jit_get_operation(qualname)  # names: None when there are none
+    _, names = jit_operation(qualname)
     dispatcher: list[tuple[str, Any]] = []
     script: list[tuple[str, Any]] = []
     for overload in names or ():
         group = dispatcher if _is_dispatcher_op(qualname, overload) else script
-        group.append((overload, torch._C._get_schema(qualname, overload)))
+        group.append((overload, get_schema(qualname, overload)))
     return dispatcher, script
 
 

@@ -25,7 +25,7 @@ from rallypoint.rpc._options import RallypointRpcBackendOptions
 from rallypoint.rpc.constants import DEFAULT_INIT_METHOD, DEFAULT_RPC_TIMEOUT_SEC
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
+    from rallypoint._core.store import Store
 
 __all__ = [
     "BackendValue",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from rallypoint.rpc._backend import CURRENT_AGENT, Args, Func, Fut, Kwargs, RpcAgent
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
+    from rallypoint._core.store import Store
 
 
 def _rpc() -> Any:
@@ -90,6 +90,8 @@ def start_tensorpipe(
     store: Store, name: str, rank: int, world_size: int | None, options: Any
 ) -> TensorPipeAgentAdapter:
     """The TENSORPIPE backend's ``init_backend_handler``."""
+    from rallypoint._core.torch_c import as_torch_store
+
     rpc = _rpc()
     dist_autograd: Any = importlib.import_module("torch.distributed.autograd")
     if rpc._is_current_rpc_agent_set():
@@ -102,7 +104,7 @@ def start_tensorpipe(
     adapter = TensorPipeAgentAdapter(None)
     CURRENT_AGENT.set(adapter)
     agent = rpc.backend_registry._tensorpipe_init_backend_handler(
-        store, name, rank, world_size, options
+        as_torch_store(store), name, rank, world_size, options
     )
     rpc.api._init_rpc_states(agent)
     adapter.agent = agent

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from rallypoint._core.forking import fork_safe_lock
+from rallypoint._core.torch_c import distributed_rpc
 from rallypoint.rpc._backend import CURRENT_AGENT
 from rallypoint.rpc._rref._rref import RRef
 
-_MODULE: Any = getattr(torch._C, "_distributed_rpc", None)
+_MODULE: Any = distributed_rpc
 _TORCH_PYRREF: Any = getattr(_MODULE, "PyRRef", None)
 _lock = fork_safe_lock()
 _holders = 0  # rallypoint agents running now (one per process, but starts and closes race)

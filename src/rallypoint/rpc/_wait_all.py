@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from rallypoint._core.forking import fork_safe_lock
+from rallypoint._core.torch_c import collect_all
 
 _failed: weakref.WeakSet[Any] = weakref.WeakSet()
 _failed_lock = fork_safe_lock()
@@ -48,7 +49,7 @@ def _has_failed(future: Any) -> bool:
 
 def wait_all(futures: list[Any]) -> list[Any]:
     """torch's ``wait_all``; a rallypoint call that fails ends the wait at once."""
-    combined = torch._C._collect_all(futures)  # torch's own checks and early exit
+    combined = collect_all(futures)  # torch's own checks and early exit
     if not combined.done():
         ended = threading.Event()
         first: list[Any] = []

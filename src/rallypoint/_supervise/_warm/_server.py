@@ -35,7 +35,7 @@ import shutil
 import signal
 import socket
 import traceback
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from rallypoint._core.net import port_is_free
 from rallypoint._core.procs import become_subreaper, kill_descendants, set_parent_death_signal
@@ -80,9 +80,9 @@ def serve(sock: socket.socket, import_torch: bool) -> NoReturn:
 def _store_main(conn: socket.socket) -> NoReturn:
     """The store process: hosts one TCPStore server at a time, replaced on each reset."""
     set_parent_death_signal(signal.SIGKILL)
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported at runtime
+    from rallypoint._core.torch_c import TCPStore
 
-    store: Any = None
+    store: TCPStore | None = None
     host, port = "127.0.0.1", 0
     while True:
         msg, _ = recv(conn)

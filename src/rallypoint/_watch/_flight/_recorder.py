@@ -200,24 +200,13 @@ def _dump_this_worker(
 ) -> RankTrace:
     if "torch.distributed" not in sys.modules:
         return RankTrace(rank=rank, error="torch.distributed is not in use")
-    import torch
+    from rallypoint._core.torch_c import dump_flight_recorder
 
     try:
-        dump = merged_dumps(pickle.loads(raw) for raw in _raw_dumps(torch, frames))
+        dump = merged_dumps(pickle.loads(raw) for raw in dump_flight_recorder(frames))
     except Exception as exc:
         return RankTrace(rank=rank, error=f"torch's Flight Recorder dump failed: {exc}")
     return trace_from_dump(rank, dump, _groups_of_this_worker(), keep, window_ns)
-
-
-def _raw_dumps(torch: Any, frames: bool) -> Iterator[bytes]:
-    """torch keeps two recorders: one for gloo (and other CPU backends), dumped by
-    ``_dump_fr_trace``, and NCCL's own (CUDA events), dumped by ``_dump_nccl_trace`` in
-    CUDA builds; NCCL's holds entries only once CUDA is in use."""
-    c10d = torch._C._distributed_c10d
-    yield c10d._dump_fr_trace(True, frames)
-    nccl = getattr(c10d, "_dump_nccl_trace", None)
-    if nccl is not None and torch.cuda.is_initialized():
-        yield nccl(True, frames, False)
 
 
 def merged_dumps(dumps: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
+from rallypoint._core.store import Store
 from rallypoint._watch._flight._records import RankTrace
 from rallypoint._watch._stragglers._arrival_records import (
     NodeArrivals,
@@ -34,10 +35,10 @@ from rallypoint._watch._stragglers._arrival_records import (
     read_arrivals_record,
 )
 from rallypoint._watch._stragglers._arrivals import ArrivalVerdict, is_straggler, judge_arrivals
-from rallypoint._watch._stragglers._clock_offset import ClockProbe, ClockResponder, ClockStore
-from rallypoint._watch._stragglers._exchange import Freshness, RecordStore, read_present
+from rallypoint._watch._stragglers._clock_offset import ClockProbe, ClockResponder
+from rallypoint._watch._stragglers._exchange import Freshness, read_present
 
-__all__ = ["ArrivalStore", "ArrivalWatch", "TraceRequest", "describe_arrival"]
+__all__ = ["ArrivalWatch", "TraceRequest", "describe_arrival"]
 
 
 class TraceRequest(Protocol):
@@ -45,10 +46,6 @@ class TraceRequest(Protocol):
 
     def ready(self) -> bool: ...
     def results(self, timeout: float) -> dict[int, RankTrace]: ...
-
-
-class ArrivalStore(ClockStore, RecordStore, Protocol):
-    """The part of torch's ``c10d.Store`` the exchange of samples and clocks uses."""
 
 
 def describe_arrival(verdict: ArrivalVerdict, host: str, threshold: float) -> str:
@@ -81,7 +78,7 @@ class ArrivalWatch:
         emit: Callable[..., Any],
         say: Callable[[str], None],
         clock: Callable[[], float],
-        clock_store: Callable[[], ClockStore] | None = None,
+        clock_store: Callable[[], Store] | None = None,
         wall_clock: Callable[[], int] = time.time_ns,
     ) -> None:
         self._ask = ask
@@ -106,13 +103,13 @@ class ArrivalWatch:
         self._wall_clock = wall_clock  # what torch stamps arrivals with
         self._probe = ClockProbe(round=round, clock=wall_clock)
         self._responder: ClockResponder | None = None
-        self._store: ArrivalStore | None = None
+        self._store: Store | None = None
 
     @property
     def judges(self) -> bool:
         return self.group_rank == 0
 
-    def ask(self, running: Collection[int], store: ArrivalStore | None = None) -> None:
+    def ask(self, running: Collection[int], store: Store | None = None) -> None:
         """Ask the workers for their arrivals, if a period has passed; a request not yet
         answered in full is judged on what came."""
         if not isinstance(running, Mapping) or not running:
@@ -129,7 +126,7 @@ class ArrivalWatch:
         self._asked = self._ask(running)
 
     def read(
-        self, running: Collection[int], store: ArrivalStore | None = None, *, force: bool = False
+        self, running: Collection[int], store: Store | None = None, *, force: bool = False
     ) -> None:
         """Take the answers of the last request once every worker answered (``force``:
         what came); judge them, or send them to the judge."""
@@ -155,7 +152,7 @@ class ArrivalWatch:
         self._responder = None
 
     # ------------------------------------------------------------------ steps
-    def _listen(self, store: ArrivalStore) -> None:
+    def _listen(self, store: Store) -> None:
         """Start answering the judge's clock pings (before the first sample is sent, so
         that the judge finds the responder up)."""
         self._store = store
@@ -170,7 +167,7 @@ class ArrivalWatch:
                 connection, round=self.round, group_rank=self.group_rank, clock=self._wall_clock
             )
 
-    def _judge_nodes(self, store: ArrivalStore, own: NodeArrivals) -> None:
+    def _judge_nodes(self, store: Store, own: NodeArrivals) -> None:
         """The judge: every fresh node's sample, its clock offset subtracted."""
         samples = {self.group_rank: own}
         keys = {g: arrivals_key(self.round, g) for g in range(self.nnodes) if g != self.group_rank}

@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
 
 from rallypoint._core.cpp_log import cpp_warnings_off
+from rallypoint._core.store import Store
 
 __all__ = [
     "PONG_WAIT",
@@ -40,7 +40,6 @@ __all__ = [
     "ClockOffset",
     "ClockProbe",
     "ClockResponder",
-    "ClockStore",
     "offset_from",
     "ping_key",
 ]
@@ -54,16 +53,6 @@ RETRY_AFTER = 6
 RESPONDER_TIMEOUT = timedelta(hours=24)
 """How long the responder's ``get`` blocks before it asks again."""
 STOP = b"stop"
-
-
-class ClockStore(Protocol):
-    """The part of torch's ``c10d.Store`` the exchange uses."""
-
-    def set(self, key: str, value: str, /) -> None: ...
-    def get(self, key: str, /) -> bytes: ...
-    def set_timeout(self, timeout: timedelta, /) -> None: ...
-    def wait(self, keys: list[str], timeout: timedelta, /) -> None: ...
-    def delete_key(self, key: str, /) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +85,7 @@ class ClockResponder:
 
     def __init__(
         self,
-        store: ClockStore,
+        store: Store,
         *,
         round: int,
         group_rank: int,
@@ -132,7 +121,7 @@ class ClockResponder:
                 self._store.set(pong_key(self.round, self.group_rank, self._n), f"{t2} {t3}")
             self._n += 1
 
-    def close(self, store: ClockStore) -> None:
+    def close(self, store: Store) -> None:
         """Stop the thread: ``store`` (another connection) writes ``stop`` where it waits."""
         self._stopped.set()
         if not self._thread.is_alive():
@@ -167,7 +156,7 @@ class ClockProbe:
     def offsets(self) -> dict[int, ClockOffset]:
         return {g: offset for g, (offset, _) in self._measured.items()}
 
-    def refresh(self, store: ClockStore, group_ranks: Iterable[int]) -> dict[int, ClockOffset]:
+    def refresh(self, store: Store, group_ranks: Iterable[int]) -> dict[int, ClockOffset]:
         """Measure the nodes among ``group_ranks`` not measured yet, else the stalest one;
         return every known offset."""
         self._refreshes += 1
@@ -186,12 +175,12 @@ class ClockProbe:
                 self._measured[g] = (offset, self._refreshes)
         return self.offsets
 
-    def measure(self, store: ClockStore, group_rank: int) -> ClockOffset | None:
+    def measure(self, store: Store, group_rank: int) -> ClockOffset | None:
         """:data:`SAMPLES` exchanges with one node; ``None`` when it does not answer."""
         with cpp_warnings_off():  # a node that does not answer: two lines per timeout
             return self._measure(store, group_rank)
 
-    def _measure(self, store: ClockStore, group_rank: int) -> ClockOffset | None:
+    def _measure(self, store: Store, group_rank: int) -> ClockOffset | None:
         best: ClockOffset | None = None
         for _ in range(self.samples):
             n = self._n.get(group_rank, 0)

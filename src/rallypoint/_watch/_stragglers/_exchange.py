@@ -10,23 +10,16 @@ workers finished, or the node is gone) no longer counts.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Protocol
 
-__all__ = ["STALE_AFTER", "Freshness", "RecordStore", "read_present"]
+from rallypoint._core.store import Store
+
+__all__ = ["STALE_AFTER", "Freshness", "read_present"]
 
 STALE_AFTER = 3
 """Periods without a new record after which a node's record no longer counts."""
 
 
-class RecordStore(Protocol):
-    """The part of torch's ``c10d.Store`` the records' exchange uses."""
-
-    def set(self, key: str, value: str, /) -> None: ...
-    def check(self, keys: list[str], /) -> bool: ...
-    def multi_get(self, keys: list[str], /) -> list[bytes]: ...
-
-
-def read_present(store: RecordStore, keys: Mapping[int, str]) -> dict[int, bytes]:
+def read_present(store: Store, keys: Mapping[int, str]) -> dict[int, bytes]:
     """``{group rank: record}`` of the ``keys`` (by group rank) that are in the store: one
     ``check`` and one ``multi_get`` when every node has written, else a ``check`` each."""
     if not keys:

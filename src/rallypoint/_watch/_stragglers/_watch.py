@@ -28,11 +28,11 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from rallypoint._core.ranks import ranks_text
-from rallypoint._watch._stragglers._arrival_watch import ArrivalStore, ArrivalWatch, TraceRequest
-from rallypoint._watch._stragglers._clock_offset import ClockStore
+from rallypoint._core.store import Store
+from rallypoint._watch._stragglers._arrival_watch import ArrivalWatch, TraceRequest
 from rallypoint._watch._stragglers._exchange import Freshness, read_present
 from rallypoint._watch._stragglers._pace import (
     WINDOW_S,
@@ -48,17 +48,12 @@ from rallypoint.observe import ProgressBoard
 
 __all__ = [
     "STEP_LOG_EVERY",
-    "PaceStore",
     "StragglerWatch",
     "pace_key",
 ]
 
 STEP_LOG_EVERY = 10.0
 """Least seconds between two ``step_times`` events (the window, when that is shorter)."""
-
-
-class PaceStore(ArrivalStore, Protocol):
-    """The part of torch's ``c10d.Store`` the exchanges use."""
 
 
 def pace_key(round: int, group_rank: int) -> str:
@@ -111,7 +106,7 @@ class StragglerWatch:
         window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
         arrivals: Callable[[Mapping[int, int]], TraceRequest] | None = None,
-        clock_store: Callable[[], ClockStore] | None = None,
+        clock_store: Callable[[], Store] | None = None,
     ) -> None:
         self.board = board
         self.detector = StragglerDetector(threshold)
@@ -158,7 +153,7 @@ class StragglerWatch:
             if self.arrivals is not None:
                 self.arrivals.ask(running)
 
-    def exchange(self, store: PaceStore, running: Collection[int]) -> None:
+    def exchange(self, store: Store, running: Collection[int]) -> None:
         """A node of a multi-node job: publish this node's summary every ``every`` seconds;
         the node with group rank 0 also reads every node's and judges the job."""
         if self.arrivals is not None:
@@ -199,7 +194,7 @@ class StragglerWatch:
         here = sum(1 for slot in range(self.board.nslots) if self.rank_offset + slot in running)
         return NodePace(self.group_rank, self.host, self._seq, tuple(ranks), here)
 
-    def _read_all(self, store: PaceStore, own: NodePace) -> list[NodePace]:
+    def _read_all(self, store: Store, own: NodePace) -> list[NodePace]:
         keys = {g: pace_key(self.round, g) for g in range(self.nnodes) if g != self.group_rank}
         paces = [own]
         for raw in read_present(store, keys).values():

@@ -33,6 +33,7 @@ import torch
 
 from rallypoint._core.checks import check_seconds
 from rallypoint._core.envvars import RPC_ADDR
+from rallypoint._core.torch_c import Future
 from rallypoint.rpc._agent._calls import PendingCalls, fail
 from rallypoint.rpc._agent._codec import Codec
 from rallypoint.rpc._agent._connections import Connections
@@ -64,11 +65,11 @@ from rallypoint.rpc.dist_autograd._context import AutogradContext
 from rallypoint.rpc.dist_autograd._ddp_groups import GROUPS as DDP_GROUPS
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
+    from rallypoint._core.store import Store
 
 logger = logging.getLogger("rallypoint.rpc")
 
-_CFuture: Callable[[list[torch.device]], Fut] = torch._C.Future  # type: ignore[assignment]  # the stubs call it Generic; it takes a device list
+_CFuture: Callable[[list[torch.device]], Fut] = Future  # type: ignore[assignment]  # the stubs call it Generic; it takes a device list
 _TICK = 0.004
 _RELEASE_EVERY = 0.05
 """Seconds between batches of RRef decrements/unpins and context releases: each batch is

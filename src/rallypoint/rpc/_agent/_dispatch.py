@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from rallypoint._core.torch_c import Future
 from rallypoint.rpc._agent._calls import PendingCalls, fail
 from rallypoint.rpc._agent._codec import Codec
 from rallypoint.rpc._device_maps import Sent
@@ -155,7 +156,7 @@ class Dispatcher:
         self, conn: Connection, rid: int, func: Any, result: Any, ctx: AutogradContext | None
     ) -> None:
         """An ``@async_execution`` call: reply when the future it returned completes."""
-        if not isinstance(result, torch._C.Future):
+        if not isinstance(result, Future):
             raise no_future_error(func, result)
         with self._lock:
             self._async += 1

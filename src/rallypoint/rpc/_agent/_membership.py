@@ -36,7 +36,7 @@ from rallypoint.rpc._transport._spin import WAITS
 from rallypoint.rpc._worker_info import WorkerInfo
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
+    from rallypoint._core.store import Store
 
 logger = logging.getLogger("rallypoint.rpc")
 

@@ -18,21 +18,17 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import ParseResult, urlparse
 
-import torch.distributed as dist_module
-
 from rallypoint._core.envvars import USE_AGENT_STORE
+from rallypoint._core.torch_c import FileStore, TCPStore
 from rallypoint.rpc._transport._spin import WAITS
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
+    from rallypoint._core.store import Store
 
-# torch.distributed does not re-export its store classes in its stubs
-dist: Any = dist_module
-
-_STORES: dict[tuple[str, int, bool], Any] = {}
+_STORES: dict[tuple[str, int, bool], TCPStore] = {}
 _POLL_MAX = 0.002
 # after _SLOW_AFTER seconds of waiting: workers that wait in shutdown() while another trains
 # would otherwise wake themselves and the store's host (the trainer, rank 0) hundreds of
@@ -81,7 +77,7 @@ def create_store(
     world_size: int | None,
     timeout: float,
     before_store: Callable[[], None] = lambda: None,
-) -> tuple[Any, int, str]:
+) -> tuple[TCPStore | FileStore, int, str]:
     """A c10d store for ``init_method``; returns (store, rank, store host).
 
     ``before_store`` runs once ``init_method`` is known to be valid, before any store is
@@ -93,7 +89,7 @@ def create_store(
         if not url.path:
             raise ValueError(f"init_method {init_method!r} must look like file:///path")
         before_store()
-        return dist.FileStore(url.path, world_size if world_size else -1), rank, "127.0.0.1"
+        return FileStore(url.path, world_size if world_size else -1), rank, "127.0.0.1"
     host, port, rank = _tcp_endpoint(url, init_method, rank)
     before_store()
     return _tcp_store(host, port, rank, world_size, timeout), rank, host
@@ -129,7 +125,7 @@ def _tcp_endpoint(url: ParseResult, init_method: str, rank: int) -> tuple[str, i
     raise ValueError(f"init_method must start with env://, tcp:// or file://, got {init_method!r}")
 
 
-def _tcp_store(host: str, port: int, rank: int, world_size: int | None, timeout: float) -> Any:
+def _tcp_store(host: str, port: int, rank: int, world_size: int | None, timeout: float) -> TCPStore:
     key = (host, port, rank == 0)
     cached = _STORES.get(key)
     if cached is not None:
@@ -140,9 +136,9 @@ def _tcp_store(host: str, port: int, rank: int, world_size: int | None, timeout:
             del _STORES[key]
     seconds = timedelta(seconds=timeout if timeout > 0 else _NO_TIMEOUT)
     if _launcher_hosts_store(str(port)):
-        store = dist.TCPStore(host, port, world_size, False, timeout=seconds)
+        store = TCPStore(host, port, world_size, False, timeout=seconds)
     else:
-        store = dist.TCPStore(
+        store = TCPStore(
             host,
             port,
             world_size,

@@ -29,6 +29,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from rallypoint._core.torch_c import distributed_rpc
 from rallypoint.rpc._backend import CURRENT_AGENT
 from rallypoint.rpc._errors import RpcError
 from rallypoint.rpc._remote_errors import ErrorReply
@@ -63,7 +64,7 @@ def _unique_id(worker: str, number: int) -> str:
     return f"GloballyUniqueId(created_on={created_on}, local_id={number})"
 
 
-_TORCH_RREF: Any = getattr(getattr(torch._C, "_distributed_rpc", None), "PyRRef", None)
+_TORCH_RREF: Any = getattr(distributed_rpc, "PyRRef", None)
 
 
 class _RRefType(type):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from rallypoint._core.torch_c import Future
 from rallypoint.rpc._backend import Caller
 from rallypoint.rpc._current import Current
 from rallypoint.rpc._remote_errors import plain_errors
@@ -211,7 +212,7 @@ def owner_create(
         return done
     if not is_async_execution(func):
         _settle(entry, done, value, None)
-    elif isinstance(value, torch._C.Future):
+    elif isinstance(value, Future):
         value.add_done_callback(finish)
     else:
         _settle(entry, done, None, no_future_error(func, value))

@@ -37,7 +37,7 @@ from rallypoint._core.handshake import HandshakeError, Scheme
 from rallypoint.rpc._errors import RpcAuthenticationError
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
+    from rallypoint._core.store import Store
 
 logger = logging.getLogger("rallypoint.rpc")
 

@@ -40,9 +40,10 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from rallypoint._core.torch_c import accumulate_grad_class
 from rallypoint.rpc.dist_autograd import _ddp
 
-_ACC: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
+_ACC: Any = accumulate_grad_class
 _ENGINE: Any = torch.autograd.Variable._execution_engine
 
 SourceKey = tuple[int, int]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from rallypoint._core.envvars import RPC_SECRET
+from rallypoint._core.torch_c import Future, distributed_rpc
 from rallypoint.rpc.functions import async_execution
 from rallypoint.testing._rpc._patterns import PATTERNS, run_rpc_pattern
 from rallypoint.testing._workers import run_reference_workers, run_workers
@@ -75,7 +76,7 @@ def _self_from_rref(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def unwrap(self: Any, *args: Any) -> Any:
-        if isinstance(self, torch._C._distributed_rpc.PyRRef):
+        if isinstance(self, distributed_rpc.PyRRef):
             self = self.local_value()
         return method(self, *args)
 
@@ -139,7 +140,7 @@ def _checks(rank: int, backend: str) -> list[str]:
     big = torch.randn(1 << 18)
     check("1 MiB tensor", torch.equal(rpc.rpc_sync("worker2", _add, args=(big, 0)), big))
     fut = rpc.rpc_async("worker1", _add, args=(torch.tensor([1, 2]), 1))
-    check("rpc_async is torch Future", isinstance(fut, torch._C.Future))
+    check("rpc_async is torch Future", isinstance(fut, Future))
     check("rpc_async value", fut.wait().tolist() == [2, 3])
     chained = rpc.rpc_async("worker1", _add, args=(1, 1)).then(lambda f: f.wait() * 10)
     check("future then", chained.wait() == 20)
@@ -197,7 +198,7 @@ def _rref_checks(check: Callable[[str, bool], None], me: str) -> None:
         check("remote proxy missing method", "has no attribute 'no_such_method'" in str(exc))
     check("rref to_here copy", rref.to_here().value == 10)
     check("rref isinstance RRef, PyRRef", isinstance(rref, rpc.RRef | rpc.PyRRef))
-    torch_class = torch._C._distributed_rpc.PyRRef
+    torch_class = distributed_rpc.PyRRef
     check("rref isinstance torch's PyRRef", isinstance(rref, torch_class))
     check("rref as self on owner", rpc.rpc_sync(rref.owner(), _Counter.bump, (rref, 0)) == 10)
     check("rref fork to third worker", rpc.rpc_sync("worker2", _fetch, args=(rref,)).value == 10)
