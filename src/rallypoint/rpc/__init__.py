@@ -21,8 +21,8 @@ must know the job's secret (``RALLYPOINT_RPC_SECRET``, set by ``rallypoint run``
 
 The tree, one concept per subpackage; imports point down these lines, never up::
 
-    public:          api (shim), nn, optim, dist_autograd's API -> _api, _all_gather
-    _api -> _registry -> _agent (BackendType.RALLYPOINT) | _tensorpipe (TENSORPIPE)
+    public:          api (shim), nn, optim, dist_autograd's API -> _calls, _all_gather
+    _calls -> _registry -> _agent (BackendType.RALLYPOINT) | _tensorpipe (TENSORPIPE)
     _agent/          the agent: membership, connections, dispatch, codec, calls, peers,
                      liveness; the only part that ties the parts below together
                      (with _torch_names: torch's names for the running agent and RRefs)
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from rallypoint._core.face import face
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # a _name (a private helper of torch's that users call) resolves, unlisted
     from torch.distributed.rpc import TensorPipeRpcBackendOptions as TensorPipeRpcBackendOptions
 
     from rallypoint.rpc import api as api
@@ -49,18 +49,16 @@ if TYPE_CHECKING:
     from rallypoint.rpc import functions as functions
     from rallypoint.rpc import nn as nn
     from rallypoint.rpc import optim as optim
-
-    # _names: torch's private helpers that its users call; they resolve, unlisted
-    from rallypoint.rpc._api import _set_rpc_timeout as _set_rpc_timeout
-    from rallypoint.rpc._api import get_rpc_timeout as get_rpc_timeout
-    from rallypoint.rpc._api import get_worker_info as get_worker_info
-    from rallypoint.rpc._api import init_rpc as init_rpc
-    from rallypoint.rpc._api import is_available as is_available
-    from rallypoint.rpc._api import remote as remote
-    from rallypoint.rpc._api import rpc_async as rpc_async
-    from rallypoint.rpc._api import rpc_sync as rpc_sync
-    from rallypoint.rpc._api import shutdown as shutdown
     from rallypoint.rpc._backend import RpcAgent as RpcAgent
+    from rallypoint.rpc._calls import _set_rpc_timeout as _set_rpc_timeout
+    from rallypoint.rpc._calls import get_rpc_timeout as get_rpc_timeout
+    from rallypoint.rpc._calls import get_worker_info as get_worker_info
+    from rallypoint.rpc._calls import init_rpc as init_rpc
+    from rallypoint.rpc._calls import is_available as is_available
+    from rallypoint.rpc._calls import remote as remote
+    from rallypoint.rpc._calls import rpc_async as rpc_async
+    from rallypoint.rpc._calls import rpc_sync as rpc_sync
+    from rallypoint.rpc._calls import shutdown as shutdown
     from rallypoint.rpc._errors import RpcAuthenticationError as RpcAuthenticationError
     from rallypoint.rpc._errors import RpcConnectionError as RpcConnectionError
     from rallypoint.rpc._errors import RpcError as RpcError

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint._core.forking import fork_safe_lock
-from rallypoint.rpc._api import get_rpc_timeout, get_worker_info, rpc_async, rpc_sync
 from rallypoint.rpc._backend import CURRENT_AGENT
+from rallypoint.rpc._calls import get_rpc_timeout, get_worker_info, rpc_async, rpc_sync
 from rallypoint.rpc.constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 
 

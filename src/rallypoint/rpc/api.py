@@ -3,7 +3,7 @@
 ``rpc.api.rpc_sync`` and the other calls in torch's ``api.__all__`` are
 ``rallypoint.rpc``'s. Two of torch's private helpers that programs use are here too:
 ``_wait_all()``, torch's own context manager (``rpc_async`` futures join its list, see
-:mod:`rallypoint.rpc._api`), ``_get_current_rpc_agent()``, the running agent
+:mod:`rallypoint.rpc._calls`), ``_get_current_rpc_agent()``, the running agent
 (``get_worker_info``, ``get_worker_infos``), ``_is_current_rpc_agent_set()`` and the
 ``_require_initialized`` decorator. So are torch's all-gather and barrier
 (``_all_gather``, ``_barrier``, ``_wait_all_workers``: :mod:`rallypoint.rpc._all_gather`);
@@ -21,8 +21,8 @@ from torch.distributed.rpc.api import _thread_local_var, _wait_all
 from rallypoint.rpc._all_gather import all_gather as _all_gather
 from rallypoint.rpc._all_gather import barrier as _barrier
 from rallypoint.rpc._all_gather import wait_all_workers as _wait_all_workers
-from rallypoint.rpc._api import get_worker_info, remote, rpc_async, rpc_sync, shutdown
 from rallypoint.rpc._backend import CURRENT_AGENT, RpcAgent
+from rallypoint.rpc._calls import get_worker_info, remote, rpc_async, rpc_sync, shutdown
 from rallypoint.rpc._rref._rref import RRef
 from rallypoint.rpc._torch_names import answer_agent_check_too
 from rallypoint.rpc._wait_all import wrap_torch_wait_all

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from rallypoint.rpc import _tensorpipe
-from rallypoint.rpc._api import remote, rpc_async, rpc_sync
 from rallypoint.rpc._backend import CURRENT_AGENT
+from rallypoint.rpc._calls import remote, rpc_async, rpc_sync
 from rallypoint.rpc._rref._rref import RRef
 from rallypoint.rpc._transport import _wire
 

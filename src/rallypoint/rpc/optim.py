@@ -34,8 +34,8 @@ import torch
 
 from rallypoint._core.forking import fork_safe_lock
 from rallypoint.rpc import dist_autograd
-from rallypoint.rpc._api import rpc_async
 from rallypoint.rpc._backend import CURRENT_AGENT
+from rallypoint.rpc._calls import rpc_async
 from rallypoint.rpc._rref._rref import RRef
 from rallypoint.rpc.constants import UNSET_RPC_TIMEOUT
 from rallypoint.rpc.dist_autograd._autograd import CURRENT_AUTOGRAD

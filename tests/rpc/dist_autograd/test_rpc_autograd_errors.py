@@ -56,7 +56,7 @@ class _OnCuda:
 def _see_marked_tensors_on_cuda() -> None:
     """This worker takes tensors of shape ``MARK`` for cuda:0 tensors when it sends them,
     in the general wire form (the lean form takes only CPU tensors without a map)."""
-    from rallypoint.rpc._transport import _lean, _wire
+    from rallypoint.rpc._transport import _flat_wire, _wire
 
     real = _wire._send_device
 
@@ -65,7 +65,7 @@ def _see_marked_tensors_on_cuda() -> None:
         return real(seen, device_map, dst, response)
 
     _wire._send_device = send_device
-    _lean.encode = lambda *args, **kwargs: None
+    _flat_wire.encode = lambda *args, **kwargs: None
 
 
 def _one_backward(case: str) -> tuple[str, float, list[float] | None]:

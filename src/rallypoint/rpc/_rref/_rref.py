@@ -292,7 +292,7 @@ def _owner_backward(rref_id: RRefId, context_id: int, retain_graph: bool) -> str
 
 
 PROXY_APIS: dict[str, Callable[..., Any]] = {}
-"""The public ``rpc_sync``, ``rpc_async`` and ``remote`` by name (:mod:`._api` puts them
+"""The public ``rpc_sync``, ``rpc_async`` and ``remote`` by name (:mod:`._calls` puts them
 here): the ``rpc_api`` of the proxies that ``RRef.rpc_sync()`` and the others return."""
 
 

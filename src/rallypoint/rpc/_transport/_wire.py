@@ -18,7 +18,7 @@ preceded by ``b"S"``, the table size and each entry's start (``lo``). Nothing he
 before the connection has authenticated.
 
 Flat messages (only atomic values and whole CPU tensors: most calls and replies) take
-the lean form of :mod:`rallypoint.rpc._transport._lean` instead, which starts with ``b"L"``.
+the lean form of :mod:`rallypoint.rpc._transport._flat_wire` instead, which starts with ``b"L"``.
 
 CUDA tensors need a device map entry (torch's rule and error text). Mapped to a GPU of a
 peer on the same host, a private copy is shared by CUDA IPC: its handle rides in the
@@ -52,7 +52,7 @@ import torch.jit._state
 
 from rallypoint.rpc._builtins import BuiltinOp
 from rallypoint.rpc._device_maps import DeviceMap
-from rallypoint.rpc._transport import _cuda, _lean
+from rallypoint.rpc._transport import _cuda, _flat_wire
 from rallypoint.rpc._transport._cuda_routes import CudaPath, CudaRouter
 
 MAGIC = b"RP"
@@ -256,7 +256,9 @@ class _Encoder(pickle.Pickler):
             parts = [obj.crow_indices(), obj.col_indices(), obj.values()]
         else:
             parts = [obj.ccol_indices(), obj.row_indices(), obj.values()]
-        refs = tuple(_lean.Reduced(self._reduce_tensor(p.detach(), target, False)) for p in parts)
+        refs = tuple(
+            _flat_wire.Reduced(self._reduce_tensor(p.detach(), target, False)) for p in parts
+        )
         args = (layout, refs, tuple(obj.shape), coalesced, bool(obj.requires_grad), is_param)
         return (_rebuild_sparse, args)
 
@@ -316,7 +318,7 @@ _LEAN_FUNCTIONS = _PLAIN_FUNCTIONS | {BuiltinOp}
 
 def _plain_pickle(obj: Any) -> bytes | None:
     """The plain pickle of a call or reply that holds only data (no tensors, no RRefs: see
-    :func:`_lean.dumps_data`); ``None`` otherwise.
+    :func:`_flat_wire.dumps_data`); ``None`` otherwise.
 
     A call's arguments are looked at in Python first: a tensor or another object among
     them means no, without pickling anything; containers among them are checked by
@@ -330,15 +332,15 @@ def _plain_pickle(obj: Any) -> bytes | None:
         nested = False
         for item in (*obj[1], *obj[2].values()):
             item_kind = type(item)
-            if item_kind in _lean.CONTAINERS:
+            if item_kind in _flat_wire.CONTAINERS:
                 nested = True
             elif item_kind not in _ATOMIC:
                 return None
         if not nested:
             return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    elif kind not in _lean.CONTAINERS:
+    elif kind not in _flat_wire.CONTAINERS:
         return None
-    return _lean.dumps_data(obj, _PLAIN_FUNCTIONS)
+    return _flat_wire.dumps_data(obj, _PLAIN_FUNCTIONS)
 
 
 def encode(
@@ -362,7 +364,7 @@ def encode(
     if plain is not None:
         return plain, []
     if not device_map:
-        lean = _lean.encode(obj, _ATOMIC, _LEAN_FUNCTIONS, grad_sink, rref_type, rref_hook)
+        lean = _flat_wire.encode(obj, _ATOMIC, _LEAN_FUNCTIONS, grad_sink, rref_type, rref_hook)
         if lean is not None:
             return lean
     buffer = io.BytesIO()
@@ -377,7 +379,7 @@ def encode(
         raise
     body = buffer.getvalue()
     if encoder.grad_table:
-        rebuilds = [_lean.Reduced(value) for value in encoder.grad_table]
+        rebuilds = [_flat_wire.Reduced(value) for value in encoder.grad_table]
         table = pickle.dumps(rebuilds, protocol=pickle.HIGHEST_PROTOCOL)
         body = _GRADS.pack(_GRADS_MAGIC, len(table)) + table + body
     if encoder.spans:
@@ -409,8 +411,8 @@ def decode(
         data = memoryview(data)[1:]
     elif not tensors:
         return pickle.loads(data)
-    elif data[0] == _lean.MAGIC:
-        return _lean.decode(data, tensors, recv_hook)
+    elif data[0] == _flat_wire.MAGIC:
+        return _flat_wire.decode(data, tensors, recv_hook)
     los: tuple[int, ...] | None = None
     if data[0] == _SPANS_MAGIC[0]:  # a pickle starts with 0x80: these are the spans' ``lo``
         magic, count = _SPANS.unpack_from(data)

@@ -561,7 +561,7 @@ CURRENT_AUTOGRAD: Current[DistAutograd] = Current()
 # ---- functions that run on the other workers ---------------------------------------------
 def _flat(message: _Message) -> tuple[Any, ...]:
     """A propagation as plain data and then its gradients, each an argument of its own: the
-    codec's lean form takes it (see :mod:`._lean`) when the gradients are plain tensors."""
+    codec's lean form takes it (see :mod:`._flat_wire`) when the gradients are plain tensors."""
     items, *rest = message
     return ([(m, i) for m, i, _ in items], *rest), *(grad for _, _, grad in items)
 

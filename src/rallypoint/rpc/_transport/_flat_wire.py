@@ -1,4 +1,4 @@
-"""The lean wire form of flat messages: plain data and whole CPU tensors.
+"""The flat wire form of flat messages: plain data and whole CPU tensors.
 
 Most messages are flat: a call ``(func, args, kwargs)`` whose arguments are numbers,
 strings and tensors (``rpc_sync(to, f, args=(x, 3))``), or a reply of one tensor or a
