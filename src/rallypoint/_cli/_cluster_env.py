@@ -1,23 +1,10 @@
 """Defaults for ``rallypoint run`` from the cluster's environment: ``PET_*`` and SLURM.
 
 Kubernetes operators (Kubeflow's PyTorchJob) configure torchrun through ``PET_<OPTION>``
-variables, one per option (``PET_NNODES``, ``PET_NODE_RANK``, ``PET_RDZV_ENDPOINT``, ...).
-Under ``srun`` SLURM describes the step in ``SLURM_*`` variables; :func:`detect_cluster_env`
-turns those into the same options so that ``srun rallypoint run train.py`` needs no flags.
-
-Precedence, highest first: an option given on the command line, ``PET_<OPTION>``, SLURM.
-Set ``RALLYPOINT_IGNORE_SLURM=1`` to run a single-node job inside an allocation without
-the SLURM defaults.
-
-SLURM mapping (the step's variables win over the job's: ``SLURM_STEP_NODELIST`` over
-``SLURM_JOB_NODELIST`` over ``SLURM_NODELIST``, and so on):
-
-- one task per node (``srun --ntasks-per-node=1 rallypoint run --nproc-per-node K ...``):
-  one agent per node, ``nnodes = SLURM_NNODES``, ``node_rank = SLURM_NODEID``;
-- several tasks on a node: one agent per task with one worker each,
-  ``nnodes = SLURM_NTASKS``, ``node_rank = SLURM_PROCID``, ``nproc_per_node = 1``;
-- ``rdzv_backend = c10d``, ``rdzv_endpoint = <first host of the nodelist>:29400``,
-  ``rdzv_id = slurm-<job id>[.<step id>]``.
+variables; under ``srun`` SLURM describes the step in ``SLURM_*`` variables.
+:func:`detect_cluster_env` turns both into run options, so that ``srun rallypoint run
+train.py`` needs no flags. Precedence, highest first: the command line, ``PET_<OPTION>``,
+SLURM (off with ``RALLYPOINT_IGNORE_SLURM=1``); the mapping is in docs/multinode.md.
 
 Everything here is a pure function of an environment mapping. Malformed variables raise
 ``ValueError`` naming the variable and the value.
@@ -364,7 +351,15 @@ def _check_nnodes(value: str) -> None:
 
 
 def detect_cluster_env(env: Mapping[str, str]) -> ClusterDefaults:
-    """Run-option defaults from ``PET_*`` and SLURM variables in ``env`` (pass ``os.environ``)."""
+    """Run-option defaults from ``PET_*`` and SLURM variables in ``env`` (pass ``os.environ``).
+
+    SLURM: the step's variables win over the job's (``SLURM_STEP_NODELIST`` over
+    ``SLURM_JOB_NODELIST`` over ``SLURM_NODELIST``). One task per node gives one agent per
+    node (``nnodes = SLURM_NNODES``, ``node_rank = SLURM_NODEID``); several tasks on a node
+    give one agent per task with one worker each (``nnodes = SLURM_NTASKS``,
+    ``node_rank = SLURM_PROCID``, ``nproc_per_node = 1``). The rendezvous is c10d on the
+    first host of the node list, port 29400, with ``rdzv_id = slurm-<job>[.<step>]``.
+    """
     found: dict[str, Any] = {}
     sources: list[str] = []
     slurm = None

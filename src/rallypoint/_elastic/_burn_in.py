@@ -1,23 +1,12 @@
-"""Burn-in (``--burn-in``): after a round forms, find a node whose link is much slower.
+"""Burn-in (``--burn-in``): after a round forms, find a node whose link or GPU is much slower.
 
-The agents of the round (one per node, not the workers) open a gloo group of their own in
-the round's store and time two rings of :data:`PAYLOAD` bytes: each node sends to the next
-node and receives from the previous one, then the other way round. A receive completes
-only when every byte came over the sender's link into the receiver, so
-
-- node X's *out* time is the faster of its two sends (timed by the receivers), and
-- its *in* time the faster of its two receives;
-
-the faster of two takes a slow neighbour out of the picture, so only a node whose own
-link is slow scores high both ways. Every node gathers every node's times and reaches the
-same verdict: the slowest node is slow when its score is above :data:`SLOW_FACTOR` times
-the median and :data:`SLOW_SECONDS`. It needs three nodes at least (with two, a slow link
-has no side). On GPU nodes each agent also times a GEMM on each of its GPUs (in a child
-process, ``_gpu_probe --gemm``) and a node whose slowest GPU is :data:`GEMM_FACTOR` times
-slower than the median is slow too. The verdict's node is then excluded like one that keeps failing.
-
-In an all-reduce every rank waits for the slowest, so timing one would show every node
-equally slow; point-to-point rings are what tell them apart.
+The agents of the round time two point-to-point rings over a gloo group of their own (in
+an all-reduce every rank waits for the slowest, so all would look equally slow; rings
+tell them apart). Taking the faster of each node's two sends and two receives removes a
+slow neighbour from the picture, so only a node whose own link is slow scores high both
+ways. On GPU nodes each agent also times a GEMM per GPU in a child process. Every node
+reaches the same verdict from the gathered times (at least three nodes are needed), and
+the slow node is excluded like one that keeps failing.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
-"""Running one health check: a command bounded in time that leaves nothing behind, and
-how a check ended (:class:`CheckResult`); what the built-in checks look at on this node
-(:class:`HealthContext`). The checks themselves: ``_builtin_checks``; the list a node runs
-and the screen of a failure: ``_health``.
+"""Running one health check: a command bounded in time that leaves nothing behind.
 
-A command runs under a child subreaper of its own (``rallypoint._core.subreaper``), as the
-workers run under the warm process: when the check exits, times out or the launcher is
-signalled, everything it started is killed, also what left its session (``setsid``) or
-daemonized, and even if the launcher itself dies.
+:class:`CheckResult` is how a check ended and :class:`HealthContext` what the built-in
+checks look at on this node; the checks themselves are in ``_builtin_checks``, the list
+a node runs and the failure screen in ``_health``.
 
-Its output is kept in a temporary file; the last :data:`OUTPUT_TAIL` bytes of it are read
-back fit for a terminal (``rallypoint._core.terminal``): each line cut to
-:data:`OUTPUT_LINE_LIMIT` bytes, saying how many were cut, without escape sequences or
-control characters."""
+A command runs under a child subreaper of its own (``rallypoint._core.subreaper``), so
+that everything it started is killed when it exits, times out or the launcher goes, also
+what left its session or daemonized. The tail of its output is read back fit for a
+terminal (``rallypoint._core.terminal``).
+"""
 
 from __future__ import annotations
 

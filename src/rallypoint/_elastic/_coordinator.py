@@ -1,31 +1,14 @@
 """The elastic coordinator: one node of a multi-node job, round after round.
 
-Every node runs the same command; each node's coordinator loops over rounds:
-
-0. Before each round it joins, the node runs its health checks (``_health``): a failing
-   one keeps it out (``UnhealthyNodeError``, exit code 3). A node that finds the round
-   already full at MAX waits in ``next_rendezvous()`` as a spare and says so once.
-1. ``next_rendezvous()`` on a ``rallypoint.rendezvous`` handler gives the group rank and
-   the node count. In the round's own store the nodes exchange their ``--nproc-per-node``
-   (global ``RANK`` = sum of the local world sizes of lower group ranks + local rank, so
-   nodes may differ, as with torchrun) and group rank 0 starts a fresh worker store in
-   its warm process (bound on all interfaces) and publishes ``addr:port``.
-2. The node's supervisor runs the local workers under an :class:`ElasticPolicy`: every
-   monitor tick also checks the round's decision, ``num_nodes_waiting()`` (newcomers or
-   members that missed their heartbeats), stack requests, and the hang watchdog.
-3. A local failure is published as a record in the round store (time, host, ranks, exit
-   code or signal, traceback); then the first node to claim the round spends one restart
-   of the job's budget (an atomic counter in the run's store, so every node and every
-   worker sees the same ``TORCHELASTIC_RESTART_COUNT``) and writes the round's decision.
-   Every node sees it, stops its workers and either re-rendezvouses or, when the budget is
-   spent, raises the same root cause (the earliest failure record) after the rendezvous is
-   closed. Membership changes (scale-up, node loss) restart without spending budget. An
-   agent that was the root cause of ``--max-node-failures`` failures in a row is excluded
-   (``_exclusion``): it leaves, the others restart without it.
-4. When every node's workers succeeded the job's status is written, the rendezvous is
-   closed and every node returns its results.
-
-The stores and their keys: ``_stores``; the records: ``_records``.
+Every node runs the same command and loops: run the health checks (``_health``), join a
+rendezvous round (group rank, node count; group rank 0 starts the workers' store), run
+the local workers under an :class:`ElasticPolicy` that follows the round's decisions,
+and, on a failure anywhere, let the first node to claim the round spend one restart of
+the job's shared budget and decide for everyone. Membership changes restart without
+spending budget; an agent that keeps being the root cause is excluded (``_exclusion``).
+When every node's workers succeeded the job's status is written and the rendezvous is
+closed. The stores and their keys: ``_stores``; the records: ``_records``; the failure
+semantics for users: docs/multinode.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """An excluded agent leaves the job; the agent that hosts the rendezvous store stays to serve it.
 
-Exclusion applies to one agent, the root cause: its identity in the rendezvous
-(``RendezvousHandler.node_id``: address, pid, a counter), shown with its host. Other
-agents on the same host stay (several agents on one host is how a laptop tries multi-node,
-and how some clusters split a big host), and so does a new agent started there later: it
-is a new node, judged on its own failures (it says once that its host had an agent
-excluded). Each time such a node is excluded again it has spent ``--max-node-failures``
-- 1 restarts, so the restart budget bounds a scheduler that keeps starting agents on a
-broken host.
-
-An excluded agent leaves the rendezvous at once (the next round does not wait for it) and
-exits with ``EXIT_EXCLUDED``. When its process serves the rendezvous store (c10d, the node
-whose address is the endpoint), leaving would take the store from the others and end the
-job: it stops its workers, leaves the rounds, and keeps serving the store until the job
-ends (its status written, or the rendezvous closed) and the last round's nodes are gone.
+Exclusion applies to one agent, the root cause, by its rendezvous identity (address, pid,
+a counter), not to its host: other agents there stay, and a new agent started there
+later is a new node judged on its own failures. An excluded agent leaves the rendezvous
+at once and exits with ``EXIT_EXCLUDED``. When its process serves the rendezvous store
+(c10d), leaving would end the job: it stops its workers, leaves the rounds, and keeps
+serving the store until the job ends and the last round's nodes are gone.
 """
 
 from __future__ import annotations

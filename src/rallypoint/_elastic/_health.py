@@ -1,19 +1,11 @@
 """Health checks: what a node runs before it joins a round, to stay out when it is bad.
 
-Before each round it joins (the first, and every re-join after a failure), a node runs
-its ``--health-check`` list in order, each within ``--health-check-timeout``:
-
-- a shell command (``/bin/sh -c CMD``, in a session of its own so that a timeout kills all
-  it started) is healthy when it exits 0;
-- ``builtin:disk``, ``builtin:gpu``, ``builtin:store`` are rallypoint's own
-  (``_builtin_checks``).
-
-The first failing check keeps the node out: :meth:`HealthChecks.run` raises
-:class:`UnhealthyNodeError` whose message is the screen (the check, its exit code or
-timeout, the last lines of its output: cut to a length, without escape sequences or control
-characters, ``_check_run``), and ``rallypoint run`` exits with
-``EXIT_UNHEALTHY`` (``_exits``). A check that cannot run here (no GPU, no store on one node)
-is skipped, said once. Every result is an ``health`` event in ``--events``.
+Before each round it joins, a node runs its ``--health-check`` list in order, each within
+``--health-check-timeout``: shell commands (healthy when they exit 0) and rallypoint's
+``builtin:`` checks (``_builtin_checks``). The first failing check keeps the node out:
+:meth:`HealthChecks.run` raises :class:`UnhealthyNodeError` whose message is the screen,
+and ``rallypoint run`` exits with ``EXIT_UNHEALTHY``. A check that cannot run here is
+skipped, said once; every result is a ``health`` event in ``--events``.
 """
 
 from __future__ import annotations

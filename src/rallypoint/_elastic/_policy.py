@@ -1,19 +1,14 @@
 """The elastic coordinator's policy for one attempt: what every monitor tick checks.
 
-Each tick (at most every ``poll_every`` seconds, about four store round trips): answer
-stack requests, follow a decision another node wrote (``restart``), restart when nodes wait
-to join or members were lost (without spending budget), and every few seconds exchange
-the nodes' step-time summaries for straggler detection (``_watch._stragglers._watch``). A
-hang is the whole job's: the first node to see it asks every node for its workers' stacks
-and prints them grouped, the others keep answering until it has them; then the round is
-decided (a restart that spends budget, or a failure with ``on_hang="fail"``). A store
+Each tick answers stack requests, follows a decision another node wrote, restarts when
+nodes wait to join or members were lost (without spending budget), and now and then
+exchanges step-time summaries for straggler detection. A hang is the whole job's: the
+first node to see it gathers every node's stacks, then the round is decided. A store
 error is :attr:`OutcomeKind.LOST`.
 
-The store calls never hold the supervisor's loop: a tick's checks run in a thread
+The store calls never hold the supervisor's loop: they run in a thread
 (``rallypoint._core.blocking.InThread``) and :meth:`ElasticPolicy.poll` waits for them at
-most :data:`TICK_WAIT` seconds, taking the answer on a later tick if it is slow (a store
-that has not answered for ``read_timeout`` is lost); a hang report gives up as soon as a
-signal waits for the supervisor, which then stops the workers.
+most :data:`TICK_WAIT` seconds, taking a slow answer on a later tick.
 """
 
 from __future__ import annotations

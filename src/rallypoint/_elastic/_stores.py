@@ -1,18 +1,12 @@
 """Typed access to the two stores the agents of a job share.
 
-The round store (``rallypoint/round<k>/`` in the round's store) holds ``node/<g>``,
-``master``, ``failure/<g>``, ``claim``, ``restart`` (the decision), ``root`` and ``done``.
-The run store (``rallypoint/<run_id>/job/`` on the rendezvous backend, from
-``handler.open_run_store()``) outlives rounds: ``restarts`` (the job's budget counter, so
-every node and every worker sees the same ``TORCHELASTIC_RESTART_COUNT``), ``status``,
-``end`` (the last round and its node count, written just before ``status``),
-``left/<k>``, ``hang/<k>``, ``pace/<k>/<g>`` (each node's step-time summary,
-``_watch._stragglers._watch``), the ``stacks/*`` exchange (so ``rallypoint stacks`` finds
-it without knowing the round), ``rpc_secret`` (the job's RPC secret, set once by the
-first agent, unless the user gave every node one), ``same_failure`` and ``node_failures``
-(the runs of identical root causes and of failures rooted on one node) and ``excluded``
-(the agents kept out of the job, a JSON list of ``ExclusionRecord``s, edited by
-compare-and-set so that two exclusions at once both stay).
+The round store (``rallypoint/round<k>/`` in the round's store) holds what one round
+decides: its nodes, the workers' master, failures, the claim and the decision. The run
+store (``rallypoint/<run_id>/job/`` on the rendezvous backend, from
+``handler.open_run_store()``) outlives rounds: the restart budget counter (so every node
+and worker sees the same ``TORCHELASTIC_RESTART_COUNT``), the job's status, hang and
+straggler exchanges, the stacks exchange, the job's RPC secret, the failure runs that
+lead to exclusion and the exclusion list. Each key is a method of the classes below.
 """
 
 from __future__ import annotations
@@ -43,7 +37,9 @@ def prefixed(prefix: str, store: Store) -> Store:
 
 
 class RoundStore:
-    """The keys of one round."""
+    """The keys of one round, under ``rallypoint/round<k>/`` in the round's store:
+    ``node/<g>``, ``master``, ``failure/<g>``, ``claim``, ``restart`` (the decision), ``root``
+    and ``done``."""
 
     def __init__(self, store: Store) -> None:
         self.store: Store = store
@@ -106,7 +102,14 @@ class RoundStore:
 
 
 class RunStore:
-    """The keys of the whole run (every round); ``where`` names them in errors."""
+    """The keys of the whole run (every round); ``where`` names them in errors.
+
+    Under ``rallypoint/<run_id>/job/``: ``restarts``, ``status``, ``end`` (the last round and
+    its node count, written just before ``status``), ``left/<k>``, ``hang/<k>``,
+    ``pace/<k>/<g>``, the ``stacks/*`` exchange, ``rpc_secret`` (set once by the first
+    agent), ``same_failure`` and ``node_failures`` (the runs of identical root causes and of
+    failures rooted on one node) and ``excluded`` (a JSON list of ``ExclusionRecord``s, edited
+    by compare-and-set so that two exclusions at once both stay)."""
 
     def __init__(self, store: Store, where: str = "the run store") -> None:
         self.store: Store = store

@@ -1,31 +1,11 @@
 """``LaunchConfig``: every option of ``rallypoint.launch`` and ``rallypoint run``.
 
 Users (and the CLI) pass flat options, ``LaunchConfig(nproc=4, nnodes="2:4", ...)``; the
-config stores them parsed, in one small validated group per concern, each defined by the
-part that reads it:
-
-========================= ==================================================== ============
-group                     options                                              defined in
-========================= ==================================================== ============
-``workers``               nproc, role, start_method, preload, env, cwd,        supervise
-                          virtual_local_rank, numa_binding
-``output``                log_dir, redirects, tee, local_ranks_filter, prefix  supervise
-``stop``                  monitor_interval, shutdown_timeout, timeout,         supervise
-                          signals_to_handle, restart_grace
-``world``                 master_addr, master_port, rank_offset, world_size,   supervise
-                          run_id
-``watch``                 hang_timeout, events, straggler_threshold,           observe
-                          straggler_window, flight_recorder
-``restarts``              max_restarts, on_hang, max_same_failure,             elastic
-                          max_node_failures, burn_in, hot_spare
-``rendezvous``            nnodes (as min_nodes/max_nodes), rdzv_backend,       elastic
-                          rdzv_endpoint, rdzv_conf, node_rank, local_addr
-``health``                health_check (as checks), health_check_timeout       elastic
-                          (as timeout)
-========================= ==================================================== ============
-
-Every flat option also reads back as an attribute (``config.nproc``, ``config.nnodes``).
-Bad values raise ``ValueError``/``TypeError`` with a message that names the flat option.
+config stores them parsed, in one small validated group per concern (``workers``,
+``output``, ``stop``, ``world``, ``watch``, ``restarts``, ``rendezvous``, ``health``), each
+defined by the part that reads it (supervise, observe, elastic). Every flat option also
+reads back as an attribute (``config.nproc``). Bad values raise ``ValueError``/``TypeError``
+with a message that names the flat option. The options themselves: docs/launcher.md.
 """
 
 from __future__ import annotations
