@@ -1,31 +1,13 @@
 """Agreement through the workers' store: which step every rank restores, and when a save
 is complete everywhere.
 
-Under ``rallypoint run`` the workers' store (``MASTER_ADDR:MASTER_PORT``) is fresh every
-round, so no key of an earlier round is ever read. Keys, under ``rallypoint/snapshot/``:
-
-- ``server/<group rank>``: ``host:port`` of that node's snapshot server (the replica of
-  node ``g`` is node ``g + 1`` mod the node count);
-- ``ranks/<group rank>``: ``first count``, the global ranks of that node's workers;
-- ``gen/<n>``: the generation of the saves after the ``n``-th restore of this round (``0``:
-  no restore), set once with ``compare_set``. A snapshot is known by
-  ``(generation, step)``: steps saved after a restore form a new generation, so a step
-  written before a restore is never mixed with the same step written after it;
-- ``r<n>/where/<rank>``: every node's local rank 0 appends one line per complete
-  snapshot its server holds (``world gen step host:port``); ``r<n>/nodes`` counts nodes
-  that did; ``r<n>/have/<gen>/<step>`` and ``r<n>/disk/<name>`` count the ranks that can
-  restore that snapshot from memory or the checkpoint ``<name>`` (its path under
-  ``--snapshot-dir``) from disk; ``r<n>/voted`` counts the
-  ranks that voted. The answer is the newest snapshot every rank counted, the same on
-  every rank (any snapshot every rank has is in each rank's own list). ``r<n>/loaded``
-  counts the ranks that loaded theirs: after it, each node's server may drop what it no
-  longer needs (no rank fetches from it any more); ``r<n>/load<i>/*`` count the ranks that
-  tried the ``i``-th checkpoint on disk and those that failed to load it (then every rank
-  tries the next one);
-- ``<gen>/done/<step>``: ranks whose save of ``step`` is complete (local copy and
-  replica); the last one sets ``<gen>/all/<step>``. A rank writes its next snapshot only
-  after that, so the slot it overwrites never holds the only complete copy of a step some
-  rank still needs (two slots per rank are enough).
+Under ``rallypoint run`` the workers' store is fresh every round, so no key of an earlier
+round is ever read. A snapshot is known by ``(generation, step)``: the saves after a
+restore form a new generation, so a step written before a restore is never mixed with
+the same step written after it. Every rank votes with the snapshots it can restore (from
+a node's memory or a checkpoint on disk) and all pick the newest one every rank has; a
+rank writes its next snapshot only once the previous one is complete everywhere, so two
+slots per rank are enough. The keys: :class:`Agreement`.
 """
 
 from __future__ import annotations
@@ -87,7 +69,29 @@ def parse_where(text: str) -> list[Holder]:
 
 
 class Agreement:
-    """One worker's view of the agreement keys (``store`` is a client of the workers' store)."""
+    """One worker's view of the agreement keys (``store`` is a client of the workers' store).
+
+    Keys, under ``rallypoint/snapshot/``:
+
+    - ``server/<group rank>``: ``host:port`` of that node's snapshot server (the replica of
+      node ``g`` is node ``g + 1`` mod the node count);
+    - ``ranks/<group rank>``: ``first count``, the global ranks of that node's workers;
+    - ``gen/<n>``: the generation of the saves after the ``n``-th restore of this round
+      (``0``: no restore), set once with ``compare_set``;
+    - ``r<n>/where/<rank>``: every node's local rank 0 appends one line per complete
+      snapshot its server holds (``world gen step host:port``); ``r<n>/nodes`` counts nodes
+      that did; ``r<n>/have/<gen>/<step>`` and ``r<n>/disk/<name>`` count the ranks that can
+      restore that snapshot from memory or the checkpoint ``<name>`` from disk;
+      ``r<n>/voted`` counts the ranks that voted. The answer is the newest snapshot every
+      rank counted. ``r<n>/loaded`` counts the ranks that loaded theirs: after it, each
+      node's server may drop what no rank fetches any more; ``r<n>/load<i>/*`` count the
+      ranks that tried the ``i``-th checkpoint on disk and those that failed to load it
+      (then every rank tries the next one);
+    - ``<gen>/done/<step>``: ranks whose save of ``step`` is complete (local copy and
+      replica); the last one sets ``<gen>/all/<step>``. A rank writes its next snapshot only
+      after that, so the slot it overwrites never holds the only complete copy of a step
+      some rank still needs.
+    """
 
     def __init__(
         self,

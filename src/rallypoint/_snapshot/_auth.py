@@ -1,19 +1,13 @@
 """The mutual HMAC challenge between two snapshot servers, over the job's secret.
 
-The same trust model as RPC (``docs/rpc.md``): the job's secret (``RALLYPOINT_RPC_SECRET``,
-one per job under ``rallypoint run``) proves a peer is part of the job before a single
-header is parsed. The exchange is :mod:`rallypoint._core.handshake`'s, without a hello and
-with labels of its own, so an RPC handshake never passes for a snapshot one or the other
-way round:
-
-1. server -> client: 8-byte magic, 32-byte nonce ``ns``
-2. client -> server: nonce ``nc``, ``HMAC-SHA256(secret, "rallypoint-snapshot-client" | ns | nc)``
-3. server -> client: ``HMAC-SHA256(secret, "rallypoint-snapshot-server" | nc | ns)``
-
-Every read has a fixed size, and the whole exchange must finish before its deadline
-(``time.monotonic()``), so a peer that sends nothing, or one byte a second, is dropped.
-The server's side runs in :mod:`rallypoint._core.acceptor`; this module gives the scheme
-and the client's side, whose failures are :class:`AuthError`.
+The same trust model as RPC (``docs/rpc.md``): the job's secret (``RALLYPOINT_RPC_SECRET``)
+proves a peer is part of the job before a single header is parsed. The exchange is
+:mod:`rallypoint._core.handshake`'s, without a hello and with labels of its own
+(``rallypoint-snapshot-client``/``-server``), so an RPC handshake never passes for a
+snapshot one or the other way round. Every read has a fixed size and the whole exchange a
+deadline, so a slow or silent peer is dropped. The server's side runs in
+:mod:`rallypoint._core.acceptor`; this module gives the scheme and the client's side,
+whose failures are :class:`AuthError`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Every Kth snapshot on disk with ``torch.distributed.checkpoint`` (DCP), in the background.
 
-A checkpoint is ``DIR/run-<run id>/step-<step>/`` (``_snapshot_dir``: one namespace per job),
-written by DCP (no format of ours) from the bytes already staged in the snapshot's slot, by
-a thread, on a gloo group of its own (so it never interleaves with the training loop's
-collectives). Its keys:
-
-- ``tensors/<path>``: every tensor of the state (``model/fc.weight``...). DCP's rule holds:
-  a plain tensor with the same key on every rank is one replicated tensor (written once);
-  so a per-rank tensor (an RNG state) comes back as one rank's copy;
-- ``meta/<rank>``: each rank's skeleton (its non-tensor state and the tensor list), so every
-  rank gets its own samplers, counters and RNG states back.
-
-A checkpoint is complete when DCP has written ``.metadata`` (after every rank's data).
-Rank 0 keeps the newest :data:`KEEP` complete ones. A failed write (a full or read-only
-disk: DCP raises ``CheckpointException``, a ``BaseException``) never ends the job: its
-partial directory is removed and one line says which directory, what failed and the free
-space, at most once a minute; the snapshots stay in memory. Loading reads the full tensors
-(``no_dist``: no process group needed), so a checkpoint written by a world of N ranks loads
-into any world size: ranks below N get their own skeleton, the others rank 0's.
+A checkpoint is ``DIR/run-<run id>/step-<step>/`` (``_snapshot_dir``), written by DCP (no
+format of ours) from the bytes already staged in the snapshot's slot, by a thread, on a
+gloo group of its own so that it never interleaves with the training loop's collectives.
+It is complete once DCP wrote ``.metadata``; rank 0 keeps the newest :data:`KEEP`. A failed
+write (a full or read-only disk) never ends the job: its partial directory is removed,
+one line says why, and the snapshots stay in memory. Loading needs no process group, so
+a checkpoint loads into any world size.
 """
 
 from __future__ import annotations
@@ -62,7 +51,15 @@ def describe(exc: BaseException) -> str:
 
 
 class Persister:
-    """One worker's DCP writer and reader."""
+    """One worker's DCP writer and reader.
+
+    A checkpoint's keys: ``tensors/<path>``, every tensor of the state (DCP's rule holds: a
+    plain tensor with the same key on every rank is one replicated tensor, so a per-rank
+    tensor such as an RNG state comes back as one rank's copy); ``meta/<rank>``, each rank's
+    skeleton (its non-tensor state and the tensor list), so every rank gets its own
+    samplers, counters and RNG states back. Ranks at or above the world that wrote it get
+    rank 0's skeleton.
+    """
 
     def __init__(
         self,

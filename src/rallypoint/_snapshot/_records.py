@@ -1,21 +1,11 @@
 """What a node's snapshot server holds: per rank, two slots of shared memory.
 
-Each rank this node has a copy of (its own workers' ranks, and the ranks it is the replica
-of) has one :class:`Record` with two :class:`Slot` s, so a rank never costs more than
-twice its state per copy: the newest complete snapshot (the record's ``keep``) and the
-one being written. A slot is an anonymous ``memfd`` (no name in any file system, so no
-other user can open it; the workers get its descriptor over the node's Unix socket).
-
-Which slot a write takes (``Records.begin``):
-
-1. the slot that already holds the same ``(gen, step)`` (written again);
-2. otherwise never the slot holding the writer's ``keep`` (the newest snapshot the writer
-   knows is complete everywhere it matters: its last save, or the step it restored);
-3. otherwise an empty or unfinished slot, else the one with the older step.
-
-A slot being sent to a peer is pinned; a write that needs it waits until the send ends.
-A write marks its slot ``WRITING`` first, so a crash in the middle leaves it unfinished and
-it is never listed or served: only ``COMPLETE`` slots are.
+Each rank this node has a copy of (its own workers' ranks, and those it is the replica
+of) has one :class:`Record` with two :class:`Slot` s: the newest complete snapshot and the
+one being written, so a rank never costs more than twice its state per copy. A slot is an
+anonymous ``memfd`` (no name in any file system; the workers get its descriptor over the
+node's Unix socket). A write marks its slot ``WRITING`` first, so a crash in the middle
+leaves it unfinished, and only ``COMPLETE`` slots are listed or served.
 """
 
 from __future__ import annotations
@@ -91,7 +81,13 @@ class Records:
 
     # ------------------------------------------------------------------ writing
     def begin(self, rank: int, world: int, key: Key, nbytes: int, keep: Key | None) -> Slot:
-        """Choose and size the slot for a write of ``key``, marked ``WRITING``."""
+        """Choose and size the slot for a write of ``key``, marked ``WRITING``.
+
+        The slot that already holds ``key``; otherwise never the slot holding the writer's
+        ``keep`` (the newest snapshot it knows is complete everywhere it matters); otherwise
+        an empty or unfinished slot, else the one with the older step. A slot being sent to
+        a peer is pinned, and a write that needs it waits until the send ends.
+        """
         with self.cond:
             record = self._record(rank, world)
             while True:

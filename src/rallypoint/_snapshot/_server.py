@@ -1,30 +1,14 @@
 """The node's snapshot server: holds its workers' snapshots and the replicas of a peer's.
 
-Forked by the warm process of ``rallypoint run`` (``_supervise._warm._server``), so it
-outlives every worker of the node and dies with the node's launcher. It holds the
-snapshots in anonymous shared memory (``_records``: two slots per rank) and moves bytes;
-it never unpickles anything.
-
-Two listening sockets:
-
-- the Unix ``SOCK_SEQPACKET`` socket given by the warm process, inside a directory only
-  the job's user can enter (mode 0700), and each connection's peer must have our uid
-  (``SO_PEERCRED``): the node's workers. ``hello`` tells the server the job's secret;
-  ``begin``/``commit`` write a snapshot (the worker copies into the slot's memfd, which
-  it gets with the reply), ``commit`` also pushes it to the replica and answers when the
-  replica has it; ``inventory``/``open``/``fetch``/``restored`` serve a restore.
-- a TCP socket on the address the node is reached at, which the first worker's ``hello``
-  names (the address it publishes for the other nodes; loopback while the job's world
-  is this node's alone): the other nodes' servers. Opened only then, once the server
-  knows the job's secret; a later ``hello`` naming another address (the next round may
-  route to another master) opens one more, at most :data:`MAX_ADDRESSES`. A connection
-  must pass the HMAC challenge over the job's secret (``_auth``) within
-  :data:`HANDSHAKE_SECONDS` before a header is read; the handshakes run in
-  :mod:`rallypoint._core.acceptor` (one thread, one deadline per handshake, caps on
-  pending ones in all and per peer address, rejections logged at most once per 10 s
-  after a few), so strangers holding connections open delay no peer.
-  At most :data:`MAX_PEERS` authenticated connections are served at once, a thread
-  each. ``put`` stores a replica, ``get`` sends a snapshot.
+Forked by the warm process of ``rallypoint run``, it outlives every worker of the node and
+dies with the node's launcher. It keeps snapshots in anonymous shared memory
+(``_records``) and only moves bytes: it never unpickles anything. It listens twice: on a
+Unix socket for the node's own workers (a directory only the job's user can enter, and
+the peer's uid checked), which write and restore snapshots through :class:`LocalSession`;
+and on TCP for the other nodes' servers, opened once a worker has told it the job's secret
+and the address to publish. A TCP peer must pass the HMAC challenge (``_auth``) in
+:mod:`rallypoint._core.acceptor` before a header is read, and at most :data:`MAX_PEERS`
+authenticated peers are served at once.
 """
 
 from __future__ import annotations

@@ -1,35 +1,12 @@
 """The ``--snapshot-dir`` directory: one namespace per job, locks, listing and pruning.
 
-::
-
-    DIR/run-<run id>/step-<step>/        this job's DCP checkpoints (``.metadata`` once complete)
-    DIR/run-<run id>/step-<step>/.job    the token of the job that wrote it (after ``.metadata``)
-    DIR/run-<run id>/.owner              which job writes the namespace (a token of the job)
-    DIR/run-<run id>/.live               every process of that job holds a shared flock on it
-    DIR/run-<run id>/.claim              held (exclusive flock) while the owner is checked
-    DIR/run-<run id>/.resumed            the namespaces of ended jobs this job resumed from
-    DIR/step-<step>/                     the layout before namespaces: read, never written
-
-A job writes and prunes only its own namespace (its run id: ``--rdzv-id``, or the random id
-of a one-node job), so two jobs sharing ``DIR`` never delete each other's checkpoints; a
-second job with the same run id while the first one lives is refused (:meth:`claim`).
-
-What a restore reads (:meth:`complete`) depends on ``--snapshot-resume-from``:
-
-- unset: this job's namespace, the namespaces of jobs that **ended** (no process holds
-  their ``.live``: a relaunched training with a new run id resumes from them) and the flat
-  layout; never the namespace of another live job, which is another training;
-- ``none``: only the checkpoints this job wrote itself (a fresh start that still resumes
-  after its own restarts);
-- a run id or a path: the checkpoints this job wrote, and those of that job (a namespace
-  under ``DIR``, refused while that job lives) or that path (one checkpoint, or a namespace).
-
-The newest complete checkpoint wins; on a tie this job's own, then the newest written.
-Another job's namespace is pruned only once that job ended: its partial checkpoints (no
-``.metadata``: a failed or interrupted save) at once; all of it only when this job resumed
-from it without being told to (``.resumed``: the same training, relaunched) and has
-:data:`KEEP` complete checkpoints newer than every one of it. The checkpoints of other
-trainings, and one chosen with ``--snapshot-resume-from``, are never removed.
+A job writes and prunes only its own namespace, ``DIR/run-<run id>/`` (its run id:
+``--rdzv-id``, or the random id of a one-node job), so two jobs sharing ``DIR`` never
+delete each other's checkpoints, and a second live job with the same run id is refused.
+Flocks tell a live job's namespace from an ended one's: a restore may read this job's
+checkpoints and those of jobs that ended (a relaunched training), never those of another
+live job. The layout: :class:`CheckpointDir`; what a restore reads:
+:meth:`CheckpointDir.complete`; what is removed: :meth:`CheckpointDir.prune`.
 """
 
 from __future__ import annotations
@@ -125,7 +102,18 @@ def _guard(ns: Path) -> Iterator[None]:
 
 class CheckpointDir:
     """One process's view of ``root`` for the job ``run_id`` (``token``: the same in every
-    process of the job, another in any other job)."""
+    process of the job, another in any other job).
+
+    ::
+
+        DIR/run-<run id>/step-<step>/      this job's DCP checkpoints (``.metadata`` once complete)
+        DIR/run-<run id>/step-<step>/.job  the token of the job that wrote it (after ``.metadata``)
+        DIR/run-<run id>/.owner            which job writes the namespace (a token of the job)
+        DIR/run-<run id>/.live             every process of that job holds a shared flock on it
+        DIR/run-<run id>/.claim            held (exclusive flock) while the owner is checked
+        DIR/run-<run id>/.resumed          the namespaces of ended jobs this job resumed from
+        DIR/step-<step>/                   the flat layout: read, never written
+    """
 
     def __init__(self, root: str | os.PathLike[str], run_id: str, token: str) -> None:
         self.root = Path(root)
@@ -196,8 +184,19 @@ class CheckpointDir:
 
     # ------------------------------------------------------------------ reading
     def complete(self, resume_from: str = "") -> list[Checkpoint]:
-        """Complete checkpoints this job may restore, newest first (see the module docstring
-        for ``resume_from``: ``""``, :data:`FRESH`, a run id or an absolute path)."""
+        """Complete checkpoints this job may restore, newest first.
+
+        ``resume_from`` (``--snapshot-resume-from``):
+
+        - ``""``: this job's namespace, the namespaces of jobs that ended (no process holds
+          their ``.live``) and the flat layout; never the namespace of another live job;
+        - :data:`FRESH` (``none``): only the checkpoints this job wrote itself;
+        - a run id or an absolute path: the checkpoints this job wrote, and those of that job
+          (a namespace under ``DIR``, refused while that job lives) or that path (one
+          checkpoint, or a namespace).
+
+        The newest complete checkpoint wins; on a tie this job's own, then the newest written.
+        """
         found: list[tuple[int, bool, float, Checkpoint]] = []
 
         def add(ns: Path, mine: bool, only_ours: bool = False) -> None:
