@@ -1,28 +1,14 @@
 """One attempt's monitor loop: exits, output, results, signals, the deadline and the policy.
 
-Every exit is reported by the warm process the moment it happens; output and result pipes
-are read as they fill; signals to the launcher wake the loop through a pipe. The first
-failure stops every worker's whole process tree: SIGTERM, then SIGKILL after the grace
-period. The loop ends when every worker is gone and its pipes are drained.
-
-A signal to the launcher is forwarded to the workers, which get ``--shutdown-timeout``
-seconds to finish their handlers; the launcher says so. The same signal again (not an echo
-of the first: ``_signals.ECHO``) or another one kills them at once, as a second Ctrl-C
-does under most command-line tools.
-
-A rank that failed only because a peer vanished under it (``Connection reset by peer``
-in a collective: :data:`~rallypoint._supervise._summary.PEER_LOSS`) is a consequence, not
-the cause, yet its exit may be reported first: the warm process reports exits one at a
-time, and on a busy host the launcher reads the consequence's before its cause's (or the
-cause tore its connections down before it exited). So such a failure waits up to
-:data:`CAUSE_WAIT` seconds for the exit of a rank that failed for a reason of its own,
-which then is the root cause; if none comes, it is the root.
-
-With ``restart_grace`` (the caller has restarts left), workers of a
-``@rallypoint.restartable`` function are not signalled on a failure: they are interrupted
-and kept for the next attempt, and only the failed rank (a hang's culprit, a worker that
-does not leave its function in time, a worker without the decorator) is stopped
-(``_inprocess``).
+The warm process reports every exit the moment it happens, output and result pipes are
+read as they fill, and signals to the launcher wake the loop through a pipe. The first
+failure stops every worker's whole process tree (SIGTERM, then SIGKILL after the grace
+period). A signal to the launcher is forwarded to the workers, which get
+``--shutdown-timeout`` seconds; the same signal again or another one kills them at once.
+A rank that failed only because a peer vanished under it waits up to :data:`CAUSE_WAIT`
+for the failure that caused it, which is then the root cause. With ``restart_grace``,
+workers of a ``@rallypoint.restartable`` function are interrupted and kept for the next
+attempt instead of being signalled (``_inprocess``).
 """
 
 from __future__ import annotations

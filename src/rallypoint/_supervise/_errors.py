@@ -1,24 +1,10 @@
-"""Exceptions raised by the launcher (documented and exported in ``rallypoint.launcher``).
+"""Exceptions raised by the launcher, documented and exported in ``rallypoint.launcher``.
 
-Exception tree::
-
-    LaunchError(RuntimeError)            the launcher could not run the job to success
-    ├── WorkerFailedError                a worker raised, exited non-zero or died by a signal
-    ├── LaunchTimeoutError(TimeoutError) the job ran past ``LaunchConfig.timeout``
-    ├── LaunchInterruptedError           the launcher got SIGINT/SIGTERM/SIGHUP and stopped
-    ├── HangError                        no worker reported progress for ``hang_timeout``
-    ├── RendezvousFailedError            the multi-node rendezvous failed or was closed
-    │   └── NodeExcludedError            this node is excluded from the job (exit status 4)
-    ├── UnhealthyNodeError               a health check failed: this node stayed out
-    └── WarmProcessError                 the warm process died, a ``preload`` failed, or
-                                         the GPUs' CPUs were not found (``numa_binding``)
-    PortInUseError(LaunchError, ValueError)  an explicitly given master port is busy
-    BadTargetError(LaunchError, ValueError)  the script/module/command cannot be started
-
-    FatalError(Exception)                raised by a worker: end the job now, no restarts
-
-Bad user input (options, types) raises ``ValueError``/``TypeError``; the CLI turns those
-and the ``ValueError`` subclasses above into a one-line error and exit status 2.
+The tree is drawn in ``rallypoint.launcher``'s docstring: :class:`LaunchError` (a
+``RuntimeError``) is the root of everything that stops a job short of success, and
+:class:`FatalError` is what a worker raises to end the job now, without restarts. Bad
+user input raises ``ValueError``/``TypeError``; the CLI turns those and the
+``ValueError`` subclasses here into a one-line error and exit status 2.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """What tools see of a worker: its command line (``ps``) and environment (``/proc/PID/environ``).
 
-A worker forked from the warm process keeps the launcher's command line and the
-environment block the launcher was started with, whatever ``os.environ`` holds now, so
-``ps``, ``py-spy``, ``top`` and cluster tooling cannot tell the ranks apart. Linux lets a
-process point ``/proc/PID/cmdline`` and ``/proc/PID/environ`` at new memory with
-``prctl(PR_SET_MM, PR_SET_MM_MAP)`` (no privilege needed as long as the executable stays
-the same): :func:`show_identity` writes ``rallypoint worker rank R (local L) <target>``
-and the worker's environment into a private anonymous mapping that lives as long as the
-process, and points both there. ``comm`` (the 15-character name of ``top`` and
-``pgrep``) stays ``python``.
-
-Best effort: anything unexpected (another kernel, a seccomp filter, a libc without
-``sbrk``) leaves the process as it was and returns ``False``.
+A worker forked from the warm process keeps the launcher's command line and environment
+block, so ``ps``, ``py-spy``, ``top`` and cluster tooling cannot tell the ranks apart.
+:func:`show_identity` writes ``rallypoint worker rank R (local L) <target>`` and the
+worker's environment into a private mapping and points ``/proc/PID/cmdline`` and
+``/proc/PID/environ`` there (``prctl(PR_SET_MM, PR_SET_MM_MAP)``, no privilege needed).
+Best effort: anything unexpected leaves the process as it was and returns ``False``.
 """
 
 from __future__ import annotations

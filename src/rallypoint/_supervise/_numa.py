@@ -1,22 +1,13 @@
 """``numa_binding``: each worker runs on the CPUs near its GPU, as with torchrun's
 ``--numa-binding``.
 
-torch decides which CPUs (``torch.numa.binding``): those of the NUMA node of the GPU whose
-index is the worker's local rank (``node``), of every node of that GPU's socket
-(``socket``), an exclusive slice of the node's physical cores (``exclusive``), or one of the
-node's L3 core complexes (``core-complex``). torchrun asks in its own process and starts
-each worker under ``numactl --physcpubind``. Asking a GPU for its PCI address initialises
-CUDA, which the warm process must never do (its forked children could not use CUDA any
-more) and a worker must not do before the user's code runs (a ``CUDA_VISIBLE_DEVICES`` set
-by the script, or by ``virtual_local_rank``, would no longer count). So:
-
-- the launcher checks, without torch or CUDA, that the node has a GPU for every local rank
-  (:func:`check_numa_binding`: NVIDIA's ``/dev/nvidiaN`` and ``CUDA_VISIBLE_DEVICES``);
-- the warm process forks a short-lived child that runs torch's computation for every local
-  rank under the workers' environment, once per launch (``_warm._numa_probe``);
-- each worker binds itself to its set first thing after the fork (:func:`bind_to_cpus`),
-  before anything else runs, so that a worker that execs (``--no-python``, ``spawn``) keeps
-  it too.
+torch decides which CPUs (``torch.numa.binding``), but asking a GPU for its PCI address
+initialises CUDA, which neither the warm process (its forked children could not use CUDA)
+nor a worker before the user's code may do. So the launcher checks, without CUDA, that
+the node has a GPU for every local rank (:func:`check_numa_binding`); the warm process
+forks a short-lived child that runs torch's computation once per launch
+(``_warm._numa_probe``); and each worker binds itself to its set first thing after the
+fork (:func:`bind_to_cpus`), so that a worker that execs keeps it too.
 """
 
 from __future__ import annotations

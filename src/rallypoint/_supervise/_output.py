@@ -1,23 +1,12 @@
 """Worker output: line-prefixed console copy and per-rank log files.
 
 The supervisor reads every worker's stdout and stderr pipe in one thread and writes whole
-lines only, so lines of different workers never interleave mid-line. Files keep the raw
-lines (no prefix) under torchrun's layout ``LOG_DIR/RUN_ID/attempt_N/LOCAL_RANK/``.
-
-What reaches the console is fit for a terminal (``rallypoint._core.terminal``): no escape
-sequence but colours, no control character but tabs, a carriage return keeps the text
-after it (a progress bar shows its last state), and a line over
-:data:`~rallypoint._core.terminal.LINE_LIMIT` bytes is cut, saying how many bytes were cut.
-A line still coming keeps at most that much in memory.
-
-torchrun's ``--duplicate-stdout-filters``/``--duplicate-stderr-filters``: the lines of a
-tee'd stream (file and console) that contain any of the filter strings are also copied,
-prefixed as on the console, to ``attempt_N/filtered_stdout.log``/``filtered_stderr.log``
-(:class:`Duplicate`).
-
-A log file that cannot be opened or written (a full, failing or read-only disk) never
-stops the job: the console copy goes on, and :data:`LOG_TROUBLE` says which directory
-failed, at most once a minute.
+lines only, so lines of different workers never interleave. Files keep the raw lines
+under torchrun's layout ``LOG_DIR/RUN_ID/attempt_N/LOCAL_RANK/``; the console gets them
+prefixed and fit for a terminal (``rallypoint._core.terminal``), and the lines matching
+torchrun's duplicate filters are also copied to ``filtered_*.log`` (:class:`Duplicate`).
+A log file that cannot be written never stops the job: the console copy goes on, and
+:data:`LOG_TROUBLE` says which directory failed, at most once a minute.
 """
 
 from __future__ import annotations

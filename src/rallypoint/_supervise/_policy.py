@@ -1,18 +1,10 @@
 """What the caller of :meth:`Supervisor.run_attempt` decides while the workers run.
 
-The supervisor notices exits, signals and the deadline on its own; a policy adds the
-caller's reasons to stop, so that one supervisor serves a single-node launch and a node of
-an elastic job alike (composition, not subclassing):
-
-- :meth:`AttemptPolicy.poll`, each monitor tick: another reason to stop the workers now
-  (a restart decided elsewhere, a membership change, a lost store), or ``None``;
-- :meth:`AttemptPolicy.on_hang`, when no worker reported progress for ``hang_timeout``,
-  while the workers still run (so that their stacks can be collected first);
-- :meth:`AttemptPolicy.on_collective_timeout`, when the first failure is a collective
-  that timed out, before the others are stopped: the rank that never issued it still runs.
-
+The supervisor notices exits, signals and the deadline on its own; an
+:class:`AttemptPolicy` adds the caller's reasons to stop, so that one supervisor serves a
+single-node launch and a node of an elastic job alike (composition, not subclassing).
 :class:`LocalPolicy` is the single-node one: each tick feeds straggler detection (when
-on); a hang prints the local workers' stacks.
+on), and a hang prints the local workers' stacks.
 """
 
 from __future__ import annotations
@@ -33,7 +25,8 @@ class AttemptPolicy(Protocol):
     """The caller's part of one attempt; ``running`` maps global rank to pid."""
 
     def poll(self, running: Mapping[int, int]) -> Stop | None:
-        """Called each monitor tick while workers run: a reason to stop them, or ``None``."""
+        """Called each monitor tick while workers run: a reason to stop them (a restart decided
+        elsewhere, a membership change, a lost store), or ``None``."""
         ...
 
     def on_hang(self, running: Mapping[int, int], idle_s: float) -> Stop:

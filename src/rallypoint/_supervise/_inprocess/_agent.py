@@ -1,18 +1,13 @@
 """The agent's side of an in-process restart, within one attempt (``_attempt``).
 
 Workers that entered ``@rallypoint.restartable`` say so on their control channel
-(``_control``). When the attempt fails and the caller allows an in-process restart (it has
-restarts left), the failed rank is the only one that must go: the others are told to leave
-their function (``Interrupt``) instead of being signalled, and the attempt ends once each
-of them has either parked (left the function, torn torch.distributed down: kept for the
-next attempt) or exited. One that is still inside its function ``restart_grace`` seconds
-later (a thread holding the GIL in C code, a collective that never fails) is killed and
-replaced, as is any worker that never entered a restartable function.
-
-An exception a worker's function raises is its own failure unless the attempt is
-restarting already, or it says a peer vanished (a gloo collective with a dead rank): then
-it waits :data:`~rallypoint._supervise._attempt.CAUSE_WAIT` for the failure that caused it,
-as an exit does, and is kept if one comes.
+(``_control``). When the attempt fails and the caller has restarts left, only the failed
+rank must go: the others are told to leave their function (``Interrupt``) and the attempt
+ends once each has parked (kept for the next attempt) or exited. One still inside its
+function ``restart_grace`` seconds later, or one that never entered a restartable
+function, is killed and replaced. An exception a worker's function raises is its own
+failure unless the attempt is restarting already or it says a peer vanished (then it
+waits for the failure that caused it, as an exit does).
 """
 
 from __future__ import annotations

@@ -2,19 +2,9 @@
 
 Each worker gets one end of a ``SOCK_SEQPACKET`` pair (``RALLYPOINT_CONTROL_FD``); the
 agent keeps the other. Messages are small JSON objects, one a packet: the worker runs the
-user's code, so the agent never unpickles what it sends.
-
-Worker -> agent:
-
-- :class:`Hello`: it entered ``@rallypoint.restartable`` (it can restart in process);
-- :class:`Raised`: the function raised on its own; it waits for a :class:`Verdict`;
-- :class:`Parked`: it left the function and tore torch.distributed down; it waits for an
-  :class:`Assign` (the next attempt's environment);
-- :class:`Done`: the function returned (the process goes on to exit as usual).
-
-Agent -> worker: :class:`Interrupt` (leave the function now), :class:`Verdict` (whether a
-:class:`Raised` is a failure of its own, or the consequence of a fault elsewhere), and
-:class:`Assign`.
+user's code, so the agent never unpickles what it sends. Worker -> agent: :class:`Hello`,
+:class:`Raised`, :class:`Parked`, :class:`Done`; agent -> worker: :class:`Interrupt`,
+:class:`Verdict`, :class:`Assign`. Each class says when it is sent.
 """
 
 from __future__ import annotations
@@ -56,38 +46,50 @@ class Kind(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Hello:
+    """Worker -> agent: it entered ``@rallypoint.restartable`` (it can restart in process)."""
+
     pid: int
 
 
 @dataclass(frozen=True, slots=True)
 class Raised:
+    """Worker -> agent: the function raised on its own; it waits for a :class:`Verdict`."""
+
     traceback: str
     """The exception as Python prints it (the agent tells a vanished peer by it)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Parked:
-    pass
+    """Worker -> agent: it left the function and tore torch.distributed down; it waits for an
+    :class:`Assign`."""
 
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    pass
+    """Worker -> agent: the function returned (the process goes on to exit as usual)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Interrupt:
+    """Agent -> worker: leave the function now."""
+
     reason: str
 
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
+    """Agent -> worker: whether a :class:`Raised` is a failure of its own, or the consequence
+    of a fault elsewhere."""
+
     restart: bool
     """True: a fault elsewhere caused it (restart in process); False: its own failure."""
 
 
 @dataclass(frozen=True, slots=True)
 class Assign:
+    """Agent -> worker: the next attempt's environment."""
+
     env: dict[str, str] = field(default_factory=dict)
 
 

@@ -1,32 +1,13 @@
 """``@rallypoint.restartable``: the worker's side of an in-process restart.
 
-::
-
-    model = build_model()            # runs once per process: imports, CUDA, data, compile
-
-    @rallypoint.restartable
-    def train():
-        dist.init_process_group("gloo")
-        start = snapshot.restore(state) or 0
-        ...
-
-    train()
-
 Under ``rallypoint run`` or ``rallypoint.launch`` the wrapper tells the agent it can
-restart in process (:class:`~rallypoint._supervise._inprocess._control.Hello`) and calls
-the function.
-When another rank fails, the agent sends an ``Interrupt``: a thread of the wrapper aborts
-the NCCL communicators (which unblocks a collective stuck on them) and a signal raises
-:class:`RestartInterrupt` in the main thread at its next Python instruction (a blocked gloo
-collective fails on its own once the failed peer's connections close). The wrapper then
-tears torch.distributed down (every process group destroyed), reports ``Parked``, waits
-for the next attempt's environment, puts it in ``os.environ`` and calls the function
-again. An exception of the function's own is reported as ``Raised``; the agent's
-``Verdict`` says whether it was the consequence of a fault elsewhere (restart in process)
-or this rank's own failure (it propagates: the process exits and a fresh one replaces it).
-
-Anywhere else (plain ``python``, torchrun, a thread other than the main one) the wrapper
-calls the function once: scripts stay portable.
+restart in process and calls the function. When another rank fails, the agent's
+``Interrupt`` aborts the NCCL communicators and raises :class:`RestartInterrupt` in the
+main thread; the wrapper tears torch.distributed down, parks, waits for the next
+attempt's environment and calls the function again, so what ran before the function
+(imports, CUDA, data, compile) runs once per process. Anywhere else (plain ``python``,
+torchrun, a thread other than the main one) the wrapper calls the function once. Usage:
+docs/launcher.md.
 """
 
 from __future__ import annotations

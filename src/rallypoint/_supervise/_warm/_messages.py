@@ -1,19 +1,10 @@
 """The messages between the supervisor and its warm process, one pickled dataclass a packet.
 
-Supervisor -> warm process, and the reply:
-
-- :class:`Init` -> :class:`Ready` | :class:`Failed` (``PRELOAD``);
-- :class:`StartStore`, :class:`ResetStore` -> :class:`StoreStarted` | :class:`Failed`;
-- :class:`Spawn` with four file descriptors (stdout, stderr, result, control) ->
-  :class:`Spawned`;
-- :class:`StartSnapshots` -> :class:`SnapshotsStarted` | :class:`Failed` (``SNAPSHOTS``);
-- :class:`FindCpus` -> :class:`CpusFound` | :class:`Failed` (``NUMA``);
-- :class:`Shutdown` (no reply: the warm process kills its workers and exits);
-- :class:`RemoveOnExit` (no reply): paths the warm process removes if the supervisor dies.
-
-Unsolicited, warm process -> supervisor: :class:`Exited` the moment a worker is reaped.
-The warm process and its store process speak :class:`StartStore`/:class:`ResetStore` ->
-:class:`StoreStarted` | :class:`Failed` too.
+Each request of the supervisor has its reply (:class:`Init` -> :class:`Ready`,
+:class:`Spawn` -> :class:`Spawned`, ...) or :class:`Failed`; :class:`Shutdown` and
+:class:`RemoveOnExit` have none. Unsolicited, the warm process sends :class:`Exited` the
+moment a worker is reaped. The warm process and its store process speak
+:class:`StartStore`/:class:`ResetStore` -> :class:`StoreStarted` | :class:`Failed` too.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """The warm process's side: import torch once, then fork workers and run the store on command.
 
-:func:`serve` runs in the child that :meth:`WarmProcess.fork` made. It stays clean (it never
-initialises a process group, runs a tensor op or starts a thread), so it can fork again for
-every restart. It is a child subreaper: workers and anything they start stay its
-descendants, and it reaps them on ``SIGCHLD`` and reports each worker's exit
-(:class:`~rallypoint._supervise._messages.Exited`) the moment it happens.
-
-The job's ``TCPStore`` server lives in a separate child (forked after ``import torch``), so
-that workers never inherit its listening socket and a restart can rebind the same port
-with an empty store.
-
-If the supervisor dies without a word (``kill -9``, the OOM killer), the warm process hears
-it at once. Until it is ready (its imports done: nothing else exists yet, and a Python
-handler would wait for ``import torch``'s long C calls) its parent-death signal is
-``SIGKILL``; from :class:`~rallypoint._supervise._messages.Ready` on it is ``SIGTERM``,
-which it catches (as it does the end of its socket). A SIGTERM while its parent lives (sent
-to the launcher's process group, or to every process of the job) is not that: the
-supervisor stops the workers gracefully, and this process ignores it, as it ignores the
-other signals the supervisor handles. Once orphaned, it SIGKILLs every descendant it
-has, found in ``/proc`` (workers, their children, whatever daemonized or started its own
-session: as a child subreaper it inherits those orphans), reaps them, removes the
-supervisor's temporary paths (:class:`~rallypoint._supervise._messages.RemoveOnExit`; the
-supervisor makes them only after ``Ready``) and exits.
+:func:`serve` runs in the child that :meth:`WarmProcess.fork` made. It stays clean (no
+process group, no tensor op, no thread), so it can fork again for every restart. It is a
+child subreaper: it reaps the workers and whatever they start, and reports each worker's
+exit the moment it happens. The job's ``TCPStore`` server lives in a separate child, so
+that workers never inherit its listening socket and a restart can rebind the same port.
+If the supervisor dies without a word (``kill -9``, the OOM killer), the warm process
+hears it at once, kills every descendant, removes the supervisor's temporary paths and
+exits (:func:`serve` says how).
 """
 
 from __future__ import annotations
@@ -73,7 +59,16 @@ _ORPHANED_KILL_TIMEOUT = 1.5
 
 
 def serve(sock: socket.socket, import_torch: bool) -> NoReturn:
-    """Run the warm process on ``sock`` until the supervisor shuts it down or goes away."""
+    """Run the warm process on ``sock`` until the supervisor shuts it down or goes away.
+
+    Until it is ready (its imports done: nothing else exists yet, and a Python handler would
+    wait for ``import torch``'s long C calls) its parent-death signal is ``SIGKILL``; from
+    ``Ready`` on it is ``SIGTERM``, which it catches (as it does the end of its socket). A
+    SIGTERM while its parent lives (sent to the launcher's process group) is ignored: the
+    supervisor stops the workers gracefully. Once orphaned, it SIGKILLs every descendant it
+    finds in ``/proc`` (as a child subreaper it inherits orphans that daemonized or started
+    their own session), reaps them, removes the paths of ``RemoveOnExit`` and exits.
+    """
     _Server(sock, import_torch).serve()
 
 
