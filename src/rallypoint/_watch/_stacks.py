@@ -1,23 +1,13 @@
 """Python stacks of running workers, on demand: the worker's dump handler and collecting.
 
-Worker side: :func:`install_stack_dumper` (called by the worker bootstrap before user
-code) registers :func:`faulthandler.register` for a signal, writing every thread's stack
-into ``$RALLYPOINT_STACKS_DIR/<pid>.stacks``. faulthandler writes from the C signal
-handler, so a worker blocked inside a gloo/NCCL call or holding the GIL in C code still
-answers. The file appears (renamed into place) only once the handler is installed, so the
-agent never sends the signal, whose default action kills, to a worker without it.
-
-Agent side: :func:`collect_stacks` asks each local worker's Flight Recorder thread (its
-request FIFO, ``_fifo``) to write the same dump from Python with the GIL held
-(:func:`dump_stacks_now`), which is safe where the signal handler races the threads that
-run; a worker whose thread does not answer within :data:`THREAD_WAIT` (recording off, or
-a thread holding the GIL in C) is signalled. The dumps are parsed into
-:class:`StackDump` objects (JSON-serialisable, for gathering across nodes through the
-store: ``_stacks_exchange``); ``_stacks_format`` groups them for people.
-
-The signal: ``SIGRTMIN+4`` by default (``RALLYPOINT_STACKS_SIGNAL`` overrides it, as a
-number or a name like ``SIGUSR1``). SIGUSR1/SIGUSR2 are taken: SLURM's ``--signal`` and
-Lightning use them for pre-emption, and c10d's fatal-signal handler uses SIGUSR2.
+Worker side: :func:`install_stack_dumper` registers :func:`faulthandler.register` for a
+signal (``SIGRTMIN+4`` by default, ``RALLYPOINT_STACKS_SIGNAL`` overrides it; SIGUSR1/2
+are taken by SLURM, Lightning and c10d). faulthandler writes from the C signal handler, so
+a worker blocked in a gloo/NCCL call still answers. Agent side: :func:`collect_stacks`
+first asks each worker's Flight Recorder thread to dump from Python with the GIL held
+(:func:`dump_stacks_now`), and signals only a worker whose thread does not answer within
+:data:`THREAD_WAIT`. The dumps are parsed into :class:`StackDump` objects
+(JSON-serialisable, for ``_stacks_exchange``); ``_stacks_format`` groups them for people.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The stacks exchange across nodes, through any store with torch's ``set/get/add/check``.
 
-``rallypoint stacks --rdzv-endpoint ... --rdzv-id ...``, or the agent that detected a hang,
-calls :func:`request_stacks`: it bumps a request counter and waits. Every agent polls
-:func:`answer_stacks_request` from its monitor loop (one ``add`` per tick when idle),
-collects its workers' stacks and publishes them as JSON. Pass a ``PrefixStore`` for the run.
-
-Any client of the store can bump the counter, so what a request makes an agent write is
-bounded (:class:`StacksAnswers`): one answer per :data:`MIN_ANSWER_INTERVAL` at most, to
-the newest request only (a burst of requests costs one collection); an answer of at most
-:data:`MAX_ANSWER_BYTES` (beyond, the main threads only, then no stacks, with a note that
-says so); at most :data:`MAX_KEPT` answers of the node in the store at a time, each
-removed after :data:`KEEP_FOR` seconds if nobody collected it. The requester deletes each
-answer as it reads it, and the request's count when it is done.
+``rallypoint stacks``, or the agent that detected a hang, calls :func:`request_stacks`:
+it bumps a request counter and waits. Every agent polls :func:`answer_stacks_request`
+from its monitor loop (one ``add`` per tick when idle), collects its workers' stacks and
+publishes them as JSON; the requester deletes each answer as it reads it. Pass a
+``PrefixStore`` for the run. Any client of the store can bump the counter, so what a
+request makes an agent write is bounded (:class:`StacksAnswers`).
 """
 
 from __future__ import annotations
@@ -79,7 +73,14 @@ def latest_stacks_request(store: Store) -> int:
 @dataclass(kw_only=True, slots=True)
 class StacksAnswers:
     """One agent's side of the exchange: the newest request it answered, when, and its
-    answers still in the store. The bounds default to the module's constants."""
+    answers still in the store. The bounds default to the module's constants.
+
+    One answer per :data:`MIN_ANSWER_INTERVAL` at most, to the newest request only (a burst
+    of requests costs one collection); an answer of at most :data:`MAX_ANSWER_BYTES` (beyond,
+    the main threads only, then no stacks, with a note that says so); at most
+    :data:`MAX_KEPT` answers of the node in the store at a time, each removed after
+    :data:`KEEP_FOR` seconds if nobody collected it.
+    """
 
     answered: int = 0
     max_bytes: int = MAX_ANSWER_BYTES

@@ -1,19 +1,11 @@
 """Which rank and which collective hang a job, from every rank's Flight Recorder.
 
-For each process group, :func:`analyse` finds the first collective that not all its
-members completed (``N``: one past the lowest completed number among the members). A
-member that issued nothing numbered ``N`` *never issued* it; a member that issued a
-different op, sizes or dtypes there than most members did is a *mismatch*; the members
-that issued it and wait are the group's waiters.
-
-Waits are then followed across groups: a waiter in group A waits for A's missing (and
-mismatched) ranks; if one of those waits in group B, it waits in turn for B's. The root is
-where the chains end: a rank that waits in no collective (a busy loop, a sleep, a dead
-data loader). When every rank waits (a mismatch, or two groups in opposite orders), the
-mismatched ranks are the root. Candidates are ordered by how many waiters lead to them.
-
-Point-to-point operations (``send``/``recv``) are not analysed: their numbering is per
-pair of ranks, not per group.
+:func:`analyse` finds, in each process group, the first collective that not all its
+members completed, and sorts the members into those that never issued it, those that
+issued something else there (a mismatch) and those that wait. It then follows the waits
+across groups to the ranks that wait in no collective (a busy loop, a sleep, a dead data
+loader): those are the root. Point-to-point operations are not analysed: their numbering
+is per pair of ranks, not per group.
 """
 
 from __future__ import annotations
@@ -168,7 +160,18 @@ def _roots(groups: list[GroupState], waits: dict[int, tuple[GroupState, ...]]) -
 
 
 def analyse(traces: Mapping[int, RankTrace]) -> Diagnosis:
-    """The collective view of a hang from the traces of every rank (see the module doc)."""
+    """The collective view of a hang from the traces of every rank.
+
+    For each process group, the first collective ``N`` that not all its members completed
+    (one past the lowest completed number among the members). A member that issued nothing
+    numbered ``N`` never issued it; one that issued a different op, sizes or dtypes there
+    than most members did is a mismatch; the members that issued it and wait are the
+    group's waiters. Waits are followed across groups: a waiter in group A waits for A's
+    missing (and mismatched) ranks; if one of those waits in group B, it waits in turn for
+    B's. The root is where the chains end: a rank that waits in no collective. When every
+    rank waits (a mismatch, or two groups in opposite orders), the mismatched ranks are the
+    root. Candidates are ordered by how many waiters lead to them.
+    """
     ok = {r: t for r, t in traces.items() if t.error is None}
     no_data = tuple(sorted(r for r, t in traces.items() if t.error is not None))
     members: dict[str, set[int]] = {}

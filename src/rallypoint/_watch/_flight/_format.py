@@ -1,22 +1,11 @@
 """The hang screen: the root-cause block, each group's collectives, then the grouped stacks.
 
 :func:`format_hang_report` is what a hang (``--hang-timeout``) prints and what
-``rallypoint stacks`` prints (``view="stacks"``): with Flight Recorder data from the
-workers, a block in the style of the failure summary::
-
-    Root cause (Flight Recorder):
-      rank       : 3
-      host       : node7 (pid 4242)
-      collective : all_reduce #6 of group [2, 3]: rank 3 never issued it
-      issued at  : train.py:15 (rank 2)
-      waiting    : rank 2 in all_reduce #6 of group [2, 3] (train.py:15)
-                   ranks 0,1 in all_reduce #9 of world [0, 1, 2, 3] (train.py:16)
-      rank 3 is in: sleep at train.py:14
-        File "train.py", line 14, in <module>
-          time.sleep(3600)
-
-then one line per group (last collective completed by all, what is pending where), then
-the stacks grouped as before. Without data it says so in one line and prints the stacks.
+``rallypoint stacks`` prints: with Flight Recorder data from the workers, a root-cause
+block in the style of the failure summary (the rank, the collective it never issued or
+mismatched, who waits for it and where it is), one line per group, then the stacks
+grouped. Without data it says so in one line and prints the stacks. A sample screen is
+in docs/diagnosis.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """The Flight Recorder of each worker: on by default, and dumped on the agent's request.
 
 torch records every collective of every process group in its Flight Recorder (gloo and
-NCCL alike), ``TORCH_FR_BUFFER_SIZE`` entries per process. :func:`flight_recorder_env`
-gives the workers rallypoint's default buffer (or ``0`` with ``--flight-recorder off``)
-unless the user set torch's own variables, which win.
-
-Worker side: :func:`install_flight_dumper` (called by the worker bootstrap, next to the
-stack dumper) makes a FIFO ``$RALLYPOINT_STACKS_DIR/<pid>.fr`` and a daemon thread that
-blocks reading it. A request is one line (a token; ``... arrivals [SECONDS]`` for
-straggler sampling: the entries of the last SECONDS up to the newest, no frames; ``stacks``
-for a stack dump, ``_stacks``); the thread calls torch's ``_dump_fr_trace()``, adds the
-group memberships from ``torch.distributed`` and writes ``<pid>.fr.dump.json`` (or
-``<pid>.fr.arrivals.json``), renamed into place. A thread, not a signal handler: a Python
-handler never runs while the main thread is blocked in a collective, but that call
-releases the GIL, so the thread runs; a busy Python loop lets it run every switch interval.
-
-Agent side: :class:`FlightRequest` writes a request into each worker's FIFO (a worker
-without one answers at once with an error) and :meth:`FlightRequest.results` waits for the
-answers, so the stacks can be collected in between.
+NCCL alike). :func:`flight_recorder_env` gives the workers rallypoint's default buffer
+(or none with ``--flight-recorder off``) unless the user set torch's own variables.
+Worker side: :func:`install_flight_dumper` starts a daemon thread that reads requests from
+a FIFO and writes torch's trace, with the group memberships, to a file. A thread, not a
+signal handler: a Python handler never runs while the main thread is blocked in a
+collective, but that call releases the GIL, so the thread runs. Agent side:
+:class:`FlightRequest` writes the requests and collects the answers.
 """
 
 from __future__ import annotations
@@ -287,6 +277,12 @@ def install_flight_dumper(
     env: Mapping[str, str] | None = None, on_stacks: Callable[[], None] | None = None
 ) -> str | None:
     """Start this worker's Flight Recorder dumper thread; return its FIFO's path.
+
+    The FIFO is ``$RALLYPOINT_STACKS_DIR/<pid>.fr``. A request is one line (a token;
+    ``... arrivals [SECONDS]`` for straggler sampling: the entries of the last SECONDS, no
+    frames; ``stacks`` for a stack dump); the thread calls torch's ``_dump_fr_trace()``,
+    adds the group memberships and writes ``<pid>.fr.dump.json`` (or
+    ``<pid>.fr.arrivals.json``), renamed into place.
 
     ``on_stacks`` answers a stack request (``_stacks.dump_stacks_now``): from this thread,
     with the GIL held, so no other thread's frames change while they are read.

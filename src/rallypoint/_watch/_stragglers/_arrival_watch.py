@@ -1,22 +1,14 @@
 """One attempt's lock-step straggler detection by Flight Recorder arrivals (``_arrivals``).
 
 :class:`~rallypoint._watch._stragglers._watch.StragglerWatch` drives it from the monitor
-tick: :meth:`ArrivalWatch.ask` every :attr:`ArrivalWatch.every` seconds asks this node's
-workers for the collectives of the window, :meth:`ArrivalWatch.read` takes their answers
-on a later tick, once all came (the monitor loop never waits for a worker: the entries
-carry their own times), and judges them.
-
-One node judges its ranks itself. In a multi-node job only the node with group rank 0
-judges, over every node's ranks: the others write their sample to the run store
-(``_arrival_records``, ``arrivals/<round>/<group rank>``) and answer its clock pings from
-a thread (``_clock_offset``); the judge reads the samples whose ``seq`` moved within
-``_exchange.STALE_AFTER`` periods, measures each such node's clock offset (once, then one node
-per period), subtracts it from that node's arrivals, and compares all ranks at once. So a
-rank is reported once for the job, whichever node it runs on, and a node whose ranks all
-arrive late is seen too. A node whose offset is not known yet (it has not answered a
-ping) is left out of that period's comparison. A node that cannot open the second store
-connection the responder blocks on judges its own ranks among themselves, as a single
-node does.
+tick: :meth:`ArrivalWatch.ask` asks this node's workers for the collectives of the
+window, :meth:`ArrivalWatch.read` takes the answers on a later tick and judges them, so
+the monitor loop never waits for a worker. One node judges its own ranks. In a multi-node
+job only group rank 0 judges, over every node's ranks: the others write their samples to
+the run store and answer its clock pings (``_clock_offset``), and the judge puts every
+node's arrivals on its own clock, so a rank is reported once for the job and a node whose
+ranks all arrive late is seen too. A node whose offset is not known yet is left out of
+that period's comparison.
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """Stragglers in lock-step training, from the arrival times the Flight Recorder records.
 
 In lock-step training (DDP, FSDP) every rank waits in the gradient collectives for the
-slowest, so every rank's *step time* is the same and a step-time comparison names nobody.
-The *arrivals* differ: torch records when each rank issues each collective
-(``time_created_ns``). Over the window, for every collective that all members of its group
-issued, the last rank to arrive and its *lag* (its arrival minus the median of the
-others') are known. :func:`judge_arrivals` names the rank that arrives last at most of
-them (at least :data:`MIN_SHARE`, over at least :data:`MIN_COLLECTIVES`) when the others
-wait for it long enough: ``W``, the time covered by the union of its lag intervals
-(several back-to-back bucket collectives of one step overlap: one wait per step), over
-``D``, the span of those collectives, gives the others' compute ``D - W`` against its
-``D``; it is a straggler when ``D / (D - W)`` exceeds ``--straggler-threshold`` (the same
-ratio a step-time comparison uses). A job without a slow rank has a different last rank
-each time and short lags: nobody is named.
-
-**On the GPU.** With NCCL, ``time_created_ns`` is when the CPU *enqueued* the collective;
-CPUs that run ahead of their GPUs enqueue at the same time, and a rank whose GPU is slow
-does not show there. Where every member measured the collective's time on its GPU
-(``duration_ns``: NCCL with ``TORCH_NCCL_ENABLE_TIMING=1``, which the agent sets while
-straggler detection is on), that is used instead: a collective ends at the same moment on
-every rank, so the rank that spent the least time in it arrived last, by the difference
-(no clock enters).
-
-**Clocks.** ``time_created_ns`` is each node's wall clock. ``offsets`` (nanoseconds to
-subtract per rank: its node's clock minus the judge's, ``_clock_offset``) put every rank on
-one clock; ``subset=True`` compares the ranks at hand when some members of a group are
-missing (a node whose offset is not known yet, or one node's ranks alone).
+slowest, so every rank's step time is the same and a step-time comparison names nobody.
+The arrivals differ: torch records when each rank issues each collective.
+:func:`judge_arrivals` names the rank that arrives last at most collectives when the
+others wait for it long enough. With NCCL, where the CPUs run ahead of their GPUs, the
+collectives' GPU durations are used instead of the enqueue times.
 """
 
 from __future__ import annotations
@@ -120,8 +100,22 @@ def judge_arrivals(
     offsets: Mapping[int, int] | None = None,
     subset: bool = False,
 ) -> ArrivalVerdict | None:
-    """The rank the others wait for (see the module docstring), or ``None`` without enough
-    collectives in the last ``window_s`` seconds (of the newest arrival).
+    """The rank the others wait for, or ``None`` without enough collectives in the last
+    ``window_s`` seconds (of the newest arrival).
+
+    For every collective that all members of its group issued, the last rank to arrive and
+    its lag (its arrival minus the median of the others') are known. The rank that arrives
+    last at most of them (at least :data:`MIN_SHARE`, over at least
+    :data:`MIN_COLLECTIVES`) is a straggler when the others wait for it long enough: ``W``,
+    the time covered by the union of its lag intervals (back-to-back bucket collectives of
+    one step overlap: one wait per step), over ``D``, the span of those collectives, gives
+    the others' compute ``D - W`` against its ``D``; it is named when ``D / (D - W)``
+    exceeds ``--straggler-threshold``. Where every member measured the collective on its
+    GPU (``duration_ns``, NCCL with ``TORCH_NCCL_ENABLE_TIMING=1``), the rank that spent the
+    least time in it arrived last, by the difference: no clock enters.
+
+    ``offsets``: nanoseconds to subtract per rank (its node's clock minus the judge's,
+    ``_clock_offset``), which put every rank on one clock.
 
     ``subset``: ``traces`` are some members of the groups (one node's ranks of a larger
     job); arrivals are compared among them only.

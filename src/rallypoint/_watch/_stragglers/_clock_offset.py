@@ -1,24 +1,12 @@
 """How far each node's wall clock is from the judging node's, from round trips through the
 run store, so that Flight Recorder arrivals of different nodes can be compared.
 
-torch stamps each collective with the issuing node's wall clock (``time_created_ns``); two
-nodes' clocks differ by whatever their time synchronisation left (NTP: milliseconds, and
-nothing at all bounds an unsynchronised node). The judge (group rank 0) asks every other
-node for its clock through the store, NTP's way: it writes a ping at ``t1`` (its clock),
-the node's :class:`ClockResponder`, a thread blocked in the store on that key, stamps its
-receipt ``t2`` and its answer ``t3`` (its clock), and the judge reads the answer at ``t4``.
-The node's clock minus the judge's is ``((t2 - t1) + (t3 - t4)) / 2``, wrong by at most
-half the round trip's delay ``(t4 - t1) - (t3 - t2)`` (by less when the two directions take
-as long); of :data:`SAMPLES` exchanges the one with the least delay counts. Through a
-store on a LAN that is a fraction of a millisecond, against the tens of milliseconds a
-straggler makes the others wait.
-
-The responder blocks in ``get`` on a connection of its own, so that ``t2`` is the ping's
-arrival and not a poll later, with a timeout of :data:`RESPONDER_TIMEOUT` (the judge pings
-a node only now and then); it is stopped by a ``stop`` written to the key it waits on, and
-ends, saying nothing, when the store goes away. c10d would log that failure (and each
-timeout of the judge's wait for a pong) with the C++ exception's whole backtrace, some 20
-lines on stderr for an error handled here: both sides run under
+torch stamps each collective with the issuing node's wall clock, and nothing bounds how
+far two nodes' clocks are apart. The judge (:class:`ClockProbe`) measures each node's
+offset NTP's way (:func:`offset_from`) through pings that the node's
+:class:`ClockResponder` answers, keeping the exchange with the least delay; through a
+store on a LAN the error is small against the waits a straggler causes. c10d would log
+the responder's expected store failures with a C++ backtrace, so both sides run under
 :func:`rallypoint._core.cpp_log.cpp_warnings_off`.
 """
 

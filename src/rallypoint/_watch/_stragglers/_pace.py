@@ -1,28 +1,10 @@
 """Straggler detection from progress heartbeats: the measuring window and the verdicts.
 
-Pure logic, no I/O (``_watch`` samples the board, exchanges summaries, prints).
-
-**What is measured.** A rank's *step time* is the mean time between its consecutive
-:func:`rallypoint.progress` calls. The agent samples its board every :data:`PACE_EVERY`
-seconds: each slot holds the time of the last call and the number of calls, so
-``(t_last_now - t_last_then) / (steps_now - steps_then)`` is the exact mean interval of
-the calls in between, however fast the steps are.
-
-**The window** (:class:`PaceWindow`): the most recent :data:`WINDOW_S` seconds, stretched
-back to hold at least :data:`MIN_STEPS` steps when steps are slower than that. A rank is
-judged once it has made :data:`MIN_STEPS` steps in the current attempt. A step still open
-counts when it is already longer than the window's mean (a rank that stopped calling
-``progress()`` gets slower and slower instead of keeping its old pace).
-
-**The verdict** (:class:`StragglerDetector`): a rank is slow when its step time exceeds
-``threshold`` times the median of the *other* ranks' step times (leaving the rank out
-keeps a two-rank job able to name its slow rank); with several nodes, a node is slow when
-the lower median of its ranks' step times (slow only when most of its ranks are) exceeds
-``threshold`` times the median of the other nodes'. A slow node is reported as one node
-(its ranks are not reported one by one).
-Each rank or node is reported once when it becomes slow; it recovers when its ratio falls
-to ``1 + (threshold - 1) / 2`` (hysteresis: no report storm at the boundary), and only a
-rank that recovered is reported again.
+Pure logic, no I/O (``_watch`` samples the board, exchanges summaries, prints). A rank's
+step time is the mean time between its consecutive :func:`rallypoint.progress` calls,
+measured exactly from the board's last-call times and step counts over a sliding window
+(:class:`PaceWindow`). :class:`StragglerDetector` compares each rank's (or node's) step
+time with the median of the others' and reports each change of state once.
 """
 
 from __future__ import annotations
@@ -159,7 +141,14 @@ def _medians_of_others(values: Sequence[float]) -> list[float | None]:
 
 # ---------------------------------------------------------------------------- the window
 class PaceWindow:
-    """One node's sliding windows of ``(time of the last progress, steps)`` per local rank."""
+    """One node's sliding windows of ``(time of the last progress, steps)`` per local rank.
+
+    The window is the most recent :data:`WINDOW_S` seconds, stretched back to hold at least
+    :data:`MIN_STEPS` steps when steps are slower than that. A rank is judged once it has
+    made :data:`MIN_STEPS` steps in the current attempt. A step still open counts when it is
+    already longer than the window's mean, so a rank that stopped calling ``progress()``
+    gets slower instead of keeping its old pace.
+    """
 
     def __init__(
         self, nslots: int, *, window_s: float = WINDOW_S, min_steps: int = MIN_STEPS
@@ -284,7 +273,15 @@ class Straggler:
 
 # ---------------------------------------------------------------------------- the verdicts
 class StragglerDetector:
-    """Compares step times with the median and reports each change of state once."""
+    """Compares step times with the median and reports each change of state once.
+
+    A rank is slow when its step time exceeds ``threshold`` times the median of the other
+    ranks' (leaving the rank out keeps a two-rank job able to name its slow rank). With
+    several nodes, a node is slow when the lower median of its ranks' step times exceeds
+    ``threshold`` times the median of the other nodes', and is reported as one node. A rank
+    or node recovers when its ratio falls to ``1 + (threshold - 1) / 2`` (hysteresis: no
+    report storm at the boundary), and only one that recovered is reported again.
+    """
 
     def __init__(self, threshold: float) -> None:
         checked = parse_threshold(threshold, "threshold")

@@ -1,25 +1,13 @@
 """One attempt's straggler detection on one node: sample, exchange, judge, report.
 
 The policy of an attempt calls :meth:`StragglerWatch.tick` (one node) or
-:meth:`StragglerWatch.exchange` (a node of a multi-node job) from its monitor tick; both
-do nothing until :func:`~rallypoint._watch._stragglers.pace_every` seconds (2 s, less
-for a window under 10 s) have passed since the last time. Then the node samples its
-progress board into its :class:`PaceWindow` and summarises its running ranks' step times
-as a :class:`NodePace`.
-
-Across nodes, every node ``set``\\ s its summary under ``pace/<round>/<group rank>`` in the
-run store (``handler.open_run_store()``, the same connection the agent's monitor loop uses
-for stack requests; one JSON record of about ``60 + 20 * nproc`` bytes every period),
-and only the node with group rank 0 reads them all (one ``check`` and one ``multi_get``
-of ``nnodes`` keys per period) and judges the whole job. So a rank or a node is reported
-once for the job, on that node's screen and in its ``--events`` file. A summary whose
-``seq`` did not change for ``_exchange.STALE_AFTER`` periods (its node's workers finished, or
-the node is gone) no longer counts.
-
-What the judge writes: one line on stderr when a rank or node becomes slow; a
-``straggler`` event when it becomes slow and when it recovers; a ``step_times`` event
-with every measured rank's step time at most every :data:`STEP_LOG_EVERY` seconds (the
-first as soon as a rank is measured), which ``rallypoint report`` draws as a lane per rank.
+:meth:`StragglerWatch.exchange` (a node of a multi-node job) from its monitor tick; every
+period the node samples its progress board and summarises its ranks' step times as a
+:class:`NodePace`. Across nodes every node writes its summary to the run store and only
+group rank 0 reads them all and judges the whole job, so a rank or node is reported once,
+on that node's screen and in its ``--events`` file. A summary that stopped moving (the
+node finished or is gone) no longer counts. The judge prints a line when a rank or node
+becomes slow and writes ``straggler`` and ``step_times`` events.
 """
 
 from __future__ import annotations
@@ -82,7 +70,14 @@ def describe(change: Straggler, threshold: float) -> str:
 
 
 class StragglerWatch:
-    """Straggler detection for one attempt (round) of one node; see the module docstring.
+    """Straggler detection for one attempt (round) of one node.
+
+    Every node ``set``-s its summary under ``pace/<round>/<group rank>`` in the run store
+    (the connection the agent's monitor loop uses for stack requests); the judge reads them
+    with one ``check`` and one ``multi_get`` per period. A summary whose ``seq`` did not
+    change for ``_exchange.STALE_AFTER`` periods no longer counts. A ``step_times`` event
+    goes out at most every :data:`STEP_LOG_EVERY` seconds (``rallypoint report`` draws a
+    lane per rank).
 
     ``emit`` writes an event (``Observer.emit``), ``say`` a line on the screen.
     ``arrivals``: asks this node's workers, given ``{rank: pid}``, for their Flight Recorder
