@@ -1,22 +1,11 @@
 """Collectives that autograd can differentiate through.
 
-Each is a ``torch.autograd.Function`` whose backward is the adjoint collective:
-
-=================  ==========================================  =============================
-function           forward                                      backward (of the gradient)
-=================  ==========================================  =============================
-``all_to_all``     split along ``scatter_dim``, exchange,       ``all_to_all`` with the two
-                   concatenate along ``gather_dim``             dims swapped
-``all_gather``     concatenate every rank's tensor along        ``reduce_scatter`` (sum the
-                   ``dim``                                      gradients, keep own slice)
-``reduce_scatter`` sum over ranks, keep this rank's slice       ``all_gather``
-=================  ==========================================  =============================
-
-They use torch's single-tensor collectives (``all_to_all_single``, ``all_gather_single``,
-``reduce_scatter_single``), which gloo supports on CPU and NCCL on GPU. Without an
-initialised process group, or on a group of one rank, each is the identity.
-``group`` is a ``ProcessGroup``, ``None`` (the default group) or a dimension name of the
-parallel groups (``"tp"``, ``"dp"``, ``"cp"``, ``"pp"``).
+Each of ``all_to_all``, ``all_gather`` and ``reduce_scatter`` is a
+``torch.autograd.Function`` whose backward is the adjoint collective (the table is in
+docs/distributed.md). They use torch's single-tensor collectives, which gloo supports on
+CPU and NCCL on GPU. Without an initialised process group, or on a group of one rank,
+each is the identity. ``group`` is a ``ProcessGroup``, ``None`` (the default group) or a
+dimension name of the parallel groups (``"tp"``, ``"dp"``, ``"cp"``, ``"pp"``).
 """
 
 from __future__ import annotations

@@ -1,35 +1,12 @@
 """Deferred join mode: DDP runs as outside a Join until some rank actually runs out.
 
 In torch's join mode, ``DistributedDataParallel`` issues two 1-element all-reduces per
-forward (the notify of :meth:`Join.notify_join_context` and the "do you sync gradients"
-flag) so that a joined rank can shadow it. Those cost time on every step of every rank,
-although they are only needed once a rank has joined. With deferred join mode the
-joinables stay out of join mode (DDP issues only its gradient all-reduces) and the switch
-happens through the process group's store, off the critical path:
-
-1. every rank counts its DDP forwards (a forward pre-hook) and records per forward what
-   DDP will all-reduce in its backward (``S``: gradients, ``G``: nothing but bucket
-   rebuild, ``N``: no grad) in a run-length string;
-2. a rank that runs out of inputs publishes a *record* ``j:<forwards>`` and sets the
-   ``joined`` key; every other rank has a daemon thread that polls ``joined`` every
-   ``poll_interval`` and then publishes ``p:<forwards started so far>`` (under a lock
-   shared with the pre-hook, so no forward starts in between). A rank whose record is
-   published blocks before its next forward until every rank has one;
-3. every rank computes the same switch point ``S = max(records)``: forwards ``< S`` run
-   out of join mode, forwards ``>= S`` in torch's join mode. The rank with the largest
-   record has run every forward ``< S``, so its published run-length string says what each
-   of them all-reduces;
-4. a joined rank first shadows its missing forwards ``< S`` the way a non-joined DDP
-   issues them (bucket all-reduces only, no join-mode flags), then enters the usual join
-   loop, whose first all-reduce matches the notify of forward ``S``.
-
-Every collective of every forward is matched in order, so the result equals torch's join
-mode. It applies when the first joinable is a ``DistributedDataParallel`` that divides
-by the initial world size (the default) and without per-forward buffer broadcasts, static
-graph or the Python reducer, and the other joinables are ``ZeroRedundancyOptimizer`` or
-:class:`~rallypoint.join.CollectiveJoinable` (whose collectives do not change in join
-mode), on CPU (gloo; not yet run on GPUs); otherwise :class:`~rallypoint.join.Join` uses
-join mode from the start, as torch.
+forward so that a joined rank can shadow it, on every step of every rank, although they
+are needed only once a rank has joined. Here the joinables stay out of join mode and the
+switch is agreed through the process group's store, off the critical path: every rank
+agrees on the same forward from which join mode starts, and a joined rank first shadows
+the forwards it missed before it, so every collective is matched in order and the result
+equals torch's join mode. The protocol, and when it applies: :class:`DeferredJoinMode`.
 """
 
 from __future__ import annotations
@@ -110,7 +87,29 @@ class _Runs:
 
 
 class DeferredJoinMode:
-    """One Join context's deferred join mode on one rank (see the module docstring).
+    """One Join context's deferred join mode on one rank.
+
+    1. every rank counts its DDP forwards (a forward pre-hook) and records per forward what
+       DDP will all-reduce in its backward (``S``: gradients, ``G``: nothing but bucket
+       rebuild, ``N``: no grad) in a run-length string;
+    2. a rank that runs out of inputs publishes a record ``j:<forwards>`` and sets the
+       ``joined`` key; every other rank has a daemon thread that polls ``joined`` every
+       ``poll_interval`` and then publishes ``p:<forwards started so far>`` (under a lock
+       shared with the pre-hook, so no forward starts in between). A rank whose record is
+       published blocks before its next forward until every rank has one;
+    3. every rank computes the same switch point ``S = max(records)``: forwards ``< S`` run
+       out of join mode, forwards ``>= S`` in torch's join mode. The rank with the largest
+       record has run every forward ``< S``, so its run-length string says what each of
+       them all-reduces;
+    4. a joined rank first shadows its missing forwards ``< S`` the way a non-joined DDP
+       issues them (bucket all-reduces only), then enters the usual join loop, whose first
+       all-reduce matches the notify of forward ``S``.
+
+    It applies (:func:`deferred_join_mode_blocker` says why not) when the first joinable is
+    a ``DistributedDataParallel`` that divides by the initial world size, without
+    per-forward buffer broadcasts, static graph or the Python reducer, and the others are
+    ``ZeroRedundancyOptimizer`` or :class:`~rallypoint.join.CollectiveJoinable`, on CPU
+    (gloo); otherwise :class:`~rallypoint.join.Join` uses join mode from the start.
 
     Arguments:
         ddp: the first joinable.

@@ -1,46 +1,13 @@
 """Failure safety: a rank that raises inside a Join context tells the others.
 
-torch's ``Join.__exit__`` returns at once when the body raised, so the other ranks block in
-their next collective until the process group times out (30 minutes by default). Here the
-failing rank publishes ``"<rank>|<reason>"`` under one key per Join instance in the process
-group's store, and the ranks agree on where to stop (the key names the Join instance by a
-counter of the Joins built on this process group, the same on every rank):
-
-1. every rank counts the join-mode iterations it enters (:meth:`FailureChannel.enter_iteration`,
-   called from every first joinable's ``notify_join_context``, torch's or rallypoint's, and
-   from each join-loop iteration);
-2. the first rank that sees the failure (a daemon watcher, a wait, or the next iteration's
-   check) acknowledges it with that count and enters no further iteration until the stop
-   point is known;
-3. the failing rank waits for every acknowledgement, publishes the largest count as the
-   stop point ``K``, shadows its own missing iterations up to ``K`` with the joinables'
-   join hooks (as a joined rank would, see :mod:`rallypoint.join._shadow`), and marks the
-   failure *served*;
-4. every other rank finishes iteration ``K`` and raises :class:`RankFailedError` when it
-   would enter iteration ``K + 1``; a wait that is still pending once the failure is served
-   will never complete and raises at once.
-
-So every rank stops at the same iteration and no collective is left half matched. The
-shadow is safe: iterations past the failing rank's own count are entered by another rank
-only after the failing rank completed all of its iteration, so the shadow starts at an
-iteration boundary. If the failing rank raised in the middle of an iteration (after its
-notify, before its last collective), no rank is past it, ``K`` equals its count and nothing
-is shadowed.
-
-What this covers and what it cannot (gloo cannot abort a collective in flight):
-
-- covered: every collective a joinable issues in join mode (DDP's forward flags and
-  backward all-reduces, :class:`~rallypoint.join.CollectiveJoinable`, a custom joinable's
-  own collectives), the join loop, the joinables' main and post hooks, the throw-mode
-  check;
-- DDP's backward all-reduce out of join mode (deferred join mode): the failed rank
-  completes it, see :meth:`DeferredJoinMode.release_others
-  <rallypoint.join._deferred.DeferredJoinMode.release_others>`;
-- not covered: a collective no join hook shadows (a plain ``dist.all_reduce`` in the body),
-  or an iteration the failing rank left half done. :class:`BodyWatcher` logs the failure
-  at once, but such a rank stays blocked until the process group's timeout (or until the
-  failed process exits), and then :class:`Join` turns the error into a
-  :class:`RankFailedError` naming the failed rank.
+torch's ``Join.__exit__`` returns at once when the body raised, so the other ranks block
+in their next collective until the process group times out. Here the failing rank
+publishes its failure in the process group's store, the ranks agree on a join-mode
+iteration to stop at, the failing rank shadows its missing iterations up to it with the
+joinables' join hooks (``_shadow``), and every other rank raises
+:class:`RankFailedError` when it would enter the next one: no collective is left half
+matched. The protocol: :class:`FailureChannel`; what it covers (gloo cannot abort a
+collective in flight): docs/join.md.
 """
 
 from __future__ import annotations
@@ -101,7 +68,25 @@ def is_consequence(exc: BaseException) -> bool:
 
 class FailureChannel:
     """One Join instance's failure key in the process group's store, and the agreement on
-    where every rank stops after a failure (see the module docstring)."""
+    where every rank stops after a failure.
+
+    The failing rank publishes ``"<rank>|<reason>"`` under a key that names the Join by a
+    counter of the Joins built on this process group (the same on every rank). Then:
+
+    1. every rank counts the join-mode iterations it enters (:meth:`enter_iteration`, from
+       every first joinable's ``notify_join_context`` and each join-loop iteration);
+    2. the first rank that sees the failure acknowledges it with that count and enters no
+       further iteration until the stop point is known;
+    3. the failing rank waits for every acknowledgement, publishes the largest count as the
+       stop point ``K``, shadows its own missing iterations up to ``K`` with the joinables'
+       join hooks, and marks the failure served;
+    4. every other rank finishes iteration ``K`` and raises :class:`RankFailedError` when it
+       would enter iteration ``K + 1``; a wait still pending once the failure is served
+       will never complete and raises at once.
+
+    The shadow starts at an iteration boundary: iterations past the failing rank's count are
+    entered by another rank only after the failing rank completed all of its iteration.
+    """
 
     __slots__ = (
         "_failure",

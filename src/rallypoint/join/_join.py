@@ -1,29 +1,14 @@
 """The generic join context manager: torch's ``Join``/``Joinable``/``JoinHook`` semantics.
 
 Compatible with ``torch.distributed.algorithms.join``: the same names, signatures,
-collectives and messages, so torch's ``DistributedDataParallel`` and
-``ZeroRedundancyOptimizer`` (torch joinables, which call torch's static
-``Join.notify_join_context``) work inside this ``Join``. That works because both sides
-agree on two things only: the per-joinable ``_join_config`` (``enable``,
-``throw_on_early_termination``, ``is_first_joinable``) that this ``Join`` sets on every
-joinable, and the collectives on the join device and process group: per iteration, a
-not-yet-joined rank all-reduces ``ones(1)`` (and, in throw mode, ``zeros(1)``), which the
-join loop of a joined rank matches with ``zeros(1)`` (and ``ones(1)``).
-
-Differences from torch (all additive):
-
-- an exception inside the context is published to the other ranks; the ranks agree on
-  an iteration to stop at, the failing rank shadows the others' collectives up to it with
-  the join hooks, and the others raise :class:`RankFailedError` within about a second
-  instead of hanging (see :mod:`rallypoint.join._failure` for what is covered);
-- no ``warnings.simplefilter`` call: the skew warning is issued once per Join;
-- ``notify_join_context`` returns a ``torch.futures.Future`` (pytorch#61661);
-- ``Join.summary`` says how many iterations each rank shadowed;
-- ``Join.iterate(inputs)`` keeps the joinables out of join mode (no per-step notify
-  all-reduces) until the shortest rank's last input;
-- the joinables' ``_join_config`` is restored when the context exits, so DDP stops issuing
-  join collectives after the context;
-- joinables are validated up front with ``TypeError``/``ValueError`` messages.
+collectives and messages, so torch's joinables (``DistributedDataParallel``,
+``ZeroRedundancyOptimizer``, which call torch's static ``Join.notify_join_context``) work
+inside this ``Join``. Both sides agree on two things only: the per-joinable
+``_join_config`` that this ``Join`` sets on every joinable, and the collectives on the join
+device and process group (per iteration, a rank not yet joined all-reduces ``ones(1)``,
+which a joined rank's join loop matches with ``zeros(1)``). What this ``Join`` adds, all
+of it additive (failure safety, deferred join mode, a skew summary, validation up front):
+docs/join.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """After a failure: every rank stops at the same join-mode iteration.
 
-Two pieces of the protocol described in :mod:`rallypoint.join._failure`:
-
-- :class:`GatedJoinConfig` is the ``_join_config`` that :class:`~rallypoint.join.Join`
-  gives its joinables. ``notify_join_context`` (torch's static method, which DDP, ZeRO and
-  joinables written for torch call, and rallypoint's) reads ``is_first_joinable`` first,
-  and nothing else reads it; on the first joinable in join mode that read is where a rank
-  enters a new iteration, so it counts the iteration there, or raises
-  :class:`~rallypoint.join.RankFailedError` once another rank failed and the agreed stop
-  point is reached. This is what makes the check work for any joinable, not only for the
-  ones that call rallypoint's ``notify_join_context``.
-- :func:`shadow_iterations` runs on a rank that raised inside the body: it issues what a
-  joined rank issues in the join loop (the notify all-reduce, the throw-mode check, every
-  joinable's main hook) for the iterations up to the stop point that the others entered
-  and this rank never did, so that the others' collectives of those iterations complete.
+Two pieces of the protocol of :mod:`rallypoint.join._failure`.
+:class:`GatedJoinConfig` is the ``_join_config`` that :class:`~rallypoint.join.Join`
+gives its joinables: reading its ``is_first_joinable`` is where a rank enters a new
+iteration, so the check works for any joinable, torch's included.
+:func:`shadow_iterations` runs on a rank that raised inside the body: it issues what a
+joined rank issues for the iterations the others entered and this rank never did, so
+that their collectives complete.
 """
 
 from __future__ import annotations

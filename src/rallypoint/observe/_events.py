@@ -1,42 +1,11 @@
 """The ``--events FILE`` log: one JSON object per line, appended by every agent.
 
-Each line is an object with at least ``ts`` (unix time, float seconds) and ``kind``; ``node``
-(the agent's host or node id), ``rank`` and ``local_rank`` are present where they apply, and
-any other fields are free. The kinds the agent writes, and the fields ``rallypoint report``
-reads from them:
-
-============== ==============================================================================
-kind           fields
-============== ==============================================================================
-``round``      ``round`` (int), ``world_size``, ``nnodes`` -- a rendezvous round completed
-``members``    ``round``, ``members`` (list of node names) -- who is in that round
-``worker_start`` ``round``, ``rank``, ``local_rank``, ``pid``
-``worker_exit``  ``round``, ``rank``, ``local_rank``, ``pid``, ``state`` (``succeeded``,
-               ``failed``, ``terminated``), ``exitcode`` (negative = killed by that signal)
-``restart``    ``round`` (the new round), ``restart_count``, ``reason``
-``hang``       ``round``, ``idle_s`` (seconds without progress), ``action``
-``failure``    ``round``, ``rank``, ``exitcode``, ``message`` -- the job's root cause
-``straggler``  ``round``, ``scope`` (``rank`` / ``node`` / ``arrival``), ``state`` (``slow`` /
-               ``recovered``), ``rank`` (scopes ``rank`` and ``arrival``), ``group_rank``,
-               ``host``, ``ranks``, ``step_s``, ``median_s`` (of the others), ``threshold``;
-               scope ``arrival`` (the rank the others wait for at their collectives) has
-               ``lag_s``, ``last``, ``collectives`` and ``ratio`` instead of the step times
-``step_times`` ``round``, ``step_s`` (``{"rank": seconds per step}``), ``median_s`` -- at most
-               every 10 s (or the window), written by the node that judges stragglers
-``health``     ``round``, ``check``, ``ok``, ``seconds``, ``exitcode``, ``timed_out``,
-               ``skipped`` -- a health check ran before this node joined a round
-``spare``      ``round`` -- this node waits as a spare (the round was full at MAX)
-``arrival_lags`` ``round``, ``lag_s`` (``{"rank": median seconds after the others' arrival at
-               the collectives}``) -- each straggler sampling period, one node's jobs
-``job_end``    ``status`` (``succeeded`` / ``failed``), ``exitcode``
-============== ==============================================================================
-
-Several agents may append to the same file (a shared file system) or each to its own: lines
-are written with one ``write(2)`` on an ``O_APPEND`` descriptor, so whole lines never
-interleave, and ``rallypoint report`` merges several files by time.
-
-Errors: :class:`EventLogError` (a ``ValueError``) for a malformed file, naming the file and
-the line; ``TypeError``/``ValueError`` for fields that cannot be written as JSON.
+Each line has at least ``ts`` (unix time, float seconds) and ``kind``; the kinds the agent
+writes and their fields are listed in docs/multinode.md, and ``rallypoint report`` reads
+them. Several agents may append to the same file or each to its own: lines are written
+with one ``write(2)`` on an ``O_APPEND`` descriptor, so whole lines never interleave.
+Errors: :class:`EventLogError` (a ``ValueError``) for a malformed file, naming the file
+and the line; ``TypeError``/``ValueError`` for fields that cannot be written as JSON.
 """
 
 from __future__ import annotations

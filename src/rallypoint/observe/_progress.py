@@ -1,29 +1,12 @@
 """Progress heartbeats: ``rallypoint.progress()`` and the agent's board.
 
-A worker calls :func:`progress` in its training loop (Join and rallypoint's collective
-helpers call it too). Each call stores ``time.monotonic()`` into this worker's time slot
-and adds one to its step counter, in a small shared file that the agent created and
-mapped; no syscall, no lock, no allocation (about 0.1 µs). The agent's
-:class:`ProgressBoard` reads the slots: "how long since any worker (or this one) made
-progress" for ``--hang-timeout``, and "how many steps by when" (:meth:`ProgressBoard.sample`)
-for straggler detection (``--straggler-threshold``, ``rallypoint._watch._stragglers``).
-
-The worker finds its slot through two variables the agent sets::
-
-    RALLYPOINT_PROGRESS_FILE=/dev/shm/rallypoint-progress-XXXX   (the board's file)
-    RALLYPOINT_PROGRESS_SLOT=3                                   (default: LOCAL_RANK)
-
-Without them :func:`progress` is a no-op, so a script can call it unconditionally. A
-file that is missing or not a board gives one ``RuntimeWarning`` and no-ops: progress
-reporting never breaks training.
-
-File layout: ``b"RPPROG\\x00\\x02"`` magic, ``uint32`` slot count ``n``, ``uint32`` padding,
-then ``n`` ``float64`` times (``0.0`` = no progress since the last
-:meth:`ProgressBoard.reset`), then ``n`` ``float64`` step counters (exact up to 2**53).
-``CLOCK_MONOTONIC`` is shared by all processes of a machine, so the agent compares the
-slots with its own ``time.monotonic()``. The two stores of one call are not atomic
-together: a reader can see the new time with the old count, which moves one step across
-the edge of a measuring window (``rallypoint._watch._stragglers`` averages over several).
+A worker calls :func:`progress` in its training loop; each call stores
+``time.monotonic()`` into this worker's slot and adds one to its step counter, in a small
+shared file the agent created and mapped: no syscall, no lock, no allocation. The agent's
+:class:`ProgressBoard` reads the slots for ``--hang-timeout`` and straggler detection.
+The worker finds its slot through ``RALLYPOINT_PROGRESS_FILE`` and
+``RALLYPOINT_PROGRESS_SLOT``; without them :func:`progress` is a no-op, and a file that is
+not a board gives one ``RuntimeWarning``: progress reporting never breaks training.
 """
 
 from __future__ import annotations
@@ -167,6 +150,14 @@ def _default_directory() -> str:
 
 class ProgressBoard(Closing):
     """The agent's side: a shared file with one progress slot per local worker.
+
+    File layout: ``b"RPPROG\\x00\\x02"`` magic, ``uint32`` slot count ``n``, ``uint32``
+    padding, then ``n`` ``float64`` times (``0.0``: no progress since the last
+    :meth:`reset`), then ``n`` ``float64`` step counters (exact up to 2**53).
+    ``CLOCK_MONOTONIC`` is shared by all processes of a machine, so the agent compares the
+    slots with its own ``time.monotonic()``. The two stores of one call are not atomic
+    together: a reader can see the new time with the old count, which moves one step
+    across the edge of a measuring window (straggler detection averages over several).
 
     Create it before starting workers, pass :meth:`env` into each worker's environment,
     call :meth:`reset` at the start of each attempt (after the previous attempt's workers

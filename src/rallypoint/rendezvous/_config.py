@@ -1,22 +1,8 @@
 """The dynamic handler's settings, and reading them from ``RendezvousParameters``.
 
-Options (``RendezvousParameters`` keyword arguments, or ``--rdzv-conf k=v,...``), the same
-names torch reads plus a few of ours:
-
-=======================  ================================================================
-``join_timeout``         seconds a round may take (600)
-``last_call_timeout``    seconds to wait for more nodes once ``min_nodes`` joined (30)
-``close_timeout``        seconds ``set_closed()``/``shutdown()`` may take (30)
-``keep_alive_interval``  seconds between heartbeats (5)
-``keep_alive_max_attempt``  missed heartbeats before a node is presumed dead (3)
-``read_timeout``         seconds a store operation / connection may take (60)
-``is_host``              c10d: whether this node hosts the TCPStore (default: the endpoint
-                         names this machine)
-``store_type``           c10d: ``tcp`` (default) or ``file``
-``use_agent_store``      rank 0 hosts a TCPStore for the workers (true)
-=======================  ================================================================
-
-Durations accept fractions of a second (``last_call_timeout=0.5``); torch accepts integers.
+Options come as ``RendezvousParameters`` keyword arguments or ``--rdzv-conf k=v,...``:
+the names torch reads plus a few of ours; the table with defaults is in
+docs/rendezvous.md. Durations accept fractions of a second (torch accepts integers).
 """
 
 from __future__ import annotations

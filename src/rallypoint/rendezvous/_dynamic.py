@@ -1,21 +1,13 @@
 """The dynamic rendezvous handler: rounds of O(1) store operations per node.
 
 Torch's dynamic handler keeps one pickled state blob that every node rewrites by
-compare-and-set and re-reads about once a second: O(N) retries of an O(N) blob, so a
-round costs O(N^2). Here a node joining round ``k`` (key names in ``_rounds.py``; the
-steps in docs/rendezvous.md) takes a slot index with one ``add(r<k>/joined, 1)``, writes
-its descriptor to ``r<k>/slot/<i>``, finalises at once if the round is full (or every
-expected node is back) or arms a ``last_call_timeout`` timer once ``min_nodes`` joined,
-and blocks in a server-side ``wait([r<k>/final])``, then reads its own ``r<k>/rank/<i>``.
-
-Finalising is claimed with one set-if-absent, so exactly one node reads the N slots
-(one ``multi_get``), assigns ranks (survivors keep theirs) and writes every rank in one
-``multi_set`` before the final record. A node that finds the round already final is
-late: it bumps ``r<k>/late`` (what ``num_nodes_waiting()`` reports) and blocks on
-``r<k+1>/open``, which the first member to re-rendezvous writes. Heartbeats are one
-``add`` per interval; each member watches the next two ranks (a ring), so detecting a
-dead node costs O(1) per node, and ``num_nodes_waiting()`` reports presumed-dead members
-too so agents re-rendezvous without them (torch only notices newcomers).
+compare-and-set, so a round costs O(N^2). Here a node joining a round takes a slot with
+one ``add``, writes its descriptor, and blocks server-side until the round's final record
+appears; exactly one node (claimed with a set-if-absent) reads all slots, assigns ranks
+(survivors keep theirs) and writes them. A node that finds the round final waits for the
+next one and counts as waiting. Heartbeats are one ``add`` per interval and each member
+watches the next two ranks, so ``num_nodes_waiting()`` also reports presumed-dead
+members. Key names: ``_rounds``; the steps: docs/rendezvous.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,12 @@
 """An HTTP client for etcd v3's JSON gateway: endpoint failover, auth tokens, a watch stream.
 
-etcd serves its v3 API as JSON over HTTP at ``/v3/...`` (3.4 and later), so the standard
-library's ``http.client`` is all the client needs: no grpcio/protobuf (whose versions fight
-with torch's) and nothing to compile. The maintained gateway client on PyPI (``etcd3gw``)
-talks to one endpoint, has no user/password auth and brings ``requests``, ``futurist`` and
-``pbr``; this module is the part of it we need, plus failover and auth.
-
-:class:`EtcdGateway` knows HTTP, endpoints, tokens and etcd's error replies; it knows
-nothing of keys, leases or the key-value interface (``_kv_etcd.py`` maps those onto it).
-
-- :meth:`EtcdGateway.post` sends one JSON request and retries, until its timeout, the
-  failures that another try may cure: a connection that fails, an endpoint that answers
-  "unavailable", an auth token the server no longer accepts. Each retry moves to the next
-  endpoint; after a sweep of all of them it backs off (jittered, at most 0.5 s).
-- Each try is bounded on its own (``attempt_timeout``, 2 s, doubled after every sweep in
-  which a try ran out of time): a member that went silent (its link cut, its process
-  frozen) or a write that etcd holds for its request timeout (a proposal lost with a
-  killed leader waits 5 s + 2 election timeouts for "request timed out") costs one
-  bounded try, then the request goes to another member. An endpoint that failed is moved
-  off the shared preference at once, so other threads do not try it first.
-- Every request carries the ``hasleader`` gRPC metadata (``Grpc-Metadata-Hasleader:
-  true``, which the gateway forwards): a member that has lost its leader answers "no
-  leader" at once instead of holding a read for its request timeout, and cancels a watch
-  after three election timeouts without one, so a client never sits on a member cut off
-  from the others. A member that is silent altogether (link cut, process hung) cannot say
-  so: :meth:`EtcdGateway.watch_put` is therefore called for short slices
-  (:data:`WATCH_SLICE`) by the key-value side, which re-reads the key (a bounded request
-  that fails over) between them.
-- Connections are per thread (``http.client`` connections are not thread-safe); the
-  token and the endpoint that last answered are shared by every thread under one lock.
-- A rejected token is refreshed once for every thread that used it: a thread clears the
-  token only if it is still the one that failed, and authentication is serialised, so
-  N threads holding a stale token cause one ``/v3/auth/authenticate``.
+etcd serves its v3 API as JSON over HTTP, so the standard library's ``http.client`` is
+all the client needs: no grpcio/protobuf (whose versions fight with torch's) and nothing
+to compile. :class:`EtcdGateway` knows HTTP, endpoints, tokens and etcd's error replies,
+nothing of keys or leases (``_kv_etcd`` maps those onto it). Every try is bounded and a
+failed one moves to the next endpoint, and every request asks for a member with a leader,
+so a member cut off from the others or gone silent costs one bounded try.
+:meth:`EtcdGateway.post` and :meth:`EtcdGateway.watch_put` say how.
 """
 
 from __future__ import annotations
@@ -134,6 +109,19 @@ def _status_and_code(status: int, body: dict[str, Any]) -> tuple[int, Any]:
 
 class EtcdGateway:
     """JSON requests to one etcd cluster through its gateway (thread-safe).
+
+    :meth:`post` retries, until its timeout, the failures another try may cure (a failed
+    connection, "unavailable", a rejected token), each retry on the next endpoint, backing
+    off (jittered, at most 0.5 s) after a sweep of all. Each try is bounded on its own
+    (``attempt_timeout``, doubled after a sweep in which a try ran out of time), so a silent
+    member or a write etcd holds for its request timeout costs one bounded try; a failed
+    endpoint is moved off the shared preference at once. Every request carries the
+    ``hasleader`` gRPC metadata, so a member without a leader answers "no leader" at once
+    and cancels a watch; a member silent altogether cannot say so, so :meth:`watch_put` is
+    called for short slices (:data:`WATCH_SLICE`) between bounded re-reads. Connections are
+    per thread (``http.client`` is not thread-safe); the token and the last good endpoint
+    are shared under one lock, and a rejected token is refreshed once for every thread
+    that used it.
 
     Args:
         endpoints: ``(host, port)`` of each member; requests go to the one that answered

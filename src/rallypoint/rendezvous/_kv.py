@@ -1,26 +1,12 @@
 """The small key-value interface every rendezvous backend implements.
 
-The dynamic handler (``_dynamic.py``) speaks only this interface; a backend is one file
-that maps it onto a real store (``_kv_c10d.py`` for TCPStore/FileStore, ``_kv_etcd.py``
-for etcd v3, ``_kv_memory.py`` for an in-process fake). Every backend passes the same
-contract suite (``rallypoint.testing._rendezvous_contract``).
-
-Semantics every implementation keeps:
-
-- keys are ``str``, values ``bytes``; :meth:`get`/:meth:`multi_get` never block and return
-  ``None`` for a missing key;
-- :meth:`add` is atomic and returns the new value (a missing key counts as 0);
-- :meth:`set_if_absent` writes only if the key is missing and returns the value that is
-  stored afterwards (the caller won iff it equals what it wrote);
-- :meth:`wait` blocks server-side (no client polling where the store allows it) until
-  every key exists, returning ``False`` at the timeout;
-- :meth:`clone` gives an independent connection to the same data, for a second thread
-  (a TCPStore client serialises its operations, so a blocking wait would stall a
-  heartbeat sent through the same client).
-
-Errors: :class:`KVConnectionError` when the store cannot be reached, :class:`KVStateError`
-when a key holds something the operation cannot use (a counter that is not an integer).
-The handler translates them to ``RendezvousConnectionError``/``RendezvousStateError``.
+The dynamic handler (``_dynamic``) speaks only :class:`KeyValueStore`; a backend is one
+file that maps it onto a real store (``_kv_c10d`` for TCPStore/FileStore, ``_kv_etcd`` for
+etcd v3, ``_kv_memory`` for an in-process fake), and every backend passes the same
+contract suite (``rallypoint.testing._rendezvous_contract``). Each method says the
+semantics every implementation keeps. Errors: :class:`KVConnectionError` and
+:class:`KVStateError`, which the handler translates to ``RendezvousConnectionError`` and
+``RendezvousStateError``.
 """
 
 from __future__ import annotations
@@ -47,7 +33,14 @@ class KVStateError(KVError):
 
 
 class KeyValueStore(ABC):
-    """A shared key-value store as the dynamic rendezvous needs it."""
+    """A shared key-value store as the dynamic rendezvous needs it.
+
+    Keys are ``str``, values ``bytes``. :meth:`add` on a missing key counts from 0; the
+    caller of :meth:`set_if_absent` won iff the value returned equals what it wrote;
+    :meth:`wait` blocks server-side where the store allows it (no client polling);
+    :meth:`clone` exists because a TCPStore client serialises its operations, so a
+    blocking wait would stall a heartbeat sent through the same client.
+    """
 
     #: a short human description of where the data lives, for error messages
     endpoint: str = ""

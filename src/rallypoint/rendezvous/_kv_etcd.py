@@ -1,26 +1,13 @@
-"""The key-value interface over etcd v3 (the HTTP side is ``_etcd_gateway.py``).
+"""The key-value interface over etcd v3 (the HTTP side is ``_etcd_gateway``).
 
-Why etcd's JSON gateway and not a gRPC client: see ``_etcd_gateway.py``; the same code
-talks to etcd 3.4 through 3.6 (torch's etcd backends use the v2 API, which 3.6 removed).
-
-Mapping: ``add``/``set_if_absent``/``compare_and_swap`` are transactions comparing the
-key's revision or value (``add`` retries on a lost race); ``multi_get``/``multi_set`` are
-one transaction each; ``wait`` reads the key and, if it is missing, watches it from the
-next revision (a server push, no polling). Every key we write carries the job's lease
-(one lease per run, shared by its nodes, whose id is stored under ``<prefix>lease`` and
-kept alive by every live node): when every node of a job is gone, the keys expire after
-``lease_ttl`` seconds. Requests that fail to connect are retried across the endpoints
-until ``timeout`` (an etcd restart or a leader election is ridden out; one try at one
-member is bounded by ``request_timeout``), then :class:`KVConnectionError` names the
-endpoints. TLS (CA, client cert and key) and user/password auth are supported.
-
-Retries and exactly-once: a request whose answer is lost may have been applied, and the
-gateway sends it again. Every operation here is idempotent under that (a put, a delete,
-a create-if-absent that reads back what is stored, ``enroll``'s put with ``prev_kv``)
-except ``add``; so each ``add`` transaction also writes a nonce under this client's
-marker key (one per client and thread, with the lease) and, when its comparison fails,
-reads the marker back: finding its own nonce means an earlier try of the same
-transaction went through, and the add is not applied twice.
+The same code talks to etcd 3.4 through 3.6 (torch's etcd backends use the v2 API, which
+3.6 removed). Atomic operations are transactions comparing the key's revision or value;
+``wait`` watches from the next revision (a server push, no polling). Every key carries the
+job's lease, kept alive by every live node, so a job's keys expire once all its nodes are
+gone. Requests are retried across the endpoints until ``timeout``. A retried request may
+have been applied already: every operation is idempotent but ``add``, whose transaction
+also writes a nonce under this client's marker key so that a retry finds it and does not
+add twice. TLS and user/password auth are supported.
 """
 
 from __future__ import annotations

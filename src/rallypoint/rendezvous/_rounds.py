@@ -1,23 +1,9 @@
 """The round protocol's data: key layout, node descriptors, the final record, ranks, and
 what a node's heartbeat thread watches (``Watch``).
 
-Everything of run ``R`` lives under ``rallypoint/rdzv/R/``::
-
-    closed                 exists once the run is closed
-    latest                 hint: the newest opened round (readers scan forward from it)
-    hb/<node>              a node's heartbeat counter (add 1 per interval)
-    r<k>/open              round k accepts joins (round 0 always does); "closed" if closed
-    r<k>/joined            arrival counter: add(1) gives a node its slot index
-    r<k>/slot/<i>          descriptor of the node in slot i (JSON)
-    r<k>/claim             set-if-absent: the one node that finalises round k
-    r<k>/rank/<i>          rank of slot i (-1: not admitted), written before final
-    r<k>/member/<rank>     node id of each rank (heartbeat ring)
-    r<k>/final             the round's record (JSON); its appearance wakes every waiter
-    r<k>/late              nodes that arrived after round k was final (waiting or spare)
-    r<k>/dead              members presumed dead by missed heartbeats (+ dead/<node>)
-    r<k>/store/...         the round's store for agents and workers
-
-Finalising round k deletes the slot/rank/member keys of round k-2 in the background.
+Everything of run ``R`` lives under ``rallypoint/rdzv/R/``; :class:`Keys` lists the keys
+and what each holds. Finalising round k deletes the slot, rank and member keys of round
+k-2 in the background.
 """
 
 from __future__ import annotations
@@ -37,7 +23,24 @@ def _corrupt(where: str, raw: bytes) -> RendezvousStateError:
 
 
 class Keys:
-    """Key names of one run."""
+    """Key names of one run, under ``rallypoint/rdzv/R/``:
+
+    ::
+
+        closed                 exists once the run is closed
+        latest                 hint: the newest opened round (readers scan forward from it)
+        hb/<node>              a node's heartbeat counter (add 1 per interval)
+        r<k>/open              round k accepts joins (round 0 always does); "closed" if closed
+        r<k>/joined            arrival counter: add(1) gives a node its slot index
+        r<k>/slot/<i>          descriptor of the node in slot i (JSON)
+        r<k>/claim             set-if-absent: the one node that finalises round k
+        r<k>/rank/<i>          rank of slot i (-1: not admitted), written before final
+        r<k>/member/<rank>     node id of each rank (heartbeat ring)
+        r<k>/final             the round's record (JSON); its appearance wakes every waiter
+        r<k>/late              nodes that arrived after round k was final (waiting or spare)
+        r<k>/dead              members presumed dead by missed heartbeats (+ dead/<node>)
+        r<k>/store/...         the round's store for agents and workers
+    """
 
     __slots__ = ("prefix",)
 
