@@ -1,18 +1,12 @@
 """torch's builtin operators as call targets, matched to an overload as torch's RPC does.
 
 When the function of a call is one of torch's builtin operators (``torch.add``,
-``torch.matmul``, ``math.sqrt``...: the functions TorchScript knows by a qualified name),
-torch's RPC never calls the Python function. The caller matches the arguments against
-the operator's TorchScript schemas, raises at the call when none matches, and the callee
-runs the matched overload. The order is the dispatcher's overloads first, then
-TorchScript's own (``aten::add.int``...), each group in registration order; a Python
-number does not match a ``Tensor``. So ``rpc_sync(to, torch.add, args=(1, 2))`` returns
-the int ``3`` (``aten::add.int``) where a local ``torch.add(1, 2)`` gives ``tensor(3)``,
-and ``torch.ones(2)`` is refused (``size`` wants a list).
-
-This module does the same with torch's own per-schema matcher
-(``_check_schema_allow_fake_script_object``, which mirrors the matching step of
-``getOpWithStack``) and runs the overload through ``torch.ops``.
+``math.sqrt``...: the functions TorchScript knows by a qualified name), torch's RPC never
+calls the Python function: the caller matches the arguments against the operator's
+TorchScript schemas (raising at the call when none matches) and the callee runs the
+matched overload. So ``rpc_sync(to, torch.add, args=(1, 2))`` returns the int ``3``
+where a local ``torch.add(1, 2)`` gives ``tensor(3)``. This module does the same with
+torch's own per-schema matcher and runs the overload through ``torch.ops``.
 """
 
 from __future__ import annotations

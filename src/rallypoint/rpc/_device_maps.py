@@ -1,20 +1,12 @@
 """Device-map rules: validation, reverse maps and device lists (pure functions).
 
 These follow ``torch.distributed.rpc.backend_registry`` exactly (same checks, same
-``ValueError`` messages) so that a configuration that torch rejects is rejected here
-with the same words, and the tests run both implementations side by side.
-
-A *device map* of worker ``A`` for worker ``B`` maps ``A``'s devices to ``B``'s devices:
-a tensor on ``A``'s ``cuda:0`` sent to ``B`` with ``{cuda:0: cuda:1}`` arrives on ``B``'s
-``cuda:1``; the reply travels the inverse map. ``devices`` lists the devices a worker
+``ValueError`` messages), so a configuration torch rejects is rejected here with the same
+words. A device map of worker ``A`` for worker ``B`` maps ``A``'s devices to ``B``'s; a
+call uses the caller's map for the callee and a reply its inverse (:class:`Sent`), and
+distributed autograd sends each received tensor's gradient back with the inverse of the
+map that tensor came with (:func:`gradient_map`). ``devices`` lists the devices a worker
 uses for RPC; when empty it is derived from its own maps and its peers' maps onto it.
-
-Which map places a tensor depends on the message it travels in (:class:`Sent`): a call
-uses the caller's map for the callee, a reply the inverse of the caller's map (the
-callee's *reverse map* for the caller). Distributed autograd sends each received tensor's
-gradient back with the inverse of the map that tensor came with (torch's
-``RecvRpcBackward`` keeps that reverse map): the gradients of a received call go back as a
-reply would, those of a received reply as a call would (:func:`gradient_map`).
 """
 
 from __future__ import annotations

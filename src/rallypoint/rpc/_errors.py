@@ -9,8 +9,6 @@ catches torch's errors keeps working::
     ├── RpcAuthenticationError   a peer failed the HMAC challenge (or we did)
     ├── RpcProtocolError         malformed bytes on a connection (it is dropped)
     └── RpcShutdownError         graceful shutdown gave up; ``missing`` names the workers
-
-Bad user input raises ``ValueError``/``TypeError`` with a message that says what to change.
 """
 
 from __future__ import annotations

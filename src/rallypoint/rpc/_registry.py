@@ -1,17 +1,10 @@
 """The RPC backend registry, with ``torch.distributed.rpc.backend_registry``'s semantics.
 
-``BackendType`` is an enum that is rebuilt every time a backend is registered (as in
-torch); read it as ``rallypoint.rpc.BackendType`` (resolved on access, so it is never a
-stale copy) or keep the member that :func:`register_backend` returns. Two backends are
-registered on import: ``RALLYPOINT`` (the default: our transport) and ``TENSORPIPE``
-(delegates to ``torch.distributed.rpc``'s TensorPipe agent).
-
-A backend is a pair of handlers:
-
-- ``construct_rpc_backend_options_handler(rpc_timeout, init_method, **kwargs)`` returns
-  the backend's options object;
-- ``init_backend_handler(store, name, rank, world_size, rpc_backend_options)`` returns an
-  agent implementing :class:`rallypoint.rpc.RpcAgent`.
+``BackendType`` is an enum rebuilt every time a backend is registered (as in torch); read
+it as ``rallypoint.rpc.BackendType`` (resolved on access, never a stale copy) or keep the
+member :func:`register_backend` returns. ``RALLYPOINT`` (the default: our transport) and
+``TENSORPIPE`` (torch's TensorPipe agent) are registered on import. A backend is a pair of
+handlers, :func:`register_backend` says which.
 """
 
 from __future__ import annotations
@@ -74,6 +67,10 @@ def register_backend(
     init_backend_handler: Callable[..., Any],
 ) -> Any:
     """Register a backend; returns its new ``BackendType`` member.
+
+    ``construct_rpc_backend_options_handler(rpc_timeout, init_method, **kwargs)`` returns the
+    backend's options object; ``init_backend_handler(store, name, rank, world_size,
+    rpc_backend_options)`` returns an agent implementing :class:`rallypoint.rpc.RpcAgent`.
 
     Raises ``RuntimeError("RPC backend {name}: already registered")`` on duplicates.
     """

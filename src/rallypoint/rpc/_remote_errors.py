@@ -1,18 +1,12 @@
 """A remote exception on the caller: its type (its own, and torch's where they differ) and
 torch's text (:class:`ErrorReply`, also used for an error stored on an RRef's owner).
 
-torch's ``rpc_sync``/``rpc_async`` raise a remote ``ValueError`` or ``TypeError`` as
-that type, and every other remote exception as ``RuntimeError`` (its C++ future keeps
-only those three kinds). rallypoint raises the remote exception's own type, so
-``except KeyError`` works; for types that are not already a ``RuntimeError``,
-``ValueError`` or ``TypeError`` it raises a subclass of that type and ``RuntimeError``,
-so code written against torch's ``except RuntimeError`` keeps working too. The subclass
-carries the original's name and pickles as the original type.
-
-The text is torch's too. A call's future (``rpc_sync``, ``rpc_async``, an RRef's
-``rpc_sync()``/``rpc_async()`` proxies) puts the type's name in front of the exception's
-text (``KeyError: 'On WorkerInfo(...)...'``); ``to_here()`` raises the exception as it
-was rebuilt, with no name in front (functions marked with :func:`plain_errors`).
+torch raises a remote ``ValueError`` or ``TypeError`` as that type and every other remote
+exception as ``RuntimeError``. rallypoint raises the remote exception's own type, so
+``except KeyError`` works; a type that is not already one of those three becomes a
+subclass of itself and ``RuntimeError`` (named and pickled as the original), so code
+written against torch's ``except RuntimeError`` keeps working too. The text is torch's:
+futures put the type's name in front, ``to_here()`` does not (:func:`plain_errors`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Names of torch's C++ RPC module that programs look up when they run, made to answer for
 rallypoint's agent too.
 
-torch's own modules bound these names when they were imported (``rallypoint.rpc``
-imports ``torch.distributed.rpc`` before anything here runs), so torch keeps its own
-answers; only code that reads the attribute of ``torch._C._distributed_rpc`` at call time
-sees rallypoint's:
-
-- ``_is_current_rpc_agent_set()`` is true while either agent runs (wrapped at import).
-  PyG's ``rpc_is_initialized`` asks it to decide whether to ``init_rpc`` and ``shutdown``.
-- ``PyRRef``, while rallypoint's own agent runs, is a stand-in class: ``isinstance(x,
-  PyRRef)`` holds for rallypoint's RRefs as for torch's. torchrl's
-  ``accept_remote_rref_invocation`` unwraps ``self`` with that check, for the idiom
-  ``rpc_sync(rref.owner(), Class.method, args=(rref, ...))``. Anything else (making one,
-  ``PyRRef._deserialize``) goes to torch's class. torch's class is put back when the
-  agent closes, so ``type(rref) is PyRRef`` holds for torch's RRefs whenever torch's own
-  agent runs (rallypoint's TENSORPIPE backend included).
+Only code that reads the attribute of ``torch._C._distributed_rpc`` at call time sees
+rallypoint's answers; torch's own modules bound these names at import and keep torch's.
+``_is_current_rpc_agent_set()`` is true while either agent runs (PyG asks it).
+``PyRRef`` is, while rallypoint's agent runs, a stand-in class for which ``isinstance``
+holds for rallypoint's RRefs too (torchrl checks it); anything else goes to torch's class,
+which is put back when the agent closes.
 """
 
 from __future__ import annotations

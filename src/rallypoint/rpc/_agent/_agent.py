@@ -1,20 +1,12 @@
 """The rallypoint RPC agent: it owns one worker's parts and sends its calls.
 
-The parts, each with its own small interface:
-
-- :class:`~rallypoint.rpc._agent._peers.PeerTable`: the group (names, ranks, device maps,
-  dead peers);
-- :class:`~rallypoint.rpc._agent._calls.PendingCalls`: our calls awaiting a reply, with timeouts;
-- :class:`~rallypoint.rpc._rref._table.RRefTable`: values we own, forks in flight, decrements;
-- :class:`~rallypoint.rpc.dist_autograd._autograd.DistAutograd`: distributed autograd contexts;
-- :class:`~rallypoint.rpc._agent._codec.Codec`: messages pickled for a peer;
-- :class:`~rallypoint.rpc._agent._dispatch.Dispatcher`: frames in (run calls, complete futures);
-- :class:`~rallypoint.rpc._agent._connections.Connections`: the listener and the sockets;
-- :class:`~rallypoint.rpc._agent._membership.Group`: joining, leaving, the shutdown barrier.
-
-Threads per worker: one accept thread, one reader per connection (requests run on it;
-see ``_transport`` for the hand-off when a request blocks), and one monitor that fires
-timeouts, detects stalled readers and sends batched RRef decrements.
+:class:`RallypointAgent` composes parts that each have a small interface of their own:
+the group (``_peers.PeerTable``, ``_membership.Group``), our pending calls
+(``_calls.PendingCalls``), the RRefs (``_rref._table.RRefTable``), distributed autograd
+(``dist_autograd._autograd.DistAutograd``), the codec (``_codec.Codec``), incoming frames
+(``_dispatch.Dispatcher``) and the sockets (``_connections.Connections``). Threads per
+worker: one accept thread, one reader per connection (requests run on it), and one
+monitor that fires timeouts, detects stalled readers and sends batched RRef decrements.
 """
 
 from __future__ import annotations

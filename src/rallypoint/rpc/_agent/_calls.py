@@ -1,16 +1,12 @@
 """Outstanding calls: registration, completion, per-call timeouts and failing them in bulk.
 
-A pending call costs no Python object of its own. The GC's full collections scan every
-long-lived tracked object, so 5,000 outstanding calls must not mean 25,000 of them:
-
-- request id -> connection in :attr:`PendingCalls.owners`,
-- request id -> future in that connection's ``pending`` dict,
-- deadlines as ``(deadline, id)`` in a FIFO for the default timeout (they arrive in
-  order) or as ``(deadline, id, timeout)`` in a heap for per-call timeouts. Tuples of
-  numbers are untracked by the GC.
-
-Whoever pops a request id from ``owners`` first (the reply, the timeout, the broken
-connection or shutdown) completes the future; the others find nothing.
+A pending call costs no Python object of its own, because the GC's full collections scan
+every long-lived tracked object: a request id maps to its connection in
+:attr:`PendingCalls.owners` and to its future in that connection's ``pending`` dict, and
+deadlines are tuples of numbers (untracked by the GC) in a FIFO for the default timeout
+or a heap for per-call ones. Whoever pops a request id from ``owners`` first (the reply,
+the timeout, the broken connection or shutdown) completes the future; the others find
+nothing.
 """
 
 from __future__ import annotations

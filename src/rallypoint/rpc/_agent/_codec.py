@@ -1,18 +1,13 @@
 """Encoding calls and replies for one peer: its device map, RRefs, and autograd tags.
 
-A call to ``dst`` moves tensors with this worker's device map for ``dst``; a reply to
-``dst`` with the inverse of ``dst``'s map onto this worker (torch's rule); a gradient with
-the map its caller names (the inverse of the one its tensor came with, see
-:func:`~rallypoint.rpc._device_maps.gradient_map`). CUDA tensors go by the routes of
-:class:`~rallypoint.rpc._transport._cuda_routes.CudaRouter`. Every RRef in the message is
-forked through the worker's RRef table.
-
-Inside a distributed autograd context (:mod:`rallypoint.rpc.dist_autograd._autograd`) a
-message starts with a tag, ``b"AG"``, the context id and a message id, before the pickle
-(which always starts with ``0x80``). Every call made in a context is tagged, so the callee
-runs it in the context; a reply is tagged only if it carries tensors that require grad. A non-zero
-message id means the message has such tensors: the sender records a send, the receiver
-wraps them in ``RecvRpcBackward`` nodes. Outside a context nothing changes.
+A call moves tensors with this worker's device map for the callee, a reply with the
+inverse of the caller's map, a gradient with the map its caller names (torch's rules,
+:mod:`rallypoint.rpc._device_maps`); CUDA tensors go by the routes of
+:class:`~rallypoint.rpc._transport._cuda_routes.CudaRouter`, and every RRef in the
+message is forked through the worker's RRef table. Inside a distributed autograd context
+a message starts with a tag (``b"AG"``, the context id and a message id) before the
+pickle, so the callee runs the call in the context and records the sends and receives.
+Outside a context nothing changes.
 """
 
 from __future__ import annotations

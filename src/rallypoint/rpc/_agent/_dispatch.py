@@ -1,21 +1,13 @@
 """Frames in: run calls and send their replies or errors; complete the futures of ours.
 
-A call's exception travels as an :class:`ErrorReply`: torch's text (``On
-WorkerInfo(...):``, its repr and the remote traceback) plus its pickled type, and is
-raised on the caller with that type (also a ``RuntimeError`` where torch raises one,
-see :mod:`rallypoint.rpc._remote_errors`); if the type cannot be rebuilt there, a
-``RuntimeError`` carries the same text.
-
+A call's exception travels as an :class:`ErrorReply` with torch's text and its pickled
+type, and is raised on the caller with that type (:mod:`rallypoint.rpc._remote_errors`).
 A call runs once the owners of the RRefs in its arguments have confirmed them (torch's
-order). A call that arrived in a distributed autograd context runs in it (the serving
-thread's current context while it runs), and its reply is encoded in it, also when an
-``@async_execution`` call replies later from another thread.
-
-A reply whose tensors landed on GPUs completes its future with an unwrap function that
-makes the waiting thread's current streams wait for the decoding thread's
-(:class:`~rallypoint.rpc._transport._cuda.StreamSync`). A one-way call is decoded
-tolerantly (:func:`~rallypoint.rpc._transport._wire.decode`): a tensor it cannot place
-reaches the function as an ``Unreadable``, so a gradient propagation can report it.
+order), and a call made in a distributed autograd context runs and replies in it. A
+reply whose tensors landed on GPUs makes the waiting thread's streams wait for the
+decoding thread's (:class:`~rallypoint.rpc._transport._cuda.StreamSync`). A one-way call
+is decoded tolerantly, so a tensor it cannot place reaches the function as an
+``Unreadable`` that a gradient propagation can report.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Joining and leaving the group, and the shutdown barrier of the rallypoint agent.
 
-- :meth:`Group.join`: static groups publish a record and wait for every rank; dynamic
-  groups take the membership token, register, and notify the current members.
-- :meth:`Group.leave`: a dynamic member leaves under the token (rank 0, the store host,
-  leaves last); a static group meets at a store barrier. Without a deadline (torch's
-  default) both wait as long as the awaited workers are alive; they give up at once when
-  every awaited worker is dead or unreachable (:mod:`rallypoint.rpc._agent._liveness`), naming
-  them, and at the deadline when one was given.
-
-The group changes the :class:`~rallypoint.rpc._agent._peers.PeerTable`, opens and drops
-connections through :class:`~rallypoint.rpc._agent._connections.Connections`, and notifies
-members through a :class:`~rallypoint.rpc._backend.Caller`; members find the receiving
-worker's group through :data:`CURRENT_GROUP`.
+:meth:`Group.join` and :meth:`Group.leave` for static groups (a record per rank, a store
+barrier) and dynamic ones (changes under the membership token). Without a deadline
+(torch's default) a leave waits as long as the awaited workers are alive, and gives up at
+once, naming them, when every awaited worker is dead or unreachable. The group changes
+the ``PeerTable``, opens and drops connections through ``Connections`` and notifies
+members through a ``Caller``; members find the receiving worker's group through
+:data:`CURRENT_GROUP`.
 """
 
 from __future__ import annotations

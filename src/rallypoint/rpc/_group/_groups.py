@@ -1,19 +1,12 @@
 """Group membership in the store: worker records, static and dynamic groups.
 
-Every worker publishes a :class:`WorkerRecord` (name, rank, TCP address, abstract Unix
-socket, host key, device count, device maps, devices, and what decides whether CUDA
-tensors can reach it by CUDA IPC) in the rendezvous store; records are
-JSON, never pickle, because a TCPStore is open to anyone who can reach its port.
-
-- Static group (``world_size`` given): each rank writes ``worker/<rank>`` and waits for
-  all ranks (with the init timeout, naming the missing ranks when it expires).
-- Dynamic group (``world_size=None``): membership changes take the ``token`` key with
-  ``compare_set``; the token is released in a ``finally`` even when the change fails
-  (torch's is not exception-safe). ``members`` lists the current names and
-  ``member/<name>`` holds each member's record.
-- ``group_kind`` says which of the two the group is; the first worker sets it, and a
-  worker of the other kind is refused (torch's "mixes statically and dynamically
-  initialized members" error) instead of starting a group of its own.
+Every worker publishes a :class:`WorkerRecord` in the rendezvous store, as JSON, never
+pickle, because a TCPStore is open to anyone who can reach its port. A static group
+(``world_size`` given) waits for every rank's record, naming the missing ranks at the
+timeout. A dynamic group (``world_size=None``) changes membership under a ``token`` key
+taken with ``compare_set`` and released in a ``finally`` even when the change fails. The
+first worker sets ``group_kind``, and a worker of the other kind is refused (torch's
+"mixes statically and dynamically initialized members" error).
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Remote references: ``RRef``, its proxies, and how it travels between workers.
 
-Lifetime model (documented in docs/rpc.md):
-
-- The *owner* keeps each value in a table with a count of live ``RRef`` objects
-  anywhere in the job. ``remote()`` counts the creator's RRef; ``RRef(value)`` counts the
-  local one.
-- Sending an RRef to another worker *forks* it: the sender pins its RRef object until
-  the receiver has registered its own count at the owner (``owner_incref``), then the
-  receiver tells the sender to unpin. So the count never drops to zero while a fork is
-  in flight.
-- A call whose arguments carry RRefs forked from a third worker runs once their owners
-  confirmed them (:func:`collect_confirmations`), as in torch: inside the function
-  ``confirmed_by_owner()`` is true.
-- When an RRef object is garbage-collected its worker queues a decrement; the agent
-  sends decrements to owners in batches. At zero the owner drops the value.
-- Shutdown drops every table; RRefs used after shutdown raise.
-
-An RRef talks only to its worker's :class:`~rallypoint.rpc._rref._table.RRefTable` (the
-values it owns, and a :class:`~rallypoint.rpc._backend.Caller` to reach the others).
+The owner keeps each value in a table with a count of live ``RRef`` objects anywhere in
+the job. Sending an RRef forks it: the sender pins its RRef until the receiver has
+registered its own count at the owner, so the count never drops to zero while a fork is
+in flight. A garbage-collected RRef queues a decrement, sent to the owner in batches; at
+zero the owner drops the value. A call whose arguments carry RRefs forked from a third
+worker runs once their owners confirmed them, as in torch. An RRef talks only to its
+worker's :class:`~rallypoint.rpc._rref._table.RRefTable`. The lifetime model for users:
+docs/rpc.md.
 """
 
 from __future__ import annotations
