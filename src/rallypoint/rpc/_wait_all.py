@@ -1,24 +1,12 @@
 """``torch.futures.wait_all`` returns at the first failed call, for rallypoint's calls too.
 
-torch's ``wait_all`` waits on ``torch._C._collect_all``, whose future fails as soon as
-one of the futures fails *in C++* (``setError``): a call on torch's agent that raised on
-the callee or timed out. Its docstring says so: "If any of the futures encounters an
-error, the method will exit early". Python cannot mark a C++ future failed (a failing
-``then`` callback wraps the error in a ``RuntimeError`` of its own), so a failed
-rallypoint call is completed as ``torch.futures.Future.set_exception`` does it: the
-exception is the value and an unwrap function raises it (:func:`._calls.fail`).
-``_collect_all`` then sees a value, and ``wait_all`` would wait for every other call
-first: a program that waits for a slow call and a failed one learned of the failure only
-when the slow one ended (or timed out, 60 s later by default).
-
-So ``fail`` records the future here, and ``torch.futures.wait_all`` is wrapped (at
-import, as :mod:`._torch_names` does for its names): it returns as torch's does, and also
-raises the error of the first recorded failure as soon as it happens. For every other
-future nothing changes: a Python ``Future`` completed with ``set_exception`` by the
-program still makes ``wait_all`` wait for the rest, as in torch. Only code that looks
-``wait_all`` up when it runs sees the wrapper (``torch.futures.wait_all(...)``, the
-usual spelling); a name bound before ``rallypoint.rpc`` was imported keeps torch's.
-``torch.futures.collect_all`` is unchanged: its future completes when all calls have.
+torch's ``wait_all`` returns early when a C++ future fails, but Python cannot mark a C++
+future failed, so a failed rallypoint call is completed as ``Future.set_exception`` does
+(the exception is the value, an unwrap function raises it) and ``wait_all`` would wait
+for every other call first. So :func:`._calls.fail` records the future here, and
+``torch.futures.wait_all`` is wrapped at import: it also raises the first recorded failure
+as soon as it happens. Nothing changes for other futures. Only code that looks
+``wait_all`` up when it runs sees the wrapper; ``collect_all`` is unchanged.
 """
 
 from __future__ import annotations

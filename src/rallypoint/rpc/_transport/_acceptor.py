@@ -1,16 +1,11 @@
 """The RPC port: a TCP and an abstract-Unix listener on :mod:`rallypoint._core.acceptor`.
 
 Until a connection proves that it knows the job's secret it costs the worker as little as
-possible (one selector thread for every pending handshake, one deadline for the whole
-exchange, caps on pending handshakes in all and per peer address, a listener that pauses
-instead of spinning when descriptors run out): see :mod:`rallypoint._core.acceptor`.
-A connection to the Unix socket (abstract: no file mode keeps other local users out)
-must come from a process of our uid (``SO_PEERCRED``), checked before the greeting.
-Rejected connections are logged on ``rallypoint.rpc``, a few as they come and then at
-most one line per 10 s with the number not shown.
-
-An authenticated connection is handed to ``on_authenticated(sock, uds, hello)`` (a
-blocking socket from then on).
+possible (see :mod:`rallypoint._core.acceptor`). A connection to the Unix socket
+(abstract: no file mode keeps other local users out) must come from a process of our uid
+(``SO_PEERCRED``), checked before the greeting. Rejected connections are logged on
+``rallypoint.rpc``, a few as they come, then summarised. An authenticated connection is
+handed to ``on_authenticated(sock, uds, hello)`` as a blocking socket.
 """
 
 from __future__ import annotations

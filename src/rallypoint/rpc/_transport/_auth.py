@@ -1,25 +1,13 @@
 """Per-job secret and the HMAC challenge every connection answers before it is trusted.
 
-Threat model: anyone who can open a TCP connection to a worker (or the abstract Unix
-socket, inside the same network namespace) could otherwise make it unpickle arbitrary
-bytes, which is arbitrary code execution (torch's RPC has exactly this hole,
-CVE-2024-5480). Here a connection is trusted only after both ends prove they know the
-job's secret:
-
-1. server -> client: 8-byte magic, 32-byte random nonce ``ns``
-2. client -> server: nonce ``nc``, hello length, JSON hello (name, rank), and
-   ``HMAC-SHA256(secret, "client" | ns | nc | hello)``
-3. server -> client: ``"OK"`` and ``HMAC-SHA256(secret, "server" | nc | ns)``
-
-Every field before the MAC check has a fixed or bounded size, and nothing is unpickled
-(or even JSON-parsed) before the MAC matches. The exchange is
-:mod:`rallypoint._core.handshake`'s (the snapshot servers run it too, with other labels);
-this module gives it the RPC labels and translates its errors.
-
-The secret comes from ``secret_file``, ``RALLYPOINT_RPC_SECRET`` (``rallypoint run``
-generates one per job), or, only when explicitly allowed, from the rendezvous store (then
-whoever can read the store can join).
-Traffic is authenticated at connection set-up, not encrypted.
+Anyone who can connect to a worker could otherwise make it unpickle arbitrary bytes,
+which is arbitrary code execution (torch's RPC has exactly this hole, CVE-2024-5480).
+Here a connection is trusted only after both ends prove they know the job's secret, in
+:mod:`rallypoint._core.handshake`'s exchange with the RPC labels; the client's hello
+(name, rank) is covered by its MAC, and nothing is unpickled or even JSON-parsed before
+the MAC matches. The secret comes from ``secret_file``, ``RALLYPOINT_RPC_SECRET``
+(``rallypoint run`` makes one per job) or, only when explicitly allowed, the rendezvous
+store (:func:`resolve_secret`). Traffic is authenticated at set-up, not encrypted.
 """
 
 from __future__ import annotations

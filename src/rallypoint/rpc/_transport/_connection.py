@@ -1,24 +1,14 @@
 """Connections: length-prefixed frames over TCP or an abstract Unix socket.
 
-One connection per caller -> callee pair: the caller's threads write requests, the
-callee's reader thread reads them, runs them and writes replies, and whoever reads the
-caller's side completes the futures (see below). Hot-path rules: ``TCP_NODELAY``, one
-``sendmsg`` per frame (several queued frames are combined into one), buffered reads that
-parse many frames per ``recv``, and requests run directly on the reader thread.
-
-A request that blocks (a nested RPC, a lock, a slow function) would stall every later
-frame on its connection, so a monitor hands the reader role to a fresh thread once the
-current one has been busy for ``STALL_SECONDS``; the old thread finishes its request,
-sends the reply and parks in the agent's
-:class:`~rallypoint.rpc._transport._reader_pool.ReaderPool`, where the next hand-over
-finds it. Fast calls pay no thread hand-off; blocking ones cannot deadlock the connection.
-
-Replies come back on the connection the caller opened. Nothing reads it while no call
-waits for a reply: a thread in ``rpc_sync`` reads its own reply (:meth:`Connection.
-read_until`), so the reply wakes the one thread that needs it, not a reader thread that
-then wakes the caller; calls whose callers do not wait (``rpc_async``) get a reader
-thread (:meth:`Connection.expect_reply`) that leaves once no call is pending. Whoever
-reads may busy-poll for the next frame before it sleeps (:mod:`rallypoint.rpc._transport._spin`).
+One connection per caller -> callee pair. Hot-path rules: ``TCP_NODELAY``, one
+``sendmsg`` per frame (queued frames combined), buffered reads that parse many frames per
+``recv``, and requests run directly on the callee's reader thread. A request that blocks
+would stall every later frame, so a monitor hands the reader role to a fresh thread once
+the current one has been busy for :data:`STALL_SECONDS`: fast calls pay no hand-off and
+blocking ones cannot deadlock the connection. On the caller's side a thread in
+``rpc_sync`` reads its own reply (:meth:`Connection.read_until`), so the reply wakes the
+one thread that needs it; ``rpc_async`` calls get a reader thread while any is pending
+(:meth:`Connection.expect_reply`).
 """
 
 from __future__ import annotations

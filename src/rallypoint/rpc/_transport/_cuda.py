@@ -1,32 +1,14 @@
 """Moving CUDA tensors: torch's CUDA IPC handles on one host, pinned-memory staging elsewhere.
 
-Every function here runs only for a tensor that is on, or mapped to, a CUDA device; the
-route is chosen by :mod:`rallypoint.rpc._transport._cuda_routes`.
-
-**IPC** (same host). The sender copies the tensor (on its current stream) into a private,
-contiguous tensor and shares that copy with torch's own
-``torch.multiprocessing.reductions.reduce_tensor``: a ``cudaIpcMemHandle`` of its block,
-an interprocess event recorded on the sender's current stream after the copy, and a slot
-in torch's shared reference counter, set to 1 for the receiver. The receiver rebuilds it
-with ``rebuild_cuda_tensor`` (opened on its own index of that GPU), whose first act is to
-make the receiver's current stream wait on that event, as TensorPipe's receiver does. The
-copy keeps torch's semantics: later writes of the sender's tensor never show in what the
-receiver got, and a received tensor can be sent on (torch refuses to share a storage it
-received). The sender drops its copy at once; torch keeps the memory (its "limbo") until
-the receiver's tensor is freed, which drops the counter (the receiver's free synchronizes
-its current stream first). The sender's limbo is collected whenever it frees another
-shared block, and by :func:`collect` on the agent's monitor.
-
-**Staging** (another host, a map to the CPU, no IPC). The sender copies into pinned host
-memory on its current stream and waits for that stream; the bytes travel as any CPU
-tensor's. The receiver copies them into pinned memory and onto its device on its current
-stream (without waiting: torch keeps the pinned block until the copy is done).
-
-**Streams.** The receiver's work on a received tensor is ordered after the sender's
-writes (the event, or the synchronized stream). A reply decoded on one thread and used on
-another is ordered too: the decoding thread records an event on its current streams
-(:class:`StreamSync`) and the future's ``wait()`` makes the waiting thread's current
-streams wait on it.
+Every function here runs only for a tensor on, or mapped to, a CUDA device; the route is
+chosen by :mod:`rallypoint.rpc._transport._cuda_routes`. IPC (same host): the sender
+shares a private copy with torch's own ``reduce_tensor`` (:func:`share`), so later writes
+never show on the receiver, and the receiver rebuilds it (:func:`open_shared`) after
+waiting on the sender's event, as TensorPipe does; torch keeps the memory until the
+receiver frees it. Staging (another host, a map to the CPU): the bytes go through pinned
+host memory (:func:`to_host`, :func:`to_device`). Either way the receiver's work is
+ordered after the sender's writes, and a value decoded on one thread and used on another
+is ordered by :class:`StreamSync`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Which way a CUDA tensor travels to a peer: CUDA IPC on one host, else staged (pure logic).
 
-A mapped CUDA tensor goes to a peer on the same host by CUDA IPC (torch's own handles,
-:mod:`rallypoint.rpc._transport._cuda`) when all of these hold, else through pinned host
-memory, with one log line per peer and reason:
-
-- both workers allow it (``cuda_ipc=True``, the default, and no MIG device among their
-  ``CUDA_VISIBLE_DEVICES``: MIG instances have no CUDA IPC);
-- the receiver is another process on the same host (same boot id and network namespace)
-  in the same IPC namespace (another container has its own);
-- the receiver sees the sender's GPU. Each worker publishes its ``CUDA_VISIBLE_DEVICES``
-  entries and ``CUDA_DEVICE_ORDER`` (:class:`CudaInfo`; read from the environment, so no
-  CUDA context is made to publish it), and a GPU is named by its entry (``"3"``,
-  ``"GPU-..."``): the receiver opens the sender's memory on its own index of that GPU and,
-  when the map sends the tensor to another of its GPUs, copies it there.
-
-A tensor mapped to the CPU, or between hosts, is staged: copied into pinned host memory on
-the sender and from pinned memory onto the receiver's device.
+A mapped CUDA tensor goes by CUDA IPC (:mod:`rallypoint.rpc._transport._cuda`) when both
+workers allow it (``cuda_ipc=True``, no MIG device), the receiver is another process on
+the same host in the same IPC namespace, and it sees the sender's GPU (each worker
+publishes its ``CUDA_VISIBLE_DEVICES`` entries as :class:`CudaInfo`, read from the
+environment so that no CUDA context is made). Otherwise, and for a tensor mapped to the
+CPU, it is staged through pinned host memory, with one log line per peer and reason.
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """The flat wire form of flat messages: plain data and whole CPU tensors.
 
-Most messages are flat: a call ``(func, args, kwargs)`` whose arguments are numbers,
-strings and tensors (``rpc_sync(to, f, args=(x, 3))``), or a reply of one tensor or a
-tuple of them. The general form (:mod:`rallypoint.rpc._transport._wire`) pickles them with a
+Most messages are flat: a call whose arguments are numbers, strings and tensors, or a
+reply of one tensor or a tuple of them. The general form (``_wire``) pickles with a
 ``Pickler`` subclass whose hook runs in Python for every object; this form describes the
-tensors in a small header and pickles the rest with the plain C pickler::
-
-    b"L", shape kind (u8), tensor count (u16)
-    per tensor: slot (u16), dtype code (u8), requires grad (u8), ndim (u8), shape (i64 each)
-    pickle of the message with ``None`` in each tensor's slot
-
-The slots of a call are its positional arguments, then its keyword arguments' values;
-of a tuple or list reply, its items. The tensors travel as the transport's raw tensors,
-in slot order: each tensor viewed as bytes (``uint8``), keeping its shape but for the last
-dimension (one view instead of flattening first; the receiver's raw tensors are 1-D).
-
-A tensor takes this form only if it is exactly a ``torch.Tensor``, strided, on CPU with
-no device map, contiguous, not empty, neither conjugate nor negative, of a listed dtype,
-and the whole of its storage; and no two tensors of the message share a storage. Slots
-may also hold RRefs and containers of plain data (:func:`dumps_data` checks them by
-pickling them with a pickler that refuses everything else). A message with anything else
-(a view, a ``Parameter``, a tensor or an RRef inside a container, any other object) takes
-the general form, which keeps views' strides and shared storages.
-
-Distributed autograd works as in the general form: ``encode(grad_sink=...)`` collects
-the tensors that require grad (in slot order, which is pickle order), and
-``decode(recv_hook=...)`` hands the received ones to the hook at once.
+tensors in a small header (starting with ``b"L"``) and pickles the rest with the plain C
+pickler, the tensors travelling as the transport's raw bytes. Only whole, contiguous,
+plain CPU tensors that share no storage qualify (:func:`describe`); anything else takes
+the general form, which keeps views and shared storages. Distributed autograd hooks in as
+in the general form. The layout: :func:`encode`.
 """
 
 from __future__ import annotations
@@ -199,6 +181,16 @@ def encode(
     rref_hook: Callable[[Any], tuple[Callable[..., Any], tuple[Any, ...]]] | None = None,
 ) -> tuple[bytes, list[torch.Tensor]] | None:
     """The lean form of ``obj``, or ``None`` when it needs the general form.
+
+    ::
+
+        b"L", shape kind (u8), tensor count (u16)
+        per tensor: slot (u16), dtype code (u8), requires grad (u8), ndim (u8), shape (i64 each)
+        pickle of the message with ``None`` in each tensor's slot
+
+    The slots of a call are its positional arguments, then its keyword arguments' values;
+    of a tuple or list reply, its items. Each tensor travels viewed as bytes, in slot
+    order. Slots may also hold RRefs and containers of plain data (:func:`dumps_data`).
 
     An RRef in a slot (``rref_type``) is forked with ``rref_hook`` and travels in the
     plain pickle as the hook's reduce value; a message with RRefs and no tensors is that

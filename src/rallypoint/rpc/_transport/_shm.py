@@ -1,26 +1,13 @@
 """Same-host tensor transfer through shared memory (memfd segments passed as fds).
 
-The sender owns a pool of segments (``memfd_create`` files, mapped once). To send a
-tensor it copies the bytes into a free segment, marks the segment lent in its first
-byte, and sends only a descriptor; the segment's file descriptor travels once per
-connection over the Unix socket (``SCM_RIGHTS``). The receiver maps the segment once and
-hands the caller a tensor that *views* the segment: no copy through the socket and none
-on receipt. When that tensor's storage is freed, the receiver clears the lent byte and
-the sender can reuse the segment. Segments have no name in the filesystem, so a crash
-leaks nothing.
-
-**Return to sender.** A received tensor sent back, whole, to the worker that owns its
-segment (an echo, a parameter server handing a tensor back) is not copied again: the
-receiver sends a reference to the owner's own segment. Copy semantics hold because
-neither side can write the shared pages any more: the receiver first remaps its view
-copy-on-write (``MAP_PRIVATE | MAP_FIXED`` over the same addresses, so its tensor keeps
-working and its later writes stay private; the shared mapping comes back when the view
-dies), and the owner gets a fresh copy-on-write mapping of the segment. The segment's
-second byte says "handed back"; the owner clears it when that mapping dies, and reuses a
-segment only when both bytes are clear.
-
-Copy semantics are those of torch's RPC: the receiver's tensor never aliases the
-sender's tensor (the sender copies once into the segment).
+The sender copies a tensor into a free segment of its pool (:class:`SegmentPool`) and
+sends only a descriptor; each segment's fd travels once per connection (``SCM_RIGHTS``).
+The receiver maps it once and hands out a tensor that views the segment
+(:class:`RemoteSegments`): no copy through the socket and none on receipt. When that
+tensor is freed, the sender may reuse the segment. Segments have no name, so a crash
+leaks nothing. A received tensor sent back whole to its segment's owner is not copied
+again: both sides remap the pages copy-on-write, so the receiver's tensor never aliases
+the sender's, as in torch's RPC.
 """
 
 from __future__ import annotations
@@ -255,7 +242,15 @@ class _Mapped:
 
 
 class RemoteSegments:
-    """The receiver's view of one peer's segments (mapped once, by id)."""
+    """The receiver's view of one peer's segments (mapped once, by id).
+
+    Handing a received tensor back to its segment's owner: the receiver first remaps its
+    view copy-on-write (``MAP_PRIVATE | MAP_FIXED`` over the same addresses, so its tensor
+    keeps working and its later writes stay private) and sends a reference to the owner's
+    segment; the owner gets a fresh copy-on-write mapping of it. The segment's second
+    header byte says "handed back"; the owner clears it when that mapping dies, and reuses
+    a segment only when both header bytes are clear.
+    """
 
     def __init__(self) -> None:
         self._maps: dict[int, _Mapped] = {}

@@ -1,19 +1,12 @@
 """Busy-polling while this process waits: who may spin, when it pays, and the spin itself.
 
-Every rallypoint thread that blocks says so here (:meth:`Waits.blocked`): a reader waiting
-for the next frame, a caller for its reply, ``dist_autograd.backward`` for its credit, the
-monitor between ticks, a worker in ``shutdown()``. A thread that starts to wait may first
-busy-poll for up to ``busy_poll_us`` (the *window*) if every other Python thread of the
-process is blocked in such a wait (a spinner takes the GIL constantly, so it never runs
-beside real work), and if the process's recent idle gaps that began at the same *site*
-mostly ended within the window (:class:`SpinPolicy`).
-
-The spin polls every socket a thread of the process waits on, yielding the CPU between
-polls (``sched_yield``). It ends on the thread's own event (:data:`READY`), when another
-thread needs the GIL (:data:`OTHER`), or when the window passes (:data:`TIMEOUT`). A yield
-that takes :data:`CONTENDED_S` means another task holds the CPU: the thread blocks, and
-nobody in the process spins for a pause from :data:`PAUSE_MIN_S` doubling to
-:data:`PAUSE_MAX_S`. What each rule is worth: ``docs/benchmarks.md``.
+Every rallypoint thread that blocks says so here (:meth:`Waits.blocked`). A thread that
+starts to wait may first busy-poll for up to ``busy_poll_us`` if every other Python thread
+of the process is blocked in such a wait (a spinner takes the GIL constantly) and if
+recent idle gaps at the same site mostly ended within that window (:class:`SpinPolicy`).
+The spin polls every socket the process waits on, yielding the CPU between polls, and ends
+on the thread's own event, when another thread needs the GIL, or at the window's end. A
+contended CPU makes the thread block and pauses spinning for the whole process.
 """
 
 from __future__ import annotations

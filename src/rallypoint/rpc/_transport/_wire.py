@@ -1,40 +1,14 @@
 """Wire format: frame headers and pickling with out-of-band tensors.
 
-A frame is::
-
-    header (24 bytes)  magic b"RP", kind, flags, tensor count, request id, pickle length
-    pickle             the message, tensors replaced by references into the table
-    descriptors        16 bytes per tensor: where (inline / shared memory / handed back),
-                       new-fd flag, segment id, byte count
-    inline bytes       the raw bytes of every inline tensor, in order
-
-Tensors never go through pickle: the pickler swaps each dense tensor for a small
-reference (dtype, shape, strides, byte offset, target device) into its storage's bytes,
-which the transport sends raw after the pickle (across hosts) or places in a shared-memory
-segment (same host). A sparse tensor travels as its index and value tensors, with its
-layout, size and ``requires_grad``. Each storage goes once per message, only the span
-its views cover; when a span does not start at the storage's first byte, the pickle is
-preceded by ``b"S"``, the table size and each entry's start (``lo``). Nothing here is unpickled
+A frame is a header (:data:`HEADER`), the pickle of the message, one descriptor per
+tensor (:data:`DESC`) and the raw bytes of every inline tensor. Tensors never go through
+pickle: the pickler swaps each for a small reference into its storage's bytes, which the
+transport sends raw after the pickle (across hosts) or places in shared memory (same
+host); each storage goes once per message. Flat messages take the lean form of
+:mod:`rallypoint.rpc._transport._flat_wire` instead. CUDA tensors need a device map entry
+(torch's rule) and go by IPC or staging (``_cuda``). Distributed autograd hooks in at both
+ends (``encode(grad_sink=...)``, ``decode(recv_hook=...)``). Nothing here is unpickled
 before the connection has authenticated.
-
-Flat messages (only atomic values and whole CPU tensors: most calls and replies) take
-the lean form of :mod:`rallypoint.rpc._transport._flat_wire` instead, which starts with ``b"L"``.
-
-CUDA tensors need a device map entry (torch's rule and error text). Mapped to a GPU of a
-peer on the same host, a private copy is shared by CUDA IPC: its handle rides in the
-pickle and no bytes are sent; otherwise it is staged through pinned host memory and
-travels as a CPU tensor's bytes (:mod:`rallypoint.rpc._transport._cuda`). A message that
-places any tensor on a GPU starts with ``b"C"``: its receiver collects the devices
-(``decode(devices=...)``) so that the thread which uses the value can wait for them.
-``decode(tolerant=True)`` (one-way calls, which have nobody to fail) puts an
-:class:`Unreadable` in place of a tensor it cannot rebuild, for the function to report.
-
-Distributed autograd hooks in at both ends: ``encode(grad_sink=...)`` collects the tensors
-that need a gradient (in pickle order) and moves their references out of the pickle into a
-*grad table*, pickled ahead of it (``b"G"``, its length, the table); the pickle names them
-by position. ``decode(recv_hook=...)`` rebuilds the grad table first and hands all its
-tensors to the hook at once (torch makes one ``RecvRpcBackward`` node per message), which
-returns the tensors to use in their place.
 """
 
 from __future__ import annotations
@@ -57,7 +31,13 @@ from rallypoint.rpc._transport._cuda_routes import CudaPath, CudaRouter
 
 MAGIC = b"RP"
 HEADER = struct.Struct("<2sBBIQQ")
+"""24 bytes: magic ``b"RP"``, kind, flags, tensor count, request id, pickle length."""
 DESC = struct.Struct("<BBHIQ")
+"""16 bytes per tensor: where (inline, shared memory, handed back), new-fd flag, segment
+id, byte count. A tensor's reference in the pickle holds its dtype, shape, strides, byte
+offset and target device; a sparse tensor travels as its index and value tensors. When a
+storage's span does not start at its first byte, the pickle is preceded by ``b"S"``, the
+table size and each entry's start."""
 
 
 class FrameKind(enum.IntEnum):
