@@ -1,36 +1,14 @@
 """Distributed autograd on the rallypoint agent: contexts, sends and receives, backward.
 
-torch's design (FAST mode), in Python:
-
-- A *context* (:class:`AutogradContext`) is created by ``dist_autograd.context()`` and
-  named by an id unique in the job (the worker's rank in the high 16 bits, as torch's).
-  The thread that created it has it as its current context; a worker that receives a
-  call made in a context creates its own copy (same id) and runs the call in it, so
-  nested calls carry it on. Leaving the ``with`` block releases the context here and,
-  through one-way messages batched by the agent's monitor, on every worker it touched.
-- In a context, every call carries the context id; a message with tensors that require
-  grad also carries a *message id*. The sender records a *send* (the tensors' gradient
-  edges); the receiver wraps each such tensor in a ``RecvRpcBackward`` node and records
-  a *receive*. The codec does both (:class:`~rallypoint.rpc._agent._codec.Codec`).
-- ``backward(context_id, roots)`` runs the local pass from the roots; every received
-  tensor it reaches sends its gradient to the sender (``_propagate``, one-way), which
-  runs its own pass from the matching send, and so on. The dependency counting lives in
-  :mod:`._autograd_engine`.
-- Termination by credit: ``backward`` hands out a credit of 1; every propagation carries
-  a share (an exact fraction), a worker splits its share among the propagations its pass
-  sends and gives it back to the caller of ``backward`` (``_credit``) when it sends none.
-  ``backward`` returns when all of the credit is back, so when the pass is done on every
-  worker (one message per hop, none for replies); errors come back with the credit. Any
-  error in a pass fails it at once, wherever it happens: in a worker's local pass, in
-  sending a gradient (a device its map has no entry for, an unreachable peer) or in
-  reading one (a one-way propagation is decoded tolerantly, so a gradient that cannot be
-  placed reaches :meth:`DistAutograd.serve` as an error rather than a log line).
-- A received tensor's gradient goes back with the inverse of the device map it came with
-  (torch's rule; the codec keeps that map in the receive's record).
-- Leaf gradients accumulate in the context (``get_gradients``), never in ``.grad``.
-
-Unlike torch, a send whose gradient never comes (its result was unused) does not hang the
-pass: a received tensor that no source reaches tells its sender "no gradient".
+torch's design (FAST mode), in Python. A context, named by an id unique in the job, is
+carried by every call made in it; a message with tensors that require grad records a send
+on the sender and a receive (a ``RecvRpcBackward`` node) on the receiver, which the codec
+does. ``backward`` runs the local pass from the roots, and every received tensor it
+reaches sends its gradient to its sender, which runs its own pass, and so on (one
+worker's share of a pass: :mod:`._engine`). The pass ends by credit: :class:`DistAutograd`
+hands out a credit of 1, every propagation carries an exact share, and ``backward``
+returns when all of it is back, with any error. Leaf gradients accumulate in the context
+(``get_gradients``), never in ``.grad``.
 """
 
 from __future__ import annotations
@@ -103,7 +81,20 @@ def run_in(ctx: AutogradContext, func: Callable[..., Any], args: Any, kwargs: An
 
 
 class DistAutograd:
-    """One worker's distributed autograd: its contexts, and the backward protocol."""
+    """One worker's distributed autograd: its contexts, and the backward protocol.
+
+    A context id has the worker's rank in its high bits, as torch's. The thread that
+    created a context has it as its current one; a worker that receives a call made in it
+    creates its own copy (same id), so nested calls carry it on. Leaving the ``with`` block
+    releases the context here and, through one-way messages batched by the monitor, on
+    every worker it touched. Termination by credit: a worker splits its share among the
+    propagations its pass sends and gives it back to the caller of ``backward``
+    (``_credit``) when it sends none. Any error in a pass (a local pass, sending or reading
+    a gradient) fails the pass at once and comes back with the credit. A received tensor's
+    gradient goes back with the inverse of the device map it came with. Unlike torch, a
+    send whose gradient never comes does not hang the pass: a received tensor that no
+    source reaches tells its sender "no gradient".
+    """
 
     def __init__(
         self,

@@ -1,33 +1,13 @@
 """DDP modules in a distributed backward pass: their reducer all-reduces, as under torch.
 
-Under torch, the distributed engine runs the hooks of a leaf's ``AccumulateGrad`` node
-(where ``DistributedDataParallel``'s reducer listens) with the gradient it captures for
-the context, and the reducer, seeing the thread's distributed autograd context, reads
-and writes gradients there instead of ``.grad``: the context ends up with the
-all-reduced, averaged gradients of the DDP parameters. rallypoint's engine captures leaf
-gradients without running ``AccumulateGrad`` (:mod:`._autograd_engine`), so nothing
-would reach the reducer: the replicas would silently train on their local gradients.
-This module does the reducer's part, for the parameters of DDP modules only:
-
-- Before the first local pass of a round that reaches a DDP parameter, every parameter
-  of that module has its ``.grad`` set aside (``None``). A tensor hook on each reached
-  one puts its gradient into ``.grad`` and calls the reducer's autograd hook
-  (``Reducer._autograd_hook``, the entry DDP's own Python paths use). It runs inside the
-  engine's run, so when the last gradient of the module comes, the reducer's final
-  callback (all-reduce done, averaged gradients written to ``.grad``) runs before that
-  pass returns. The gradients may come in several local passes of the round (when DDP
-  wraps a model whose output goes through other workers and back, torch's "DDP outside").
-- After the pass in which the reducer finished, the ``.grad`` of the module's parameters
-  are the leaf gradients for them (also those of parameters the reducer wrote that no
-  pass reached), and every ``.grad`` gets back what it held: ``.grad`` is never changed.
-- A reducer that has not finished when the round is settled on this worker (some of the
-  module's gradients never came) is an error that names the module.
-
-DDP modules are found by asking the garbage collector which objects refer to the DDP
-classes (an instance refers to its class), the first time a pass reaches an
-``nn.Parameter`` that is not classified yet while a default process group exists (DDP
-needs one); each parameter's class is then cached. A parameter first used
-in a distributed backward and only *later* wrapped in DDP stays unclassified as DDP's.
+Under torch the distributed engine runs the hooks of each leaf's ``AccumulateGrad`` node,
+where ``DistributedDataParallel``'s reducer listens, and the reducer writes the
+all-reduced gradients into the context. rallypoint's engine captures leaf gradients
+without running that node, so without this module the replicas would silently train on
+their local gradients. :class:`DDPRound` does the reducer's part for the parameters of DDP
+modules only, leaving every ``.grad`` as it was; :class:`DDPIndex` finds which parameters
+belong to a DDP module (through the garbage collector, once, then cached). A reducer that
+has not finished when the round is settled is an error naming the module.
 """
 
 from __future__ import annotations
@@ -66,7 +46,13 @@ def reducer_parameters(ddp: Any) -> list[torch.nn.Parameter]:
 
 
 class DDPIndex:
-    """Which parameters belong to a DDP module's reducer (found once, then cached)."""
+    """Which parameters belong to a DDP module's reducer (found once, then cached).
+
+    DDP modules are found by asking the garbage collector which objects refer to the DDP
+    classes, the first time a pass reaches an ``nn.Parameter`` not classified yet while a
+    default process group exists. A parameter first used in a distributed backward and
+    only later wrapped in DDP stays unclassified as DDP's.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -173,7 +159,16 @@ class DDPRound:
     """One backward round's dealings with DDP reducers on this worker, over its local
     passes: a module's gradients may come in several passes (its output went through
     other workers and back, as when DDP wraps a model that calls remote modules), and
-    its reducer finishes in the pass that brings the last of them."""
+    its reducer finishes in the pass that brings the last of them.
+
+    Before the first pass of the round that reaches a DDP parameter, every parameter of
+    that module has its ``.grad`` set aside. A tensor hook on each reached one puts its
+    gradient into ``.grad`` and calls the reducer's autograd hook
+    (``Reducer._autograd_hook``), so the reducer's final callback (all-reduce done,
+    averaged gradients in ``.grad``) runs before that pass returns. The ``.grad`` of the
+    module's parameters are then the leaf gradients for them, and every ``.grad`` gets back
+    what it held.
+    """
 
     def __init__(self) -> None:
         self._saved: dict[torch.Tensor, torch.Tensor | None] = {}  # in-progress modules' params

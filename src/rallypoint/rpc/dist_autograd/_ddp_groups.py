@@ -1,27 +1,13 @@
 """The process groups of DDP modules that a distributed backward reached: let go from
 Python, never from the reducer's destructor.
 
-torch frees a ``DistributedDataParallel`` module's ``Reducer`` with the GIL held
-(pybind's ``dealloc_without_manipulating_gil``), and the reducer holds the module's
-process group in C++. When it holds the group's last reference (the program called
-``destroy_process_group()`` and then let the module go, as torch's own
-``DdpComparisonTest`` does), ``~ProcessGroupGloo`` joins gloo's worker threads with the
-GIL held. One of them may still be freeing a finished all-reduce whose tensor was made
-in Python (``Join``'s counters, ``DDP._find_common_rank``) and whose Python object the
-tensor now owns: dropping it needs the GIL, so the process hangs for good. It is torch's
-race, with or without RPC (a loop of that test's body, four gloo ranks on two busy
-CPUs, hangs within a few dozen iterations with no RPC at all, and on TensorPipe); the
-busier the CPUs, the longer gloo's thread waits to run after waking the caller, and the
-likelier the hang.
-
-torch's Python wrapper of a process group drops its reference with the GIL released
-(``IntrusivePtrNoGilDestructor``). So the first round that reaches a DDP module's
-parameters has :data:`GROUPS` hold a Python reference to that module's group until the
-module is gone (a ``weakref.finalize``: it runs before the module's attributes, the
-reducer among them, are dropped), and drops it afterwards, when the agent's monitor ticks
-or at ``shutdown()``: the group's last reference, if it is that, goes with the GIL
-released, and gloo's threads finish before they are joined. At ``shutdown()`` the
-groups of modules still alive are let go as well (nothing is held past the agent).
+torch frees a DDP module's ``Reducer`` with the GIL held, and when the reducer holds the
+process group's last reference, ``~ProcessGroupGloo`` joins gloo's threads with the GIL
+held while one of them may need the GIL to free a finished all-reduce's Python tensor: the
+process hangs for good (torch's race, with or without RPC). torch's Python wrapper drops
+a group with the GIL released, so :data:`GROUPS` holds a Python reference to each reached
+module's group until the module is gone, then drops it on the agent's monitor tick or at
+``shutdown()``, so that gloo's threads finish before they are joined.
 """
 
 from __future__ import annotations

@@ -1,34 +1,13 @@
 """One distributed backward pass, as one worker runs its share of it (torch's FAST mode).
 
-A *round* is one ``dist_autograd.backward`` call. On each worker it touches, the round
-works on the local autograd graph between the worker's *sources* (the roots, on the
-worker that called ``backward``, and every tensor this worker sent in the context: their
-gradients come back from the receivers) and its *sinks* (leaves, whose gradients go into
-the context, and received messages, whose gradients go back to their senders: one
-``RecvRpcBackward`` node per message, with one output per tensor that requires grad).
-
-torch counts, for every node, the edges that reach it from all sources, and runs a node
-once all of them delivered its gradient; a node shared by two sources (a tensor used in
-the loss and also sent away) therefore runs once, with the summed gradient. This module
-does the same on top of the local engine, one ``torch.autograd.grad`` call per arrival:
-
-- :meth:`Round.plan` simulates the counting: starting from the gradients that arrived, a
-  node whose count reaches zero *executes* (if it received any gradient) or is *dead*
-  (it received none: a dead received message tells its sender "no gradient"). A node with
-  a gradient but a non-zero count is *pending*: the engine captures the gradient that
-  reached it so far and the node runs in a later pass, when its count reaches zero.
-- :func:`execute` runs the engine once over the plan: outputs are the arrived and the
-  buffered gradients, inputs are the leaves, every output of the received messages that
-  completed and the pending nodes. A pending node that leads to a captured node would be
-  executed by the engine with a partial gradient: a pre-hook turns its gradient into
-  ``None`` for that pass and the pass keeps the graph (the node runs again later).
-
-Leaves (``AccumulateGrad``) are never pending: their gradients are added to the context
-in every pass, so a leaf reached from several sources accumulates their sum, as in torch.
-The engine call never runs a leaf's ``AccumulateGrad`` node, so its post hooks
-(``node.register_hook``) run here: once per round, when the round is settled on this
-worker, with the sum of the gradients the leaf got in the round (torch runs the node once,
-when every edge to it delivered).
+A round (one ``dist_autograd.backward`` call) works, on each worker it touches, on the
+local graph between the worker's sources (the roots, and the tensors it sent, whose
+gradients come back) and its sinks (leaves, and received messages, whose gradients go
+back to their senders). As in torch, a node runs once every edge from all sources has
+delivered its gradient, so a node shared by two sources runs once with the summed
+gradient. :meth:`Round.plan` simulates that counting and :func:`execute` runs the local
+engine once per arrival over the plan. Leaves are never held back: their gradients add up
+in the context, and their ``AccumulateGrad`` post hooks run here once the round is settled.
 """
 
 from __future__ import annotations
@@ -185,7 +164,13 @@ class Round:
 
     # ---- one pass ----------------------------------------------------------------------
     def plan(self, arrivals: Iterable[tuple[SourceKey, torch.Tensor | None]]) -> Plan:
-        """Deliver ``arrivals`` (``None``: that source gets no gradient) and plan the pass."""
+        """Deliver ``arrivals`` (``None``: that source gets no gradient) and plan the pass.
+
+        A node whose count reaches zero executes (if it received any gradient) or is dead (a
+        dead received message tells its sender "no gradient"). A node with a gradient but a
+        non-zero count is pending: the gradient that reached it so far is captured and the
+        node runs in a later pass.
+        """
         self.passes += 1
         if self._single is not None:
             single = list(arrivals)
@@ -378,6 +363,11 @@ def _leaf_hooks(leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 def execute(rnd: Round, plan: Plan) -> Outcome:
     """Run the local engine over ``plan``; leaf gradients and received tensors' gradients.
+
+    Outputs are the arrived and the buffered gradients; inputs are the leaves, every output
+    of the received messages that completed and the pending nodes. A pending node that
+    leads to a captured node would run with a partial gradient: a pre-hook makes its
+    gradient ``None`` for that pass, and the pass keeps the graph.
 
     Once the round is settled here, a DDP reducer that has not finished is an error."""
     outcome = _run(rnd, plan)

@@ -1,20 +1,12 @@
 """A look into distributed autograd contexts: torch's private helpers, on rallypoint's.
 
-``torch.distributed.autograd`` has underscore functions that its own tests, and tools
-that debug a training loop, use to look into a context: ``_current_context()`` and
-``_retrieve_context(id)`` return a ``DistAutogradContext`` with the context's id, its
-send and receive functions and the workers it talked to; ``_get_debug_info()`` counts
-contexts and running backward passes; ``_get_max_id()`` is the largest id a worker makes.
-:mod:`rallypoint.rpc.dist_autograd` offers the same names; under ``BackendType.RALLYPOINT``
-they read rallypoint's contexts through this module.
-
-torch puts a ``SendRpcBackward`` node into the graph for every message that carries
-tensors which require grad. rallypoint records a send as the gradient edges of those
-tensors instead (see :mod:`rallypoint.rpc.dist_autograd._autograd`), so :meth:`DistAutogradContext.
-_send_functions` shows each send as a :class:`SendRpcBackward` whose ``next_functions``
-are those edges, as the node's are in torch. Received tensors get a real node, one per
-message as in torch (``torch::distributed::autograd::RecvRpcBackward``, see
-:func:`rallypoint.rpc.dist_autograd._context.receive_message`).
+``torch.distributed.autograd`` has underscore functions (``_current_context()``,
+``_retrieve_context(id)``, ``_get_debug_info()``, ``_get_max_id()``) that its own tests
+and debugging tools use; :mod:`rallypoint.rpc.dist_autograd` offers the same names, and
+under ``BackendType.RALLYPOINT`` they read rallypoint's contexts through this module.
+rallypoint records a send as the gradient edges of its tensors rather than a node, so
+:meth:`DistAutogradContext._send_functions` shows each send as a :class:`SendRpcBackward`
+whose ``next_functions`` are those edges, as torch's node's are.
 """
 
 from __future__ import annotations

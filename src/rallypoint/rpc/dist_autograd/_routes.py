@@ -1,27 +1,13 @@
 """Gradients that would only pass through a worker go straight on: one hop fewer.
 
-A pipeline's driver ``A`` receives a stage's output from ``B`` and sends it, unchanged,
-to ``C`` (``h = rpc_sync(B, stage1, x); y = rpc_sync(C, stage2, h)``). In torch's FAST
-mode the gradient of ``h`` comes back from ``C`` to ``A``, whose pass only hands it to
-``B``: a whole hop (a wake-up and a pass) on the critical path of every step.
-
-Here, when ``A`` propagates gradients in a round, it *offers* a route for each of its
-sends whose gradients would only pass through ``A``: every tensor of the send is an output
-of one received message (from ``B``), which nothing else in the round reaches. Offers
-travel with every propagation of the round, so they reach the workers further down a
-pipeline too. A ``C`` that has not sent those gradients yet *takes* the offer: it sends them
-straight to ``B``, as the gradients of ``B``'s message, and gives ``A`` a *notice* (the
-message ids it routed), so that ``A``'s round settles without them. When ``A`` called
-``backward`` (the usual driver), the notice travels with the credit, as statuses do, and
-``A`` settles its round as the credit comes back: no message of its own, which would wake
-``A`` while ``B`` needs the CPU. Otherwise it is a propagation to ``A`` of its own, with
-its share of the credit. Either way ``backward`` returns after ``A`` read the notice.
-A ``C`` that already sent them (another source reached them first) ignores the offer:
-they come to ``A`` as before.
-
-Error texts keep torch's trail: gradients that skip ``A`` still name it. Routes are
-offered only for gradients that no device map places (CPU tensors, unmapped): a mapped
-gradient lands on the device the maps of its own hops give it, which a shortcut would skip.
+A pipeline's driver ``A`` receives a stage's output from ``B`` and sends it, unchanged, to
+``C``. In torch's FAST mode the gradient comes back from ``C`` to ``A``, whose pass only
+hands it to ``B``: a whole hop on the critical path of every step. Here ``A`` offers a
+route for such sends (:func:`offer`); a ``C`` that has not sent those gradients yet sends
+them straight to ``B`` and gives ``A`` a notice so that ``A``'s round settles without
+them, carried with the credit when ``A`` called ``backward``. Error texts still name
+``A``. Routes are offered only for gradients no device map places, since a mapped
+gradient lands where the maps of its own hops put it.
 """
 
 from __future__ import annotations
