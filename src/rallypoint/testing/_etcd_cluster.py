@@ -1,28 +1,12 @@
 """A real multi-member etcd cluster for tests: find the leader, kill a member, cut its link.
 
 :class:`EtcdCluster` starts ``size`` ``etcd`` processes that form one cluster, either all on
-127.0.0.1 with their own free client and peer ports, or one per fake host of a
-:class:`~rallypoint.testing.Network` (``hosts=``), each on its host's address with the
-standard ports 2379/2380. Elections are made fast (50 ms heartbeats, 500 ms election
-timeout by default) so that a test rides out a leader change in about a second.
-
-::
-
-    with EtcdCluster(3) as cluster:             # on loopback
-        use(cluster.endpoint)                    # "127.0.0.1:p1,127.0.0.1:p2,127.0.0.1:p3"
-        old = cluster.kill_leader()              # SIGKILL; returns the member's index
-        cluster.wait_ready()                     # the two others elected a new leader
-        cluster.start_member(old)                # it comes back with its data dir
-        cluster.freeze(cluster.leader())         # SIGSTOP: silent, connections held open
-        cluster.move_leader(2)                   # leadership transfer to member 2
-
-    with Network(3) as net, EtcdCluster(3, hosts=net.hosts) as cluster:
-        cluster.cut(cluster.leader())            # its host's link goes down: no RST, silence
-        cluster.restore(...)
-
-Queries (status, health) go to each member from where it can be reached: directly on
-loopback, or from a thread inside the member's own namespace (``Host.call``), since the
-test process's namespace has no route to the fake hosts.
+127.0.0.1 with their own free ports, or one per fake host of a
+:class:`~rallypoint.testing.Network` (``hosts=``) on the standard ports. Elections are made
+fast so that a test rides out a leader change quickly. Queries (status, health) go to each
+member from where it can be reached: directly on loopback, or from a thread inside the
+member's own namespace (``Host.call``), since the test process's namespace has no route
+to the fake hosts.
 """
 
 from __future__ import annotations
@@ -113,7 +97,21 @@ class EtcdMember:
 
 
 class EtcdCluster(Closing):
-    """``size`` etcd members forming one cluster (see the module docstring); a context manager.
+    """``size`` etcd members forming one cluster; a context manager.
+
+    ::
+
+        with EtcdCluster(3) as cluster:             # on loopback
+            use(cluster.endpoint)                    # "127.0.0.1:p1,127.0.0.1:p2,127.0.0.1:p3"
+            old = cluster.kill_leader()              # SIGKILL; returns the member's index
+            cluster.wait_ready()                     # the two others elected a new leader
+            cluster.start_member(old)                # it comes back with its data dir
+            cluster.freeze(cluster.leader())         # SIGSTOP: silent, connections held open
+            cluster.move_leader(2)                   # leadership transfer to member 2
+
+        with Network(3) as net, EtcdCluster(3, hosts=net.hosts) as cluster:
+            cluster.cut(cluster.leader())            # its host's link goes down: no RST
+            cluster.restore(...)
 
     Args:
         size: how many members (at least 1; 3 tolerates the loss of one).

@@ -1,38 +1,14 @@
 """Several "hosts" on one machine, for multi-node tests: Linux network namespaces.
 
-:class:`Network` creates K namespaces (the hosts) and one more holding a bridge; each host
-gets a veth pair ``eth0`` ↔ bridge port, the address ``198.18.0.<i+1>/24`` (198.18.0.0/15 is
-reserved for benchmarking, RFC 2544, so it never collides with a real network) and its
-loopback up. Nothing is created in the machine's own namespace: the veth pairs are made
-directly inside the namespaces, so deleting the namespaces removes every link.
-
-Each host also has a name, ``h<i>``: processes started in it see that hostname (their own
-UTS namespace) and an ``/etc/hosts`` (``/etc/netns/<ns>/hosts``, which ``ip netns exec``
-mounts over ``/etc/hosts``) that resolves every host's name to its address. So code that
-advertises ``socket.getfqdn()`` -- torchrun's agents, gloo without
-``GLOO_SOCKET_IFNAME`` -- works across hosts as on real machines.
-
-::
-
-    with Network(3) as net:
-        server = net.hosts[0].popen([sys.executable, "server.py"])
-        net.hosts[2].cut()       # host 2 loses its link (packets dropped, no RST)
-        net.hosts[2].restore()
-        net.hosts[1].call(lambda: socket.create_connection(("198.18.0.1", 80)).close())
-
-Cleanup is guaranteed by the context manager, by an ``atexit`` hook, and, for a test
-process that was SIGKILLed, by removing namespaces whose creating process is gone the
-next time a :class:`Network` is made. Processes started with :meth:`Host.popen` are
-killed on close.
-
-Needs root (``CAP_SYS_ADMIN``) and iproute2; :func:`netns_available` says whether this
-machine can, and why not, so tests skip with a clear reason::
-
-    ok, why = netns_available()
-    pytestmark = pytest.mark.skipif(not ok, reason=why)
-
-Errors: :class:`NetnsError` (a ``RuntimeError``) when an ``ip`` command fails, with the
-command and its stderr; ``ValueError`` for bad arguments.
+:class:`Network` creates one namespace per host, bridged together, each with an address
+in 198.18.0.0/15 (reserved for benchmarking, so it never collides with a real network), a
+hostname and an ``/etc/hosts`` that resolves every host's name, so code that advertises
+``socket.getfqdn()`` works across hosts as on real machines. Nothing is created in the
+machine's own namespace, and cleanup is guaranteed (context manager, ``atexit``, and the
+next :class:`Network` removes what a killed test process left). Needs root and iproute2:
+:func:`netns_available` says whether this machine can, and why not. Errors:
+:class:`NetnsError` (a ``RuntimeError``) when an ``ip`` command fails, with the command and
+its stderr; ``ValueError`` for bad arguments.
 """
 
 from __future__ import annotations
@@ -127,7 +103,7 @@ def remove_stale_namespaces() -> list[str]:
 @functools.cache
 def netns_available() -> tuple[bool, str]:
     """``(True, "")`` if namespaces, veth pairs and bridges can be made here, else
-    ``(False, reason)``. Tries it once per process (about 50 ms)."""
+    ``(False, reason)``. Tries it once per process."""
     if not sys.platform.startswith("linux"):
         return False, f"network namespaces need Linux, this is {sys.platform}"
     if os.geteuid() != 0:
@@ -255,7 +231,24 @@ class Host:
 
 
 class Network(Closing):
-    """``nhosts`` namespaces on one bridge. Use as a context manager, or call :meth:`close`."""
+    """``nhosts`` namespaces on one bridge. Use as a context manager, or call :meth:`close`.
+
+    Host ``i`` is named ``h<i>``, has a veth pair ``eth0`` to the bridge and the address
+    ``198.18.0.<i+1>/24``; its ``/etc/hosts`` is ``/etc/netns/<ns>/hosts``, which ``ip netns
+    exec`` mounts over ``/etc/hosts``. Processes started with :meth:`Host.popen` are killed
+    on close. ::
+
+        with Network(3) as net:
+            server = net.hosts[0].popen([sys.executable, "server.py"])
+            net.hosts[2].cut()       # host 2 loses its link (packets dropped, no RST)
+            net.hosts[2].restore()
+            net.hosts[1].call(lambda: socket.create_connection(("198.18.0.1", 80)).close())
+
+    In a test module, skip where namespaces cannot be made::
+
+        ok, why = netns_available()
+        pytestmark = pytest.mark.skipif(not ok, reason=why)
+    """
 
     def __init__(self, nhosts: int, *, prefix: str | None = None) -> None:
         if not 1 <= check_int(nhosts, "nhosts") <= MAX_HOSTS:

@@ -1,16 +1,9 @@
 """The contract every rendezvous key-value backend passes.
 
 Subclass :class:`KVContract` in a test module and provide a ``kv`` fixture that yields a
-fresh :class:`~rallypoint.rendezvous.KeyValueStore` (isolated from other tests, e.g. by a
-unique key prefix)::
-
-    class TestMemoryKV(KVContract):
-        @pytest.fixture
-        def kv(self):
-            yield MemoryKV()
-
-The same assertions then run against the in-memory fake, TCPStore, FileStore and a real
-etcd server, so a backend that passes behaves the same for the dynamic handler.
+fresh :class:`~rallypoint.rendezvous.KeyValueStore`. The same assertions then run against
+the in-memory fake, TCPStore, FileStore and a real etcd server, so a backend that passes
+behaves the same for the dynamic handler.
 """
 
 from __future__ import annotations
@@ -49,7 +42,15 @@ def _threads(n: int, fn: Callable[[int], T]) -> list[T]:
 
 
 class KVContract:
-    """Behaviour shared by every :class:`KeyValueStore` implementation."""
+    """Behaviour shared by every :class:`KeyValueStore` implementation.
+
+    ``kv`` must be fresh for each test (isolated, e.g. by a unique key prefix)::
+
+        class TestMemoryKV(KVContract):
+            @pytest.fixture
+            def kv(self):
+                yield MemoryKV()
+    """
 
     def test_get_missing_is_none(self, kv: KeyValueStore) -> None:
         assert kv.get("missing") is None

@@ -1,29 +1,12 @@
 """Run a function in N forked worker processes: the multi-process test harness.
 
-Workers are forked from a warm process, one that has already imported torch, so a test
-with four gloo ranks does not pay four ``import torch``. Inside :func:`worker_zygote`
-(rallypoint's own suite holds it for the whole session) that process is the zygote, a
-single-threaded fork of the caller made before any test ran
-(:mod:`rallypoint.testing._zygote`): no lock that another thread of the caller holds at
-the moment a worker starts, Python's or a C library's, can be inherited held. Outside it
-they are forked from the caller itself. Each child gets the environment a launcher would
-give it (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) and a fresh free ``MASTER_PORT``
-per call.
-
-This is a test helper, not the product launcher (``rallypoint.launch``): it has no
-restarts, no output handling and no rendezvous; it exists so that every part's tests can
-run real processes cheaply and never hang (every call has a deadline).
-
-Forked from the caller, which has threads of its own (store calls that earlier tests
-abandoned in threads, still running), :func:`run_workers` first waits a bounded time for
-those that end soon (a child forked while one runs in torch's C++ connect can inherit its
-locks held, and its own connect then blocks for good), and the locks rallypoint makes at
-import are free in every child (:mod:`rallypoint._core.forking`). Workers still running
-at the deadline write every thread's Python stack (faulthandler, on ``SIGRTMIN+5``) to a
-file of their own before they are killed; the stacks go to stderr and, in short (each
-thread's innermost frames), into the ``TimeoutError``, so a CI log that keeps only the
-failure's message still says where every worker hung; where gdb can attach, so do their
-native stacks (a worker blocked in torch's C++ shows there what it waits on).
+Workers are forked from a process that has already imported torch, so a test with four
+gloo ranks does not pay four ``import torch``: the zygote inside :func:`worker_zygote`
+(:mod:`rallypoint.testing._zygote`), else the caller itself. Each child gets the
+environment a launcher would give it and a fresh ``MASTER_PORT`` per call. This is a test
+helper, not the launcher: no restarts, no output handling, no rendezvous, and every call
+has a deadline. Workers still running at the deadline dump their stacks before they are
+killed, and the ``TimeoutError`` says where each hung (:func:`run_workers`).
 """
 
 from __future__ import annotations
@@ -189,6 +172,14 @@ def run_workers(
     returned in place of results (the original exception when it pickles, else a
     ``WorkerError``). Workers still running at ``timeout`` seconds are killed and
     ``TimeoutError`` names them.
+
+    Forked from the caller (outside :func:`worker_zygote`), it first waits a bounded time
+    for the caller's threads that end soon (a child forked while one runs in torch's C++
+    connect can inherit its locks held). Workers still running at the deadline write every
+    thread's Python stack (faulthandler, on ``SIGRTMIN+5``) before they are killed; the
+    stacks go to stderr and, in short, into the ``TimeoutError``, so a CI log that keeps
+    only the failure's message still says where every worker hung; where gdb can attach,
+    so do their native stacks.
     """
     check_int(world_size, "world_size", minimum=1)
     if _ZYGOTE is None:

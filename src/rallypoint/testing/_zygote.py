@@ -1,26 +1,13 @@
 """A single-threaded process that forks test workers on request: the worker zygote.
 
-``fork()`` copies only the calling thread; every lock another thread held at that moment
-stays held in the child, for good. A Python lock can be made fork-safe
-(:mod:`rallypoint._core.forking`), but C libraries' locks cannot: glibc's resolver keeps
-its configuration under a lock that every name lookup takes (torch's c10d looks names up
-in every store connect and accept), so a worker forked from a pytest process in which a
-store server or an abandoned connect was looking a name up blocks in its own first
-connect (its native stack: ``__resolv_conf_get`` waiting on ``get_locked_global``).
-
-The cure is to fork workers from a process that has no other threads. The zygote is
-forked from the test process once, before any test ran (so it has every test module
-imported, and torch), and then does nothing but fork: it never runs a test, never starts
-a thread, never looks a name up. :func:`~rallypoint.testing.run_workers` asks it for each
-worker over a socket pair, handing over the worker's report pipe, its stack-dump file and
-the caller's current stdout/stderr (so pytest's capture sees the worker's output) as
-file descriptors. The worker's function and arguments travel pickled, so the function
-must be importable by name (defined at module level).
-
-The zygote also reaps its children: :class:`ZygoteChild` asks it whether a worker has
-exited and with what status, so a worker looks to the caller as a process of its own
-does (``is_alive``, ``exitcode``, ``kill``, ``join``). When the test process goes away
-(its end of the socket closes), the zygote kills the workers it still has and exits.
+``fork()`` copies only the calling thread, so a lock another thread held stays held in the
+child. Python's locks can be made fork-safe (:mod:`rallypoint._core.forking`), C
+libraries' cannot: a worker forked while a store thread was inside glibc's resolver blocks
+in its own first connect. So the zygote is forked from the test process once, before any
+test ran, and then does nothing but fork: no tests, no threads, no name lookups. Workers'
+functions and arguments travel pickled (the function must be importable by name), their
+pipes and stdout/stderr as file descriptors. The zygote reaps its children
+(:class:`ZygoteChild`) and kills them and exits when the test process goes away.
 """
 
 from __future__ import annotations

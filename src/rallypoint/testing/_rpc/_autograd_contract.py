@@ -1,28 +1,13 @@
 """The distributed autograd contract: what every RPC backend's dist_autograd must do.
 
-``run_rpc_autograd_contract(backend)`` starts three forked workers with ``backend`` (a
-``BackendType`` name) and runs, through ``rallypoint.rpc.dist_autograd`` and
-``rallypoint.rpc.DistributedOptimizer``, the patterns programs use:
-
-- a two-stage model-parallel model (stage 1 on worker1, stage 2 on worker2, a head on
-  worker0): ``remote`` + ``rpc_sync``, and ``remote`` + ``RRef.to_here`` (stage 2 fetches
-  stage 1's output itself);
-- nested calls (worker0 -> worker1 -> worker2) and calls back to the caller
-  (worker0 -> worker1 -> worker0);
-- two backward passes accumulating in one context (``retain_graph=True``), and the
-  error of a third pass after the graph was freed;
-- torch's errors for misuse (unknown context, bad roots, nested contexts, ...);
-- a tensor used in the loss and also sent (its node runs once, with both gradients), and
-  an error raised in a remote backward;
-- sparse gradients: an embedding with ``sparse=True`` on another worker trained with
-  ``DistributedOptimizer``, and sparse tensors that require grad sent and returned;
-- training of a small model-parallel RNN-like model with ``DistributedOptimizer`` (SGD,
-  Adam, and an optimizer without a functional version) for a few steps.
-
-Every gradient is checked against a single-process reference computed by the driver
-(``torch.testing.assert_close``); the function returns what it saw (gradients, errors as
-``(type name, first line)``, losses and final parameters) so that a test can compare
-backends with each other exactly. A failed check raises, naming it.
+``run_rpc_autograd_contract(backend)`` starts three forked workers with ``backend`` and
+runs, through ``rallypoint.rpc.dist_autograd`` and ``DistributedOptimizer``, the patterns
+programs use: model-parallel stages, nested calls and calls back to the caller, several
+backward passes in one context, torch's errors for misuse, a tensor both used and sent,
+errors in a remote backward, sparse gradients, and a few training steps of a small
+model-parallel model. Every gradient is checked against a single-process reference; the
+function returns what it saw, so that a test can compare backends with each other exactly.
+A failed check raises, naming it.
 """
 
 from __future__ import annotations

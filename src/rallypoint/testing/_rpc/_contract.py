@@ -1,16 +1,11 @@
 """The RPC contract: behaviour every rallypoint RPC backend must show.
 
 ``run_rpc_contract(backend)`` starts three forked workers with ``backend`` (a
-``BackendType`` name such as ``"RALLYPOINT"`` or ``"TENSORPIPE"``) and runs every check
-of torch.distributed.rpc's public API that both backends share; it returns the checks
-that ran, per rank, and raises (naming the check) on the first failure. Backends differ
-in error classes and wording beyond what is checked here.
-
-``run_rpc_pattern(backend, pattern)`` runs one pattern of real RPC programs
-(:mod:`rallypoint.testing._rpc._patterns`: an RRef-heavy observer/agent, a parameter
-server whose workers wait in ``shutdown()``, a process group and RPC on one port, a
-model-parallel RNN and a pipeline trained with distributed autograd); every backend must
-return the same results.
+``BackendType`` name such as ``"RALLYPOINT"`` or ``"TENSORPIPE"``) and runs every check of
+torch.distributed.rpc's public API that both backends share; it returns the checks that
+ran, per rank, and raises (naming the check) on the first failure. ``run_rpc_pattern``
+runs one pattern of real RPC programs (:mod:`rallypoint.testing._rpc._patterns`); every
+backend must return the same results.
 """
 
 from __future__ import annotations

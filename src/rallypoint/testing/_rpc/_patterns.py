@@ -2,32 +2,13 @@
 
 Each pattern is the skeleton of a public example program (pytorch/examples
 ``distributed/rpc``) with the heavy parts (gym, torchvision) replaced by small
-deterministic stand-ins, so that every backend must give *the same results*:
-
-- ``observer_agent``: an RL agent (rank 0) and 4 observers, RRef-heavy as in the RL
-  examples: observers are created with ``remote()``, the agent passes ``RRef(self)`` in
-  every call, observers call back into the agent through it, and episodes run batched
-  (``@async_execution``: one reply per step for all observers) and unbatched.
-- ``parameter_server``: a batch-update parameter server on the master; the trainers wait
-  in ``shutdown()`` while the master drives training rounds for longer than the RPC
-  timeout (3 s), so ``shutdown()`` must wait as long as the master is alive and working.
-- ``process_group_and_rpc``: ``init_process_group`` and ``init_rpc`` on the same
-  ``MASTER_PORT``, in both orders; no store bind error may be logged.
-- ``model_parallel_rnn``: the model-parallel RNN trained with distributed autograd and
-  ``DistributedOptimizer`` (:mod:`rallypoint.testing._rpc._program_rnn`, a torch program
-  with only its imports changed).
-- ``ddp_rpc``: pytorch/examples' DDP+RPC program: a ``RemoteModule`` embedding on a
-  parameter server, a DDP linear on two trainers over gloo, distributed autograd and
-  ``DistributedOptimizer`` (:mod:`rallypoint.testing._rpc._program_ddp`).
-- ``pipeline``: the pipeline-parallel example: two model shards held in RRefs on two
-  workers, each guarding its forward with a lock; the master splits every batch into
-  micro-batches in flight together (``RRef(x)`` -> ``shard1.remote().forward`` -> the
-  unconfirmed result RRef forked to ``shard2.rpc_async().forward``, which fetches it with
-  ``to_here``), trains with distributed autograd and ``DistributedOptimizer`` over
-  parameter RRefs listed through ``rref.remote().parameter_rrefs().to_here()``, and also
-  steps an optimizer built on a shard's owner from ``to_here()`` of its own parameter
-  RRefs (a no-op: distributed autograd leaves ``.grad`` alone). :func:`pipeline_reference`
-  trains the same model in one process.
+deterministic stand-ins, so that every backend must give the same results:
+``observer_agent`` (RRef-heavy RL agent and observers), ``parameter_server`` (trainers
+waiting in ``shutdown()`` longer than the RPC timeout), ``process_group_and_rpc`` (both on
+one ``MASTER_PORT``), ``model_parallel_rnn`` and ``ddp_rpc`` (torch programs with only their
+imports changed: ``_program_rnn``, ``_program_ddp``) and ``pipeline`` (micro-batches in
+flight across two shards held in RRefs; :func:`pipeline_reference` trains the same model in
+one process). :func:`run_rpc_pattern` runs one of them.
 """
 
 from __future__ import annotations

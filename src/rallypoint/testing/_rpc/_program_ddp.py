@@ -1,22 +1,12 @@
 """DDP and RPC in one model, trained with distributed autograd: a torch program, imports changed.
 
-Our CPU version of pytorch/examples ``distributed/rpc/ddp_rpc``: a master creates a
-``RemoteModule`` holding an ``nn.EmbeddingBag`` on the parameter server ``ps``; two
-trainers each hold a ``DistributedDataParallel(nn.Linear)`` over a gloo process group and
-the remote embedding. Every step runs in a ``dist_autograd.context()``: the embedding
-lookup on the ps (``RemoteModule.forward``), the local DDP linear, a distributed backward
-(DDP all-reduces the linear's gradients during it) and a ``DistributedOptimizer`` step
-over the embedding's ``remote_parameters()`` and ``RRef``\\ s to the linear's parameters.
-
-Changed from the example so that every run gives the same numbers: CPU and gloo, seeded
-weights and data, fewer steps, the process group's rendezvous in a file (no fixed port),
-and the trainers take turns at the optimizer step with a barrier after each (in the
-example they race on the ps's table, so what one reads depends on timing). The trainers
-return their losses, the linear's gradients from ``get_gradients`` in the first step and
-its parameters after training; the master adds the embedding table.
-
-The lines between the two ``imports`` markers are the only ones that differ from torch's
-program (:data:`TORCH_IMPORTS`); :func:`torch_version` writes that program out.
+Our CPU version of pytorch/examples ``distributed/rpc/ddp_rpc``: a ``RemoteModule``
+embedding on the parameter server, a ``DistributedDataParallel`` linear on two trainers
+over gloo, a distributed backward and a ``DistributedOptimizer`` step. Changed from the
+example so that every run gives the same numbers: seeded weights and data, fewer steps, a
+file rendezvous, and the trainers take turns at the optimizer step. The lines between the
+two ``imports`` markers are the only ones that differ from torch's program
+(:data:`TORCH_IMPORTS`); :func:`torch_version` writes that program out.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """A model-parallel RNN trained with distributed autograd: a torch RPC program, import changed.
 
-The skeleton of pytorch/examples ``distributed/rpc/rnn`` (an embedding table and a
-decoder on the parameter server ``ps``, an LSTM on the ``trainer``, trained with
-``dist_autograd`` and ``DistributedOptimizer``), with deterministic weights and data and
-no dropout so that every run gives the same numbers. It is written as a torch program
-would be; the lines between the two ``imports`` markers are the only ones that differ
-from torch's program (:data:`TORCH_IMPORTS`), and :func:`torch_version` writes that
-program out so that a test can run both and compare them.
-
-``run_program(backend)`` runs in every worker (rank 0 is the trainer, rank 1 the ps);
-the trainer returns its losses, the gradients of its LSTM from ``get_gradients`` in the
-first step, and every parameter after training (remote ones fetched with ``to_here``), as
-plain lists so that runs compare exactly with ``==``.
+The skeleton of pytorch/examples ``distributed/rpc/rnn`` (embedding and decoder on the
+parameter server, an LSTM on the trainer), with deterministic weights and data so that
+every run gives the same numbers. The lines between the two ``imports`` markers are the
+only ones that differ from torch's program (:data:`TORCH_IMPORTS`), and
+:func:`torch_version` writes that program out, so that a test can run both and compare.
+``run_program(backend)`` runs in every worker and returns plain lists that compare
+exactly with ``==``.
 """
 
 from __future__ import annotations
