@@ -1,6 +1,7 @@
 """Rules of the repository that a reader checks by eye, checked by the suite: the docs and
-the code describe what is, not how it came to be, a catch-all handler says why, only
-``rallypoint._core.torch_c`` touches ``torch._C``, and no store is typed ``Any``."""
+the code describe what is, not how it came to be, a private module's docstring says what
+it is for in a few lines, a catch-all handler says why, only ``rallypoint._core.torch_c``
+touches ``torch._C``, and no store is typed ``Any``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "rallypoint"
 ADAPTER = SRC / "_core" / "torch_c.py"
+# a private module's docstring: what the module is for, and the key idea before the code
+MODULE_DOC_LINES = 12
 
 # an issue of this project, by its number; another project's ("pytorch#130345") is
 # a reference a reader can follow
@@ -48,6 +51,18 @@ def test_dates_appear_only_with_the_benchmark_results() -> None:
 
 def test_the_rpc_reference_fits_500_lines() -> None:
     assert len((ROOT / "docs" / "rpc.md").read_text().splitlines()) <= 500
+
+
+def test_a_private_module_says_what_it_is_for_in_a_few_lines() -> None:
+    """Detail belongs to the class or function it describes, reference to ``docs/``."""
+    long = []
+    for path in sorted(SRC.rglob("*.py")):
+        if not path.name.startswith("_") or path.name == "__init__.py":
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        if doc is not None and len(doc.splitlines()) > MODULE_DOC_LINES:
+            long.append(f"{path.relative_to(SRC)} ({len(doc.splitlines())} lines)")
+    assert not long, f"module docstrings over {MODULE_DOC_LINES} lines: {long}"
 
 
 @pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
