@@ -8,7 +8,8 @@ modules directly; the public names (errors, ``restartable``) are re-exported by
 - ``_inprocess/``: in-process restarts (``@restartable`` in the worker, the control
   channel, the agent's side);
 - ``_starter``: an attempt's worker specs, pipes and output files; ``_worker`` /
-  ``_spawn_entry``: what a worker does around the user's code (forked, or spawned);
+  ``_spawn_entry`` / ``_main_module``: what a worker does around the user's code (forked,
+  or spawned with the caller's ``__main__``);
 - ``_supervisor``, ``_attempt``: one attempt under a policy (``_policy``), its ``Outcome``
   (``_state``); ``_signals``, ``_stop``: signals, stopping whole process trees;
 - ``_env``, ``_identity``, ``_output``, ``_numa``, ``_limits``: what each worker is given;
