@@ -81,8 +81,8 @@ def _report_progress() -> None:
     """The one place where the join loop reports progress to the launcher.
 
     Called once per shadowed iteration, so that a rank shadowing a long skew is not
-    mistaken for a hung one by ``--hang-timeout``. ``rallypoint.progress()`` costs about
-    0.1 µs and does nothing outside a rallypoint launch.
+    mistaken for a hung one by ``--hang-timeout``. ``rallypoint.progress()`` is a few
+    memory stores and does nothing outside a rallypoint launch.
     """
     progress()
 

@@ -185,7 +185,7 @@ os.register_at_fork(after_in_child=_copy_threads.forget)
 def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for contiguous uint8 tensors (``dst`` 1-D); a large copy runs on up to 4
     of this process's CPUs at once, whatever torch's intra-op thread count is (one core
-    copies about 7 GB/s: a 64 MiB tensor would take ~10 ms). The copies are plain
+    alone makes a large tensor's copy a visible share of a call). The copies are plain
     ``memmove`` calls, which release the GIL and start no OpenMP team."""
     nbytes = src.numel()
     ways = min(

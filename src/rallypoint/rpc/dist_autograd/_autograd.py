@@ -507,7 +507,7 @@ def _reduced(num: int, den: int) -> Weight:
 
 def _split(weight: Weight, n: int) -> Weight:
     """One of ``n`` equal shares of ``weight`` (exact: integers, no ``Fraction``, whose
-    arithmetic cost ~3 µs hot per credit on the path that ends a backward pass)."""
+    arithmetic is slow on the path that ends a backward pass)."""
     return _reduced(weight[0], weight[1] * n)
 
 

@@ -319,9 +319,9 @@ def track_node_hooks() -> None:
 
     torch registers every ``node.register_hook`` (Python and C++ nodes alike) through
     ``Function._register_hook``; wrapping it once is cheaper than a probe per leaf per
-    pass (a hook handle made and removed: ~5 µs of Python each, four times a step of
-    ``benchmarks/rpc.py``). Installed when the first agent starts: a hook registered
-    before that on a node that is still alive is found only if another one is later."""
+    pass (a hook handle made and removed in Python each time). Installed when the first
+    agent starts: a hook registered before that on a node that is still alive is found
+    only if another one is later."""
     hook_mixin: Any = torch.autograd.function._HookMixin
     register = hook_mixin._register_hook
     if getattr(register, "_rallypoint_tracked", False):
