@@ -3,29 +3,12 @@
 The RPC port and the snapshot servers' peer port both accept here. Until a connection
 proves that it knows the job's secret (:mod:`._core.handshake`) it costs its server as
 little as possible, so that unauthenticated peers cannot take the server down or lock out
-a legitimate peer:
-
-- One thread runs the listeners *and* every pending handshake, with non-blocking sockets
-  and a selector (a :class:`~._core.handshake.ServerHandshake` is fed bytes as they
-  arrive): 200 idle connections cost 200 sockets, not 200 threads.
-- Each handshake has one deadline for the whole exchange (a slowloris that sends a byte
-  now and then is dropped when it passes). At most :func:`max_pending` handshakes wait at
-  a time, and at most half of those come from one peer address: a new connection beyond
-  its address's share drops that address's oldest pending handshake, one beyond the total
-  drops the oldest of all. A flood neither exhausts file descriptors nor locks out a
-  legitimate peer, which finishes its handshake in one round trip.
-- A Unix listener's connection whose peer runs as another uid (``SO_PEERCRED``:
-  :mod:`._core.peercred`) is dropped before the greeting: an abstract socket has no
-  file mode that keeps other local users out.
-- When ``accept()`` fails for want of resources (``EMFILE``, ``ENFILE``, ``ENOBUFS``,
-  ``ENOMEM``) the listeners pause, 10 ms at first and up to 200 ms, instead of spinning
-  on a socket that stays readable; connections wait in the kernel's backlog meanwhile
-  and are accepted once descriptors free up.
-- Rejected connections are logged through :class:`RejectionLog`: the first few as they
-  come, then at most one line per 10 s that counts the ones not shown.
-
-An authenticated connection is handed to ``on_authenticated(sock, uds, hello)`` (a
-blocking socket from then on); a rejected one is logged and closed.
+a legitimate peer: one thread and a selector run the listeners and every pending
+handshake, each handshake has one deadline, pending handshakes are capped in all and per
+peer address, and the listeners pause instead of spinning when descriptors run out
+(:class:`Acceptor` says how). Rejections are logged through :class:`RejectionLog`. An
+authenticated connection is handed to ``on_authenticated(sock, uds, hello)`` as a
+blocking socket.
 """
 
 from __future__ import annotations
@@ -146,6 +129,18 @@ class Acceptor:
     ``handshake()``: a fresh server side of the challenge for each connection; ``log``:
     where rejections and trouble are reported (:class:`RejectionLog` throttles them);
     ``blocked``: a context manager entered around each wait, with the fds waited on.
+
+    Sockets are non-blocking and a :class:`~._core.handshake.ServerHandshake` is fed bytes as
+    they arrive, so idle connections cost sockets, not threads. Each handshake has one
+    deadline for the whole exchange (a slowloris is dropped when it passes). At most
+    :func:`max_pending` handshakes wait at a time, at most half of them from one peer
+    address: a new connection beyond its address's share drops that address's oldest
+    pending handshake, one beyond the total the oldest of all, so a flood neither exhausts
+    file descriptors nor locks out a legitimate peer. A Unix connection whose peer runs as
+    another uid (:mod:`._core.peercred`) is dropped before the greeting. When ``accept()``
+    fails for want of resources (``EMFILE``, ``ENFILE``, ``ENOBUFS``, ``ENOMEM``) the
+    listeners pause, from ``_PAUSE_MIN`` doubling up to ``_PAUSE_MAX``, while connections
+    wait in the kernel's backlog.
     """
 
     def __init__(

@@ -1,25 +1,13 @@
 """Blocking calls that must not hold the calling thread hostage.
 
-A call into torch's ``TCPStore`` (a connect, its ``ping``, a ``get`` on a server that
-accepted the connection and never answers) blocks in C++ ``recv`` and retries on
-``EINTR``: Python's signal handlers do not run until it returns, and the store's own
-timeout does not bound every step. :func:`call_in_thread` runs such a call in a daemon
+A call into torch's ``TCPStore`` blocks in C++ ``recv`` and retries on ``EINTR``: Python's
+signal handlers do not run until it returns, and the store's own timeout does not bound
+every step. :func:`call_in_thread` (or :class:`InThread`) runs such a call in a daemon
 thread while the caller waits in short slices, so the caller keeps its own deadline and
-can give up when ``poll()`` raises (a signal arrived). A call given up on is left to
-finish in its thread (nothing can interrupt it), and its result is dropped.
-
-A call that finishes while the interpreter shuts down would kill the process: the thread
-returning from C++ finds the interpreter gone, CPython ends the thread with
-``pthread_exit``, and its forced unwind through a ``noexcept`` frame calls
-``std::terminate`` ("terminate called without an active exception", exit status 134).
-So at exit, calls still running are waited for, each until the time by which it is known
-to end (``finishes_within``), never longer than :data:`EXIT_WAIT_MAX` in all; one that has
-no such bound is given :data:`EXIT_WAIT_UNBOUNDED` (it is most likely blocked for good,
-and a thread still blocked when the process ends is harmless).
-
-A process forked while a call runs (a warm process forking workers) does not have the
-call's thread: the child finds the module's lock free and no call running
-(:mod:`rallypoint._core.forking`).
+handles signals. A call given up on is left to finish in its thread and its result is
+dropped. At exit, calls still running are waited for a bounded time, because one that
+finishes while the interpreter shuts down would kill the process. A forked child finds no
+call running (:mod:`rallypoint._core.forking`).
 """
 
 from __future__ import annotations
@@ -168,7 +156,15 @@ def settle_before_fork(timeout: float) -> None:
 
 
 def _wait_for_running_calls() -> None:
-    """At exit: let calls still running end before the interpreter goes away."""
+    """At exit: let calls still running end before the interpreter goes away.
+
+    A thread returning from C++ into a finalized interpreter is ended with
+    ``pthread_exit``, whose forced unwind through a ``noexcept`` frame calls
+    ``std::terminate`` (exit status 134). So each call is waited for until the time by which
+    it is known to end (``finishes_within``), never longer than :data:`EXIT_WAIT_MAX` in all;
+    one with no such bound gets :data:`EXIT_WAIT_UNBOUNDED` (it is most likely blocked for
+    good, and a thread still blocked when the process ends is harmless).
+    """
     with _RUNNING_LOCK:
         calls = list(_RUNNING)
     if not calls:

@@ -9,13 +9,8 @@ A face's ``__init__`` lists its public names in one ``if TYPE_CHECKING:`` block 
 
     __all__ = face(globals())
 
-mypy checks every line of that block (a misspelt name or module fails the type check), and
-:func:`face` reads the same lines from the package's source, once, at import: they give
-``__all__``, a ``__dir__`` that lists those names only, and a ``__getattr__`` (PEP 562)
-that imports each name on first access. A face whose package must stay cheap to import
-(``rallypoint``, ``rallypoint.launcher``...) stays lazy; ``eager=True`` imports every name
-at once. ``__getattr__`` is set here, not in the face's source, so mypy never treats an
-unknown attribute of a face as ``Any``.
+mypy checks that block, and :func:`face` reads it at import to make ``__all__``,
+``__dir__`` and a lazy ``__getattr__`` (PEP 562).
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ __all__ = ["face", "read_table"]
 
 def read_table(source: str) -> dict[str, tuple[str, str]]:
     """``{public name: (module, name there)}`` from the ``if TYPE_CHECKING:`` blocks of a
-    face's source (string methods only: ``ast`` would cost ``import rallypoint`` 10 ms)."""
+    face's source (string methods only: ``ast`` would make ``import rallypoint`` slow)."""
     table: dict[str, tuple[str, str]] = {}
     statement = ""
     inside = False
@@ -76,6 +71,12 @@ def face(
     function defined in a private rallypoint module reports the package as its
     ``__module__`` (see :func:`~rallypoint._core.public.set_public_module`). ``renamed``
     maps an old name to its public name: it resolves with a ``DeprecationWarning``.
+
+    The table is read from the package's source once, at import: a misspelt name or module
+    in it fails mypy. A face whose package must stay cheap to import stays lazy (each name
+    imported on first access); ``eager=True`` imports every name at once. ``__getattr__`` is
+    set here, not in the face's source, so mypy never treats an unknown attribute of a face
+    as ``Any``.
     """
     package: str = namespace["__name__"]
     with open(namespace["__file__"], encoding="utf-8") as file:

@@ -2,19 +2,11 @@
 
 The RPC port and the snapshot servers' peer port run the same exchange; a :class:`Scheme`
 holds what differs (the magic, the labels, whether the client sends a hello), so a
-handshake of one never passes for the other:
-
-1. server -> client: the 8-byte magic and a 32-byte random nonce ``ns``
-2. client -> server: a nonce ``nc``; with a hello, its 4-byte length and the JSON hello;
-   then ``HMAC-SHA256(secret, client_label | ns | nc | hello)``
-3. server -> client: the ``accept`` prefix and ``HMAC-SHA256(secret, server_label | nc | ns)``
-
-Every field before the MAC check has a fixed or bounded size, and nothing is parsed
-before the MAC matches. Each read is bounded by one deadline for the whole exchange
-(``time.monotonic()``), so a peer that sends a byte now and then cannot stretch it.
-
-Errors: :class:`HandshakeError` (the peer is not of the job, or not a server of this
-kind); :class:`TimeoutError` and :class:`OSError` from the socket pass through. Each part
+handshake of one never passes for the other. Every field before the MAC check has a fixed
+or bounded size, nothing is parsed before the MAC matches, and one deadline bounds the
+whole exchange, so a peer that sends a byte now and then cannot stretch it. Errors:
+:class:`HandshakeError` (the peer is not of the job, or not a server of this kind);
+:class:`TimeoutError` and :class:`OSError` from the socket pass through, and each part
 translates them into its own exception at its boundary.
 """
 
@@ -54,7 +46,13 @@ class HandshakeError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Scheme:
-    """What tells one kind of handshake from another (see the module docstring)."""
+    """What tells one kind of handshake from another.
+
+    1. server -> client: the 8-byte magic and a 32-byte random nonce ``ns``
+    2. client -> server: a nonce ``nc``; with a hello, its 4-byte length and the JSON hello;
+       then ``HMAC-SHA256(secret, client_label | ns | nc | hello)``
+    3. server -> client: the ``accept`` prefix and ``HMAC-SHA256(secret, server_label | nc | ns)``
+    """
 
     what: str
     """The part's name in messages (``RPC``, ``snapshot``)."""

@@ -1,18 +1,11 @@
 """Run one command so that nothing it starts outlives it.
 
 ``python -m rallypoint._core.subreaper PARENT_PID -- ARGV...`` runs ``ARGV`` as its child
-and is a child subreaper (``PR_SET_CHILD_SUBREAPER``), as the warm process is for the
-workers: whatever the command starts stays a descendant of this process, even what leaves
-the command's session (``setsid``) or daemonizes, since a subreaper inherits those orphans.
-When the command exits, or when this process gets SIGTERM, SIGINT or SIGHUP (its caller
-stops the command: a timeout, a signal to the launcher) or its parent dies
-(``PR_SET_PDEATHSIG``), it SIGKILLs the command and every descendant it finds in ``/proc``
-(:func:`~rallypoint._core.procs.kill_descendants`), reaps them and exits as the command did:
-its exit code, or killed by the same signal. The health checks run through it
-(``rallypoint._elastic._check_run``).
-
-It starts with ``PARENT_PID``, the pid of the process that started it: if that one died
-before the parent-death signal was armed, the command never runs.
+and is a child subreaper, as the warm process is for the workers: whatever the command
+starts stays a descendant, even what leaves its session or daemonizes. When the command
+exits, this process is told to stop, or its parent dies, it kills the command and every
+descendant, reaps them and exits as the command did (:func:`main`). The health checks run
+through it (``rallypoint._elastic._check_run``).
 """
 
 from __future__ import annotations
@@ -82,6 +75,14 @@ def _exit_as(code: int) -> NoReturn:
 
 
 def main(argv: list[str]) -> NoReturn:
+    """``PARENT_PID -- ARGV...``: run ``ARGV`` under this child subreaper.
+
+    On the command's exit, on SIGTERM, SIGINT or SIGHUP (a timeout, a signal to the
+    launcher), or when the parent dies (``PR_SET_PDEATHSIG``), SIGKILL the command and every
+    descendant found in ``/proc`` (:func:`~rallypoint._core.procs.kill_descendants`), reap
+    them and exit as the command did. If ``PARENT_PID`` died before the parent-death signal
+    was armed, the command never runs.
+    """
     if len(argv) < 3 or argv[1] != "--" or not argv[0].isdigit():
         sys.stderr.write("usage: python -m rallypoint._core.subreaper PARENT_PID -- ARGV...\n")
         os._exit(2)

@@ -9,8 +9,7 @@
 - A line longer than ``limit`` bytes is cut there (on a UTF-8 character boundary) and says
   how many bytes were cut.
 
-Log files keep the raw bytes: only what reaches a terminal is cleaned. Text without control
-characters or long lines (nearly all of it) passes after one scan at memory speed.
+Log files keep the raw bytes: only what reaches a terminal is cleaned.
 """
 
 from __future__ import annotations

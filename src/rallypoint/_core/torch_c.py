@@ -1,16 +1,15 @@
 """rallypoint's one door to torch's private C extension, ``torch._C``.
 
 Everything rallypoint takes from ``torch._C`` is named here once, so a torch release that
-moves a name breaks this module only. Importing it imports torch: a module that must stay
-torch-free imports it inside the function that needs it.
+moves a name breaks this module only. Importing it imports torch: a torch-free module
+imports it inside the function that needs it.
 
 - Stores: torch's ``c10d`` classes, their type stubs corrected (``append``, ``multi_set``,
   ``clone`` and ``timeout`` exist; values may be ``bytes``), so that each is a
   :class:`rallypoint._core.store.Store`; :func:`as_torch_store` hands a ``Store`` to the
   torch APIs that want torch's class (``PrefixStore``, process groups, TensorPipe).
-- The Flight Recorder's dumps, ``Future`` and ``collect_all``, the RPC module (read at
-  call time: rallypoint's agent swaps its ``PyRRef``), operator schemas, and
-  ``AccumulateGrad``.
+- The Flight Recorder's dumps, ``Future``, ``collect_all``, the RPC module (read at call
+  time: rallypoint's agent swaps its ``PyRRef``), operator schemas, ``AccumulateGrad``.
 """
 
 from __future__ import annotations
