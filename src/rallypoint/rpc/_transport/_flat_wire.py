@@ -22,6 +22,15 @@ from typing import Any
 import torch
 
 MAGIC = ord("L")
+"""The first byte of the lean form::
+
+    b"L", shape kind (u8), tensor count (u16)
+    per tensor: slot (u16), dtype code (u8), requires grad (u8), ndim (u8), shape (i64 each)
+    pickle of the message with ``None`` in each tensor's slot
+
+The slots of a call are its positional arguments, then its keyword arguments' values; of a
+tuple or list reply, its items. Each tensor travels viewed as bytes, in slot order. Slots
+may also hold RRefs and containers of plain data (:func:`dumps_data`)."""
 _HEAD = struct.Struct("<BBH")  # magic, shape kind, tensor count
 _SLOT = struct.Struct("<HBBB")  # slot, dtype code, requires grad, ndim
 
@@ -180,17 +189,7 @@ def encode(
     rref_type: type | None = None,
     rref_hook: Callable[[Any], tuple[Callable[..., Any], tuple[Any, ...]]] | None = None,
 ) -> tuple[bytes, list[torch.Tensor]] | None:
-    """The lean form of ``obj``, or ``None`` when it needs the general form.
-
-    ::
-
-        b"L", shape kind (u8), tensor count (u16)
-        per tensor: slot (u16), dtype code (u8), requires grad (u8), ndim (u8), shape (i64 each)
-        pickle of the message with ``None`` in each tensor's slot
-
-    The slots of a call are its positional arguments, then its keyword arguments' values;
-    of a tuple or list reply, its items. Each tensor travels viewed as bytes, in slot
-    order. Slots may also hold RRefs and containers of plain data (:func:`dumps_data`).
+    """The lean form of ``obj`` (:data:`MAGIC`), or ``None`` when it needs the general form.
 
     An RRef in a slot (``rref_type``) is forked with ``rref_hook`` and travels in the
     plain pickle as the hook's reduce value; a message with RRefs and no tensors is that
