@@ -57,7 +57,8 @@ class LinkTimes:
     gemm: list[float] = field(default_factory=list)
 
     def scores(self) -> list[float]:
-        """Each node's worse direction: ``max(out, in)`` (see the module docstring)."""
+        """Each node's worse direction, ``max(out, in)``: ``out`` is the faster of its two
+        sends (timed by the receivers), ``in`` the faster of its two receives."""
         n = len(self.forward)
         out = [min(self.forward[(g + 1) % n], self.backward[(g - 1) % n]) for g in range(n)]
         inn = [min(self.forward[g], self.backward[g]) for g in range(n)]

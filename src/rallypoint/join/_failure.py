@@ -277,7 +277,7 @@ class FailureChannel:
 class BodyWatcher:
     """Watches the failure key while the ``with`` body runs, and logs a failure at once.
 
-    The body's own collectives cannot be interrupted (see the module docstring); this
+    The body's own collectives cannot be interrupted (what is covered: docs/join.md); this
     thread is how a rank blocked in such a collective acknowledges another rank's failure within
     about ``2 * poll_interval`` (so that the failing rank can shadow it), and it tells the
     user which rank failed while this rank sits in a collective that no hook shadows. One

@@ -133,7 +133,7 @@ class _Server:
         # must outlive their shutdown handlers. SIGTERM gets a handler at Ready.
         for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_IGN)
-        set_parent_death_signal(signal.SIGKILL)  # until Ready (see the module docstring)
+        set_parent_death_signal(signal.SIGKILL)  # until Ready (see serve())
         self.parent = os.getppid()
         become_subreaper()
         os.set_blocking(self.wake_w, False)
@@ -291,7 +291,7 @@ class _Server:
 
     def _orphaned(self) -> NoReturn:
         """The supervisor is gone (parent-death signal, or the end of the socket): leave
-        nothing of the job behind (see the module docstring)."""
+        nothing of the job behind (see :func:`serve`)."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         with contextlib.suppress(BaseException):
             kill_descendants(_ORPHANED_KILL_TIMEOUT)

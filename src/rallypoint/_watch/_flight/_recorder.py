@@ -313,7 +313,8 @@ def install_flight_dumper(
 
 
 class FlightRequest:
-    """Ask the local workers for their Flight Recorder (see the module docstring)."""
+    """Ask the local workers for their Flight Recorder (the requests:
+    :func:`install_flight_dumper`)."""
 
     def __init__(
         self,

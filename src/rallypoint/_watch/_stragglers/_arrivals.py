@@ -35,7 +35,7 @@ class ArrivalVerdict:
     lag_s: float
     """Its median lag (seconds after the median of the others' arrivals)."""
     ratio: float
-    """``D / (D - W)``: its pace over the others' (see the module docstring)."""
+    """``D / (D - W)``: its pace over the others' (see :func:`judge_arrivals`)."""
     lags_s: Mapping[int, float]
     """Every rank's median lag, for the report's lane."""
 

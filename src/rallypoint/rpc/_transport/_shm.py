@@ -131,7 +131,7 @@ class SegmentPool:
         return seg
 
     def returned(self, seg_id: int, nbytes: int) -> torch.Tensor:
-        """A tensor for segment ``seg_id`` that a peer handed back (see the module doc)."""
+        """A tensor for segment ``seg_id`` that a peer handed back (see :class:`RemoteSegments`)."""
         with self._lock:
             seg = self._by_id.get(seg_id)
         if seg is None or not seg.mm[_RETURNED] or nbytes > seg.capacity:
