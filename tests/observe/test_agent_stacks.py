@@ -16,6 +16,7 @@ from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -386,6 +387,36 @@ def test_request_without_agents() -> None:
     answers = StacksAnswers()
     answer_stacks_request(store, node_rank=0, answers=answers, collect=dict)
     assert answers.answered == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_node_counted_twice_does_not_end_the_request_before_the_others_answer() -> None:
+    """Two threads of one agent may answer the same request (its store checks and a hang
+    report's loop): the count then reaches the node count before the last node answered.
+    The requester still waits for every node's answer, not for the count alone."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=20))
+    dump = {0: StackDump(rank=0, host="a", pid=10, threads=())}
+    result: dict[str, Any] = {}
+    requester = threading.Thread(
+        target=lambda: result.update(r=request_stacks(store, timeout=15, nnodes=2))
+    )
+    requester.start()
+    deadline = time.monotonic() + 10
+    while store.add("stacks/request", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for answers in (StacksAnswers(), StacksAnswers()):  # node 0, answering from two threads
+        answer_stacks_request(store, node_rank=0, answers=answers, collect=lambda: dump)
+    assert store.add("stacks/1/count", 0) == 2  # as many as there are nodes
+    while store.check(["stacks/1/node/0"]):  # the requester read node 0's answer (and
+        time.sleep(0.01)  # deleted it); it must wait on for node 1's
+    late = {2: StackDump(rank=2, host="b", pid=20, threads=())}
+    answer_stacks_request(store, node_rank=1, answers=StacksAnswers(), collect=lambda: late)
+    requester.join(20)
+    dumps, missing = result["r"]
+    assert sorted(dumps) == [0, 2] and missing == {}
 
 
 def _huge_stacks() -> dict[int, StackDump]:

@@ -12,6 +12,7 @@ import contextlib
 import os
 import secrets
 import signal
+import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
@@ -92,6 +93,8 @@ class Job:
         self._run: RunStore | None = None
         self.stacks_store: Store | None = None  # a second connection, for a blocking stacks request
         self.stacks_answers = StacksAnswers()
+        # the store checks' thread and a hang report's loop both answer: one at a time
+        self._answering = threading.Lock()
         self._rpc_secret = ""
         self._left = False
 
@@ -150,12 +153,13 @@ class Job:
 
     def answer_stacks(self, running: Mapping[int, int], node_rank: int) -> None:
         """Answer another agent's (or ``rallypoint stacks``') request for stacks, if any."""
-        answer_stacks_request(
-            self.run.store,
-            node_rank=node_rank,
-            answers=self.stacks_answers,
-            collect=lambda: self.observer.collect(running),
-        )
+        with self._answering:
+            answer_stacks_request(
+                self.run.store,
+                node_rank=node_rank,
+                answers=self.stacks_answers,
+                collect=lambda: self.observer.collect(running),
+            )
 
     def leave(self) -> None:
         """Leave the rendezvous for good, once (it counts this node gone in its round)."""

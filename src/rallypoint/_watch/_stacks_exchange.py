@@ -212,11 +212,11 @@ def request_stacks(
     scan_at = time.monotonic() + _SCAN_EVERY
     while waiting:
         now = time.monotonic()
-        done = store.add(_count_key(n), 0) >= nnodes or now >= deadline
-        if done or now >= scan_at:  # now and then: an answer its agent kept too long goes
-            _collect(store, n, waiting, dumps, missing)
+        counted = store.add(_count_key(n), 0) >= nnodes  # each node counts its answer once
+        if counted or now >= scan_at or now >= deadline:  # and now and then: an answer
+            _collect(store, n, waiting, dumps, missing)  # whose count was lost is read too
             scan_at = now + _SCAN_EVERY
-        if done:
+        if not waiting or now >= deadline:
             break
         time.sleep(0.02)
     store.delete_key(_count_key(n))
