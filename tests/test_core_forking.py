@@ -53,8 +53,8 @@ def _call_in_a_thread() -> int:
 
 @pytest.mark.timeout(60)
 def test_a_child_forked_while_another_thread_ends_a_call_can_run_calls_in_threads() -> None:
-    # the moment of the CI hang: an abandoned store connect ended (and took the lock of
-    # the running calls) in the parent just as the workers were forked
+    # an abandoned store connect ends (and takes the lock of the running calls) in the
+    # parent just as the workers are forked
     with held_by_another_thread(blocking._RUNNING_LOCK):
         assert run_workers(_call_in_a_thread, 2, timeout=20) == [7, 7]
 

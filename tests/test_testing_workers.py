@@ -254,8 +254,8 @@ def _try_the_lock() -> bool:
 def test_a_lock_another_thread_holds_is_free_in_workers_of_the_zygote(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # the CI hang in small: a thread of the test process holds a lock (there, glibc's
-    # resolver lock, taken by a store's name lookup) while workers are forked
+    # a thread of the test process holds a lock (as glibc's resolver lock is held by a
+    # store's name lookup) while workers are forked
     with held_by_another_thread(_HELD_BY_A_THREAD):
         assert run_workers(_try_the_lock, 2, timeout=30) == [True, True]
         monkeypatch.setattr(_workers, "_ZYGOTE", None)  # forked from this process instead
