@@ -47,7 +47,7 @@ class KeyValueStore(ABC):
 
     @abstractmethod
     def set(self, key: str, value: bytes) -> None:
-        """Write ``value`` under ``key``."""
+        """Write ``value`` under ``key``; once it returns, every client reads it."""
 
     @abstractmethod
     def get(self, key: str) -> bytes | None:

@@ -102,6 +102,10 @@ class C10dKV(KeyValueStore):
     def set(self, key: str, value: bytes) -> None:
         try:
             self._store.set(key, value)
+            # a TCPStore client sends a set without waiting for the server, which serves
+            # a connection's requests in order: a round trip after it returns once the
+            # write is applied, so every other connection reads it from then on
+            self._store.check([key])
         except (RuntimeError, ValueError) as exc:
             raise self._fail("set", exc) from exc
 
@@ -130,6 +134,7 @@ class C10dKV(KeyValueStore):
             return
         try:
             self._store.multi_set([k for k, _ in items], [v for _, v in items])
+            self._store.check([items[0][0]])  # applied before it returns, as set()
         except (RuntimeError, ValueError) as exc:
             raise self._fail("multi_set", exc) from exc
 
