@@ -20,11 +20,14 @@ export RES_OPTIONS="timeout:1 attempts:1"
 
 if [[ ! -x $VENV/bin/python ]]; then
     "$PY" -m venv --system-site-packages "$VENV"
-    "$VENV/bin/pip" install --quiet --no-deps --no-build-isolation -e . \
-        || echo "gpu_checks: editable install failed; using PYTHONPATH=src" >&2
+    "$VENV/bin/pip" install --quiet --no-deps --no-build-isolation -e . || true
 fi
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 RUN="$VENV/bin/python"
+if ! "$RUN" -c "import rallypoint, sys; sys.exit(not rallypoint.__file__.startswith('$PWD/'))" \
+    2>/dev/null; then
+    echo "gpu_checks: rallypoint is not installed from here; using PYTHONPATH=src" >&2
+    export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 step() {  # step NAME SECONDS COMMAND...: run it, keep its output, say how it ended
     local name=$1 limit=$2
