@@ -93,8 +93,10 @@ def train() -> None:
         record += " " + _usage()
     if MODE == "node":  # a membership change restarts without spending budget
         restart = os.path.exists(os.path.join(OUT, "at-fault"))
-    with open(os.path.join(OUT, f"enter-{restart:d}-{rank}"), "w") as fp:
+    entry = os.path.join(OUT, f"enter-{restart:d}-{rank}")
+    with open(entry + ".tmp", "w") as fp:  # renamed: a reader never sees it half written
         fp.write(record)
+    os.replace(entry + ".tmp", entry)
     if MODE == "every" and restart < 20:
         dist.barrier()  # rank 0 recorded its entry
         if rank == FAULT_RANK:

@@ -50,7 +50,9 @@ def _run(
 def _entries(out: Path, restart: int) -> dict[int, tuple[int, int]]:
     """``{rank: (pid, start step)}`` of the entries into the function at ``restart``."""
     found = {}
-    for path in out.glob(f"enter-{restart}-*"):
+    for path in out.glob(f"enter-{restart}-[0-9]*"):
+        if path.suffix == ".tmp":
+            continue
         pid, start = path.read_text().split()[:2]
         found[int(path.name.rsplit("-", 1)[1])] = (int(pid), int(start))
     return found

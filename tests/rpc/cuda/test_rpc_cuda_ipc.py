@@ -176,10 +176,14 @@ def test_streams_wait_for_the_work_that_made_the_tensor(ipc: bool) -> None:
     assert out == {"receiver_waited": float(N), "reply_on_another_stream": float(N)}
 
 
-def _allocated() -> tuple[int, int]:
+def _allocated() -> tuple[int, int, int]:
+    """This process's allocated and reserved bytes after emptying its cache, and the device's
+    free bytes: a block the allocator keeps cached is reserved, not leaked."""
     torch.cuda.synchronize()
     time.sleep(0.2)  # the monitor collects torch's IPC limbo every 50 ms
-    return torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
+    reserved = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(), reserved, torch.cuda.mem_get_info()[0]
 
 
 def _echo(x: torch.Tensor) -> torch.Tensor:
@@ -194,18 +198,19 @@ def _memory() -> dict[str, int]:
         for _ in range(20):
             y = rpc.rpc_sync("w1", _echo, args=(x,))
         del y
-        mine, free = _allocated()
-        theirs, _ = rpc.rpc_sync("w1", _allocated)
+        theirs, _, _ = rpc.rpc_sync("w1", _allocated)  # its cache emptied before ours is read
+        mine, _, free = _allocated()
         for _ in range(1000):
             y = rpc.rpc_sync("w1", _echo, args=(x,))
         assert torch.equal(y, x)
         del y
-        mine_after, free_after = _allocated()
-        theirs_after, _ = rpc.rpc_sync("w1", _allocated)
+        theirs_after, theirs_reserved, _ = rpc.rpc_sync("w1", _allocated)
+        mine_after, mine_reserved, free_after = _allocated()
         out = {
             "w0": mine_after - mine,
             "w1": theirs_after - theirs,
             "device": free - free_after,
+            "reserved before emptying": mine_reserved + theirs_reserved,
         }
     rpc.shutdown()
     return out
