@@ -16,5 +16,5 @@ down to this package, never up from it.
   secret), ``acceptor`` (listeners and handshakes on one selector thread), ``peercred``;
 - output: ``terminal`` (text fit for a terminal), ``throttle``, ``disk``, ``cpp_log``;
 - faces and torch: ``face``, ``public``, ``closing``, ``store`` (the ``Store`` protocol),
-  ``torch_c`` (the one module that touches ``torch._C``).
+  ``torch_c`` (the one module that touches ``torch._C``); ``version``.
 """

@@ -128,6 +128,7 @@ def _trim_fault(text: str) -> str:
             "<frozen runpy>" in stripped
             or _SUPERVISE_DIR in stripped
             or "rallypoint/__main__.py" in stripped
+            or "rallypoint/_cli/_main.py" in stripped
             or "/bin/rallypoint" in stripped
         ):
             continue
