@@ -1,11 +1,9 @@
 """``rallypoint stacks --rdzv-endpoint HOST:PORT --rdzv-id JOB``: every worker's stacks, grouped.
 
-Connects to the job's rendezvous store as a client (it never hosts one), asks every agent
-of the run for its workers' Python stacks (the agents answer from their monitor loop) and
-prints them grouped by identical stacks, plus one line per node that did not answer (or
-answered in part: an agent caps its answer, ``_watch._stacks_exchange``). Above
-the stacks, the collective view from the workers' Flight Recorders: each process group's
-last collective completed by all its members, and what is pending on which ranks.
+Prints ``_elastic._job_stacks.job_stacks``'s report: the collective view from the workers'
+Flight Recorders (each process group's last collective completed by all its members, what
+is pending on which ranks), the stacks grouped by identical stacks, and one line per node
+that did not answer or answered in part (an agent caps its answer).
 """
 
 from __future__ import annotations
@@ -43,23 +41,17 @@ def stacks_main(argv: Sequence[str] | None = None) -> int:
     if args.timeout <= 0:
         print(f"{PROG}: error: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
         return 2
-    from rallypoint._core.torch_c import as_torch_store
-    from rallypoint._elastic._rendezvous import create_rendezvous, run_store_namespace
-    from rallypoint._watch._flight._format import format_hang_report
-    from rallypoint._watch._stacks_exchange import request_stacks
-    from rallypoint.rendezvous import RendezvousError
+    from rallypoint._elastic._job_stacks import job_stacks
+    from rallypoint._supervise._errors import RendezvousFailedError
 
-    conf = {"is_host": "false", "read_timeout": str(max(args.timeout, 1.0))}
     try:
-        handler = create_rendezvous(args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, 1, 1, conf)
-        store = handler.open_run_store(run_store_namespace(args.rdzv_id))
-        if store is None:
-            raise ValueError(f"the {args.rdzv_backend} backend has no store to ask")
-        dumps, missing = request_stacks(as_torch_store(store), timeout=args.timeout)
-    except (RendezvousError, ValueError, RuntimeError) as exc:
+        report, missing = job_stacks(
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, args.timeout
+        )
+    except (RendezvousFailedError, ValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    print(format_hang_report(dumps, hang=False) if dumps else "(no running workers answered)")
+    print(report)
     for node, why in sorted(missing.items()):
         print(f"node {node}: {why}")
     return 1 if missing else 0

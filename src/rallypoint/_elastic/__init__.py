@@ -13,5 +13,6 @@ behind the ``NodeSupervisor`` Protocol (``_protocols``), and runs it attempt aft
   and the typed records the nodes exchange; ``_verdict``: the same error on every node;
 - ``_health``, ``_check_run``, ``_builtin_checks``, ``_burn_in``, ``_gpu_probe``,
   ``_exclusion``: health checks and the exclusion list; ``_exits``: their exit statuses;
-- ``_rendezvous``: the agent's handler; ``_options``: the option groups this part reads.
+- ``_rendezvous``: the agent's handler; ``_job_stacks``: a running job's stacks, asked for
+  from outside it; ``_options``: the option groups this part reads.
 """
