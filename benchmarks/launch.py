@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ports import free_port
+
 WORKER = """
 import os, sys, time
 import torch
@@ -78,14 +80,6 @@ if __name__ == "__main__":
     os.environ["MASTER_PORT"] = sys.argv[2]
     mp.spawn(work, args=(world, os.environ["BENCH_OUT"]), nprocs=world)
 """
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _run(
@@ -171,7 +165,7 @@ def _launchers(worker: Path, driver: Path) -> dict[str, Callable[[int], list[str
         "torchrun": lambda n: [
             py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(worker)
         ],
-        "mp.spawn": lambda n: [py, str(driver), str(n), str(_free_port())],
+        "mp.spawn": lambda n: [py, str(driver), str(n), str(free_port())],
     }  # fmt: skip
 
 

@@ -56,6 +56,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ports import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src")]
 
@@ -84,12 +86,6 @@ if mode in ("loss", "spare") and nodes == "2":
 dist.barrier()
 dist.destroy_process_group()
 """
-
-
-def _free_port() -> int:
-    from rallypoint._core.net import free_port
-
-    return free_port()
 
 
 def _agents(
@@ -154,7 +150,7 @@ def recovery(tool: str, timeout: float) -> float | None:
         script.write_text(WORKER)
         out = Path(tmp) / "stamps"
         env = dict(os.environ, BENCH_OUT=str(out), BENCH_MODE="die", OMP_NUM_THREADS="1")
-        procs = _agents(tool, script, _free_port(), env, "2")
+        procs = _agents(tool, script, free_port(), env, "2")
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
@@ -285,9 +281,7 @@ def _restarts(out: Path) -> int:
 
 def etcd_loss(kind: str, timeout: float) -> tuple[float, int] | None:
     """(seconds from the loss until every rank stepped after it, restarts seen)."""
-    from rallypoint.testing import training_log
-    from rallypoint.testing._etcd_cluster import EtcdCluster
-    from rallypoint.testing._netns import Network
+    from rallypoint.testing import EtcdCluster, Network, training_log
 
     with contextlib.ExitStack() as stack:
         script, out = stack.enter_context(_training_dir())
@@ -335,7 +329,7 @@ def rendezvous_loss(kind: str) -> float:
     from concurrent.futures import ThreadPoolExecutor
 
     from rallypoint.rendezvous import RendezvousParameters, get_rendezvous_handler
-    from rallypoint.testing._etcd_cluster import EtcdCluster
+    from rallypoint.testing import EtcdCluster
 
     with EtcdCluster(3) as cluster, ThreadPoolExecutor(3) as pool:
         first = cluster.leader()
@@ -369,7 +363,7 @@ def c10d_host_loss(tool: str, timeout: float) -> tuple[float, list[int | None]]:
     from rallypoint.testing import training_log
 
     with _training_dir() as (script, out):
-        endpoint = f"127.0.0.1:{_free_port()}"
+        endpoint = f"127.0.0.1:{free_port()}"
         procs = [_ha_agent(tool, "n0", "c10d", endpoint, script, out)]
         time.sleep(3)  # n0 binds the store's port first: it hosts the store
         procs += [_ha_agent(tool, n, "c10d", endpoint, script, out) for n in ("n1", "n2")]
@@ -407,7 +401,7 @@ def _fmt_end(values: list[tuple[float, list[int | None]]]) -> str:
 def spof(repeat: int, timeout: float, torchrun: bool) -> None:
     import torch
 
-    from rallypoint.testing._netns import netns_available
+    from rallypoint.testing import netns_available
 
     rows = [
         ("etcd leader killed (the member the nodes use)", "leader-kill"),

@@ -48,6 +48,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ports import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
@@ -144,12 +146,6 @@ VARIANTS = {
 }
 
 
-def _free_port() -> int:
-    from rallypoint._core.net import free_port
-
-    return free_port()
-
-
 def _commands(variant: str, script: Path, out: Path) -> list[list[str]]:
     py = sys.executable
     decorated = "0" if variant in ("full", "nodes-full") else "1"
@@ -162,7 +158,7 @@ def _commands(variant: str, script: Path, out: Path) -> list[list[str]]:
         return [[*rallypoint, "--nproc-per-node", "4", "--preload", "torch._dynamo", *argv]]
     if variant == "torchrun":
         return [[*torchrun, "--standalone", "--nproc-per-node", "4", *argv]]
-    port = _free_port()
+    port = free_port()
     head = torchrun if variant == "nodes-torchrun" else rallypoint
     nodes = [
         "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",

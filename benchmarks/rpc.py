@@ -59,7 +59,6 @@ import torch
 from rpc_step import Stage
 
 from rallypoint import rpc
-from rallypoint._core.envvars import RPC_SECRET
 from rallypoint.testing import run_workers
 
 BACKENDS = ("RALLYPOINT", "TENSORPIPE")
@@ -368,7 +367,7 @@ def _pairs(quick: bool, only: str) -> dict[str, dict[str, float]]:
 
 
 def _env(rank: int) -> dict[str, str]:
-    return {RPC_SECRET: "benchmark-secret"}
+    return {"RALLYPOINT_RPC_SECRET": "benchmark-secret"}
 
 
 def measure(quick: bool, only: str = "all") -> dict[str, dict[str, float]]:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 from multiprocessing.connection import Connection
 
 from busy import busy_processes
+from ports import free_port
 
 BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
 WIDTH = 64
@@ -45,13 +45,6 @@ def _member(tree: str, rank: int, port: int, pipe: Connection | None) -> None:
     rpc_step._member("RALLYPOINT", rank, port, pipe, WIDTH)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def paired(trees: list[str], epochs: int, steps: int) -> list[list[float]]:
     """Per tree, per epoch: the epoch's median step in seconds."""
     ctx = multiprocessing.get_context("fork")
@@ -59,7 +52,7 @@ def paired(trees: list[str], epochs: int, steps: int) -> list[list[float]]:
     pipes: list[Connection] = []
     try:
         for tree in trees:
-            port = _free_port()
+            port = free_port()
             ours, theirs = ctx.Pipe()
             pipes.append(ours)
             for rank in range(3):

@@ -30,10 +30,9 @@ from typing import Any
 
 import torch
 from busy import busy_processes
+from ports import free_port
 
 from rallypoint import rpc
-from rallypoint._core.envvars import RPC_SECRET
-from rallypoint._core.net import free_port
 
 BACKENDS = ("RALLYPOINT", "TENSORPIPE")
 WARMUP_STEPS = 20
@@ -70,7 +69,7 @@ def join_group(backend: str, rank: int, port: int) -> None:
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
-            RPC_SECRET: "benchmark-secret",
+            "RALLYPOINT_RPC_SECRET": "benchmark-secret",
         }
     )
     torch.set_num_threads(1)

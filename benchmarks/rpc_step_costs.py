@@ -34,9 +34,9 @@ from typing import Any
 
 import rpc_step
 import torch
+from ports import free_port
 
 from rallypoint import rpc
-from rallypoint._core.net import free_port
 
 Event = tuple[float, float, int, str]  # wall, thread CPU, thread, what
 _events: list[Event] = []
