@@ -16,6 +16,9 @@ Scenarios, alternated within each repeat:
     alone gets a fresh process (it runs the set-up again), the others stay in theirs;
   - the same with ``--preload torch._dynamo`` (the warm process has imported what a fresh
     worker's first optimizer would import);
+  - the same with ``--spare-workers 1``: a spare worker runs the set-up while the ranks
+    train and takes the killed rank's place (the fault comes at step 160, after the spare's
+    set-up; the columns of the replaced rank's own set-up are then empty);
   - rallypoint, full restart: the same script, the function not decorated;
   - torchrun (``--standalone``): a full restart, new interpreters;
 - 2 agents x 2 ranks on loopback (c10d rendezvous, ``--max-restarts 1``): rallypoint with
@@ -54,6 +57,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 SETUP_SLEEP, FAULT_STEP, FAULT_RANK = 2.0, 10, 1
+SPARE_FAULT_STEP = 160
+"""With a spare: the fault after 160 steps of 20 ms, once the spare (forked when the ranks
+enter the function) has finished its 2 s set-up."""
 START_TIMEOUT = 90.0
 
 WORKER = """
@@ -71,7 +77,8 @@ OUT, DECORATED = sys.argv[1], sys.argv[2] == "1"
 SETUP_SLEEP, FAULT_STEP, FAULT_RANK = float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 STEP, STEPS_AFTER = 0.02, 5
 # the attempt: 1 once the fault happened (torchrun's agents number their restarts apart)
-attempt0, rank0 = int(os.path.exists(f"{OUT}/fault")), os.environ["RANK"]
+attempt0 = int(os.path.exists(f"{OUT}/fault"))
+rank0 = os.environ.get("RANK", "spare")  # a spare worker (--spare-workers) has no rank yet
 
 time.sleep(SETUP_SLEEP)  # loading data, reading a checkpoint, ...
 torch.manual_seed(0)
@@ -138,6 +145,7 @@ class Run:
 VARIANTS = {
     "inproc": ("rallypoint, in process", 1),
     "inproc-preload": ("rallypoint, in process, `--preload torch._dynamo`", 1),
+    "inproc-spare": ("rallypoint, in process, the preload and `--spare-workers 1`", 1),
     "full": ("rallypoint, full restart (not decorated)", 1),
     "torchrun": ("torchrun `--standalone`, full restart", 1),
     "nodes": ("rallypoint, decorated", 2),
@@ -156,6 +164,10 @@ def _commands(variant: str, script: Path, out: Path) -> list[list[str]]:
         return [[*rallypoint, "--nproc-per-node", "4", *argv]]
     if variant == "inproc-preload":
         return [[*rallypoint, "--nproc-per-node", "4", "--preload", "torch._dynamo", *argv]]
+    if variant == "inproc-spare":  # the fault comes once the spare's set-up is done
+        argv[4] = str(SPARE_FAULT_STEP)
+        spare = ["--preload", "torch._dynamo", "--spare-workers", "1"]
+        return [[*rallypoint, "--nproc-per-node", "4", *spare, *argv]]
     if variant == "torchrun":
         return [[*torchrun, "--standalone", "--nproc-per-node", "4", *argv]]
     port = free_port()

@@ -14,6 +14,9 @@ argv: OUT MODE STEPS [DECORATED]. On the first attempt (``TORCHELASTIC_RESTART_C
   the others' collective times out: ``RESTART_TEST_PG_TIMEOUT`` seconds);
 - ``ignore``: SIGKILLs itself, and rank 2 catches the interruption and spins on
   (``--restart-grace`` replaces it);
+- ``spare``: as ``kill``, once a spare worker (``--spare-workers``; its set-up runs without
+  a ``LOCAL_RANK``) has written ``OUT/spare-ready-<pid>`` at the end of its set-up, or, with
+  ``RESTART_TEST_SPARE_EXITS`` set, has written ``OUT/spare-gone-<pid>`` and exited 3;
 - ``every``: rank 1 SIGKILLs itself once every rank entered the function, on every
   attempt before the 20th, and rank 0 records its descriptors, threads and RSS on each
   entry.
@@ -45,6 +48,28 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 state = {"model": model, "optimizer": opt}
+if "LOCAL_RANK" not in os.environ:  # a spare worker: its set-up is done
+    if os.environ.get("RESTART_TEST_SPARE_EXITS"):
+        open(os.path.join(OUT, f"spare-gone-{os.getpid()}"), "w").close()
+        os._exit(3)
+    open(os.path.join(OUT, f"spare-ready-{os.getpid()}"), "w").close()
+
+
+def _spare_done() -> bool:
+    """A spare finished its set-up, or one exited (a zombie or reaped: gone for good)."""
+    import psutil
+
+    for name in os.listdir(OUT):
+        if name.startswith("spare-ready-"):
+            return True
+        if name.startswith("spare-gone-"):
+            try:
+                gone = psutil.Process(int(name.rsplit("-", 1)[1])).status() == "zombie"
+            except psutil.NoSuchProcess:
+                gone = True
+            if gone:
+                return True
+    return False
 
 
 def _usage() -> str:
@@ -57,6 +82,11 @@ def _usage() -> str:
 def _fault(rank: int, restart: int) -> None:
     if restart != 0 and MODE != "node":  # a lost node spends no restart
         return
+    if MODE == "spare" and rank == FAULT_RANK:
+        while not _spare_done():
+            time.sleep(0.05)
+        snapshot.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
     if MODE in ("kill", "ignore") and rank == FAULT_RANK:
         snapshot.wait()
         os.kill(os.getpid(), signal.SIGKILL)

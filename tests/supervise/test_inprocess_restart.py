@@ -162,16 +162,109 @@ def test_a_script_without_the_decorator_restarts_every_process(
     out = tmp_path / "o"
     out.mkdir()
     cmd = [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "4", "--max-restarts",
-           "1", "--preload", PRELOAD, str(SCRIPT), str(out), "kill", "30", "0"]  # fmt: skip
+           "1", "--preload", PRELOAD, "--spare-workers", "1", str(SCRIPT), str(out), "kill", "30",
+           "0"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "restarting the worker group (restart 1 of 1)" in done.stderr, done.stderr
     assert "in-process" not in done.stderr
+    assert "spare worker" not in done.stderr  # a spare only waits in a restartable function
     first, second = _entries(out, 0), _entries(out, 1)
     assert not {pid for pid, _ in first.values()} & {pid for pid, _ in second.values()}
     assert _setups(out) == 8
     _same_params(out / "final.pt", reference)
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_worker_whose_set_up_ran_ahead_takes_the_killed_ranks_place(
+    tmp_path: Path, reference: Path
+) -> None:
+    import psutil
+
+    events = tmp_path / "events"
+    code, text = _run(tmp_path, "spare", "--spare-workers", "1", "--events", str(events))
+    assert code == 0, text
+    line = next(x for x in text.splitlines() if "spare worker(s) run the script's set-up" in x)
+    ready = int(line.rsplit("(pids ", 1)[1].rstrip(")"))
+    assert (tmp_path / f"spare-ready-{ready}").exists()  # its set-up ran before the fault
+    assert f"local rank 1 goes to spare worker {ready} (its set-up ran ahead)" in text, text
+    first, second = _entries(tmp_path, 0), _entries(tmp_path, 1)
+    assert second[1][0] == ready, (first, second)  # the spare, not a new process
+    assert all(second[r][0] == first[r][0] for r in (0, 2, 3)), (first, second)
+    assert all(start == 10 for _, start in second.values()), second
+    _same_params(tmp_path / "final.pt", reference)
+    # the used spare is replaced by a new one while training goes on; none outlives the job
+    assert text.count("spare worker(s) run the script's set-up now") == 2, text
+    for path in tmp_path.glob("setup-*"):
+        assert not psutil.pid_exists(int(path.name.rsplit("-", 1)[1])), path
+    started = [e for e in read_events([events]) if e.kind == "worker_start"]
+    assert [(e.get("round"), e.rank) for e in started if e.get("spare")] == [(1, 1)]
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_that_exited_is_passed_over_and_the_rank_started_afresh(
+    tmp_path: Path, reference: Path
+) -> None:
+    env = {"RESTART_TEST_SPARE_EXITS": "1"}
+    code, text = _run(tmp_path, "spare", "--spare-workers", "1", env=env)
+    assert code == 0, text
+    spares = {int(p.name.rsplit("-", 1)[1]) for p in tmp_path.glob("spare-gone-*")}
+    assert spares and "goes to spare worker" not in text, text
+    first, second = _entries(tmp_path, 0), _entries(tmp_path, 1)
+    assert second[1][0] not in spares | {first[1][0]}, (first, second)  # a new process
+    assert all(start == 10 for _, start in second.values()), second
+    _same_params(tmp_path / "final.pt", reference)
+
+
+LAUNCH_WITH_SPARE = """
+import os, signal, sys
+import torch, torch.distributed as dist
+import rallypoint
+
+@rallypoint.restartable
+def train():
+    dist.init_process_group("gloo")
+    rank, restart = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if restart == 0 and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return rank, restart, t.item()
+
+if __name__ == "__main__":
+    print("RESULT", rallypoint.launch(train, nproc=2, max_restarts=1, spare_workers=1))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_launch_takes_spare_workers_too(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(LAUNCH_WITH_SPARE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=env
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "RESULT [(0, 1, 4.0), (1, 1, 4.0)]" in done.stdout, done.stdout + done.stderr
+    assert "spare worker(s) run the script's set-up now" in done.stderr, done.stderr
+
+
+def test_spare_workers_bad_input_is_refused_with_a_clear_error(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "rallypoint", "run", "--spare-workers", "-1", str(SCRIPT)],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    assert done.returncode == 2 and "spare_workers" in done.stderr, done.stderr
+    with pytest.raises(ValueError, match="spare_workers"):
+        rallypoint.LaunchConfig(spare_workers=-1)
+    with pytest.raises(TypeError, match="spare_workers"):
+        rallypoint.LaunchConfig(spare_workers="1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="virtual_local_rank"):
+        rallypoint.LaunchConfig(nproc=2, spare_workers=1, virtual_local_rank=True)
 
 
 @pytest.mark.timeout(300)

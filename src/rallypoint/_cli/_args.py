@@ -42,6 +42,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
         max_node_failures=_count_or_off(args.max_node_failures, "--max-node-failures"),
         burn_in=bool(args.burn_in),
         hot_spare=bool(args.hot_spare),
+        spare_workers=args.spare_workers,
         run_id=None if args.rdzv_id in ("", "none") else args.rdzv_id,
         role=args.role,
         start_method="fork" if args.start_method == "fork" else "spawn",

@@ -109,6 +109,14 @@ def _nodes(o: _Options) -> None:
         help="while this node waits as a spare, start its workers: they run the script's "
         "set-up and wait in their @rallypoint.restartable function for ranks",
     )
+    o.opt(
+        "--spare-workers",
+        "--spare_workers",
+        default=0,
+        type=int,
+        help="keep N extra workers that ran the script's set-up ready to take a replaced "
+        "rank's place in an in-process restart (@rallypoint.restartable)",
+    )
     o.flag(
         "--burn-in",
         "--burn_in",

@@ -61,6 +61,7 @@ class LaunchOptions(TypedDict, total=False):
     max_node_failures: int | None
     burn_in: bool
     hot_spare: bool
+    spare_workers: int
     monitor_interval: timedelta
     master_addr: str
     master_port: int | None
@@ -134,6 +135,7 @@ def _workers(o: Mapping[str, Any]) -> WorkerOptions:
         "cwd",
         "virtual_local_rank",
         "numa_binding",
+        "spare_workers",
     )
     if "preload" in kw:
         preload = kw["preload"]
@@ -282,6 +284,7 @@ class LaunchConfig:
     cwd = _Flat[str | None]("workers")
     virtual_local_rank = _Flat[bool]("workers")
     numa_binding = _Flat[str | None]("workers")
+    spare_workers = _Flat[int]("workers")
     log_dir = _Flat[str | None]("output")
     redirects = _Flat[StdSpec]("output")
     tee = _Flat[StdSpec]("output")

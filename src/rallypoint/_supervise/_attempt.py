@@ -70,6 +70,7 @@ class Attempt:
         restart_grace: float | None = None,
         reset_store: Callable[[], object] | None = None,
         cause_wait: float = CAUSE_WAIT,
+        on_restartable: Callable[[], object] | None = None,
     ) -> None:
         self.warm, self.workers, self.router = warm, workers, router
         self.stopper, self.signals, self.observer, self.policy = stopper, signals, observer, policy
@@ -107,9 +108,15 @@ class Attempt:
         self.raised_until: float | None = None
         """Until when the peer-loss exceptions of ``inproc.waiting`` wait for their cause."""
         self.released = False
+        self.on_restartable = on_restartable if restart_grace is not None else None
+        """Called once, when a worker first says it runs a restartable function."""
+        self.others: list[Exited] = []
+        """Exits of the warm process's other children (spare workers) seen meanwhile."""
 
     def run(self) -> Outcome:
         self._register()
+        if self.on_restartable is not None and any(w.restartable for w in self.workers):
+            self._restartable_seen()  # kept workers said so in an earlier attempt
         try:
             while True:
                 now = time.monotonic()
@@ -141,6 +148,8 @@ class Attempt:
         batch = []
         for exited in self.pending:
             w = self.by_pid.get(exited.pid)
+            if w is None:
+                self.others.append(exited)
             if w is None or w.status is not None:
                 continue
             w.status, w.exited_at = exited.status, now
@@ -312,10 +321,22 @@ class Attempt:
                 case "ctl":
                     if not self.inproc.on_readable(fd, self._on_raised):
                         self.sel.unregister(fd)
+                    if (
+                        self.on_restartable is not None
+                        and self.kind is None
+                        and any(w.restartable for w in self.workers)
+                    ):
+                        self._restartable_seen()
                 case "signal":
                     self.signals.drain_wake_fd()
 
     # ------------------------------------------------------------------ helpers
+    def _restartable_seen(self) -> None:
+        callback, self.on_restartable = self.on_restartable, None
+        assert callback is not None
+        callback()
+        self.pending.extend(self.warm.read_events())  # exits read during its requests
+
     def _end(self, kind: OutcomeKind, reason: str = "") -> None:
         self.kind, self.reason = kind, reason
 

@@ -12,7 +12,14 @@ from rallypoint._supervise._options import WorkerOptions, visible_gpus
 from rallypoint._supervise._output import write_console
 from rallypoint._supervise._state import GroupInfo
 
-__all__ = ["STANDBY_UNSET", "base_env", "standby_env", "user_rpc_secret", "worker_env"]
+__all__ = [
+    "STANDBY_UNSET",
+    "base_env",
+    "spare_env",
+    "standby_env",
+    "user_rpc_secret",
+    "worker_env",
+]
 
 STANDBY_UNSET = (
     "RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
@@ -105,3 +112,13 @@ def standby_env(env: dict[str, str]) -> dict[str, str]:
     out = {k: v for k, v in env.items() if k not in STANDBY_UNSET}
     out[envvars.STANDBY] = "1"
     return out
+
+
+SPARE_UNSET = ("LOCAL_RANK", envvars.LOCAL_RANK, envvars.PROGRESS_SLOT)
+"""What a spare worker does not know either: which local rank it will take."""
+
+
+def spare_env(env: dict[str, str]) -> dict[str, str]:
+    """A spare worker's environment (``--spare-workers``): a hot spare's, without a local
+    rank (:data:`SPARE_UNSET`) until it takes a replaced rank's place."""
+    return {k: v for k, v in standby_env(env).items() if k not in SPARE_UNSET}

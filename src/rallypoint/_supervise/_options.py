@@ -103,12 +103,22 @@ class WorkerOptions:
     """torchrun's ``--virtual-local-rank``: every worker gets ``LOCAL_RANK=0`` and sees only
     its own GPU (``CUDA_VISIBLE_DEVICES``: the local rank's entry of the launcher's list,
     else the local rank itself)."""
+    spare_workers: int = 0
+    """Extra workers this node keeps ready for an in-process restart (``--spare-workers``):
+    each runs the script's set-up and waits in its ``@rallypoint.restartable`` function;
+    a rank that needs a new process takes one instead of running the set-up again."""
     numa_binding: str | None = None
     """torchrun's ``--numa-binding``: ``node``, ``socket``, ``exclusive`` or
     ``core-complex`` binds each worker to CPUs near GPU ``LOCAL_RANK`` (``_numa``)."""
 
     def __post_init__(self) -> None:
         check_int(self.nproc, "nproc", minimum=1)
+        check_int(self.spare_workers, "spare_workers", minimum=0)
+        if self.spare_workers and self.virtual_local_rank:
+            raise ValueError(
+                "spare_workers cannot be combined with virtual_local_rank: a spare's set-up "
+                "runs before it knows which GPU (CUDA_VISIBLE_DEVICES) its rank will have"
+            )
         if not isinstance(self.virtual_local_rank, bool):
             raise TypeError(
                 f"virtual_local_rank must be True or False, got {self.virtual_local_rank!r}"

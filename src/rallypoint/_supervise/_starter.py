@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rallypoint._core.envvars import ERROR_FILE
-from rallypoint._supervise._env import standby_env, worker_env
+from rallypoint._supervise._env import spare_env, standby_env, worker_env
 from rallypoint._supervise._inprocess._control import Assign, encode
 from rallypoint._supervise._inprocess._control import pair as control_pair
 from rallypoint._supervise._main_module import describe_main
@@ -138,6 +138,31 @@ class WorkerStarter:
         for spec, pid, p in zip(specs, pids, pipes, strict=True):
             os.set_blocking(p.res, False)
             error_file = standby_dir / str(spec.local_rank) / "error.json"
+            workers.append(
+                Worker(spec.local_rank, -1, pid, error_file, p.res, pipes=(p.out, p.err),
+                       control=p.control, parked=True)
+            )  # fmt: skip
+        return workers
+
+    def start_spares(self, group: GroupInfo, first: int, count: int) -> list[Worker]:
+        """Fork ``count`` spare workers (``--spare-workers``), numbered from ``first``: they
+        run the script's set-up and wait in their restartable function until one is given
+        a replaced rank's place (:meth:`start` with it among ``kept``)."""
+        spares_dir = (self.log_root or self.scratch) / "spares"
+        specs = []
+        for number in range(first, first + count):
+            spec = self._spec(group, 0, spares_dir)  # local rank 0's, less what is its own
+            spec.env = spare_env(spec.env)
+            spec.env[ERROR_FILE] = str(spares_dir / str(number) / "error.json")
+            # numbered past the local ranks: the warm process tells its children apart by it
+            spec.local_rank, spec.rank, spec.cpus = self.nproc + number, -1, None
+            specs.append(spec)
+            (spares_dir / str(number)).mkdir(parents=True, exist_ok=True)
+        pids, pipes = self._fork(specs)
+        workers = []
+        for spec, pid, p in zip(specs, pids, pipes, strict=True):
+            os.set_blocking(p.res, False)
+            error_file = spares_dir / str(spec.local_rank - self.nproc) / "error.json"
             workers.append(
                 Worker(spec.local_rank, -1, pid, error_file, p.res, pipes=(p.out, p.err),
                        control=p.control, parked=True)

@@ -15,8 +15,10 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +145,12 @@ class Supervisor(Closing):
         self._snapshots_tried = False
         self.kept: dict[int, Worker] = {}
         """Workers parked by the last attempt for an in-process restart, by local rank."""
+        self.spares: list[Worker] = []
+        """Spare workers (``--spare-workers``) that ran the set-up and wait for a rank."""
+        self._spares_started = 0
+        self._gone: set[int] = set()
+        """Pids of spares whose exit an attempt read."""
+        self._group: GroupInfo | None = None
 
     @property
     def nproc(self) -> int:
@@ -227,6 +235,8 @@ class Supervisor(Closing):
         router = OutputRouter()
         workers: list[Worker] = []
         kept, self.kept = self._alive(self.kept), {}
+        spared = self._place_spares(kept, number)
+        self._group = group
         try:
             workers = self.starter.start(group, number, router, kept)
         except BaseException:  # Ctrl-C too: no half-started worker outlives it
@@ -236,12 +246,73 @@ class Supervisor(Closing):
             raise
         self.observer.reset()
         for w in workers:
-            event = "worker_kept" if w.local_rank in kept else "worker_start"
-            self.observer.emit(event, round=number, rank=w.rank, local_rank=w.local_rank, pid=w.pid)
+            fields = {"round": number, "rank": w.rank, "local_rank": w.local_rank, "pid": w.pid}
+            if w.local_rank in spared:
+                self.observer.emit("worker_start", **fields, spare=True)
+            elif w.local_rank in kept:
+                self.observer.emit("worker_kept", **fields)
+            else:
+                self.observer.emit("worker_start", **fields)
         grace = self.stop_options.restart_grace.total_seconds() if restart_in_process else None
         outcome = self._attempt(workers, router, policy, number, grace, cause_wait)
         self.kept = {w.local_rank: w for w in outcome.kept}
         return outcome
+
+    # ------------------------------------------------------------------ spare workers
+    def _top_up_spares(self) -> None:
+        """Fork spares until ``--spare-workers`` of them run or wait (once an attempt's
+        workers said they run a restartable function: a spare only works in one)."""
+        self.spares = [w for w in self.spares if self._spare_alive(w)]
+        count = self.workers.spare_workers - len(self.spares)
+        if count <= 0 or self._group is None:
+            return
+        new = self.starter.start_spares(self._group, self._spares_started, count)
+        self._spares_started += count
+        self.spares += new
+        self.stopper.spare_workers = {w.pid for w in self.spares}
+        pids = ", ".join(str(w.pid) for w in new)
+        write_console(
+            2,
+            f"rallypoint: {count} spare worker(s) run the script's set-up now and wait to "
+            f"take a replaced rank's place (pids {pids})\n".encode(),
+        )
+        for w in new:
+            self.observer.emit("worker_spare", pid=w.pid)
+
+    def _spare_alive(self, w: Worker) -> bool:
+        """Whether spare ``w`` still runs: no exit read for it, its control channel open."""
+        if w.pid in self._gone or w.control is None:
+            return False
+        try:
+            alive = w.control.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            alive = True
+        except OSError:
+            alive = False
+        if not alive:
+            self._close_worker(w)
+        return alive
+
+    def _place_spares(self, kept: dict[int, Worker], number: int) -> set[int]:
+        """Give the local ranks that need a new process to waiting spares (into ``kept``:
+        they get the attempt's environment as kept workers do); returns those ranks."""
+        if not self.spares:
+            return set()
+        self.spares = [w for w in self.spares if self._spare_alive(w)]
+        placed = set()
+        for local_rank in range(self.nproc):
+            if local_rank in kept or not self.spares:
+                continue
+            spare = self.spares.pop(0)
+            kept[local_rank] = replace(spare, local_rank=local_rank)
+            placed.add(local_rank)
+            self.stopper.spare_workers.discard(spare.pid)
+            write_console(
+                2,
+                f"rallypoint: attempt {number}: local rank {local_rank} goes to spare worker "
+                f"{spare.pid} (its set-up ran ahead)\n".encode(),
+            )
+        return placed
 
     def start_standby(self, group: GroupInfo) -> None:
         """Start this node's workers ahead, as a hot spare's: they run the script's set-up
@@ -264,9 +335,10 @@ class Supervisor(Closing):
     def _alive(self, kept: dict[int, Worker]) -> dict[int, Worker]:
         """``kept`` but the workers that exited since (a hot spare's set-up that failed, a
         parked worker killed): those are started afresh."""
-        if not kept:
+        if not kept and not self.spares:
             return kept
         gone = {e.pid for e in self.warm.read_events()}
+        self._gone |= gone  # a spare's exit too
         for local_rank, w in list(kept.items()):
             if w.pid in gone:
                 del kept[local_rank]
@@ -283,9 +355,11 @@ class Supervisor(Closing):
             w.control = None
 
     def stop_kept(self) -> None:
-        """Stop the workers kept for an in-process restart that will not come, as workers
-        are stopped: SIGTERM (their handlers run), SIGKILL after ``--shutdown-timeout``."""
-        kept, self.kept = list(self.kept.values()), {}
+        """Stop the workers kept for an in-process restart that will not come, and the
+        spares, as workers are stopped: SIGTERM (their handlers run), SIGKILL after
+        ``--shutdown-timeout``."""
+        kept, self.kept = [*self.kept.values(), *self.spares], {}
+        self.spares, self.stopper.spare_workers = [], set()
         if not kept:
             return
         self.stopper.kill_trees(kept, signal.SIGTERM)
@@ -304,7 +378,7 @@ class Supervisor(Closing):
         grace: float | None,
         cause_wait: float | None,
     ) -> Outcome:
-        return Attempt(
+        attempt = Attempt(
             warm=self.warm,
             workers=workers,
             router=router,
@@ -319,7 +393,12 @@ class Supervisor(Closing):
             restart_grace=grace,
             reset_store=self.warm.reset_store if self.stopper.store_pid else None,
             cause_wait=CAUSE_WAIT if cause_wait is None else cause_wait,
-        ).run()
+            on_restartable=self._top_up_spares if self.workers.spare_workers else None,
+        )
+        try:
+            return attempt.run()
+        finally:
+            self._gone.update(e.pid for e in attempt.others)
 
     def results(self, outcome: Outcome) -> list[Any]:
         """What each worker of a successful attempt returned (``None`` for scripts)."""
