@@ -260,11 +260,19 @@ def test_spare_workers_bad_input_is_refused_with_a_clear_error(tmp_path: Path) -
     )  # fmt: skip
     assert done.returncode == 2 and "spare_workers" in done.stderr, done.stderr
     with pytest.raises(ValueError, match="spare_workers"):
-        rallypoint.LaunchConfig(spare_workers=-1)
+        rallypoint.LaunchConfig(spare_workers=-1, max_restarts=1)
     with pytest.raises(TypeError, match="spare_workers"):
-        rallypoint.LaunchConfig(spare_workers="1")  # type: ignore[arg-type]
+        rallypoint.LaunchConfig(spare_workers="1", max_restarts=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="virtual_local_rank"):
-        rallypoint.LaunchConfig(nproc=2, spare_workers=1, virtual_local_rank=True)
+        rallypoint.LaunchConfig(nproc=2, spare_workers=1, max_restarts=1, virtual_local_rank=True)
+    with pytest.raises(ValueError, match="spare_workers needs max_restarts > 0"):
+        rallypoint.LaunchConfig(nproc=2, spare_workers=1)
+    done = subprocess.run(
+        [sys.executable, "-m", "rallypoint", "run", "--spare-workers", "1", str(SCRIPT)],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    assert done.returncode == 2 and "--max-restarts" in done.stderr, done.stderr
 
 
 @pytest.mark.timeout(300)

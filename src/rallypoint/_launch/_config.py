@@ -269,6 +269,11 @@ class LaunchConfig:
                 f"rank_offset ({world.rank_offset}) + nproc ({nproc}) exceeds "
                 f"world_size ({total}); raise world_size or lower rank_offset"
             )
+        if self.workers.spare_workers and not self.restarts.max_restarts:
+            raise ValueError(
+                "spare_workers needs max_restarts > 0: a spare worker takes a replaced "
+                "rank's place in a restart (--max-restarts N)"
+            )
         if self.restarts.max_restarts and total != nproc:
             raise ValueError(
                 "max_restarts needs the whole world in one launch (world_size == nproc); "
