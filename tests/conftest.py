@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# torch.cuda.is_available() (a skipif at collection, say) asks NVML instead of starting
+# CUDA's driver in this process: workers forked from it (or from the zygote) could not use
+# CUDA after that, and every fork-based cuda test on a GPU host would fail
+os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
 
 from _support.store_host import store_host
 from rallypoint.testing import worker_zygote
@@ -21,6 +28,16 @@ def zygote() -> Iterator[Zygote]:
     threads looked a name up blocked for good in its own store connect)."""
     with worker_zygote() as made:
         yield made
+
+
+@pytest.fixture(autouse=True)
+def no_cuda_in_the_test_process() -> Iterator[None]:
+    """A test that starts CUDA in the pytest process fails, naming itself, rather than every
+    later test whose forked workers use CUDA (CUDA does not survive a fork)."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        pytest.fail("this test initialised CUDA in the pytest process: do CUDA in workers")
 
 
 @pytest.fixture
