@@ -51,6 +51,7 @@ state = {"model": model, "optimizer": opt}
 if "LOCAL_RANK" not in os.environ:  # a spare worker: its set-up is done
     if os.environ.get("RESTART_TEST_SPARE_EXITS"):
         open(os.path.join(OUT, f"spare-gone-{os.getpid()}"), "w").close()
+        print("the spare's set-up failed", file=sys.stderr, flush=True)
         os._exit(3)
     open(os.path.join(OUT, f"spare-ready-{os.getpid()}"), "w").close()
 

@@ -210,7 +210,11 @@ def test_a_spare_that_exited_is_passed_over_and_the_rank_started_afresh(
     code, text = _run(tmp_path, "spare", "--spare-workers", "1", env=env)
     assert code == 0, text
     spares = {int(p.name.rsplit("-", 1)[1]) for p in tmp_path.glob("spare-gone-*")}
-    assert spares and "goes to spare worker" not in text, text
+    assert len(spares) == 1 and "goes to spare worker" not in text, text
+    [spare] = spares  # said once, with its output; no second spare is started
+    assert f"spare worker {spare} exited before it took a rank; no more spares" in text, text
+    assert "  the spare's set-up failed" in text, text
+    assert text.count("spare worker(s) run the script's set-up now") == 1, text
     first, second = _entries(tmp_path, 0), _entries(tmp_path, 1)
     assert second[1][0] not in spares | {first[1][0]}, (first, second)  # a new process
     assert all(start == 10 for _, start in second.values()), second

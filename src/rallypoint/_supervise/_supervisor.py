@@ -15,10 +15,8 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +38,7 @@ from rallypoint._supervise._options import OutputOptions, StopOptions, WorkerOpt
 from rallypoint._supervise._output import OutputRouter, write_console
 from rallypoint._supervise._policy import AttemptPolicy
 from rallypoint._supervise._signals import SignalQueue
+from rallypoint._supervise._spares import SparePool
 from rallypoint._supervise._starter import WorkerStarter
 from rallypoint._supervise._state import GroupInfo, Outcome, Worker
 from rallypoint._supervise._stop import Stopper
@@ -145,11 +144,7 @@ class Supervisor(Closing):
         self._snapshots_tried = False
         self.kept: dict[int, Worker] = {}
         """Workers parked by the last attempt for an in-process restart, by local rank."""
-        self.spares: list[Worker] = []
-        """Spare workers (``--spare-workers``) that ran the set-up and wait for a rank."""
-        self._spares_started = 0
-        self._gone: set[int] = set()
-        """Pids of spares whose exit an attempt read."""
+        self.spares = SparePool(workers.spare_workers, self.starter, self.stopper, observer)
         self._group: GroupInfo | None = None
 
     @property
@@ -235,7 +230,7 @@ class Supervisor(Closing):
         router = OutputRouter()
         workers: list[Worker] = []
         kept, self.kept = self._alive(self.kept), {}
-        spared = self._place_spares(kept, number)
+        spared = self.spares.place(kept, self.nproc, number) if self.spares.waiting else set()
         self._group = group
         try:
             workers = self.starter.start(group, number, router, kept)
@@ -258,62 +253,6 @@ class Supervisor(Closing):
         self.kept = {w.local_rank: w for w in outcome.kept}
         return outcome
 
-    # ------------------------------------------------------------------ spare workers
-    def _top_up_spares(self) -> None:
-        """Fork spares until ``--spare-workers`` of them run or wait (once an attempt's
-        workers said they run a restartable function: a spare only works in one)."""
-        self.spares = [w for w in self.spares if self._spare_alive(w)]
-        count = self.workers.spare_workers - len(self.spares)
-        if count <= 0 or self._group is None:
-            return
-        new = self.starter.start_spares(self._group, self._spares_started, count)
-        self._spares_started += count
-        self.spares += new
-        self.stopper.spare_workers = {w.pid for w in self.spares}
-        pids = ", ".join(str(w.pid) for w in new)
-        write_console(
-            2,
-            f"rallypoint: {count} spare worker(s) run the script's set-up now and wait to "
-            f"take a replaced rank's place (pids {pids})\n".encode(),
-        )
-        for w in new:
-            self.observer.emit("worker_spare", pid=w.pid)
-
-    def _spare_alive(self, w: Worker) -> bool:
-        """Whether spare ``w`` still runs: no exit read for it, its control channel open."""
-        if w.pid in self._gone or w.control is None:
-            return False
-        try:
-            alive = w.control.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-        except BlockingIOError:
-            alive = True
-        except OSError:
-            alive = False
-        if not alive:
-            self._close_worker(w)
-        return alive
-
-    def _place_spares(self, kept: dict[int, Worker], number: int) -> set[int]:
-        """Give the local ranks that need a new process to waiting spares (into ``kept``:
-        they get the attempt's environment as kept workers do); returns those ranks."""
-        if not self.spares:
-            return set()
-        self.spares = [w for w in self.spares if self._spare_alive(w)]
-        placed = set()
-        for local_rank in range(self.nproc):
-            if local_rank in kept or not self.spares:
-                continue
-            spare = self.spares.pop(0)
-            kept[local_rank] = replace(spare, local_rank=local_rank)
-            placed.add(local_rank)
-            self.stopper.spare_workers.discard(spare.pid)
-            write_console(
-                2,
-                f"rallypoint: attempt {number}: local rank {local_rank} goes to spare worker "
-                f"{spare.pid} (its set-up ran ahead)\n".encode(),
-            )
-        return placed
-
     def start_standby(self, group: GroupInfo) -> None:
         """Start this node's workers ahead, as a hot spare's: they run the script's set-up
         and wait for the ranks of the round that admits the node (the next
@@ -335,10 +274,10 @@ class Supervisor(Closing):
     def _alive(self, kept: dict[int, Worker]) -> dict[int, Worker]:
         """``kept`` but the workers that exited since (a hot spare's set-up that failed, a
         parked worker killed): those are started afresh."""
-        if not kept and not self.spares:
+        if not kept and not self.spares.waiting:
             return kept
         gone = {e.pid for e in self.warm.read_events()}
-        self._gone |= gone  # a spare's exit too
+        self.spares.gone |= gone  # a spare's exit too
         for local_rank, w in list(kept.items()):
             if w.pid in gone:
                 del kept[local_rank]
@@ -358,8 +297,7 @@ class Supervisor(Closing):
         """Stop the workers kept for an in-process restart that will not come, and the
         spares, as workers are stopped: SIGTERM (their handlers run), SIGKILL after
         ``--shutdown-timeout``."""
-        kept, self.kept = [*self.kept.values(), *self.spares], {}
-        self.spares, self.stopper.spare_workers = [], set()
+        kept, self.kept = [*self.kept.values(), *self.spares.take_all()], {}
         if not kept:
             return
         self.stopper.kill_trees(kept, signal.SIGTERM)
@@ -398,7 +336,11 @@ class Supervisor(Closing):
         try:
             return attempt.run()
         finally:
-            self._gone.update(e.pid for e in attempt.others)
+            self.spares.gone.update(e.pid for e in attempt.others)
+
+    def _top_up_spares(self) -> None:
+        if self._group is not None:
+            self.spares.top_up(self._group)
 
     def results(self, outcome: Outcome) -> list[Any]:
         """What each worker of a successful attempt returned (``None`` for scripts)."""

@@ -1,0 +1,137 @@
+"""Spare workers (``--spare-workers``): processes that ran the script's set-up and wait in
+their restartable function until a rank that needs a new process takes one of them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import replace
+
+from rallypoint._supervise._output import write_console
+from rallypoint._supervise._starter import WorkerStarter
+from rallypoint._supervise._state import GroupInfo, Worker
+from rallypoint._supervise._stop import Stopper
+from rallypoint._watch._observer import Observer
+
+__all__ = ["SparePool"]
+
+_TAIL_BYTES = 4096
+"""Most of a dead spare's last output that its report shows."""
+
+
+class SparePool:
+    """This node's waiting spares: started once an attempt's workers run a restartable
+    function, handed to the ranks that need a new process, started again as they are used.
+
+    A spare that exits before it takes a rank (its set-up failed: it cannot know its
+    ``LOCAL_RANK``, say) is reported with the end of its output, and no spare is started
+    after that: the next one would fail the same way.
+    """
+
+    def __init__(
+        self, count: int, starter: WorkerStarter, stopper: Stopper, observer: Observer
+    ) -> None:
+        self.count = count
+        self.starter, self.stopper, self.observer = starter, stopper, observer
+        self.waiting: list[Worker] = []
+        self.started = 0
+        self.gone: set[int] = set()
+        """Pids whose exit was read (by an attempt, or before one started)."""
+        self.failed = False
+
+    def top_up(self, group: GroupInfo) -> None:
+        """Fork spares until ``count`` of them run or wait."""
+        self._drop_dead()
+        missing = self.count - len(self.waiting)
+        if missing <= 0 or self.failed:
+            return
+        new = self.starter.start_spares(group, self.started, missing)
+        self.started += missing
+        self.waiting += new
+        self.stopper.spare_workers = {w.pid for w in self.waiting}
+        pids = ", ".join(str(w.pid) for w in new)
+        write_console(
+            2,
+            f"rallypoint: {missing} spare worker(s) run the script's set-up now and wait to "
+            f"take a replaced rank's place (pids {pids})\n".encode(),
+        )
+        for w in new:
+            self.observer.emit("worker_spare", pid=w.pid)
+
+    def place(self, kept: dict[int, Worker], nproc: int, attempt: int) -> set[int]:
+        """Give the local ranks that need a new process to waiting spares (into ``kept``:
+        they get the attempt's environment as kept workers do); returns those ranks."""
+        self._drop_dead()
+        placed = set()
+        for local_rank in range(nproc):
+            if local_rank in kept or not self.waiting:
+                continue
+            spare = self.waiting.pop(0)
+            kept[local_rank] = replace(spare, local_rank=local_rank)
+            placed.add(local_rank)
+            self.stopper.spare_workers.discard(spare.pid)
+            write_console(
+                2,
+                f"rallypoint: attempt {attempt}: local rank {local_rank} goes to spare worker "
+                f"{spare.pid} (its set-up ran ahead)\n".encode(),
+            )
+        return placed
+
+    def take_all(self) -> list[Worker]:
+        """Every waiting spare, to be stopped; the pool keeps none."""
+        waiting, self.waiting = self.waiting, []
+        self.stopper.spare_workers = set()
+        return waiting
+
+    def _drop_dead(self) -> None:
+        alive = []
+        for w in self.waiting:
+            if self._alive(w):
+                alive.append(w)
+            else:
+                self._report_dead(w)
+        self.waiting = alive
+        self.stopper.spare_workers = {w.pid for w in alive}
+
+    def _alive(self, w: Worker) -> bool:
+        """No exit read for it, and its control channel open."""
+        if w.pid in self.gone or w.control is None:
+            return False
+        try:
+            return w.control.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+    def _report_dead(self, w: Worker) -> None:
+        tail = b"".join(_read_what_is_there(fd) for fd in w.pipes)[-_TAIL_BYTES:]
+        for fd in (*w.pipes, w.res_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        if w.control is not None:
+            w.control.close()
+        self.failed = True
+        shown = tail.decode(errors="replace").rstrip()
+        shown = "\n".join(f"  {line}" for line in shown.splitlines()) or "  (no output)"
+        write_console(
+            2,
+            f"rallypoint: spare worker {w.pid} exited before it took a rank; no more spares "
+            "are started (a spare runs the set-up without LOCAL_RANK or RANK). The end of its "
+            f"output:\n{shown}\n".encode(),
+        )
+        self.observer.emit("worker_spare_exit", pid=w.pid)
+
+
+def _read_what_is_there(fd: int) -> bytes:
+    """What a dead process left in its pipe ``fd``, without blocking."""
+    if fd < 0:
+        return b""
+    chunks = []
+    with contextlib.suppress(OSError):
+        os.set_blocking(fd, False)
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
