@@ -293,9 +293,9 @@ def test_twenty_in_process_restarts_leak_no_descriptor_thread_or_memory(tmp_path
     assert len({u[0] for u in usage.values()}) == 1  # rank 0 never left its process
     assert len({u[1] for u in usage.values()}) == 1, usage  # descriptors
     assert len({u[2] for u in usage.values()}) == 1, usage  # threads
-    # the first restart allocates what gloo and the snapshot session keep; then flat
-    # a leak grows with every restart; the first restarts may still warm up (one loaded run
-    # saw rank 0 grow 6 MB between restarts 1 and 2, then 28 KB over the next 18)
+    # the first restarts allocate what gloo and the snapshot session keep (one loaded run:
+    # 6 MB more between restarts 1 and 2, then 28 KB over the next 18); a leak grows with
+    # every restart
     assert usage[20][3] - usage[5][3] < 4 << 20, usage
     assert _setups(tmp_path) == 2 + 20
 
