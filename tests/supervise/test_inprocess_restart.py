@@ -405,6 +405,30 @@ def test_across_two_agents_a_crash_keeps_every_other_rank_on_both_nodes(
 
 
 @pytest.mark.timeout(300)
+def test_across_two_agents_a_spare_worker_takes_the_crashed_ranks_place(
+    tmp_path: Path, reference: Path
+) -> None:
+    import socket
+
+    with socket.socket() as s:  # the first agent hosts the rendezvous store there
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    agents = [_agent(endpoint, tmp_path, "spare", "--spare-workers", "1") for _ in range(2)]
+    try:
+        texts = _finish(agents)
+    finally:
+        for p in agents:
+            p.kill()
+    first, second = _entries(tmp_path, 0), _entries(tmp_path, 1)
+    [taken] = [t for t in texts if "local rank 1 goes to spare worker" in t]
+    spare = int(taken.split("local rank 1 goes to spare worker ")[1].split()[0])
+    assert second[1][0] == spare and (tmp_path / f"spare-ready-{spare}").exists(), texts
+    assert all(second[r][0] == first[r][0] for r in (0, 2, 3)), (first, second)
+    assert all(start == 10 for _, start in second.values()), second
+    _same_params(tmp_path / "final.pt", reference)
+
+
+@pytest.mark.timeout(300)
 def test_a_lost_node_leaves_the_other_nodes_ranks_in_their_processes(
     tmp_path: Path, endpoint: str
 ) -> None:
