@@ -143,7 +143,9 @@ def test_an_excluded_store_host_serves_the_store_until_the_job_ends(tmp_path: Pa
         _wait_listening(port, agents["A"])
         agents["B"] = _agent(endpoint, "1:2", "B", tmp_path, "good", *rules)
         _wait_trained(tmp_path, 1, agents)  # B alone, the store still up
-        assert agents["A"].poll() is None, "the excluded store host left with the store"
+        if agents["A"].poll() is not None:
+            code, text = _end(agents["A"])
+            raise AssertionError(f"the excluded store host left with the store ({code}):\n{text}")
         # a new agent on the excluded agent's host is a new node: it says so and joins
         agents["A2"] = _agent(endpoint, "1:2", "A2", tmp_path, "good", *rules)
         _wait_trained(tmp_path, 2, agents)
