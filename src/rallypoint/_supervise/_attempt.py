@@ -115,8 +115,7 @@ class Attempt:
 
     def run(self) -> Outcome:
         self._register()
-        if self.on_restartable is not None and any(w.restartable for w in self.workers):
-            self._restartable_seen()  # kept workers said so in an earlier attempt
+        self._check_restartable()  # kept workers said so in an earlier attempt
         try:
             while True:
                 now = time.monotonic()
@@ -321,21 +320,21 @@ class Attempt:
                 case "ctl":
                     if not self.inproc.on_readable(fd, self._on_raised):
                         self.sel.unregister(fd)
-                    if (
-                        self.on_restartable is not None
-                        and self.kind is None
-                        and any(w.restartable for w in self.workers)
-                    ):
-                        self._restartable_seen()
+                    self._check_restartable()
                 case "signal":
                     self.signals.drain_wake_fd()
 
     # ------------------------------------------------------------------ helpers
-    def _restartable_seen(self) -> None:
-        callback, self.on_restartable = self.on_restartable, None
-        assert callback is not None
-        callback()
-        self.pending.extend(self.warm.read_events())  # exits read during its requests
+    def _check_restartable(self) -> None:
+        """Call ``on_restartable`` once a worker of this running attempt said it runs a
+        restartable function."""
+        callback = self.on_restartable
+        if callback is None or self.kind is not None:
+            return
+        if any(w.restartable for w in self.workers):
+            self.on_restartable = None
+            callback()
+            self.pending.extend(self.warm.read_events())  # exits read during its requests
 
     def _end(self, kind: OutcomeKind, reason: str = "") -> None:
         self.kind, self.reason = kind, reason

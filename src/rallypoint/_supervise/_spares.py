@@ -107,12 +107,7 @@ class SparePool:
 
     def _report_dead(self, w: Worker) -> None:
         tail = b"".join(_read_what_is_there(fd) for fd in w.pipes)[-_TAIL_BYTES:]
-        for fd in (*w.pipes, w.res_fd):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        if w.control is not None:
-            w.control.close()
+        w.close_channels()
         self.failed = True
         shown = tail.decode(errors="replace").rstrip()
         shown = "\n".join(f"  {line}" for line in shown.splitlines()) or "  (no output)"

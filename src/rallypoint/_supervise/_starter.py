@@ -151,21 +151,19 @@ class WorkerStarter:
         spares_dir = (self.log_root or self.scratch) / "spares"
         specs = []
         for number in range(first, first + count):
-            spec = self._spec(group, 0, spares_dir)  # local rank 0's, less what is its own
+            # local rank 0's, less what is its own; its files in a directory of its own
+            spec = self._spec(group, 0, spares_dir, rank_dir=spares_dir / str(number))
             spec.env = spare_env(spec.env)
-            spec.env[ERROR_FILE] = str(spares_dir / str(number) / "error.json")
             # numbered past the local ranks: the warm process tells its children apart by it
             spec.local_rank, spec.rank, spec.cpus = self.nproc + number, -1, None
             specs.append(spec)
-            (spares_dir / str(number)).mkdir(parents=True, exist_ok=True)
         pids, pipes = self._fork(specs)
         workers = []
         for spec, pid, p in zip(specs, pids, pipes, strict=True):
             os.set_blocking(p.res, False)
-            error_file = spares_dir / str(spec.local_rank - self.nproc) / "error.json"
             workers.append(
-                Worker(spec.local_rank, -1, pid, error_file, p.res, pipes=(p.out, p.err),
-                       control=p.control, parked=True)
+                Worker(spec.local_rank, -1, pid, Path(spec.env[ERROR_FILE]), p.res,
+                       pipes=(p.out, p.err), control=p.control, parked=True)
             )  # fmt: skip
         return workers
 
@@ -173,8 +171,11 @@ class WorkerStarter:
     def nproc(self) -> int:
         return self.workers.nproc
 
-    def _spec(self, group: GroupInfo, local_rank: int, attempt_dir: Path) -> WorkerSpec:
-        rank_dir = attempt_dir / str(local_rank)
+    def _spec(
+        self, group: GroupInfo, local_rank: int, attempt_dir: Path, rank_dir: Path | None = None
+    ) -> WorkerSpec:
+        """``local_rank``'s spec; its files go to ``rank_dir`` (default ``attempt_dir/N``)."""
+        rank_dir = rank_dir or attempt_dir / str(local_rank)
         error_file = rank_dir / "error.json"
         try:
             rank_dir.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,9 @@ worker (:class:`Worker`), and how an attempt ended (:class:`Outcome`)."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import os
 import re
 import signal
 import socket
@@ -147,6 +149,17 @@ class Worker:
     @property
     def gone_or_parked(self) -> bool:
         return self.status is not None or self.parked
+
+    def close_channels(self) -> None:
+        """Close the supervisor's ends of its pipes and control channel (it is gone, or no
+        attempt will watch it)."""
+        for fd in (*self.pipes, self.res_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        if self.control is not None:
+            self.control.close()
+            self.control = None
 
     @property
     def returncode(self) -> int | None:

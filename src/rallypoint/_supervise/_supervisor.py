@@ -11,12 +11,14 @@ coordinator that owns it does (``rallypoint._elastic``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +147,6 @@ class Supervisor(Closing):
         self.kept: dict[int, Worker] = {}
         """Workers parked by the last attempt for an in-process restart, by local rank."""
         self.spares = SparePool(workers.spare_workers, self.starter, self.stopper, observer)
-        self._group: GroupInfo | None = None
 
     @property
     def nproc(self) -> int:
@@ -230,8 +231,7 @@ class Supervisor(Closing):
         router = OutputRouter()
         workers: list[Worker] = []
         kept, self.kept = self._alive(self.kept), {}
-        spared = self.spares.place(kept, self.nproc, number) if self.spares.waiting else set()
-        self._group = group
+        spared = self.spares.place(kept, self.nproc, number)
         try:
             workers = self.starter.start(group, number, router, kept)
         except BaseException:  # Ctrl-C too: no half-started worker outlives it
@@ -249,7 +249,8 @@ class Supervisor(Closing):
             else:
                 self.observer.emit("worker_start", **fields)
         grace = self.stop_options.restart_grace.total_seconds() if restart_in_process else None
-        outcome = self._attempt(workers, router, policy, number, grace, cause_wait)
+        top_up = functools.partial(self.spares.top_up, group) if self.spares.count else None
+        outcome = self._attempt(workers, router, policy, number, grace, cause_wait, top_up)
         self.kept = {w.local_rank: w for w in outcome.kept}
         return outcome
 
@@ -281,17 +282,8 @@ class Supervisor(Closing):
         for local_rank, w in list(kept.items()):
             if w.pid in gone:
                 del kept[local_rank]
-                self._close_worker(w)
+                w.close_channels()
         return kept
-
-    def _close_worker(self, w: Worker) -> None:
-        for fd in (*w.pipes, w.res_fd):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        if w.control is not None:
-            w.control.close()
-            w.control = None
 
     def stop_kept(self) -> None:
         """Stop the workers kept for an in-process restart that will not come, and the
@@ -305,7 +297,7 @@ class Supervisor(Closing):
         self.stopper.kill_trees(kept, signal.SIGKILL)
         self.stopper.wait_all(kept, 5.0)
         for w in kept:
-            self._close_worker(w)
+            w.close_channels()
 
     def _attempt(
         self,
@@ -315,6 +307,7 @@ class Supervisor(Closing):
         number: int,
         grace: float | None,
         cause_wait: float | None,
+        on_restartable: Callable[[], object] | None,
     ) -> Outcome:
         attempt = Attempt(
             warm=self.warm,
@@ -331,16 +324,12 @@ class Supervisor(Closing):
             restart_grace=grace,
             reset_store=self.warm.reset_store if self.stopper.store_pid else None,
             cause_wait=CAUSE_WAIT if cause_wait is None else cause_wait,
-            on_restartable=self._top_up_spares if self.workers.spare_workers else None,
+            on_restartable=on_restartable,
         )
         try:
             return attempt.run()
         finally:
             self.spares.gone.update(e.pid for e in attempt.others)
-
-    def _top_up_spares(self) -> None:
-        if self._group is not None:
-            self.spares.top_up(self._group)
 
     def results(self, outcome: Outcome) -> list[Any]:
         """What each worker of a successful attempt returned (``None`` for scripts)."""
