@@ -4,15 +4,16 @@
 # GPU benchmarks. Each step has its own time limit and the next one runs whatever the
 # last gave; what each printed lands in $OUT (default ./gpu-out), one file per step.
 #
-#   OUT=/some/dir benchmarks/gpu_checks.sh     # all steps (about 15 min at most)
-#   benchmarks/gpu_checks.sh tests             # the cuda tests (9 min at most)
-#   benchmarks/gpu_checks.sh bench             # the benchmarks (6 min at most)
-#   benchmarks/gpu_checks.sh cuda-other restart-gpu rpc-cuda   # the steps named, as below
+#   OUT=/some/dir benchmarks/gpu_checks.sh     # all steps (about 12 min at most)
+#   benchmarks/gpu_checks.sh tests             # the cuda tests
+#   benchmarks/gpu_checks.sh bench             # the benchmarks
+#   benchmarks/gpu_checks.sh rpc-cuda-costs restart-gpu   # the steps named, as below
 #
-# On an H100 (16 CPUs) cuda-rpc took about 5 s a test (260 s), cuda-other about 100 s,
-# restart-gpu 72 s (two variants; three now) and rpc-cuda 25 s: within 15 minutes of
-# device time, run cuda-rpc in one call and the rest in a second, each with the step
-# limits below as its budget.
+# On an H100 (16 CPUs) the cuda RPC tests took about 5 s a test one at a time (260 s); they
+# now run 6 at a time (they share the GPU; 16 CPUs), except the memory test, which reads
+# the device's free memory and runs alone. cuda-other took about 100 s, restart-gpu 72 s
+# for two variants (three now) and rpc-cuda 25 s.  At most 8 files come back from a
+# device call: machine.txt, summary.txt and one per step, so name at most 6 steps a call.
 #
 # rallypoint runs from this checkout (PYTHONPATH=src) on the machine's own python3, whose
 # CUDA torch is the one used (a venv made from it would not see its packages); CI never
@@ -45,14 +46,17 @@ step() {  # step NAME SECONDS COMMAND...: run it, keep its output, say how it en
 
 wanted=" ${*:-all} "
 wanted=${wanted/ all / tests bench }
-wanted=${wanted/ tests / cuda-rpc cuda-other }
-wanted=${wanted/ bench / restart-gpu rpc-cuda launch-cuda }
+wanted=${wanted/ tests / cuda-rpc cuda-rpc-memory cuda-other }
+wanted=${wanted/ bench / rpc-cuda-costs restart-gpu rpc-cuda launch-cuda }
 want() { [[ $wanted == *" $1 "* ]]; }
 PYTEST=("$RUN" -m pytest -m cuda -p no:cacheprovider -v -rfEs --tb=short
     --timeout 90 --durations=10)
 
-want cuda-rpc && step cuda-rpc 320 "${PYTEST[@]}" tests/rpc/cuda
-want cuda-other && step cuda-other 220 "${PYTEST[@]}" tests/supervise/test_inprocess_restart_cuda.py \
+want rpc-cuda-costs && step rpc-cuda-costs 150 "$RUN" benchmarks/rpc_cuda_costs.py --phases
+want cuda-rpc && step cuda-rpc 200 "${PYTEST[@]}" -n 6 --dist load -k "not memory_growth" \
+    tests/rpc/cuda
+want cuda-rpc-memory && step cuda-rpc-memory 90 "${PYTEST[@]}" -rP -k memory_growth tests/rpc/cuda
+want cuda-other && step cuda-other 220 "${PYTEST[@]}" -rP tests/supervise/test_inprocess_restart_cuda.py \
     tests/supervise/test_numa_binding.py tests/observe/test_flight_nccl.py \
     tests/elastic/test_launcher_health.py tests/elastic/test_elastic_burn_in.py
 want restart-gpu && step restart-gpu 200 "$RUN" benchmarks/restart_gpu.py --repeat 2

@@ -247,5 +247,6 @@ def test_on_a_gpu_host_each_worker_runs_on_torchs_cpus(tmp_path: Path, mode: str
          if "AFFINITY " in line),
         key=lambda r: r["local_rank"],
     )  # fmt: skip
+    print(f"--numa-binding {mode}: CPU sets by local rank:", [r["cpus"] for r in seen])
     assert [r["cpus"] for r in seen] == json.loads(expected.stdout)
     assert not any(r["cuda_before_script"] for r in seen)  # CUDA starts in the user's code

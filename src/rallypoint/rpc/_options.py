@@ -85,6 +85,9 @@ class RallypointRpcBackendOptions(RpcBackendOptions):
     - ``cuda_ipc``: send mapped CUDA tensors to workers on the same host by CUDA IPC
       (torch's handles; the receiver maps a private copy in the sender's memory);
       ``False`` stages them through pinned host memory, as between hosts.
+    - ``cuda_ipc_threshold``: CUDA tensors of at least this many bytes go by CUDA IPC;
+      smaller ones travel inline with the message through pinned host memory, which
+      costs less than opening and closing an IPC handle per call.
     """
 
     num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS
@@ -101,6 +104,7 @@ class RallypointRpcBackendOptions(RpcBackendOptions):
     shm_pool_bytes: int = 1 << 30
     busy_poll_us: float = 1000.0
     cuda_ipc: bool = True
+    cuda_ipc_threshold: int = 256 * 1024
 
     def __post_init__(self) -> None:
         RpcBackendOptions.__post_init__(self)
@@ -120,6 +124,7 @@ class RallypointRpcBackendOptions(RpcBackendOptions):
         self.devices = to_device_list(self.devices)
         check_int(self.shm_threshold, "shm_threshold (bytes)", minimum=0)
         check_int(self.shm_pool_bytes, "shm_pool_bytes (bytes)", minimum=0)
+        check_int(self.cuda_ipc_threshold, "cuda_ipc_threshold (bytes)", minimum=0)
         spin = self.busy_poll_us
         if isinstance(spin, bool) or not isinstance(spin, int | float) or not 0 <= spin <= 1e6:
             raise ValueError(

@@ -99,6 +99,35 @@ def test_ipc_on_one_host_staging_otherwise(
         ), line
 
 
+def _by_size(threshold: int | None) -> list[tuple[int, bool, bool]]:
+    rank = int(os.environ["RANK"])
+    extra = {} if threshold is None else {"cuda_ipc_threshold": threshold}
+    options = rpc.RallypointRpcBackendOptions(rpc_timeout=60, **extra)
+    if rank == 0:
+        options.set_device_map("w1", {0: 0})
+    torch.cuda.set_device(0)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+    out = []
+    if rank == 0:
+        for nbytes in (4, 1 << 10, (256 << 10) - 4, 256 << 10, 1 << 20):
+            x = torch.arange(nbytes // 4, dtype=torch.float32, device="cuda:0")
+            came, _ = rpc.rpc_sync("w1", _arrival, args=(x,))
+            back = rpc.rpc_sync("w1", _echo, args=(x,))
+            out.append((nbytes, came, torch.equal(back, x)))
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("threshold", [None, 0], ids=["default", "always-ipc"])
+def test_small_tensors_travel_inline_and_large_ones_by_ipc(threshold: int | None) -> None:
+    need_gpus(1)
+    out = run_workers(_by_size, 2, threshold, timeout=200, env=ENV)[0]
+    limit = 256 << 10 if threshold is None else 0
+    assert out == [(n, n >= limit, True) for n in (4, 1 << 10, (256 << 10) - 4, 256 << 10, 1 << 20)]
+
+
 def _keep(x: torch.Tensor) -> None:
     _KEPT.append(x)
 
@@ -191,26 +220,27 @@ def _echo(x: torch.Tensor) -> torch.Tensor:
 
 
 def _memory() -> dict[str, int]:
+    """Allocated bytes on both sides and the device's free bytes after 20 warm-up echoes,
+    then after each of two rounds of 1,000: what a leak makes grows in both rounds."""
     rank = _init({})
     out: dict[str, int] = {}
     if rank == 0:
-        x = torch.rand(N // 4, device="cuda:0")  # 1 MiB
-        for _ in range(20):
-            y = rpc.rpc_sync("w1", _echo, args=(x,))
-        del y
-        theirs, _, _ = rpc.rpc_sync("w1", _allocated)  # its cache emptied before ours is read
-        mine, _, free = _allocated()
-        for _ in range(1000):
-            y = rpc.rpc_sync("w1", _echo, args=(x,))
-        assert torch.equal(y, x)
-        del y
-        theirs_after, theirs_reserved, _ = rpc.rpc_sync("w1", _allocated)
-        mine_after, mine_reserved, free_after = _allocated()
+        x = torch.rand(N // 4, device="cuda:0")  # 1 MiB: by CUDA IPC
+        seen = []
+        for echoes in (20, 1000, 1000):
+            for _ in range(echoes):
+                y = rpc.rpc_sync("w1", _echo, args=(x,))
+            assert torch.equal(y, x)
+            del y
+            theirs, _, _ = rpc.rpc_sync("w1", _allocated)  # its cache emptied before ours is read
+            mine, _, free = _allocated()
+            seen.append((mine, theirs, free))
+        (mine0, theirs0, free0), (_, _, free1), (mine2, theirs2, free2) = seen
         out = {
-            "w0": mine_after - mine,
-            "w1": theirs_after - theirs,
-            "device": free - free_after,
-            "reserved before emptying": mine_reserved + theirs_reserved,
+            "w0": mine2 - mine0,
+            "w1": theirs2 - theirs0,
+            "device, first 1000": free0 - free1,
+            "device, second 1000": free1 - free2,
         }
     rpc.shutdown()
     return out
@@ -218,8 +248,11 @@ def _memory() -> dict[str, int]:
 
 @pytest.mark.cuda
 @pytest.mark.timeout(300)
-def test_no_gpu_memory_growth_over_1000_echoes() -> None:
+def test_no_gpu_memory_growth_over_2000_echoes() -> None:
+    """The driver's memory may grow once while the first echoes run (on an H100, 90 MiB
+    over the first 1,000 with torch's allocated bytes unchanged); a leak grows again."""
     need_gpus(1)
     out = run_workers(_memory, 2, timeout=250, env=ENV)[0]
+    print(out)
     assert out["w0"] <= 2 << 20 and out["w1"] <= 2 << 20, out  # at most a block in limbo
-    assert out["device"] <= 64 << 20, out  # nothing leaks outside torch's allocator either
+    assert out["device, second 1000"] <= 8 << 20, out  # nothing leaks outside torch's allocator

@@ -82,6 +82,13 @@ def test_the_option_is_a_bool() -> None:
         RallypointRpcBackendOptions(cuda_ipc="no")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("bad", [-1, 1.5, "1k", True])
+def test_the_ipc_threshold_is_a_byte_count(bad: object) -> None:
+    assert RallypointRpcBackendOptions().cuda_ipc_threshold == 256 << 10
+    with pytest.raises((TypeError, ValueError), match="cuda_ipc_threshold"):
+        RallypointRpcBackendOptions(cuda_ipc_threshold=bad)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("peer", "source", "target", "expected"),
     [

@@ -111,7 +111,8 @@ class RallypointAgent(RpcAgent):
         )
         self._cuda = CudaInfo.of_this_process(options.cuda_ipc)
         me = CudaPeer(self.info.name, _groups.host_key(), self._cuda, _groups.device_count())
-        self.codec = Codec(self.peers, self.rrefs, self.autograd, CudaRouter(me, self._cuda_peer))
+        router = CudaRouter(me, self._cuda_peer, ipc_threshold=options.cuda_ipc_threshold)
+        self.codec = Codec(self.peers, self.rrefs, self.autograd, router)
         self.dispatcher = Dispatcher(self.info, self.calls, self.codec)
         self._pool = SegmentPool(options.shm_pool_bytes) if options.shared_memory else None
         host = (

@@ -5,7 +5,9 @@ workers allow it (``cuda_ipc=True``, no MIG device), the receiver is another pro
 the same host in the same IPC namespace, and it sees the sender's GPU (each worker
 publishes its ``CUDA_VISIBLE_DEVICES`` entries as :class:`CudaInfo`, read from the
 environment so that no CUDA context is made). Otherwise, and for a tensor mapped to the
-CPU, it is staged through pinned host memory, with one log line per peer and reason.
+CPU, it is staged through pinned host memory, with one log line per peer and reason. A
+tensor under ``cuda_ipc_threshold`` bytes is staged too, inline with its message: a
+pinned copy each way costs less than opening and closing an IPC handle.
 """
 
 from __future__ import annotations
@@ -145,8 +147,11 @@ def choose(me: Peer, peer: Peer, source: int, target: torch.device) -> Route:
 class CudaRouter:
     """One worker's routes to its peers, chosen once per peer record, GPU and target."""
 
-    def __init__(self, me: Peer, lookup: Callable[[str], Peer | None]) -> None:
+    def __init__(
+        self, me: Peer, lookup: Callable[[str], Peer | None], ipc_threshold: int = 0
+    ) -> None:
         self.me = me
+        self.ipc_threshold = ipc_threshold  # smaller tensors are staged (inline)
         self._lookup = lookup  # a peer's current record, as a Peer (None: not in the group)
         self._routes: dict[tuple[str, int, int], tuple[Peer, Route]] = {}
         self._told: set[tuple[str, str]] = set()

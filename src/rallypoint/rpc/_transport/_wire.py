@@ -210,8 +210,8 @@ class _Encoder(pickle.Pickler):
         """A CUDA tensor shared by CUDA IPC, if its route is IPC (else ``None``: staged)."""
         if self._cuda is None or target is None or not target.startswith("cuda"):
             return None
-        if not raw.numel():
-            return None
+        if not raw.numel() or raw.numel() * raw.element_size() < self._cuda.ipc_threshold:
+            return None  # small: inline, through pinned memory
         where = torch.device(target)
         route = self._cuda.route(self._dst, raw.device, where)
         if route.path is not CudaPath.IPC:
