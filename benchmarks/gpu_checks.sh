@@ -8,6 +8,7 @@
 #   benchmarks/gpu_checks.sh tests             # the cuda tests
 #   benchmarks/gpu_checks.sh bench             # the benchmarks
 #   benchmarks/gpu_checks.sh rpc-cuda-costs restart-gpu   # the steps named, as below
+#   (cuda-restart: only the in-process restart's cuda tests, which cuda-other runs too)
 #
 # On an H100 (16 CPUs) the cuda RPC tests took about 5 s a test one at a time (260 s); they
 # now run 6 at a time (they share the GPU; 16 CPUs), except the memory test, which reads
@@ -56,6 +57,8 @@ want rpc-cuda-costs && step rpc-cuda-costs 150 "$RUN" benchmarks/rpc_cuda_costs.
 want cuda-rpc && step cuda-rpc 200 "${PYTEST[@]}" -n 6 --dist load -k "not memory_growth" \
     tests/rpc/cuda
 want cuda-rpc-memory && step cuda-rpc-memory 90 "${PYTEST[@]}" -rP -k memory_growth tests/rpc/cuda
+want cuda-restart && step cuda-restart 200 "${PYTEST[@]}" -rP \
+    tests/supervise/test_inprocess_restart_cuda.py
 want cuda-other && step cuda-other 220 "${PYTEST[@]}" -rP tests/supervise/test_inprocess_restart_cuda.py \
     tests/supervise/test_numa_binding.py tests/observe/test_flight_nccl.py \
     tests/elastic/test_launcher_health.py tests/elastic/test_elastic_burn_in.py

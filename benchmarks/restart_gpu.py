@@ -6,8 +6,9 @@ In process, the 7 kept ranks keep their CUDA context and model (the decorated fu
 re-creates only the process group) and rank 1 gets a new process that builds its model
 again; with a spare (``--spare-workers 1``), a spare worker that built its model while the
 ranks trained takes rank 1's place (the fault waits for its set-up); a full restart
-re-creates every rank. Variants alternate; all with ``--preload torch._dynamo``. Without a
-GPU it says so and exits 0.
+re-creates every rank. Variants alternate; all with the default flags. The table also
+gives, of the recovery, the time until every rank entered the function again (the rest is
+the first step). Without a GPU it says so and exits 0.
 
     python benchmarks/restart_gpu.py                 # 3 repeats
     python benchmarks/restart_gpu.py --repeat 1 --params 20000000
@@ -25,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = 1.5
+SPARE_GOAL = 0.5
 VARIANTS = ("in process", "in process, a spare", "full restart")
 
 WORKER = """
@@ -51,6 +53,8 @@ def train():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if restart == 1:
+        open(os.path.join(OUT, f"entered-{rank}"), "w").write(str(time.time()))
     for step in range(12):
         loss = model(x).pow(2).mean()
         opt.zero_grad()
@@ -77,13 +81,14 @@ def _gpu() -> bool:
     return done.stdout.strip() == "1"
 
 
-def run_once(script: Path, variant: str, params: int, nproc: int) -> float | None:
+def run_once(script: Path, variant: str, params: int, nproc: int) -> tuple[float, float] | None:
+    """``(recovery, of which until every rank entered the function again)``, in seconds."""
     decorated, spare = variant != "full restart", variant == "in process, a spare"
     with tempfile.TemporaryDirectory(prefix="rp-restart-gpu-") as tmp:
         out = Path(tmp)
         cmd = [
             sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", str(nproc),
-            "--max-restarts", "1", "--preload", "torch._dynamo",
+            "--max-restarts", "1",
             *(["--spare-workers", "1"] if spare else []), str(script), str(out), str(params),
             "1" if decorated else "0", *(["spare"] if spare else []),
         ]  # fmt: skip
@@ -94,7 +99,10 @@ def run_once(script: Path, variant: str, params: int, nproc: int) -> float | Non
             return None
         fault = float((out / "fault").read_text())
         resumed = [float(p.read_text()) for p in out.glob("resumed-*")]
-        return max(resumed) - fault if len(resumed) == nproc else None
+        entered = [float(p.read_text()) for p in out.glob("entered-*")]
+        if len(resumed) != nproc:
+            return None
+        return max(resumed) - fault, (max(entered) - fault if entered else float("nan"))
 
 
 def main() -> None:
@@ -111,7 +119,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "worker.py"
         script.write_text(WORKER)
-        results: dict[str, list[float | None]] = {v: [] for v in VARIANTS}
+        results: dict[str, list[tuple[float, float] | None]] = {v: [] for v in VARIANTS}
         for _ in range(args.repeat):
             for name in VARIANTS:
                 results[name].append(run_once(script, name, args.params, args.nproc))
@@ -120,17 +128,20 @@ def main() -> None:
     print(
         f"{device}; {args.nproc} ranks on cuda:0, {args.params / 1e6:.0f}M parameters + Adam each"
     )
-    print("| variant | recovery (s), median (min-max) | runs |")
-    print("| --- | --- | --- |")
+    print("| variant | recovery (s), median (min-max) | of which until all entered (s) | runs |")
+    print("| --- | --- | --- | --- |")
     for name, runs in results.items():
-        ok = [r for r in runs if r is not None]
+        ok = [r[0] for r in runs if r is not None]
+        inside = [r[1] for r in runs if r is not None]
         cell = f"{statistics.median(ok):.2f} ({min(ok):.2f}-{max(ok):.2f})" if ok else "failed"
-        print(f"| {name} | {cell} | {len(ok)} of {len(runs)} |")
+        enter = f"{statistics.median(inside):.2f}" if inside else "-"
+        print(f"| {name} | {cell} | {enter} | {len(ok)} of {len(runs)} |")
     for name in VARIANTS[:2]:
-        ok = [r for r in results[name] if r is not None]
+        ok = [r[0] for r in results[name] if r is not None]
         if ok:
-            verdict = "holds" if statistics.median(ok) <= GOAL else "missed"
-            print(f"goal ({name}: at most {GOAL} s): {verdict}")
+            goal = SPARE_GOAL if "spare" in name else GOAL
+            verdict = "holds" if statistics.median(ok) <= goal else "missed"
+            print(f"goal ({name}: at most {goal} s): {verdict}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def _run(out: Path, nproc: int, params: int, *, spare: bool = False) -> str:
         pytest.skip("needs an NVIDIA GPU with NCCL")
     cmd = [
         sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", str(nproc),
-        "--max-restarts", "1", "--preload", "torch._dynamo",
+        "--max-restarts", "1",
         *(["--spare-workers", "1"] if spare else []), str(SCRIPT), str(out), str(params), "20",
         *(["spare"] if spare else []),
     ]  # fmt: skip
@@ -78,4 +78,5 @@ def test_eight_ranks_sharing_one_gpu_recover_within_the_goal(tmp_path: Path) -> 
     _check_kept(tmp_path, 8)
     fault = float((tmp_path / "fault").read_text())
     resumed = max(float((tmp_path / f"step-1-{r}").read_text()) for r in range(8))
+    print(f"8 ranks, a spare: recovered in {resumed - fault:.2f} s")
     assert resumed - fault < GOAL, f"recovered in {resumed - fault:.2f} s (goal {GOAL} s)"

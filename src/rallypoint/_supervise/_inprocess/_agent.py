@@ -101,14 +101,20 @@ class InProcess:
 
     def interrupt(self, reason: str, now: float) -> list[Worker]:
         """Tell every restartable worker still inside its function to leave it; returns
-        the workers that cannot restart in process (to be stopped as usual)."""
+        the workers that cannot restart in process (to be stopped as usual).
+
+        Once any worker said it runs a restartable function, one that has not said so yet
+        is still in the script's set-up (a replacement, say): it is told too, and finds
+        the message when it reaches the function, which it then leaves at once (within
+        ``restart_grace``, or it is replaced)."""
         assert self.grace is not None
         self.restarting = Restarting(reason, now + self.grace)
+        expected = any(w.restartable for w in self.workers)
         stop = []
         for w in self.workers:
             if w.status is not None or w.parked:
                 continue
-            if not w.restartable:
+            if not w.restartable and not (expected and w.control is not None):
                 stop.append(w)
                 continue
             w.interrupted_at = now

@@ -40,6 +40,7 @@ from rallypoint._supervise._inprocess._control import (
     decode,
     encode,
 )
+from rallypoint._supervise._inprocess._cut import cut_attempt, sockets_now
 
 __all__ = ["WAKE_SIGNAL", "RestartInterrupt", "restartable"]
 
@@ -115,6 +116,7 @@ class _Channel:
         self.lock = threading.RLock()  # the signal handler takes it in the main thread too
         self.in_fn = False
         self.interrupted = False
+        self.entry_sockets: frozenset[int] = frozenset()  # this process's, when fn was entered
         self.replies: SimpleQueue[Message | None] = SimpleQueue()
         self.reader = threading.Thread(target=self._read, name="rallypoint-restart", daemon=True)
         self.reader.start()
@@ -142,12 +144,15 @@ class _Channel:
             self.replies.put(msg)
 
     def _interrupt(self) -> None:
-        """From the reader thread: abort NCCL, then raise in the main thread if it is in
-        the function (else the restart loop reads the message). The signal goes while the
-        lock is held, so the main thread cannot leave the function in between."""
+        """From the reader thread: abort NCCL, cut the attempt's gloo and store connections
+        (``_cut``: whoever waits on them fails at once), then raise in the main thread if it
+        is in the function (else the restart loop reads the message). The signal goes
+        while the lock is held, so the main thread cannot leave the function in between."""
         with self.lock:
             self.interrupted = True
         abort_nccl()
+        port = os.environ.get("MASTER_PORT", "")
+        cut_attempt(self.entry_sockets, int(port) if port.isdigit() else None)
         with self.lock:
             if self.in_fn:
                 with contextlib.suppress(OSError, ValueError):
@@ -171,6 +176,7 @@ class _Channel:
         # failed attempt's frames) need not walk it again (tens of ms after torch._dynamo)
         gc.freeze()
         if os.environ.pop(envvars.STANDBY, ""):  # a hot spare: set up, now wait for ranks
+            warm_cuda()
             self._take_assignment()
         while True:
             try:
@@ -187,6 +193,7 @@ class _Channel:
     ) -> tuple[R | None, bool]:
         """``(value, False)``, or ``(None, True)`` when the job restarts in process; the
         function's own failure propagates."""
+        self.entry_sockets = sockets_now()
         with self.lock:
             self.in_fn = not self.interrupted
         try:
@@ -219,6 +226,8 @@ class _Channel:
 
     def _restart(self) -> None:
         """Tear down, park, take the next attempt's environment."""
+        port = os.environ.get("MASTER_PORT", "")  # a raised rank was not interrupted
+        cut_attempt(self.entry_sockets, int(port) if port.isdigit() else None)
         try:
             teardown()
         except Exception as exc:  # a poisoned CUDA context, say: this process is done
@@ -261,14 +270,40 @@ def abort_nccl() -> None:
                     backend.abort()
 
 
+def warm_cuda() -> None:
+    """In a spare whose set-up started CUDA: run, once, what every first training step runs
+    on the GPU and a set-up does not (a matrix product forward and backward in float32 and
+    bfloat16, which makes the cuBLAS handles and their workspace and loads their kernels;
+    an Adam step, whose multi-tensor kernels load lazily too), so that the rank it takes
+    over does not wait for it."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return
+    with contextlib.suppress(Exception):
+        device = torch.device("cuda", torch.cuda.current_device())
+        for dtype in (torch.float32, torch.bfloat16):
+            weight = torch.randn(64, 64, device=device, dtype=dtype, requires_grad=True)
+            x = torch.randn(16, 64, device=device, dtype=dtype, requires_grad=True)
+            torch.nn.functional.linear(x, weight).float().pow(2).mean().backward()
+            torch.optim.Adam([weight], lr=1e-3).step()
+        torch.cuda.synchronize(device)
+
+
 def teardown() -> None:
     """What a kept process leaves behind of an attempt: nothing. Every process group is
     destroyed (``rallypoint.distributed`` forgets its layout with them) and garbage (the
     failed attempt's frames) is collected. ``rallypoint.snapshot`` starts a new session by
-    itself when the restart count changes."""
+    itself when the restart count changes. An ``init_process_group`` that was interrupted
+    in its rendezvous left torch's group counter raised: it is reset as a destroy would,
+    or the next attempt's default group would take another name than the new ranks'."""
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if dist is not None and dist.is_available():
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        else:
+            from torch.distributed import distributed_c10d as c10d
+
+            c10d._world.group_count = 0
     gc.collect()
 
 

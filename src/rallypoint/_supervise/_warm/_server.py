@@ -54,6 +54,13 @@ from rallypoint._supervise._worker import WorkerSpec, child_main
 __all__ = ["WARM_MODULES", "serve"]
 
 WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel")
+LATER_MODULES = ("torch._dynamo",)
+"""What a worker's first training step imports (a torch optimizer imports ``torch._dynamo``,
+about 1 s of CPU): imported once the first workers are forked and the warm process is idle
+(:data:`IDLE`), so that a replacement or a spare forked later pays nothing, and the first
+workers start as soon as before."""
+IDLE = 0.3
+"""Seconds without a request after which the warm process imports :data:`LATER_MODULES`."""
 _ORPHANED_KILL_TIMEOUT = 1.5
 """Seconds the warm process of a dead supervisor spends killing its descendants."""
 
@@ -102,6 +109,13 @@ def _store_main(conn: socket.socket) -> NoReturn:
             send(conn, Failed(kind, f"{type(exc).__name__}: {exc}"))
 
 
+def _import_quietly(names: list[str]) -> None:
+    """Import ``names``; one that fails is left to the workers that need it."""
+    for name in names:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+
+
 def _find_cpus(mode: str, nproc: int, env: dict[str, str]) -> Reply:
     """Each local rank's CPUs under ``numa_binding``, found in a child (CUDA stays out)."""
     from rallypoint._supervise._warm._numa_probe import NumaProbeError, find_cpu_sets
@@ -145,8 +159,14 @@ class _Server:
         sel = selectors.DefaultSelector()
         sel.register(self.sock, selectors.EVENT_READ)
         sel.register(self.wake_r, selectors.EVENT_READ)
+        later = list(LATER_MODULES) if self.import_torch else []
         while True:
-            for key, _ in sel.select():
+            ready = sel.select(IDLE if later and self.workers else None)
+            if not ready and later:
+                _import_quietly(later)
+                later.clear()
+                gc.freeze()  # as after Init: forked children share it without churn
+            for key, _ in ready:
                 if key.fileobj is self.sock:
                     self._on_message()
                 else:
