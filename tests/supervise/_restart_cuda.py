@@ -4,7 +4,8 @@ argv: OUT PARAMS STEPS [spare]. Every rank holds a model of about PARAMS paramet
 ``cuda:0`` (ranks share the GPU), built once per process above the restartable function.
 Inside it: a gloo world group (ranks share one GPU, which NCCL refuses) for a small
 all_reduce per step, and an NCCL group of this rank alone, used every step, so that a kept
-process must abort and re-create NCCL communicators. On the first attempt rank 1 writes
+process must abort and re-create NCCL communicators (without it under the environment's
+``RESTART_CUDA_NCCL=0``). On the first attempt rank 1 writes
 ``OUT/fault`` (the time) and SIGKILLs itself after step 5 (with ``spare``: once a spare
 worker, run with ``--spare-workers 1``, has written ``OUT/spare-ready-<pid>``).
 
@@ -25,6 +26,7 @@ import rallypoint
 
 OUT, PARAMS, STEPS = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 SPARE = sys.argv[4:] == ["spare"]
+NCCL = os.environ.get("RESTART_CUDA_NCCL", "1") == "1"
 
 torch.cuda.set_device(0)
 width = max(1, int((PARAMS / 4) ** 0.5))
@@ -39,8 +41,9 @@ if "RANK" not in os.environ:  # a spare worker (--spare-workers): its set-up is 
 def train() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    groups = [dist.new_group([r], backend="nccl") for r in range(dist.get_world_size())]
-    alone = groups[rank]  # every rank makes every group, in the same order
+    if NCCL:
+        groups = [dist.new_group([r], backend="nccl") for r in range(dist.get_world_size())]
+        alone = groups[rank]  # every rank makes every group, in the same order
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     ptr = next(model.parameters()).data_ptr()
     with open(os.path.join(OUT, f"enter-{restart}-{rank}"), "w") as fp:
@@ -51,7 +54,8 @@ def train() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        dist.all_reduce(loss.detach().clone(), group=alone)  # NCCL
+        if NCCL:
+            dist.all_reduce(loss.detach().clone(), group=alone)
         dist.all_reduce(loss.detach().cpu())  # gloo, the whole world
         torch.cuda.synchronize()
         if step == 0:
