@@ -10,7 +10,7 @@ import sys
 from datetime import timedelta
 from typing import Any, Literal
 
-from rallypoint._cli._parser import PROG, UsageError
+from rallypoint._cli._parser import PROG, UsageError, duration_type
 from rallypoint._core import envvars
 from rallypoint._core.disk import check_writable
 from rallypoint._elastic._options import BUILTIN_CHECKS, parse_nnodes
@@ -281,7 +281,11 @@ def _target(args: argparse.Namespace) -> Target:
 def _timing(args: argparse.Namespace) -> dict[str, Any]:
     shutdown = args.shutdown_timeout
     if shutdown is None:
-        shutdown = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+        env = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+        try:
+            shutdown = duration_type()(env)
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT: {exc}") from None
     return {
         "monitor_interval": timedelta(seconds=float(args.monitor_interval)),
         "shutdown_timeout": timedelta(seconds=float(shutdown)),

@@ -4,13 +4,16 @@ SLURM defaults) plus rallypoint's own."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
+from collections.abc import Callable
 from typing import Any, NoReturn
 
+from rallypoint._core.checks import MAX_SECONDS, duration_text
 from rallypoint._supervise._numa import NUMA_MODES
-from rallypoint._supervise._options import DEFAULT_PREFIX
+from rallypoint._supervise._options import DEFAULT_PREFIX, MAX_MONITOR_INTERVAL
 
-__all__ = ["PROG", "UsageError", "build_parser"]
+__all__ = ["PROG", "UsageError", "build_parser", "duration_type"]
 
 PROG = "rallypoint run"
 
@@ -57,6 +60,26 @@ class _Options:
         value = os.environ.get(f"PET_{longest.upper()}", "").strip().lower()
         default = value not in ("", "0", "false", "no")
         self.parser.add_argument(*names, dest=dest, action="store_true", default=default, help=help)
+
+
+def duration_type(maximum: float = MAX_SECONDS) -> Callable[[str], float]:
+    """The ``type`` of a duration option: seconds, a finite number up to ``maximum``
+    (argparse names the option in the error; the config checks the lower bound)."""
+
+    def seconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text!r}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(
+                f"must be at most {duration_text(maximum)}, got {text!r}"
+            )
+        return value
+
+    return seconds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,7 +153,13 @@ def _nodes(o: _Options) -> None:
         help="exclude a node that was the root cause of K failures in a row while MIN nodes "
         "remain, or off (default 2)",
     )
-    o.opt("--monitor-interval", "--monitor_interval", default=0.1, type=float, help="seconds")
+    o.opt(
+        "--monitor-interval",
+        "--monitor_interval",
+        default=0.1,
+        type=duration_type(MAX_MONITOR_INTERVAL),
+        help="seconds",
+    )
     o.opt("--node-rank", "--node_rank", default=0, type=int, help="node rank (static backend)")
     o.opt(
         "--local-addr",
@@ -160,12 +189,18 @@ def _workers(o: _Options) -> None:
         default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         help="signals forwarded to the workers",
     )
-    o.opt("--shutdown-timeout", "--shutdown_timeout", default=None, type=float, help="seconds")
+    o.opt(
+        "--shutdown-timeout",
+        "--shutdown_timeout",
+        default=None,
+        type=duration_type(),
+        help="seconds",
+    )
     o.opt(
         "--restart-grace",
         "--restart_grace",
         default=10.0,
-        type=float,
+        type=duration_type(),
         help="seconds a worker of a @rallypoint.restartable function has to leave it when the "
         "job restarts in process; one that does not is replaced (default 10)",
     )
@@ -222,12 +257,12 @@ def _rallypoint(o: _Options) -> None:
         help="line prefix template (${rank}, ${local_rank}, ${role_name})",
     )
     o.flag("--no-prefix", "--no_prefix", help="do not prefix worker lines")
-    o.opt("--timeout", default=None, type=float, help="stop the job after SECONDS")
+    o.opt("--timeout", default=None, type=duration_type(), help="stop the job after SECONDS")
     o.opt(
         "--hang-timeout",
         "--hang_timeout",
         default=None,
-        type=float,
+        type=duration_type(),
         help="no rallypoint.progress() from any worker for SECONDS is a hang (off by default)",
     )
     o.opt(
@@ -250,7 +285,7 @@ def _rallypoint(o: _Options) -> None:
         "--straggler-window",
         "--straggler_window",
         default=30.0,
-        type=float,
+        type=duration_type(),
         help="seconds of recent steps a step time is averaged over (default 30)",
     )
     o.parser.add_argument(
@@ -267,7 +302,7 @@ def _rallypoint(o: _Options) -> None:
         "--health-check-timeout",
         "--health_check_timeout",
         default=60.0,
-        type=float,
+        type=duration_type(),
         help="seconds one health check may take before it is killed and fails (default 60)",
     )
     o.opt(

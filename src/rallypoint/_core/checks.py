@@ -7,10 +7,15 @@ int here (``True`` is not a count).
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from typing import Literal, overload
 
-__all__ = ["check_int", "check_seconds", "to_timedelta"]
+__all__ = ["MAX_SECONDS", "check_int", "check_seconds", "duration_text", "to_timedelta"]
+
+MAX_SECONDS = 366 * 24 * 3600.0
+"""The longest duration a launch option takes (a year): anything longer is a mistake, and
+would overflow the waits it ends up in (``inf`` cannot even become a ``timedelta``)."""
 
 
 def _type_name(value: object) -> str:
@@ -70,13 +75,19 @@ def check_seconds(
     allow_zero: bool = False,
     allow_none: bool = False,
     numbers: bool = False,
+    maximum: float | None = None,
 ) -> float | None:
     """A duration in seconds from a ``timedelta`` (or, with ``numbers``, an int/float).
 
-    Negative durations are rejected, and zero unless ``allow_zero``.
+    Negative durations are rejected, zero unless ``allow_zero``, more than ``maximum``
+    seconds if given; a float that is not finite (NaN, infinity) is a ``ValueError`` even
+    where only a ``timedelta`` is taken.
     """
     if value is None and allow_none:
         return None
+    bound = ">= 0" if allow_zero else "> 0"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{what} must be {bound} and finite, got {value}")
     if isinstance(value, timedelta):
         secs = value.total_seconds()
     elif numbers and not isinstance(value, bool) and isinstance(value, int | float):
@@ -84,13 +95,26 @@ def check_seconds(
     else:
         wanted = "seconds (float) or a datetime.timedelta" if numbers else "a datetime.timedelta"
         raise TypeError(f"{what} must be {wanted}, got {_type_name(value)}")
-    if secs != secs or secs < 0 or (secs == 0 and not allow_zero):  # NaN fails the first test
-        raise ValueError(f"{what} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    if secs < 0 or (secs == 0 and not allow_zero):
+        raise ValueError(f"{what} must be {bound}, got {value}")
+    if maximum is not None and secs > maximum:
+        raise ValueError(f"{what} must be at most {duration_text(maximum)}, got {value}")
     return secs
 
 
-def to_timedelta(value: object, what: str, *, allow_zero: bool = False) -> timedelta:
+def duration_text(seconds: float) -> str:
+    """``seconds`` as a reader counts them: ``3600 s (1 h)``."""
+    text = f"{seconds:.0f} s" if seconds == int(seconds) else f"{seconds:g} s"
+    for unit, size in (("days", 86400), ("h", 3600)):
+        if seconds >= size and seconds % size == 0:
+            return f"{text} ({seconds / size:g} {unit})"
+    return text
+
+
+def to_timedelta(
+    value: object, what: str, *, allow_zero: bool = False, maximum: float | None = None
+) -> timedelta:
     """A ``timedelta`` from a ``timedelta`` or seconds (the CLI and env give seconds)."""
-    secs = check_seconds(value, what, allow_zero=allow_zero, numbers=True)
+    secs = check_seconds(value, what, allow_zero=allow_zero, numbers=True, maximum=maximum)
     assert secs is not None
     return timedelta(seconds=secs)

@@ -21,8 +21,10 @@ from rallypoint._elastic._options import RestartOptions
 from rallypoint._elastic._rendezvous import open_run_store, run_store_namespace
 from rallypoint._elastic._stores import RunStore, prefixed
 from rallypoint._supervise._errors import LaunchInterruptedError, RendezvousFailedError
+from rallypoint._supervise._output import write_console
 from rallypoint._watch._observer import Observer
 from rallypoint._watch._stacks_exchange import (
+    MalformedRequestCounter,
     StacksAnswers,
     answer_stacks_request,
     latest_stacks_request,
@@ -95,6 +97,7 @@ class Job:
         self.stacks_answers = StacksAnswers()
         # the store checks' thread and a hang report's loop both answer: one at a time
         self._answering = threading.Lock()
+        self._bad_counter: bytes | None = None  # a malformed stacks request counter, said once
         self._rpc_secret = ""
         self._left = False
 
@@ -128,11 +131,13 @@ class Job:
     def _adopt(self, store: Store, second: Store | None, where: str) -> None:
         from rallypoint.rendezvous import KVError
 
+        self._run = RunStore(store, where)
         try:
             self.stacks_answers = StacksAnswers(answered=latest_stacks_request(store))
+        except MalformedRequestCounter as exc:
+            self._malformed_counter(exc)  # answered from 0 once someone sets a count
         except (RuntimeError, KVError) as exc:
             raise RendezvousFailedError(f"rendezvous {self.endpoint!r}: {exc}") from None
-        self._run = RunStore(store, where)
         self.stacks_store = second
 
     @property
@@ -152,13 +157,28 @@ class Job:
         return self._rpc_secret
 
     def answer_stacks(self, running: Mapping[int, int], node_rank: int) -> None:
-        """Answer another agent's (or ``rallypoint stacks``') request for stacks, if any."""
+        """Answer another agent's (or ``rallypoint stacks``') request for stacks, if any.
+        A request counter that any store client overwrote with something else is said
+        once, and no request is answered while it holds that: the job goes on."""
         with self._answering:
-            answer_stacks_request(
-                self.run.store,
-                node_rank=node_rank,
-                answers=self.stacks_answers,
-                collect=lambda: self.observer.collect(running),
+            try:
+                answer_stacks_request(
+                    self.run.store,
+                    node_rank=node_rank,
+                    answers=self.stacks_answers,
+                    collect=lambda: self.observer.collect(running),
+                )
+                self._bad_counter = None
+            except MalformedRequestCounter as exc:
+                self._malformed_counter(exc)
+
+    def _malformed_counter(self, exc: MalformedRequestCounter) -> None:
+        if exc.value != self._bad_counter:
+            self._bad_counter = exc.value
+            write_console(
+                2,
+                f"rallypoint: warning: {exc.message(self.run.where)}; requests for stacks "
+                "are not answered while it does, the job goes on\n".encode(),
             )
 
     def leave(self) -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from rallypoint._elastic._rendezvous import create_rendezvous, open_run_store
+from rallypoint._elastic._rendezvous import (
+    create_rendezvous,
+    open_run_store,
+    run_store_namespace,
+)
 from rallypoint._supervise._errors import RendezvousFailedError
 
 __all__ = ["job_stacks"]
@@ -21,7 +25,7 @@ def job_stacks(
     is running.
     """
     from rallypoint._watch._flight._format import format_hang_report
-    from rallypoint._watch._stacks_exchange import request_stacks
+    from rallypoint._watch._stacks_exchange import MalformedRequestCounter, request_stacks
     from rallypoint.rendezvous import KVError, RendezvousError
 
     conf = {"is_host": "false", "read_timeout": str(max(timeout, 1.0))}
@@ -34,6 +38,8 @@ def job_stacks(
         raise ValueError(f"the {backend} backend has no store to ask")
     try:
         dumps, missing = request_stacks(store, timeout=timeout)
+    except MalformedRequestCounter as exc:
+        raise ValueError(exc.message(run_store_namespace(run_id))) from None
     except RuntimeError as exc:  # the store's connection broke while waiting
         raise RendezvousFailedError(f"rendezvous {endpoint!r}: {exc}") from None
     report = format_hang_report(dumps, hang=False) if dumps else "(no running workers answered)"

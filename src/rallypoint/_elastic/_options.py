@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
 
-from rallypoint._core.checks import check_int
+from rallypoint._core.checks import MAX_SECONDS, check_int, check_seconds
 
 __all__ = [
     "BACKENDS",
@@ -145,14 +145,7 @@ class HealthOptions:
                     f"unknown health check {check.strip()!r}; the built-in checks are "
                     f"{', '.join(BUILTIN_CHECKS)}"
                 )
-        if not isinstance(self.timeout, timedelta):
-            raise TypeError(
-                f"health_check_timeout must be a timedelta, got {type(self.timeout).__name__}"
-            )
-        if self.timeout <= timedelta(0):
-            raise ValueError(
-                f"health_check_timeout must be > 0 seconds, got {self.timeout.total_seconds():g}"
-            )
+        check_seconds(self.timeout, "health_check_timeout", maximum=MAX_SECONDS)
 
 
 def parse_nnodes(value: str | int) -> tuple[int, int]:

@@ -8,6 +8,8 @@
 
 Each has ``to_json()`` and ``from_json()``; a malformed record raises
 ``RendezvousStateError`` naming the key, since every agent of a job runs the same code.
+The exclusion list is the exception: any store client can write it, and a malformed record
+in it is reported and ignored (``ExclusionRecord.list_from_json``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ from rallypoint._core.status import WorkerStatus
 from rallypoint._supervise._errors import WorkerSummary
 from rallypoint.rendezvous import RendezvousStateError
 
-__all__ = ["Action", "Decision", "FailureRecord", "NodeRecord", "RootRecord"]
+__all__ = [
+    "MAX_UNIX_TIME",
+    "Action",
+    "Decision",
+    "ExclusionRecord",
+    "FailureRecord",
+    "NodeRecord",
+    "RootRecord",
+]
 
 
 def _load(data: str | bytes, what: str) -> Any:
@@ -84,6 +94,10 @@ class FailureRecord:
         )
 
 
+MAX_UNIX_TIME = 253402300799.0
+"""The last second of the year 9999: an exclusion's time must be a Unix time up to it."""
+
+
 @dataclass(frozen=True, slots=True)
 class ExclusionRecord:
     """An agent kept out of the job for good: it was the root cause of failures in a row,
@@ -102,27 +116,69 @@ class ExclusionRecord:
 
     @classmethod
     def from_json(cls, data: str | bytes) -> ExclusionRecord:
-        f = _fields(_load(data, "exclusion"), "exclusion", tuple(cls.__dataclass_fields__))
-        return cls(
-            node=str(f["node"]), host=str(f["host"]), reason=str(f["reason"]), time=float(f["time"])
-        )
+        try:
+            return cls._from_obj(_load(data, "exclusion"))
+        except ValueError as exc:
+            raise RendezvousStateError(
+                f"the store holds a malformed exclusion record: {exc}"
+            ) from None
+
+    @classmethod
+    def _from_obj(cls, obj: Any) -> ExclusionRecord:
+        """One record; ``ValueError`` saying which field is wrong."""
+        names = tuple(cls.__dataclass_fields__)
+        if not isinstance(obj, dict) or not set(names) <= set(obj):
+            raise ValueError(f"it needs {', '.join(names)}; got {obj!r:.80}")
+        for name in ("node", "host", "reason"):
+            if not isinstance(obj[name], str):
+                raise ValueError(f"{name!r} must be a string, got {obj[name]!r:.80}")
+        when = obj["time"]
+        if (
+            isinstance(when, bool)
+            or not isinstance(when, int | float)
+            or not 0 <= when <= MAX_UNIX_TIME  # NaN fails it too
+        ):
+            raise ValueError(f"'time' must be a Unix time, got {when!r:.80}")
+        return cls(node=obj["node"], host=obj["host"], reason=obj["reason"], time=float(when))
 
     @staticmethod
     def list_to_json(records: list[ExclusionRecord]) -> str:
         return json.dumps([asdict(r) for r in records])
 
     @classmethod
-    def list_from_json(cls, data: str | bytes, key: str) -> list[ExclusionRecord]:
-        """The records of the exclusion list stored under ``key`` (named when malformed)."""
+    def list_from_json(cls, data: str | bytes, key: str) -> tuple[list[ExclusionRecord], list[str]]:
+        """The records of the exclusion list stored under ``key``, and for each item that is
+        not a valid record a line that names the key and says what is wrong (the item is
+        to be ignored). ``RendezvousStateError`` naming the key if the list itself is
+        malformed."""
+        items = cls._items(data, key)
+        records: list[ExclusionRecord] = []
+        bad: list[str] = []
+        for i, item in enumerate(items):
+            try:
+                records.append(cls._from_obj(item))
+            except ValueError as exc:
+                bad.append(f"the key {key!r} holds a malformed exclusion record (item {i}): {exc}")
+        return records, bad
+
+    @classmethod
+    def list_plus(cls, data: str | bytes, key: str, record: ExclusionRecord) -> str:
+        """The exclusion list stored under ``key`` (``""``: none) with ``record`` added;
+        every item already there is kept as it is, a malformed one too."""
+        items = cls._items(data, key) if data else []
+        return json.dumps([*items, asdict(record)])
+
+    @staticmethod
+    def _items(data: str | bytes, key: str) -> list[Any]:
         try:
             items = json.loads(data)
             if not isinstance(items, list):
                 raise ValueError(f"not a list: {items!r:.80}")
-            return [cls.from_json(json.dumps(item)) for item in items]
-        except (ValueError, UnicodeDecodeError, RendezvousStateError) as exc:
+        except (ValueError, UnicodeDecodeError) as exc:
             raise RendezvousStateError(
                 f"the key {key!r} holds a malformed exclusion list ({exc})"
             ) from None
+        return items
 
 
 class Action(enum.Enum):

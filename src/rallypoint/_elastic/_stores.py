@@ -11,6 +11,7 @@ lead to exclusion and the exclusion list. Each key is a method of the classes be
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,12 @@ if TYPE_CHECKING:
     from rallypoint._core.store import Store
 
 __all__ = ["RoundStore", "RunStore", "prefixed"]
+
+
+def _warn(line: str) -> None:
+    from rallypoint._supervise._output import write_console
+
+    write_console(2, line.encode())
 
 
 def prefixed(prefix: str, store: Store) -> Store:
@@ -109,11 +116,16 @@ class RunStore:
     ``pace/<k>/<g>``, the ``stacks/*`` exchange, ``rpc_secret`` (set once by the first
     agent), ``same_failure`` and ``node_failures`` (the runs of identical root causes and of
     failures rooted on one node) and ``excluded`` (a JSON list of ``ExclusionRecord``s, edited
-    by compare-and-set so that two exclusions at once both stay)."""
+    by compare-and-set so that two exclusions at once both stay; a malformed record in it is
+    ignored, said once through ``say``)."""
 
-    def __init__(self, store: Store, where: str = "the run store") -> None:
+    def __init__(
+        self, store: Store, where: str = "the run store", say: Callable[[str], None] = _warn
+    ) -> None:
         self.store: Store = store
         self.where = where
+        self._say = say
+        self._said: set[str] = set()
 
     def restarts(self, spend: int = 0) -> int:
         """The job's restart counter after adding ``spend``."""
@@ -151,15 +163,26 @@ class RunStore:
         return bytes(self.store.get("excluded")) if self.store.check(["excluded"]) else b""
 
     def _exclusions(self, raw: bytes) -> list[ExclusionRecord]:
-        key = f"{self.where}/excluded"
-        return ExclusionRecord.list_from_json(raw, key) if raw else []
+        if not raw:
+            return []
+        records, bad = ExclusionRecord.list_from_json(raw, self._excluded_key)
+        for line in bad:
+            if line not in self._said:
+                self._said.add(line)
+                self._say(f"rallypoint: warning: {line}; it is ignored\n")
+        return records
+
+    @property
+    def _excluded_key(self) -> str:
+        return f"{self.where}/excluded"
 
     def exclude(self, record: ExclusionRecord) -> None:
         """Add ``record`` to the exclusion list: compare-and-set, again while another
-        exclusion got in between (nodes decide different rounds' exclusions at once)."""
+        exclusion got in between (nodes decide different rounds' exclusions at once).
+        The items already there stay as they are."""
         raw = self._excluded_raw()
         while True:
-            new = ExclusionRecord.list_to_json([*self._exclusions(raw), record])
+            new = ExclusionRecord.list_plus(raw, self._excluded_key, record)
             now = bytes(self.store.compare_set("excluded", raw.decode(), new))
             if now == new.encode():
                 return

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, Literal, TypedDict, TypeVar, Unpack, overload
 
+from rallypoint._core.checks import MAX_SECONDS, to_timedelta
 from rallypoint._elastic._options import (
     HealthOptions,
     RendezvousOptions,
@@ -212,8 +213,8 @@ def _health(o: Mapping[str, Any]) -> HealthOptions:
         kw["checks"] = (checks,) if isinstance(checks, str) else tuple(checks)
     if "health_check_timeout" in o:
         value = o["health_check_timeout"]
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            value = timedelta(seconds=value)
+        if isinstance(value, int | float) and not isinstance(value, bool):  # seconds
+            value = to_timedelta(value, "health_check_timeout", maximum=MAX_SECONDS)
         kw["timeout"] = value
     return HealthOptions(**kw)
 

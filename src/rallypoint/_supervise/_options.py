@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal, TypeAlias
 
-from rallypoint._core.checks import check_int, check_seconds
+from rallypoint._core.checks import MAX_SECONDS, check_int, check_seconds
 from rallypoint._supervise._numa import check_numa_binding
 
 __all__ = [
     "DEFAULT_PREFIX",
+    "MAX_MONITOR_INTERVAL",
     "SIGNALS",
     "OutputOptions",
     "StdSpec",
@@ -217,12 +218,18 @@ class OutputOptions:
         )
 
 
+MAX_MONITOR_INTERVAL = 3600.0
+"""The longest ``monitor_interval``: the supervisor's wait, which the OS takes in
+milliseconds as a C int (24.8 days at most), and an hour is long past useful already."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StopOptions:
     """How the supervisor watches and stops its workers."""
 
     monitor_interval: timedelta = timedelta(seconds=0.1)
-    """Upper bound on the supervisor's wait; exits are noticed immediately regardless."""
+    """Upper bound on the supervisor's wait; exits are noticed immediately regardless (at
+    most :data:`MAX_MONITOR_INTERVAL`)."""
     shutdown_timeout: timedelta = timedelta(seconds=30)
     """Grace period between SIGTERM and SIGKILL when stopping workers."""
     timeout: timedelta | None = None
@@ -234,10 +241,12 @@ class StopOptions:
     the job restarts in process; one that does not is replaced."""
 
     def __post_init__(self) -> None:
-        check_seconds(self.monitor_interval, "monitor_interval")
-        check_seconds(self.shutdown_timeout, "shutdown_timeout", allow_zero=True)
-        check_seconds(self.restart_grace, "restart_grace")
-        check_seconds(self.timeout, "timeout", allow_none=True)
+        check_seconds(self.monitor_interval, "monitor_interval", maximum=MAX_MONITOR_INTERVAL)
+        check_seconds(
+            self.shutdown_timeout, "shutdown_timeout", allow_zero=True, maximum=MAX_SECONDS
+        )
+        check_seconds(self.restart_grace, "restart_grace", maximum=MAX_SECONDS)
+        check_seconds(self.timeout, "timeout", allow_none=True, maximum=MAX_SECONDS)
         for name in self.signals_to_handle:
             if name not in SIGNALS:
                 raise ValueError(f"signals_to_handle: {name!r} is not one of {', '.join(SIGNALS)}")

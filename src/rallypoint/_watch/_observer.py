@@ -7,14 +7,17 @@ free of their details:
   detection is on (the default), and a :class:`StragglerWatch` per attempt for the latter;
 - a directory for the workers' stack dumps (``RALLYPOINT_STACKS_DIR``, always set, so that
   ``rallypoint stacks`` works on any running job);
-- an :class:`~rallypoint.observe.EventLog` when ``events`` is set.
+- an :class:`~rallypoint.observe.EventLog` when ``events`` is set; an event that cannot
+  be written never ends the job (:meth:`Observer.emit`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -23,7 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from rallypoint._core.checks import check_int, check_seconds
+from rallypoint._core.checks import MAX_SECONDS, check_int, check_seconds
 from rallypoint._core.closing import Closing
 from rallypoint._core.procs import pid_running
 from rallypoint._core.store import Store
@@ -77,13 +80,30 @@ class WatchOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "flight_recorder", parse_buffer(self.flight_recorder))
-        check_seconds(self.hang_timeout, "hang_timeout", allow_none=True)
+        check_seconds(self.hang_timeout, "hang_timeout", allow_none=True, maximum=MAX_SECONDS)
         threshold = parse_threshold(self.straggler_threshold)
         object.__setattr__(self, "straggler_threshold", threshold)
         window = check_window(self.straggler_window)
         object.__setattr__(self, "straggler_window", timedelta(seconds=window))
         if self.events is not None and not isinstance(self.events, str):
             raise TypeError(f"events must be a path, got {type(self.events).__name__}")
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every float that JSON cannot hold (NaN, infinity) as ``None``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        sys.stderr.write(line)
+        sys.stderr.flush()
 
 
 class Observer(Closing):
@@ -101,6 +121,7 @@ class Observer(Closing):
         wants_board = hang_timeout is not None or self.straggler_threshold is not None
         self.board = ProgressBoard(nproc) if wants_board else None
         self.log: EventLog | None = None
+        self._dropped: set[str] = set()  # the kinds of events dropped (said once each)
         self._exited: dict[int, int] = {}  # rank -> pid, this attempt's
         try:
             self.log = EventLog(watch.events, node=node) if watch.events else None
@@ -126,8 +147,21 @@ class Observer(Closing):
         return env
 
     def emit(self, kind: str, /, **fields: Any) -> None:
-        if self.log is not None:
-            self.log.emit(kind, **fields)
+        """Append an event to the ``events`` file, if one is open. An event never ends the
+        job: a number that is no JSON value (NaN, infinity) is written as ``null``, and an
+        event that still cannot be written (a field of another type, a full disk) is
+        dropped, said in one line on stderr for the first of its kind."""
+        if self.log is None:
+            return
+        try:
+            self.log.emit(kind, **{name: _json_safe(v) for name, v in fields.items()})
+        except (TypeError, ValueError, OSError) as exc:
+            if kind not in self._dropped:
+                self._dropped.add(kind)
+                _say(
+                    f"rallypoint: warning: a {kind!r} event was not written to "
+                    f"{self.log.path}: {exc}; the job goes on (this is said once per kind)\n"
+                )
 
     def reset(self) -> None:
         """A new attempt/round starts: idle time counts from now; the last attempt's exited
@@ -147,8 +181,8 @@ class Observer(Closing):
         nnodes: int = 1,
         clock_store: Callable[[], Store] | None = None,
     ) -> StragglerWatch | None:
-        """Straggler detection for one attempt (``None`` when it is off); ``clock_store``
-        opens a run-store connection of its own (``StragglerWatch``)."""
+        """Straggler detection for one attempt, which starts now (``None`` when it is off);
+        ``clock_store`` opens a run-store connection of its own (``StragglerWatch``)."""
         if self.board is None or self.straggler_threshold is None:
             return None
         check_int(rank_offset, "rank_offset", minimum=0)
@@ -164,6 +198,7 @@ class Observer(Closing):
             window_s=self.straggler_window,
             arrivals=self._arrivals if self.flight_recorder else None,
             clock_store=clock_store,
+            started_ns=time.time_ns(),  # the workers' Flight Recorders use this clock
         )
 
     def _arrivals(self, pids_by_rank: Mapping[int, int]) -> FlightRequest:

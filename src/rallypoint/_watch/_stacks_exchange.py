@@ -5,7 +5,10 @@ it bumps a request counter and waits. Every agent polls :func:`answer_stacks_req
 from its monitor loop (one ``add`` per tick when idle), collects its workers' stacks and
 publishes them as JSON; the requester deletes each answer as it reads it. Pass a
 ``PrefixStore`` for the run. Any client of the store can bump the counter, so what a
-request makes an agent write is bounded (:class:`StacksAnswers`).
+request makes an agent write is bounded (:class:`StacksAnswers`); any client can also
+overwrite it with something else, which is :class:`MalformedRequestCounter` (the counter
+is read with ``compare_set``, never ``add``: torch's TCPStore server drops the connection
+of a client that adds to a value that is not a number).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ __all__ = [
     "MAX_ANSWER_BYTES",
     "MAX_KEPT",
     "MIN_ANSWER_INTERVAL",
+    "MalformedRequestCounter",
     "StacksAnswers",
     "answer_stacks_request",
     "latest_stacks_request",
@@ -49,6 +53,19 @@ _REQUEST = "stacks/request"
 _NNODES = "stacks/nnodes"
 
 
+class MalformedRequestCounter(ValueError):
+    """The request counter holds something that is not a count; ``value`` is what."""
+
+    def __init__(self, value: bytes) -> None:
+        self.value = value
+        super().__init__(self.message(""))
+
+    def message(self, prefix: str) -> str:
+        """What is wrong, naming the key under the run store's ``prefix``."""
+        key = f"{prefix}/{_REQUEST}" if prefix else _REQUEST
+        return f"the key {key!r} holds {self.value[:40]!r}, not a request count"
+
+
 def _answer_key(request: int, node_rank: int) -> str:
     return f"stacks/{request}/node/{node_rank}"
 
@@ -63,8 +80,13 @@ def publish_node_count(store: Store, nnodes: int) -> None:
 
 
 def latest_stacks_request(store: Store) -> int:
-    """The newest request id; an agent starts answering after this one."""
-    return store.add(_REQUEST, 0)
+    """The newest request id; an agent starts answering after this one.
+    :class:`MalformedRequestCounter` if the counter holds something else."""
+    raw = bytes(store.compare_set(_REQUEST, "", "0"))  # one round trip; sets an absent one
+    text = raw.decode("ascii", errors="replace").strip()
+    if not text.isdigit():  # a counter never goes below 0
+        raise MalformedRequestCounter(raw)
+    return int(text)
 
 
 # ---------------------------------------------------------------------------- the agent
@@ -106,10 +128,11 @@ def answer_stacks_request(
     """Answer the newest request if it is newer than the last one answered and the last
     answer is ``min_interval`` old; remove this node's answers nobody collected.
 
-    Cheap when there is nothing to do: one ``add(key, 0)`` round trip.
+    Cheap when there is nothing to do: one ``compare_set`` round trip.
+    :class:`MalformedRequestCounter` if the request counter holds something else.
     """
     _remove_old(store, node_rank, answers, time.monotonic())
-    latest = store.add(_REQUEST, 0)
+    latest = latest_stacks_request(store)
     if latest <= answers.answered or time.monotonic() - answers.last_at < answers.min_interval:
         return
     payload = bounded_answer(collect().values(), answers.max_bytes)
@@ -194,7 +217,8 @@ def request_stacks(
     Returns the dumps by global rank, and ``{node_rank: why}`` for nodes that did not
     answer, answered garbage, or answered in part (over the size cap). Each answer is
     deleted from the store once read. ``nnodes=None`` uses the count the agents
-    published; ``ValueError`` if there is none (no agent of this run is running).
+    published; ``ValueError`` if there is none (no agent of this run is running), and
+    :class:`MalformedRequestCounter` if the request counter is not a count.
     """
     limit = positive_seconds(timeout)
     if nnodes is None:
@@ -204,6 +228,7 @@ def request_stacks(
         if not raw.isdigit():
             raise ValueError(f"the store holds a bad node count {raw!r} under {_NNODES!r}")
         nnodes = int(raw)
+    latest_stacks_request(store)  # a malformed counter: not added to (see the module doc)
     n = store.add(_REQUEST, 1)
     deadline = time.monotonic() + limit
     dumps: dict[int, StackDump] = {}

@@ -8,7 +8,8 @@ job only group rank 0 judges, over every node's ranks: the others write their sa
 the run store and answer its clock pings (``_clock_offset``), and the judge puts every
 node's arrivals on its own clock, so a rank is reported once for the job and a node whose
 ranks all arrive late is seen too. A node whose offset is not known yet is left out of
-that period's comparison.
+that period's comparison. Only the collectives of this attempt are judged (``since_ns``):
+a worker kept by an in-process restart still holds the previous attempt's.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from rallypoint._watch._stragglers._arrival_records import (
     arrivals_record,
     read_arrivals_record,
 )
-from rallypoint._watch._stragglers._arrivals import ArrivalVerdict, is_straggler, judge_arrivals
+from rallypoint._watch._stragglers._arrivals import (
+    MAX_RATIO,
+    ArrivalVerdict,
+    arrivals_since,
+    is_straggler,
+    judge_arrivals,
+)
 from rallypoint._watch._stragglers._clock_offset import ClockProbe, ClockResponder
 from rallypoint._watch._stragglers._exchange import Freshness, read_present
 
@@ -42,10 +49,13 @@ class TraceRequest(Protocol):
 
 def describe_arrival(verdict: ArrivalVerdict, host: str, threshold: float) -> str:
     """The screen line for a rank the others wait for at their collectives."""
+    pace = f"{verdict.ratio:.1f}x"
+    if verdict.ratio >= MAX_RATIO:
+        pace = f"over {MAX_RATIO:.0f}x"  # they waited for it (nearly) all the time
     return (
         f"rallypoint: straggler: rank {verdict.rank} on {host} arrives last at "
         f"{verdict.last} of {verdict.collectives} collectives, {verdict.lag_s * 1e3:.3g} ms "
-        f"after the others; they wait for it: its pace is {verdict.ratio:.1f}x theirs "
+        f"after the others; they wait for it: its pace is {pace} theirs "
         f"(Flight Recorder arrivals; --straggler-threshold {threshold:g})\n"
     )
 
@@ -53,7 +63,8 @@ def describe_arrival(verdict: ArrivalVerdict, host: str, threshold: float) -> st
 class ArrivalWatch:
     """See the module docstring. ``ask`` asks this node's workers, given ``{rank: pid}``,
     for their traces; ``clock_store`` opens a store connection of its own for the clock
-    responder (nodes other than the judge of a multi-node job)."""
+    responder (nodes other than the judge of a multi-node job); ``since_ns``: when the
+    attempt started (``wall_clock``), before which no entry is judged (``None``: all)."""
 
     def __init__(
         self,
@@ -72,8 +83,10 @@ class ArrivalWatch:
         clock: Callable[[], float],
         clock_store: Callable[[], Store] | None = None,
         wall_clock: Callable[[], int] = time.time_ns,
+        since_ns: int | None = None,
     ) -> None:
         self._ask = ask
+        self.since_ns = since_ns
         self.threshold = threshold
         self.recover_at = recover_at
         self.host = host
@@ -127,6 +140,8 @@ class ArrivalWatch:
             return
         self._asked = None
         local = {r: t for r, t in asked.results(0.0).items() if r in running}
+        if self.since_ns is not None:  # this node's clock, which stamped its workers' entries
+            local = arrivals_since(local, self.since_ns)
         if self.nnodes == 1 or store is None or not (self.judges or self._responder):
             self._judge(local, {})  # one node, or no clock to compare with: its ranks alone
             return

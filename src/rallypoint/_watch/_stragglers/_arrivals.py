@@ -12,16 +12,27 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rallypoint._watch._flight._records import FlightEntry, RankTrace
 
-__all__ = ["MIN_COLLECTIVES", "MIN_SHARE", "ArrivalVerdict", "is_straggler", "judge_arrivals"]
+__all__ = [
+    "MAX_RATIO",
+    "MIN_COLLECTIVES",
+    "MIN_SHARE",
+    "ArrivalVerdict",
+    "arrivals_since",
+    "is_straggler",
+    "judge_arrivals",
+]
 
 MIN_COLLECTIVES = 10
 """Complete collectives (issued by every member) the window must hold to judge."""
 MIN_SHARE = 0.6
 """The share of them at which one rank must arrive last to be named."""
+MAX_RATIO = 1000.0
+"""The highest pace ratio a verdict states: the others waited for the rank for (nearly)
+the whole span, so that their own compute, the ratio's denominator, is (nearly) nothing."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +46,8 @@ class ArrivalVerdict:
     lag_s: float
     """Its median lag (seconds after the median of the others' arrivals)."""
     ratio: float
-    """``D / (D - W)``: its pace over the others' (see :func:`judge_arrivals`)."""
+    """``D / (D - W)``: its pace over the others' (see :func:`judge_arrivals`); finite, at
+    most :data:`MAX_RATIO`."""
     lags_s: Mapping[int, float]
     """Every rank's median lag, for the report's lane."""
 
@@ -145,15 +157,40 @@ def judge_arrivals(
     rank = max(last, key=lambda r: (last[r], -r))
     span = max(max(a.values()) for a in found) - min(min(a.values()) for a in found)
     waited = _union(intervals[rank])
-    ratio = span / (span - waited) if span > waited else float("inf")
     return ArrivalVerdict(
         rank=rank,
         last=last[rank],
         collectives=len(found),
         lag_s=statistics.median(lags[rank]),
-        ratio=ratio,
+        ratio=_pace_ratio(span, waited),
         lags_s={r: statistics.median(v) for r, v in sorted(lags.items())},
     )
+
+
+def _pace_ratio(span: int, waited: int) -> float:
+    """``D / (D - W)``, at most :data:`MAX_RATIO` (the others waited the whole span: no
+    compute of theirs to divide by); 1 when nobody waited."""
+    if waited <= 0:
+        return 1.0
+    if span - waited <= span / MAX_RATIO:
+        return MAX_RATIO
+    return span / (span - waited)
+
+
+def arrivals_since(traces: Mapping[int, RankTrace], since_ns: int) -> dict[int, RankTrace]:
+    """``traces`` without the entries created before ``since_ns`` (the clock of their node):
+    a worker kept by an in-process restart still holds the previous attempt's collectives,
+    whose numbers the new attempt's groups count again from 1."""
+    return {
+        rank: replace(
+            trace,
+            groups=tuple(
+                replace(g, entries=tuple(e for e in g.entries if e.created_ns >= since_ns))
+                for g in trace.groups
+            ),
+        )
+        for rank, trace in traces.items()
+    }
 
 
 def is_straggler(verdict: ArrivalVerdict | None, threshold: float) -> bool:

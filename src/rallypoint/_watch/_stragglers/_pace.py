@@ -78,11 +78,11 @@ def parse_threshold(value: object, what: str = "straggler_threshold") -> float |
 def check_window(value: object, what: str = "straggler_window") -> float:
     """``value`` (a ``timedelta``, or seconds) as a window length in seconds, at least
     :data:`MIN_WINDOW_S`; ``TypeError``/``ValueError`` name ``what``."""
-    from rallypoint._core.checks import check_seconds
+    from rallypoint._core.checks import MAX_SECONDS, check_seconds
 
-    seconds = check_seconds(value, what, numbers=True)
+    seconds = check_seconds(value, what, numbers=True, maximum=MAX_SECONDS)
     assert seconds is not None
-    if not math.isfinite(seconds) or seconds < MIN_WINDOW_S:
+    if seconds < MIN_WINDOW_S:
         raise ValueError(
             f"{what} must be at least {MIN_WINDOW_S:g} s (the step times are averaged over "
             f"it), got {seconds:g} s"

@@ -82,8 +82,9 @@ class StragglerWatch:
     ``emit`` writes an event (``Observer.emit``), ``say`` a line on the screen.
     ``arrivals``: asks this node's workers, given ``{rank: pid}``, for their Flight Recorder
     traces; with it, lock-step stragglers are found by arrival (``_arrival_watch``), and
-    ``clock_store`` opens the store connection its clock responder blocks on. :meth:`close`
-    at the end of the attempt.
+    ``clock_store`` opens the store connection its clock responder blocks on;
+    ``started_ns``, the attempt's start (``time.time_ns()``), keeps the collectives of an
+    earlier attempt out of the comparison. :meth:`close` at the end of the attempt.
     """
 
     def __init__(
@@ -102,6 +103,7 @@ class StragglerWatch:
         clock: Callable[[], float] = time.monotonic,
         arrivals: Callable[[Mapping[int, int]], TraceRequest] | None = None,
         clock_store: Callable[[], Store] | None = None,
+        started_ns: int | None = None,
     ) -> None:
         self.board = board
         self.detector = StragglerDetector(threshold)
@@ -136,6 +138,7 @@ class StragglerWatch:
             say=say,
             clock=clock,
             clock_store=clock_store,
+            since_ns=started_ns,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ entry points
