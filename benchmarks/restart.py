@@ -34,6 +34,7 @@ it) plus 1 s.
 
     .venv/bin/python benchmarks/restart.py                  # 3 repeats, 5-7 minutes on 2 busy cores
     .venv/bin/python benchmarks/restart.py --repeat 1 --skip-torchrun
+    .venv/bin/python benchmarks/restart.py --positions 8 --repeat 2   # every position
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import restart_positions
 from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -430,7 +432,16 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=",".join(VARIANTS))
     parser.add_argument("--keep", type=Path, help="copy each run's files and logs here")
     parser.add_argument("--plot", help="write a PNG plot here")
+    parser.add_argument(
+        "--positions",
+        type=int,
+        metavar="N",
+        help="instead: N ranks, the fault at each position in turn (restart_positions.py)",
+    )
     args = parser.parse_args()
+    if args.positions:
+        restart_positions.measure(args.positions, args.repeat)
+        return
     variants = [v for v in args.variants.split(",") if v in VARIANTS]
     if args.skip_torchrun:
         variants = [v for v in variants if "torchrun" not in v]

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from rallypoint.launcher import FatalError as FatalError
     from rallypoint.launcher import LaunchConfig as LaunchConfig
     from rallypoint.launcher import LaunchError as LaunchError
+    from rallypoint.launcher import RestartInterrupt as RestartInterrupt
     from rallypoint.launcher import WorkerFailedError as WorkerFailedError
     from rallypoint.launcher import launch as launch
     from rallypoint.launcher import restartable as restartable

@@ -60,6 +60,18 @@ def train() -> None:
         fp.write(f"{os.getpid()} {start}")
     os.replace(entry + ".tmp", entry)
     net = DDP(model, bucket_cap_mb=0.0005) if GRAD == "ddp" else model  # a bucket a parameter
+    try:
+        _steps(net, rank, world, restart, start)
+    except rallypoint.RestartInterrupt:  # the documented name, on the top-level package
+        open(os.path.join(OUT, f"interrupted-{restart}-{rank}"), "w").close()
+        raise
+    snapshot.wait()
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, f"{OUT}/final.pt")
+    dist.destroy_process_group()
+
+
+def _steps(net: torch.nn.Module, rank: int, world: int, restart: int, start: int) -> None:
     for step in range(start, STEPS):
         g = torch.Generator().manual_seed(1000 * step + rank)
         loss = net(torch.randn(32, 8, generator=g)).pow(2).mean()
@@ -74,10 +86,6 @@ def train() -> None:
         rallypoint.progress()  # for --hang-timeout
         if KIND != "early" and restart < world and rank == restart and step + 1 == start + GAP:
             _fault(restart)
-    snapshot.wait()
-    if rank == 0:
-        torch.save({k: v.clone() for k, v in model.state_dict().items()}, f"{OUT}/final.pt")
-    dist.destroy_process_group()
 
 
 train()

@@ -99,8 +99,11 @@ class ElasticPolicy:
             "hang", round=self.rnd.number, idle_s=round(idle_s, 3), action=action
         )
 
+        found: list[int | None] = [None]
+
         def report() -> None:
-            self._report_once(running, reason)
+            rank = self._report_once(running, reason).rank
+            found[0] = rank if rank is not None else self.job.run.culprit_rank(self.rnd.number)
             self.rnd.claim(reason, spend=True, force_fail=action == "fail")
 
         try:
@@ -109,7 +112,7 @@ class ElasticPolicy:
             pass  # the supervisor takes the signal next and stops the workers
         except Exception as exc:
             return Stop(OutcomeKind.LOST, f"lost the rendezvous store: {exc}")
-        return Stop(OutcomeKind.HANG, reason)
+        return Stop(OutcomeKind.HANG, reason, found[0])  # the node that runs it replaces it
 
     def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> Culprit:
         """As a hang: the first node to see it gathers every node's stacks and traces (the
@@ -161,7 +164,7 @@ class ElasticPolicy:
             text += f"\nnode {node}: {why}"
         write_console(2, f"rallypoint: {reason}; stacks of every rank:\n{text}\n".encode())
         if culprit:
-            self.job.run.publish_culprit(self.rnd.number, culprit)
+            self.job.run.publish_culprit(self.rnd.number, culprit, culprit_rank)
         self.job.run.hang_reported(self.rnd.number)
         return Culprit(culprit, culprit_rank)
 

@@ -225,9 +225,20 @@ class RunStore:
     def hang_is_reported(self, round_number: int) -> bool:
         return bool(self.store.check([f"hang/{round_number}/done"]))
 
-    def publish_culprit(self, round_number: int, line: str) -> None:
-        """The Flight Recorder's culprit of a round's hang or collective timeout."""
+    def publish_culprit(self, round_number: int, line: str, rank: int | None = None) -> None:
+        """The Flight Recorder's culprit of a round's hang or collective timeout (its line
+        for the summaries; its rank, for the node that runs it to replace it)."""
+        if rank is not None:
+            self.store.set(f"hang/{round_number}/culprit_rank", str(rank))
         self.store.set(f"hang/{round_number}/culprit", line)
+
+    def culprit_rank(self, round_number: int) -> int | None:
+        """The rank :meth:`publish_culprit` named for the round, if any."""
+        key = f"hang/{round_number}/culprit_rank"
+        if not self.store.check([key]):
+            return None
+        raw = bytes(self.store.get(key)).decode(errors="replace")
+        return int(raw) if raw.isdigit() else None
 
     def culprit(self, round_number: int) -> str:
         """What :meth:`publish_culprit` wrote for the round (``""``: nothing, yet)."""

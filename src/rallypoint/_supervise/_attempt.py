@@ -48,6 +48,13 @@ CAUSE_WAIT = 0.5
 SECOND_GRACE = 1.0
 """Seconds the ranks that sleep past ``--restart-grace`` get once the running ones are
 killed (they may have been blocked in a collective with them)."""
+EXIT_EVENT_WAIT = 10.0
+"""Seconds a failure waits for the exit of a worker whose control channel closed (dead,
+its exit not yet read), before it is judged the failure's own."""
+STORE_RESET_AFTER = 1.0
+"""Seconds after an in-process restart's interruption that the store hosted here is emptied,
+for a worker still waiting in it (each interrupted worker cuts its own store connections at
+once; resetting at once would break them before some have quieted torch's C++ warnings)."""
 
 
 class Attempt:
@@ -98,6 +105,10 @@ class Attempt:
         self.inproc = InProcess(workers, restart_grace)
         self.reset_store = reset_store
         """Empty the workers' store (hosted here): a survivor blocked on it gets an error."""
+        self.vanished: dict[int, float] = {}
+        """Workers whose control channel closed before their exit was read: when."""
+        self.store_reset_at: float | None = None
+        """When an in-process restart empties the store, if the attempt lasts that long."""
         self.cause_wait = cause_wait
         """How long a function's peer-loss exception waits for its cause: on one node, an
         exit; across nodes, the policy's restart (another node's failure)."""
@@ -165,12 +176,22 @@ class Attempt:
             self._fail(w, self._failure_kind(w))
         if self.kind is None and self.consequence is not None:
             assert self.cause_until is not None
-            if now >= self.cause_until or all(w.status is not None for w in self.workers):
+            late = now >= self.cause_until and not self._cause_coming(now)
+            if late or all(w.status is not None for w in self.workers):
                 self._fail(self.consequence, OutcomeKind.FAILED)
         if self.kind is None and self.inproc.waiting:
             assert self.raised_until is not None
-            if now >= self.raised_until:  # no cause came: the first one's failure is its own
-                self._own_failure(self.inproc.waiting.pop(0))
+            if now >= self.raised_until and not self._cause_coming(now):
+                self._own_failure(self.inproc.waiting.pop(0))  # its failure is its own
+
+    def _cause_coming(self, now: float) -> bool:
+        """Whether a worker's control channel closed (it died) and its exit has not been
+        read yet: the exit, a failure's likely cause, comes from the warm process, which may
+        be busy for a while (importing ``torch._dynamo`` once the first workers run)."""
+        return any(
+            self.by_pid[pid].status is None and now < closed + EXIT_EVENT_WAIT
+            for pid, closed in self.vanished.items()
+        )
 
     @staticmethod
     def _failure_kind(w: Worker) -> OutcomeKind:
@@ -274,6 +295,8 @@ class Attempt:
         if self.kill_at is not None and now >= self.kill_at:
             self._kill(self.stopping)
             self.kill_at = now + 1.0
+        if self.store_reset_at is not None and now >= self.store_reset_at:
+            self._reset_store()
         overdue = self.inproc.overdue(now)
         if not overdue:
             return
@@ -292,6 +315,16 @@ class Attempt:
         )
         self._stop_some(overdue, signal.SIGKILL)
 
+    def _reset_store(self) -> None:
+        """Empty the workers' store: a worker that still waits in it gets an error (each
+        interrupted worker cuts its own store connections at once; this is the fallback)."""
+        self.store_reset_at = None
+        if self.reset_store is None:
+            return
+        with contextlib.suppress(Exception):
+            self.reset_store()
+        self.pending.extend(self.warm.read_events())  # exits it read meanwhile
+
     def _drained(self, now: float) -> bool:
         if any(not w.gone_or_parked for w in self.workers):
             return False
@@ -303,7 +336,13 @@ class Attempt:
 
     def _wait(self, now: float) -> None:
         timeout = self.interval
-        waits = (self.kill_at, self.cause_until, self.raised_until, self.drain_until)
+        waits = (
+            self.kill_at,
+            self.cause_until,
+            self.raised_until,
+            self.drain_until,
+            self.store_reset_at,
+        )
         for t in (*waits, self.deadline if self.kind is None else None):
             if t is not None:
                 timeout = min(timeout, max(0.0, t - now))
@@ -318,8 +357,11 @@ class Attempt:
                 case "res":
                     self._read_result(self.by_res[fd])
                 case "ctl":
+                    w = self.inproc.by_fd[fd]
                     if not self.inproc.on_readable(fd, self._on_raised):
                         self.sel.unregister(fd)
+                        if w.status is None:
+                            self.vanished[w.pid] = now
                     self._check_restartable()
                 case "signal":
                     self.signals.drain_wake_fd()
@@ -361,13 +403,12 @@ class Attempt:
         self.raised_until = None  # whoever waited gets its verdict now
         restartable = (OutcomeKind.FAILED, OutcomeKind.HANG, OutcomeKind.RESTART)
         if kind in restartable and self.inproc.can_restart():
-            others = self.inproc.interrupt(reason, time.monotonic())
+            now = time.monotonic()
+            others = self.inproc.interrupt(reason, now)
             if others:
                 self._stop_some(others, signal.SIGTERM)
-            if self.reset_store is not None:  # a store wait cannot be interrupted otherwise
-                with contextlib.suppress(Exception):
-                    self.reset_store()
-                self.pending.extend(self.warm.read_events())  # exits it read meanwhile
+            if self.reset_store is not None:
+                self.store_reset_at = now + STORE_RESET_AFTER
             return
         for w in self.inproc.waiting:
             self.inproc.verdict(w, False)

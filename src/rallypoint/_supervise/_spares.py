@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
+import time
 from dataclasses import replace
 
+from rallypoint._supervise._inprocess._control import Hello, receive
 from rallypoint._supervise._output import write_console
 from rallypoint._supervise._starter import WorkerStarter
 from rallypoint._supervise._state import GroupInfo, Worker
@@ -16,6 +19,8 @@ from rallypoint._watch._observer import Observer
 
 __all__ = ["SparePool"]
 
+READY_WAIT = 0.5
+"""Seconds a rank that needs a new process waits for a spare still in its set-up."""
 _TAIL_BYTES = 4096
 """Most of a dead spare's last output that its report shows."""
 
@@ -39,6 +44,8 @@ class SparePool:
         self.gone: set[int] = set()
         """Pids whose exit was read (by an attempt, or before one started)."""
         self.failed = False
+        self.ready: set[int] = set()
+        """Spares that said they reached their restartable function (set-up done)."""
 
     def top_up(self, group: GroupInfo) -> None:
         """Fork spares until ``count`` of them run or wait."""
@@ -60,14 +67,21 @@ class SparePool:
             self.observer.emit("worker_spare", pid=w.pid)
 
     def place(self, kept: dict[int, Worker], nproc: int, attempt: int) -> set[int]:
-        """Give the local ranks that need a new process to waiting spares (into ``kept``:
-        they get the attempt's environment as kept workers do); returns those ranks."""
+        """Give the local ranks that need a new process to spares whose set-up is done
+        (into ``kept``: they get the attempt's environment as kept workers do); returns
+        those ranks. A spare still in its set-up :data:`READY_WAIT` seconds later is passed
+        over, and the console says so: a set-up that hangs must not hold a rank."""
         self._drop_dead()
         placed = set()
         for local_rank in range(nproc):
             if local_rank in kept or not self.waiting:
                 continue
-            spare = self.waiting.pop(0)
+            ready = self._wait_ready()
+            if not ready:
+                self._tell_busy(attempt, local_rank)
+                continue
+            spare = ready[0]
+            self.waiting.remove(spare)
             kept[local_rank] = replace(spare, local_rank=local_rank)
             placed.add(local_rank)
             self.stopper.spare_workers.discard(spare.pid)
@@ -77,6 +91,39 @@ class SparePool:
                 f"{spare.pid} (its set-up ran ahead)\n".encode(),
             )
         return placed
+
+    def _wait_ready(self) -> list[Worker]:
+        """The waiting spares whose set-up is done; if none, the first to be done within
+        :data:`READY_WAIT` seconds (one that just finished has not said so yet)."""
+        deadline = time.monotonic() + READY_WAIT
+        while True:
+            ready = [w for w in self.waiting if self._ready(w)]
+            left = deadline - time.monotonic()
+            if ready or left <= 0:
+                return ready
+            fds = [w.control for w in self.waiting if w.control is not None]
+            if not fds:
+                return []
+            select.select(fds, [], [], left)
+
+    def _ready(self, w: Worker) -> bool:
+        """Whether spare ``w`` reached its restartable function (it said ``Hello``)."""
+        if w.pid in self.ready:
+            return True
+        if w.control is not None:
+            for msg in receive(w.control) or []:
+                if isinstance(msg, Hello):
+                    self.ready.add(w.pid)
+                    w.restartable = True  # the attempt that takes it will not see this Hello
+        return w.pid in self.ready
+
+    def _tell_busy(self, attempt: int, local_rank: int) -> None:
+        pids = ", ".join(str(w.pid) for w in self.waiting)
+        write_console(
+            2,
+            f"rallypoint: attempt {attempt}: local rank {local_rank} starts in a new process: "
+            f"the spare worker(s) (pids {pids}) are still in the script's set-up\n".encode(),
+        )
 
     def take_all(self) -> list[Worker]:
         """Every waiting spare, to be stopped; the pool keeps none."""

@@ -137,6 +137,8 @@ class Worker:
     """The agent's end of its control channel (``_control``)."""
     restartable: bool = False
     """It entered ``@rallypoint.restartable``: it can restart in process."""
+    returned: bool = False
+    """Its restartable function returned: only its first call restarts in process."""
     interrupted_at: float | None = None
     """When the agent told it to leave its function (an in-process restart)."""
     parked: bool = False

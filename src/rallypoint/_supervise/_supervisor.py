@@ -286,10 +286,17 @@ class Supervisor(Closing):
         return kept
 
     def stop_kept(self) -> None:
-        """Stop the workers kept for an in-process restart that will not come, and the
-        spares, as workers are stopped: SIGTERM (their handlers run), SIGKILL after
-        ``--shutdown-timeout``."""
-        kept, self.kept = [*self.kept.values(), *self.spares.take_all()], {}
+        """Stop the workers kept for an in-process restart that will not come, as workers
+        are stopped: SIGTERM (their handlers run), SIGKILL after ``--shutdown-timeout``.
+        Spares hold no rank and no state: they are killed at once (a spare's SIGTERM
+        handler, a checkpoint on preemption say, has nothing to save)."""
+        spares = self.spares.take_all()
+        if spares:
+            self.stopper.kill_trees(spares, signal.SIGKILL)
+            self.stopper.wait_all(spares, 5.0)
+            for w in spares:
+                w.close_channels()
+        kept, self.kept = list(self.kept.values()), {}
         if not kept:
             return
         self.stopper.kill_trees(kept, signal.SIGTERM)

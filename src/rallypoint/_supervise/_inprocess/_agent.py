@@ -78,8 +78,9 @@ class InProcess:
                     on_raised(w)
                 case Parked():
                     w.parked = True
-                case Done():
-                    pass
+                case Done():  # later calls run as plain calls: a failure replaces it
+                    w.restartable = False
+                    w.returned = True
         if messages is None:
             del self.by_fd[fd]
             return False
@@ -114,7 +115,7 @@ class InProcess:
         for w in self.workers:
             if w.status is not None or w.parked:
                 continue
-            if not w.restartable and not (expected and w.control is not None):
+            if w.returned or not (w.restartable or (expected and w.control is not None)):
                 stop.append(w)
                 continue
             w.interrupted_at = now

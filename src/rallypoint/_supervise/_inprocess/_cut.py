@@ -1,22 +1,14 @@
 """Cutting an interrupted attempt's connections, so that no rank stays blocked in it.
 
-gloo has no working abort (pytorch#130345): a collective fails only when one of its own
-connections fails. A gloo collective is a ring or a tree, so when a rank dies only its
-neighbours fail; a survivor that waits on another survivor stays blocked, and so does a
-survivor's ``destroy_process_group``, which joins gloo's worker threads. When told to
-leave, each worker therefore shuts down (never closes: gloo owns the descriptors) its own
-end of every connection of the attempt:
-
-- gloo's: the TCP sockets that a gloo device's event loop watches (an epoll set of one
-  wake-up pipe, a listening TCP socket and the connected ones);
-- the attempt's store: TCP sockets connected to ``MASTER_PORT``, where a rank waits in
-  ``init_process_group`` or a barrier (a store wait ignores signals until its timeout).
-
-Only sockets made since the function was entered are cut (:func:`sockets_now` at entry):
-what the set-up opened (a data service, a logger) is left alone, and so is anything not
-TCP (the control channel, the snapshot server's Unix socket). Each peer blocked on a cut
-connection fails at once, and every worker cuts its own: every position is freed.
-Linux only (``/proc``); elsewhere nothing is cut.
+gloo has no working abort: a collective fails only when one of its own connections does,
+so a survivor waiting on another survivor (or in its ``destroy_process_group``, which
+joins gloo's threads) stays blocked. A worker told to leave shuts down (never closes: gloo
+owns them) its own end of the attempt's gloo connections (the TCP sockets a gloo device's
+epoll loop watches: one wake-up pipe, a listening socket, the connected ones) and store
+connections (TCP to ``MASTER_PORT``; a store wait ignores signals). Only sockets made since
+the function was entered are cut; nothing that is not TCP. Each peer blocked on a cut
+connection fails at once, and every worker cuts its own: every position is freed. Linux
+only (``/proc``).
 """
 
 from __future__ import annotations

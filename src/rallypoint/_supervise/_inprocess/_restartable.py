@@ -27,6 +27,7 @@ from types import FrameType
 from typing import Any, ParamSpec, TypeVar
 
 from rallypoint._core import envvars
+from rallypoint._core.cpp_log import cpp_warnings_off
 from rallypoint._supervise._inprocess._control import (
     MAX_MESSAGE,
     Assign,
@@ -67,7 +68,10 @@ def restartable(fn: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         channel = _channel()
-        if channel is None:
+        if channel is None or channel.running:  # nested: the outermost call restarts
+            return fn(*args, **kwargs)
+        if channel.returned:  # a second call: said once, then a plain call
+            channel.say_second_call(getattr(fn, "__qualname__", repr(fn)))
             return fn(*args, **kwargs)
         return channel.run(fn, args, kwargs)
 
@@ -117,6 +121,10 @@ class _Channel:
         self.in_fn = False
         self.interrupted = False
         self.entry_sockets: frozenset[int] = frozenset()  # this process's, when fn was entered
+        self.running = False  # in run(): a restartable call nested in it is a plain call
+        self.returned = False  # the first call returned: later calls are plain calls
+        self.said_second = False
+        self.quiet: contextlib.ExitStack | None = None  # C++ warnings off while leaving
         self.replies: SimpleQueue[Message | None] = SimpleQueue()
         self.reader = threading.Thread(target=self._read, name="rallypoint-restart", daemon=True)
         self.reader.start()
@@ -150,13 +158,24 @@ class _Channel:
         while the lock is held, so the main thread cannot leave the function in between."""
         with self.lock:
             self.interrupted = True
-        abort_nccl()
-        port = os.environ.get("MASTER_PORT", "")
-        cut_attempt(self.entry_sockets, int(port) if port.isdigit() else None)
+        self._leave_attempt()
         with self.lock:
             if self.in_fn:
                 with contextlib.suppress(OSError, ValueError):
                     signal.pthread_kill(threading.main_thread().ident or 0, WAKE_SIGNAL)
+
+    def _leave_attempt(self) -> None:
+        """Once per attempt: quiet torch's C++ warnings until the next one (the attempt's
+        store calls fail now, each with a C++ backtrace, in this rank's snapshot thread
+        too), abort NCCL, and cut the attempt's gloo and store connections (``_cut``)."""
+        with self.lock:
+            if self.quiet is not None:
+                return
+            self.quiet = contextlib.ExitStack()
+            self.quiet.enter_context(cpp_warnings_off())
+        abort_nccl()
+        port = os.environ.get("MASTER_PORT", "")
+        cut_attempt(self.entry_sockets, int(port) if port.isdigit() else None)
 
     def _on_wake(self, signum: int, frame: FrameType | None) -> None:
         with self.lock:
@@ -167,7 +186,25 @@ class _Channel:
             raise RestartInterrupt("another rank failed: restarting in process")
 
     # ------------------------------------------------------------------ the main thread
+    def say_second_call(self, name: str) -> None:
+        if self.said_second:
+            return
+        self.said_second = True
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(
+                f"rallypoint: @restartable {name}() called again in this process: only the "
+                "first call restarts in process; a failure from here on replaces the "
+                "process\n"
+            )
+
     def run(self, fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+        self.running = True
+        try:
+            return self._run(fn, args, kwargs)
+        finally:
+            self.running = False
+
+    def _run(self, fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
         # installed for good: a wake-up that races the function's return must find it
         # (the default action of a real-time signal ends the process); it raises only
         # while the function runs
@@ -184,6 +221,7 @@ class _Channel:
             except RestartInterrupt:  # came as the function returned: restart anyway
                 value, failed = None, True
             if not failed:
+                self.returned = True
                 self._send(Done())
                 return value  # type: ignore[return-value]
             self._restart()
@@ -226,8 +264,7 @@ class _Channel:
 
     def _restart(self) -> None:
         """Tear down, park, take the next attempt's environment."""
-        port = os.environ.get("MASTER_PORT", "")  # a raised rank was not interrupted
-        cut_attempt(self.entry_sockets, int(port) if port.isdigit() else None)
+        self._leave_attempt()  # a rank whose function raised was not interrupted
         try:
             teardown()
         except Exception as exc:  # a poisoned CUDA context, say: this process is done
@@ -248,6 +285,9 @@ class _Channel:
         os.environ.update(msg.env)
         with self.lock:
             self.interrupted = False
+            quiet, self.quiet = self.quiet, None
+        if quiet is not None:
+            quiet.close()
 
 
 def abort_nccl() -> None:
