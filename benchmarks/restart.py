@@ -28,9 +28,9 @@ Scenarios, alternated within each repeat:
 
 torchrun gets a timeout: on this machine its restarted gloo workers can hang or fail to
 reach a stale address (docs/launcher.md, "Restarts"); the table says what happened.
-The goal: on CPU, an in-process recovery no slower than the replaced rank's
-own set-up (first line of the script to the call of the function, as that rank measured
-it) plus 1 s.
+The goal: on CPU, with the default flags, an in-process recovery no slower than the
+replaced rank's own set-up (first line of the script to the call of the function, as that
+rank measured it) plus 0.5 s.
 
     .venv/bin/python benchmarks/restart.py                  # 3 repeats, 5-7 minutes on 2 busy cores
     .venv/bin/python benchmarks/restart.py --repeat 1 --skip-torchrun
@@ -63,6 +63,8 @@ SPARE_FAULT_STEP = 160
 """With a spare: the fault after 160 steps of 20 ms, once the spare (forked when the ranks
 enter the function) has finished its 2 s set-up."""
 START_TIMEOUT = 90.0
+GOAL = 0.5
+"""Seconds an in-process recovery may take beyond the replaced rank's set-up."""
 
 WORKER = """
 import os, time
@@ -368,11 +370,12 @@ def report(results: dict[str, list[Run]], args: argparse.Namespace) -> None:
         rec, setup = _med([r.recovery for r in done]), _med([r.setup for r in done])
         kept = _med([r.kept for r in done])
         assert rec is not None and setup is not None
-        held = sum(1 for r in done if r.recovery is not None and r.recovery <= r.setup + 1)
+        held = sum(1 for r in done if r.recovery is not None and r.recovery <= r.setup + GOAL)
         back = f"; the kept ranks were back in the function {kept:.2f} s after the fault"
         print(
-            f"{name}: goal (recovery <= the replaced rank's set-up + 1 s) "
-            f"{'holds' if rec <= setup + 1 else 'missed'}: {rec:.2f} s vs {setup:.2f} + 1 s "
+            f"{name}: goal (recovery <= the replaced rank's set-up + {GOAL} s) "
+            f"{'holds' if rec <= setup + GOAL else 'missed'}: {rec:.2f} s vs {setup:.2f} "
+            f"+ {GOAL} s "
             f"(by medians; {held} of {len(done)} runs){back if kept is not None else ''}."
         )
     notes = [(v, r) for v, runs in results.items() for r in runs if r.note]
