@@ -4,7 +4,7 @@
 FileStore, HashStore, PrefixStore) satisfy it, as does ``KeyValueStore.torch_store()``
 (a torch ``Store`` over etcd or memory); tests use ``HashStore`` or that in-memory store.
 Values go in as ``str`` or ``bytes`` and come out as ``bytes``. torch's own classes, and
-the places where its type stubs are wrong, are in :mod:`rallypoint._core.c10d`.
+the places where its type stubs are wrong, are in :mod:`rallypoint._core.torch_c`.
 """
 
 from __future__ import annotations
