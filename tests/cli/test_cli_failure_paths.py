@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import rallypoint
 from rallypoint._cli._run import run_main
 
 RALLYPOINT = [sys.executable, "-m", "rallypoint"]
@@ -54,6 +55,20 @@ def test_bad_pet_nnodes_is_a_usage_error(hello: Path, value: str) -> None:
     line = _usage_error([str(hello)], env={"PET_NNODES": value})
     assert line.startswith("rallypoint run: error: "), line
     assert "PET_NNODES" in line, line
+
+
+# ---------------------------------------------------------------------------- --rdzv-id
+@pytest.mark.timeout(60)
+def test_a_run_id_with_a_slash_names_rdzv_id_not_log_dir(hello: Path, tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    line = _usage_error(["--rdzv-id", "team/job-7", "--log-dir", str(logs), str(hello)])
+    assert line.startswith("rallypoint run: error: --rdzv-id 'team/job-7' must not contain '/'")
+    assert "--log-dir" not in line and "--rdzv-id team-job-7" in line, line
+    line = _usage_error([str(hello)], env={"PET_RDZV_ID": "a/b"})
+    assert "--rdzv-id 'a/b'" in line, line
+    with pytest.raises(ValueError, match=r"^run_id 'x/y' must not contain '/'"):
+        rallypoint.launch(print, nproc=1, run_id="x/y")  # the same for launch()
+    assert not logs.exists()
 
 
 # ---------------------------------------------------------------------------- torchrun parity

@@ -224,3 +224,67 @@ def test_a_relaunch_resumes_from_an_ended_job_and_an_explicit_choice_wins(
     assert starts(tmp_path / "job-e") == [(30, 30, 2), (30, 30, 2)]
     line = f"{ck}/run-job-a/step-000000000030, a checkpoint of job 'job-a', which ended"
     assert line in text, text
+
+
+def _usage_error(ck: Path, source: str, cwd: Path) -> str:
+    """``rallypoint run --snapshot-resume-from SOURCE``: exit status 2 and one line on
+    stderr, before any worker starts; returns that line."""
+    script = cwd / "never.py"
+    script.write_text("raise SystemExit('the job must not start')\n")
+    cmd = [sys.executable, "-m", "rallypoint", "run", "--snapshot-dir", str(ck),
+           "--snapshot-resume-from", source, str(script)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=cwd)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+@pytest.mark.timeout(300)
+def test_resume_from_a_live_or_unknown_job_or_an_empty_path_is_one_line_and_exit_2(
+    tmp_path: Path, held_job: Callable[[Path, str], subprocess.Popen[str]]
+) -> None:
+    from rallypoint.launcher import launch
+
+    ck = tmp_path / "ck"
+    held_job(ck, "job-a")  # live, with the checkpoints of steps 2 and 4
+    line = _usage_error(ck, "job-a", tmp_path)
+    assert line.startswith(
+        f"rallypoint run: error: --snapshot-resume-from job-a: job 'job-a' is still running "
+        f"({ck}/run-job-a)"
+    ), line
+    line = _usage_error(ck, "job-z", tmp_path)
+    assert line == (
+        f"rallypoint run: error: --snapshot-resume-from job-z: no checkpoint of job 'job-z' in "
+        f"{ck} ({ck}/run-job-z holds no complete checkpoint); run ids with checkpoints there: "
+        "job-a"
+    ), line
+    (tmp_path / "empty").mkdir()
+    line = _usage_error(ck, "./empty", tmp_path)
+    assert f"--snapshot-resume-from {tmp_path}/empty: no complete checkpoint in " in line, line
+    env = {envvars.SNAPSHOT_DIR: str(ck), envvars.SNAPSHOT_RESUME_FROM: "job-z"}
+    with pytest.raises(ValueError, match="no checkpoint of job 'job-z'"):
+        launch(print, nproc=1, env=env)  # launch() checks it too, before a worker starts
+
+
+@pytest.mark.timeout(300)
+def test_an_explicit_choice_that_cannot_load_fails_the_restore_not_a_fresh_start(
+    tmp_path: Path,
+) -> None:
+    from rallypoint.launcher import WorkerFailedError
+
+    ck = tmp_path / "ck"
+    _resume(tmp_path, "job-a", ck, 4)  # ended, with the checkpoints of steps 2 and 4
+    for metadata in ck.glob("run-job-a/step-*/.metadata"):
+        metadata.write_bytes(b"not a checkpoint")  # damaged, still listed as complete
+    newest = ck / "run-job-a" / "step-000000000004"
+    for name, source, older in [("job-b", "job-a", 1), ("job-c", str(newest), 0)]:
+        with pytest.raises(WorkerFailedError) as failed:
+            _resume(tmp_path, name, ck, 8, source=source)
+        assert not list((tmp_path / name).glob("start-*"))  # no rank trained from scratch
+        summary = failed.value.summary
+        assert (
+            f"SnapshotError: --snapshot-resume-from {source}: cannot load the checkpoint "
+            f"{newest} (UnpicklingError: " in summary
+        ), summary
+        assert ("(and 1 older)" in summary) == bool(older), summary

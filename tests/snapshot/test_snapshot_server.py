@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -204,3 +205,61 @@ def test_peers_are_served_again_after_the_server_ran_out_of_threads() -> None:
         server.kill()
         _, err = server.communicate()
     assert "can't start new thread" not in err, err
+
+
+_SERVER = """
+import socket, sys
+from rallypoint._snapshot._server import Server
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+listener.bind(sys.argv[1])
+listener.listen(8)
+print("ready", flush=True)
+Server(listener).run()
+"""
+
+# A worker: says hello, asks for the inventory and is SIGKILLed, with the answer unread
+# (``wait`` 1: the answer came) or before the server could send it (``wait`` 0).
+_DYING_WORKER = """
+import json, os, signal, socket, sys, time
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+sock.connect(sys.argv[1])
+sock.send(json.dumps({"op": "hello", "secret": b"job-secret".hex(), "host": "127.0.0.1"}).encode())
+assert json.loads(sock.recv(65536))["ok"] is True
+sock.send(json.dumps({"op": "inventory"}).encode())
+time.sleep(float(sys.argv[2]))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_dies_mid_request_is_dropped_quietly_and_bad_data_is_said(
+    tmp_path: Path,
+) -> None:
+    """A worker that dies with a request or an answer in flight (every worker crash) is
+    expected: no line. Malformed data from a live worker is still said, in one line."""
+    path = str(tmp_path / "server.sock")
+    server = subprocess.Popen(
+        [sys.executable, "-c", _SERVER, path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "ready\n"
+        for wait in ("1", "0", "1", "0"):
+            worker = subprocess.run([sys.executable, "-c", _DYING_WORKER, path, wait])
+            assert worker.returncode == -9
+        time.sleep(0.5)  # the server saw those ends
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as live:
+            live.connect(path)
+            live.send(b"{not json")
+            live.settimeout(5)
+            assert live.recv(100) == b""  # dropped
+        assert server.poll() is None  # and still serving
+        time.sleep(0.2)
+    finally:
+        server.kill()
+        _, err = server.communicate()
+    assert "ConnectionResetError" not in err and "BrokenPipeError" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "dropped a worker connection: ProtocolError" in lines[0], err

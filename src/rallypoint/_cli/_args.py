@@ -43,7 +43,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
         burn_in=bool(args.burn_in),
         hot_spare=bool(args.hot_spare),
         spare_workers=args.spare_workers,
-        run_id=None if args.rdzv_id in ("", "none") else args.rdzv_id,
+        run_id=_run_id(args.rdzv_id),
         role=args.role,
         start_method="fork" if args.start_method == "fork" else "spawn",
         preload=tuple(m.strip() for m in str(args.preload).split(",") if m.strip()),
@@ -61,6 +61,19 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
     if snapshots:
         options["env"] = snapshots
     return LaunchConfig(**options), target
+
+
+def _run_id(value: str) -> str | None:
+    """``--rdzv-id`` (``PET_RDZV_ID``): the job's run id; ``None`` for ``none``."""
+    if value in ("", "none"):
+        return None
+    if "/" in value or "\0" in value:
+        raise UsageError(
+            f"--rdzv-id {value!r} must not contain '/': the run id names the job's log and "
+            f"snapshot directories; use letters, digits, '-', '_' and '.' (say "
+            f"--rdzv-id {value.replace('/', '-').replace(chr(0), '')})"
+        )
+    return value
 
 
 def _health(args: argparse.Namespace) -> dict[str, Any]:

@@ -11,7 +11,8 @@ down to this package, never up from it.
 - processes: ``procs`` (liveness, descendants, subreapers, parent-death signals),
   ``subreaper`` (a command that nothing it starts outlives), ``forking`` (locks a forked
   child finds free), ``blocking`` (a blocking call in a thread, keeping the caller's
-  deadline and signals);
+  deadline and signals), ``tempdirs`` (temporary directories that name their owner
+  process; those of dead owners removed);
 - network and trust: ``net`` (ports), ``handshake`` (the HMAC challenge over a job's
   secret), ``acceptor`` (listeners and handshakes on one selector thread), ``peercred``;
 - output: ``terminal`` (text fit for a terminal), ``throttle``, ``disk``, ``cpp_log``;

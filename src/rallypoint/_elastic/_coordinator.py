@@ -64,6 +64,14 @@ EXIT_BARRIER = 10.0
 hosting the rendezvous store must not take it away while others still read it)."""
 
 
+def _all_replaced(outcome: Outcome) -> tuple[str, dict[str, Any]]:
+    """An in-process restart that keeps none of this node's workers, in one line and as
+    event fields: ``rank 1 replaced (killed by SIGKILL)``."""
+    gone = sorted(outcome.workers, key=lambda w: w.rank)
+    line = "; ".join(f"rank {w.rank} replaced ({w.detail})" for w in gone)
+    return line or "no worker of this node kept", {"kept": [], "replaced": [w.rank for w in gone]}
+
+
 def _store_of(info: RendezvousInfo) -> Store:
     """The round's store (torch's class, as the handler API types it) as a ``Store``."""
     from rallypoint._core.torch_c import as_torch_store
@@ -463,6 +471,11 @@ class ElasticCoordinator:
         if outcome.kept:
             kept, fields = in_process_line(outcome)
             line = f"in-process restart on {self.supervisor.host} ({used}): {kept}"
+        elif outcome.in_process:  # none kept here; the other nodes keep theirs
+            replaced, fields = _all_replaced(outcome)
+            line = f"in-process restart on {self.supervisor.host} ({used}): {replaced}"
+        if decision.excluded and (outcome.kept or outcome.in_process):
+            line += f"; {decision.note}"
         write_console(2, f"rallypoint: {decision.reason}; {line}\n".encode())
         self.observer.emit(
             "restart",

@@ -28,7 +28,7 @@ from rallypoint._supervise._output import write_console
 from rallypoint._supervise._policy import LocalPolicy
 from rallypoint._supervise._signature import Streak, failure_signature, repeated_line
 from rallypoint._supervise._state import GroupInfo, Outcome, OutcomeKind
-from rallypoint._supervise._summary import format_summary
+from rallypoint._supervise._summary import format_summary, stopped_with_the_job
 from rallypoint._watch._observer import Observer
 
 __all__ = ["LocalCoordinator"]
@@ -185,7 +185,7 @@ class LocalCoordinator:
         failure = outcome.failure
         assert failure is not None
         root = failure.worker
-        others = [w for w in outcome.workers if w.pid != root.pid]
+        others = stopped_with_the_job([w for w in outcome.workers if w.pid != root.pid])
         restarts = self.restarts.max_restarts
         attempts = f"attempt {attempt + 1} of {restarts + 1}" if restarts else "no restarts"
         host = self.supervisor.host

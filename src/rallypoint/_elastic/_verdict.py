@@ -19,7 +19,7 @@ from rallypoint._supervise._errors import (
     WorkerFailedError,
 )
 from rallypoint._supervise._state import Outcome, OutcomeKind
-from rallypoint._supervise._summary import format_summary
+from rallypoint._supervise._summary import format_summary, stopped_with_the_job
 
 __all__ = ["ROOT_WAIT", "raise_failure", "root_cause"]
 
@@ -58,7 +58,7 @@ def raise_failure(
         raise RendezvousFailedError(f"the job failed: {decision.reason}")
     if outcome.kind is OutcomeKind.BAD_TARGET:
         raise BadTargetError(failure.traceback or failure.detail)
-    others = [w for w in outcome.workers if w.rank != failure.rank]
+    others = stopped_with_the_job([w for w in outcome.workers if w.rank != failure.rank])
     budget = rnd.job.restarts.max_restarts
     used = decision.count  # spent before this round's end: less where it ended early
     summary = format_summary(

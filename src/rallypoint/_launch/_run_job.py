@@ -20,16 +20,19 @@ from typing import Any, Protocol
 
 from rallypoint._core import envvars
 from rallypoint._core.status import JobStatus
+from rallypoint._core.tempdirs import mark_owned, remove_stale
 from rallypoint._elastic._check_run import HealthContext
 from rallypoint._elastic._health import HealthChecks
 from rallypoint._elastic._job import stop_on_signal
 from rallypoint._elastic._local import LocalCoordinator
 from rallypoint._launch._config import LaunchConfig
+from rallypoint._snapshot._snapshot_dir import resume_problem
 from rallypoint._supervise._env import user_rpc_secret
 from rallypoint._supervise._errors import LaunchInterruptedError
 from rallypoint._supervise._signals import SignalQueue
 from rallypoint._supervise._supervisor import Supervisor, prepare_warm
 from rallypoint._supervise._warm._process import WarmProcess
+from rallypoint._supervise._warm._snapshots import socket_parent
 from rallypoint._supervise._worker import Target
 from rallypoint._watch._observer import Observer
 
@@ -56,6 +59,9 @@ def run_job(
     temporary exists (``_supervise._warm._server``).
     """
     run_id = config.world.run_id or uuid.uuid4().hex[:12]
+    _check_resume(config, run_id)
+    # what launches killed with their whole process group left (never a live one's)
+    remove_stale([tempfile.gettempdir(), socket_parent()])
     with SignalQueue(config.stop.signal_numbers) as signals:
         prepare_warm(warm, config.workers.preload, signals)
         return _run(config, target, warm, signals, run_id, title, collect_results, warn_omp)
@@ -73,6 +79,9 @@ def _run(
 ) -> list[Any]:
     status, code = JobStatus.FAILED, 1
     with Observer(nproc=config.workers.nproc, watch=config.watch, node=socket.gethostname()) as obs:
+        for path in obs.temp_paths():  # its stacks directory, removed by a later launch
+            if os.path.isdir(path):  # should this one be killed with its process group
+                mark_owned(path)
         try:
             with Supervisor(
                 warm,
@@ -97,13 +106,29 @@ def _run(
                 obs.emit("job_end", status=status, exitcode=code)
 
 
+def _snapshot_setting(config: LaunchConfig, name: str) -> str:
+    """A snapshot setting of the workers (``launch(env=...)``, the CLI's, or inherited)."""
+    return config.workers.env.get(name, os.environ.get(name, ""))
+
+
+def _check_resume(config: LaunchConfig, run_id: str) -> None:
+    """``--snapshot-resume-from`` names a job or a path that offers a checkpoint, and not
+    a live job: else one line (``ValueError``) before any worker starts."""
+    resume_from = _snapshot_setting(config, envvars.SNAPSHOT_RESUME_FROM)
+    directory = _snapshot_setting(config, envvars.SNAPSHOT_DIR)
+    if resume_from and directory:
+        why = resume_problem(os.path.abspath(directory), resume_from, run_id)
+        if why:
+            raise ValueError(why)
+
+
 def _health(config: LaunchConfig, supervisor: Supervisor, observer: Observer) -> HealthChecks:
     """This node's ``health_check`` list; ``builtin:disk`` looks at the log, snapshot and
     temp directories (the coordinator gives ``builtin:store`` its store)."""
     dirs = []
     if config.output.log_dir:
         dirs.append(("--log-dir", os.path.abspath(config.output.log_dir)))
-    snapshots = config.workers.env.get(envvars.SNAPSHOT_DIR, os.environ.get(envvars.SNAPSHOT_DIR))
+    snapshots = _snapshot_setting(config, envvars.SNAPSHOT_DIR)
     if snapshots:
         dirs.append(("--snapshot-dir", os.path.abspath(snapshots)))
     dirs.append(("the temp dir", tempfile.gettempdir()))

@@ -91,13 +91,17 @@ class LocalSession:
             return meta.step
         if self.persister is None:
             return None
+        failures = []
         for checkpoint in self.persister.complete():  # newest first
             loaded = self.persister.try_load(checkpoint)
             if not isinstance(loaded, str):
                 self.persister.resumed(checkpoint)
                 return self._apply_disk(state, *loaded, self.persister.origin(checkpoint))
             where = self.persister.directory / checkpoint.name
+            failures.append(f"{where} ({loaded})")
             self.report.always(f"cannot load the checkpoint {where} ({loaded}); trying the next")
+        if self.persister.explicit:  # a choice that does not load is an error
+            raise self.persister.nothing_loaded(failures)
         return None
 
     def _apply_disk(

@@ -305,12 +305,15 @@ class NodeSession:
         memory, disk = choice.memory, choice.disk
         if memory is not None and (not disk or memory[1] >= disk[0].step):
             return self._from_memory(state, memory, choice.holders), "memory", "", memory
+        failures: list[str] = []
         if disk:
-            checkpoint = self._from_disk(state, disk, n)
+            checkpoint, failures = self._from_disk(state, disk, n)
             if checkpoint is not None:
                 assert self.persister is not None
                 self.persister.resumed(checkpoint)
                 return checkpoint.step, "disk", self.persister.origin(checkpoint), None
+        if self.persister is not None and self.persister.explicit:
+            raise self.persister.nothing_loaded(failures)  # every rank: the same votes
         self._explain(choice)
         return None, "", "", None
 
@@ -363,23 +366,34 @@ class NodeSession:
 
     def _from_disk(
         self, state: MutableMapping[str, Any], checkpoints: list[Checkpoint], n: int
-    ) -> Checkpoint | None:
+    ) -> tuple[Checkpoint | None, list[str]]:
         """The newest of ``checkpoints`` that every rank loads (one that vanished or is
-        damaged on some rank: every rank goes on to the next); ``None`` if none."""
-        assert self.persister is not None
+        damaged on some rank: every rank goes on to the next), ``None`` if none; and
+        ``PATH (why)`` of each one that failed."""
+        persister = self.persister
+        assert persister is not None
+        failures: list[str] = []
         for attempt, checkpoint in enumerate(checkpoints):
-            loaded = self.persister.try_load(checkpoint)
+            loaded = persister.try_load(checkpoint)
             if self.agree.all_loaded(n, attempt, not isinstance(loaded, str)):
                 assert not isinstance(loaded, str)
                 self._apply(state, *loaded, owned=True)
-                return checkpoint
-            if isinstance(loaded, str):
-                where = self.persister.directory / checkpoint.name
-                self.report.always(
-                    f"rank {self.rank}: cannot load the checkpoint {where} ({loaded}); "
-                    "every rank tries the next complete one"
-                )
-        return None
+                return checkpoint, failures
+            where = persister.directory / checkpoint.name
+            why = loaded if isinstance(loaded, str) else "another rank cannot load it"
+            failures.append(f"{where} ({why})")
+            if not isinstance(loaded, str):
+                continue
+            if attempt + 1 < len(checkpoints):
+                then = "every rank tries the next complete one"
+            elif persister.explicit:
+                continue  # the restore's error says it
+            else:
+                then = "no other complete checkpoint: restore() returns None (a fresh start)"
+            self.report.always(
+                f"rank {self.rank}: cannot load the checkpoint {where} ({loaded}); {then}"
+            )
+        return None, failures
 
     def _apply(
         self,

@@ -200,6 +200,29 @@ class Persister:
         )
         raise SnapshotError(why)
 
+    @property
+    def explicit(self) -> bool:
+        """Whether ``--snapshot-resume-from`` names a job or a path (a choice that must
+        load: a restore that loads nothing then raises, it never starts from scratch)."""
+        return self.ckdir.source(self.resume_from) is not None
+
+    def nothing_loaded(self, failures: list[str]) -> SnapshotError:
+        """The error of a restore that loaded nothing although ``--snapshot-resume-from``
+        names a source; ``failures``: ``PATH (why)`` of each checkpoint the ranks tried,
+        newest first."""
+        flag = f"--snapshot-resume-from {self.resume_from}"
+        if failures:
+            older = f" (and {len(failures) - 1} older)" if len(failures) > 1 else ""
+            return SnapshotError(
+                f"{flag}: cannot load the checkpoint {failures[0]}{older}; restore() does not "
+                "start from scratch for an explicit choice: repair it, or name another one"
+            )
+        return SnapshotError(
+            f"{flag}: not every rank sees a complete checkpoint in "
+            f"{self.ckdir.source(self.resume_from)}: every node needs the same --snapshot-dir "
+            "(shared storage)"
+        )
+
     def resumed(self, checkpoint: Checkpoint) -> None:
         """Every rank loaded ``checkpoint``: when it is an ended job's, found on its own (no
         ``--snapshot-resume-from``), rank 0 records that this job continues that training."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
+import logging
 import os
 import socket
 import sys
@@ -52,6 +53,9 @@ PEER_TIMEOUT = 30.0
 IDLE_SECONDS = 600.0
 """An authenticated peer connection with no request for this long is closed."""
 _MAX_SNAPSHOT = 1 << 40
+_PEER_GONE = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+"""How a worker that died with a request or an answer in flight shows on its connection."""
+_debug = logging.getLogger("rallypoint.snapshot.server")
 
 
 def serve(listener: socket.socket) -> NoReturn:
@@ -212,7 +216,9 @@ class LocalSession:
                 if msg is None:
                     return
                 self._handle(msg)
-        except (OSError, ValueError, ProtocolError, ConnectionError) as exc:
+        except _PEER_GONE as exc:  # the worker died (or was stopped) mid-request: expected
+            _debug.debug("a worker's connection ended: %s: %s", type(exc).__name__, exc)
+        except (OSError, ValueError, ProtocolError) as exc:  # malformed data from a live peer
             self.server.log(f"dropped a worker connection: {type(exc).__name__}: {exc}")
         finally:
             for sock in self.peers.values():

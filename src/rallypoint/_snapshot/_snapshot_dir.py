@@ -20,7 +20,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["FRESH", "KEEP", "Checkpoint", "CheckpointDir", "namespace", "step_name"]
+__all__ = [
+    "FRESH",
+    "KEEP",
+    "Checkpoint",
+    "CheckpointDir",
+    "namespace",
+    "resume_problem",
+    "step_name",
+]
 
 KEEP = 2
 PREFIX = "run-"
@@ -240,9 +248,33 @@ class CheckpointDir:
         if ns.name.startswith(PREFIX) and not self._ended(ns):
             return (
                 f"--snapshot-resume-from {resume_from}: job {_job_of(ns)!r} is still running "
-                f"({ns}); a live job's checkpoints belong to another training"
+                f"({ns}); a live job's checkpoints belong to another training: resume from "
+                "them once it ended, or name a checkpoint of another job"
             )
         return ""
+
+    def offered(self, resume_from: str) -> list[Path]:
+        """The complete checkpoints the source ``resume_from`` names holds (the source
+        itself when it is one checkpoint), newest first."""
+        source = self.source(resume_from)
+        if source is None:
+            return []
+        if (source / ".metadata").is_file():
+            return [source]
+        found = sorted((step, path) for step, path, done in _steps(source) if done)
+        return [path for _, path in reversed(found)]
+
+    def jobs_with_checkpoints(self) -> list[str]:
+        """The run ids of the namespaces under ``root`` that hold a complete checkpoint."""
+        try:
+            names = sorted(os.listdir(self.root))
+        except OSError:
+            return []
+        return [
+            _job_of(self.root / name)
+            for name in names
+            if name.startswith(PREFIX) and any(done for *_, done in _steps(self.root / name))
+        ]
 
     def wrote(self, checkpoint: Path) -> bool:
         """Whether this job wrote ``checkpoint`` (its ``.job`` holds this job's token)."""
@@ -309,3 +341,33 @@ class CheckpointDir:
             for _, path, done in _steps(ns):
                 if not done:
                     shutil.rmtree(path, ignore_errors=True)
+
+
+def resume_problem(root: str | os.PathLike[str], resume_from: str, run_id: str) -> str:
+    """Why the job ``run_id`` cannot resume from ``resume_from`` (``--snapshot-resume-from``,
+    with ``--snapshot-dir root``), in one line that says what to change; ``""`` when it
+    can (loading the checkpoint is the workers' part: a damaged one fails their restore).
+    Checked before the workers start."""
+    ckdir = CheckpointDir(root, run_id, "")
+    source = ckdir.source(resume_from)
+    if source is None:
+        return ""
+    flag = f"--snapshot-resume-from {resume_from}"
+    if os.path.isabs(resume_from) and not source.is_dir():
+        return f"{flag}: no such directory"
+    why = ckdir.refusal(resume_from)
+    if why:
+        return why
+    if ckdir.offered(resume_from):
+        return ""
+    if os.path.isabs(resume_from):
+        return (
+            f"{flag}: no complete checkpoint in {source} (name a step-<N> directory with a "
+            ".metadata file, or a directory of them)"
+        )
+    jobs = [job for job in ckdir.jobs_with_checkpoints() if job != resume_from]
+    known = f"run ids with checkpoints there: {', '.join(jobs[:8])}" if jobs else "none has any"
+    return (
+        f"{flag}: no checkpoint of job {resume_from!r} in {ckdir.root} ({source} holds no "
+        f"complete checkpoint); {known}"
+    )

@@ -283,3 +283,8 @@ class WorldOptions:
             )
         if self.run_id is not None and not isinstance(self.run_id, str):
             raise TypeError(f"run_id must be a str or None, got {type(self.run_id).__name__}")
+        if self.run_id is not None and ("/" in self.run_id or "\0" in self.run_id):
+            raise ValueError(
+                f"run_id {self.run_id!r} must not contain '/' or NUL: it names the job's log "
+                "and snapshot directories (use letters, digits, '-', '_' and '.')"
+            )

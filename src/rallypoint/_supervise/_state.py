@@ -112,6 +112,10 @@ class Outcome:
     kept: list[Worker] = field(default_factory=list)
     """Workers that left their ``@rallypoint.restartable`` function and wait, alive, for
     the next attempt (an in-process restart); the supervisor holds them until then."""
+    in_process: bool = False
+    """The attempt could restart in process (its workers run a ``@rallypoint.restartable``
+    function): a restart is in process even where ``kept`` is empty (every worker of this
+    node failed or was replaced; the other nodes keep theirs)."""
 
 
 _STOP_EXCEPTION = re.compile(r"^\s*(\w+\.)*(KeyboardInterrupt|SignalException)\b")

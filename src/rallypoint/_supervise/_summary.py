@@ -9,9 +9,11 @@ import pickle
 import re
 import signal
 import textwrap
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
+from rallypoint._core.status import WorkerStatus
 from rallypoint._supervise._errors import WorkerSummary
 from rallypoint._watch._flight._final import COLLECTIVE_TIMEOUT
 
@@ -24,6 +26,7 @@ __all__ = [
     "format_summary",
     "peer_loss",
     "peer_vanished",
+    "stopped_with_the_job",
 ]
 
 PEER_LOSS = re.compile(
@@ -66,6 +69,21 @@ def _signal_text(signum: int) -> str:
     except ValueError:
         name = f"signal {signum}"
     return f"killed by {name}"
+
+
+STOPPED_WITH_THE_JOB = "stopped by rallypoint: the job failed before its in-process restart"
+
+
+def stopped_with_the_job(workers: list[WorkerSummary]) -> list[WorkerSummary]:
+    """The other ranks of a failed job as its summary tells them: a worker kept for an
+    in-process restart that will not come is stopped with the job (before the summary is
+    shown: ``Supervisor.stop_kept``)."""
+    return [
+        replace(w, state=WorkerStatus.TERMINATED, detail=STOPPED_WITH_THE_JOB)
+        if w.state is WorkerStatus.KEPT
+        else w
+        for w in workers
+    ]
 
 
 def format_summary(

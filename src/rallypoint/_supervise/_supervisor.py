@@ -26,6 +26,7 @@ from rallypoint._core import envvars
 from rallypoint._core.closing import Closing
 from rallypoint._core.disk import check_writable
 from rallypoint._core.net import port_is_free
+from rallypoint._core.tempdirs import make_owned_dir
 from rallypoint._supervise._attempt import CAUSE_WAIT, Attempt
 from rallypoint._supervise._env import base_env
 from rallypoint._supervise._errors import (
@@ -127,7 +128,7 @@ class Supervisor(Closing):
         snapshot_dir = workers.env.get(envvars.SNAPSHOT_DIR, os.environ.get(envvars.SNAPSHOT_DIR))
         if snapshot_dir:  # launch(env=...) too, not only the CLI: one line at start
             check_writable(snapshot_dir, "--snapshot-dir")
-        self._scratch = Path(tempfile.mkdtemp(prefix="rallypoint_"))
+        self._scratch = Path(make_owned_dir("rallypoint_"))
         # removed by the warm process should this process be killed (close() does it else);
         # a warm process that is gone already is reported by the first real request
         with contextlib.suppress(WarmProcessError):
@@ -252,6 +253,7 @@ class Supervisor(Closing):
         top_up = functools.partial(self.spares.top_up, group) if self.spares.count else None
         outcome = self._attempt(workers, router, policy, number, grace, cause_wait, top_up)
         self.kept = {w.local_rank: w for w in outcome.kept}
+        outcome.in_process = grace is not None and any(w.restartable for w in workers)
         return outcome
 
     def start_standby(self, group: GroupInfo) -> None:

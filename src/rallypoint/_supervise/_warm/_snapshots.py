@@ -19,8 +19,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rallypoint._core.procs import set_parent_death_signal
+from rallypoint._core.tempdirs import make_owned_dir
 
-__all__ = ["SnapshotServer", "fork_snapshot_server"]
+__all__ = ["SnapshotServer", "fork_snapshot_server", "socket_parent"]
 
 _MAX_PATH = 100  # sockaddr_un holds 108 bytes
 
@@ -37,10 +38,18 @@ class SnapshotServer:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+def socket_parent() -> str:
+    """Where the server's directory is made: the temp dir, or ``/tmp`` when the temp dir's
+    path is too long for a socket's."""
+    base = tempfile.gettempdir()
+    return base if len(base) < _MAX_PATH - 40 else "/tmp"
+
+
 def fork_snapshot_server(close: Iterable[int]) -> SnapshotServer:
-    """Fork the server; ``close``: the warm process's descriptors the child must not keep."""
-    base = None if len(tempfile.gettempdir()) < _MAX_PATH - 40 else "/tmp"
-    directory = tempfile.mkdtemp(prefix="rallypoint-snapshots-", dir=base)  # mode 0700
+    """Fork the server; ``close``: the warm process's descriptors the child must not keep.
+    Its directory names this (the warm) process as its owner (``_core.tempdirs``): the
+    server dies with it."""
+    directory = make_owned_dir("rallypoint-snapshots-", socket_parent())  # mode 0700
     path = os.path.join(directory, "server.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
