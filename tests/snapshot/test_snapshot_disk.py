@@ -177,10 +177,12 @@ def _release(proc: subprocess.Popen[str], out: Path) -> str:
     return text
 
 
-def _resume(tmp_path: Path, name: str, ck: Path, steps: int, source: str | None = None) -> str:
+def _resume(
+    tmp_path: Path, name: str, ck: Path, steps: int, source: str | None = None, restarts: int = 0
+) -> str:
     env = {} if source is None else {envvars.SNAPSHOT_RESUME_FROM: source}
     return run(2, tmp_path / name, "none", steps, snapshot_dir=ck, every=2, run_id=name,
-               extra_env=env)  # fmt: skip
+               extra_env=env, max_restarts=restarts)  # fmt: skip
 
 
 @pytest.mark.timeout(300)
@@ -280,11 +282,13 @@ def test_an_explicit_choice_that_cannot_load_fails_the_restore_not_a_fresh_start
     newest = ck / "run-job-a" / "step-000000000004"
     for name, source, older in [("job-b", "job-a", 1), ("job-c", str(newest), 0)]:
         with pytest.raises(WorkerFailedError) as failed:
-            _resume(tmp_path, name, ck, 8, source=source)
+            _resume(tmp_path, name, ck, 8, source=source, restarts=3)
         assert not list((tmp_path / name).glob("start-*"))  # no rank trained from scratch
         summary = failed.value.summary
         assert (
-            f"SnapshotError: --snapshot-resume-from {source}: cannot load the checkpoint "
+            f"ExplicitResumeError: --snapshot-resume-from {source}: cannot load the checkpoint "
             f"{newest} (UnpicklingError: " in summary
         ), summary
+        assert "exited with 122" in summary, summary  # a FatalError: the job ends at once
+        assert "FAILED (attempt 1 of 4)" in summary, summary  # none of the 3 restarts used
         assert ("(and 1 older)" in summary) == bool(older), summary

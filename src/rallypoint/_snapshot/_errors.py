@@ -1,8 +1,11 @@
-"""The snapshot part's one error: a restore the job agreed on that this rank cannot do."""
+"""The snapshot part's errors: a restore the job agreed on that this rank cannot do, and an
+explicit checkpoint that cannot load (which ends the job)."""
 
 from __future__ import annotations
 
-__all__ = ["SnapshotError"]
+from rallypoint._core.fatal import FatalError
+
+__all__ = ["ExplicitResumeError", "SnapshotError"]
 
 
 class SnapshotError(RuntimeError):
@@ -14,3 +17,8 @@ class SnapshotError(RuntimeError):
     different step than the others; the job restarts instead. Bad input raises
     ``TypeError``/``ValueError``; anything else degrades with a message and never raises.
     """
+
+
+class ExplicitResumeError(SnapshotError, FatalError):
+    """``--snapshot-resume-from`` names checkpoints of which none loads: the job ends at
+    once, with this one line (a restart would find the same files)."""

@@ -22,7 +22,7 @@ import torch
 
 from rallypoint._core.disk import free_space
 from rallypoint._core.throttle import Throttle
-from rallypoint._snapshot._errors import SnapshotError
+from rallypoint._snapshot._errors import ExplicitResumeError, SnapshotError
 from rallypoint._snapshot._layout import Meta, decode_meta, encode_meta
 from rallypoint._snapshot._report import Reporter
 from rallypoint._snapshot._snapshot_dir import KEEP, Checkpoint, CheckpointDir, step_name
@@ -213,7 +213,7 @@ class Persister:
         flag = f"--snapshot-resume-from {self.resume_from}"
         if failures:
             older = f" (and {len(failures) - 1} older)" if len(failures) > 1 else ""
-            return SnapshotError(
+            return ExplicitResumeError(
                 f"{flag}: cannot load the checkpoint {failures[0]}{older}; restore() does not "
                 "start from scratch for an explicit choice: repair it, or name another one"
             )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from rallypoint._core.fatal import FatalError
 from rallypoint._core.status import WorkerStatus
 
 __all__ = [
@@ -167,11 +168,6 @@ class BadTargetError(LaunchError, ValueError):
     """The script, module or command to run cannot be started."""
 
 
-class FatalError(Exception):
-    """Raise it in a worker to end the job at once: no restart is tried and none of the
-    budget is spent (a bad config, a missing file: a restart cannot help). The failure
-    summary shows its message. Usage: ``raise rallypoint.FatalError("no such dataset")``."""
-
-
 for _name in __all__:
-    globals()[_name].__module__ = "rallypoint.launcher"  # documented there
+    if _name != "FatalError":  # _core.fatal's
+        globals()[_name].__module__ = "rallypoint.launcher"  # documented there
