@@ -11,7 +11,6 @@ import sys
 import pytest
 
 import rallypoint
-from rallypoint._core.face import read_table
 
 PARTS = ["distributed", "join", "launcher", "observe", "rendezvous", "rpc", "snapshot", "testing"]
 """Every public part: each is checked by every test below."""
@@ -120,8 +119,12 @@ def test_worker_summary_and_statuses_and_the_deprecated_name() -> None:
     assert old is launcher.WorkerSummary
 
 
-FACE_MODULE = "rallypoint._core.face"
 FACES = ["rallypoint"] + [f"rallypoint.{part}" for part in PARTS]
+LAZY = ["rallypoint", "rallypoint.distributed", "rallypoint.launcher", "rallypoint.observe"]
+LAZY += ["rallypoint.snapshot", "rallypoint.testing"]
+"""The faces whose import must stay cheap: each name is imported on first access."""
+PLUMBING = ("typing", "rallypoint._core.public", "rallypoint._core.version")
+"""What a face imports besides its names (``__version__`` is the package's own)."""
 INTERNAL = [
     "rallypoint._cli",
     "rallypoint._core",
@@ -137,18 +140,51 @@ INTERNAL = [
 ]
 
 
-@pytest.mark.parametrize("name", FACES)
-def test_every_face_lists_its_table_and_nothing_else(name: str) -> None:
-    """``__all__`` is the face's table, ``dir()`` shows exactly it (and dunders), every name
-    resolves, and nothing else does: no hidden names for other parts."""
+def _source(name: str) -> list[ast.stmt]:
     module = importlib.import_module(name)
     with open(module.__file__ or "", encoding="utf-8") as file:
-        table = read_table(file.read())
-    assert module.__all__ == sorted(n for n in table if not n.startswith("_"))
-    assert [n for n in dir(module) if not n.startswith("_")] == module.__all__
+        return ast.parse(file.read()).body
+
+
+def _reexports(body: list[ast.stmt]) -> dict[str, str]:
+    """``{name: module}`` of a face's ``from module import name as name`` lines: at the top
+    (an eager face) or in its ``if TYPE_CHECKING:`` block (a lazy one: what mypy reads)."""
+    lines: list[ast.ImportFrom] = []
+    for node in body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            lines += [line for line in node.body if isinstance(line, ast.ImportFrom)]
+            assert len(lines) == len(node.body), f"imports only: {ast.unparse(node)}"
+        elif isinstance(node, ast.ImportFrom) and node.module not in PLUMBING:
+            lines.append(node)
+    table = {}
+    for line in lines:
+        for alias in line.names:
+            assert alias.asname == alias.name, f"re-exported as itself: {ast.unparse(line)}"
+            table[alias.name] = line.module or ""
+    return table
+
+
+def _literal(body: list[ast.stmt], target: str) -> object:
+    values = [
+        ast.literal_eval(node.value)
+        for node in body
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == target
+    ]
+    assert len(values) == 1, f"{target} is assigned once, a literal: {len(values)}"
+    return values[0]
+
+
+@pytest.mark.parametrize("name", FACES)
+def test_every_face_lists_its_table_and_nothing_else(name: str) -> None:
+    """``__all__`` is the face's re-exports, ``dir()`` shows exactly it (and dunders), every
+    name resolves, and nothing else does: no hidden names for other parts."""
+    module = importlib.import_module(name)
+    table = _reexports(_source(name))
+    assert sorted(module.__all__) == sorted(n for n in table if not n.startswith("_"))
+    assert [n for n in dir(module) if not n.startswith("_")] == sorted(module.__all__)
     for entry in table:
         assert getattr(module, entry) is not None, f"{name}.{entry}"
-    for hidden in ("run_job", "Observer", "serve", "lazy_attributes", "TYPE_CHECKING_"):
+    for hidden in ("run_job", "Observer", "serve", "set_public_module", "import_module"):
         assert hidden not in table
         if hidden not in vars(module):
             with pytest.raises(AttributeError):
@@ -156,35 +192,35 @@ def test_every_face_lists_its_table_and_nothing_else(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", FACES)
-def test_every_face_looks_the_same(name: str) -> None:
-    """A docstring, ``TYPE_CHECKING`` and ``face`` imports, one ``if TYPE_CHECKING:`` table
-    of ``from module import name as name`` lines, and ``__all__ = face(globals()...)``."""
-    module = importlib.import_module(name)
-    with open(module.__file__ or "", encoding="utf-8") as file:
-        body = ast.parse(file.read()).body
-    kinds = []
-    for node in body:
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            kinds.append("doc")
-        elif isinstance(node, ast.ImportFrom) and node.module in (
-            "typing",
-            "rallypoint._core.face",
-        ):
-            kinds.append("import")
-        elif isinstance(node, ast.ImportFrom) and node.module == "rallypoint._core.version":
-            assert name == "rallypoint", name  # the one other line a face may have
-            assert [(a.name, a.asname) for a in node.names] == [("__version__",) * 2], name
-        elif isinstance(node, ast.If):
-            assert ast.unparse(node.test) == "TYPE_CHECKING", name
-            assert all(isinstance(n, ast.ImportFrom) for n in node.body), name
-            assert all(a.asname for n in node.body for a in n.names), name  # type: ignore[attr-defined]
-            kinds.append("table")
-        elif isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "__all__":
-            assert ast.unparse(node.value).startswith("face(globals()"), name
-            kinds.append("all")
-        else:
-            raise AssertionError(f"{name}: {ast.unparse(node)}")
-    assert kinds == ["doc", "import", "import", "table", "all"], name
+def test_every_face_is_plain_python(name: str) -> None:
+    """A face reads no file at import (bytecode-only and zip installs work): ``__all__`` is a
+    literal; an eager face imports its names; a lazy one keeps them for mypy in
+    ``if TYPE_CHECKING:`` and maps each to its module in ``_HOMES`` for a written PEP 562
+    ``__getattr__`` that mypy does not see (an unknown name stays an error there)."""
+    body = _source(name)
+    source = "\n".join(ast.unparse(node) for node in body)
+    for banned in ("open(", "__file__", "read_text", "_core.face", "TYPE_CHECKING_"):
+        assert banned not in source, f"{name}: {banned}"
+    exported = _literal(body, "__all__")
+    assert isinstance(exported, list) and all(isinstance(n, str) for n in exported), name
+    table = _reexports(body)
+    lazy = any(isinstance(node, ast.If) for node in body)
+    assert lazy == (name in LAZY), name
+    if not lazy:
+        assert "set_public_module(__name__, globals(), __all__)" in source, name
+        return
+    homes = _literal(body, "_HOMES")
+    parts = _literal(body, "_PARTS") if "_PARTS" in source else []
+    assert isinstance(homes, dict) and isinstance(parts, list), name
+    assert sorted([*homes, *parts]) == sorted(table), name
+    assert all(table[part] == name for part in parts), name  # its subpackages
+    for entry, home in homes.items():
+        assert table[entry] == home, f"{name}.{entry}: {home} here, {table[entry]} for mypy"
+    tests = [ast.unparse(node.test) for node in body if isinstance(node, ast.If)]
+    assert tests == ["TYPE_CHECKING", "not TYPE_CHECKING"], name
+    hidden = [node for node in body if isinstance(node, ast.If)][1:]
+    assert [n.name for n in hidden[0].body if isinstance(n, ast.FunctionDef)] == ["__getattr__"]
+    assert any(isinstance(n, ast.FunctionDef) and n.name == "__dir__" for n in body), name
 
 
 @pytest.mark.parametrize("name", INTERNAL)
@@ -194,30 +230,3 @@ def test_internal_packages_are_a_docstring(name: str) -> None:
     with open(module.__file__ or "", encoding="utf-8") as file:
         body = ast.parse(file.read()).body
     assert len(body) == 1 and isinstance(body[0], ast.Expr), name
-
-
-def test_the_face_table_reader() -> None:
-    source = (
-        "x = 1\n"
-        "if TYPE_CHECKING:\n"
-        "    from pkg._a import A as A  # a comment\n"
-        "    # torch's name:\n"
-        "# a comment at the margin\n"
-        "    from pkg._b import (\n"
-        "        B as B,\n"
-        "        c as C,\n"
-        "    )\n"
-        "\n"
-        "    from pkg import sub as sub\n"
-        "__all__ = face(globals())\n"
-    )
-    assert read_table(source) == {
-        "A": ("pkg._a", "A"),
-        "B": ("pkg._b", "B"),
-        "C": ("pkg._b", "c"),
-        "sub": ("pkg", "sub"),
-    }
-    with pytest.raises(ImportError, match="name as name"):
-        read_table("if TYPE_CHECKING:\n    from pkg._a import A\n")
-    with pytest.raises(ImportError, match="imports only"):
-        read_table("if TYPE_CHECKING:\n    X = 1\n")

@@ -2,13 +2,12 @@
 
 Each part is a subpackage with its own public names (listed below); the most used are
 also here. Importing ``rallypoint`` does not import torch (the launcher starts before
-torch loads, so that its warm process imports torch in parallel): names resolve on first
-access (``rallypoint._core.face``).
+torch loads, so that its warm process imports torch in parallel): each name is imported
+on first access.
 """
 
 from typing import TYPE_CHECKING
 
-from rallypoint._core.face import face
 from rallypoint._core.version import __version__ as __version__
 
 if TYPE_CHECKING:
@@ -29,4 +28,52 @@ if TYPE_CHECKING:
     from rallypoint.launcher import restartable as restartable
     from rallypoint.observe import progress as progress
 
-__all__ = face(globals())
+__all__ = [
+    "FatalError",
+    "LaunchConfig",
+    "LaunchError",
+    "RestartInterrupt",
+    "WorkerFailedError",
+    "distributed",
+    "join",
+    "launch",
+    "launcher",
+    "observe",
+    "progress",
+    "rendezvous",
+    "restartable",
+    "rpc",
+    "snapshot",
+    "testing",
+]
+
+_PARTS = ["distributed", "join", "launcher", "observe", "rendezvous", "rpc", "snapshot", "testing"]
+"""The public subpackages, each imported on first access."""
+_HOMES = {
+    "FatalError": "rallypoint.launcher",
+    "LaunchConfig": "rallypoint.launcher",
+    "LaunchError": "rallypoint.launcher",
+    "RestartInterrupt": "rallypoint.launcher",
+    "WorkerFailedError": "rallypoint.launcher",
+    "launch": "rallypoint.launcher",
+    "progress": "rallypoint.observe",
+    "restartable": "rallypoint.launcher",
+}
+"""Each other name's face, imported on first access (PEP 562); that face sets its
+``__module__``."""
+
+if not TYPE_CHECKING:  # mypy reads the imports above: a name not there stays an error
+
+    def __getattr__(name: str) -> object:
+        from importlib import import_module
+
+        if name in _PARTS:
+            return import_module(f"{__name__}.{name}")  # which sets the attribute
+        if name not in _HOMES:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        globals()[name] = getattr(import_module(_HOMES[name]), name)
+        return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, *(name for name in globals() if name.startswith("__"))])

@@ -14,6 +14,3 @@ class FatalError(Exception):
     """Raise it in a worker to end the job at once: no restart is tried and none of the
     budget is spent (a bad config, a missing file: a restart cannot help). The failure
     summary shows its message. Usage: ``raise rallypoint.FatalError("no such dataset")``."""
-
-
-FatalError.__module__ = "rallypoint.launcher"  # documented there

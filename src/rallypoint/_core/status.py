@@ -30,7 +30,3 @@ class JobStatus(enum.StrEnum):
     FAILED = "failed"
     INTERRUPTED = "interrupted"
     """The launcher got a signal and stopped the job."""
-
-
-for _cls in (JobStatus, WorkerStatus):
-    _cls.__module__ = "rallypoint.launcher"  # documented and exported there

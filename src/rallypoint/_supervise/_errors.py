@@ -166,8 +166,3 @@ class PortInUseError(LaunchError, ValueError):
 
 class BadTargetError(LaunchError, ValueError):
     """The script, module or command to run cannot be started."""
-
-
-for _name in __all__:
-    if _name != "FatalError":  # _core.fatal's
-        globals()[_name].__module__ = "rallypoint.launcher"  # documented there

@@ -19,8 +19,6 @@ Importing this package does not import torch; the collectives load it on first a
 
 from typing import TYPE_CHECKING
 
-from rallypoint._core.face import face
-
 if TYPE_CHECKING:
     from rallypoint.distributed._collectives import all_gather as all_gather
     from rallypoint.distributed._collectives import all_to_all as all_to_all
@@ -39,4 +37,58 @@ if TYPE_CHECKING:
     from rallypoint.distributed._worker import ParallelWorker as ParallelWorker
     from rallypoint.distributed._worker import parallel_worker as parallel_worker
 
-__all__ = face(globals())
+__all__ = [
+    "DIM_NAMES",
+    "AlreadyInitializedError",
+    "BackendUnavailableError",
+    "DistributedConfig",
+    "DistributedError",
+    "NotInitializedError",
+    "ParallelGroups",
+    "ParallelWorker",
+    "all_gather",
+    "all_to_all",
+    "destroy_process_group",
+    "get_parallel_groups",
+    "init_parallel_groups",
+    "init_process_group",
+    "parallel_worker",
+    "reduce_scatter",
+]
+
+_HOMES = {
+    "AlreadyInitializedError": "rallypoint.distributed._errors",
+    "BackendUnavailableError": "rallypoint.distributed._errors",
+    "DIM_NAMES": "rallypoint.distributed._config",
+    "DistributedConfig": "rallypoint.distributed._config",
+    "DistributedError": "rallypoint.distributed._errors",
+    "NotInitializedError": "rallypoint.distributed._errors",
+    "ParallelGroups": "rallypoint.distributed._mesh",
+    "ParallelWorker": "rallypoint.distributed._worker",
+    "all_gather": "rallypoint.distributed._collectives",
+    "all_to_all": "rallypoint.distributed._collectives",
+    "destroy_process_group": "rallypoint.distributed._init",
+    "get_parallel_groups": "rallypoint.distributed._mesh",
+    "init_parallel_groups": "rallypoint.distributed._mesh",
+    "init_process_group": "rallypoint.distributed._init",
+    "parallel_worker": "rallypoint.distributed._worker",
+    "reduce_scatter": "rallypoint.distributed._collectives",
+}
+"""Each name's module, imported on first access (PEP 562)."""
+
+if not TYPE_CHECKING:  # mypy reads the imports above: a name not there stays an error
+
+    def __getattr__(name: str) -> object:
+        if name not in _HOMES:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        from importlib import import_module
+
+        from rallypoint._core.public import set_public_module
+
+        globals()[name] = getattr(import_module(_HOMES[name]), name)
+        set_public_module(__name__, globals(), [name])  # the one place: __module__ is this face
+        return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, *(name for name in globals() if name.startswith("__"))])

@@ -10,22 +10,34 @@ top of torch's semantics: a rank that raises inside the context makes the others
 collectives, and :func:`even_batches` for users who prefer padding to joining.
 """
 
-from typing import TYPE_CHECKING
+from rallypoint._core.public import set_public_module
+from rallypoint.join._collective import CollectiveJoinable as CollectiveJoinable
+from rallypoint.join._errors import EarlyTerminationError as EarlyTerminationError
+from rallypoint.join._errors import JoinError as JoinError
+from rallypoint.join._errors import RankFailedError as RankFailedError
+from rallypoint.join._even_batches import EvenBatches as EvenBatches
+from rallypoint.join._even_batches import even_batches as even_batches
+from rallypoint.join._interface import Joinable as Joinable
+from rallypoint.join._interface import JoinHook as JoinHook
+from rallypoint.join._interface import SupportsJoin as SupportsJoin
+from rallypoint.join._join import Join as Join
+from rallypoint.join._join import JoinSummary as JoinSummary
+from rallypoint.join._options import JoinOptions as JoinOptions
 
-from rallypoint._core.face import face
+__all__ = [
+    "CollectiveJoinable",
+    "EarlyTerminationError",
+    "EvenBatches",
+    "Join",
+    "JoinError",
+    "JoinHook",
+    "JoinOptions",
+    "JoinSummary",
+    "Joinable",
+    "RankFailedError",
+    "SupportsJoin",
+    "even_batches",
+]
 
-if TYPE_CHECKING:
-    from rallypoint.join._collective import CollectiveJoinable as CollectiveJoinable
-    from rallypoint.join._errors import EarlyTerminationError as EarlyTerminationError
-    from rallypoint.join._errors import JoinError as JoinError
-    from rallypoint.join._errors import RankFailedError as RankFailedError
-    from rallypoint.join._even_batches import EvenBatches as EvenBatches
-    from rallypoint.join._even_batches import even_batches as even_batches
-    from rallypoint.join._interface import Joinable as Joinable
-    from rallypoint.join._interface import JoinHook as JoinHook
-    from rallypoint.join._interface import SupportsJoin as SupportsJoin
-    from rallypoint.join._join import Join as Join
-    from rallypoint.join._join import JoinSummary as JoinSummary
-    from rallypoint.join._options import JoinOptions as JoinOptions
-
-__all__ = face(globals(), eager=True)
+set_public_module(__name__, globals(), __all__)  # the one place: __module__ is this face
+del set_public_module

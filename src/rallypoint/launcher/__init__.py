@@ -32,9 +32,8 @@ import ``progress`` from here, so each name is imported on first access.
 
 from typing import TYPE_CHECKING
 
-from rallypoint._core.face import face
-
 if TYPE_CHECKING:
+    from rallypoint._core.fatal import FatalError as FatalError
     from rallypoint._core.status import JobStatus as JobStatus
     from rallypoint._core.status import WorkerStatus as WorkerStatus
     from rallypoint._launch._api import launch as launch
@@ -42,7 +41,6 @@ if TYPE_CHECKING:
     from rallypoint._launch._config import LaunchConfig as LaunchConfig
     from rallypoint._launch._config import LaunchOptions as LaunchOptions
     from rallypoint._supervise._errors import BadTargetError as BadTargetError
-    from rallypoint._supervise._errors import FatalError as FatalError
     from rallypoint._supervise._errors import HangError as HangError
     from rallypoint._supervise._errors import LaunchError as LaunchError
     from rallypoint._supervise._errors import LaunchInterruptedError as LaunchInterruptedError
@@ -62,6 +60,94 @@ if TYPE_CHECKING:
     from rallypoint.observe import read_events as read_events
     from rallypoint.observe import render_report as render_report
 
+__all__ = [
+    "DEFAULT_PREFIX",
+    "BadTargetError",
+    "EventLog",
+    "FatalError",
+    "HangError",
+    "JobStatus",
+    "LaunchConfig",
+    "LaunchError",
+    "LaunchInterruptedError",
+    "LaunchOptions",
+    "LaunchTimeoutError",
+    "NodeExcludedError",
+    "PortInUseError",
+    "RendezvousFailedError",
+    "RestartInterrupt",
+    "UnhealthyNodeError",
+    "WarmErrorKind",
+    "WarmProcessError",
+    "WorkerFailedError",
+    "WorkerStatus",
+    "WorkerSummary",
+    "launch",
+    "progress",
+    "read_events",
+    "render_report",
+    "restartable",
+]
+
+_HOMES = {
+    "BadTargetError": "rallypoint._supervise._errors",
+    "DEFAULT_PREFIX": "rallypoint._launch._config",
+    "EventLog": "rallypoint.observe",
+    "FatalError": "rallypoint._core.fatal",
+    "HangError": "rallypoint._supervise._errors",
+    "JobStatus": "rallypoint._core.status",
+    "LaunchConfig": "rallypoint._launch._config",
+    "LaunchError": "rallypoint._supervise._errors",
+    "LaunchInterruptedError": "rallypoint._supervise._errors",
+    "LaunchOptions": "rallypoint._launch._config",
+    "LaunchTimeoutError": "rallypoint._supervise._errors",
+    "NodeExcludedError": "rallypoint._supervise._errors",
+    "PortInUseError": "rallypoint._supervise._errors",
+    "RendezvousFailedError": "rallypoint._supervise._errors",
+    "RestartInterrupt": "rallypoint._supervise._inprocess._restartable",
+    "UnhealthyNodeError": "rallypoint._supervise._errors",
+    "WarmErrorKind": "rallypoint._supervise._errors",
+    "WarmProcessError": "rallypoint._supervise._errors",
+    "WorkerFailedError": "rallypoint._supervise._errors",
+    "WorkerStatus": "rallypoint._core.status",
+    "WorkerSummary": "rallypoint._supervise._errors",
+    "launch": "rallypoint._launch._api",
+    "progress": "rallypoint.observe",
+    "read_events": "rallypoint.observe",
+    "render_report": "rallypoint.observe",
+    "restartable": "rallypoint._supervise._inprocess._restartable",
+}
+"""Each name's module, imported on first access (PEP 562)."""
 # WorkerState: the record's name until 0.1 (torchelastic's WorkerState is an enum of a
 # whole group's state, a different thing)
-__all__ = face(globals(), renamed={"WorkerState": "WorkerSummary"})
+_RENAMED = {"WorkerState": "WorkerSummary"}
+"""An old name and its public name: the old one resolves with a ``DeprecationWarning``."""
+
+if not TYPE_CHECKING:  # mypy reads the imports above: a name not there stays an error
+
+    def __getattr__(name: str) -> object:
+        if name in _RENAMED:
+            import warnings
+
+            new = _RENAMED[name]
+            warnings.warn(
+                f"{__name__}.{name} is deprecated: it is {new}; the name goes in the next release",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            name = new
+        if name in globals():
+            return globals()[name]
+        if name not in _HOMES:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        from importlib import import_module
+
+        from rallypoint._core.public import set_public_module
+
+        globals()[name] = getattr(import_module(_HOMES[name]), name)
+        set_public_module(__name__, globals(), [name])  # the one place: __module__ is this face
+        return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, *(name for name in globals() if name.startswith("__"))])

@@ -14,8 +14,6 @@ launcher side's, in ``rallypoint._watch``.
 
 from typing import TYPE_CHECKING
 
-from rallypoint._core.face import face
-
 if TYPE_CHECKING:
     from rallypoint.observe._events import Event as Event
     from rallypoint.observe._events import EventLog as EventLog
@@ -25,4 +23,40 @@ if TYPE_CHECKING:
     from rallypoint.observe._progress import progress as progress
     from rallypoint.observe._report import render_report as render_report
 
-__all__ = face(globals())
+__all__ = [
+    "Event",
+    "EventLog",
+    "EventLogError",
+    "ProgressBoard",
+    "progress",
+    "read_events",
+    "render_report",
+]
+
+_HOMES = {
+    "Event": "rallypoint.observe._events",
+    "EventLog": "rallypoint.observe._events",
+    "EventLogError": "rallypoint.observe._events",
+    "ProgressBoard": "rallypoint.observe._progress",
+    "progress": "rallypoint.observe._progress",
+    "read_events": "rallypoint.observe._events",
+    "render_report": "rallypoint.observe._report",
+}
+"""Each name's module, imported on first access (PEP 562)."""
+
+if not TYPE_CHECKING:  # mypy reads the imports above: a name not there stays an error
+
+    def __getattr__(name: str) -> object:
+        if name not in _HOMES:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        from importlib import import_module
+
+        from rallypoint._core.public import set_public_module
+
+        globals()[name] = getattr(import_module(_HOMES[name]), name)
+        set_public_module(__name__, globals(), [name])  # the one place: __module__ is this face
+        return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, *(name for name in globals() if name.startswith("__"))])

@@ -246,7 +246,3 @@ def read_events(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
         events.extend(iter_events(p))
     events.sort(key=lambda e: e.ts)
     return events
-
-
-for _public in (Event, EventLog, EventLogError, read_events):
-    _public.__module__ = "rallypoint.observe"  # documented there

@@ -276,7 +276,3 @@ class ProgressBoard(Closing):
         check_int(local_rank, "local_rank")
         if not 0 <= local_rank < self.nslots:
             raise ValueError(f"local_rank must be in [0, {self.nslots}), got {local_rank}")
-
-
-for _public in (ProgressBoard, progress):
-    _public.__module__ = "rallypoint.observe"  # documented there

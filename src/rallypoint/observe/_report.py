@@ -201,6 +201,3 @@ def _legend(fig: Any, *, stragglers: bool) -> None:
             Patch(facecolor="none", edgecolor=SLOW_COLOR, linewidth=1.8, label="straggler")
         )
     fig.legend(handles=handles, loc="outside lower center", ncols=5, fontsize=8, frameon=False)
-
-
-render_report.__module__ = "rallypoint.observe"  # documented there

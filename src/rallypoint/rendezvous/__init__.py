@@ -18,43 +18,68 @@ rank assignment), ``_background`` (the handler's thread), ``_dynamic`` (the hand
 ``_backends``/``_static`` (creators), ``_registry``.
 """
 
-from typing import TYPE_CHECKING
+from rallypoint._core.public import set_public_module
+from rallypoint.rendezvous._api import RendezvousClosedError as RendezvousClosedError
+from rallypoint.rendezvous._api import RendezvousConnectionError as RendezvousConnectionError
+from rallypoint.rendezvous._api import RendezvousError as RendezvousError
+from rallypoint.rendezvous._api import (
+    RendezvousGracefulExitError as RendezvousGracefulExitError,
+)
+from rallypoint.rendezvous._api import RendezvousHandler as RendezvousHandler
+from rallypoint.rendezvous._api import RendezvousHandlerCreator as RendezvousHandlerCreator
+from rallypoint.rendezvous._api import RendezvousInfo as RendezvousInfo
+from rallypoint.rendezvous._api import RendezvousParameters as RendezvousParameters
+from rallypoint.rendezvous._api import RendezvousStateError as RendezvousStateError
+from rallypoint.rendezvous._api import RendezvousStoreInfo as RendezvousStoreInfo
+from rallypoint.rendezvous._api import RendezvousTimeoutError as RendezvousTimeoutError
+from rallypoint.rendezvous._config import DynamicRendezvousConfig as DynamicRendezvousConfig
+from rallypoint.rendezvous._dynamic import DynamicRendezvousHandler as DynamicRendezvousHandler
+from rallypoint.rendezvous._endpoint import parse_rendezvous_config as parse_rendezvous_config
+from rallypoint.rendezvous._endpoint import (
+    parse_rendezvous_endpoint as parse_rendezvous_endpoint,
+)
+from rallypoint.rendezvous._kv import KeyValueStore as KeyValueStore
+from rallypoint.rendezvous._kv import KVConnectionError as KVConnectionError
+from rallypoint.rendezvous._kv import KVError as KVError
+from rallypoint.rendezvous._kv import KVStateError as KVStateError
+from rallypoint.rendezvous._kv_memory import MemoryKV as MemoryKV
+from rallypoint.rendezvous._registry import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
+from rallypoint.rendezvous._registry import (
+    RendezvousHandlerRegistry as RendezvousHandlerRegistry,
+)
+from rallypoint.rendezvous._registry import get_rendezvous_handler as get_rendezvous_handler
+from rallypoint.rendezvous._registry import (
+    rendezvous_handler_registry as rendezvous_handler_registry,
+)
+from rallypoint.rendezvous._static import StaticRendezvousHandler as StaticRendezvousHandler
 
-from rallypoint._core.face import face
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "DynamicRendezvousConfig",
+    "DynamicRendezvousHandler",
+    "KVConnectionError",
+    "KVError",
+    "KVStateError",
+    "KeyValueStore",
+    "MemoryKV",
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousGracefulExitError",
+    "RendezvousHandler",
+    "RendezvousHandlerCreator",
+    "RendezvousHandlerRegistry",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "RendezvousStateError",
+    "RendezvousStoreInfo",
+    "RendezvousTimeoutError",
+    "StaticRendezvousHandler",
+    "get_rendezvous_handler",
+    "parse_rendezvous_config",
+    "parse_rendezvous_endpoint",
+    "rendezvous_handler_registry",
+]
 
-if TYPE_CHECKING:
-    from rallypoint.rendezvous._api import RendezvousClosedError as RendezvousClosedError
-    from rallypoint.rendezvous._api import RendezvousConnectionError as RendezvousConnectionError
-    from rallypoint.rendezvous._api import RendezvousError as RendezvousError
-    from rallypoint.rendezvous._api import (
-        RendezvousGracefulExitError as RendezvousGracefulExitError,
-    )
-    from rallypoint.rendezvous._api import RendezvousHandler as RendezvousHandler
-    from rallypoint.rendezvous._api import RendezvousHandlerCreator as RendezvousHandlerCreator
-    from rallypoint.rendezvous._api import RendezvousInfo as RendezvousInfo
-    from rallypoint.rendezvous._api import RendezvousParameters as RendezvousParameters
-    from rallypoint.rendezvous._api import RendezvousStateError as RendezvousStateError
-    from rallypoint.rendezvous._api import RendezvousStoreInfo as RendezvousStoreInfo
-    from rallypoint.rendezvous._api import RendezvousTimeoutError as RendezvousTimeoutError
-    from rallypoint.rendezvous._config import DynamicRendezvousConfig as DynamicRendezvousConfig
-    from rallypoint.rendezvous._dynamic import DynamicRendezvousHandler as DynamicRendezvousHandler
-    from rallypoint.rendezvous._endpoint import parse_rendezvous_config as parse_rendezvous_config
-    from rallypoint.rendezvous._endpoint import (
-        parse_rendezvous_endpoint as parse_rendezvous_endpoint,
-    )
-    from rallypoint.rendezvous._kv import KeyValueStore as KeyValueStore
-    from rallypoint.rendezvous._kv import KVConnectionError as KVConnectionError
-    from rallypoint.rendezvous._kv import KVError as KVError
-    from rallypoint.rendezvous._kv import KVStateError as KVStateError
-    from rallypoint.rendezvous._kv_memory import MemoryKV as MemoryKV
-    from rallypoint.rendezvous._registry import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
-    from rallypoint.rendezvous._registry import (
-        RendezvousHandlerRegistry as RendezvousHandlerRegistry,
-    )
-    from rallypoint.rendezvous._registry import get_rendezvous_handler as get_rendezvous_handler
-    from rallypoint.rendezvous._registry import (
-        rendezvous_handler_registry as rendezvous_handler_registry,
-    )
-    from rallypoint.rendezvous._static import StaticRendezvousHandler as StaticRendezvousHandler
-
-__all__ = face(globals(), eager=True)
+set_public_module(__name__, globals(), __all__)  # the one place: __module__ is this face
+del set_public_module

@@ -22,8 +22,6 @@ Public names (resolved lazily: importing ``rallypoint.testing`` loads nothing he
 
 from typing import TYPE_CHECKING
 
-from rallypoint._core.face import face
-
 if TYPE_CHECKING:
     from rallypoint.testing import training_log as training_log
     from rallypoint.testing._etcd import EtcdServer as EtcdServer
@@ -44,4 +42,61 @@ if TYPE_CHECKING:
     from rallypoint.testing._workers import run_workers as run_workers
     from rallypoint.testing._workers import worker_zygote as worker_zygote
 
-__all__ = face(globals())
+__all__ = [
+    "EtcdCluster",
+    "EtcdServer",
+    "Host",
+    "KVContract",
+    "NetnsError",
+    "Network",
+    "TLSFiles",
+    "WorkerError",
+    "etcd_binary",
+    "make_tls_files",
+    "netns_available",
+    "run_rpc_autograd_contract",
+    "run_rpc_contract",
+    "run_workers",
+    "training_log",
+    "worker_zygote",
+]
+
+_PARTS = ["training_log"]
+"""The public submodules, each imported on first access."""
+_HOMES = {
+    "EtcdCluster": "rallypoint.testing._etcd_cluster",
+    "EtcdServer": "rallypoint.testing._etcd",
+    "Host": "rallypoint.testing._netns",
+    "KVContract": "rallypoint.testing._rendezvous_contract",
+    "NetnsError": "rallypoint.testing._netns",
+    "Network": "rallypoint.testing._netns",
+    "TLSFiles": "rallypoint.testing._etcd",
+    "WorkerError": "rallypoint.testing._workers",
+    "etcd_binary": "rallypoint.testing._etcd",
+    "make_tls_files": "rallypoint.testing._etcd",
+    "netns_available": "rallypoint.testing._netns",
+    "run_rpc_autograd_contract": "rallypoint.testing._rpc._autograd_contract",
+    "run_rpc_contract": "rallypoint.testing._rpc._contract",
+    "run_workers": "rallypoint.testing._workers",
+    "worker_zygote": "rallypoint.testing._workers",
+}
+"""Each name's module, imported on first access (PEP 562)."""
+
+if not TYPE_CHECKING:  # mypy reads the imports above: a name not there stays an error
+
+    def __getattr__(name: str) -> object:
+        from importlib import import_module
+
+        if name in _PARTS:
+            return import_module(f"{__name__}.{name}")  # which sets the attribute
+        if name not in _HOMES:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        from rallypoint._core.public import set_public_module
+
+        globals()[name] = getattr(import_module(_HOMES[name]), name)
+        set_public_module(__name__, globals(), [name])  # the one place: __module__ is this face
+        return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, *(name for name in globals() if name.startswith("__"))])

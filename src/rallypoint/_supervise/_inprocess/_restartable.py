@@ -345,7 +345,3 @@ def teardown() -> None:
 
             c10d._world.group_count = 0
     gc.collect()
-
-
-for _public in (RestartInterrupt, restartable):
-    _public.__module__ = "rallypoint.launcher"  # documented there
