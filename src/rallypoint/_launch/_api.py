@@ -8,14 +8,14 @@ import sys
 import uuid
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
-from rallypoint._launch._config import OPTION_NAMES, LaunchConfig
+from rallypoint._launch._config import OPTION_NAMES, LaunchConfig, LaunchOptions
 
 __all__ = ["launch"]
 
 
-def launch(fn: Callable[..., Any], *args: Any, **options: Any) -> list[Any]:
+def launch(fn: Callable[..., Any], *args: Any, **options: Unpack[LaunchOptions]) -> list[Any]:
     """Run ``fn(*args)`` in ``nproc`` workers and return their return values by local rank.
 
     Each worker gets the environment torchrun sets (``RANK``, ``WORLD_SIZE``,
