@@ -86,6 +86,10 @@ class RendezvousOptions:
             raise ValueError(
                 f"rdzv_backend must be one of c10d, etcd, file, static, got {self.backend!r}"
             )
+        if not isinstance(self.endpoint, str):
+            raise TypeError(
+                f"rdzv_endpoint must be 'HOST:PORT', got {type(self.endpoint).__name__}"
+            )
         if hi > 1 and self.backend != "file" and not self.endpoint:
             raise ValueError(
                 f"nnodes={self.nnodes!r} needs a rendezvous endpoint: pass --rdzv-endpoint "

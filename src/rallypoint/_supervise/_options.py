@@ -135,6 +135,8 @@ class WorkerOptions:
             isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()
         ):
             raise TypeError("env must be a mapping of str to str")
+        if self.cwd is not None and not isinstance(self.cwd, str):
+            raise TypeError(f"cwd must be a path or None, got {type(self.cwd).__name__}")
         if self.cwd is not None and not os.path.isdir(self.cwd):
             raise ValueError(f"cwd {self.cwd!r} is not a directory")
         visible = self.env.get(_CUDA_DEVICES, os.environ.get(_CUDA_DEVICES))
@@ -199,6 +201,8 @@ class OutputOptions:
             raise ValueError(
                 "local_ranks_filter must be a non-empty set of local ranks such as {0, 1}"
             )
+        if self.log_dir is not None and not isinstance(self.log_dir, str):
+            raise TypeError(f"log_dir must be a path or None, got {type(self.log_dir).__name__}")
         if self.prefix is not None and not isinstance(self.prefix, str):
             raise TypeError(f"prefix must be a str or None, got {type(self.prefix).__name__}")
 
