@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint._cli._args import _filters
+from rallypoint._launch._values import filters
 from rallypoint.launcher import LaunchConfig, launch
 
 pytestmark = pytest.mark.timeout(120)
@@ -84,10 +84,11 @@ def test_filtered_files_hold_what_torchruns_hold(tmp_path: Path, flags: list[str
 
 
 def test_filter_lists_parse_as_torchruns() -> None:
-    assert _filters(None) == ()
-    assert _filters("apple,orange") == ("apple", "orange")
-    assert _filters("a,,b,c") == ("a,b", "c")
-    assert _filters("") == ("",)  # an empty filter matches every line, as in torch
+    flag = "--duplicate-stdout-filters"
+    assert filters(None, flag) == ()
+    assert filters("apple,orange", flag) == ("apple", "orange")
+    assert filters("a,,b,c", flag) == ("a,b", "c")
+    assert filters("", flag) == ("",)  # an empty filter matches every line, as in torch
 
 
 def _talk() -> None:

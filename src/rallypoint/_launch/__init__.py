@@ -4,8 +4,9 @@ node (``run_job``, shared by ``launch`` and ``rallypoint run``).
 Internal: the public names are re-exported by :mod:`rallypoint.launcher`; ``rallypoint._cli``
 imports ``_run_job`` and ``_config`` directly.
 
-- ``_config``: ``LaunchConfig`` / ``LaunchOptions``, built from the option groups of the
-  parts below;
+- ``_config``: ``LaunchConfig``, whose fields declare every option once (``_option``: the
+  declarations' metadata, its flag included; ``_values``: what their values mean),
+  stored in the option groups of the parts below;
 - ``_api``: :func:`launch`;
 - ``_run_job``: the observer, the supervisor and the coordinator that owns it.
 """

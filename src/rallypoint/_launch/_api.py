@@ -8,14 +8,14 @@ import sys
 import uuid
 import warnings
 from collections.abc import Callable
-from typing import Any, Unpack
+from typing import Any
 
-from rallypoint._launch._config import OPTION_NAMES, LaunchConfig, LaunchOptions
+from rallypoint._launch._config import OPTION_NAMES, LaunchConfig
 
 __all__ = ["launch"]
 
 
-def launch(fn: Callable[..., Any], *args: Any, **options: Unpack[LaunchOptions]) -> list[Any]:
+def launch(fn: Callable[..., Any], *args: Any, **options: Any) -> list[Any]:
     """Run ``fn(*args)`` in ``nproc`` workers and return their return values by local rank.
 
     Each worker gets the environment torchrun sets (``RANK``, ``WORLD_SIZE``,

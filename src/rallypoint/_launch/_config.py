@@ -1,32 +1,39 @@
-"""``LaunchConfig``: every option of ``rallypoint.launch`` and ``rallypoint run``.
+"""``LaunchConfig``: every option of ``rallypoint.launch`` and ``rallypoint run``, each
+declared once, as a field whose metadata carries its flag (spellings, ``PET_`` variable,
+help) and the option group that stores it (``_option``).
 
 Users (and the CLI) pass flat options, ``LaunchConfig(nproc=4, nnodes="2:4", ...)``; the
 config stores them parsed, in one small validated group per concern (``workers``,
 ``output``, ``stop``, ``world``, ``watch``, ``restarts``, ``rendezvous``, ``health``), each
-defined by the part that reads it (supervise, observe, elastic). Every flat option also
-reads back as an attribute (``config.nproc``). Bad values raise ``ValueError``/``TypeError``
-with a message that names the flat option. The options themselves: docs/launcher.md.
+defined by the part that reads it, and every flat option reads back parsed
+(``config.preload``: a tuple). Bad values raise ``ValueError``/``TypeError`` naming the
+flat option. The options themselves: docs/launcher.md.
 """
 
+# option() makes a dataclass field, as dataclasses.field() does:
+# ruff: noqa: RUF009
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Generic, Literal, TypedDict, TypeVar, Unpack, overload
+from typing import Any, Literal, Self, TypeAlias
 
-from rallypoint._core.checks import MAX_SECONDS, to_timedelta
+from rallypoint._core.checks import MAX_SECONDS
 from rallypoint._elastic._options import (
+    BACKENDS,
     HealthOptions,
     RendezvousOptions,
     RestartOptions,
-    parse_nnodes,
 )
+from rallypoint._launch import _values as values
+from rallypoint._launch._option import UNSET, Option, declared, flag, option
+from rallypoint._supervise._numa import NUMA_MODES
 from rallypoint._supervise._options import (
     DEFAULT_PREFIX,
+    MAX_MONITOR_INTERVAL,
     OutputOptions,
-    StdSpec,
     StopOptions,
     WorkerOptions,
     WorldOptions,
@@ -36,224 +43,470 @@ from rallypoint._watch._observer import WatchOptions
 
 __all__ = ["DEFAULT_PREFIX", "OPTION_NAMES", "LaunchConfig", "LaunchOptions"]
 
-_T = TypeVar("_T")
+LaunchOptions: TypeAlias = dict[str, Any]
+"""The flat options of :func:`launch` and :class:`LaunchConfig`: its fields, by name."""
+
+_GROUPS: dict[str, Callable[..., Any]] = {
+    "workers": WorkerOptions,
+    "rendezvous": RendezvousOptions,
+    "health": HealthOptions,
+    "watch": WatchOptions,
+    "restarts": RestartOptions,
+    "stop": StopOptions,
+    "world": WorldOptions,
+    "output": OutputOptions,
+}
+"""Each group's record, in the order they are made (the first bad option's error wins)."""
 
 
-class LaunchOptions(TypedDict, total=False):
-    """The flat options of :func:`launch` and :class:`LaunchConfig` (see ``docs/launcher.md``)."""
-
-    nproc: int
-    nnodes: str | int
-    rdzv_backend: str
-    rdzv_endpoint: str
-    rdzv_conf: Mapping[str, str]
-    node_rank: int | None
-    local_addr: str | None
-    health_check: Sequence[str] | str
-    health_check_timeout: timedelta | float
-    hang_timeout: timedelta | None
-    on_hang: Literal["restart", "fail"]
-    events: str | os.PathLike[str] | None
-    straggler_threshold: float | str | None
-    straggler_window: timedelta | float
-    flight_recorder: int | str | None
-    max_restarts: int
-    max_same_failure: int | None
-    max_node_failures: int | None
-    burn_in: bool
-    hot_spare: bool
-    spare_workers: int
-    monitor_interval: timedelta
-    master_addr: str
-    master_port: int | None
-    rank_offset: int
-    world_size: int | None
-    run_id: str | None
-    role: str
-    start_method: Literal["fork", "spawn"]
-    preload: tuple[str, ...] | str
-    log_dir: str | os.PathLike[str] | None
-    redirects: str | int | Mapping[int, int]
-    tee: str | int | Mapping[int, int]
-    local_ranks_filter: Iterable[int] | None
-    prefix: str | None
-    duplicate_stdout_filters: Iterable[str]
-    duplicate_stderr_filters: Iterable[str]
-    shutdown_timeout: timedelta
-    restart_grace: timedelta
-    timeout: timedelta | None
-    env: Mapping[str, str]
-    cwd: str | os.PathLike[str] | None
-    virtual_local_rank: bool
-    numa_binding: Literal["node", "socket", "exclusive", "core-complex"] | None
-    signals_to_handle: str
-    parallel: object | None
+_NODES = "nodes and rendezvous"
+_STDIO_HELP = "streams to {}: 0-3 or RANK:MASK,..."
+_FILTERS_HELP = (
+    "copy the tee'd {0} lines that contain one of these comma-separated strings (',,' for a "
+    "comma) to LOG_DIR/RUN_ID/attempt_N/filtered_{0}.log"
+)
 
 
-OPTION_NAMES = frozenset(LaunchOptions.__optional_keys__)
-"""Every flat option name."""
-
-
-class _Flat(Generic[_T]):
-    """A flat option read back from its group: ``config.nproc`` is ``config.workers.nproc``."""
-
-    __slots__ = ("attr", "group")
-
-    def __init__(self, group: str, attr: str = "") -> None:
-        self.group = group
-        self.attr = attr
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.attr = self.attr or name
-
-    @overload
-    def __get__(self, obj: None, owner: type) -> _Flat[_T]: ...
-    @overload
-    def __get__(self, obj: object, owner: type) -> _T: ...
-    def __get__(self, obj: object | None, owner: type) -> _Flat[_T] | _T:
-        if obj is None:
-            return self
-        value: _T = getattr(getattr(obj, self.group), self.attr)
-        return value
-
-
-def _pick(options: Mapping[str, Any], *names: str) -> dict[str, Any]:
-    return {name: options[name] for name in names if name in options}
-
-
-def _path(value: Any) -> Any:
-    return os.fspath(value) if isinstance(value, str | os.PathLike) else value
-
-
-def _workers(o: Mapping[str, Any]) -> WorkerOptions:
-    kw = _pick(
-        o,
-        "nproc",
-        "role",
-        "start_method",
-        "preload",
-        "env",
-        "cwd",
-        "virtual_local_rank",
-        "numa_binding",
-        "spare_workers",
-    )
-    if "preload" in kw:
-        preload = kw["preload"]
-        kw["preload"] = tuple(
-            m for m in (preload.split(",") if isinstance(preload, str) else preload) if m
-        )
-    if "cwd" in kw:
-        kw["cwd"] = _path(kw["cwd"])
-    return WorkerOptions(**kw)
-
-
-def _output(o: Mapping[str, Any]) -> OutputOptions:
-    kw = _pick(
-        o,
-        "log_dir",
-        "redirects",
-        "tee",
-        "local_ranks_filter",
-        "prefix",
-        "duplicate_stdout_filters",
-        "duplicate_stderr_filters",
-    )
-    for which in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
-        if isinstance(kw.get(which), list | tuple):  # torch's LaunchConfig takes a list
-            kw[which] = tuple(kw[which])
-    for which in ("redirects", "tee"):
-        if which in kw:
-            kw[which] = parse_std_spec(kw[which], which)
-    if kw.get("local_ranks_filter") is not None:
-        kw["local_ranks_filter"] = frozenset(kw["local_ranks_filter"])
-    if "log_dir" in kw:
-        kw["log_dir"] = _path(kw["log_dir"])
-    return OutputOptions(**kw)
-
-
-def _stop(o: Mapping[str, Any]) -> StopOptions:
-    kw = _pick(
-        o, "monitor_interval", "shutdown_timeout", "timeout", "signals_to_handle", "restart_grace"
-    )
-    if "signals_to_handle" in kw:
-        names = str(kw["signals_to_handle"]).split(",")
-        kw["signals_to_handle"] = tuple(n.strip() for n in names if n.strip())
-    return StopOptions(**kw)
-
-
-def _world(o: Mapping[str, Any]) -> WorldOptions:
-    return WorldOptions(
-        **_pick(o, "master_addr", "master_port", "rank_offset", "world_size", "run_id")
-    )
-
-
-def _watch(o: Mapping[str, Any]) -> WatchOptions:
-    kw = _pick(
-        o, "hang_timeout", "events", "straggler_threshold", "straggler_window", "flight_recorder"
-    )
-    if "events" in kw:
-        kw["events"] = _path(kw["events"])
-    return WatchOptions(**kw)
-
-
-def _rendezvous(o: Mapping[str, Any]) -> RendezvousOptions:
-    kw = _pick(o, "node_rank", "local_addr")
-    renamed = {"rdzv_backend": "backend", "rdzv_endpoint": "endpoint", "rdzv_conf": "conf"}
-    kw.update({field: o[flat] for flat, field in renamed.items() if flat in o})
-    if "nnodes" in o:
-        kw["min_nodes"], kw["max_nodes"] = parse_nnodes(o["nnodes"])
-    return RendezvousOptions(**kw)
-
-
-def _health(o: Mapping[str, Any]) -> HealthOptions:
-    kw: dict[str, Any] = {}
-    if "health_check" in o:
-        checks = o["health_check"]
-        kw["checks"] = (checks,) if isinstance(checks, str) else tuple(checks)
-    if "health_check_timeout" in o:
-        value = o["health_check_timeout"]
-        if isinstance(value, int | float) and not isinstance(value, bool):  # seconds
-            value = to_timedelta(value, "health_check_timeout", maximum=MAX_SECONDS)
-        kw["timeout"] = value
-    return HealthOptions(**kw)
-
-
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LaunchConfig:
     """Options of a launch; the CLI flag with the same name (``-`` for ``_``) sets each.
 
-    ``LaunchConfig(**options)`` takes the flat options of :class:`LaunchOptions` and stores
-    them parsed in the groups below (see the module docstring).
+    ``LaunchConfig(**options)`` takes the flat options below (each left out keeps its
+    group's default) and stores them parsed in the groups (see the module docstring).
     """
 
-    workers: WorkerOptions
-    output: OutputOptions
-    stop: StopOptions
-    world: WorldOptions
-    watch: WatchOptions
-    restarts: RestartOptions
-    rendezvous: RendezvousOptions
-    health: HealthOptions
-    parallel: object | None
+    # ------------------------------------------------------------ nodes and rendezvous
+    nnodes: str | int = option(
+        "rendezvous",
+        attr=("min_nodes", "max_nodes"),
+        parse=values.as_nnodes,
+        read=lambda rendezvous: rendezvous.nnodes,
+        flag=flag(
+            "--nnodes",
+            section=_NODES,
+            default="1:1",
+            help="nodes: N or MIN:MAX (elastic between MIN and MAX)",
+        ),
+    )
+    """``N`` or ``MIN:MAX``."""
+    rdzv_backend: str = option(
+        "rendezvous",
+        attr="backend",
+        flag=flag(
+            "--rdzv-backend",
+            "--rdzv_backend",
+            default="static",
+            choices=BACKENDS,
+            help="rendezvous backend of a multi-node job",
+        ),
+    )
+    rdzv_endpoint: str = option(
+        "rendezvous",
+        attr="endpoint",
+        flag=flag("--rdzv-endpoint", "--rdzv_endpoint", default="", help="HOST:PORT of the store"),
+    )
+    run_id: str | None = option(
+        "world",
+        flag=flag(
+            "--rdzv-id",
+            "--rdzv_id",
+            default="none",
+            value=values.run_id,
+            help="job id (TORCHELASTIC_RUN_ID)",
+        ),
+    )
+    rdzv_conf: Mapping[str, str] = option(
+        "rendezvous",
+        attr="conf",
+        flag=flag(
+            "--rdzv-conf",
+            "--rdzv_conf",
+            default="",
+            value=values.key_values,
+            help="rendezvous options: k=v,k=v",
+        ),
+    )
+    max_restarts: int = option(
+        "restarts",
+        flag=flag("--max-restarts", "--max_restarts", default=0, type=int, help="group restarts"),
+    )
+    max_same_failure: int | None = option(
+        "restarts",
+        flag=flag(
+            "--max-same-failure",
+            "--max_same_failure",
+            default="3",
+            value=values.count_or_off,
+            help="end the job when the same root cause failed N attempts in a row, or off "
+            "(default 3)",
+        ),
+    )
+    hot_spare: bool = option(
+        "restarts",
+        flag=flag(
+            "--hot-spare",
+            "--hot_spare",
+            switch=True,
+            help="while this node waits as a spare, start its workers: they run the script's "
+            "set-up and wait in their @rallypoint.restartable function for ranks",
+        ),
+    )
+    spare_workers: int = option(
+        "workers",
+        flag=flag(
+            "--spare-workers",
+            "--spare_workers",
+            default=0,
+            type=int,
+            help="keep N extra workers that ran the script's set-up ready to take a replaced "
+            "rank's place in an in-process restart (@rallypoint.restartable)",
+        ),
+    )
+    burn_in: bool = option(
+        "restarts",
+        flag=flag(
+            "--burn-in",
+            "--burn_in",
+            switch=True,
+            help="after each round forms, time the nodes' links and exclude a node much "
+            "slower than the median (3 nodes or more)",
+        ),
+    )
+    max_node_failures: int | None = option(
+        "restarts",
+        flag=flag(
+            "--max-node-failures",
+            "--max_node_failures",
+            default="2",
+            value=values.count_or_off,
+            help="exclude a node that was the root cause of K failures in a row while MIN "
+            "nodes remain, or off (default 2)",
+        ),
+    )
+    monitor_interval: timedelta = option(
+        "stop",
+        flag=flag(
+            "--monitor-interval",
+            "--monitor_interval",
+            default=0.1,
+            seconds=MAX_MONITOR_INTERVAL,
+            help="seconds",
+        ),
+    )
+    node_rank: int | None = option(
+        "rendezvous",
+        flag=flag(
+            "--node-rank", "--node_rank", default=0, type=int, help="node rank (static backend)"
+        ),
+    )
+    local_addr: str | None = option(
+        "rendezvous",
+        flag=flag(
+            "--local-addr",
+            "--local_addr",
+            help="this node's address for the others (its workers' MASTER_ADDR if it hosts "
+            "the store)",
+        ),
+    )
+    # ------------------------------------------------------------------------ workers
+    nproc: int = option(
+        "workers",
+        flag=flag(
+            "--nproc-per-node",
+            "--nproc_per_node",
+            section="workers",
+            default="1",
+            value=values.parse_nproc,
+            help="workers: int, cpu, gpu, auto",
+        ),
+    )
+    start_method: Literal["fork", "spawn"] = option(
+        "workers",
+        flag=flag(
+            "--start-method",
+            "--start_method",
+            default="fork",
+            choices=("fork", "spawn", "forkserver"),
+            value=values.fork_or_spawn,
+            help="fork from the warm process (default) or spawn fresh interpreters",
+        ),
+    )
+    role: str = option(
+        "workers", flag=flag("--role", default="default", help="worker role (ROLE_NAME)")
+    )
+    signals_to_handle: str = option(
+        "stop",
+        parse=values.as_signals,
+        read=lambda stop: ",".join(stop.signals_to_handle),
+        flag=flag(
+            "--signals-to-handle",
+            "--signals_to_handle",
+            default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+            help="signals forwarded to the workers",
+        ),
+    )
+    """The signals forwarded to the workers, as on the command line."""
+    shutdown_timeout: timedelta = option(
+        "stop",
+        flag=flag("--shutdown-timeout", "--shutdown_timeout", seconds=MAX_SECONDS, help="seconds"),
+    )
+    restart_grace: timedelta = option(
+        "stop",
+        flag=flag(
+            "--restart-grace",
+            "--restart_grace",
+            default=10.0,
+            seconds=MAX_SECONDS,
+            help="seconds a worker of a @rallypoint.restartable function has to leave it when "
+            "the job restarts in process; one that does not is replaced (default 10)",
+        ),
+    )
+    virtual_local_rank: bool = option(
+        "workers",
+        flag=flag(
+            "--virtual-local-rank",
+            "--virtual_local_rank",
+            switch=True,
+            help="LOCAL_RANK=0 for every worker, each seeing only its own GPU "
+            "(CUDA_VISIBLE_DEVICES)",
+        ),
+    )
+    numa_binding: Literal["node", "socket", "exclusive", "core-complex"] | None = option(
+        "workers",
+        flag=flag(
+            "--numa-binding",
+            "--numa_binding",
+            choices=NUMA_MODES,
+            value=values.or_none,
+            help="bind each worker to the CPUs near GPU LOCAL_RANK (torch's modes; needs a GPU)",
+        ),
+    )
+    # ------------------------------------------------------------------------- output
+    log_dir: str | os.PathLike[str] | None = option(
+        "output",
+        parse=values.as_path,
+        flag=flag("--log-dir", "--log_dir", section="output", help="per-rank log files go here"),
+    )
+    redirects: str | int | Mapping[int, int] = option(
+        "output",
+        parse=parse_std_spec,
+        flag=flag(
+            "-r",
+            "--redirects",
+            default="0",
+            value=values.text,
+            help=_STDIO_HELP.format("files only"),
+        ),
+    )
+    tee: str | int | Mapping[int, int] = option(
+        "output",
+        parse=parse_std_spec,
+        flag=flag(
+            "-t",
+            "--tee",
+            default="0",
+            value=values.text,
+            help=_STDIO_HELP.format("files and console"),
+        ),
+    )
+    local_ranks_filter: Iterable[int] | None = option(
+        "output",
+        parse=values.as_ranks,
+        flag=flag(
+            "--local-ranks-filter",
+            "--local_ranks_filter",
+            default="",
+            value=values.local_ranks,
+            help="show only these local ranks on the console, e.g. 0,1",
+        ),
+    )
+    duplicate_stdout_filters: Iterable[str] = option(
+        "output",
+        parse=values.as_tuple,
+        flag=flag(
+            "--duplicate-stdout-filters",
+            "--duplicate_stdout_filters",
+            value=values.filters,
+            help=_FILTERS_HELP.format("stdout"),
+        ),
+    )
+    duplicate_stderr_filters: Iterable[str] = option(
+        "output",
+        parse=values.as_tuple,
+        flag=flag(
+            "--duplicate-stderr-filters",
+            "--duplicate_stderr_filters",
+            value=values.filters,
+            help=_FILTERS_HELP.format("stderr"),
+        ),
+    )
+    # -------------------------------------------------------------- single-node store
+    master_addr: str = option(
+        "world",
+        flag=flag(
+            "--master-addr",
+            "--master_addr",
+            section="single-node store",
+            default="127.0.0.1",
+            help="store address",
+        ),
+    )
+    master_port: int | None = option(
+        "world",
+        flag=flag("--master-port", "--master_port", type=int, help="store port (free if unset)"),
+    )
+    # ---------------------------------------------------------------------- rallypoint
+    preload: tuple[str, ...] | str = option(
+        "workers",
+        parse=values.as_modules,
+        flag=flag(
+            "--preload",
+            section="rallypoint",
+            default="",
+            value=values.module_names,
+            help="modules the warm process imports: a,b",
+        ),
+    )
+    prefix: str | None = option(
+        "output",
+        flag=flag(
+            "--prefix",
+            default=lambda: os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", DEFAULT_PREFIX),
+            help="line prefix template (${rank}, ${local_rank}, ${role_name})",
+        ),
+    )
+    timeout: timedelta | None = option(
+        "stop", flag=flag("--timeout", seconds=MAX_SECONDS, help="stop the job after SECONDS")
+    )
+    hang_timeout: timedelta | None = option(
+        "watch",
+        flag=flag(
+            "--hang-timeout",
+            "--hang_timeout",
+            seconds=MAX_SECONDS,
+            help="no rallypoint.progress() from any worker for SECONDS is a hang (off by default)",
+        ),
+    )
+    on_hang: Literal["restart", "fail"] = option(
+        "restarts",
+        flag=flag(
+            "--on-hang",
+            "--on_hang",
+            default="restart",
+            choices=("restart", "fail"),
+            help="after printing the stacks of a hang: restart (counts as one) or fail",
+        ),
+    )
+    events: str | os.PathLike[str] | None = option(
+        "watch",
+        parse=values.as_path,
+        flag=flag("--events", help="append the job's events (JSON lines) to FILE"),
+    )
+    straggler_threshold: float | str | None = option(
+        "watch",
+        flag=flag(
+            "--straggler-threshold",
+            "--straggler_threshold",
+            default="1.5",
+            value=values.threshold,
+            help="report a rank or node whose step time (between rallypoint.progress() calls) "
+            "exceeds this many times the median of the others: a number > 1, or off "
+            "(default 1.5)",
+        ),
+    )
+    straggler_window: timedelta | float = option(
+        "watch",
+        flag=flag(
+            "--straggler-window",
+            "--straggler_window",
+            default=30.0,
+            seconds=MAX_SECONDS,
+            help="seconds of recent steps a step time is averaged over (default 30)",
+        ),
+    )
+    health_check: Sequence[str] | str = option(
+        "health",
+        attr="checks",
+        parse=values.as_checks,
+        flag=flag(
+            "--health-check",
+            "--health_check",
+            repeat=True,
+            value=values.health_checks,
+            help="run CMD (a shell command, exit 0: healthy) or builtin:disk, builtin:gpu, "
+            "builtin:store before this node joins a round; a failure keeps the node out "
+            "(exit code 3); repeatable; PET_HEALTH_CHECK: one check per line",
+        ),
+    )
+    health_check_timeout: timedelta | float = option(
+        "health",
+        attr="timeout",
+        parse=values.as_seconds,
+        flag=flag(
+            "--health-check-timeout",
+            "--health_check_timeout",
+            default=60.0,
+            seconds=MAX_SECONDS,
+            value=values.positive,
+            help="seconds one health check may take before it is killed and fails (default 60)",
+        ),
+    )
+    flight_recorder: int | str | None = option(
+        "watch",
+        flag=flag(
+            "--flight-recorder",
+            "--flight_recorder",
+            default="2000",
+            value=values.buffer,
+            help="collectives each worker's torch Flight Recorder keeps, used to name the rank "
+            "and collective of a hang: a number, or off (default 2000; TORCH_FR_BUFFER_SIZE "
+            "wins)",
+        ),
+    )
+    # ------------------------------------------------------------ launch() and the API
+    env: Mapping[str, str] = option("workers")
+    """Extra environment variables for the workers."""
+    cwd: str | os.PathLike[str] | None = option("workers", parse=values.as_path)
+    rank_offset: int = option("world")
+    world_size: int | None = option("world")
+    parallel: object | None = option(None, default=None)
     """A ``rallypoint.distributed`` parallel layout: ``launch`` then wraps ``fn`` with
     ``rallypoint.distributed.parallel_worker(fn, parallel)``."""
 
-    def __init__(self, **options: Unpack[LaunchOptions]) -> None:
+    # ------------------------------------------------------------------ the groups
+    workers: WorkerOptions = field(init=False, repr=False, compare=False)
+    rendezvous: RendezvousOptions = field(init=False, repr=False, compare=False)
+    health: HealthOptions = field(init=False, repr=False, compare=False)
+    watch: WatchOptions = field(init=False, repr=False, compare=False)
+    restarts: RestartOptions = field(init=False, repr=False, compare=False)
+    stop: StopOptions = field(init=False, repr=False, compare=False)
+    world: WorldOptions = field(init=False, repr=False, compare=False)
+    output: OutputOptions = field(init=False, repr=False, compare=False)
+
+    def __new__(cls, **options: Any) -> Self:
         unknown = sorted(set(options) - OPTION_NAMES)
-        if unknown:
+        if unknown:  # as before it was a dataclass: not "LaunchConfig.__init__()"
             raise TypeError(f"LaunchConfig() got an unexpected keyword argument {unknown[0]!r}")
-        flat: Mapping[str, Any] = options
+        return object.__new__(cls)
+
+    def __post_init__(self) -> None:
         init = object.__setattr__
-        init(self, "workers", _workers(flat))
-        init(self, "rendezvous", _rendezvous(flat))
-        init(self, "health", _health(flat))
-        init(self, "watch", _watch(flat))
-        init(self, "restarts", _restarts(flat))
-        init(self, "stop", _stop(flat))
-        init(self, "world", _world(flat))
-        init(self, "output", _output(flat))
-        init(self, "parallel", flat.get("parallel"))
+        for group, make in _GROUPS.items():
+            kwargs: dict[str, Any] = {}
+            for name, opt in _DECLARED:
+                value = getattr(self, name)
+                if opt.group != group or value is UNSET:
+                    continue
+                parsed = value if opt.parse is None else opt.parse(value, name)
+                attr = opt.attr or name
+                kwargs.update(
+                    zip(attr, parsed, strict=True) if isinstance(attr, tuple) else {attr: parsed}
+                )
+            init(self, group, make(**kwargs))
+        for name, opt in _DECLARED:
+            if opt.group is not None:
+                part, attr = getattr(self, opt.group), opt.attr or name
+                init(self, name, opt.read(part) if opt.read else getattr(part, str(attr)))
         self._check_together()
 
     def _check_together(self) -> None:
@@ -281,64 +534,18 @@ class LaunchConfig:
                 "for restarts across nodes use nnodes with a rendezvous"
             )
 
-    # ------------------------------------------------------------------ flat read-back
-    nproc = _Flat[int]("workers")
-    role = _Flat[str]("workers")
-    start_method = _Flat[Literal["fork", "spawn"]]("workers")
-    preload = _Flat[tuple[str, ...]]("workers")
-    env = _Flat[Mapping[str, str]]("workers")
-    cwd = _Flat[str | None]("workers")
-    virtual_local_rank = _Flat[bool]("workers")
-    numa_binding = _Flat[str | None]("workers")
-    spare_workers = _Flat[int]("workers")
-    log_dir = _Flat[str | None]("output")
-    redirects = _Flat[StdSpec]("output")
-    tee = _Flat[StdSpec]("output")
-    local_ranks_filter = _Flat[frozenset[int] | None]("output")
-    prefix = _Flat[str | None]("output")
-    duplicate_stdout_filters = _Flat[tuple[str, ...]]("output")
-    duplicate_stderr_filters = _Flat[tuple[str, ...]]("output")
-    monitor_interval = _Flat[timedelta]("stop")
-    shutdown_timeout = _Flat[timedelta]("stop")
-    restart_grace = _Flat[timedelta]("stop")
-    timeout = _Flat[timedelta | None]("stop")
-    master_addr = _Flat[str]("world")
-    master_port = _Flat[int | None]("world")
-    rank_offset = _Flat[int]("world")
-    world_size = _Flat[int | None]("world")
-    run_id = _Flat[str | None]("world")
-    hang_timeout = _Flat[timedelta | None]("watch")
-    events = _Flat[str | None]("watch")
-    straggler_threshold = _Flat[float | None]("watch")
-    straggler_window = _Flat[timedelta]("watch")
-    flight_recorder = _Flat[int | None]("watch")
-    max_restarts = _Flat[int]("restarts")
-    on_hang = _Flat[Literal["restart", "fail"]]("restarts")
-    max_same_failure = _Flat[int | None]("restarts")
-    max_node_failures = _Flat[int | None]("restarts")
-    burn_in = _Flat[bool]("restarts")
-    hot_spare = _Flat[bool]("restarts")
-    rdzv_backend = _Flat[str]("rendezvous", "backend")
-    rdzv_endpoint = _Flat[str]("rendezvous", "endpoint")
-    rdzv_conf = _Flat[Mapping[str, str]]("rendezvous", "conf")
-    node_rank = _Flat[int | None]("rendezvous")
-    local_addr = _Flat[str | None]("rendezvous")
-    health_check = _Flat[tuple[str, ...]]("health", "checks")
-    health_check_timeout = _Flat[timedelta]("health", "timeout")
-    min_nodes = _Flat[int]("rendezvous")
-    max_nodes = _Flat[int]("rendezvous")
-    multi_node = _Flat[bool]("rendezvous")
-    """Whether this launch runs the elastic coordinator (a rendezvous of several nodes)."""
+    @property
+    def min_nodes(self) -> int:
+        return self.rendezvous.min_nodes
 
     @property
-    def nnodes(self) -> str:
-        """``N`` or ``MIN:MAX``."""
-        return self.rendezvous.nnodes
+    def max_nodes(self) -> int:
+        return self.rendezvous.max_nodes
 
     @property
-    def signals_to_handle(self) -> str:
-        """The signals forwarded to the workers, as on the command line."""
-        return ",".join(self.stop.signals_to_handle)
+    def multi_node(self) -> bool:
+        """Whether this launch runs the elastic coordinator (a rendezvous of several nodes)."""
+        return self.rendezvous.multi_node
 
     @property
     def total_world_size(self) -> int:
@@ -350,9 +557,7 @@ class LaunchConfig:
         return self.output.std_mask(which, local_rank)
 
 
-def _restarts(o: Mapping[str, Any]) -> RestartOptions:
-    names = (
-        "max_restarts", "on_hang", "max_same_failure", "max_node_failures", "burn_in",
-        "hot_spare",
-    )  # fmt: skip
-    return RestartOptions(**_pick(o, *names))
+_DECLARED: tuple[tuple[str, Option], ...] = tuple(declared(LaunchConfig))
+
+OPTION_NAMES = frozenset(name for name, _ in _DECLARED)
+"""Every flat option name: ``launch()``'s keywords."""
