@@ -4,6 +4,7 @@ made from the declarations, and the option is named nowhere else but where it is
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -24,9 +25,7 @@ RUN_FLAGS = list(declared(RunFlags))
 @pytest.fixture(autouse=True)
 def _no_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
     """No ``PET_*`` or SLURM variable of the machine running the tests."""
-    import os
-
-    for name in os.environ:
+    for name in list(os.environ):
         if name.startswith(("PET_", "SLURM_", "TORCHELASTIC_", "TORCH_ELASTIC_")):
             monkeypatch.delenv(name)
 
