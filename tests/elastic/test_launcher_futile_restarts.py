@@ -14,7 +14,7 @@ import pytest
 import rallypoint
 from _support import cli_zygote
 from rallypoint._cli._run import run_main
-from rallypoint._supervise._signature import Streak, failure_signature
+from rallypoint._elastic._signature import Streak, failure_signature
 from rallypoint.launcher import FatalError, LaunchConfig, WorkerFailedError, launch
 
 pytestmark = pytest.mark.timeout(90)

@@ -31,6 +31,7 @@ from rallypoint._elastic._policy import MEMBERSHIP_CHANGED, ElasticPolicy
 from rallypoint._elastic._protocols import NodeSupervisor
 from rallypoint._elastic._records import Action, Decision, FailureRecord, NodeRecord
 from rallypoint._elastic._round import Round
+from rallypoint._elastic._signature import failure_signature
 from rallypoint._elastic._stores import RoundStore, prefixed
 from rallypoint._elastic._verdict import raise_failure, root_cause
 from rallypoint._supervise._errors import (
@@ -39,11 +40,9 @@ from rallypoint._supervise._errors import (
     LaunchTimeoutError,
     RendezvousFailedError,
 )
-from rallypoint._supervise._inprocess._agent import in_process_line
 from rallypoint._supervise._output import write_console
-from rallypoint._supervise._signature import failure_signature
 from rallypoint._supervise._state import Failure, GroupInfo, Outcome, OutcomeKind
-from rallypoint._supervise._summary import peer_vanished
+from rallypoint._supervise._summary import in_process_line, peer_vanished
 from rallypoint._watch._observer import Observer
 from rallypoint._watch._stacks_exchange import publish_node_count
 

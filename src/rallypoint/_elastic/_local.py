@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 from rallypoint._elastic._health import HealthChecks
 from rallypoint._elastic._options import RestartOptions
 from rallypoint._elastic._protocols import NodeSupervisor
+from rallypoint._elastic._signature import Streak, failure_signature, repeated_line
 from rallypoint._supervise._errors import (
     BadTargetError,
     HangError,
@@ -22,13 +23,11 @@ from rallypoint._supervise._errors import (
     LaunchTimeoutError,
     WorkerFailedError,
 )
-from rallypoint._supervise._inprocess._agent import in_process_line
 from rallypoint._supervise._options import WorldOptions
 from rallypoint._supervise._output import write_console
 from rallypoint._supervise._policy import LocalPolicy
-from rallypoint._supervise._signature import Streak, failure_signature, repeated_line
 from rallypoint._supervise._state import GroupInfo, Outcome, OutcomeKind
-from rallypoint._supervise._summary import format_summary, stopped_with_the_job
+from rallypoint._supervise._summary import format_summary, in_process_line, stopped_with_the_job
 from rallypoint._watch._observer import Observer
 
 __all__ = ["LocalCoordinator"]

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from rallypoint._elastic._job import Job
 from rallypoint._elastic._records import Action, Decision, ExclusionRecord
+from rallypoint._elastic._signature import repeated_line
 from rallypoint._elastic._stores import RoundStore
 from rallypoint._supervise._errors import RendezvousFailedError
-from rallypoint._supervise._signature import repeated_line
 from rallypoint._supervise._state import GroupInfo
 
 __all__ = ["TAKEOVER_AFTER", "Round"]
@@ -61,7 +61,7 @@ class Round:
 
         ``spend`` counts a restart against the job's budget; with the budget spent, or with
         ``force_fail``, the decision is to fail. Membership changes do not spend. A
-        failure's ``signature`` (``_supervise._signature``) that ended ``max_same_failure``
+        failure's ``signature`` (``_signature``) that ended ``max_same_failure``
         rounds in a row fails the job too. ``note`` says why a failure is not restarted
         (every node prints it). The ``node`` (on ``host``) where the failure happened is
         excluded once it was the root cause of ``max_node_failures`` rounds in a row: the

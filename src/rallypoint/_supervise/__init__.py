@@ -4,17 +4,19 @@ Internal, the launcher side: ``rallypoint._launch`` and ``rallypoint._elastic`` 
 modules directly; the public names (errors, ``restartable``) are re-exported by
 :mod:`rallypoint.launcher`. The parts:
 
-- ``_warm/``: the warm process that imports torch once and forks every worker;
+- ``_warm/``: the warm process that imports torch once and forks every worker, and the
+  one reader of its exit reports (``_warm/_exits``);
 - ``_inprocess/``: in-process restarts (``@restartable`` in the worker, the control
-  channel, the agent's side);
+  channel, the agent's side with the restart's state and timers, the spare workers);
 - ``_starter``: an attempt's worker specs, pipes and output files; ``_worker`` /
   ``_spawn_entry`` / ``_main_module``: what a worker does around the user's code (forked,
   or spawned with the caller's ``__main__``);
 - ``_supervisor``, ``_attempt``: one attempt under a policy (``_policy``), its ``Outcome``
   (``_state``); ``_signals``, ``_stop``: signals, stopping whole process trees;
 - ``_env``, ``_identity``, ``_output``, ``_numa``, ``_limits``: what each worker is given;
-- ``_summary``, ``_signature``: what a failed worker left behind; ``_errors``: the
-  launcher's errors; ``_options``: the option groups this part reads.
+  ``_results``: what a ``launch()`` worker returns;
+- ``_summary``: what a failed worker left behind, and the console's lines about it;
+  ``_errors``: the launcher's errors; ``_options``: the option groups this part reads.
 
 Nothing here is imported at import time: ``rallypoint run`` imports ``_warm._process`` and
 forks the warm process before anything else is loaded.

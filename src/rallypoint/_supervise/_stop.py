@@ -18,6 +18,7 @@ from datetime import timedelta
 import psutil
 
 from rallypoint._supervise._state import Worker
+from rallypoint._supervise._warm._exits import ExitReports
 from rallypoint._supervise._warm._process import WarmProcess
 
 __all__ = ["QUICK_GRACE", "Stopper"]
@@ -30,13 +31,15 @@ blocked in a collective, so waiting the whole ``shutdown_timeout`` would only de
 class Stopper:
     """Signals the workers of one warm process and says when to escalate to SIGKILL."""
 
-    def __init__(self, warm: WarmProcess, shutdown_timeout: timedelta) -> None:
+    def __init__(self, warm: WarmProcess, shutdown_timeout: timedelta, exits: ExitReports) -> None:
         self.warm = warm
+        self.exits = exits
         self.grace = shutdown_timeout.total_seconds()
         self.store_pid = 0
         self.snapshot_pid = 0
         self.spare_workers: set[int] = set()
-        """Pids of the spare workers (``--spare-workers``): left alone unless targeted."""
+        """Pids of the spare workers (``--spare-workers``): left alone unless targeted.
+        Set by the spare pool alone (``_inprocess._spares``)."""
 
     def stop(
         self,
@@ -99,11 +102,12 @@ class Stopper:
     def wait_all(self, workers: Sequence[Worker], timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the warm process to report every exit."""
         end = time.monotonic() + timeout
-        by_pid = {w.pid: w for w in workers}
         while any(w.status is None for w in workers) and time.monotonic() < end:
             with selectors.DefaultSelector() as sel:
-                sel.register(self.warm.fileno(), selectors.EVENT_READ)
+                sel.register(self.exits.fileno(), selectors.EVENT_READ)
                 sel.select(0.05)
-            for exited in self.warm.read_events():
-                if exited.pid in by_pid:
-                    by_pid[exited.pid].status = exited.status
+            self.exits.read()
+            for w in workers:
+                status = self.exits.pop(w.pid)
+                if status is not None:
+                    w.status = status

@@ -27,7 +27,7 @@ from rallypoint._core.closing import Closing
 from rallypoint._core.disk import check_writable
 from rallypoint._core.net import port_is_free
 from rallypoint._core.tempdirs import make_owned_dir
-from rallypoint._supervise._attempt import CAUSE_WAIT, Attempt
+from rallypoint._supervise._attempt import CAUSE_WAIT, Attempt, AttemptTools
 from rallypoint._supervise._env import base_env
 from rallypoint._supervise._errors import (
     BadTargetError,
@@ -36,15 +36,17 @@ from rallypoint._supervise._errors import (
     WarmProcessError,
     WorkerFailedError,
 )
+from rallypoint._supervise._inprocess._agent_side import InProcess
+from rallypoint._supervise._inprocess._spares import SparePool
 from rallypoint._supervise._limits import check_worker_limits
 from rallypoint._supervise._options import OutputOptions, StopOptions, WorkerOptions
 from rallypoint._supervise._output import OutputRouter, write_console
 from rallypoint._supervise._policy import AttemptPolicy
 from rallypoint._supervise._signals import SignalQueue
-from rallypoint._supervise._spares import SparePool
 from rallypoint._supervise._starter import WorkerStarter
 from rallypoint._supervise._state import GroupInfo, Outcome, Worker
 from rallypoint._supervise._stop import Stopper
+from rallypoint._supervise._warm._exits import ExitReports
 from rallypoint._supervise._warm._process import WarmProcess
 from rallypoint._supervise._worker import Target
 from rallypoint._watch._observer import Observer
@@ -123,7 +125,9 @@ class Supervisor(Closing):
         self.deadline = (
             None if stop.timeout is None else self.started + stop.timeout.total_seconds()
         )
-        self.stopper = Stopper(warm, stop.shutdown_timeout)
+        self.exits = ExitReports(warm)
+        """The one reader of the warm process's exit reports."""
+        self.stopper = Stopper(warm, stop.shutdown_timeout, self.exits)
         log_root = _log_root(output, workers.nproc, run_id)
         snapshot_dir = workers.env.get(envvars.SNAPSHOT_DIR, os.environ.get(envvars.SNAPSHOT_DIR))
         if snapshot_dir:  # launch(env=...) too, not only the CLI: one line at start
@@ -147,7 +151,22 @@ class Supervisor(Closing):
         self._snapshots_tried = False
         self.kept: dict[int, Worker] = {}
         """Workers parked by the last attempt for an in-process restart, by local rank."""
-        self.spares = SparePool(workers.spare_workers, self.starter, self.stopper, observer)
+        self.spares = SparePool(
+            workers.spare_workers,
+            starter=self.starter,
+            stopper=self.stopper,
+            exits=self.exits,
+            observer=observer,
+        )
+        self.tools = AttemptTools(
+            exits=self.exits,
+            stopper=self.stopper,
+            signals=self.signals,
+            observer=observer,
+            interval=stop.monitor_interval.total_seconds(),
+            deadline=self.deadline,
+            started=self.started,
+        )
 
     @property
     def nproc(self) -> int:
@@ -279,10 +298,9 @@ class Supervisor(Closing):
         parked worker killed): those are started afresh."""
         if not kept and not self.spares.waiting:
             return kept
-        gone = {e.pid for e in self.warm.read_events()}
-        self.spares.gone |= gone  # a spare's exit too
+        self.exits.read()  # a spare's exit too, for the pool
         for local_rank, w in list(kept.items()):
-            if w.pid in gone:
+            if self.exits.pop(w.pid) is not None:
                 del kept[local_rank]
                 w.close_channels()
         return kept
@@ -318,27 +336,22 @@ class Supervisor(Closing):
         cause_wait: float | None,
         on_restartable: Callable[[], object] | None,
     ) -> Outcome:
-        attempt = Attempt(
-            warm=self.warm,
-            workers=workers,
-            router=router,
-            stopper=self.stopper,
-            signals=self.signals,
-            observer=self.observer,
-            policy=policy,
-            number=number,
-            interval=self.stop_options.monitor_interval.total_seconds(),
-            deadline=self.deadline,
-            started=self.started,
-            restart_grace=grace,
-            reset_store=self.warm.reset_store if self.stopper.store_pid else None,
+        inproc = InProcess(
+            workers,
+            grace,
             cause_wait=CAUSE_WAIT if cause_wait is None else cause_wait,
+            reset_store=self.warm.reset_store if self.stopper.store_pid else None,
             on_restartable=on_restartable,
         )
-        try:
-            return attempt.run()
-        finally:
-            self.spares.gone.update(e.pid for e in attempt.others)
+        attempt = Attempt(
+            self.tools,
+            workers=workers,
+            router=router,
+            policy=policy,
+            inproc=inproc,
+            number=number,
+        )
+        return attempt.run()
 
     def results(self, outcome: Outcome) -> list[Any]:
         """What each worker of a successful attempt returned (``None`` for scripts)."""

@@ -1,5 +1,6 @@
 """Spare workers (``--spare-workers``): processes that ran the script's set-up and wait in
-their restartable function until a rank that needs a new process takes one of them."""
+their restartable function until a rank that needs a new process takes one of them; spares
+exist for in-process restarts, which replace only the ranks that failed."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from rallypoint._supervise._output import write_console
 from rallypoint._supervise._starter import WorkerStarter
 from rallypoint._supervise._state import GroupInfo, Worker
 from rallypoint._supervise._stop import Stopper
+from rallypoint._supervise._warm._exits import ExitReports
 from rallypoint._watch._observer import Observer
 
 __all__ = ["SparePool"]
@@ -35,28 +37,42 @@ class SparePool:
     """
 
     def __init__(
-        self, count: int, starter: WorkerStarter, stopper: Stopper, observer: Observer
+        self,
+        count: int,
+        *,
+        starter: WorkerStarter,
+        stopper: Stopper,
+        exits: ExitReports,
+        observer: Observer,
     ) -> None:
         self.count = count
-        self.starter, self.stopper, self.observer = starter, stopper, observer
-        self.waiting: list[Worker] = []
+        self.starter, self.stopper, self.exits, self.observer = starter, stopper, exits, observer
+        self._waiting: list[Worker] = []
         self.started = 0
-        self.gone: set[int] = set()
-        """Pids whose exit was read (by an attempt, or before one started)."""
         self.failed = False
         self.ready: set[int] = set()
         """Spares that said they reached their restartable function (set-up done)."""
 
+    @property
+    def waiting(self) -> list[Worker]:
+        """The spares that wait for a rank (a copy)."""
+        return list(self._waiting)
+
+    def _set_waiting(self, waiting: list[Worker]) -> None:
+        """The one place the waiting spares change: the stopper leaves them alone unless
+        they are its targets."""
+        self._waiting = waiting
+        self.stopper.spare_workers = {w.pid for w in waiting}
+
     def top_up(self, group: GroupInfo) -> None:
         """Fork spares until ``count`` of them run or wait."""
         self._drop_dead()
-        missing = self.count - len(self.waiting)
+        missing = self.count - len(self._waiting)
         if missing <= 0 or self.failed:
             return
         new = self.starter.start_spares(group, self.started, missing)
         self.started += missing
-        self.waiting += new
-        self.stopper.spare_workers = {w.pid for w in self.waiting}
+        self._set_waiting([*self._waiting, *new])
         pids = ", ".join(str(w.pid) for w in new)
         write_console(
             2,
@@ -74,17 +90,16 @@ class SparePool:
         self._drop_dead()
         placed = set()
         for local_rank in range(nproc):
-            if local_rank in kept or not self.waiting:
+            if local_rank in kept or not self._waiting:
                 continue
             ready = self._wait_ready()
             if not ready:
                 self._tell_busy(attempt, local_rank)
                 continue
             spare = ready[0]
-            self.waiting.remove(spare)
+            self._set_waiting([w for w in self._waiting if w is not spare])
             kept[local_rank] = replace(spare, local_rank=local_rank)
             placed.add(local_rank)
-            self.stopper.spare_workers.discard(spare.pid)
             write_console(
                 2,
                 f"rallypoint: attempt {attempt}: local rank {local_rank} goes to spare worker "
@@ -97,11 +112,11 @@ class SparePool:
         :data:`READY_WAIT` seconds (one that just finished has not said so yet)."""
         deadline = time.monotonic() + READY_WAIT
         while True:
-            ready = [w for w in self.waiting if self._ready(w)]
+            ready = [w for w in self._waiting if self._ready(w)]
             left = deadline - time.monotonic()
             if ready or left <= 0:
                 return ready
-            fds = [w.control for w in self.waiting if w.control is not None]
+            fds = [w.control for w in self._waiting if w.control is not None]
             if not fds:
                 return []
             select.select(fds, [], [], left)
@@ -118,7 +133,7 @@ class SparePool:
         return w.pid in self.ready
 
     def _tell_busy(self, attempt: int, local_rank: int) -> None:
-        pids = ", ".join(str(w.pid) for w in self.waiting)
+        pids = ", ".join(str(w.pid) for w in self._waiting)
         write_console(
             2,
             f"rallypoint: attempt {attempt}: local rank {local_rank} starts in a new process: "
@@ -127,23 +142,22 @@ class SparePool:
 
     def take_all(self) -> list[Worker]:
         """Every waiting spare, to be stopped; the pool keeps none."""
-        waiting, self.waiting = self.waiting, []
-        self.stopper.spare_workers = set()
+        waiting = self._waiting
+        self._set_waiting([])
         return waiting
 
     def _drop_dead(self) -> None:
         alive = []
-        for w in self.waiting:
+        for w in self._waiting:
             if self._alive(w):
                 alive.append(w)
             else:
                 self._report_dead(w)
-        self.waiting = alive
-        self.stopper.spare_workers = {w.pid for w in alive}
+        self._set_waiting(alive)
 
     def _alive(self, w: Worker) -> bool:
         """No exit read for it, and its control channel open."""
-        if w.pid in self.gone or w.control is None:
+        if self.exits.exited(w.pid) or w.control is None:
             return False
         try:
             return w.control.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
@@ -153,6 +167,7 @@ class SparePool:
             return False
 
     def _report_dead(self, w: Worker) -> None:
+        self.exits.pop(w.pid)  # its exit, if read, is told here
         tail = b"".join(_read_what_is_there(fd) for fd in w.pipes)[-_TAIL_BYTES:]
         w.close_channels()
         self.failed = True
