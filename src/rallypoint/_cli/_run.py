@@ -113,12 +113,11 @@ def _last_line_written() -> None:
 
 def _exit_status(exc: Exception, prog: str) -> int:
     """The one screen (or line) printed for a failed job, and the exit status."""
+    from rallypoint._elastic._errors import NodeExcludedError, UnhealthyNodeError
     from rallypoint._elastic._exits import EXIT_EXCLUDED, EXIT_UNHEALTHY
     from rallypoint._supervise._errors import (
         LaunchError,
         LaunchInterruptedError,
-        NodeExcludedError,
-        UnhealthyNodeError,
         WorkerFailedError,
     )
 

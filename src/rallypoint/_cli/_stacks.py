@@ -41,8 +41,8 @@ def stacks_main(argv: Sequence[str] | None = None) -> int:
     if args.timeout <= 0:
         print(f"{PROG}: error: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
         return 2
+    from rallypoint._elastic._errors import RendezvousFailedError
     from rallypoint._elastic._job_stacks import job_stacks
-    from rallypoint._supervise._errors import RendezvousFailedError
 
     try:
         report, missing = job_stacks(

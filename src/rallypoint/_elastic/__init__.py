@@ -14,6 +14,7 @@ behind the ``NodeSupervisor`` Protocol (``_protocols``), and runs it attempt aft
   ``_signature``: when two failures are the same (futile restarts);
 - ``_health``, ``_check_run``, ``_builtin_checks``, ``_burn_in``, ``_gpu_probe``,
   ``_exclusion``: health checks and the exclusion list; ``_exits``: their exit statuses;
+  ``_errors``: the rendezvous, exclusion and health errors;
 - ``_rendezvous``: the agent's handler; ``_job_stacks``: a running job's stacks, asked for
   from outside it; ``_options``: the option groups this part reads.
 """

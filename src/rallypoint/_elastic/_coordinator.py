@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from rallypoint._core.blocking import call_in_thread
 from rallypoint._core.status import JobStatus
 from rallypoint._elastic._burn_in import measure, slow_node
+from rallypoint._elastic._errors import RendezvousFailedError
 from rallypoint._elastic._exclusion import leave_excluded, say_host_exclusions
 from rallypoint._elastic._health import HealthChecks
 from rallypoint._elastic._job import Job, interruptible
@@ -38,7 +39,6 @@ from rallypoint._supervise._errors import (
     LaunchError,
     LaunchInterruptedError,
     LaunchTimeoutError,
-    RendezvousFailedError,
 )
 from rallypoint._supervise._output import write_console
 from rallypoint._supervise._state import Failure, GroupInfo, Outcome, OutcomeKind

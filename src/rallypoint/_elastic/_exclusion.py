@@ -14,9 +14,9 @@ import contextlib
 import time
 from typing import NoReturn
 
+from rallypoint._elastic._errors import NodeExcludedError
 from rallypoint._elastic._job import Job
 from rallypoint._elastic._records import Decision
-from rallypoint._supervise._errors import NodeExcludedError
 from rallypoint._supervise._output import write_console
 from rallypoint._watch._observer import Observer
 

@@ -17,10 +17,11 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
 from rallypoint._core.blocking import call_in_thread
+from rallypoint._elastic._errors import RendezvousFailedError
 from rallypoint._elastic._options import RestartOptions
 from rallypoint._elastic._rendezvous import open_run_store, run_store_namespace
 from rallypoint._elastic._stores import RunStore, prefixed
-from rallypoint._supervise._errors import LaunchInterruptedError, RendezvousFailedError
+from rallypoint._supervise._errors import LaunchInterruptedError
 from rallypoint._supervise._output import write_console
 from rallypoint._watch._observer import Observer
 from rallypoint._watch._stacks_exchange import (

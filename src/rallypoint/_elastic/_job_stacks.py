@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from rallypoint._elastic._errors import RendezvousFailedError
 from rallypoint._elastic._rendezvous import (
     create_rendezvous,
     open_run_store,
     run_store_namespace,
 )
-from rallypoint._supervise._errors import RendezvousFailedError
 
 __all__ = ["job_stacks"]
 

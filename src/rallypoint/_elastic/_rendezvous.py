@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rallypoint._elastic._errors import RendezvousFailedError
 from rallypoint._elastic._options import RendezvousOptions
-from rallypoint._supervise._errors import RendezvousFailedError
 
 if TYPE_CHECKING:
     from rallypoint._core.store import Store

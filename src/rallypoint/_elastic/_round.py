@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from rallypoint._elastic._errors import RendezvousFailedError
 from rallypoint._elastic._job import Job
 from rallypoint._elastic._records import Action, Decision, ExclusionRecord
 from rallypoint._elastic._signature import repeated_line
 from rallypoint._elastic._stores import RoundStore
-from rallypoint._supervise._errors import RendezvousFailedError
 from rallypoint._supervise._state import GroupInfo
 
 __all__ = ["TAKEOVER_AFTER", "Round"]

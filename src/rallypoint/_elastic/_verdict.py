@@ -10,14 +10,10 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import NoReturn
 
+from rallypoint._elastic._errors import RendezvousFailedError
 from rallypoint._elastic._records import Decision, RootRecord
 from rallypoint._elastic._round import Round
-from rallypoint._supervise._errors import (
-    BadTargetError,
-    HangError,
-    RendezvousFailedError,
-    WorkerFailedError,
-)
+from rallypoint._supervise._errors import BadTargetError, HangError, WorkerFailedError
 from rallypoint._supervise._state import Outcome, OutcomeKind
 from rallypoint._supervise._summary import format_summary, stopped_with_the_job
 

@@ -1,4 +1,5 @@
-"""Exceptions raised by the launcher, documented and exported in ``rallypoint.launcher``.
+"""Exceptions raised by the launcher, documented and exported in ``rallypoint.launcher``
+(the coordination's own, rendezvous, exclusion and health, are in ``_elastic._errors``).
 
 The tree is drawn in ``rallypoint.launcher``'s docstring: :class:`LaunchError` (a
 ``RuntimeError``) is the root of everything that stops a job short of success, and
@@ -22,10 +23,7 @@ __all__ = [
     "LaunchError",
     "LaunchInterruptedError",
     "LaunchTimeoutError",
-    "NodeExcludedError",
     "PortInUseError",
-    "RendezvousFailedError",
-    "UnhealthyNodeError",
     "WarmErrorKind",
     "WarmProcessError",
     "WorkerFailedError",
@@ -99,28 +97,6 @@ class LaunchInterruptedError(LaunchError):
 class HangError(LaunchError):
     """No worker reported progress for ``hang_timeout`` and no restart was left (or
     ``on_hang="fail"``); the workers' stacks were printed."""
-
-
-class RendezvousFailedError(LaunchError):
-    """The multi-node rendezvous could not complete, lost its store, or was closed."""
-
-
-class NodeExcludedError(RendezvousFailedError):
-    """This node was the root cause of ``max_node_failures`` failures in a row and is kept
-    out of the job (the others go on), or the burn-in found it much slower than the others;
-    ``rallypoint run`` exits with ``EXIT_EXCLUDED`` (4) so that a scheduler can replace the
-    node."""
-
-
-class UnhealthyNodeError(LaunchError):
-    """A health check (``health_check``) failed on this node before it joined a round: the
-    node stayed out of the job. ``check`` names the check; the message is the screen
-    (its exit code or timeout and the last lines of its output). ``rallypoint run`` exits
-    with ``EXIT_UNHEALTHY`` (3) so that a scheduler can replace the node."""
-
-    def __init__(self, message: str, *, check: str) -> None:
-        super().__init__(message)
-        self.check = check
 
 
 class WarmErrorKind(enum.Enum):
