@@ -45,10 +45,10 @@ if TYPE_CHECKING:
     from rallypoint._supervise._errors import LaunchError as LaunchError
     from rallypoint._supervise._errors import LaunchInterruptedError as LaunchInterruptedError
     from rallypoint._supervise._errors import LaunchTimeoutError as LaunchTimeoutError
-    from rallypoint._supervise._errors import NodeExcludedError as NodeExcludedError
+    from rallypoint._elastic._errors import NodeExcludedError as NodeExcludedError
     from rallypoint._supervise._errors import PortInUseError as PortInUseError
-    from rallypoint._supervise._errors import RendezvousFailedError as RendezvousFailedError
-    from rallypoint._supervise._errors import UnhealthyNodeError as UnhealthyNodeError
+    from rallypoint._elastic._errors import RendezvousFailedError as RendezvousFailedError
+    from rallypoint._elastic._errors import UnhealthyNodeError as UnhealthyNodeError
     from rallypoint._supervise._errors import WarmErrorKind as WarmErrorKind
     from rallypoint._supervise._errors import WarmProcessError as WarmProcessError
     from rallypoint._supervise._errors import WorkerFailedError as WorkerFailedError
@@ -101,11 +101,11 @@ _HOMES = {
     "LaunchInterruptedError": "rallypoint._supervise._errors",
     "LaunchOptions": "rallypoint._launch._config",
     "LaunchTimeoutError": "rallypoint._supervise._errors",
-    "NodeExcludedError": "rallypoint._supervise._errors",
+    "NodeExcludedError": "rallypoint._elastic._errors",
     "PortInUseError": "rallypoint._supervise._errors",
-    "RendezvousFailedError": "rallypoint._supervise._errors",
+    "RendezvousFailedError": "rallypoint._elastic._errors",
     "RestartInterrupt": "rallypoint._supervise._inprocess._restartable",
-    "UnhealthyNodeError": "rallypoint._supervise._errors",
+    "UnhealthyNodeError": "rallypoint._elastic._errors",
     "WarmErrorKind": "rallypoint._supervise._errors",
     "WarmProcessError": "rallypoint._supervise._errors",
     "WorkerFailedError": "rallypoint._supervise._errors",
