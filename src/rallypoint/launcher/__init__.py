@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from rallypoint._core.fatal import FatalError as FatalError
     from rallypoint._core.status import JobStatus as JobStatus
     from rallypoint._core.status import WorkerStatus as WorkerStatus
+    from rallypoint._elastic._errors import NodeExcludedError as NodeExcludedError
+    from rallypoint._elastic._errors import RendezvousFailedError as RendezvousFailedError
+    from rallypoint._elastic._errors import UnhealthyNodeError as UnhealthyNodeError
     from rallypoint._launch._api import launch as launch
     from rallypoint._launch._config import DEFAULT_PREFIX as DEFAULT_PREFIX
     from rallypoint._launch._config import LaunchConfig as LaunchConfig
@@ -45,10 +48,7 @@ if TYPE_CHECKING:
     from rallypoint._supervise._errors import LaunchError as LaunchError
     from rallypoint._supervise._errors import LaunchInterruptedError as LaunchInterruptedError
     from rallypoint._supervise._errors import LaunchTimeoutError as LaunchTimeoutError
-    from rallypoint._elastic._errors import NodeExcludedError as NodeExcludedError
     from rallypoint._supervise._errors import PortInUseError as PortInUseError
-    from rallypoint._elastic._errors import RendezvousFailedError as RendezvousFailedError
-    from rallypoint._elastic._errors import UnhealthyNodeError as UnhealthyNodeError
     from rallypoint._supervise._errors import WarmErrorKind as WarmErrorKind
     from rallypoint._supervise._errors import WarmProcessError as WarmProcessError
     from rallypoint._supervise._errors import WorkerFailedError as WorkerFailedError
