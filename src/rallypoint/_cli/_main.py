@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "run": "start workers on this node or as one node of a job (torchrun's options)",
     "report": "draw a job's timeline from its --events files (PNG, HTML or SVG)",
     "stacks": "print the Python stacks of every worker of a running job, grouped",
+    "lighthouse": "where replica groups agree on each step's quorum (torchft's lighthouse)",
 }
 """Each subcommand and its line of help."""
 
@@ -73,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         from rallypoint._cli._stacks import stacks_main
 
         return stacks_main(args[1:])
+    if args[0] == "lighthouse":
+        from rallypoint._cli._lighthouse import lighthouse_main
+
+        return lighthouse_main(args[1:])
     sys.stderr.write(
         f"rallypoint: error: unknown command {args[0]!r} (choose from {', '.join(COMMANDS)})\n"
     )

@@ -10,6 +10,7 @@ __all__ = [
     "AGENT_CPP_LOG_LEVEL",
     "CONTROL_FD",
     "ERROR_FILE",
+    "FT_NOTICE",
     "IGNORE_SLURM",
     "PROGRESS_FILE",
     "PROGRESS_SLOT",
@@ -59,6 +60,9 @@ CONTROL_FD = "RALLYPOINT_CONTROL_FD"
 STANDBY = "RALLYPOINT_STANDBY"
 """Set for a hot spare's workers: they run the set-up, then wait in the restartable
 function's wrapper for their ranks (``RANK``, ``WORLD_SIZE``... are not set until then)."""
+FT_NOTICE = "RALLYPOINT_FT_NOTICE"
+"""A file in the worker's directory where ``rallypoint.ft.Manager`` writes its lighthouse and
+member id: if the worker dies, its agent tells the other replica groups at once."""
 SNAPSHOT_SOCKET = "RALLYPOINT_SNAPSHOT_SOCKET"
 """The Unix socket of this node's snapshot server (``rallypoint run`` sets it)."""
 SNAPSHOT_DIR = "RALLYPOINT_SNAPSHOT_DIR"

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rallypoint._core.envvars import ERROR_FILE
+from rallypoint._core.envvars import ERROR_FILE, FT_NOTICE
 from rallypoint._supervise._env import spare_env, standby_env, worker_env
 from rallypoint._supervise._inprocess._control import Assign, encode
 from rallypoint._supervise._inprocess._control import pair as control_pair
@@ -177,9 +177,10 @@ class WorkerStarter:
         """``local_rank``'s spec; its files go to ``rank_dir`` (default ``attempt_dir/N``)."""
         rank_dir = rank_dir or attempt_dir / str(local_rank)
         error_file = rank_dir / "error.json"
+        notice = rank_dir / "ft-member.json"  # rallypoint.ft: who tells its peers it died
         try:
             rank_dir.mkdir(parents=True, exist_ok=True)
-            for stale in (error_file, Path(f"{error_file}.fault")):
+            for stale in (error_file, Path(f"{error_file}.fault"), notice):
                 with contextlib.suppress(FileNotFoundError):
                     stale.unlink()
         except OSError as exc:  # a disk that failed mid-run: the job goes on without files
@@ -188,6 +189,7 @@ class WorkerStarter:
             self.base_env, group, local_rank=local_rank, workers=self.workers, error_file=error_file
         )
         env.update(self.observer.worker_env(local_rank, env))
+        env[FT_NOTICE] = str(notice)
         return WorkerSpec(
             local_rank=local_rank,
             rank=group.rank_offset + local_rank,

@@ -43,6 +43,8 @@ from rallypoint.rendezvous._kv import KVConnectionError as KVConnectionError
 from rallypoint.rendezvous._kv import KVError as KVError
 from rallypoint.rendezvous._kv import KVStateError as KVStateError
 from rallypoint.rendezvous._kv_memory import MemoryKV as MemoryKV
+from rallypoint.rendezvous._kv_url import connect_kv as connect_kv
+from rallypoint.rendezvous._kv_url import is_etcd_address as is_etcd_address
 from rallypoint.rendezvous._registry import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
 from rallypoint.rendezvous._registry import (
     RendezvousHandlerRegistry as RendezvousHandlerRegistry,
@@ -75,7 +77,9 @@ __all__ = [
     "RendezvousStoreInfo",
     "RendezvousTimeoutError",
     "StaticRendezvousHandler",
+    "connect_kv",
     "get_rendezvous_handler",
+    "is_etcd_address",
     "parse_rendezvous_config",
     "parse_rendezvous_endpoint",
     "rendezvous_handler_registry",

@@ -23,6 +23,7 @@ import socket
 import traceback
 from typing import NoReturn
 
+from rallypoint._core.envvars import FT_NOTICE
 from rallypoint._core.net import port_is_free
 from rallypoint._core.procs import become_subreaper, kill_descendants, set_parent_death_signal
 from rallypoint._supervise._errors import WarmErrorKind
@@ -54,11 +55,12 @@ from rallypoint._supervise._worker import WorkerSpec, child_main
 __all__ = ["WARM_MODULES", "serve"]
 
 WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel")
-LATER_MODULES = ("torch._dynamo",)
+LATER_MODULES = ("rallypoint.ft.agent", "torch._dynamo")
 """What a worker's first training step imports (a torch optimizer imports ``torch._dynamo``,
 about 1 s of CPU): imported once the first workers are forked and the warm process is idle
 (:data:`IDLE`), so that a replacement or a spare forked later pays nothing, and the first
-workers start as soon as before."""
+workers start as soon as before. First what tells ``rallypoint.ft`` replica groups that a
+worker died (a child forked at its death must not import)."""
 IDLE = 0.3
 """Seconds without a request after which the warm process imports :data:`LATER_MODULES`."""
 _ORPHANED_KILL_TIMEOUT = 1.5
@@ -131,6 +133,9 @@ class _Server:
         self.sock = sock
         self.import_torch = import_torch
         self.workers: dict[int, int] = {}
+        self.importing = False
+        self.notices: dict[int, tuple[str, int]] = {}
+        """Workers that may run a ``rallypoint.ft`` Manager: their notice file, their rank."""
         self.store_pid = 0
         self.store_sock: socket.socket | None = None
         self.snapshots: SnapshotServer | None = None
@@ -152,7 +157,7 @@ class _Server:
         become_subreaper()
         os.set_blocking(self.wake_w, False)
         signal.set_wakeup_fd(self.wake_w)
-        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGCHLD, self._on_child)
         if self.import_torch:
             for name in WARM_MODULES:
                 importlib.import_module(name)
@@ -163,7 +168,11 @@ class _Server:
         while True:
             ready = sel.select(IDLE if later and self.workers else None)
             if not ready and later:
-                _import_quietly(later)
+                self.importing = True  # exits are reported from the signal handler meanwhile
+                try:
+                    _import_quietly(later)
+                finally:
+                    self.importing = False
                 later.clear()
                 gc.freeze()  # as after Init: forked children share it without churn
             for key, _ in ready:
@@ -173,6 +182,13 @@ class _Server:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self.wake_r, 4096)
                     self._reap()
+
+    def _on_child(self, signum: int, frame: object) -> None:
+        """SIGCHLD: the main loop reaps (the wake-up fd wakes it), except while it imports
+        :data:`LATER_MODULES`, a second or more in which nothing else runs: a worker's
+        death is then reported from here at once (nothing else sends meanwhile)."""
+        if self.importing:
+            self._reap()
 
     def _reap(self) -> None:
         while True:
@@ -185,6 +201,7 @@ class _Server:
             if pid in self.workers:
                 del self.workers[pid]
                 send(self.sock, Exited(pid, status))
+                self._tell_replica_groups(pid, status)
             elif self.snapshots is not None and pid == self.snapshots.pid:
                 self._snapshots_ended(status)
 
@@ -236,7 +253,29 @@ class _Server:
         for fd in fds:
             os.close(fd)
         self.workers[pid] = spec.local_rank
+        if FT_NOTICE in spec.env:
+            self.notices[pid] = (spec.env[FT_NOTICE], spec.rank)
         return Spawned(spec.local_rank, pid)
+
+    def _tell_replica_groups(self, pid: int, status: int) -> None:
+        """A worker of a ``rallypoint.ft`` replica group died: a child of this process tells
+        the other groups now (``rallypoint.ft.agent``), without holding this loop up. The
+        worker's record is read here: its directory may be gone by the time a child runs."""
+        path, rank = self.notices.pop(pid, ("", 0))
+        try:
+            with open(path) as fp:
+                record = fp.read(65536)
+        except OSError:
+            return  # not a replica group's worker, or it never got that far
+        why = f"rank {rank} {describe_status(status)[1]}"
+        if os.fork() == 0:
+            code = 1
+            try:
+                from rallypoint.ft.agent import tell_gone
+
+                code = 0 if tell_gone(record, why) else 1
+            finally:
+                os._exit(code)
 
     def _store(self, msg: Request) -> Reply:
         if self.store_sock is None:

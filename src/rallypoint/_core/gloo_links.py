@@ -1,0 +1,106 @@
+"""This process's gloo connections, found through ``/proc``, and how to cut them.
+
+gloo has no working abort (pytorch#130345): a collective fails only when one of its own
+connections does. Each gloo device runs an event loop over an epoll set of one wake-up
+pipe, a listening TCP socket and its connected sockets; those connected sockets are what
+:func:`loops` finds, per loop. :func:`shut_down` shuts sockets down (never closes them:
+gloo owns the descriptors), which fails every peer blocked on them at once. Linux only;
+elsewhere nothing is found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+__all__ = ["loops", "shut_down", "socket_links", "tcp_table"]
+
+LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
+EPOLL, PIPE, OTHER = -1, -2, 0
+
+
+def socket_links() -> dict[int, int]:
+    """``{fd: inode}`` of this process's sockets, epoll sets as :data:`EPOLL`, pipes as
+    :data:`PIPE`, anything else as :data:`OTHER`."""
+    out: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out[int(name)] = int(link[8:-1])
+        elif link == "anon_inode:[eventpoll]":
+            out[int(name)] = EPOLL
+        elif link.startswith("pipe:["):
+            out[int(name)] = PIPE
+        else:
+            out[int(name)] = OTHER
+    return out
+
+
+def tcp_table() -> dict[int, tuple[int, str]]:
+    """``{inode: (remote port, state)}`` of every TCP socket the kernel lists."""
+    out: dict[int, tuple[int, str]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fp:
+                lines = fp.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[9].isdigit():
+                out[int(fields[9])] = (int(fields[2].rsplit(":", 1)[1], 16), fields[3])
+    return out
+
+
+def _watched(epoll_fd: int) -> list[int]:
+    try:
+        with open(f"/proc/self/fdinfo/{epoll_fd}") as fp:
+            lines = fp.read().splitlines()
+    except OSError:
+        return []
+    return [int(line.split()[1]) for line in lines if line.startswith("tfd:")]
+
+
+def loops(
+    links: dict[int, int] | None = None, tcp: dict[int, tuple[int, str]] | None = None
+) -> dict[int, frozenset[int]]:
+    """``{epoll fd: inodes of its connected sockets}`` for every gloo device loop."""
+    links = socket_links() if links is None else links
+    tcp = tcp_table() if tcp is None else tcp
+    found: dict[int, frozenset[int]] = {}
+    for fd, inode in links.items():
+        if inode != EPOLL:
+            continue
+        kinds = [links.get(t, OTHER) for t in _watched(fd)]
+        if kinds.count(PIPE) != 1 or any(k in (OTHER, EPOLL) for k in kinds):
+            continue  # not one wake-up pipe, or something else than sockets
+        sockets = [k for k in kinds if k > 0]
+        if any(k not in tcp for k in sockets) or not any(tcp[k][1] == LISTEN for k in sockets):
+            continue  # a Unix socket (asyncio's self-pipe), or no listener
+        found[fd] = frozenset(k for k in sockets if tcp[k][1] != LISTEN)
+    return found
+
+
+def shut_down(inodes: frozenset[int] | set[int], links: dict[int, int] | None = None) -> int:
+    """Shut down this process's sockets whose inode is in ``inodes``; returns how many."""
+    links = socket_links() if links is None else links
+    done = 0
+    for fd, inode in links.items():
+        if inode <= 0 or inode not in inodes:
+            continue
+        with contextlib.suppress(OSError):
+            dup = socket.socket(fileno=os.dup(fd))
+            try:
+                dup.shutdown(socket.SHUT_RDWR)
+                done += 1
+            finally:
+                dup.close()
+    return done

@@ -1,0 +1,595 @@
+"""``Manager``: torchft's per-step quorum, heal and commit, on rallypoint's stack.
+
+Every step (``start_quorum``, from ``Optimizer.zero_grad``) the group's rank 0 asks the
+lighthouse's store for a quorum (``_quorum``); a new quorum reconfigures the process group
+across the groups; a group behind the others fetches their state from a live peer
+(``_heal``) and resumes at their step. ``allreduce`` averages over the participants (a
+healing group sends zeros). ``should_commit`` is one decision for the whole quorum
+(``_commit``): every member steps, or none. A watcher thread aborts the process group the
+moment a member of the quorum is gone (its agent said so, or its heartbeat stopped), so no
+collective waits on a dead group. Errors of a step are recorded (``errored()``) and fail
+its commit; a quorum that cannot be had raises ``TimeoutError``. Usage: docs/ft.md.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import enum
+import json
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from rallypoint._core.envvars import FT_NOTICE
+from rallypoint._core.store import Store
+from rallypoint._core.torch_c import PrefixStore, TCPStore
+from rallypoint.ft._commit import ABORT, COMMIT, SIT, agree
+from rallypoint.ft._heal import (
+    HealError,
+    HealServer,
+    IncompatibleStateError,
+    fetch_state,
+    mismatch,
+)
+from rallypoint.ft._plan import Plan, plan
+from rallypoint.ft._quorum import Liveness, Quorum, QuorumClient, Request, read_rules
+from rallypoint.rendezvous import KVConnectionError, KVError, connect_kv
+
+__all__ = ["ExceptionWithTraceback", "Manager", "WorldSizeMode"]
+
+T = TypeVar("T")
+
+
+class WorldSizeMode(enum.Enum):
+    DYNAMIC = 0
+    FIXED_WITH_SPARES = 1
+
+
+class ExceptionWithTraceback(Exception):
+    """A recorded error of a step (torchft's wrapper: the original is ``.original_exception``)."""
+
+    def __init__(self, e: Exception) -> None:
+        super().__init__(str(e))
+        self.original_exception = e
+        self.stack_trace = "".join(
+            __import__("traceback").format_exception(type(e), e, e.__traceback__)
+        )
+
+
+def _env_seconds(name: str, default: timedelta) -> timedelta:
+    raw = os.environ.get(name)
+    return timedelta(seconds=int(raw)) if raw else default
+
+
+class Manager:
+    """torchft's ``Manager`` (same arguments, same methods; see docs/ft.md)."""
+
+    def __init__(
+        self,
+        pg: Any,
+        load_state_dict: Callable[[Any], None] | None,
+        state_dict: Callable[[], Any] | None,
+        min_replica_size: int,
+        use_async_quorum: bool = True,
+        timeout: timedelta = timedelta(seconds=60),
+        quorum_timeout: timedelta = timedelta(seconds=60),
+        connect_timeout: timedelta = timedelta(seconds=60),
+        rank: int | None = None,
+        world_size: int | None = None,
+        world_size_mode: WorldSizeMode = WorldSizeMode.DYNAMIC,
+        store_addr: str | None = None,
+        store_port: int | None = None,
+        lighthouse_addr: str | None = None,
+        replica_id: str | None = None,
+        port: int | None = None,
+        hostname: str = socket.gethostname(),
+        heartbeat_interval: timedelta = timedelta(milliseconds=100),
+        checkpoint_transport: Any = None,
+        init_sync: bool = True,
+        max_retries: int | None = None,
+        quorum_retries: int = 0,
+    ) -> None:
+        if isinstance(min_replica_size, bool) or not isinstance(min_replica_size, int):
+            raise TypeError(f"min_replica_size must be an int, got {min_replica_size!r}")
+        if min_replica_size < 1:
+            raise ValueError(f"min_replica_size must be at least 1, got {min_replica_size}")
+        self._pg = pg
+        self._fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
+        if load_state_dict is not None and state_dict is not None:
+            self._fns["default"] = (load_state_dict, state_dict)
+        self._min_replica_size = min_replica_size
+        self._use_async_quorum = use_async_quorum
+        self._timeout = _env_seconds("TORCHFT_TIMEOUT_SEC", timeout)
+        self._quorum_timeout = _env_seconds("TORCHFT_QUORUM_TIMEOUT_SEC", quorum_timeout)
+        self._connect_timeout = _env_seconds("TORCHFT_CONNECT_TIMEOUT_SEC", connect_timeout)
+        self._world_size_mode = world_size_mode
+        self._init_sync = init_sync
+        self._max_retries = max_retries
+        self._rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
+        self._world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        self._replica_id = str(replica_id or os.environ.get("REPLICA_GROUP_ID", "") or "0")
+        self._group = self._group_store(store_addr, store_port)
+        self._lighthouse = lighthouse_addr or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+        self._kv = self._connect_lighthouse()
+        self._secret = self._shared_secret()
+        self._heal = HealServer(self._secret, timeout=self._timeout.total_seconds())
+        self._heal_addr = f"{_advertised(hostname)}:{self._heal.port}"
+        self._member = self._agree_on_member()
+        self._client = (
+            QuorumClient(
+                self._kv,
+                self._member,
+                heartbeat=heartbeat_interval,
+                connect_timeout=self._connect_timeout.total_seconds(),
+                beat_kv=self._connect_lighthouse(),
+                reconnect=self._connect_again,
+            )
+            if self._rank == 0
+            else None
+        )
+        self._tell_agent()
+        self._start_state()
+
+    def _start_state(self) -> None:
+        """A new manager's step state, and the watcher of its quorum's members."""
+        self._step = 0
+        self._batches_committed = 0
+        self._commit_failures = 0
+        self._errored: ExceptionWithTraceback | None = None
+        self._healing = False
+        self._pending: Any = None
+        self._quorum_seq = 0
+        self._commit_seq = 0
+        self._configured: tuple[str, int] | None = None
+        self._plan: Plan | None = None
+        self._said_below: int | None = None
+        self._incompatible: IncompatibleStateError | None = None
+        self._future: concurrent.futures.Future[None] | None = None
+        rules, _ = read_rules(self._kv, self._connect_timeout.total_seconds())
+        self._live = Liveness(rules.heartbeat_timeout_ms / 1000)
+        self._commit_live = Liveness(rules.heartbeat_timeout_ms / 1000)
+        self._stop = threading.Event()
+        self._watch_kv = self._connect_lighthouse()
+        threading.Thread(target=self._watch, name="rallypoint-ft-watch", daemon=True).start()
+        self.last_heal: tuple[str, int, int, float] | None = None
+        """``(source replica id, step, bytes, seconds)`` of this group's last heal."""
+
+    # ------------------------------------------------------------------ set-up
+    def _group_store(self, addr: str | None, port: int | None) -> Store:
+        host = addr or os.environ.get("MASTER_ADDR", "")
+        port_ = port or int(os.environ.get("MASTER_PORT", "0"))
+        if not host or not port_:
+            raise ValueError(
+                "rallypoint.ft.Manager needs its replica group's store: run the group under "
+                "rallypoint run (or torchrun), or pass store_addr and store_port"
+            )
+        store = TCPStore(
+            host, port_, is_master=False, wait_for_workers=False, timeout=self._connect_timeout
+        )
+        return PrefixStore("rallypoint-ft/", store)
+
+    def _connect_lighthouse(self) -> Any:
+        if not self._lighthouse:
+            raise ValueError(
+                "rallypoint.ft.Manager needs the lighthouse: set TORCHFT_LIGHTHOUSE (for "
+                "example http://host:29510, or etcd://host:2379) or pass lighthouse_addr"
+            )
+        try:
+            kv, _ = connect_kv(self._lighthouse, timeout=self._connect_timeout)
+        except KVConnectionError as exc:
+            raise ConnectionError(
+                f"rallypoint.ft: cannot reach the lighthouse {self._lighthouse} "
+                f"(TORCHFT_LIGHTHOUSE): {exc}"
+            ) from None
+        return kv
+
+    def _connect_again(self) -> Any:
+        return connect_kv(self._lighthouse, timeout=timedelta(seconds=2))[0]
+
+    def _shared_secret(self) -> bytes:
+        given = os.environ.get("RALLYPOINT_FT_SECRET", "")
+        if given:
+            return given.encode()
+        return bytes(self._kv.set_if_absent("secret", secrets.token_hex(32).encode()))
+
+    def _agree_on_member(self) -> str:
+        self._group.set(f"heal/{self._rank}", self._heal_addr)
+        if self._rank == 0:
+            member = f"{self._replica_id}:{secrets.token_hex(4)}"
+            self._group.set("member", member)
+            return member
+        self._group.wait(["member"], self._connect_timeout)
+        return bytes(self._group.get("member")).decode()
+
+    def _tell_agent(self) -> None:
+        """Where this worker's agent tells the others at once if the worker dies."""
+        path = os.environ.get(FT_NOTICE)
+        if path:
+            with contextlib.suppress(OSError), open(path, "w") as fp:
+                json.dump({"lighthouse": self._lighthouse, "member": self._member}, fp)
+
+    def _heal_addrs(self) -> tuple[str, ...]:
+        keys = [f"heal/{r}" for r in range(self._world_size)]
+        self._group.wait(keys, self._connect_timeout)
+        return tuple(bytes(self._group.get(k)).decode() for k in keys)
+
+    # ------------------------------------------------------------------ state dicts
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
+    ) -> None:
+        assert key not in self._fns, f"state dict function {key!r} already registered"
+        self._fns[key] = (load_state_dict, state_dict)
+
+    def set_state_dict_fns(
+        self, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
+    ) -> None:
+        self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
+
+    def _manager_state_dict(self) -> dict[str, Any]:
+        return {
+            "user": {key: fns[1]() for key, fns in self._fns.items()},
+            "torchft": self.state_dict(),
+        }
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self._step, "batches_committed": self._batches_committed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self._step = int(state_dict["step"])
+        self._batches_committed = int(state_dict["batches_committed"])
+
+    def allow_state_dict_read(self) -> None:
+        pass  # the heal server reads the state only between a quorum and its commit
+
+    def disallow_state_dict_read(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ the quorum
+    def start_quorum(
+        self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None
+    ) -> None:
+        """Ask for this step's quorum (in the background unless ``use_async_quorum`` is off)."""
+        if self._future is not None:
+            self._future.result()
+        self._errored = None
+        self._healing = False
+        seq, self._quorum_seq = self._quorum_seq, self._quorum_seq + 1
+        wait = (timeout or self._quorum_timeout).total_seconds()
+        self._future = _in_thread(self._async_quorum, seq, allow_heal, shrink_only, wait)
+        if not self._use_async_quorum:
+            self.wait_quorum()
+            if self._healing:
+                self._apply_pending()
+
+    def wait_quorum(self) -> None:
+        assert self._future is not None, "start_quorum() must be called first"
+        self._future.result()
+
+    def _async_quorum(self, seq: int, allow_heal: bool, shrink_only: bool, wait: float) -> None:
+        if self._client is not None:
+            req = Request(
+                self._member,
+                self._replica_id,
+                self._step,
+                self._world_size,
+                self._heal_addrs(),
+                self._commit_failures,
+                shrink_only,
+            )
+            quorum = self._ask(req, wait)
+            self._group.set(f"quorum/{seq}", quorum.to_bytes())
+        else:
+            self._group.wait([f"quorum/{seq}"], timedelta(seconds=wait))
+            quorum = Quorum.from_bytes(bytes(self._group.get(f"quorum/{seq}")))
+        done = plan(
+            quorum,
+            self._member,
+            self._rank,
+            self._init_sync,
+            not self._use_async_quorum and allow_heal,
+        )
+        self._plan = done
+        try:
+            self._configure(quorum, done)
+        except Exception as exc:  # the process group could not be made: this step fails
+            self.report_error(exc)
+            return
+        if allow_heal:
+            self._serve_or_heal(done)
+
+    def _ask(self, req: Request, wait: float) -> Quorum:
+        """The quorum, through a lighthouse that may be restarting meanwhile."""
+        assert self._client is not None
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return self._client.request(req, max(0.0, deadline - time.monotonic()))
+            except (KVError, RuntimeError, OSError) as exc:
+                if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
+                    raise TimeoutError(f"rallypoint.ft: no quorum: {exc}") from exc
+                _say(f"the lighthouse {self._lighthouse} is away ({type(exc).__name__}); retrying")
+                time.sleep(0.2)
+                with contextlib.suppress(KVError, RuntimeError, OSError):
+                    self._reconnect()
+
+    def _reconnect(self) -> None:
+        def connect() -> Any:
+            return connect_kv(self._lighthouse, timeout=timedelta(seconds=2))[0]
+
+        kv = connect()
+        assert self._client is not None
+        self._client.close()
+        self._kv, self._watch_kv = kv, connect()
+        self._client = QuorumClient(
+            kv, self._member, connect_timeout=5.0, beat_kv=connect(), reconnect=connect
+        )
+
+    def _configure(self, quorum: Quorum, done: Plan) -> None:
+        key = (quorum.gen, quorum.quorum_id)
+        if self._configured == key:
+            return
+        store = f"{self._lighthouse}#ft/pg/{quorum.gen}/{quorum.quorum_id}/{self._rank}"
+        size = len(quorum.members)
+        ranks = [i * self._world_size + self._rank for i in range(size)]
+        self._pg.configure(
+            store,
+            self._replica_id,
+            done.replica_rank,
+            size,
+            quorum.quorum_id,
+            self._rank,
+            self._world_size,
+            ranks,
+        )
+        self._configured = key
+
+    def _serve_or_heal(self, done: Plan) -> None:
+        if done.serves:
+            self._heal.allow(done.max_step, self._manager_state_dict)
+        if not done.heal:
+            return
+        self._healing = True
+        began = time.monotonic()
+        try:
+            state, size = fetch_state(
+                done.source_addr, self._secret, done.max_step, self._timeout.total_seconds()
+            )
+        except HealError as exc:
+            self.report_error(exc)
+            return
+        problem = mismatch(self._manager_state_dict()["user"], state["user"])
+        if problem:
+            self._incompatible = IncompatibleStateError(
+                f"the state of group {done.source_replica} does not fit this group's "
+                f"({problem}): every replica group must train the same model"
+            )
+            self.report_error(self._incompatible)
+            return
+        self._pending = state
+        self.load_state_dict(state["torchft"])
+        self.last_heal = (done.source_replica, done.max_step, size, time.monotonic() - began)
+        if self._rank == 0:
+            _say(
+                f"group {self._replica_id} healed from group {done.source_replica} at step "
+                f"{done.max_step} ({size / 1e6:.1f} MB in {time.monotonic() - began:.2f} s)"
+            )
+
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            assert self._errored is not None, "a heal without a state and without an error"
+            return
+        source = self._plan.source_replica if self._plan is not None else "?"
+        for key, (load, _) in self._fns.items():
+            try:
+                load(pending["user"][key])
+            except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+                raise HealError(
+                    f"the state healed from group {source} does not fit this group's "
+                    f"({key!r}: {type(exc).__name__}: {str(exc)[:300]}): every replica group "
+                    "must train the same model"
+                ) from exc
+
+    # ------------------------------------------------------------------ collectives
+    def allreduce(
+        self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: Any = None
+    ) -> Any:
+        """Sum ``tensor`` over the quorum (in place; AVG divides by the participants)."""
+        from rallypoint.ft._work import DummyWork, ManagedWork
+
+        op = dist.ReduceOp.AVG if reduce_op is None else reduce_op
+        self.wait_quorum()
+        if self._incompatible is not None:  # before a collective that would not match
+            raise self._incompatible
+        if self._errored is not None:
+            return DummyWork(tensor)
+        self.wait_quorum()
+        n = self.num_participants()
+        if not self.is_participating():
+            tensor.zero_()
+        if op == dist.ReduceOp.AVG and not tensor.is_floating_point():
+            raise ValueError("average reduce op is only supported for floating point tensors")
+        try:
+            work = self._pg.allreduce(
+                [tensor], dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op
+            )
+        except Exception as exc:  # the group was aborted, say: this step fails
+            self.report_error(exc)
+            return DummyWork(tensor)
+        return ManagedWork(self, work, tensor, n if op == dist.ReduceOp.AVG else None)
+
+    def wrap_future(self, fut: Any, default: T, timeout: timedelta | None = None) -> Any:
+        from rallypoint.ft._work import wrap_future
+
+        return wrap_future(self, fut, default)
+
+    # ------------------------------------------------------------------ the commit
+    def should_commit(self, timeout: timedelta | None = None) -> bool:
+        """Whether this step commits: on every member of the quorum, or on none."""
+        if self._future is not None:
+            with contextlib.suppress(Exception):
+                self.wait_quorum()
+        error = self._pg.errored() if hasattr(self._pg, "errored") else None
+        if error is not None:
+            self.report_error(error)
+        if self._healing:
+            self._apply_pending()
+        done = self._plan
+        enough = self.num_participants() >= self._min_replica_size
+        if not enough and self._rank == 0 and self._said_below != self.num_participants():
+            _say(
+                f"group {self._replica_id}: {self.num_participants()} replica group(s) take "
+                f"part, below min_replica_size {self._min_replica_size}: waiting, not "
+                "training alone"
+            )
+        self._said_below = None if enough else self.num_participants()
+        ok_here = enough and self._errored is None
+        vote = COMMIT if ok_here else (ABORT if self.is_participating() else SIT)
+        wait = (timeout or self._timeout).total_seconds()
+        decided = self._decide(vote, done, wait)
+        self._heal.disallow()
+        if decided:
+            self._step += 1
+            self._batches_committed += self.num_participants()
+            self._commit_failures = 0
+            return True
+        self._commit_failures += 1
+        if self._max_retries is not None and self._commit_failures > self._max_retries:
+            raise RuntimeError(f"should_commit failed {self._commit_failures} times in a row")
+        return False
+
+    def _decide(self, vote: str, done: Plan | None, wait: float) -> bool:
+        """This group's votes, then (rank 0) the quorum's: the answer for every rank."""
+        seq, self._commit_seq = self._commit_seq, self._commit_seq + 1
+        self._group.set(f"vote/{seq}/{self._rank}", vote)
+        if self._rank != 0:
+            self._group.wait([f"commit/{seq}"], timedelta(seconds=wait))
+            return bytes(self._group.get(f"commit/{seq}")) == b"1"
+        keys = [f"vote/{seq}/{r}" for r in range(self._world_size)]
+        outcome = False
+        try:
+            self._group.wait(keys, timedelta(seconds=wait))
+            votes = [bytes(self._group.get(k)).decode() for k in keys]
+            mine = ABORT if ABORT in votes else (SIT if SIT in votes else COMMIT)
+            if done is not None:
+                outcome = agree(
+                    self._kv,
+                    done.round,
+                    self._member,
+                    mine,
+                    done.participants,
+                    self._commit_live,
+                    wait,
+                )
+        except Exception as exc:  # the lighthouse or the group store away: no commit
+            self.report_error(exc)
+        self._group.set(f"commit/{seq}", b"1" if outcome else b"0")
+        return outcome
+
+    # ------------------------------------------------------------------ errors, state
+    def report_error(self, e: Exception) -> None:
+        self._errored = ExceptionWithTraceback(e)
+
+    def errored(self) -> ExceptionWithTraceback | None:
+        return self._errored
+
+    def current_step(self) -> int:
+        return self._step
+
+    def batches_committed(self) -> int:
+        return self._batches_committed
+
+    def num_participants(self) -> int:
+        if self._future is None:
+            return 0
+        with contextlib.suppress(Exception):
+            self.wait_quorum()
+        return self._plan.participating_size if self._plan is not None else 0
+
+    def participating_rank(self) -> int | None:
+        if self._future is None:
+            return None
+        with contextlib.suppress(Exception):
+            self.wait_quorum()
+        return None if self._plan is None else self._plan.participating_rank
+
+    def is_participating(self) -> bool:
+        if self._plan is None or self._plan.participating_rank is None:
+            return False
+        return not (self._healing and self._use_async_quorum)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Leave: the others are told at once, and nothing of this manager keeps running."""
+        self._stop.set()
+        if self._client is not None:
+            self._client.close("shut down")
+        self._heal.close()
+        if wait and self._future is not None:
+            with contextlib.suppress(Exception):
+                self._future.result()
+
+    # ------------------------------------------------------------------ the watcher
+    def _watch(self) -> None:
+        """Abort the process group as soon as a member of the quorum is gone."""
+        aborted: tuple[str, int] | None = None
+        while not self._stop.wait(0.02):
+            done, key = self._plan, self._configured
+            if done is None or key is None or key == aborted:
+                continue
+            others = [m for m in done.members if m != self._member]
+            try:
+                self._live.refresh(self._watch_kv, others)
+            except (KVError, RuntimeError, OSError):  # the lighthouse is away: look again
+                with contextlib.suppress(KVError, RuntimeError, OSError):  # on a new link
+                    self._watch_kv = self._connect_again()
+                continue
+            dead = [m for m in others if not self._live.alive(m)]
+            if dead:
+                aborted = key
+                why = "; ".join(
+                    f"group {m.split(':')[0]}: {self._live.gone.get(m, 'no heartbeat')}"
+                    for m in dead
+                )
+                self.report_error(RuntimeError(f"replica group(s) left the quorum ({why})"))
+                self._configured = None  # the next quorum makes a new group, same id or not
+                with contextlib.suppress(Exception):
+                    self._pg.abort()
+
+
+def _in_thread(fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
+    """``fn(*args)`` in a daemon thread (a quorum still being asked for must not keep a
+    process that is failing alive: its peers would wait for its heartbeat to stop)."""
+    future: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fn(*args)
+            future.set_result(None)
+        except BaseException as exc:  # handed to the thread that waits for the quorum
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="rallypoint-ft-quorum", daemon=True).start()
+    return future
+
+
+def _advertised(hostname: str) -> str:
+    """The address other hosts reach this one's heal server at."""
+    try:
+        return socket.gethostbyname(hostname)
+    except OSError:
+        return "127.0.0.1"
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"rallypoint.ft: {line}\n")

@@ -1,0 +1,31 @@
+"""The agent's side of "told, not timed out": a dead worker's group leaves the quorum now.
+
+``Manager`` writes its lighthouse and member id into the file that ``rallypoint run``
+names in ``RALLYPOINT_FT_NOTICE`` (one per worker). When the worker dies, the process that
+reaps it calls :func:`tell_gone` in a child of its own (which imports nothing: this module
+loads what it needs): the other groups read the notice
+at their next look (every 20 ms), abort their collectives with the dead group, and leave
+it out of the next quorum, instead of waiting for its heartbeat to time out.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+from rallypoint.ft._quorum import notify_gone
+from rallypoint.rendezvous import connect_kv
+
+__all__ = ["tell_gone"]
+
+
+def tell_gone(record: str, why: str, timeout: float = 5.0) -> bool:
+    """Tell the lighthouse named in ``record`` (what the worker wrote) that its member left."""
+    try:
+        data = json.loads(record)
+        lighthouse, member = str(data["lighthouse"]), str(data["member"])
+    except (ValueError, KeyError, TypeError):
+        return False  # not a replica group's record
+    kv, _ = connect_kv(lighthouse, timeout=timedelta(seconds=timeout))
+    notify_gone(kv, member, why)
+    return True

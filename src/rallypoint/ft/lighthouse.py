@@ -1,0 +1,6 @@
+"""The lighthouse (``rallypoint lighthouse``): where replica groups agree on each step's
+quorum; torchft's ``LighthouseServer`` with the same arguments, and ``store=`` for etcd."""
+
+from rallypoint.ft._lighthouse import LighthouseServer
+
+__all__ = ["LighthouseServer"]

@@ -1,0 +1,71 @@
+"""A torchft program: data-parallel replica groups, as torchft's examples write them.
+
+argv: OUT STEPS. Environment: REPLICA_GROUP_ID, TORCHFT_LIGHTHOUSE (as torchft's), and
+FT_IMPL (``torchft`` to run torchft itself, else ``rallypoint.ft``), FT_KILL ("G1,G2:STEP":
+those groups' first processes SIGKILL themselves after that step), FT_FAIL ("GROUP:STEP":
+that group raises after that step, in every process), FT_MIN (min_replica_size, 1),
+FT_WIDTH (the hidden layer, 32), FT_STEP_SLEEP (seconds, 0.05).
+Every committed step appends ``time step participants`` to OUT/steps-<group>; the end
+writes the parameters to OUT/final-<group>.pt.
+"""
+
+import importlib
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+
+torchft = importlib.import_module(os.environ.get("FT_IMPL", "rallypoint.ft"))
+OUT, STEPS = sys.argv[1], int(sys.argv[2])
+GROUP = int(os.environ["REPLICA_GROUP_ID"])
+SLEEP = float(os.environ.get("FT_STEP_SLEEP", "0.05"))
+kill_groups, _, kill_step = os.environ.get("FT_KILL", "-1:-1").partition(":")
+fail_group, _, fail_step = os.environ.get("FT_FAIL", "-1:-1").partition(":")
+WIDTH = int(os.environ.get("FT_WIDTH", "32"))
+FIRST = not os.path.exists(os.path.join(OUT, f"started-{GROUP}"))
+open(os.path.join(OUT, f"started-{GROUP}"), "a").close()
+
+torch.manual_seed(GROUP)  # different on purpose: the first quorum's heal makes them equal
+model = torch.nn.Sequential(torch.nn.Linear(16, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, 4))
+inner = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def load_state_dict(state):
+    model.load_state_dict(state["model"])
+    inner.load_state_dict(state["optim"])
+
+
+def state_dict():
+    return {"model": model.state_dict(), "optim": inner.state_dict()}
+
+
+manager = torchft.Manager(
+    pg=torchft.ProcessGroupGloo(timeout=timedelta(seconds=10)),
+    min_replica_size=int(os.environ.get("FT_MIN", "1")),
+    load_state_dict=load_state_dict,
+    state_dict=state_dict,
+    replica_id=f"{GROUP}",
+    timeout=timedelta(seconds=10),
+)
+ddp = torchft.DistributedDataParallel(manager, model)
+optimizer = torchft.Optimizer(manager, inner)
+with open(os.path.join(OUT, f"steps-{GROUP}"), "a", buffering=1) as log:
+    while manager.current_step() < STEPS:
+        step = manager.current_step()
+        g = torch.Generator().manual_seed(1000 * step + GROUP)
+        optimizer.zero_grad()
+        ddp(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
+        optimizer.step()
+        if manager.current_step() > step:
+            log.write(f"{time.time()!r} {manager.current_step()} {manager.num_participants()}\n")
+        now = manager.current_step()
+        if FIRST and str(GROUP) in kill_groups.split(",") and now >= int(kill_step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if int(fail_group) == GROUP and now >= int(fail_step):
+            raise RuntimeError(f"group {GROUP} fails at step {now}, every time")
+        time.sleep(SLEEP)
+torch.save({k: v.clone() for k, v in model.state_dict().items()}, f"{OUT}/final-{GROUP}.pt")
+manager.shutdown()

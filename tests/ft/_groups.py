@@ -1,0 +1,140 @@
+"""A lighthouse and replica groups as a user starts them: ``rallypoint lighthouse`` and one
+``rallypoint run`` per group, each running ``_ft_train.py`` (real processes, gloo)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+TRAIN = Path(__file__).with_name("_ft_train.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **extra}
+    env.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+    return env
+
+
+@dataclass
+class Lighthouse:
+    port: int
+    args: list[str]
+    proc: subprocess.Popen[str] | None = None
+    logs: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "rallypoint", "lighthouse", "--bind", f"[::]:{self.port}",
+               *self.args]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
+        )
+        assert self.proc.stdout is not None
+        first = self.proc.stdout.readline()
+        assert "TORCHFT_LIGHTHOUSE=" in first, first + self.proc.stdout.read()
+        self.logs.append(first)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        out, _ = self.proc.communicate(timeout=30)
+        self.logs.append(out)
+
+    def stop(self) -> str:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            out, _ = self.proc.communicate(timeout=30)
+            self.logs.append(out)
+        return "".join(self.logs)
+
+
+def lighthouse(*args: str) -> Lighthouse:
+    house = Lighthouse(free_port(), list(args))
+    house.start()
+    return house
+
+
+def start_group(
+    out: Path, group: int, lighthouse_addr: str, steps: int, *flags: str, **env: str
+) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "1",
+           "--max-restarts", "2", *flags, str(TRAIN), str(out), str(steps)]  # fmt: skip
+    extra = {
+        "REPLICA_GROUP_ID": str(group),
+        "TORCHFT_LIGHTHOUSE": lighthouse_addr,
+        "FT_STEP_SLEEP": "0.15",  # the issue's step time
+        **env,
+    }
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(**extra)
+    )
+
+
+def finish(groups: list[subprocess.Popen[str]], timeout: float = 200) -> list[str]:
+    deadline = time.monotonic() + timeout
+    texts = []
+    for p in groups:
+        try:
+            texts.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            texts.append(p.communicate()[0] + "\n(killed by the test: it did not end)")
+    return texts
+
+
+def steps(out: Path, group: int) -> list[tuple[float, int, int]]:
+    """``(time, step, participants)`` of each step the group committed, in order."""
+    path = out / f"steps-{group}"
+    if not path.exists():
+        return []
+    rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
+    return [(float(t), int(s), int(n)) for t, s, n in rows]
+
+
+def wait_for_step(out: Path, group: int, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = steps(out, group)
+        if done and done[-1][1] >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"group {group} did not reach step {step}: {steps(out, group)[-3:]}")
+
+
+def longest_pause(rows: list[tuple[float, int, int]], after: int = 0) -> tuple[float, float]:
+    """The longest time between two commits past step ``after``, and the median one."""
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(rows) if a[1] >= after]
+    gaps_sorted = sorted(gaps)
+    return (max(gaps) if gaps else 0.0), (gaps_sorted[len(gaps) // 2] if gaps else 0.0)
+
+
+def never_back(rows: list[tuple[float, int, int]]) -> None:
+    """Each commit is one step past the one before (a restarted process starts a new file
+    section, at the step it healed to, which is never below the last one)."""
+    for a, b in itertools.pairwise(rows):
+        assert b[1] >= a[1], f"a step went back: {a} then {b}"
+
+
+def same_parameters(out: Path, groups: list[int]) -> None:
+    finals = [torch.load(out / f"final-{g}.pt") for g in groups]
+    for g, other in zip(groups[1:], finals[1:], strict=True):
+        for name in finals[0]:
+            assert torch.equal(finals[0][name], other[name]), f"group {g}: {name} differs"

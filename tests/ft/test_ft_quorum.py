@@ -1,0 +1,150 @@
+"""Per-step quorum with ``rallypoint.ft``: replica groups that lose members keep stepping.
+
+Real processes as a user starts them (``rallypoint lighthouse``, one ``rallypoint run`` per
+group running a torchft program with only its import changed, gloo). Every case checks
+what the issue asks of every case: the healthy groups never pause longer than the goal
+(3 steps), no step goes back on any group, and every group ends with the same parameters.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from _groups import (
+    finish,
+    lighthouse,
+    longest_pause,
+    never_back,
+    same_parameters,
+    start_group,
+    steps,
+    wait_for_step,
+)
+
+STEPS = 60
+FAULT = 10
+
+
+def _pause_within_goal(out: Path, group: int, after: int) -> None:
+    """At most 3 steps (their median time each), and half a second for a loaded machine."""
+    worst, median = longest_pause(steps(out, group), after)
+    assert worst <= max(3 * median, 0.5), (
+        f"group {group} paused {worst:.2f} s (step {median:.3f} s)"
+    )
+
+
+def _checks(out: Path, groups: list[int], healthy: list[int]) -> None:
+    for g in groups:
+        never_back(steps(out, g))
+        assert steps(out, g)[-1][1] == STEPS, (g, steps(out, g)[-3:])
+    for g in healthy:
+        _pause_within_goal(out, g, after=2)
+    same_parameters(out, groups)
+
+
+@pytest.mark.timeout(300)
+def test_two_groups_killed_at_once_the_others_keep_stepping_and_they_heal(tmp_path: Path) -> None:
+    house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "3000")
+    try:
+        groups = [
+            start_group(tmp_path, g, house.address, STEPS, FT_KILL=f"1,2:{FAULT}") for g in range(4)
+        ]
+        texts = finish(groups)
+    finally:
+        screen = house.stop()
+    assert all(p.returncode == 0 for p in groups), "\n".join(t[-3000:] for t in texts)
+    _checks(tmp_path, [0, 1, 2, 3], healthy=[0, 3])
+    assert "group 1 left: rank 0 killed by SIGKILL" in screen, screen
+    assert "group 2 left: rank 0 killed by SIGKILL" in screen, screen
+    joined = "".join(texts)
+    assert "group 1 healed from group" in joined and "group 2 healed from group" in joined
+    for g in (1, 2):  # back at the others' step, not at step 0
+        resumed = [s for _, s, _ in steps(tmp_path, g) if s > FAULT]
+        assert resumed and resumed[0] > FAULT + 1, steps(tmp_path, g)
+
+
+@pytest.mark.timeout(300)
+def test_a_group_that_fails_every_time_is_left_out_and_the_screen_says_why(
+    tmp_path: Path,
+) -> None:
+    house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "3000")
+    try:
+        groups = [
+            start_group(tmp_path, g, house.address, STEPS, FT_FAIL=f"2:{FAULT}") for g in range(3)
+        ]
+        texts = finish(groups)
+    finally:
+        screen = house.stop()
+    assert [p.returncode for p in groups][:2] == [0, 0], "\n".join(t[-3000:] for t in texts)
+    assert groups[2].returncode != 0  # its own launcher gave up after --max-restarts 2
+    assert "group 2 left: rank 0 exited with 1" in screen, screen
+    assert "fails at step" in texts[2]
+    _checks(tmp_path, [0, 1], healthy=[0, 1])
+
+
+@pytest.mark.timeout(300)
+def test_a_group_that_joins_late_heals_and_trains_with_the_others(tmp_path: Path) -> None:
+    house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "1000")
+    try:
+        early = [start_group(tmp_path, g, house.address, STEPS) for g in (0, 1)]
+        wait_for_step(tmp_path, 0, 10)
+        late = start_group(tmp_path, 2, house.address, STEPS)  # scale-up mid-run
+        texts = finish([*early, late])
+    finally:
+        screen = house.stop()
+    assert all(p.returncode == 0 for p in [*early, late]), "\n".join(t[-3000:] for t in texts)
+    _checks(tmp_path, [0, 1, 2], healthy=[0, 1])
+    assert "group 2 healed from group" in texts[2]
+    assert steps(tmp_path, 2)[0][1] > 10, steps(tmp_path, 2)[:3]  # at the others' step
+    assert "group 2 joined at step 0" in screen, screen
+
+
+@pytest.mark.timeout(300)
+def test_a_lighthouse_killed_and_started_again_costs_a_pause_not_the_job(tmp_path: Path) -> None:
+    house = lighthouse("--min_replicas", "2", "--join_timeout_ms", "1000")
+    try:
+        groups = [start_group(tmp_path, g, house.address, STEPS) for g in (0, 1)]
+        wait_for_step(tmp_path, 0, 10)
+        house.kill()  # the lighthouse process is lost ...
+        killed_at = time.time()
+        time.sleep(1.0)
+        house.start()  # ... and started again on the same port
+        texts = finish(groups)
+    finally:
+        screen = house.stop()
+    assert all(p.returncode == 0 for p in groups), "\n".join(t[-3000:] for t in texts)
+    for g in (0, 1):
+        never_back(steps(tmp_path, g))
+        assert any(t > killed_at + 1.0 for t, _, _ in steps(tmp_path, g))
+    same_parameters(tmp_path, [0, 1])
+    assert screen.count("TORCHFT_LIGHTHOUSE=") == 2
+
+
+@pytest.mark.timeout(300)
+def test_below_min_replica_size_groups_wait_and_do_not_train_alone(tmp_path: Path) -> None:
+    house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "3000")
+    try:
+        groups = [
+            start_group(
+                tmp_path,
+                g,
+                house.address,
+                STEPS,
+                "--max-restarts",
+                "0",
+                FT_MIN="2",
+                FT_KILL=f"1:{FAULT}",
+            )
+            for g in (0, 1)
+        ]
+        wait_for_step(tmp_path, 0, FAULT)
+        time.sleep(4.0)  # group 1 is gone for good: group 0 alone must not commit
+        stuck = steps(tmp_path, 0)[-1][1]
+        groups[0].terminate()  # SIGTERM: its output is flushed
+        texts = finish(groups, timeout=30)
+    finally:
+        house.stop()
+    assert stuck <= FAULT + 1, steps(tmp_path, 0)[-3:]
+    assert "below min_replica_size 2" in texts[0], texts[0][-3000:]
