@@ -292,7 +292,10 @@ def test_twenty_in_process_restarts_leak_no_descriptor_thread_or_memory(tmp_path
         usage[restart] = (pid, fds, threads, rss)
     assert len({u[0] for u in usage.values()}) == 1  # rank 0 never left its process
     assert len({u[1] for u in usage.values()}) == 1, usage  # descriptors
-    assert len({u[2] for u in usage.values()}) == 1, usage  # threads
+    # threads: a leak adds one every restart; a loaded run once saw a fifth thread (one
+    # that was ending) at one entry of twenty
+    threads = [usage[r][2] for r in range(5, 21)]
+    assert max(threads) - min(threads) <= 1 and threads[-1] <= min(threads) + 1, usage
     # the first restarts allocate what gloo and the snapshot session keep (one loaded run:
     # 6 MB more between restarts 1 and 2, then 28 KB over the next 18); a leak grows with
     # every restart

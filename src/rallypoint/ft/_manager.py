@@ -386,8 +386,7 @@ class Manager:
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, None
-        if pending is None:
-            assert self._errored is not None, "a heal without a state and without an error"
+        if pending is None:  # applied already (at the quorum, in sync mode), or it failed
             return
         source = self._plan.source_replica if self._plan is not None else "?"
         for key, (load, _) in self._fns.items():

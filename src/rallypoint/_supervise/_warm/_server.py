@@ -13,6 +13,7 @@ exits (:func:`serve` says how).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import importlib
 import os
@@ -134,6 +135,8 @@ class _Server:
         self.import_torch = import_torch
         self.workers: dict[int, int] = {}
         self.importing = False
+        self.deferred: list[tuple[Request | Reply | None, list[int]]] = []
+        """Requests read while importing (:meth:`_import_later`), answered after it."""
         self.notices: dict[int, tuple[str, int]] = {}
         """Workers that may run a ``rallypoint.ft`` Manager: their notice file, their rank."""
         self.store_pid = 0
@@ -168,13 +171,11 @@ class _Server:
         while True:
             ready = sel.select(IDLE if later and self.workers else None)
             if not ready and later:
-                self.importing = True  # exits are reported from the signal handler meanwhile
-                try:
-                    _import_quietly(later)
-                finally:
-                    self.importing = False
+                self._import_later(later)
                 later.clear()
                 gc.freeze()  # as after Init: forked children share it without churn
+            while self.deferred:
+                self._on_message(self.deferred.pop(0))
             for key, _ in ready:
                 if key.fileobj is self.sock:
                     self._on_message()
@@ -182,6 +183,41 @@ class _Server:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self.wake_r, 4096)
                     self._reap()
+
+    def _import_later(self, names: list[str]) -> None:
+        """Import ``names`` (a second or more in which the loop does not run): meanwhile a
+        worker's death is reported from SIGCHLD's handler and requests are read from
+        SIGIO's, a shutdown done at once, the rest answered after the import."""
+        fd = self.sock.fileno()
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        signal.signal(signal.SIGIO, self._on_io)
+        fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_ASYNC)
+        self.importing = True
+        try:
+            self._on_io(signal.SIGIO, None)  # a request that came before the signal was armed
+            _import_quietly(names)
+        finally:
+            self.importing = False
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+            signal.signal(signal.SIGIO, signal.SIG_IGN)
+
+    def _on_io(self, signum: int, frame: object) -> None:
+        """SIGIO while importing: read what came; a shutdown (or a gone supervisor) now."""
+        if not self.importing:
+            return
+        self.sock.setblocking(False)
+        try:
+            while True:
+                try:
+                    got = recv(self.sock, maxfds=4)
+                except BlockingIOError:
+                    return
+                if got[0] is None or isinstance(got[0], Shutdown):
+                    self._on_message(got)  # exits
+                self.deferred.append(got)
+        finally:
+            self.sock.setblocking(True)
 
     def _on_child(self, signum: int, frame: object) -> None:
         """SIGCHLD: the main loop reaps (the wake-up fd wakes it), except while it imports
@@ -205,8 +241,8 @@ class _Server:
             elif self.snapshots is not None and pid == self.snapshots.pid:
                 self._snapshots_ended(status)
 
-    def _on_message(self) -> None:
-        msg, fds = recv(self.sock, maxfds=4)
+    def _on_message(self, got: tuple[Request | Reply | None, list[int]] | None = None) -> None:
+        msg, fds = recv(self.sock, maxfds=4) if got is None else got
         match msg:
             case None:
                 self._orphaned()
