@@ -1,0 +1,62 @@
+"""torchft's own manager tests, run against ``rallypoint.ft`` with the import swapped.
+
+``torchft/manager_integ_test.py`` ships in torchft 0.2.0's wheel: a lighthouse and
+replica groups as threads of one process, each group its own store, a failure injected
+and the group restarted in its thread, the states compared at the end. Its text is read
+from the installed package and its imports rewritten (``torchft`` -> ``rallypoint.ft``;
+local SGD, which rallypoint.ft does not offer, and the fault-injecting process-group
+wrapper, which only the local SGD tests use, become ``None``); it runs in a child process
+(its threads and gloo stay out of this one). docs/ft.md lists the cases that do not pass
+and why.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PASSING = [
+    "test_ddp_healthy",
+    "test_ddp_recovery_1_sync_quorum",
+    "test_ddp_skip_init_sync",
+    "test_manager_allreduce_1",
+]
+"""What passes every time here. ``test_ddp_recovery_0_async_quorum`` passed in one of two
+runs (docs/ft.md); the multi-rank recovery and the quorum timeout's exact gRPC text do
+not."""
+
+
+def _swapped(tmp_path: Path) -> Path:
+    spec = importlib.util.find_spec("torchft")
+    assert spec is not None and spec.origin is not None
+    text = Path(spec.origin).with_name("manager_integ_test.py").read_text()
+    text = text.replace(
+        "from torchft.local_sgd import DiLoCo, LocalSGD", "DiLoCo = LocalSGD = None"
+    )
+    text = text.replace("    FakeProcessGroupWrapper,\n", "")
+    text = re.sub(r"\bFakeProcessGroupWrapper\b", "object", text)
+    text = text.replace("from torchft.", "from rallypoint.ft.")
+    unswapped = re.findall(r"^\s*(?:from|import) torchft\b.*$", text, re.M)
+    assert not unswapped, unswapped
+    path = tmp_path / "manager_integ_swapped_test.py"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs torchft==0.2.0")
+@pytest.mark.skipif(importlib.util.find_spec("parameterized") is None, reason="needs parameterized")
+def test_torchfts_manager_tests_pass_with_the_import_swapped(tmp_path: Path) -> None:
+    path = _swapped(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+           "--timeout", "120", "-rA", str(path), "-k", " or ".join(PASSING)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=560, env=env, cwd=tmp_path)
+    passed = set(re.findall(r"^PASSED \S+::ManagerIntegTest::(\w+)", done.stdout, re.M))
+    assert passed == set(PASSING), done.stdout[-6000:] + done.stderr[-2000:]
