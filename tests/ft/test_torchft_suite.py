@@ -21,15 +21,10 @@ from pathlib import Path
 
 import pytest
 
-PASSING = [
-    "test_ddp_healthy",
-    "test_ddp_recovery_1_sync_quorum",
-    "test_ddp_skip_init_sync",
-    "test_manager_allreduce_1",
-]
-"""What passes every time here. ``test_ddp_recovery_0_async_quorum`` passed in one of two
-runs (docs/ft.md); the multi-rank recovery and the quorum timeout's exact gRPC text do
-not."""
+PASSING = ["test_ddp_healthy", "test_ddp_skip_init_sync", "test_manager_allreduce_1"]
+"""What passes every time here. Its recovery cases (a group restarted in its thread) pass
+in some runs and not in others, the multi-rank one and the quorum timeout's exact gRPC text
+never: docs/ft.md."""
 
 
 def _swapped(tmp_path: Path) -> Path:

@@ -54,14 +54,18 @@ from rallypoint._watch._observer import Observer
 __all__ = ["Supervisor", "prepare_warm"]
 
 
-def prepare_warm(warm: WarmProcess, preload: tuple[str, ...], signals: SignalQueue) -> None:
+def prepare_warm(
+    warm: WarmProcess, preload: tuple[str, ...], signals: SignalQueue, later: bool = True
+) -> None:
     """Wait for the warm process's imports (``preload``); a signal stops the wait.
+    ``later``: the job may fork workers after its first ones (``WarmProcess.init``).
 
     Call it before anything makes temporary files: until it answers, the warm process
     dies with its parent and could not remove them (``_warm._server``).
     """
     try:
-        warm.init(preload, poll=lambda: signals.raise_if_signalled("the warm process"))
+        poll = lambda: signals.raise_if_signalled("the warm process")  # noqa: E731
+        warm.init(preload, poll=poll, later=later)
     except WarmProcessError as exc:
         if exc.kind is WarmErrorKind.PRELOAD:
             raise BadTargetError(str(exc)) from None

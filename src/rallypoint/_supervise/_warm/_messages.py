@@ -52,6 +52,9 @@ class Init:
     """Import these modules, freeze the heap, and answer :class:`Ready`."""
 
     preload: tuple[str, ...]
+    later: bool = True
+    """Import what a worker's first step imports once idle (a job that may fork workers
+    later: restarts, spares)."""
 
 
 @dataclass(frozen=True, slots=True)

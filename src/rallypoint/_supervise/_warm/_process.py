@@ -92,8 +92,16 @@ class WarmProcess:
         return self.sock.fileno()
 
     # ------------------------------------------------------------------ requests
-    def init(self, preload: tuple[str, ...], *, poll: Callable[[], None] | None = None) -> None:
+    def init(
+        self,
+        preload: tuple[str, ...],
+        *,
+        poll: Callable[[], None] | None = None,
+        later: bool = True,
+    ) -> None:
         """Import ``preload`` in the warm process; waits for its ``import torch`` too.
+        ``later``: the job may fork workers after its first ones (restarts, spares): the
+        warm process imports what a first step imports once it is idle.
 
         ``poll()`` is called every 50 ms while waiting (raise from it to stop waiting).
         Does nothing once the warm process is :attr:`ready`.
@@ -102,7 +110,7 @@ class WarmProcess:
 
         if self.ready:
             return
-        self._send(Init(tuple(preload)))
+        self._send(Init(tuple(preload), later))
         while poll is not None and not select.select([self.sock], [], [], 0.05)[0]:
             poll()
         self._reply(Ready)

@@ -135,6 +135,8 @@ class _Server:
         self.import_torch = import_torch
         self.workers: dict[int, int] = {}
         self.importing = False
+        self.later: list[str] = []
+        """What to import once idle (:data:`LATER_MODULES`), unless Init said no."""
         self.deferred: list[tuple[Request | Reply | None, list[int]]] = []
         """Requests read while importing (:meth:`_import_later`), answered after it."""
         self.notices: dict[int, tuple[str, int]] = {}
@@ -167,12 +169,12 @@ class _Server:
         sel = selectors.DefaultSelector()
         sel.register(self.sock, selectors.EVENT_READ)
         sel.register(self.wake_r, selectors.EVENT_READ)
-        later = list(LATER_MODULES) if self.import_torch else []
+        self.later = list(LATER_MODULES) if self.import_torch else []
         while True:
-            ready = sel.select(IDLE if later and self.workers else None)
-            if not ready and later:
-                self._import_later(later)
-                later.clear()
+            ready = sel.select(IDLE if self.later and self.workers else None)
+            if not ready and self.later:
+                self._import_later(self.later)
+                self.later.clear()
                 gc.freeze()  # as after Init: forked children share it without churn
             while self.deferred:
                 self._on_message(self.deferred.pop(0))
@@ -250,8 +252,10 @@ class _Server:
                 self._shutdown()
             case RemoveOnExit(paths=paths):
                 self.remove_on_exit.extend(paths)
-            case Init(preload=preload):
+            case Init(preload=preload, later=later):
                 send(self.sock, self._init(preload))
+                if not later:
+                    self.later.clear()
             case StartStore() | ResetStore():
                 send(self.sock, self._store(msg))
             case Spawn(spec=spec):
