@@ -121,9 +121,36 @@ def test_a_wrong_secret_fails_on_both_sides() -> None:
         thread = threading.Thread(target=client)
         thread.start()
         a.settimeout(5)
-        with pytest.raises(HandshakeError, match="client failed the HMAC challenge"):
+        with pytest.raises(HandshakeError, match="client failed the HMAC challenge") as info:
             while server.feed(a.recv(server.wanted())) is None:
                 pass
+        a.sendall(info.value.reply)  # as the acceptor does before it closes
         a.close()
         thread.join(5)
     assert errors and "secrets differ" in str(errors[0]), errors
+
+
+def test_a_server_that_closes_after_the_answer_is_going_away_not_a_wrong_secret() -> None:
+    """The client cannot tell a shutdown from a rejection by the close alone: the server
+    says which (an RPC peer that left right after init_rpc is not a secret mismatch)."""
+    server = ServerHandshake(SECRET, SCHEME)
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(server.greeting)
+        errors: list[BaseException] = []
+
+        def client() -> None:
+            try:
+                client_handshake(b, SECRET, SCHEME, time.monotonic() + 5, {"name": "x"})
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        a.settimeout(5)
+        while server.feed(a.recv(server.wanted())) is None:
+            pass
+        a.close()  # it had the answer, and left without sending its proof
+        thread.join(5)
+    assert errors and isinstance(errors[0], ConnectionResetError), errors
+    assert "shutting down" in str(errors[0]) and "secrets" not in str(errors[0])

@@ -309,6 +309,9 @@ class Acceptor:
         try:
             done = pending.handshake.feed(data)
         except HandshakeError as exc:
+            if exc.reply:  # small: the socket's buffer takes it whole, or it is lost
+                with contextlib.suppress(OSError):
+                    pending.sock.send(exc.reply)
             self._drop(pending, str(exc))
             return
         if done is not None:

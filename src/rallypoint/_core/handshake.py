@@ -12,6 +12,7 @@ translates them into its own exception at its boundary.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import hmac
@@ -41,7 +42,21 @@ _CHUNK = 1 << 22
 
 
 class HandshakeError(Exception):
-    """The peer failed the challenge, closed the connection during it, or is no such server."""
+    """The peer failed the challenge, closed the connection during it, or is no such server.
+
+    ``reply``: what the server sends before it closes (the rejection, where the client's
+    proof was wrong), so that the client tells a wrong secret from a server going away.
+    """
+
+    def __init__(self, message: str, reply: bytes = b"") -> None:
+        super().__init__(message)
+        self.reply = reply
+
+
+def _rejection(scheme: Scheme) -> bytes:
+    """The server's answer to a wrong proof: as long as an acceptance, all zero bytes (an
+    HMAC that is all zeros has a chance of 2**-256)."""
+    return bytes(len(scheme.accept) + _MAC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +156,10 @@ class ServerHandshake:
         mac = bytes(self._buf[self._total - _MAC :])
         expected = _mac(self._secret, scheme.client_label, self._server_nonce, client_nonce, hello)
         if not hmac.compare_digest(mac, expected):
-            raise HandshakeError(f"client failed the HMAC challenge (wrong {scheme.what} secret)")
+            raise HandshakeError(
+                f"client failed the HMAC challenge (wrong {scheme.what} secret)",
+                reply=_rejection(scheme),
+            )
         proof = _mac(self._secret, scheme.server_label, client_nonce, self._server_nonce)
         if not scheme.hello:
             return scheme.accept + proof, {}
@@ -175,7 +193,14 @@ def server_handshake(
     handshake = ServerHandshake(secret, scheme)
     _send(sock, handshake.greeting, deadline)
     while True:
-        done = handshake.feed(_recv(sock, handshake.wanted(), deadline))
+        data = _recv(sock, handshake.wanted(), deadline)
+        try:
+            done = handshake.feed(data)
+        except HandshakeError as exc:
+            if exc.reply:
+                with contextlib.suppress(OSError):
+                    _send(sock, exc.reply, deadline)
+            raise
         if done is not None:
             reply, info = done
             _send(sock, reply, deadline)
@@ -209,11 +234,17 @@ def client_handshake(
     _send(sock, client_nonce + head + body + mac, deadline)
     try:
         answer = _recv(sock, len(scheme.accept) + _MAC, deadline)
-    except HandshakeError:
-        raise HandshakeError(
-            f"the {scheme.what} server closed the connection during authentication: "
-            f"the {scheme.what} secrets differ"
+    except HandshakeError:  # a wrong secret is answered: the server went away
+        raise ConnectionResetError(
+            errno.ECONNRESET,
+            f"the {scheme.what} server closed the connection during authentication "
+            "(it is shutting down, or turned the connection down)",
         ) from None
+    if answer == _rejection(scheme):
+        raise HandshakeError(
+            f"the {scheme.what} server turned the connection down: "
+            f"the {scheme.what} secrets differ"
+        )
     expected = scheme.accept + _mac(secret, scheme.server_label, client_nonce, server_nonce)
     if not hmac.compare_digest(answer, expected):
         raise HandshakeError(

@@ -552,6 +552,11 @@ class LaunchConfig:
         """The job's world size: ``world_size`` if given, else ``nproc``."""
         return self.world.world_size or self.workers.nproc
 
+    @property
+    def forks_workers_later(self) -> bool:
+        """Whether workers can be forked after the first ones: restarts or spares."""
+        return bool(self.restarts.max_restarts or self.workers.spare_workers)
+
     def std_mask(self, which: Literal["redirects", "tee"], local_rank: int) -> int:
         """The stream mask (1 stdout, 2 stderr) that ``redirects``/``tee`` give ``local_rank``."""
         return self.output.std_mask(which, local_rank)

@@ -64,8 +64,7 @@ def run_job(
     remove_stale([tempfile.gettempdir(), socket_parent()])
     with SignalQueue(config.stop.signal_numbers) as signals:
         # what a replacement or a spare would import, once idle: only where one can come
-        later = bool(config.restarts.max_restarts or config.workers.spare_workers)
-        prepare_warm(warm, config.workers.preload, signals, later=later)
+        prepare_warm(warm, config.workers.preload, signals, later=config.forks_workers_later)
         return _run(config, target, warm, signals, run_id, title, collect_results, warn_omp)
 
 
