@@ -4,7 +4,9 @@ argv: OUT STEPS. Environment: REPLICA_GROUP_ID, TORCHFT_LIGHTHOUSE (as torchft's
 FT_IMPL (``torchft`` to run torchft itself, else ``rallypoint.ft``), FT_KILL ("G1,G2:STEP":
 those groups' first processes SIGKILL themselves after that step), FT_FAIL ("GROUP:STEP":
 that group raises after that step, in every process), FT_MIN (min_replica_size, 1),
-FT_WIDTH (the hidden layer, 32), FT_STEP_SLEEP (seconds, 0.05).
+FT_WIDTH (the hidden layer, 32), FT_STEP_SLEEP (seconds, 0.05), FT_HOLD ("STEP:GROUP": after
+that step, wait until that group's process has started: a late group then joins while the
+others still train, however slow a loaded machine starts it).
 Every committed step appends ``time step participants`` to OUT/steps-<group>; the end
 writes the parameters to OUT/final-<group>.pt.
 """
@@ -25,6 +27,7 @@ SLEEP = float(os.environ.get("FT_STEP_SLEEP", "0.05"))
 kill_groups, _, kill_step = os.environ.get("FT_KILL", "-1:-1").partition(":")
 fail_group, _, fail_step = os.environ.get("FT_FAIL", "-1:-1").partition(":")
 WIDTH = int(os.environ.get("FT_WIDTH", "32"))
+hold_step, _, hold_group = os.environ.get("FT_HOLD", "-1:-1").partition(":")
 FIRST = not os.path.exists(os.path.join(OUT, f"started-{GROUP}"))
 open(os.path.join(OUT, f"started-{GROUP}"), "a").close()
 
@@ -67,5 +70,11 @@ with open(os.path.join(OUT, f"steps-{GROUP}"), "a", buffering=1) as log:
         if int(fail_group) == GROUP and now >= int(fail_step):
             raise RuntimeError(f"group {GROUP} fails at step {now}, every time")
         time.sleep(SLEEP)
+        if int(hold_step) >= 0 and now >= int(hold_step):
+            hold_step = "-1"
+            deadline = time.monotonic() + 120
+            while not os.path.exists(os.path.join(OUT, f"started-{hold_group}")):
+                assert time.monotonic() < deadline, f"group {hold_group} never started"
+                time.sleep(0.05)
 torch.save({k: v.clone() for k, v in model.state_dict().items()}, f"{OUT}/final-{GROUP}.pt")
 manager.shutdown()

@@ -242,8 +242,7 @@ def client_handshake(
         ) from None
     if answer == _rejection(scheme):
         raise HandshakeError(
-            f"the {scheme.what} server turned the connection down: "
-            f"the {scheme.what} secrets differ"
+            f"the {scheme.what} server turned the connection down: the {scheme.what} secrets differ"
         )
     expected = scheme.accept + _mac(secret, scheme.server_label, client_nonce, server_nonce)
     if not hmac.compare_digest(answer, expected):

@@ -6,9 +6,10 @@ across the groups; a group behind the others fetches their state from a live pee
 (``_heal``) and resumes at their step. ``allreduce`` averages over the participants (a
 healing group sends zeros). ``should_commit`` is one decision for the whole quorum
 (``_commit``): every member steps, or none. A watcher thread aborts the process group the
-moment a member of the quorum is gone (its agent said so, or its heartbeat stopped), so no
-collective waits on a dead group. Errors of a step are recorded (``errored()``) and fail
-its commit; a quorum that cannot be had raises ``TimeoutError``. Usage: docs/ft.md.
+moment a member of the quorum is gone (its agent said so, or its heartbeat stopped) or
+the step cannot commit, so no collective waits on a dead group (``_watch``). Errors of a
+step are recorded (``errored()``) and fail its commit; a quorum that cannot be had raises
+``TimeoutError``. Usage: docs/ft.md.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from rallypoint.ft._heal import (
 )
 from rallypoint.ft._plan import Plan, plan
 from rallypoint.ft._quorum import Liveness, Quorum, QuorumClient, Request, read_rules
+from rallypoint.ft._watch import GroupGuard
 from rallypoint.rendezvous import KVConnectionError, KVError, connect_kv
 
 __all__ = ["ExceptionWithTraceback", "Manager", "WorldSizeMode"]
@@ -150,17 +152,25 @@ class Manager:
         self._pending: Any = None
         self._quorum_seq = 0
         self._commit_seq = 0
-        self._configured: tuple[str, int] | None = None
         self._plan: Plan | None = None
         self._said_below: int | None = None
         self._incompatible: IncompatibleStateError | None = None
         self._future: concurrent.futures.Future[None] | None = None
         rules, _ = read_rules(self._kv, self._connect_timeout.total_seconds())
-        self._live = Liveness(rules.heartbeat_timeout_ms / 1000)
         self._commit_live = Liveness(rules.heartbeat_timeout_ms / 1000)
         self._stop = threading.Event()
-        self._watch_kv = self._connect_lighthouse()
-        threading.Thread(target=self._watch, name="rallypoint-ft-watch", daemon=True).start()
+        self._guard = GroupGuard(
+            self._pg,
+            Liveness(rules.heartbeat_timeout_ms / 1000),
+            self._connect_again,
+            self.report_error,
+        )
+        threading.Thread(
+            target=self._guard.watch,
+            args=(self._stop, lambda: self._plan, self._member),
+            name="rallypoint-ft-watch",
+            daemon=True,
+        ).start()
         self.last_heal: tuple[str, int, int, float] | None = None
         """``(source replica id, step, bytes, seconds)`` of this group's last heal."""
 
@@ -329,29 +339,26 @@ class Manager:
         kv = connect()
         assert self._client is not None
         self._client.close()
-        self._kv, self._watch_kv = kv, connect()
+        self._kv, self._guard.kv = kv, connect()
         self._client = QuorumClient(
             kv, self._member, connect_timeout=5.0, beat_kv=connect(), reconnect=connect
         )
 
     def _configure(self, quorum: Quorum, done: Plan) -> None:
-        key = (quorum.gen, quorum.quorum_id)
-        if self._configured == key:
-            return
         store = f"{self._lighthouse}#ft/pg/{quorum.gen}/{quorum.quorum_id}/{self._rank}"
         size = len(quorum.members)
         ranks = [i * self._world_size + self._rank for i in range(size)]
-        self._pg.configure(
-            store,
-            self._replica_id,
-            done.replica_rank,
-            size,
-            quorum.quorum_id,
-            self._rank,
-            self._world_size,
-            ranks,
+        args = (store, self._replica_id, done.replica_rank, size, quorum.quorum_id, self._rank)
+        made = self._guard.configure(
+            (quorum.gen, quorum.quorum_id),
+            lambda: self._pg.configure(*args, self._world_size, ranks),
         )
-        self._configured = key
+        # a member of the last group left after this step began: that group is gone and
+        # this step runs on the new one (else it fails for nothing, and its peers wait out
+        # the timeout in a collective this member never joins)
+        error = self._errored
+        if made and error is not None and error.original_exception is self._guard.left:
+            self._errored = None
 
     def _serve_or_heal(self, done: Plan) -> None:
         if done.serves:
@@ -536,33 +543,6 @@ class Manager:
         if wait and self._future is not None:
             with contextlib.suppress(Exception):
                 self._future.result()
-
-    # ------------------------------------------------------------------ the watcher
-    def _watch(self) -> None:
-        """Abort the process group as soon as a member of the quorum is gone."""
-        aborted: tuple[str, int] | None = None
-        while not self._stop.wait(0.02):
-            done, key = self._plan, self._configured
-            if done is None or key is None or key == aborted:
-                continue
-            others = [m for m in done.members if m != self._member]
-            try:
-                self._live.refresh(self._watch_kv, others)
-            except (KVError, RuntimeError, OSError):  # the lighthouse is away: look again
-                with contextlib.suppress(KVError, RuntimeError, OSError):  # on a new link
-                    self._watch_kv = self._connect_again()
-                continue
-            dead = [m for m in others if not self._live.alive(m)]
-            if dead:
-                aborted = key
-                why = "; ".join(
-                    f"group {m.split(':')[0]}: {self._live.gone.get(m, 'no heartbeat')}"
-                    for m in dead
-                )
-                self.report_error(RuntimeError(f"replica group(s) left the quorum ({why})"))
-                self._configured = None  # the next quorum makes a new group, same id or not
-                with contextlib.suppress(Exception):
-                    self._pg.abort()
 
 
 def _in_thread(fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:

@@ -21,6 +21,7 @@ import selectors
 import shutil
 import signal
 import socket
+import sys
 import traceback
 from typing import NoReturn
 
@@ -238,8 +239,12 @@ class _Server:
                 return
             if pid in self.workers:
                 del self.workers[pid]
+                # read before the launcher hears of the exit: a job that ends on it removes
+                # the worker's directory (and the other groups would wait out a heartbeat)
+                record = self._replica_record(pid)
                 send(self.sock, Exited(pid, status))
-                self._tell_replica_groups(pid, status)
+                if record is not None:
+                    self._tell_replica_groups(*record, status)
             elif self.snapshots is not None and pid == self.snapshots.pid:
                 self._snapshots_ended(status)
 
@@ -297,16 +302,19 @@ class _Server:
             self.notices[pid] = (spec.env[FT_NOTICE], spec.rank)
         return Spawned(spec.local_rank, pid)
 
-    def _tell_replica_groups(self, pid: int, status: int) -> None:
-        """A worker of a ``rallypoint.ft`` replica group died: a child of this process tells
-        the other groups now (``rallypoint.ft.agent``), without holding this loop up. The
-        worker's record is read here: its directory may be gone by the time a child runs."""
+    def _replica_record(self, pid: int) -> tuple[str, int] | None:
+        """What a dead worker of a ``rallypoint.ft`` replica group wrote (its lighthouse and
+        member id), and its rank; ``None`` for any other worker."""
         path, rank = self.notices.pop(pid, ("", 0))
         try:
             with open(path) as fp:
-                record = fp.read(65536)
+                return fp.read(65536), rank
         except OSError:
-            return  # not a replica group's worker, or it never got that far
+            return None  # not a replica group's worker, or it never got that far
+
+    def _tell_replica_groups(self, record: str, rank: int, status: int) -> None:
+        """A worker of a replica group died: a child of this process tells the other groups
+        now (``rallypoint.ft.agent``), without holding this loop up."""
         why = f"rank {rank} {describe_status(status)[1]}"
         if os.fork() == 0:
             code = 1
@@ -314,6 +322,14 @@ class _Server:
                 from rallypoint.ft.agent import tell_gone
 
                 code = 0 if tell_gone(record, why) else 1
+            except BaseException as exc:  # the groups wait out its heartbeat instead
+                with contextlib.suppress(BaseException):
+                    print(
+                        f"rallypoint: could not tell the other replica groups that {why}: "
+                        f"{type(exc).__name__}: {exc}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             finally:
                 os._exit(code)
 
