@@ -83,9 +83,28 @@ def start_group(
         "FT_STEP_SLEEP": "0.15",  # the issue's step time
         **env,
     }
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(**extra)
     )
+    STARTED.append(proc)
+    return proc
+
+
+STARTED: list[subprocess.Popen[str]] = []
+"""Every group started: a test that fails before :func:`finish` leaves none running
+(``conftest.py``)."""
+
+
+def stop_leftovers() -> None:
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # its launcher stops its workers
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
 
 
 def finish(groups: list[subprocess.Popen[str]], timeout: float = 200) -> list[str]:
@@ -109,14 +128,18 @@ def steps(out: Path, group: int) -> list[tuple[float, int, int]]:
     return [(float(t), int(s), int(n)) for t, s, n in rows]
 
 
-def wait_for_step(out: Path, group: int, step: int, timeout: float = 120) -> None:
+def wait_for_step(out: Path, group: int | tuple[int, ...], step: int, timeout: float = 120) -> None:
+    """Until ``group`` (or any of several) has committed ``step``."""
+    groups = (group,) if isinstance(group, int) else group
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        done = steps(out, group)
-        if done and done[-1][1] >= step:
-            return
+        for g in groups:
+            done = steps(out, g)
+            if done and done[-1][1] >= step:
+                return
         time.sleep(0.05)
-    raise AssertionError(f"group {group} did not reach step {step}: {steps(out, group)[-3:]}")
+    last = {g: steps(out, g)[-3:] for g in groups}
+    raise AssertionError(f"no group of {groups} reached step {step}: {last}")
 
 
 def longest_pause(rows: list[tuple[float, int, int]], after: int = 0) -> tuple[float, float]:

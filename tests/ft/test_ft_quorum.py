@@ -31,24 +31,43 @@ STEPS = 50
 FAULT = 10
 
 
-def _pause_within_goal(out: Path, group: int, after: int, extra: float = 0.5) -> None:
+def _pause_within_goal(
+    out: Path, group: int, after: int, extra: float = 0.5, context: str = ""
+) -> None:
     """The goal, 3 steps (their median time each), and ``extra`` seconds for a loaded
     2-core machine (the suite runs two test files at once, and CI a second suite beside
     it); benchmarks/quorum.py measures the pause itself."""
     worst, median = longest_pause(steps(out, group), after)
     limit = 3 * median + extra
-    assert worst <= limit, f"group {group} paused {worst:.2f} s (a step: {median:.3f} s)"
+    assert worst <= limit, (
+        f"group {group} paused {worst:.2f} s (a step: {median:.3f} s)\n{context[-6000:]}"
+    )
 
 
 def _checks(
-    out: Path, groups: list[int], healthy: list[int], extra: float = 0.5, after: int = 2
+    out: Path,
+    groups: list[int],
+    healthy: list[int],
+    extra: float = 0.5,
+    after: int = 2,
+    context: str = "",
 ) -> None:
     for g in groups:
         never_back(steps(out, g))
         assert steps(out, g)[-1][1] == STEPS, (g, steps(out, g)[-3:])
     for g in healthy:
-        _pause_within_goal(out, g, after=after, extra=extra)
+        _pause_within_goal(out, g, after=after, extra=extra, context=context)
     same_parameters(out, groups)
+
+
+def _lines(texts: list[str]) -> str:
+    """What the groups said, less torch's DDP warnings (for a failed check's message)."""
+    return "\n".join(
+        f"group {g}: {line}"
+        for g, text in enumerate(texts)
+        for line in text.splitlines()
+        if "reducer.cpp" not in line and not line.startswith(("[rank0]:  ", "    "))
+    )
 
 
 @pytest.mark.timeout(300)
@@ -62,7 +81,7 @@ def test_two_groups_killed_at_once_the_others_keep_stepping_and_they_heal(tmp_pa
     finally:
         screen = house.stop()
     assert all(p.returncode == 0 for p in groups), "\n".join(t[-3000:] for t in texts)
-    _checks(tmp_path, [0, 1, 2, 3], healthy=[0, 3])
+    _checks(tmp_path, [0, 1, 2, 3], healthy=[0, 3], context=_lines(texts) + screen)
     assert "group 1 left: rank 0 killed by SIGKILL" in screen, screen
     assert "group 2 left: rank 0 killed by SIGKILL" in screen, screen
     joined = "".join(texts)
@@ -88,7 +107,9 @@ def test_a_group_that_fails_every_time_is_left_out_and_the_screen_says_why(
     assert groups[2].returncode != 0  # its own launcher gave up after --max-restarts 2
     assert "group 2 left: rank 0 exited with 1" in screen, screen
     assert "fails at step" in texts[2]
-    _checks(tmp_path, [0, 1], healthy=[0, 1])
+    # its two returns each cost the others its first step (docs/ft.md), up to 1.2 s seen
+    # with a second test beside it: a death waited out (its heartbeat, 5 s) fails this
+    _checks(tmp_path, [0, 1], healthy=[0, 1], extra=1.5, context=_lines(texts) + screen)
 
 
 @pytest.mark.timeout(300)
@@ -96,7 +117,9 @@ def test_a_group_that_joins_late_heals_and_trains_with_the_others(tmp_path: Path
     house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "1000")
     try:
         early = [start_group(tmp_path, g, house.address, STEPS, FT_HOLD="5:2") for g in (0, 1)]
-        wait_for_step(tmp_path, 0, 5)
+        # the first to reach step 5 waits there for group 2 (the other may be waiting to
+        # join it: one group can start alone)
+        wait_for_step(tmp_path, (0, 1), 5)
         late = start_group(tmp_path, 2, house.address, STEPS)  # scale-up mid-run
         texts = finish([*early, late])
     finally:

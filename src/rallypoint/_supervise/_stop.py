@@ -19,6 +19,7 @@ import psutil
 
 from rallypoint._supervise._state import Worker
 from rallypoint._supervise._warm._exits import ExitReports
+from rallypoint._supervise._warm._notices import WRITER_NAME
 from rallypoint._supervise._warm._process import WarmProcess
 
 __all__ = ["QUICK_GRACE", "Stopper"]
@@ -94,8 +95,8 @@ class Stopper:
         out = []
         for p in procs:
             with contextlib.suppress(psutil.Error):
-                if p.pid in skip or p.ppid() in skip:
-                    continue
+                if p.pid in skip or p.ppid() in skip or p.name() == WRITER_NAME:
+                    continue  # (a notice of a replica group's death is written to its end)
                 out.append(p)
         return out
 

@@ -21,7 +21,6 @@ import selectors
 import shutil
 import signal
 import socket
-import sys
 import traceback
 from typing import NoReturn
 
@@ -51,21 +50,25 @@ from rallypoint._supervise._warm._messages import (
     recv,
     send,
 )
+from rallypoint._supervise._warm._notices import NoticeWriters
 from rallypoint._supervise._warm._snapshots import SnapshotServer, fork_snapshot_server
 from rallypoint._supervise._worker import WorkerSpec, child_main
 
 __all__ = ["WARM_MODULES", "serve"]
 
 WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel")
-LATER_MODULES = ("rallypoint.ft.agent", "torch._dynamo")
+LATER_MODULES = ("torch._dynamo",)
 """What a worker's first training step imports (a torch optimizer imports ``torch._dynamo``,
 about 1 s of CPU): imported once the first workers are forked and the warm process is idle
 (:data:`IDLE`), so that a replacement or a spare forked later pays nothing, and the first
-workers start as soon as before. First what tells ``rallypoint.ft`` replica groups that a
-worker died (a child forked at its death must not import)."""
+workers start as soon as before. Before it, the process that tells ``rallypoint.ft``
+replica groups that a worker died is forked (``_notices``)."""
 IDLE = 0.3
 """Seconds without a request after which the warm process imports :data:`LATER_MODULES`."""
 _ORPHANED_KILL_TIMEOUT = 1.5
+_NOTICES_TIMEOUT = 2.0
+"""Seconds the notices in flight have to be written when this process ends (a notice
+takes ~40 ms; more only if the lighthouse is unreachable)."""
 """Seconds the warm process of a dead supervisor spends killing its descendants."""
 
 
@@ -142,6 +145,8 @@ class _Server:
         """Requests read while importing (:meth:`_import_later`), answered after it."""
         self.notices: dict[int, tuple[str, int]] = {}
         """Workers that may run a ``rallypoint.ft`` Manager: their notice file, their rank."""
+        self.notice_writers = NoticeWriters()
+        """What tells the other replica groups that one of those workers died."""
         self.store_pid = 0
         self.store_sock: socket.socket | None = None
         self.snapshots: SnapshotServer | None = None
@@ -174,6 +179,9 @@ class _Server:
         while True:
             ready = sel.select(IDLE if self.later and self.workers else None)
             if not ready and self.later:
+                # first what writes the notices, forked before the import (_notices)
+                importlib.import_module("rallypoint.ft.agent")
+                self.notice_writers.start_writer(self._own_fds())
                 self._import_later(self.later)
                 self.later.clear()
                 gc.freeze()  # as after Init: forked children share it without churn
@@ -288,10 +296,16 @@ class _Server:
             self._orphaned()
         return Ready(os.getpid())
 
-    def _spawn(self, spec: WorkerSpec, fds: list[int]) -> Reply:
+    def _own_fds(self) -> list[int]:
+        """What a child of this process closes: the supervisor's channel, the wake-up
+        pipe, the store process's channel."""
         close = [self.sock.fileno(), self.wake_r, self.wake_w]
         if self.store_sock is not None:
             close.append(self.store_sock.fileno())
+        return close
+
+    def _spawn(self, spec: WorkerSpec, fds: list[int]) -> Reply:
+        close = self._own_fds()
         pid = os.fork()
         if pid == 0:
             child_main(spec, fds, close)
@@ -313,25 +327,10 @@ class _Server:
             return None  # not a replica group's worker, or it never got that far
 
     def _tell_replica_groups(self, record: str, rank: int, status: int) -> None:
-        """A worker of a replica group died: a child of this process tells the other groups
-        now (``rallypoint.ft.agent``), without holding this loop up."""
+        """A worker of a replica group died: tell the other groups now (``_notices``),
+        without holding this loop up."""
         why = f"rank {rank} {describe_status(status)[1]}"
-        if os.fork() == 0:
-            code = 1
-            try:
-                from rallypoint.ft.agent import tell_gone
-
-                code = 0 if tell_gone(record, why) else 1
-            except BaseException as exc:  # the groups wait out its heartbeat instead
-                with contextlib.suppress(BaseException):
-                    print(
-                        f"rallypoint: could not tell the other replica groups that {why}: "
-                        f"{type(exc).__name__}: {exc}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-            finally:
-                os._exit(code)
+        self.notice_writers.tell(record, why)
 
     def _store(self, msg: Request) -> Reply:
         if self.store_sock is None:
@@ -409,6 +408,8 @@ class _Server:
         nothing of the job behind (see :func:`serve`)."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         with contextlib.suppress(BaseException):
+            self.notice_writers.finish(_NOTICES_TIMEOUT)
+        with contextlib.suppress(BaseException):
             kill_descendants(_ORPHANED_KILL_TIMEOUT)
         with contextlib.suppress(BaseException):
             self._take_pending_paths()
@@ -444,4 +445,6 @@ class _Server:
                 os.kill(self.store_pid, signal.SIGKILL)
         if self.snapshots is not None:
             self.snapshots.stop()
+        with contextlib.suppress(BaseException):
+            self.notice_writers.finish(_NOTICES_TIMEOUT)
         os._exit(0)
