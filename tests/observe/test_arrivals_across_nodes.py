@@ -219,7 +219,9 @@ def test_the_judge_names_a_slow_rank_on_another_node_with_a_skewed_clock(stores:
     assert len(said) == 1 and said[0].startswith("rallypoint: straggler: rank 1 on b "), said
     slow = [f for kind, f in events if kind == "straggler"]
     assert slow and (slow[0]["rank"], slow[0]["host"], slow[0]["group_rank"]) == (1, "b", 1)
-    assert 0.05 < slow[0]["lag_s"] < 0.07, slow
+    # the clocks' offset is known to within half a store round trip (11 ms seen on a
+    # loaded machine); uncorrected, the lag would be about -2.94 s
+    assert 0.03 < slow[0]["lag_s"] < 0.09, slow
     lags = [f["lag_s"] for kind, f in events if kind == "arrival_lags"]
     assert lags and set(lags[-1]) == {"0", "1"}
 

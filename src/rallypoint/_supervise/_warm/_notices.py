@@ -1,16 +1,13 @@
 """Telling ``rallypoint.ft`` replica groups that a worker of this node died, at once.
 
-The warm process reaps its workers; a dead worker of a replica group wrote where its
-lighthouse is and who it was (``RALLYPOINT_FT_NOTICE``). A process of its own writes the
-notice (``rallypoint.ft.agent``, a store round trip or two), never the warm process's loop.
-Before the warm process imports what a first step imports (``torch._dynamo``, a second or
-more), it starts a writer process (:meth:`NoticeWriters.start_writer`), which then writes
-every notice: a child forked during that import (a death is reaped from SIGCHLD's handler
-meanwhile) would inherit a half-done import and the locks it holds, and hang or fail
-without a word, and the other groups would wait out the dead one's heartbeat. Until then
-(and in a warm process that imports nothing later) each notice gets a child of its own.
-A warm process that ends first lets the notices in flight finish (:meth:`finish`): the
-last worker's death is often what ends the job.
+A dead worker of a replica group wrote where its lighthouse is and who it was
+(``RALLYPOINT_FT_NOTICE``); a process other than the warm process's loop writes the notice
+(``rallypoint.ft.agent``). Before the warm process imports ``torch._dynamo`` (a second or
+more, during which deaths are reaped from SIGCHLD's handler) it forks a writer process for
+every later notice: a child forked during that import would inherit its locks and could
+hang without a word, and the other groups would wait out the dead one's heartbeat. Until
+then each notice gets a child of its own. Notices in flight are finished when the warm
+process ends (:meth:`NoticeWriters.finish`): the last death is often what ends the job.
 """
 
 from __future__ import annotations
