@@ -105,21 +105,29 @@ def test_rejections_beyond_the_burst_are_counted_in_a_later_line(
     assert len(seen) == 2 and seen[1].startswith("rejected 5 more connections"), seen
 
 
+def _client_in_thread(
+    sock: socket.socket, secret: bytes
+) -> tuple[threading.Thread, list[BaseException]]:
+    """A client's handshake on ``sock`` in a thread; what it raised goes in the list."""
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        try:
+            client_handshake(sock, secret, SCHEME, time.monotonic() + 5, {"name": "x"})
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    return thread, errors
+
+
 def test_a_wrong_secret_fails_on_both_sides() -> None:
     server = ServerHandshake(SECRET, SCHEME)
     a, b = socket.socketpair()
     with a, b:
         a.sendall(server.greeting)
-        errors: list[BaseException] = []
-
-        def client() -> None:
-            try:
-                client_handshake(b, b"wrong", SCHEME, time.monotonic() + 5, {"name": "x"})
-            except BaseException as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=client)
-        thread.start()
+        thread, errors = _client_in_thread(b, b"wrong")
         a.settimeout(5)
         with pytest.raises(HandshakeError, match="client failed the HMAC challenge") as info:
             while server.feed(a.recv(server.wanted())) is None:
@@ -137,16 +145,7 @@ def test_a_server_that_closes_after_the_answer_is_going_away_not_a_wrong_secret(
     a, b = socket.socketpair()
     with a, b:
         a.sendall(server.greeting)
-        errors: list[BaseException] = []
-
-        def client() -> None:
-            try:
-                client_handshake(b, SECRET, SCHEME, time.monotonic() + 5, {"name": "x"})
-            except BaseException as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=client)
-        thread.start()
+        thread, errors = _client_in_thread(b, SECRET)
         a.settimeout(5)
         while server.feed(a.recv(server.wanted())) is None:
             pass

@@ -162,6 +162,7 @@ class Manager:
         self._guard = GroupGuard(
             self._pg,
             Liveness(rules.heartbeat_timeout_ms / 1000),
+            self._connect_lighthouse(),
             self._connect_again,
             self.report_error,
         )

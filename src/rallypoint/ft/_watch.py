@@ -29,6 +29,7 @@ class GroupGuard:
         self,
         pg: Any,
         live: Liveness,
+        kv: KeyValueStore,
         connect: Callable[[], KeyValueStore],
         report: Callable[[Exception], None],
     ) -> None:
@@ -37,7 +38,8 @@ class GroupGuard:
         self.configured: Key | None = None
         self.left: Exception | None = None
         """The error of the last abort, until a new configuration replaces the group."""
-        self.kv = connect()
+        self.kv = kv
+        """The watcher's own connection to the lighthouse (``connect`` makes a new one)."""
 
     def configure(self, key: Key, make: Callable[[], None]) -> bool:
         """Run ``make`` (configure the process group) unless ``key`` is configured already;

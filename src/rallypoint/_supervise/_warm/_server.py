@@ -66,10 +66,10 @@ replica groups that a worker died is forked (``_notices``)."""
 IDLE = 0.3
 """Seconds without a request after which the warm process imports :data:`LATER_MODULES`."""
 _ORPHANED_KILL_TIMEOUT = 1.5
+"""Seconds the warm process of a dead supervisor spends killing its descendants."""
 _NOTICES_TIMEOUT = 2.0
 """Seconds the notices in flight have to be written when this process ends (a notice
 takes ~40 ms; more only if the lighthouse is unreachable)."""
-"""Seconds the warm process of a dead supervisor spends killing its descendants."""
 
 
 def serve(sock: socket.socket, import_torch: bool) -> NoReturn:
