@@ -6,8 +6,10 @@ those groups' first processes SIGKILL themselves after that step), FT_FAIL ("GRO
 that group raises after that step, in every process), FT_MIN (min_replica_size, 1),
 FT_WIDTH (the hidden layer, 32), FT_STEP_SLEEP (seconds, 0.05), FT_HOLD ("STEP:GROUP": after
 that step, wait until that group's process has started: a late group then joins while the
-others still train, however slow a loaded machine starts it).
-Every committed step appends ``time step participants`` to OUT/steps-<group>; the end
+others still train, however slow a loaded machine starts it), FT_BALLAST_MB (a tensor of that
+size in the state, 0), FT_DIE_SERVING ("GROUP:STEP": past that step, that group's first
+process SIGKILLs itself 20 ms after it starts sending its state to a healing group).
+Every committed step appends ``time step participants pid`` to OUT/steps-<group>; the end
 writes the parameters to OUT/final-<group>.pt.
 """
 
@@ -15,6 +17,7 @@ import importlib
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -28,6 +31,8 @@ kill_groups, _, kill_step = os.environ.get("FT_KILL", "-1:-1").partition(":")
 fail_group, _, fail_step = os.environ.get("FT_FAIL", "-1:-1").partition(":")
 WIDTH = int(os.environ.get("FT_WIDTH", "32"))
 hold_step, _, hold_group = os.environ.get("FT_HOLD", "-1:-1").partition(":")
+BALLAST = torch.zeros(int(float(os.environ.get("FT_BALLAST_MB", "0")) * 2**18))
+die_group, _, die_step = os.environ.get("FT_DIE_SERVING", "-1:-1").partition(":")
 FIRST = not os.path.exists(os.path.join(OUT, f"started-{GROUP}"))
 open(os.path.join(OUT, f"started-{GROUP}"), "a").close()
 
@@ -39,10 +44,19 @@ inner = torch.optim.Adam(model.parameters(), lr=1e-3)
 def load_state_dict(state):
     model.load_state_dict(state["model"])
     inner.load_state_dict(state["optim"])
+    BALLAST.copy_(state["ballast"])
+
+
+def _die_soon():
+    time.sleep(0.02)  # the state is on its way by then
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def state_dict():
-    return {"model": model.state_dict(), "optim": inner.state_dict()}
+    serving = threading.current_thread() is not threading.main_thread()  # to a healing group
+    if FIRST and serving and die_group == str(GROUP) and manager.current_step() > int(die_step):
+        threading.Thread(target=_die_soon).start()
+    return {"model": model.state_dict(), "optim": inner.state_dict(), "ballast": BALLAST}
 
 
 manager = torchft.Manager(
@@ -63,7 +77,8 @@ with open(os.path.join(OUT, f"steps-{GROUP}"), "a", buffering=1) as log:
         ddp(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
         optimizer.step()
         if manager.current_step() > step:
-            log.write(f"{time.time()!r} {manager.current_step()} {manager.num_participants()}\n")
+            now = manager.current_step()
+            log.write(f"{time.time()!r} {now} {manager.num_participants()} {os.getpid()}\n")
         now = manager.current_step()
         if FIRST and str(GROUP) in kill_groups.split(",") and now >= int(kill_step):
             os.kill(os.getpid(), signal.SIGKILL)

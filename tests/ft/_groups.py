@@ -125,7 +125,18 @@ def steps(out: Path, group: int) -> list[tuple[float, int, int]]:
     if not path.exists():
         return []
     rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
-    return [(float(t), int(s), int(n)) for t, s, n in rows]
+    return [(float(t), int(s), int(n)) for t, s, n, _pid in rows]
+
+
+def steps_by_process(out: Path, group: int) -> list[list[int]]:
+    """The steps each of the group's processes committed, one list per process, in order."""
+    path = out / f"steps-{group}"
+    found: dict[str, list[int]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            _t, step, _n, pid = line.split()
+            found.setdefault(pid, []).append(int(step))
+    return list(found.values())
 
 
 def wait_for_step(out: Path, group: int | tuple[int, ...], step: int, timeout: float = 120) -> None:

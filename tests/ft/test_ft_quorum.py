@@ -24,10 +24,14 @@ from _groups import (
     same_parameters,
     start_group,
     steps,
+    steps_by_process,
     wait_for_step,
 )
 
-STEPS = 50
+from rallypoint._cli._report import report_main
+from rallypoint.observe import read_events
+
+STEPS = 35
 FAULT = 10
 
 
@@ -70,13 +74,33 @@ def _lines(texts: list[str]) -> str:
     )
 
 
+def _events_say_so(out: Path) -> None:
+    """``--events``: every group's quorum changes and heals, and the report draws them."""
+    files = [out / f"events-{g}.jsonl" for g in range(4)]
+    events = read_events(files)
+    quorums = [e for e in events if e.kind == "quorum"]
+    left = {g: why for e in quorums for g, why in e.get("left").items()}
+    assert left.get("1") == left.get("2") == "rank 0 killed by SIGKILL", quorums
+    assert {e.get("group") for e in quorums} == {"0", "1", "2", "3"}
+    heals = [e for e in events if e.kind == "heal"]
+    for g in ("1", "2"):  # back after the fault, from a live group
+        assert any(e.get("group") == g and e.get("step") > FAULT for e in heals), heals
+    page = out / "report.svg"
+    assert report_main([*map(str, files), "-o", str(page)]) == 0
+    svg = page.read_text()
+    assert "group 1 left: rank 0 killed by SIGKILL" in svg
+    assert "group 2 healed from group" in svg and 'id="quorum-span-0"' in svg
+
+
 @pytest.mark.timeout(300)
 def test_two_groups_killed_at_once_the_others_keep_stepping_and_they_heal(tmp_path: Path) -> None:
     house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "3000")
     try:
-        groups = [
-            start_group(tmp_path, g, house.address, STEPS, FT_KILL=f"1,2:{FAULT}") for g in range(4)
-        ]
+        groups = [  # each group's agent writes its events, and so do its workers
+            start_group(tmp_path, g, house.address, STEPS, "--events",
+                        str(tmp_path / f"events-{g}.jsonl"), FT_KILL=f"1,2:{FAULT}")
+            for g in range(4)
+        ]  # fmt: skip
         texts = finish(groups)
     finally:
         screen = house.stop()
@@ -86,11 +110,37 @@ def test_two_groups_killed_at_once_the_others_keep_stepping_and_they_heal(tmp_pa
     assert "group 2 left: rank 0 killed by SIGKILL" in screen, screen
     joined = "".join(texts)
     assert "group 1 healed from group" in joined and "group 2 healed from group" in joined
+    _events_say_so(tmp_path)
     for g in (1, 2):  # back at the others' step, not at step 0 nor at its own last one
-        rows = steps(tmp_path, g)  # (its first process may have joined late, healed past
-        gaps = [b[0] - a[0] for a, b in itertools.pairwise(rows)]  # FAULT and died there)
-        back = gaps.index(max(gaps)) + 1  # the restarted process's first commit
-        assert rows[back][1] > max(FAULT, rows[back - 1][1]) + 1, rows
+        first, *_, restarted = steps_by_process(tmp_path, g)  # (the first process may
+        assert restarted[0] > max(FAULT, first[-1]) + 1, (first, restarted)  # join late)
+
+
+@pytest.mark.timeout(300)
+def test_the_healing_source_killed_while_it_sends_the_healer_heals_from_another(
+    tmp_path: Path,
+) -> None:
+    """Group 1 dies and comes back; group 0, the group it heals from, is killed while its
+    64 MB state is on the wire. Group 1 heals from group 2 instead; group 0 comes back too;
+    group 2 never pauses past the goal; all three end with the same parameters."""
+    house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "3000")
+    try:
+        groups = [
+            start_group(tmp_path, g, house.address, STEPS, FT_KILL=f"1:{FAULT}",
+                        FT_DIE_SERVING=f"0:{FAULT}", FT_BALLAST_MB="64")
+            for g in range(3)
+        ]  # fmt: skip
+        texts = finish(groups)
+    finally:
+        screen = house.stop()
+    assert all(p.returncode == 0 for p in groups), "\n".join(t[-3000:] for t in texts)
+    context = _lines(texts) + screen
+    assert "group 0 left: rank 0 killed by SIGKILL" in screen, context
+    assert "group 1 could not heal from group 0" in texts[1], context  # and asks again
+    back = [line for line in texts[1].splitlines() if "group 1 healed from group" in line]
+    assert back and "healed from group 2" in back[-1], back
+    assert "group 0 healed from group" in texts[0], context
+    _checks(tmp_path, [0, 1, 2], healthy=[2], extra=1.5, context=context)
 
 
 @pytest.mark.timeout(300)

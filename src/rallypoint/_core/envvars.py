@@ -10,6 +10,8 @@ __all__ = [
     "AGENT_CPP_LOG_LEVEL",
     "CONTROL_FD",
     "ERROR_FILE",
+    "EVENTS_FILE",
+    "EVENTS_NODE",
     "FT_NOTICE",
     "IGNORE_SLURM",
     "PROGRESS_FILE",
@@ -63,6 +65,11 @@ function's wrapper for their ranks (``RANK``, ``WORLD_SIZE``... are not set unti
 FT_NOTICE = "RALLYPOINT_FT_NOTICE"
 """A file in the worker's directory where ``rallypoint.ft.Manager`` writes its lighthouse and
 member id: if the worker dies, its agent tells the other replica groups at once."""
+EVENTS_FILE = "RALLYPOINT_EVENTS_FILE"
+"""``--events``: where a worker's library parts append events of their own (``rallypoint.ft``'s
+quorum changes and heals), beside the agent's."""
+EVENTS_NODE = "RALLYPOINT_EVENTS_NODE"
+"""The node name the agent writes in its events, for the workers' events."""
 SNAPSHOT_SOCKET = "RALLYPOINT_SNAPSHOT_SOCKET"
 """The Unix socket of this node's snapshot server (``rallypoint run`` sets it)."""
 SNAPSHOT_DIR = "RALLYPOINT_SNAPSHOT_DIR"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from typing import Any
 
 from rallypoint._core.checks import MAX_SECONDS, check_int, check_seconds
 from rallypoint._core.closing import Closing
+from rallypoint._core.envvars import EVENTS_FILE, EVENTS_NODE
 from rallypoint._core.procs import pid_running
 from rallypoint._core.store import Store
 from rallypoint._watch._flight._final import (
@@ -142,6 +144,9 @@ class Observer(Closing):
             timing=self.board is not None and self.straggler_threshold is not None,
         )
         env.update(stacks_env(self.stacks_dir))
+        if self.log is not None:  # rallypoint.ft writes its quorum changes there too
+            env[EVENTS_FILE] = os.path.abspath(self.log.path)
+            env[EVENTS_NODE] = self.node
         if self.board is not None:
             env.update(self.board.env(local_rank))
         return env

@@ -16,7 +16,7 @@ import threading
 from datetime import timedelta
 from typing import Any
 
-from rallypoint.ft._quorum import Quorum, Rules
+from rallypoint.ft._quorum import Quorum, Rules, changes, gone_notices
 from rallypoint.rendezvous import KVError, connect_kv, is_etcd_address
 
 __all__ = ["LighthouseServer", "parse_bind"]
@@ -98,36 +98,18 @@ class LighthouseServer:
                         continue
                     quorum = Quorum.from_bytes(raw)
                     if last is None or quorum.quorum_id != last.quorum_id:
-                        say(describe(quorum, last, self._gone()))
+                        say(describe(quorum, last, gone_notices(self.kv)))
                     last = quorum
             except (KVError, RuntimeError, OSError, ValueError):
                 continue
-
-    def _gone(self) -> dict[str, str]:
-        count = int(self.kv.get("gone/count") or b"0")
-        out: dict[str, str] = {}
-        for raw in self.kv.multi_get([f"gone/{i}" for i in range(1, count + 1)]):
-            if raw is not None:
-                member, _, why = raw.decode(errors="replace").partition("\n")
-                out[member] = why
-        return out
 
 
 def describe(quorum: Quorum, previous: Quorum | None, gone: dict[str, str]) -> str:
     """``quorum 7: groups 0, 2 (group 1 left: rank 0 killed by SIGKILL)``."""
     groups = ", ".join(m.replica_id for m in quorum.members)
-    notes = []
-    now = {m.member for m in quorum.members}
-    for m in previous.members if previous is not None else ():
-        if m.member not in now:
-            why = gone.get(m.member, "no heartbeat, or it did not ask in time")
-            notes.append(f"group {m.replica_id} left: {why}")
-    before = {m.member for m in previous.members} if previous is not None else set()
-    notes += [
-        f"group {m.replica_id} joined at step {m.step}"
-        for m in quorum.members
-        if m.member not in before and previous is not None
-    ]
+    left, joined = changes(quorum, previous, gone)
+    notes = [f"group {g} left: {why}" for g, why in left]
+    notes += [f"group {g} joined at step {step}" for g, step in joined]
     tail = f" ({'; '.join(notes)})" if notes else ""
     return (
         f"quorum {quorum.quorum_id}: group{'s' if len(quorum.members) > 1 else ''} {groups}{tail}"

@@ -43,7 +43,15 @@ from rallypoint.ft._heal import (
     mismatch,
 )
 from rallypoint.ft._plan import Plan, plan
-from rallypoint.ft._quorum import Liveness, Quorum, QuorumClient, Request, read_rules
+from rallypoint.ft._quorum import (
+    Liveness,
+    Quorum,
+    QuorumClient,
+    Request,
+    gone_notices,
+    read_rules,
+)
+from rallypoint.ft._record import GroupEvents
 from rallypoint.ft._watch import GroupGuard
 from rallypoint.rendezvous import KVConnectionError, KVError, connect_kv
 
@@ -139,6 +147,7 @@ class Manager:
             if self._rank == 0
             else None
         )
+        self._events = GroupEvents(self._replica_id, self._rank)
         self._tell_agent()
         self._start_state()
 
@@ -310,6 +319,8 @@ class Manager:
             not self._use_async_quorum and allow_heal,
         )
         self._plan = done
+        if self._client is not None:
+            self._events.quorum(quorum, done.heal, lambda: gone_notices(self._kv))
         try:
             self._configure(quorum, done)
         except Exception as exc:  # the process group could not be made: this step fails
@@ -372,8 +383,13 @@ class Manager:
             state, size = fetch_state(
                 done.source_addr, self._secret, done.max_step, self._timeout.total_seconds()
             )
-        except HealError as exc:
+        except HealError as exc:  # the source died while it sent, say: this step fails
             self.report_error(exc)
+            if self._rank == 0:
+                _say(
+                    f"group {self._replica_id} could not heal from group "
+                    f"{done.source_replica} at step {done.max_step} ({exc}); it asks again"
+                )
             return
         problem = mismatch(self._manager_state_dict()["user"], state["user"])
         if problem:
@@ -386,6 +402,7 @@ class Manager:
         self._pending = state
         self.load_state_dict(state["torchft"])
         self.last_heal = (done.source_replica, done.max_step, size, time.monotonic() - began)
+        self._events.heal(*self.last_heal)
         if self._rank == 0:
             _say(
                 f"group {self._replica_id} healed from group {done.source_replica} at step "
@@ -544,6 +561,7 @@ class Manager:
         if wait and self._future is not None:
             with contextlib.suppress(Exception):
                 self._future.result()
+        self._events.close()
 
 
 def _in_thread(fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:

@@ -24,7 +24,17 @@ from typing import Any
 
 from rallypoint.rendezvous import KeyValueStore, KVError
 
-__all__ = ["Liveness", "Quorum", "QuorumClient", "Request", "Rules", "decide", "read_rules"]
+__all__ = [
+    "Liveness",
+    "Quorum",
+    "QuorumClient",
+    "Request",
+    "Rules",
+    "changes",
+    "decide",
+    "gone_notices",
+    "read_rules",
+]
 
 _TICK = 0.01
 """Seconds between a waiting member's looks at the round (a store round trip or two)."""
@@ -351,6 +361,35 @@ def _waiting_for(previous: Quorum | None, requests: Sequence[Request], live: Liv
         m.replica_id for m in previous.members if m.member not in asked and live.alive(m.member)
     ]
     return f"; waiting for group(s) {', '.join(missing)}" if missing else ""
+
+
+def gone_notices(kv: KeyValueStore) -> dict[str, str]:
+    """Every notice so far: member -> why it left (``rank 0 killed by SIGKILL``)."""
+    count = int(kv.get("gone/count") or b"0")
+    out: dict[str, str] = {}
+    for raw in kv.multi_get([f"gone/{i}" for i in range(1, count + 1)]):
+        if raw is not None:
+            member, _, why = raw.decode(errors="replace").partition("\n")
+            out[member] = why
+    return out
+
+
+def changes(
+    quorum: Quorum, previous: Quorum | None, gone: dict[str, str]
+) -> tuple[list[tuple[str, str]], list[tuple[str, int]]]:
+    """``(left, joined)`` since ``previous``: ``(replica id, why)`` of each group that left,
+    ``(replica id, step)`` of each that joined (none for the first quorum)."""
+    if previous is None:
+        return [], []
+    now = {m.member for m in quorum.members}
+    before = {m.member for m in previous.members}
+    left = [
+        (m.replica_id, gone.get(m.member, "no heartbeat, or it did not ask in time"))
+        for m in previous.members
+        if m.member not in now
+    ]
+    joined = [(m.replica_id, m.step) for m in quorum.members if m.member not in before]
+    return left, joined
 
 
 def notify_gone(kv: KeyValueStore, member: str, why: str) -> None:

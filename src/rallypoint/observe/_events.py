@@ -39,9 +39,12 @@ EVENT_KINDS = frozenset(
         "job_end",
         "health",
         "spare",
+        "quorum",
+        "heal",
     }
 )
-"""The kinds the agent writes (others are allowed and carried through unchanged)."""
+"""The kinds the agent writes, and ``rallypoint.ft``'s workers beside it (``quorum``,
+``heal``); others are allowed and carried through unchanged."""
 
 _RESERVED = ("ts", "kind", "node", "rank", "local_rank")
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rallypoint.observe._events import Event
+from rallypoint.observe._participation_plot import draw_participation, participation_tooltips
 from rallypoint.observe._step_lanes_plot import SLOW_COLOR, draw_lanes, lane_tooltips
 from rallypoint.observe._timeline import (
     FAILURE_COLOR,
@@ -89,6 +90,8 @@ def _tooltips(tl: Timeline) -> dict[str, str]:
     tips.update({f"mark-{i}": mark.label for i, mark in enumerate(tl.marks)})
     if tl.lanes is not None:
         tips.update(lane_tooltips(tl.lanes))
+    if tl.groups is not None:
+        tips.update(participation_tooltips(tl.groups))
     return tips
 
 
@@ -126,17 +129,24 @@ def _figure(tl: Timeline) -> Any:
     from matplotlib.figure import Figure
 
     n = max(len(tl.ranks), 1)
-    lanes = tl.lanes
-    if lanes is None:
-        fig = Figure(figsize=(11, 1.6 + 0.4 * n), layout="constrained")
-        ax = fig.add_subplot()
-    else:
-        m = len(lanes.ranks)
-        fig = Figure(figsize=(11, 2.8 + 0.4 * n + 0.3 * m), layout="constrained")
-        ax, lanes_ax = fig.subplots(2, 1, sharex=True, height_ratios=[n + 0.6, 0.75 * m + 1.2])
-        draw_lanes(fig, lanes_ax, lanes, tl.span)
-        lanes_ax.set_xlabel("seconds since the first event")
-        lanes_ax.grid(axis="x", color="#eeeeee")
+    heights = [n + 0.6]  # the workers; then step-time lanes, then replica groups if any
+    if tl.lanes is not None:
+        heights.append(0.75 * len(tl.lanes.ranks) + 1.2)
+    if tl.groups is not None:
+        heights.append(0.5 * len(tl.groups.groups) + 0.8)
+    extra = sum(heights[1:])
+    fig = Figure(figsize=(11, 1.6 + 0.4 * n + 0.4 * extra), layout="constrained")
+    axes = list(
+        fig.subplots(len(heights), 1, sharex=True, height_ratios=heights, squeeze=False)[:, 0]
+    )
+    ax, below = axes[0], axes[1:]
+    if tl.lanes is not None:
+        draw_lanes(fig, below.pop(0), tl.lanes, tl.span)
+    if tl.groups is not None:
+        draw_participation(below.pop(0), tl.groups, tl.span)
+    axes[-1].set_xlabel("seconds since the first event")
+    for lower in axes[1:]:
+        lower.grid(axis="x", color="#eeeeee")
     FigureCanvasAgg(fig)
     y_of = {r: i for i, r in enumerate(tl.ranks)}
     for i, bar in enumerate(tl.bars):
@@ -153,11 +163,9 @@ def _figure(tl: Timeline) -> Any:
     ax.set_yticks(range(len(tl.ranks)), [f"rank {r}" for r in tl.ranks])
     ax.set_ylim(n - 0.5, -0.5)
     ax.set_xlim(0, tl.span * 1.02)
-    if lanes is None:
-        ax.set_xlabel("seconds since the first event")
     ax.set_title(_text(tl.title), loc="left", pad=40, parse_math=False)
     ax.grid(axis="x", color="#eeeeee")
-    _legend(fig, stragglers=lanes is not None)
+    _legend(fig, stragglers=tl.lanes is not None)
     return fig
 
 

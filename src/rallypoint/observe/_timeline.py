@@ -6,7 +6,8 @@ an in-process restart kept the process (``worker_kept``: the part before is draw
 kept, and the process goes on in a new bar); rounds,
 restarts, hangs and the end of the job as vertical marks; the root-cause ``failure`` as a
 mark on its rank. Several files (one per node) are merged by time before this step.
-Step times and stragglers become lanes below (``_step_lanes``) when the events hold them.
+Step times and stragglers become lanes below (``_step_lanes``) when the events hold them,
+and so do replica groups' quorums (``_participation``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from rallypoint._core.status import WorkerStatus
 from rallypoint.observe._events import Event
+from rallypoint.observe._participation import Participation, build_participation
 from rallypoint.observe._step_lanes import StepLanes, build_lanes
 
 __all__ = [
@@ -78,6 +80,8 @@ class Timeline:
     title: str = "rallypoint job timeline"
     lanes: StepLanes | None = None
     """Step time per rank with the stragglers (``None`` without ``step_times`` events)."""
+    groups: Participation | None = None
+    """Replica groups in each quorum (``None`` without ``rallypoint.ft``'s events)."""
 
 
 def _state_of(event: Event) -> WorkerStatus:
@@ -164,6 +168,7 @@ def build_timeline(events: Sequence[Event]) -> Timeline:
         timeline.bars.append(bar)
     timeline.ranks = sorted(ranks)
     timeline.lanes = build_lanes(ordered, t0, end)
+    timeline.groups = build_participation(ordered, t0, end)
     run_ids = {e.get("run_id") for e in ordered if e.get("run_id")}
     if len(run_ids) == 1:
         timeline.title = f"rallypoint job {run_ids.pop()}"

@@ -1,0 +1,109 @@
+"""Replica-group participation in a job's report: which groups were in each step's quorum.
+
+Built from the ``quorum`` and ``heal`` events that ``rallypoint.ft``'s groups write beside
+their agents' events (``rallypoint run --events``; fields in docs/ft.md). Every group in a
+quorum writes it, so a quorum is kept once (its id and its groups), at the time the first
+group wrote it; it lasts until the next quorum. A group's lane is filled where it was in
+the quorum and empty where it was out; its heals are marks on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from rallypoint.observe._events import Event
+
+__all__ = ["Change", "Heal", "Participation", "Span", "build_participation"]
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Group ``group`` in quorum ``quorum`` from ``start`` to ``end`` (seconds)."""
+
+    group: str
+    start: float
+    end: float
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A new quorum at ``t``: ``quorum 7: groups 0, 2 (group 1 left: ...)``."""
+
+    t: float
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heal:
+    group: str
+    t: float
+    label: str
+
+
+@dataclass(slots=True)
+class Participation:
+    groups: list[str] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
+    changes: list[Change] = field(default_factory=list)
+    heals: list[Heal] = field(default_factory=list)
+
+
+def _group_order(group: str) -> tuple[int, int | str]:
+    return (0, int(group)) if group.isdigit() else (1, group)
+
+
+def _names(value: object) -> list[str]:
+    return [str(g) for g in value] if isinstance(value, list) else []
+
+
+def _change_label(e: Event, groups: list[str]) -> str:
+    notes = []
+    left, joined = e.get("left"), e.get("joined")
+    if isinstance(left, dict):
+        notes += [f"group {g} left: {why}" for g, why in left.items()]
+    if isinstance(joined, dict):
+        notes += [f"group {g} joined at step {step}" for g, step in joined.items()]
+    tail = f" ({'; '.join(notes)})" if notes else ""
+    return f"quorum {e.get('quorum', '?')}: groups {', '.join(groups)}{tail}"
+
+
+def _heal_label(e: Event) -> str:
+    size, seconds = e.get("bytes"), e.get("seconds")
+    amount = ""
+    if isinstance(size, int | float) and isinstance(seconds, int | float):
+        amount = f" ({size / 1e6:.1f} MB in {seconds:.2f} s)"
+    return (
+        f"group {e.get('group', '?')} healed from group {e.get('source', '?')} "
+        f"at step {e.get('step', '?')}{amount}"
+    )
+
+
+def build_participation(ordered: Sequence[Event], t0: float, end: float) -> Participation | None:
+    """Each group's participation from events sorted by time (``None``: no quorums)."""
+    quorums: list[tuple[float, Event, list[str]]] = []
+    seen: set[tuple[object, tuple[str, ...]]] = set()
+    out = Participation()
+    for e in ordered:
+        if e.kind == "quorum":
+            groups = _names(e.get("groups"))
+            key = (e.get("quorum"), tuple(groups))
+            if groups and key not in seen:  # every group in it wrote it: once
+                seen.add(key)
+                quorums.append((e.ts - t0, e, groups))
+        elif e.kind == "heal" and e.get("group") is not None:
+            out.heals.append(Heal(str(e.get("group")), e.ts - t0, _heal_label(e)))
+    if not quorums:
+        return None
+    everyone: set[str] = {h.group for h in out.heals}
+    for i, (t, e, groups) in enumerate(quorums):
+        stop = quorums[i + 1][0] if i + 1 < len(quorums) else max(end, t)
+        label = _change_label(e, groups)
+        out.changes.append(Change(t, label))
+        step = e.get("step")
+        for g in groups:
+            everyone.add(g)
+            out.spans.append(Span(g, t, stop, f"group {g} in {label}; from step {step}"))
+    out.groups = sorted(everyone, key=_group_order)
+    return out
