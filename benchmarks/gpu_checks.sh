@@ -61,7 +61,7 @@ want cuda-restart && step cuda-restart 200 "${PYTEST[@]}" -rP \
     tests/supervise/test_inprocess_restart_cuda.py
 want cuda-other && step cuda-other 220 "${PYTEST[@]}" -rP tests/supervise/test_inprocess_restart_cuda.py \
     tests/supervise/test_numa_binding.py tests/observe/test_flight_nccl.py \
-    tests/elastic/test_launcher_health.py tests/elastic/test_elastic_burn_in.py
+    tests/elastic/test_launcher_health.py tests/elastic/test_elastic_burn_in.py tests/ft/test_ft_nccl.py
 want restart-gpu && step restart-gpu 200 "$RUN" benchmarks/restart_gpu.py --repeat 2
 want rpc-cuda && step rpc-cuda 90 "$RUN" benchmarks/rpc.py --only cuda --quick
 want launch-cuda && step launch-cuda 120 "$RUN" benchmarks/launch.py --sizes 16 --cuda-sizes 8 \

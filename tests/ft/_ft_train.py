@@ -8,7 +8,8 @@ FT_WIDTH (the hidden layer, 32), FT_STEP_SLEEP (seconds, 0.05), FT_HOLD ("STEP:G
 that step, wait until that group's process has started: a late group then joins while the
 others still train, however slow a loaded machine starts it), FT_BALLAST_MB (a tensor of that
 size in the state, 0), FT_DIE_SERVING ("GROUP:STEP": past that step, that group's first
-process SIGKILLs itself 20 ms after it starts sending its state to a healing group).
+process SIGKILLs itself 20 ms after it starts sending its state to a healing group),
+FT_BACKEND (``nccl``: the model on the visible GPU and ProcessGroupNCCL across groups).
 Every committed step appends ``time step participants pid`` to OUT/steps-<group>; the end
 writes the parameters to OUT/final-<group>.pt.
 """
@@ -37,7 +38,10 @@ FIRST = not os.path.exists(os.path.join(OUT, f"started-{GROUP}"))
 open(os.path.join(OUT, f"started-{GROUP}"), "a").close()
 
 torch.manual_seed(GROUP)  # different on purpose: the first quorum's heal makes them equal
+NCCL = os.environ.get("FT_BACKEND") == "nccl"
+DEVICE = torch.device("cuda", 0) if NCCL else torch.device("cpu")
 model = torch.nn.Sequential(torch.nn.Linear(16, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, 4))
+model = model.to(DEVICE)
 inner = torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
@@ -60,7 +64,9 @@ def state_dict():
 
 
 manager = torchft.Manager(
-    pg=torchft.ProcessGroupGloo(timeout=timedelta(seconds=10)),
+    pg=(torchft.ProcessGroupNCCL if NCCL else torchft.ProcessGroupGloo)(
+        timeout=timedelta(seconds=10)
+    ),
     min_replica_size=int(os.environ.get("FT_MIN", "1")),
     load_state_dict=load_state_dict,
     state_dict=state_dict,
@@ -74,7 +80,7 @@ with open(os.path.join(OUT, f"steps-{GROUP}"), "a", buffering=1) as log:
         step = manager.current_step()
         g = torch.Generator().manual_seed(1000 * step + GROUP)
         optimizer.zero_grad()
-        ddp(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
+        ddp(torch.randn(8, 16, generator=g).to(DEVICE)).pow(2).mean().backward()
         optimizer.step()
         if manager.current_step() > step:
             now = manager.current_step()
@@ -91,5 +97,5 @@ with open(os.path.join(OUT, f"steps-{GROUP}"), "a", buffering=1) as log:
             while not os.path.exists(os.path.join(OUT, f"started-{hold_group}")):
                 assert time.monotonic() < deadline, f"group {hold_group} never started"
                 time.sleep(0.05)
-torch.save({k: v.clone() for k, v in model.state_dict().items()}, f"{OUT}/final-{GROUP}.pt")
+torch.save({k: v.cpu() for k, v in model.state_dict().items()}, f"{OUT}/final-{GROUP}.pt")
 manager.shutdown()

@@ -31,7 +31,7 @@ from _groups import (
 from rallypoint._cli._report import report_main
 from rallypoint.observe import read_events
 
-STEPS = 35
+STEPS = 50
 FAULT = 10
 
 
