@@ -47,3 +47,46 @@ def test_error_kinds() -> None:
     with pytest.raises(WarmProcessError) as info:
         warm.start_store("127.0.0.1", 0)
     assert info.value.kind is WarmErrorKind.DIED
+
+
+_LATER_PROBE = """
+import os, sys, time
+from rallypoint._supervise._warm._server import LATER_MODULES
+loaded = [m for m in LATER_MODULES if m in sys.modules]
+with open(os.path.join(sys.argv[1], "attempts"), "a") as fp:
+    fp.write(",".join(loaded) + "\\n")
+if len(loaded) < len(LATER_MODULES):
+    time.sleep(0.3)
+    sys.exit(1)  # again: the next worker is forked a little later
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_forked_later_finds_what_a_first_step_imports_one_piece_at_a_time(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """The first worker starts without waiting for the later imports; each worker forked
+    after it finds them done in order, a prefix at a time (a fork asked for meanwhile waits
+    for one piece, not for the whole); once they are all done a worker finds them all."""
+    import os
+    import subprocess
+    import sys
+
+    from rallypoint._supervise._warm._server import LATER_MODULES
+
+    script = tmp_path / "probe.py"
+    script.write_text(_LATER_PROBE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "1",
+         "--max-restarts", "100", "--max-same-failure", "100", str(script), str(tmp_path)],
+        capture_output=True, text=True, timeout=100, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [
+        line.split(",") if line else [] for line in (tmp_path / "attempts").read_text().splitlines()
+    ]
+    assert seen[0] == [], seen[0]  # the first worker did not wait for them
+    assert seen[-1] == list(LATER_MODULES)
+    for loaded in seen:
+        assert loaded == list(LATER_MODULES[: len(loaded)]), seen  # in order, a piece at a time

@@ -67,6 +67,10 @@ class NoticeWriters:
         """The writer process's input, once started."""
         self._pids: set[int] = set()
 
+    @property
+    def started(self) -> bool:
+        return self._pipe != -1
+
     def start_writer(self, close: Sequence[int]) -> None:
         """Fork the writer process now (``close``: this process's descriptors it must not
         keep)."""

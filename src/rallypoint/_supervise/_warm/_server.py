@@ -57,12 +57,21 @@ from rallypoint._supervise._worker import WorkerSpec, child_main
 __all__ = ["WARM_MODULES", "serve"]
 
 WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel")
-LATER_MODULES = ("torch._dynamo",)
+LATER_MODULES = (
+    "sympy",
+    "torch.fx.experimental.symbolic_shapes",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch._dynamo",
+)
 """What a worker's first training step imports (a torch optimizer imports ``torch._dynamo``,
-about 1 s of CPU): imported once the first workers are forked and the warm process is idle
-(:data:`IDLE`), so that a replacement or a spare forked later pays nothing, and the first
-workers start as soon as before. Before it, the process that tells ``rallypoint.ft``
-replica groups that a worker died is forked (``_notices``)."""
+about 1.6 s of CPU): imported once the first workers are forked and the warm process is
+idle (:data:`IDLE`), so that a replacement or a spare forked later pays nothing, and the
+first workers start as soon as before. One module at a time, each when the process is idle
+again: a fork asked for meanwhile waits for one piece (0.05 to 0.6 s here; 5x that on a
+loaded machine), not for the whole (a replacement waited 5.5 s). Before the first, the
+process that tells ``rallypoint.ft`` replica groups that a worker died is forked
+(``_notices``)."""
 IDLE = 0.3
 """Seconds without a request after which the warm process imports :data:`LATER_MODULES`."""
 _ORPHANED_KILL_TIMEOUT = 1.5
@@ -179,11 +188,10 @@ class _Server:
         while True:
             ready = sel.select(IDLE if self.later and self.workers else None)
             if not ready and self.later:
-                # first what writes the notices, forked before the import (_notices)
-                importlib.import_module("rallypoint.ft.agent")
-                self.notice_writers.start_writer(self._own_fds())
-                self._import_later(self.later)
-                self.later.clear()
+                if not self.notice_writers.started:  # forked before the imports (_notices)
+                    importlib.import_module("rallypoint.ft.agent")
+                    self.notice_writers.start_writer(self._own_fds())
+                self._import_later([self.later.pop(0)])
                 gc.freeze()  # as after Init: forked children share it without churn
             while self.deferred:
                 self._on_message(self.deferred.pop(0))
