@@ -14,7 +14,15 @@ import contextlib
 import os
 import socket
 
-__all__ = ["loops", "shut_down", "socket_links", "tcp_table"]
+__all__ = [
+    "device_connections",
+    "epoll_sets",
+    "listens",
+    "loops",
+    "shut_down",
+    "socket_links",
+    "tcp_table",
+]
 
 LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
 EPOLL, PIPE, OTHER = -1, -2, 0
@@ -87,6 +95,32 @@ def loops(
             continue  # a Unix socket (asyncio's self-pipe), or no listener
         found[fd] = frozenset(k for k in sockets if tcp[k][1] != LISTEN)
     return found
+
+
+def epoll_sets(links: dict[int, int] | None = None) -> set[int]:
+    """This process's epoll descriptors (a new gloo device adds one: its loop's)."""
+    links = socket_links() if links is None else links
+    return {fd for fd, inode in links.items() if inode == EPOLL}
+
+
+def device_connections(
+    epoll_fd: int,
+    links: dict[int, int] | None = None,
+    tcp: dict[int, tuple[int, str]] | None = None,
+) -> frozenset[int]:
+    """The inodes of the connected TCP sockets that epoll set ``epoll_fd`` watches now (a
+    gloo device's loop: its pairs' sockets, not its listener)."""
+    links = socket_links() if links is None else links
+    tcp = tcp_table() if tcp is None else tcp
+    watched = [links.get(fd, OTHER) for fd in _watched(epoll_fd)]
+    return frozenset(k for k in watched if k > 0 and k in tcp and tcp[k][1] != LISTEN)
+
+
+def listens(epoll_fd: int, links: dict[int, int] | None = None) -> bool:
+    """Whether epoll set ``epoll_fd`` watches a listening TCP socket (a gloo device's)."""
+    links = socket_links() if links is None else links
+    tcp = tcp_table()
+    return any(tcp.get(links.get(fd, OTHER), (0, ""))[1] == LISTEN for fd in _watched(epoll_fd))
 
 
 def shut_down(inodes: frozenset[int] | set[int], links: dict[int, int] | None = None) -> int:

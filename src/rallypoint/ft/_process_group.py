@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rallypoint._core.gloo_links import loops, shut_down
+from rallypoint._core.gloo_links import device_connections, epoll_sets, listens, shut_down
 from rallypoint._core.store import Store
 from rallypoint._core.torch_c import HashStore, as_torch_store
 from rallypoint.rendezvous import connect_kv
@@ -143,26 +143,39 @@ class ProcessGroup:
 
 
 class ProcessGroupGloo(ProcessGroup):
-    """torch's gloo. gloo has no working abort, so ``abort()`` shuts down this
-    communicator's own connections, found when it was made (:mod:`rallypoint._core.
-    gloo_links`): every rank blocked on them fails at once."""
+    """torch's gloo. gloo has no working abort, so ``abort()`` shuts down the connections
+    of this communicator's own device (:mod:`rallypoint._core.gloo_links`): every rank
+    blocked on them fails at once. The device is made here, one at a time in a process,
+    so that its loop is known for sure: the one epoll set that appeared with it (other
+    communicators made at the same time, by other managers or the program, are not it)."""
 
     backend_name = "torchft-gloo"
 
     def __init__(self, timeout: timedelta | float = timedelta(seconds=60), pg: Any = None) -> None:
         super().__init__(timeout)
-        self._sockets: frozenset[int] = frozenset()
+        self._loops: set[int] = set()
 
     def _create(self, store: Store, rank: int, world_size: int) -> Any:
-        before = frozenset().union(*loops().values())
-        backend = dist.ProcessGroupGloo(as_torch_store(store), rank, world_size, self._timeout)
-        mine = [s for s in loops().values() if s and not s & before]
-        self._sockets = frozenset().union(*mine)
+        gloo = dist.ProcessGroupGloo
+        with _DEVICE_LOCK:
+            before = epoll_sets()
+            device = gloo.create_default_device()
+            new = epoll_sets() - before
+        options = gloo._Options()  # type: ignore[attr-defined]
+        options._devices = [device]
+        options._timeout = self._timeout
+        backend = gloo(as_torch_store(store), rank, world_size, options)
+        self._loops = {fd for fd in new if listens(fd)} or new
         return backend
 
     def _abort(self, backend: Any) -> None:
-        shut_down(self._sockets)
-        self._sockets = frozenset()
+        for fd in self._loops:  # the backend (and so its device) is alive until this returns
+            shut_down(device_connections(fd))
+        self._loops = set()
+
+
+_DEVICE_LOCK = threading.Lock()
+"""Held while a gloo device is made (no rendezvous: milliseconds)."""
 
 
 class ProcessGroupNCCL(ProcessGroup):

@@ -1,0 +1,90 @@
+"""``rallypoint.ft.ProcessGroupGloo``'s abort: it cuts its own communicator and no other.
+
+Several managers can live in one process (torchft's own tests run every replica group as
+threads of one process), and a program can make its own gloo groups while a manager makes
+one: aborting one communicator must leave the others working, and free at once a rank
+blocked in a collective that a peer never joins.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from rallypoint._core.torch_c import HashStore
+from rallypoint.ft import ProcessGroupGloo
+
+
+def _made_together(n_groups: int) -> list[ProcessGroupGloo]:
+    """``n_groups`` communicators of two ranks each, all made at the same time."""
+    stores = [HashStore() for _ in range(n_groups)]
+    pgs = [ProcessGroupGloo(timeout=timedelta(seconds=20)) for _ in range(2 * n_groups)]
+
+    def make(i: int) -> None:
+        pgs[i].configure(f"unused#{i}", str(i), i % 2, 2)
+
+    import rallypoint.ft._process_group as module
+
+    real = module.store_from_address
+    module.store_from_address = lambda addr, timeout: stores[int(addr.split("#")[1]) // 2]  # type: ignore[assignment]
+    try:
+        threads = [threading.Thread(target=make, args=(i,)) for i in range(len(pgs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        module.store_from_address = real
+    return pgs
+
+
+def _allreduce(pgs: list[ProcessGroupGloo], ranks: list[int]) -> list[object]:
+    out: list[object] = [None] * len(pgs)
+
+    def run(i: int) -> None:
+        t = torch.ones(4) * (i + 1)
+        try:
+            pgs[i].allreduce([t], torch.distributed.ReduceOp.SUM).wait()
+            out[i] = t.tolist()
+        except Exception as exc:  # the test reports what happened
+            out[i] = type(exc).__name__
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return [out[i] for i in ranks]
+
+
+@pytest.mark.timeout(60)
+def test_communicators_made_at_once_in_one_process_are_aborted_one_at_a_time() -> None:
+    pgs = _made_together(3)
+    pgs[0].abort()  # group A's rank 0, then its rank 1
+    pgs[1].abort()
+    assert _allreduce(pgs, [2, 3]) == [[7.0] * 4, [7.0] * 4]  # group B still works
+    assert _allreduce(pgs, [4, 5]) == [[11.0] * 4, [11.0] * 4]  # and group C
+    for pg in pgs[2:]:
+        pg.abort()
+
+
+@pytest.mark.timeout(60)
+def test_an_abort_frees_a_rank_blocked_on_a_peer_that_never_joins() -> None:
+    pgs = _made_together(2)
+    result: list[object] = []
+    blocked = threading.Thread(target=lambda: result.extend(_allreduce(pgs, [0])))
+    blocked.start()
+    time.sleep(0.5)  # rank 0 waits in the allreduce; rank 1 never joins it
+    assert blocked.is_alive()
+    began = time.monotonic()
+    pgs[1].abort()  # rank 1's own connections are cut: rank 0 fails at once
+    blocked.join(10)
+    assert not blocked.is_alive() and time.monotonic() - began < 5
+    assert isinstance(result[0], str), result  # an error, not a sum
+    assert _allreduce(pgs, [2, 3]) == [[7.0] * 4, [7.0] * 4]  # the other group is untouched
+    for pg in pgs:
+        pg.abort()
