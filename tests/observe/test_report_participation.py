@@ -75,6 +75,24 @@ def test_the_report_draws_the_groups_with_their_tooltips(tmp_path: Path) -> None
     assert "replica groups in each step&#x27;s quorum" in svg or "each step's quorum" in svg
 
 
+def test_who_left_is_taken_from_one_quorum_to_the_next_with_any_writers_reason(
+    tmp_path: Path,
+) -> None:
+    """Each group writes a quorum against the last one it was in: the first to write it
+    (group 3, which joined after group 1 had left) names nobody as left; another does."""
+    path = tmp_path / "ev.jsonl"
+    with EventLog(path, node="a") as log:
+        log.emit("quorum", group="0", quorum=1, step=0, groups=["0", "1"], left={}, joined={})
+        log.emit("quorum", group="3", quorum=2, step=9, groups=["0", "3"], left={}, joined={})
+        log.emit("quorum", group="0", quorum=2, step=9, groups=["0", "3"],
+                 left={"1": "rank 0 killed by SIGKILL"}, joined={"3": 0})  # fmt: skip
+    part = build_participation(read_events(path), 0.0, 1.0)
+    assert part is not None
+    assert part.changes[1].label == (
+        "quorum 2: groups 0, 3 (group 1 left: rank 0 killed by SIGKILL; group 3 joined at step 0)"
+    )
+
+
 def test_a_job_without_quorums_has_no_group_lanes(tmp_path: Path) -> None:
     path = tmp_path / "plain.jsonl"
     with EventLog(path, node="a") as log:

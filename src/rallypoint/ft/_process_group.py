@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rallypoint._core.forking import fork_safe_lock
 from rallypoint._core.gloo_links import device_connections, epoll_sets, listens, shut_down
 from rallypoint._core.store import Store
 from rallypoint._core.torch_c import HashStore, as_torch_store
@@ -174,7 +175,7 @@ class ProcessGroupGloo(ProcessGroup):
         self._loops = set()
 
 
-_DEVICE_LOCK = threading.Lock()
+_DEVICE_LOCK = fork_safe_lock()
 """Held while a gloo device is made (no rendezvous: milliseconds)."""
 
 

@@ -1,10 +1,12 @@
 """Replica-group participation in a job's report: which groups were in each step's quorum.
 
 Built from the ``quorum`` and ``heal`` events that ``rallypoint.ft``'s groups write beside
-their agents' events (``rallypoint run --events``; fields in docs/ft.md). Every group in a
-quorum writes it, so a quorum is kept once (its id and its groups), at the time the first
-group wrote it; it lasts until the next quorum. A group's lane is filled where it was in
-the quorum and empty where it was out; its heals are marks on it.
+their agents' events (``rallypoint run --events``; fields in docs/multinode.md). Every group
+in a quorum writes it, so a quorum is kept once (its id and its groups), at the time the
+first group wrote it; it lasts until the next quorum. Who left and who joined is taken
+from one quorum to the next here (each group wrote it against the last quorum it was in),
+with the reasons any of its writers gave. A group's lane is filled where it was in the
+quorum and empty where it was out; its heals are marks on it.
 """
 
 from __future__ import annotations
@@ -58,15 +60,18 @@ def _names(value: object) -> list[str]:
     return [str(g) for g in value] if isinstance(value, list) else []
 
 
-def _change_label(e: Event, groups: list[str]) -> str:
+def _change_label(
+    quorum: object, groups: list[str], before: list[str], why: dict[str, str], at: dict[str, object]
+) -> str:
     notes = []
-    left, joined = e.get("left"), e.get("joined")
-    if isinstance(left, dict):
-        notes += [f"group {g} left: {why}" for g, why in left.items()]
-    if isinstance(joined, dict):
-        notes += [f"group {g} joined at step {step}" for g, step in joined.items()]
+    for g in before:
+        if g not in groups:
+            notes.append(f"group {g} left: {why[g]}" if g in why else f"group {g} left")
+    for g in groups:
+        if before and g not in before:
+            notes.append(f"group {g} joined at step {at[g]}" if g in at else f"group {g} joined")
     tail = f" ({'; '.join(notes)})" if notes else ""
-    return f"quorum {e.get('quorum', '?')}: groups {', '.join(groups)}{tail}"
+    return f"quorum {quorum}: groups {', '.join(groups)}{tail}"
 
 
 def _heal_label(e: Event) -> str:
@@ -82,28 +87,38 @@ def _heal_label(e: Event) -> str:
 
 def build_participation(ordered: Sequence[Event], t0: float, end: float) -> Participation | None:
     """Each group's participation from events sorted by time (``None``: no quorums)."""
-    quorums: list[tuple[float, Event, list[str]]] = []
-    seen: set[tuple[object, tuple[str, ...]]] = set()
+    quorums: dict[
+        tuple[object, tuple[str, ...]], tuple[float, Event, dict[str, str], dict[str, object]]
+    ] = {}
     out = Participation()
     for e in ordered:
         if e.kind == "quorum":
             groups = _names(e.get("groups"))
-            key = (e.get("quorum"), tuple(groups))
-            if groups and key not in seen:  # every group in it wrote it: once
-                seen.add(key)
-                quorums.append((e.ts - t0, e, groups))
+            if not groups:
+                continue
+            key = (e.get("quorum"), tuple(groups))  # every group in it wrote it: kept once
+            t, first, why, at = quorums.setdefault(key, (e.ts - t0, e, {}, {}))
+            left, joined = e.get("left"), e.get("joined")
+            if isinstance(left, dict):
+                why.update({str(g): str(r) for g, r in left.items()})
+            if isinstance(joined, dict):
+                at.update({str(g): s for g, s in joined.items()})
         elif e.kind == "heal" and e.get("group") is not None:
             out.heals.append(Heal(str(e.get("group")), e.ts - t0, _heal_label(e)))
     if not quorums:
         return None
     everyone: set[str] = {h.group for h in out.heals}
-    for i, (t, e, groups) in enumerate(quorums):
-        stop = quorums[i + 1][0] if i + 1 < len(quorums) else max(end, t)
-        label = _change_label(e, groups)
+    ordered_q = list(quorums.items())
+    before: list[str] = []
+    for i, ((number, members), (t, first, why, at)) in enumerate(ordered_q):
+        groups = list(members)
+        stop = ordered_q[i + 1][1][0] if i + 1 < len(ordered_q) else max(end, t)
+        label = _change_label(number, groups, before, why, at)
         out.changes.append(Change(t, label))
-        step = e.get("step")
+        step = first.get("step")
         for g in groups:
             everyone.add(g)
             out.spans.append(Span(g, t, stop, f"group {g} in {label}; from step {step}"))
+        before = groups
     out.groups = sorted(everyone, key=_group_order)
     return out
