@@ -9,7 +9,9 @@ that step, wait until that group's process has started: a late group then joins 
 others still train, however slow a loaded machine starts it), FT_BALLAST_MB (a tensor of that
 size in the state, 0), FT_DIE_SERVING ("GROUP:STEP": past that step, that group's first
 process SIGKILLs itself 20 ms after it starts sending its state to a healing group),
-FT_BACKEND (``nccl``: the model on the visible GPU and ProcessGroupNCCL across groups).
+FT_BACKEND (``nccl``: the model on the visible GPU and ProcessGroupNCCL across groups),
+FT_TOGETHER (N: wait until groups 0..N-1 have all started before asking for a quorum, so
+that none trains alone from step 0 however slowly a loaded machine starts the others).
 Every committed step appends ``time step participants pid`` to OUT/steps-<group>; the end
 writes the parameters to OUT/final-<group>.pt.
 """
@@ -36,6 +38,12 @@ BALLAST = torch.zeros(int(float(os.environ.get("FT_BALLAST_MB", "0")) * 2**18))
 die_group, _, die_step = os.environ.get("FT_DIE_SERVING", "-1:-1").partition(":")
 FIRST = not os.path.exists(os.path.join(OUT, f"started-{GROUP}"))
 open(os.path.join(OUT, f"started-{GROUP}"), "a").close()
+
+together = int(os.environ.get("FT_TOGETHER", "0"))
+deadline = time.monotonic() + 120
+while FIRST and not all(os.path.exists(os.path.join(OUT, f"started-{g}")) for g in range(together)):
+    assert time.monotonic() < deadline, "the other groups never started"
+    time.sleep(0.05)
 
 torch.manual_seed(GROUP)  # different on purpose: the first quorum's heal makes them equal
 NCCL = os.environ.get("FT_BACKEND") == "nccl"

@@ -123,12 +123,14 @@ def test_the_healing_source_killed_while_it_sends_the_healer_heals_from_a_live_g
     """Group 1 dies and comes back; group 0, the group it heals from, is killed while its
     64 MB state is on the wire. Group 1 says so and heals from a live group instead (group
     2, or group 0's new process); group 0 comes back too; group 2 never pauses past the
-    goal; all three end with the same parameters."""
+    goal; all three end with the same parameters. (They start together: a group that
+    trained alone from step 0 on a slow start, and then died as the source, took its steps
+    with it, and its new process went back to the others' step.)"""
     house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "3000")
     try:
         groups = [
             start_group(tmp_path, g, house.address, STEPS, FT_KILL=f"1:{FAULT}",
-                        FT_DIE_SERVING=f"0:{FAULT}", FT_BALLAST_MB="64")
+                        FT_DIE_SERVING=f"0:{FAULT}", FT_BALLAST_MB="64", FT_TOGETHER="3")
             for g in range(3)
         ]  # fmt: skip
         texts = finish(groups)
