@@ -19,26 +19,23 @@ from rallypoint._core.torch_c import HashStore
 from rallypoint.ft import ProcessGroupGloo
 
 
-def _made_together(n_groups: int) -> list[ProcessGroupGloo]:
-    """``n_groups`` communicators of two ranks each, all made at the same time."""
+def _made_together(n_groups: int, monkeypatch: pytest.MonkeyPatch) -> list[ProcessGroupGloo]:
+    """``n_groups`` communicators of two ranks each, all made at the same time (rank ``i``'s
+    address names its group's store)."""
     stores = [HashStore() for _ in range(n_groups)]
     pgs = [ProcessGroupGloo(timeout=timedelta(seconds=20)) for _ in range(2 * n_groups)]
-
-    def make(i: int) -> None:
-        pgs[i].configure(f"unused#{i}", str(i), i % 2, 2)
-
-    import rallypoint.ft._process_group as module
-
-    real = module.store_from_address
-    module.store_from_address = lambda addr, timeout: stores[int(addr.split("#")[1]) // 2]  # type: ignore[assignment]
-    try:
-        threads = [threading.Thread(target=make, args=(i,)) for i in range(len(pgs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-    finally:
-        module.store_from_address = real
+    monkeypatch.setattr(
+        "rallypoint.ft._process_group.store_from_address",
+        lambda addr, timeout: stores[int(addr.split("#")[1]) // 2],
+    )
+    threads = [
+        threading.Thread(target=pgs[i].configure, args=(f"unused#{i}", str(i), i % 2, 2))
+        for i in range(len(pgs))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
     return pgs
 
 
@@ -62,8 +59,10 @@ def _allreduce(pgs: list[ProcessGroupGloo], ranks: list[int]) -> list[object]:
 
 
 @pytest.mark.timeout(60)
-def test_communicators_made_at_once_in_one_process_are_aborted_one_at_a_time() -> None:
-    pgs = _made_together(3)
+def test_communicators_made_at_once_in_one_process_are_aborted_one_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pgs = _made_together(3, monkeypatch)
     pgs[0].abort()  # group A's rank 0, then its rank 1
     pgs[1].abort()
     assert _allreduce(pgs, [2, 3]) == [[7.0] * 4, [7.0] * 4]  # group B still works
@@ -73,8 +72,10 @@ def test_communicators_made_at_once_in_one_process_are_aborted_one_at_a_time() -
 
 
 @pytest.mark.timeout(60)
-def test_an_abort_frees_a_rank_blocked_on_a_peer_that_never_joins() -> None:
-    pgs = _made_together(2)
+def test_an_abort_frees_a_rank_blocked_on_a_peer_that_never_joins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pgs = _made_together(2, monkeypatch)
     result: list[object] = []
     blocked = threading.Thread(target=lambda: result.extend(_allreduce(pgs, [0])))
     blocked.start()

@@ -91,10 +91,18 @@ def loops(
         if kinds.count(PIPE) != 1 or any(k in (OTHER, EPOLL) for k in kinds):
             continue  # not one wake-up pipe, or something else than sockets
         sockets = [k for k in kinds if k > 0]
-        if any(k not in tcp for k in sockets) or not any(tcp[k][1] == LISTEN for k in sockets):
+        if any(k not in tcp for k in sockets) or not _listening(sockets, tcp):
             continue  # a Unix socket (asyncio's self-pipe), or no listener
-        found[fd] = frozenset(k for k in sockets if tcp[k][1] != LISTEN)
+        found[fd] = _connected(sockets, tcp)
     return found
+
+
+def _listening(inodes: list[int], tcp: dict[int, tuple[int, str]]) -> bool:
+    return any(k > 0 and tcp.get(k, (0, ""))[1] == LISTEN for k in inodes)
+
+
+def _connected(inodes: list[int], tcp: dict[int, tuple[int, str]]) -> frozenset[int]:
+    return frozenset(k for k in inodes if k > 0 and k in tcp and tcp[k][1] != LISTEN)
 
 
 def epoll_sets(links: dict[int, int] | None = None) -> set[int]:
@@ -112,15 +120,13 @@ def device_connections(
     gloo device's loop: its pairs' sockets, not its listener)."""
     links = socket_links() if links is None else links
     tcp = tcp_table() if tcp is None else tcp
-    watched = [links.get(fd, OTHER) for fd in _watched(epoll_fd)]
-    return frozenset(k for k in watched if k > 0 and k in tcp and tcp[k][1] != LISTEN)
+    return _connected([links.get(fd, OTHER) for fd in _watched(epoll_fd)], tcp)
 
 
 def listens(epoll_fd: int, links: dict[int, int] | None = None) -> bool:
     """Whether epoll set ``epoll_fd`` watches a listening TCP socket (a gloo device's)."""
     links = socket_links() if links is None else links
-    tcp = tcp_table()
-    return any(tcp.get(links.get(fd, OTHER), (0, ""))[1] == LISTEN for fd in _watched(epoll_fd))
+    return _listening([links.get(fd, OTHER) for fd in _watched(epoll_fd)], tcp_table())
 
 
 def shut_down(inodes: frozenset[int] | set[int], links: dict[int, int] | None = None) -> int:

@@ -173,11 +173,8 @@ class Liveness:
     def refresh(self, kv: KeyValueStore, members: Sequence[str]) -> None:
         count = int(kv.get("gone/count") or b"0")
         if count > self.seen_gone:
-            keys = [f"gone/{i}" for i in range(self.seen_gone + 1, count + 1)]
-            for raw in kv.multi_get(keys):
-                if raw is not None:
-                    member, _, why = raw.decode(errors="replace").partition("\n")
-                    self.gone.setdefault(member, why)
+            for member, why in _notices(kv, self.seen_gone + 1, count):
+                self.gone.setdefault(member, why)
             self.seen_gone = count
         now = time.monotonic()
         values = kv.multi_get([f"hb/{m}" for m in members]) if members else []
@@ -363,15 +360,19 @@ def _waiting_for(previous: Quorum | None, requests: Sequence[Request], live: Liv
     return f"; waiting for group(s) {', '.join(missing)}" if missing else ""
 
 
-def gone_notices(kv: KeyValueStore) -> dict[str, str]:
-    """Every notice so far: member -> why it left (``rank 0 killed by SIGKILL``)."""
-    count = int(kv.get("gone/count") or b"0")
-    out: dict[str, str] = {}
-    for raw in kv.multi_get([f"gone/{i}" for i in range(1, count + 1)]):
+def _notices(kv: KeyValueStore, first: int, last: int) -> list[tuple[str, str]]:
+    """``(member, why)`` of notices ``first`` to ``last`` (as :func:`notify_gone` writes them)."""
+    pairs = []
+    for raw in kv.multi_get([f"gone/{i}" for i in range(first, last + 1)]):
         if raw is not None:
             member, _, why = raw.decode(errors="replace").partition("\n")
-            out[member] = why
-    return out
+            pairs.append((member, why))
+    return pairs
+
+
+def gone_notices(kv: KeyValueStore) -> dict[str, str]:
+    """Every notice so far: member -> why it left (``rank 0 killed by SIGKILL``)."""
+    return dict(_notices(kv, 1, int(kv.get("gone/count") or b"0")))
 
 
 def changes(

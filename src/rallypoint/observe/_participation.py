@@ -21,7 +21,7 @@ __all__ = ["Change", "Heal", "Participation", "Span", "build_participation"]
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """Group ``group`` in quorum ``quorum`` from ``start`` to ``end`` (seconds)."""
+    """Group ``group`` in a quorum from ``start`` to ``end`` (seconds); ``label`` names it."""
 
     group: str
     start: float
