@@ -7,7 +7,7 @@ that group raises after that step, in every process), FT_MIN (min_replica_size, 
 FT_WIDTH (the hidden layer, 32), FT_STEP_SLEEP (seconds, 0.05), FT_HOLD ("STEP:GROUP": after
 that step, wait until that group's process has started: a late group then joins while the
 others still train, however slow a loaded machine starts it), FT_BALLAST_MB (a tensor of that
-size in the state, 0), FT_DIE_SERVING ("GROUP:STEP": past that step, that group's first
+size in the state, 0), FT_DIE_SERVING ("GROUP:STEP": from that step on, that group's first
 process SIGKILLs itself 20 ms after it starts sending its state to a healing group),
 FT_BACKEND (``nccl``: the model on the visible GPU and ProcessGroupNCCL across groups),
 FT_TOGETHER (N: wait until groups 0..N-1 have all started before asking for a quorum, so
@@ -66,7 +66,7 @@ def _die_soon():
 
 def state_dict():
     serving = threading.current_thread() is not threading.main_thread()  # to a healing group
-    if FIRST and serving and die_group == str(GROUP) and manager.current_step() > int(die_step):
+    if FIRST and serving and die_group == str(GROUP) and manager.current_step() >= int(die_step):
         threading.Thread(target=_die_soon).start()
     return {"model": model.state_dict(), "optim": inner.state_dict(), "ballast": BALLAST}
 

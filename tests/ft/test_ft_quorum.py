@@ -83,8 +83,9 @@ def _events_say_so(out: Path) -> None:
     assert left.get("1") == left.get("2") == "rank 0 killed by SIGKILL", quorums
     assert {e.get("group") for e in quorums} == {"0", "1", "2", "3"}
     heals = [e for e in events if e.kind == "heal"]
-    for g in ("1", "2"):  # back after the fault, from a live group
-        assert any(e.get("group") == g and e.get("step") > FAULT for e in heals), heals
+    for g in ("1", "2"):  # back after the fault, from a live group (at the fault's step
+        # when the others had not committed since: a fast restart joins their next quorum)
+        assert any(e.get("group") == g and e.get("step") >= FAULT for e in heals), heals
     page = out / "report.svg"
     assert report_main([*map(str, files), "-o", str(page)]) == 0
     svg = page.read_text()
@@ -111,9 +112,9 @@ def test_two_groups_killed_at_once_the_others_keep_stepping_and_they_heal(tmp_pa
     joined = "".join(texts)
     assert "group 1 healed from group" in joined and "group 2 healed from group" in joined
     _events_say_so(tmp_path)
-    for g in (1, 2):  # back at the others' step, not at step 0 nor at its own last one
+    for g in (1, 2):  # back at the others' step, not at step 0: past its own last commit
         first, *_, restarted = steps_by_process(tmp_path, g)  # (the first process may
-        assert restarted[0] > max(FAULT, first[-1]) + 1, (first, restarted)  # join late)
+        assert restarted[0] > max(FAULT, first[-1]), (first, restarted)  # join late)
 
 
 @pytest.mark.timeout(300)
@@ -142,7 +143,7 @@ def test_the_healing_source_killed_while_it_sends_the_healer_heals_from_a_live_g
     assert "group 1 could not heal from group 0" in texts[1], context  # and asks again
     # then from a live group: group 2, or group 0's new process once it is at the top step
     back = [line for line in texts[1].splitlines() if "group 1 healed from group" in line]
-    assert back and int(back[-1].split(" at step ")[1].split()[0]) > FAULT, back
+    assert back and int(back[-1].split(" at step ")[1].split()[0]) >= FAULT, back
     assert "group 0 healed from group" in texts[0], context
     _checks(tmp_path, [0, 1, 2], healthy=[2], extra=1.5, context=context)
 
