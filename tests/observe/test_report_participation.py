@@ -109,4 +109,4 @@ def test_malformed_quorum_events_are_skipped_not_fatal(tmp_path: Path) -> None:
         log.emit("heal", source="0")  # no group: nowhere to draw it
     part = build_participation(read_events(path), 0.0, 1.0)
     assert part is not None and part.groups == ["0"] and part.heals == []
-    assert [c.label for c in part.changes] == ["quorum 2: groups 0"]
+    assert [c.label for c in part.changes] == ["quorum 2: group 0"]

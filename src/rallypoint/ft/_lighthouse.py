@@ -16,6 +16,7 @@ import threading
 from datetime import timedelta
 from typing import Any
 
+from rallypoint._core.quorum_line import quorum_line
 from rallypoint.ft._quorum import Quorum, Rules, changes, gone_notices
 from rallypoint.rendezvous import KVError, connect_kv, is_etcd_address
 
@@ -106,14 +107,8 @@ class LighthouseServer:
 
 def describe(quorum: Quorum, previous: Quorum | None, gone: dict[str, str]) -> str:
     """``quorum 7: groups 0, 2 (group 1 left: rank 0 killed by SIGKILL)``."""
-    groups = ", ".join(m.replica_id for m in quorum.members)
     left, joined = changes(quorum, previous, gone)
-    notes = [f"group {g} left: {why}" for g, why in left]
-    notes += [f"group {g} joined at step {step}" for g, step in joined]
-    tail = f" ({'; '.join(notes)})" if notes else ""
-    return (
-        f"quorum {quorum.quorum_id}: group{'s' if len(quorum.members) > 1 else ''} {groups}{tail}"
-    )
+    return quorum_line(quorum.quorum_id, [m.replica_id for m in quorum.members], left, joined)
 
 
 def _positive(name: str, value: Any, zero: bool = False) -> int:

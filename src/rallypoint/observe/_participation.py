@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from rallypoint._core.quorum_line import quorum_line
 from rallypoint.observe._events import Event
 
 __all__ = ["Change", "Heal", "Participation", "Span", "build_participation"]
@@ -63,15 +64,9 @@ def _names(value: object) -> list[str]:
 def _change_label(
     quorum: object, groups: list[str], before: list[str], why: dict[str, str], at: dict[str, object]
 ) -> str:
-    notes = []
-    for g in before:
-        if g not in groups:
-            notes.append(f"group {g} left: {why[g]}" if g in why else f"group {g} left")
-    for g in groups:
-        if before and g not in before:
-            notes.append(f"group {g} joined at step {at[g]}" if g in at else f"group {g} joined")
-    tail = f" ({'; '.join(notes)})" if notes else ""
-    return f"quorum {quorum}: groups {', '.join(groups)}{tail}"
+    left = [(g, why.get(g)) for g in before if g not in groups]
+    joined = [(g, at.get(g)) for g in groups if before and g not in before]
+    return quorum_line(quorum, groups, left, joined)
 
 
 def _heal_label(e: Event) -> str:
