@@ -61,4 +61,14 @@ def test_torchfts_manager_tests_pass_with_the_import_swapped(tmp_path: Path) -> 
            "--timeout", "120", "-rA", str(path), "-k", " or ".join(PASSING)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=560, env=env, cwd=tmp_path)
     passed = set(re.findall(r"^PASSED \S+::ManagerIntegTest::(\w+)", done.stdout, re.M))
-    assert passed == set(PASSING), done.stdout[-6000:] + done.stderr[-2000:]
+    assert passed == set(PASSING), _failures(done.stdout) + done.stderr[-2000:]
+
+
+def _failures(stdout: str) -> str:
+    """pytest's FAILURES section (``-rA`` prints every passed case's output after it, which
+    would crowd it out of a tail), then the summary."""
+    start = stdout.find(" FAILURES ")
+    ends = (stdout.find(" PASSES "), stdout.find(" short test summary"))
+    end = min((i for i in ends if i >= 0), default=len(stdout))
+    failures = stdout[start:end] if 0 <= start < end else stdout[-6000:]
+    return failures[:12000] + stdout[stdout.find(" short test summary") :][-3000:]
