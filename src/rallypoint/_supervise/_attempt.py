@@ -37,6 +37,7 @@ from rallypoint._supervise._warm._exits import ExitReports
 from rallypoint._supervise._worker import BAD_TARGET_EXIT, FATAL_EXIT
 from rallypoint._watch._flight._final import COLLECTIVE_TIMEOUT
 from rallypoint._watch._observer import Observer
+from rallypoint._watch._stacks_format import format_grouped_stacks
 
 __all__ = ["CAUSE_WAIT", "Attempt", "AttemptTools"]
 
@@ -259,7 +260,17 @@ class Attempt:
             self.kill_at = now + 1.0
         overdue = self.inproc.escalate(now)
         if overdue:
+            self._say_where(overdue)
             self._stop_some(overdue, signal.SIGKILL)
+
+    def _say_where(self, overdue: list[Worker]) -> None:
+        """Where the ranks that did not leave their function were: a rank the interruption
+        could not free is a bug to report, or a call of the user's that ignores it."""
+        dumps = self.observer.stacks({w.rank: w.pid for w in overdue})
+        if dumps:
+            write_console(
+                2, f"rallypoint: where they were:\n{format_grouped_stacks(dumps)}\n".encode()
+            )
 
     def _drained(self, now: float) -> bool:
         if any(not w.gone_or_parked for w in self.workers):

@@ -247,6 +247,10 @@ class Observer(Closing):
                 out[rank] = StackDump(rank=rank, host=self.node, pid=pid, error=why, flight=final)
         return dict(sorted(out.items()))
 
+    def stacks(self, pids_by_rank: Mapping[int, int]) -> dict[int, StackDump]:
+        """Only these workers' stacks (no Flight Recorder): where a rank is stuck."""
+        return collect_stacks(pids_by_rank, STACKS_TIMEOUT, directory=self.stacks_dir)
+
     def left_trace(self, rank: int, pid: int) -> bool:
         """Whether exited worker ``pid`` left a trace: it failed on a collective timeout
         (its own, or the one NCCL's watchdog wrote before it aborted the process)."""
