@@ -9,7 +9,8 @@ argv: OUT MODE STEPS [DECORATED]. On the first attempt (``TORCHELASTIC_RESTART_C
 - ``none``: nothing happens;
 - ``kill``: SIGKILLs itself;
 - ``raise``: raises ``ValueError`` in the function;
-- ``node``: writes ``OUT/at-fault`` and sleeps: the test kills its node;
+- ``node``: writes ``OUT/at-fault`` and sleeps: the test kills its node (before the fault,
+  a world of one node waits in the function for the other node to join);
 - ``spin``: spins in Python without calling a collective (``--hang-timeout`` finds it, or
   the others' collective times out: ``RESTART_TEST_PG_TIMEOUT`` seconds);
 - ``ignore``: SIGKILLs itself, and rank 2 catches the interruption and spins on
@@ -128,6 +129,10 @@ def train() -> None:
     with open(entry + ".tmp", "w") as fp:  # renamed: a reader never sees it half written
         fp.write(record)
     os.replace(entry + ".tmp", entry)
+    lonely = world == int(os.environ["LOCAL_WORLD_SIZE"])
+    if MODE == "node" and not restart and lonely:  # the other node came late (a loaded
+        while True:  # machine): wait here until it joins and the round is interrupted
+            time.sleep(0.05)
     if MODE == "every" and restart < 20:
         dist.barrier()  # rank 0 recorded its entry
         if rank == FAULT_RANK:
