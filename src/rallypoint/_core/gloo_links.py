@@ -22,6 +22,7 @@ __all__ = [
     "shut_down",
     "socket_links",
     "tcp_table",
+    "unix_sockets",
 ]
 
 LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
@@ -68,6 +69,17 @@ def tcp_table() -> dict[int, tuple[int, str]]:
     return out
 
 
+def unix_sockets() -> frozenset[int]:
+    """The inodes of the Unix sockets the kernel lists (a TCP socket that a peer reset is no
+    longer in :func:`tcp_table`: it is told from a Unix socket by not being here)."""
+    try:
+        with open("/proc/net/unix") as fp:
+            lines = fp.read().splitlines()[1:]
+    except OSError:
+        return frozenset()
+    return frozenset(int(f[6]) for f in map(str.split, lines) if len(f) > 6 and f[6].isdigit())
+
+
 def _watched(epoll_fd: int) -> list[int]:
     try:
         with open(f"/proc/self/fdinfo/{epoll_fd}") as fp:
@@ -83,6 +95,7 @@ def loops(
     """``{epoll fd: inodes of its connected sockets}`` for every gloo device loop."""
     links = socket_links() if links is None else links
     tcp = tcp_table() if tcp is None else tcp
+    unix = unix_sockets()
     found: dict[int, frozenset[int]] = {}
     for fd, inode in links.items():
         if inode != EPOLL:
@@ -91,9 +104,11 @@ def loops(
         if kinds.count(PIPE) != 1 or any(k in (OTHER, EPOLL) for k in kinds):
             continue  # not one wake-up pipe, or something else than sockets
         sockets = [k for k in kinds if k > 0]
-        if any(k not in tcp for k in sockets) or not _listening(sockets, tcp):
+        if any(k in unix for k in sockets) or not _listening(sockets, tcp):
             continue  # a Unix socket (asyncio's self-pipe), or no listener
-        found[fd] = _connected(sockets, tcp)
+        # every socket but the listener, those a dead peer reset too (the kernel lists them
+        # no more; shutting one down does nothing): the loop is still a gloo device's
+        found[fd] = frozenset(k for k in sockets if tcp.get(k, (0, ""))[1] != LISTEN)
     return found
 
 
