@@ -67,8 +67,7 @@ def test_torchfts_manager_tests_pass_with_the_import_swapped(tmp_path: Path) -> 
 def _failures(stdout: str) -> str:
     """pytest's FAILURES section (``-rA`` prints every passed case's output after it, which
     would crowd it out of a tail), then the summary."""
-    start = stdout.find(" FAILURES ")
-    ends = (stdout.find(" PASSES "), stdout.find(" short test summary"))
-    end = min((i for i in ends if i >= 0), default=len(stdout))
+    start, summary = stdout.find(" FAILURES "), stdout.find(" short test summary")
+    end = min((i for i in (stdout.find(" PASSES "), summary) if i >= 0), default=len(stdout))
     failures = stdout[start:end] if 0 <= start < end else stdout[-6000:]
-    return failures[:12000] + stdout[stdout.find(" short test summary") :][-3000:]
+    return failures[:12000] + (stdout[summary:][-3000:] if summary >= 0 else "")
