@@ -15,6 +15,12 @@ def _memory_store() -> object:
     return MemoryKV().torch_store("p")
 
 
+def _agent_memory_store() -> object:
+    from rallypoint._core.memory_store import MemoryStore
+
+    return MemoryStore().under("p")
+
+
 def _hash_store() -> object:
     from rallypoint._core.torch_c import HashStore
 
@@ -22,7 +28,11 @@ def _hash_store() -> object:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("make", [_hash_store, _memory_store], ids=["HashStore", "MemoryKV"])
+@pytest.mark.parametrize(
+    "make",
+    [_hash_store, _memory_store, _agent_memory_store],
+    ids=["HashStore", "MemoryKV", "MemoryStore"],
+)
 def test_stores_do_what_the_protocol_says(make: object) -> None:
     """Every method of the protocol, on torch's in-memory store and on the in-memory fake
     (what tests pass where a store is wanted)."""
@@ -49,6 +59,47 @@ def test_stores_do_what_the_protocol_says(make: object) -> None:
     assert store.timeout == timedelta(seconds=7)
     with pytest.raises((LookupError, RuntimeError)):
         store.wait(["nope"], timedelta(seconds=0.1))
+
+
+@pytest.mark.timeout(30)
+def test_the_agents_memory_store_answers_as_torchs_prefix_store() -> None:
+    """A one-node job's rounds live in ``MemoryStore``: the same calls on it and on torch's
+    ``PrefixStore`` over a ``HashStore`` give the same answers, views under other prefixes
+    included, and a ``get`` waits for a key another thread sets."""
+    import threading
+
+    from rallypoint._core.memory_store import MemoryStore
+    from rallypoint._core.torch_c import HashStore, PrefixStore
+
+    ours, torchs = MemoryStore(), HashStore()
+    pairs = [
+        (ours.under("a"), PrefixStore("a", torchs)),
+        (ours.under("b"), PrefixStore("b", torchs)),
+    ]
+    nested = (ours.under("a").under("r"), PrefixStore("r", PrefixStore("a", torchs)))
+    for mine, theirs in [*pairs, nested]:
+        for call in (
+            lambda s: s.add("n", 1),
+            lambda s: s.add("n", 0),
+            lambda s: s.compare_set("c", "x", "y"),  # absent, expected not empty
+            lambda s: s.check(["c"]),
+            lambda s: s.compare_set("c", "", "v"),
+            lambda s: s.compare_set("c", "v", "w"),
+            lambda s: s.compare_set("c", "nope", "z"),
+            lambda s: s.check(["n", "c"]),
+            lambda s: s.delete_key("c"),
+            lambda s: s.delete_key("c"),
+            lambda s: s.num_keys(),
+        ):
+            assert call(mine) == call(theirs)
+    late = (ours.under("late"), PrefixStore("late", torchs))
+    for store in late:
+        timer = threading.Timer(0.2, lambda s=store: s.set("k", "v"))
+        timer.start()
+        assert store.get("k") == b"v"
+        timer.join()
+    with pytest.raises(RuntimeError, match="no second connection"):
+        ours.clone()
 
 
 def test_as_torch_store_refuses_what_torch_cannot_take() -> None:

@@ -145,7 +145,7 @@ def test_the_launcher_process_never_imports_torch() -> None:
     code = (
         "import sys\n"
         "from rallypoint._cli import _args, _parser, _run\n"
-        "from rallypoint._elastic import _coordinator, _local\n"
+        "from rallypoint._elastic import _coordinator, _one_node\n"
         "from rallypoint._supervise import _supervisor\n"
         "from rallypoint._supervise._warm import _process, _server\n"
         "from rallypoint.launcher import LaunchConfig\n"
@@ -155,6 +155,32 @@ def test_the_launcher_process_never_imports_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.timeout(120)
+def test_a_single_node_job_fails_restarts_and_ends_without_torch_in_the_launcher(
+    tmp_path: Path,
+) -> None:
+    """The restart loop of one node keeps its rounds in memory: a failed attempt, its
+    claim and decision, a restart and the end of the job import no torch in the agent."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys\n"
+        "if os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+        "    sys.exit(3)\n"
+    )
+    code = (
+        "import sys\n"
+        "from rallypoint._cli._run import run_main\n"
+        f"rc = run_main(['--nproc-per-node', '2', '--max-restarts', '1', {str(script)!r}])\n"
+        "print(rc, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert out.stdout.strip().splitlines()[-1:] == ["0 False"], out.stdout + out.stderr
+    assert "rank 1 exited with 3; restarting the worker group (restart 1 of 1)" in out.stderr
 
 
 def test_slurm_and_pet_defaults_configure_a_multi_node_run(

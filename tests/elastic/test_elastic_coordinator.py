@@ -1,8 +1,8 @@
 """The elastic coordinator with thread-simulated nodes: a real dynamic rendezvous on
 ``MemoryKV`` and a fake supervisor per node (no processes), as rendezvous is tested.
 
-Each node is a thread running :meth:`ElasticCoordinator.run`; its fake supervisor plays a
-script per attempt: finish, fail, run until the policy stops it, or hang.
+Each node is a thread running :meth:`Coordinator.run` through the rendezvous; its fake
+supervisor plays a script per attempt: finish, fail, run until the policy stops it, or hang.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from typing import Any
 
 import pytest
 
-from rallypoint._elastic._coordinator import ElasticCoordinator
+from rallypoint._elastic._coordinator import Coordinator
 from rallypoint._elastic._options import RestartOptions
 from rallypoint._elastic._policy import ElasticPolicy
 from rallypoint._elastic._protocols import NodeSupervisor
 from rallypoint._elastic._rendezvous import run_store_namespace
+from rallypoint._elastic._rendezvous_rounds import RendezvousRounds
 from rallypoint._elastic._stores import RunStore
 from rallypoint._supervise._policy import AttemptPolicy
 from rallypoint._supervise._state import Failure, GroupInfo, Outcome, OutcomeKind
@@ -199,13 +200,20 @@ class Cluster:
         )
         self.observers.append(observer)
         handler = self.handler()
-        coordinator = ElasticCoordinator(
+        restarts = RestartOptions(max_restarts=max_restarts, on_hang=on_hang)  # type: ignore[arg-type]
+        rounds = RendezvousRounds(
             supervisor,
             lambda: handler,
             observer,
-            restarts=RestartOptions(max_restarts=max_restarts, on_hang=on_hang),  # type: ignore[arg-type]
+            restarts=restarts,
             run_id=RUN_ID,
             endpoint="memory",
+        )
+        coordinator = Coordinator(
+            supervisor,
+            rounds,
+            observer,
+            restarts=restarts,
             title="test job",
             monitor_interval=0.05,
         )

@@ -14,7 +14,7 @@ import pytest
 import rallypoint
 from _support import cli_zygote
 from rallypoint._cli._run import run_main
-from rallypoint._elastic._signature import Streak, failure_signature
+from rallypoint._elastic._signature import failure_signature
 from rallypoint.launcher import FatalError, LaunchConfig, WorkerFailedError, launch
 
 pytestmark = pytest.mark.timeout(90)
@@ -155,7 +155,3 @@ def test_signatures() -> None:
     )
     assert failure_signature(1, "exited with 1", chained) == "ValueError at /home/u/train.py:14"
     assert failure_signature(2, "killed by SIGSEGV", "") == "rank 2 killed by SIGSEGV"
-    streak = Streak()
-    assert [streak.add(s) for s in ("a", "a", "b", "b", "b")] == [1, 2, 1, 2, 3]
-    streak.reset()
-    assert streak.add("b") == 1

@@ -5,9 +5,11 @@ Internal, the launcher side: ``rallypoint._launch`` and ``rallypoint._cli`` impo
 modules directly. A coordinator owns one node's supervisor (``rallypoint._supervise``),
 behind the ``NodeSupervisor`` Protocol (``_protocols``), and runs it attempt after attempt:
 
-- ``_local``: ``LocalCoordinator``, one node on its own (a static world);
-- ``_coordinator``: ``ElasticCoordinator``, one node of a multi-node job, round after round
-  through a :mod:`rallypoint.rendezvous` handler (only its public API);
+- ``_coordinator``: ``Coordinator``, the one restart loop: one node of a job, round after
+  round; how the node joins each round is its ``Membership``:
+- ``_rendezvous_rounds``: ``RendezvousRounds``, a node of a multi-node job, through a
+  :mod:`rallypoint.rendezvous` handler (only its public API);
+- ``_one_node``: ``OneNode``, a single-node launch (a static world, its records in memory);
 - ``_policy``: what an elastic attempt checks each monitor tick, and the job-wide hang;
 - ``_job``, ``_round``, ``_stores``, ``_records``: the run and the round, their store keys
   and the typed records the nodes exchange; ``_verdict``: the same error on every node;

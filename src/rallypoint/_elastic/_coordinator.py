@@ -1,14 +1,15 @@
-"""The elastic coordinator: one node of a multi-node job, round after round.
+"""The restart loop: one node of a job, round after round, on one node or many.
 
-Every node runs the same command and loops: run the health checks (``_health``), join a
-rendezvous round (group rank, node count; group rank 0 starts the workers' store), run
-the local workers under an :class:`ElasticPolicy` that follows the round's decisions,
-and, on a failure anywhere, let the first node to claim the round spend one restart of
-the job's shared budget and decide for everyone. Membership changes restart without
-spending budget; an agent that keeps being the root cause is excluded (``_exclusion``).
-When every node's workers succeeded the job's status is written and the rendezvous is
-closed. The stores and their keys: ``_stores``; the records: ``_records``; the failure
-semantics for users: docs/multinode.md.
+Every node runs the same loop: run the health checks (``_health``), join a round (its
+:class:`Membership`: the rendezvous of a multi-node job, ``_rendezvous_rounds``, or a
+world of its own, ``_one_node``), run the local workers under the membership's policy,
+and, on a failure, let the first node to claim the round spend one restart of the job's
+budget and decide for everyone (``_round``: the one restart policy; a job of one node
+claims its own rounds). Membership changes restart without spending budget; an agent
+that keeps being the root cause is excluded (``_exclusion``). When every node's workers
+succeeded the job's status is written and the rendezvous is closed; a failed job raises
+the same error on every node (``_verdict``). The stores and their keys: ``_stores``; the
+records: ``_records``; the failure semantics for users: docs/multinode.md.
 """
 
 from __future__ import annotations
@@ -16,24 +17,20 @@ from __future__ import annotations
 import functools
 import signal
 import time
-from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
-from rallypoint._core.blocking import call_in_thread
 from rallypoint._core.status import JobStatus
-from rallypoint._elastic._burn_in import measure, slow_node
 from rallypoint._elastic._errors import RendezvousFailedError
-from rallypoint._elastic._exclusion import leave_excluded, say_host_exclusions
+from rallypoint._elastic._exclusion import leave_excluded
 from rallypoint._elastic._health import HealthChecks
-from rallypoint._elastic._job import Job, interruptible
+from rallypoint._elastic._job import Job
 from rallypoint._elastic._options import RestartOptions
-from rallypoint._elastic._policy import MEMBERSHIP_CHANGED, ElasticPolicy
+from rallypoint._elastic._policy import MEMBERSHIP_CHANGED
 from rallypoint._elastic._protocols import NodeSupervisor
-from rallypoint._elastic._records import Action, Decision, FailureRecord, NodeRecord
+from rallypoint._elastic._records import Action, Decision, FailureRecord
 from rallypoint._elastic._round import Round
 from rallypoint._elastic._signature import failure_signature
-from rallypoint._elastic._stores import RoundStore, prefixed
 from rallypoint._elastic._verdict import raise_failure, root_cause
 from rallypoint._supervise._errors import (
     LaunchError,
@@ -41,26 +38,66 @@ from rallypoint._supervise._errors import (
     LaunchTimeoutError,
 )
 from rallypoint._supervise._output import write_console
-from rallypoint._supervise._state import Failure, GroupInfo, Outcome, OutcomeKind
+from rallypoint._supervise._policy import AttemptPolicy
+from rallypoint._supervise._state import Failure, Outcome, OutcomeKind
 from rallypoint._supervise._summary import in_process_line, peer_vanished
 from rallypoint._watch._observer import Observer
-from rallypoint._watch._stacks_exchange import publish_node_count
+from rallypoint._watch._stragglers._watch import StragglerWatch
 
-if TYPE_CHECKING:
-    from rallypoint._core.store import Store
-    from rallypoint.rendezvous import RendezvousHandler, RendezvousInfo
-
-__all__ = ["EXIT_BARRIER", "POLL_EVERY", "ElasticCoordinator"]
+__all__ = ["EXIT_BARRIER", "POLL_EVERY", "Coordinator", "Membership"]
 
 POLL_EVERY = 0.1
 """Least seconds between the store checks of the monitor loop (restart key, waiting nodes,
 stack requests: about four round trips); ``--monitor-interval`` raises it, which large jobs
 on one TCPStore should do."""
-BURN_IN_TIMEOUT = 120.0
-"""Seconds the burn-in's transfers may take before it gives up (a dead link)."""
 EXIT_BARRIER = 10.0
 """Seconds a node waits for the others to see the job's end before it returns (the node
 hosting the rendezvous store must not take it away while others still read it)."""
+
+
+class Membership(Protocol):
+    """How this node takes part in the job's rounds: ``_rendezvous_rounds.RendezvousRounds``
+    (a multi-node job) or ``_one_node.OneNode``."""
+
+    one_node: bool
+    """A job of one node: its own wording, no exclusion, no rendezvous store to lose."""
+    run_id: str
+    endpoint: str
+    min_nodes: int
+    store_timeout: float
+
+    def connect(self) -> Any:
+        """The node's rendezvous handler (``None``: no rendezvous)."""
+        ...
+
+    def open(self, job: Job) -> None:
+        """Give the job its run store."""
+        ...
+
+    def close(self, job: Job) -> None:
+        """The job ended: close what it joined."""
+        ...
+
+    def join(self, job: Job, number: int) -> Round | None:
+        """The next round (``number`` by this node's count); ``None``: the job ended
+        elsewhere, without this node."""
+        ...
+
+    def burn_in(self, rnd: Round) -> bool:
+        """True when the round was decided before its attempt (a slow node excluded)."""
+        ...
+
+    def policy(self, rnd: Round) -> tuple[AttemptPolicy, StragglerWatch | None]:
+        """The attempt's policy, and its straggler watch (closed when the attempt ends)."""
+        ...
+
+    def restart_in_process(self, rnd: Round) -> bool:
+        """Whether the attempt's workers may be kept for an in-process restart."""
+        ...
+
+    def cause_wait(self, job: Job) -> float | None:
+        """How long a worker's peer-loss exception waits for its cause."""
+        ...
 
 
 def _all_replaced(outcome: Outcome) -> tuple[str, dict[str, Any]]:
@@ -71,56 +108,40 @@ def _all_replaced(outcome: Outcome) -> tuple[str, dict[str, Any]]:
     return line or "no worker of this node kept", {"kept": [], "replaced": [w.rank for w in gone]}
 
 
-def _store_of(info: RendezvousInfo) -> Store:
-    """The round's store (torch's class, as the handler API types it) as a ``Store``."""
-    from rallypoint._core.torch_c import as_torch_store
+def _signal_line(outcome: Outcome) -> str:
+    name = signal.Signals(outcome.signum).name
+    states = "; ".join(f"rank {w.rank}: {w.detail}" for w in outcome.workers)
+    return f"received {name}: forwarded it to the workers and stopped" + (
+        f" ({states})" if states else ""
+    )
 
-    return as_torch_store(info.store)
 
-
-class ElasticCoordinator:
-    """One node of a multi-node job (see the module docstring); owns the node's supervisor."""
+class Coordinator:
+    """One node of a job (see the module docstring); owns the node's supervisor."""
 
     def __init__(
         self,
         supervisor: NodeSupervisor,
-        connect: Callable[[], RendezvousHandler],
+        membership: Membership,
         observer: Observer,
         *,
         restarts: RestartOptions,
-        run_id: str,
-        endpoint: str,
         title: str,
-        monitor_interval: float,
+        monitor_interval: float = POLL_EVERY,
         timeout: timedelta | None = None,
-        share_rpc_secret: bool = True,
-        store_timeout: float = 60.0,
-        node: str = "",
-        min_nodes: int = 1,
         health: HealthChecks | None = None,
     ) -> None:
         self.supervisor = supervisor
-        self.connect = connect
+        self.membership = membership
         self.observer = observer
         self.restarts = restarts
-        self.run_id = run_id
-        self.endpoint = endpoint
         self.title = title
         self.timeout = timeout
         self.poll_every = max(POLL_EVERY, monitor_interval)
-        self.share_rpc_secret = share_rpc_secret
-        """Give every node's workers the run store's RPC secret (False: the user set one)."""
-        self.store_timeout = store_timeout
-        self.addr = node or supervisor.host
-        """Where the other agents reach this node for the burn-in (``--local-addr``, else the
-        host name); its name in exclusion records is its rendezvous identity (``Job.node``)."""
-        self.min_nodes = min_nodes
         self.health = health
         """Run before each round this node joins (``_health``)."""
-        self._local_round = 0
+        self._next_round = 0
         self._job: Job | None = None
-        self._spare: int | None = None
-        """The round this node waited out as a spare (said once), until it is admitted."""
 
     @property
     def job(self) -> Job:
@@ -129,21 +150,22 @@ class ElasticCoordinator:
 
     def run(self) -> list[Any]:
         """Rounds until the job ends; returns this node's results of the last round."""
-        self.supervisor.init_warm()
-        sup = self.supervisor
+        m, sup = self.membership, self.supervisor
         self._job = Job(
-            interruptible(self.connect, sup.next_signal, "the rendezvous store"),
-            run_id=self.run_id,
-            endpoint=self.endpoint,
+            m.connect(),
+            run_id=m.run_id,
+            endpoint=m.endpoint,
             observer=self.observer,
             restarts=self.restarts,
             poll_every=self.poll_every,
             next_signal=sup.next_signal,
             signal_pending=sup.signal_pending,
-            store_timeout=self.store_timeout,
-            min_nodes=self.min_nodes,
+            store_timeout=m.store_timeout,
+            min_nodes=m.min_nodes,
         )
-        interruptible(self._job.open, sup.next_signal, "the rendezvous store")
+        m.open(self._job)
+        if m.one_node:  # its store is in memory: nothing to lose
+            return self._rounds()
         if self.health:
             job = self._job
             self.health.context.store = lambda: job.run.store if job.has_run_store else None
@@ -155,7 +177,7 @@ class ElasticCoordinator:
             raise
         except RendezvousStateError as exc:  # a malformed record: every agent runs our code
             raise RendezvousFailedError(
-                f"rendezvous {self.endpoint!r}: {exc}; this node stopped"
+                f"rendezvous {m.endpoint!r}: {exc}; this node stopped"
             ) from None
         except Exception as exc:  # the store went away between rounds
             raise RendezvousFailedError(
@@ -163,218 +185,57 @@ class ElasticCoordinator:
             ) from exc
 
     def _rounds(self) -> list[Any]:
-        from rallypoint.rendezvous import (
-            RendezvousClosedError,
-            RendezvousError,
-            RendezvousGracefulExitError,
-        )
-
-        say_host_exclusions(self.job, self.supervisor.host)
+        m = self.membership
         while True:
             if self.health:
-                self.health.run(self._local_round)  # an unhealthy node stays out
-            try:
-                info = self._next_rendezvous()
-            except (RendezvousClosedError, RendezvousGracefulExitError) as exc:
-                self.job.handler.shutdown()  # stop its heartbeats, as torch's agent does
-                self._ended_elsewhere(exc)
+                self.health.run(self._next_round)  # an unhealthy node stays out
+            rnd = m.join(self.job, self._next_round)
+            if rnd is None:
                 return []
-            except RendezvousError as exc:
-                raise RendezvousFailedError(f"rendezvous failed: {exc}") from None
-            rnd = self._setup_round(info)
-            if self.restarts.burn_in and self._burn_in(rnd, _store_of(info)):
-                decided = Outcome(OutcomeKind.RESTART, [], reason="burn-in")
-                if self.job.blocking(functools.partial(self._after_round, rnd, decided)):
+            self._next_round = rnd.number + 1
+            if m.burn_in(rnd):
+                if self._after(rnd, Outcome(OutcomeKind.RESTART, [], reason="burn-in")):
                     return []
                 continue
-            stragglers = self.observer.straggler_watch(
-                round=rnd.number,
-                rank_offset=rnd.group.rank_offset,
-                group_rank=rnd.group_rank,
-                nnodes=rnd.nnodes,
-                clock_store=self.job.open_store,
-            )
-            policy = ElasticPolicy(rnd, host=self.supervisor.host, stragglers=stragglers)
-            window = self.job.handler.liveness_window()
-            try:
-                outcome = self.supervisor.run_attempt(
-                    rnd.group,
-                    rnd.number,
-                    policy,
-                    # a membership change restarts without spending budget
-                    restart_in_process=True,
-                    cause_wait=None if window is None else window.total_seconds(),
-                )
-            finally:
-                if stragglers is not None:
-                    stragglers.close()
-            if self.job.blocking(functools.partial(self._after_round, rnd, outcome)):
+            outcome = self._attempt(rnd)
+            if self._after(rnd, outcome):
                 return self.supervisor.results(outcome)
 
-    # ------------------------------------------------------------------ joining a round
-    def _next_rendezvous(self) -> RendezvousInfo:
-        """``next_rendezvous()`` in a thread, so that SIGINT/SIGTERM still stop this node
-        while it blocks inside the store (a blocked C call does not return for signals);
-        a node that waits as a spare says so, once."""
-
-        def poll() -> None:
-            self.job.check_signals()
-            self._say_spare()
-
-        return call_in_thread(self.job.handler.next_rendezvous, poll=poll, name="rallypoint-store")
-
-    def _say_spare(self) -> None:
-        k = self.job.handler.spare_round
-        if k is None or self._spare is not None:
-            return
-        self._spare = k
-        write_console(
-            2,
-            f"rallypoint: this node is a spare: job {self.run_id!r} is full in round {k}; "
-            f"it waits to take the place of a lost node at round {k + 1} or later\n".encode(),
-        )
-        self.observer.emit("spare", round=k, run_id=self.run_id)
-        if self.restarts.hot_spare:
-            self.supervisor.start_standby(self._standby_group())
-
-    def _standby_group(self) -> GroupInfo:
-        """What a hot spare's workers know before they have ranks."""
-        return GroupInfo(
-            group_rank=0,
-            group_world_size=0,
-            world_size=0,
-            rank_offset=0,
-            master_addr="",
-            master_port=0,
-            run_id=self.run_id,
-            max_restarts=self.restarts.max_restarts,
-        )
-
-    def _say_admitted(self, k: int, group_rank: int) -> None:
-        if self._spare is None:
-            return
-        self._spare = None
-        write_console(
-            2,
-            f"rallypoint: the spare joins job {self.run_id!r} in round {k} as node "
-            f"{group_rank}\n".encode(),
-        )
-
-    def _ended_elsewhere(self, exc: Exception) -> None:
-        status = ""
-        if self.job.has_run_store:
-            try:
-                status = self.job.blocking(self.job.run.status)
-            except LaunchInterruptedError:
-                raise
-            except Exception:
-                status = ""
-        if status == JobStatus.SUCCEEDED:
-            write_console(2, b"rallypoint: the job already finished successfully\n")
-            return
-        raise RendezvousFailedError(
-            f"{exc} (job status: {status or 'unknown'}); this node did not run"
-        )
-
-    def _setup_round(self, info: RendezvousInfo) -> Round:
-        """The round's group: its store calls in threads (``Job.blocking``), the warm
-        process's (the worker store of group rank 0) on this thread."""
-        k = self.job.handler.round
-        if k is None:
-            k = self._local_round
-        self._local_round = k + 1
-        job = self.job
-        round_store = _store_of(info)
-        job.blocking(lambda: job.adopt_round_store(round_store))
-        store = RoundStore(prefixed(f"rallypoint/round{k}", round_store))
-        group_rank, nnodes = int(info.rank), int(info.world_size)
-        self._say_admitted(k, group_rank)
-        sup = self.supervisor
-
-        def join_round() -> tuple[int, list[NodeRecord]]:
-            # read before this node counts as present: no node starts its workers (and so
-            # no failure spends budget) until every node is, so all see the same count
-            restart_count = job.run.restarts()
-            store.publish_node(group_rank, NodeRecord(sup.nproc, sup.host))
-            return restart_count, store.nodes(nnodes)
-
-        restart_count, nodes = job.blocking(join_round)
-        if group_rank == 0:
-            assert info.bootstrap_store_info is not None
-            master = info.bootstrap_store_info.master_addr
-            port = sup.start_store(master, 0)
-            job.blocking(lambda: store.publish_master(master, port))
-        addr, port = job.blocking(store.master)
-        secret = job.blocking(job.rpc_secret) if self.share_rpc_secret else ""
-        sizes = [n.nproc for n in nodes]
-        group = GroupInfo(
-            group_rank=group_rank,
-            group_world_size=nnodes,
-            world_size=sum(sizes),
-            rank_offset=sum(sizes[:group_rank]),
-            master_addr=addr,
-            master_port=port,
-            run_id=self.run_id,
-            restart_count=restart_count,
-            max_restarts=self.restarts.max_restarts,
-            rpc_secret=secret,
-        )
-        job.blocking(lambda: publish_node_count(job.run.store, nnodes))
-        members = [n.host for n in nodes]
-        self.observer.emit(
-            "round",
-            round=k,
-            world_size=group.world_size,
-            nnodes=nnodes,
-            run_id=self.run_id,
-            group_rank=group_rank,
-        )
-        self.observer.emit("members", round=k, members=members, group_rank=group_rank)
-        return Round(number=k, group=group, members=members, store=store, job=self.job)
-
-    def _burn_in(self, rnd: Round, round_store: Store) -> bool:
-        """Time the nodes' links (``_burn_in``); True when a slow node is being excluded
-        (the round is decided: every node restarts without it)."""
-        store = prefixed(f"rallypoint/round{rnd.number}/burnin", round_store)
-        times = self.job.blocking(
-            lambda: measure(store, rnd.group_rank, rnd.nnodes, self.addr, BURN_IN_TIMEOUT)
-        )
-        self.observer.emit(
-            "burn_in",
-            round=rnd.number,
-            forward=times.forward,
-            backward=times.backward,
-            gemm=times.gemm,
-        )
-        slow = slow_node(times)
-        if slow is None:
-            return False
-        g, why = slow
-        host = rnd.members[g]
-        if rnd.nnodes - 1 < self.min_nodes:
-            write_console(
-                2,
-                f"rallypoint: burn-in: node {host} (group rank {g}): {why}; not excluded, "
-                f"fewer than {self.min_nodes} node(s) would be left\n".encode(),
+    def _attempt(self, rnd: Round) -> Outcome:
+        m = self.membership
+        policy, stragglers = m.policy(rnd)
+        try:
+            return self.supervisor.run_attempt(
+                rnd.group,
+                rnd.number,
+                policy,
+                restart_in_process=m.restart_in_process(rnd),
+                cause_wait=m.cause_wait(self.job),
             )
-            return False
-        if g == rnd.group_rank:
-            self.job.blocking(lambda: rnd.exclude_now(self.job.node, self.supervisor.host, why))
-        return True
+        finally:
+            if stragglers is not None:
+                stragglers.close()
+
+    def _after(self, rnd: Round, outcome: Outcome) -> bool:
+        """True when the job is over for this node (success); raises on failure (the
+        workers kept for an in-process restart that will not come are stopped)."""
+        after = functools.partial(self._after_round, rnd, outcome)
+        try:  # a store in memory never blocks; a rendezvous store may
+            return after() if self.membership.one_node else self.job.blocking(after)
+        except BaseException:  # Ctrl-C too
+            self.supervisor.stop_kept()
+            raise
 
     # ------------------------------------------------------------------ after a round
     def _after_round(self, rnd: Round, outcome: Outcome) -> bool:
-        """True when the job is over for this node (success); raises on failure."""
         match outcome.kind:
             case OutcomeKind.SIGNAL:
-                name = signal.Signals(outcome.signum).name
-                raise LaunchInterruptedError(
-                    f"received {name}: forwarded it to the workers and stopped",
-                    signum=outcome.signum,
-                )
+                raise LaunchInterruptedError(_signal_line(outcome), signum=outcome.signum)
             case OutcomeKind.TIMEOUT:
                 rnd.claim("the job ran past --timeout", spend=True, force_fail=True)
-                raise LaunchTimeoutError(f"the job did not finish within {self.timeout}")
+                raise LaunchTimeoutError(
+                    f"the job did not finish within {self.timeout}; its workers were killed"
+                )
             case OutcomeKind.LOST:
                 raise RendezvousFailedError(outcome.reason + "; stopped this node's workers")
             case OutcomeKind.FAILED | OutcomeKind.BAD_TARGET | OutcomeKind.FATAL:
@@ -384,7 +245,10 @@ class ElasticCoordinator:
                 if self._wait_job_done(rnd):
                     self._finish(rnd, JobStatus.SUCCEEDED)
                     return True
-            case OutcomeKind.HANG | OutcomeKind.RESTART:
+            case OutcomeKind.HANG:  # a multi-node job's policy claimed it already
+                fail = self.restarts.on_hang == "fail"
+                rnd.claim(outcome.reason, spend=True, force_fail=fail)
+            case OutcomeKind.RESTART:
                 pass  # the round is decided already
         decision = rnd.decision()
         if decision.excluded and decision.excluded == self.job.node:
@@ -397,11 +261,12 @@ class ElasticCoordinator:
 
     def _on_failure(self, rnd: Round, failure: Failure, kind: OutcomeKind) -> None:
         w = failure.worker
+        host = self.supervisor.host
         rnd.store.publish_failure(
             FailureRecord(
                 time=failure.time,
                 elapsed=failure.elapsed,
-                host=self.supervisor.host,
+                host=host,
                 group_rank=rnd.group_rank,
                 rank=w.rank,
                 local_rank=w.local_rank,
@@ -411,17 +276,19 @@ class ElasticCoordinator:
                 traceback=failure.traceback,
             )
         )
-        if not self._peer_loss(rnd, failure):  # else: a restart is decided; follow it
-            fatal = kind is OutcomeKind.FATAL
-            rnd.claim(
-                f"rank {w.rank} on {self.supervisor.host} {w.detail}",
-                spend=True,
-                force_fail=kind is OutcomeKind.BAD_TARGET or fatal,
-                signature=failure_signature(w.rank, w.detail, failure.traceback),
-                note=f"rank {w.rank} raised FatalError; not restarting" if fatal else "",
-                node=self.job.node,
-                host=self.supervisor.host,
-            )
+        if self._peer_loss(rnd, failure):
+            return  # a restart is decided: follow it
+        fatal = kind is OutcomeKind.FATAL
+        one_node = self.membership.one_node
+        rnd.claim(
+            f"rank {w.rank} {w.detail}" if one_node else f"rank {w.rank} on {host} {w.detail}",
+            spend=True,
+            force_fail=kind is OutcomeKind.BAD_TARGET or fatal,
+            signature=failure_signature(w.rank, w.detail, failure.traceback),
+            note=f"rank {w.rank} raised FatalError; not restarting" if fatal else "",
+            node="" if one_node else self.job.node,  # one node is never excluded
+            host=host,
+        )
 
     def _peer_loss(self, rnd: Round, failure: Failure) -> bool:
         """A worker that failed in a collective because a peer vanished is not a job failure
@@ -429,10 +296,10 @@ class ElasticCoordinator:
         decision or a membership change (which restarts without spending budget)."""
         if rnd.store.decided():
             return True
-        window = self.job.handler.liveness_window()
+        window = self.membership.cause_wait(self.job)
         if not peer_vanished(failure.traceback) or window is None:
             return False
-        deadline = time.monotonic() + window.total_seconds()
+        deadline = time.monotonic() + window
         while time.monotonic() < deadline:
             if rnd.store.decided() or self._membership_changed(rnd, MEMBERSHIP_CHANGED):
                 return True
@@ -461,21 +328,8 @@ class ElasticCoordinator:
         return True
 
     def _announce_restart(self, rnd: Round, decision: Decision, outcome: Outcome) -> None:
-        where = "every node"
-        if decision.excluded:
-            where = f"the other nodes; {decision.note}"
-        used = f"restarts used: {decision.count} of {self.restarts.max_restarts}"
-        fields: dict[str, Any] = {}
-        line = f"restarting the workers on {where} ({used})"
-        if outcome.kept:
-            kept, fields = in_process_line(outcome)
-            line = f"in-process restart on {self.supervisor.host} ({used}): {kept}"
-        elif outcome.in_process:  # none kept here; the other nodes keep theirs
-            replaced, fields = _all_replaced(outcome)
-            line = f"in-process restart on {self.supervisor.host} ({used}): {replaced}"
-        if decision.excluded and (outcome.kept or outcome.in_process):
-            line += f"; {decision.note}"
-        write_console(2, f"rallypoint: {decision.reason}; {line}\n".encode())
+        line, fields = self._restart_line(decision, outcome)
+        write_console(2, f"rallypoint: {line}\n".encode())
         self.observer.emit(
             "restart",
             round=rnd.number + 1,
@@ -484,15 +338,39 @@ class ElasticCoordinator:
             **fields,
         )
 
+    def _restart_line(self, decision: Decision, outcome: Outcome) -> tuple[str, dict[str, Any]]:
+        """What every restart says: the cause and what restarts, with the budget used; and
+        the kept and replaced ranks as event fields."""
+        budget = self.restarts.max_restarts
+        fields: dict[str, Any] = {}
+        if self.membership.one_node:
+            count = f"restart {decision.count} of {budget}"
+            if outcome.kept:
+                kept, fields = in_process_line(outcome)
+                return f"in-process {count}: {kept}", fields
+            return f"{decision.reason}; restarting the worker group ({count})", fields
+        where = "every node"
+        if decision.excluded:
+            where = f"the other nodes; {decision.note}"
+        used = f"restarts used: {decision.count} of {budget}"
+        line = f"restarting the workers on {where} ({used})"
+        host = self.supervisor.host
+        if outcome.kept:
+            kept, fields = in_process_line(outcome)
+            line = f"in-process restart on {host} ({used}): {kept}"
+        elif outcome.in_process:  # none kept here; the other nodes keep theirs
+            replaced, fields = _all_replaced(outcome)
+            line = f"in-process restart on {host} ({used}): {replaced}"
+        if decision.excluded and (outcome.kept or outcome.in_process):
+            line += f"; {decision.note}"
+        return f"{decision.reason}; {line}", fields
+
     def _finish(self, rnd: Round, status: JobStatus) -> None:
         """Write the job's status, close the rendezvous, and wait briefly for the others."""
         try:
             self.job.run.set_end(rnd.number, rnd.nnodes)  # first: an excluded store host
             self.job.run.set_status(status)  # serves until it sees both (``_exclusion``)
-            self.job.handler.set_closed()
-            # stop its heartbeats now, while the store is surely up (torch's agent calls
-            # shutdown() at the end too); an in-process launch() leaves no thread behind
-            self.job.handler.shutdown()
+            self.membership.close(self.job)
             left = self.job.run.leave(rnd.number)
             deadline = time.monotonic() + EXIT_BARRIER
             while left < rnd.nnodes and time.monotonic() < deadline:
@@ -514,4 +392,6 @@ class ElasticCoordinator:
         self._finish(rnd, JobStatus.FAILED)
         if decision.note:
             write_console(2, f"rallypoint: {decision.note}\n".encode())
-        raise_failure(rnd, outcome, decision, root, title=self.title)
+        raise_failure(
+            rnd, outcome, decision, root, title=self.title, one_node=self.membership.one_node
+        )

@@ -1,4 +1,4 @@
-"""What one node's elastic coordinator keeps across rounds: the handler and the run store.
+"""What one node's coordinator keeps across rounds: the handler and the run store.
 
 Every store call the coordinator makes goes through :meth:`Job.blocking` (or, before the
 job exists, :func:`interruptible`): a daemon thread runs it while the main thread checks
@@ -66,7 +66,7 @@ class Job:
 
     def __init__(
         self,
-        handler: RendezvousHandler,
+        handler: RendezvousHandler | None,
         *,
         run_id: str,
         endpoint: str,
@@ -78,10 +78,11 @@ class Job:
         store_timeout: float = 60.0,
         min_nodes: int = 1,
     ) -> None:
-        self.handler = handler
-        self.node = handler.node_id or f"{os.uname().nodename}_{os.getpid()}"
+        self._handler = handler
+        """``None``: a job of one node, with no rendezvous (its run store is in memory)."""
+        self.node = (handler and handler.node_id) or f"{os.uname().nodename}_{os.getpid()}"
         """This agent's identity in the rendezvous, its name in exclusion records (a backend
-        that names no nodes: host and process id)."""
+        that names no nodes, or no rendezvous: host and process id)."""
         self.min_nodes = min_nodes
         self.run_id = run_id
         self.endpoint = endpoint
@@ -101,6 +102,11 @@ class Job:
         self._bad_counter: bytes | None = None  # a malformed stacks request counter, said once
         self._rpc_secret = ""
         self._left = False
+
+    @property
+    def handler(self) -> RendezvousHandler:
+        assert self._handler is not None, "a job of one node has no rendezvous"
+        return self._handler
 
     def open(self) -> None:
         """Open the run store through the handler (the ``static`` backend has none yet)."""
@@ -129,15 +135,21 @@ class Job:
             run = prefixed("rallypoint/job", store)
             self._adopt(run, run, "rallypoint/job")
 
-    def _adopt(self, store: Store, second: Store | None, where: str) -> None:
-        from rallypoint.rendezvous import KVError
+    def adopt_memory_store(self, store: Store) -> None:
+        """A job of one node keeps its run in this process's memory."""
+        self._adopt(store, None, "rallypoint/job")
 
+    def _adopt(self, store: Store, second: Store | None, where: str) -> None:
         self._run = RunStore(store, where)
         try:
             self.stacks_answers = StacksAnswers(answered=latest_stacks_request(store))
         except MalformedRequestCounter as exc:
             self._malformed_counter(exc)  # answered from 0 once someone sets a count
-        except (RuntimeError, KVError) as exc:
+        except Exception as exc:
+            from rallypoint.rendezvous import KVError  # not before: one node never needs it
+
+            if not isinstance(exc, (RuntimeError, KVError)):
+                raise
             raise RendezvousFailedError(f"rendezvous {self.endpoint!r}: {exc}") from None
         self.stacks_store = second
 
@@ -184,14 +196,16 @@ class Job:
 
     def leave(self) -> None:
         """Leave the rendezvous for good, once (it counts this node gone in its round)."""
-        if not self._left:
+        if not self._left and self._handler is not None:
             self._left = True
             with contextlib.suppress(Exception):
-                self.handler.leave()
+                self._handler.leave()
 
     def nodes_waiting(self) -> int:
         """Nodes waiting to join, or members that missed their heartbeats (> 0: re-round)."""
-        return int(self.handler.num_nodes_waiting())
+        if self._handler is None:
+            return 0
+        return int(self._handler.num_nodes_waiting())
 
     def check_signals(self) -> None:
         """Between attempts: a signal to the launcher stops this node."""

@@ -5,17 +5,16 @@ bad config that fails the same way every attempt. Two root causes are the same w
 raised the same exception type at the same innermost frame of the user's code (torch's and
 Python's own frames below it do not count), or, without a Python exception (a crash, an
 ``exit(3)``), when the same rank ended the same way. :func:`failure_signature` gives the
-text that is compared; :class:`Streak` counts it across attempts.
+text that is compared; the run store counts it across rounds (``RunStore.same_failure``).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from rallypoint._core.frames import is_library
 
-__all__ = ["Streak", "failure_signature", "repeated_line"]
+__all__ = ["failure_signature", "repeated_line"]
 
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)')
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*)(?::|$)")
@@ -43,26 +42,6 @@ def failure_signature(rank: int, detail: str, traceback_text: str) -> str:
     if exception and frame:
         return f"{exception} at {frame}"
     return f"rank {rank} {detail}"
-
-
-@dataclass(slots=True)
-class Streak:
-    """The current run of identical root causes, attempt after attempt."""
-
-    signature: str = ""
-    count: int = 0
-
-    def add(self, signature: str) -> int:
-        """Count an attempt that failed with ``signature``; returns the streak's length."""
-        if signature == self.signature:
-            self.count += 1
-        else:
-            self.signature, self.count = signature, 1
-        return self.count
-
-    def reset(self) -> None:
-        """An attempt ended otherwise (a hang, a membership change): the run is broken."""
-        self.signature, self.count = "", 0
 
 
 def repeated_line(signature: str, count: int, limit: int) -> str:

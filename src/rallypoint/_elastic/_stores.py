@@ -15,6 +15,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from rallypoint._core.memory_store import MemoryStore
 from rallypoint._core.status import JobStatus
 from rallypoint._elastic._records import (
     Decision,
@@ -37,7 +38,10 @@ def _warn(line: str) -> None:
 
 
 def prefixed(prefix: str, store: Store) -> Store:
-    """``store`` with every key under ``prefix/`` (torch's ``PrefixStore``)."""
+    """``store`` with every key under ``prefix/`` (torch's ``PrefixStore``; a one-node
+    job's store in memory makes its own view, without torch)."""
+    if isinstance(store, MemoryStore):
+        return store.under(prefix)
     from rallypoint._core.torch_c import PrefixStore, as_torch_store
 
     return PrefixStore(prefix, as_torch_store(store))

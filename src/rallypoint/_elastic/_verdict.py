@@ -44,32 +44,52 @@ def _culprit(rnd: Round, outcome: Outcome) -> str:
 
 
 def raise_failure(
-    rnd: Round, outcome: Outcome, decision: Decision, root: RootRecord, *, title: str
+    rnd: Round,
+    outcome: Outcome,
+    decision: Decision,
+    root: RootRecord,
+    *,
+    title: str,
+    one_node: bool = False,
 ) -> NoReturn:
-    """Raise the job's error on this node: the same root cause as on every other node."""
+    """Raise the job's error on this node: the same root cause as on every other node. A
+    job of one node names the worker by its process, counts attempts, and carries the
+    worker's exception (its ``__cause__``)."""
     failure = root.failure
     if failure is None:
         if outcome.kind is OutcomeKind.HANG:
-            raise HangError(f"{decision.reason}; stopped the workers on every node")
+            raise HangError(f"{decision.reason}; stopped the workers {_hang_end(rnd, one_node)}")
         raise RendezvousFailedError(f"the job failed: {decision.reason}")
+    local = outcome.failure if one_node else None
     if outcome.kind is OutcomeKind.BAD_TARGET:
-        raise BadTargetError(failure.traceback or failure.detail)
-    others = stopped_with_the_job([w for w in outcome.workers if w.rank != failure.rank])
+        raise BadTargetError(local.bad_target if local else failure.traceback or failure.detail)
+    worker = local.worker if local else failure.worker_state()
+    others = stopped_with_the_job([w for w in outcome.workers if w.pid != worker.pid])
     budget = rnd.job.restarts.max_restarts
-    used = decision.count  # spent before this round's end: less where it ended early
+    if not budget:
+        attempts = "no restarts"
+    elif one_node:
+        attempts = f"attempt {rnd.number + 1} of {budget + 1}"
+    else:  # spent before this round's end: less where it ended early
+        attempts = f"{decision.count} restart(s) used of {budget}"
     summary = format_summary(
         title=title,
-        root=failure.worker_state(),
+        root=worker,
         host=failure.host,
         when=failure.time,
         elapsed=failure.elapsed,
         traceback_text=failure.traceback,
         others=others,
-        attempts=f"{used} restart(s) used of {budget}" if budget else "no restarts",
+        attempts=attempts,
         culprit=_culprit(rnd, outcome),
     )
-    raise WorkerFailedError(
-        f"rank {failure.rank} on {failure.host} {failure.detail}",
+    where = (
+        f"(local_rank {failure.local_rank}, pid {failure.pid})"
+        if one_node
+        else f"on {failure.host}"
+    )
+    err = WorkerFailedError(
+        f"rank {failure.rank} {where} {failure.detail}",
         rank=failure.rank,
         local_rank=failure.local_rank,
         pid=failure.pid,
@@ -78,4 +98,14 @@ def raise_failure(
         remote_traceback=failure.traceback,
         summary=summary,
         others=tuple(others),
+        exception=local.exception if local else None,
     )
+    if local is not None and local.exception is not None:
+        raise err from local.exception
+    raise err
+
+
+def _hang_end(rnd: Round, one_node: bool) -> str:
+    if not one_node:
+        return "on every node"
+    return "(--on-hang fail)" if rnd.job.restarts.on_hang == "fail" else "(no restarts left)"

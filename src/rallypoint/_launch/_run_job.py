@@ -1,9 +1,8 @@
 """Run one job on this node: the observer, the supervisor, and the coordinator that owns it.
 
-Shared by :func:`~rallypoint.launcher.launch` and ``rallypoint run``: a single-node launch
-gets a :class:`~rallypoint._elastic._local.LocalCoordinator`, a multi-node one an
-:class:`~rallypoint._elastic._coordinator.ElasticCoordinator` (imported only then, with the
-rendezvous part).
+Shared by :func:`~rallypoint.launcher.launch` and ``rallypoint run``: one restart loop
+(:class:`~rallypoint._elastic._coordinator.Coordinator`) on a world of its own for a
+single-node launch, or through the rendezvous for a multi-node one (imported only then).
 """
 
 from __future__ import annotations
@@ -16,15 +15,16 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 from rallypoint._core import envvars
 from rallypoint._core.status import JobStatus
 from rallypoint._core.tempdirs import mark_owned, remove_stale
 from rallypoint._elastic._check_run import HealthContext
+from rallypoint._elastic._coordinator import Coordinator, Membership
 from rallypoint._elastic._health import HealthChecks
 from rallypoint._elastic._job import stop_on_signal
-from rallypoint._elastic._local import LocalCoordinator
+from rallypoint._elastic._one_node import OneNode
 from rallypoint._launch._config import LaunchConfig
 from rallypoint._snapshot._snapshot_dir import resume_problem
 from rallypoint._supervise._env import user_rpc_secret
@@ -37,10 +37,6 @@ from rallypoint._supervise._worker import Target
 from rallypoint._watch._observer import Observer
 
 __all__ = ["run_job"]
-
-
-class _Coordinator(Protocol):
-    def run(self) -> list[Any]: ...
 
 
 def run_job(
@@ -143,41 +139,42 @@ def _health(config: LaunchConfig, supervisor: Supervisor, observer: Observer) ->
 
 def _coordinator(
     config: LaunchConfig, supervisor: Supervisor, observer: Observer, run_id: str, title: str
-) -> _Coordinator:
-    health = _health(config, supervisor, observer)
+) -> Coordinator:
+    """The restart loop of this node, on a world of its own or through the rendezvous."""
+    membership: Membership
     if not config.rendezvous.multi_node:
         world = config.world
         if config.rendezvous.local_addr is not None:  # as torchrun: this node's address
             world = replace(world, master_addr=config.rendezvous.local_addr)
-        return LocalCoordinator(
-            supervisor,
-            observer,
-            world=world,
-            restarts=config.restarts,
-            run_id=run_id,
-            title=title,
-            timeout=config.stop.timeout,
-            health=health,
+        membership = OneNode(
+            supervisor, observer, world=world, restarts=config.restarts, run_id=run_id
         )
-    from rallypoint._elastic._coordinator import ElasticCoordinator
-    from rallypoint._elastic._rendezvous import connect
+    else:
+        from rallypoint._elastic._rendezvous import connect
+        from rallypoint._elastic._rendezvous_rounds import RendezvousRounds
 
-    job_id = config.world.run_id or "none"
-    return ElasticCoordinator(
+        job_id = config.world.run_id or "none"
+        membership = RendezvousRounds(
+            supervisor,
+            lambda: connect(config.rendezvous, job_id),
+            observer,
+            restarts=config.restarts,
+            run_id=job_id,
+            endpoint=config.rendezvous.endpoint,
+            share_rpc_secret=not user_rpc_secret(config.workers),
+            store_timeout=_read_timeout(config.rendezvous.conf),
+            node=config.rendezvous.local_addr or "",
+            min_nodes=config.rendezvous.min_nodes,
+        )
+    return Coordinator(
         supervisor,
-        lambda: connect(config.rendezvous, job_id),
+        membership,
         observer,
         restarts=config.restarts,
-        run_id=job_id,
-        endpoint=config.rendezvous.endpoint,
         title=title,
         monitor_interval=config.stop.monitor_interval.total_seconds(),
         timeout=config.stop.timeout,
-        share_rpc_secret=not user_rpc_secret(config.workers),
-        store_timeout=_read_timeout(config.rendezvous.conf),
-        node=config.rendezvous.local_addr or "",
-        min_nodes=config.rendezvous.min_nodes,
-        health=health,
+        health=_health(config, supervisor, observer),
     )
 
 
