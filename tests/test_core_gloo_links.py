@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rallypoint._core.gloo_links import loops, tcp_table
+from rallypoint._core.gloo_links import loops, release, shut_down, tcp_table
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/fdinfo"), reason="Linux only")
 
@@ -92,3 +92,39 @@ def test_an_epoll_set_over_a_unix_socket_is_no_gloo_loop(loop: _Loop) -> None:
     finally:
         left.close()
         right.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_held_read_cut_ends_our_reads_and_tells_the_peer_nothing_until_released(
+    loop: _Loop,
+) -> None:
+    """What the in-process cut does: our reads end; our writes still go; the peer sees no
+    end (its writes are not reset) even once the owner closed its descriptor, as gloo does
+    after the failed read, until the held duplicate is released."""
+    mine = loop.connect()
+    peer = loop.peers[0]
+    held: list[socket.socket] = []
+    assert shut_down({_inode(mine)}, how=socket.SHUT_RD, hold=held) == 1
+    assert mine.recv(1) == b""
+    mine.sendall(b"ours")
+    assert peer.recv(4) == b"ours"
+    loop.epoll.unregister(mine.fileno())
+    mine.close()
+    peer.setblocking(False)
+    for _ in range(3):
+        peer.sendall(b"x")  # queued at our end: no reset
+        time.sleep(0.05)
+    with pytest.raises(BlockingIOError):
+        peer.recv(1)  # no end seen
+    release(held)
+    assert held == []
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            peer.recv(1)
+            break  # the end (or the reset of our unread bytes)
+        except BlockingIOError:
+            assert time.monotonic() < deadline, "the peer never saw the end"
+            time.sleep(0.01)
+        except ConnectionResetError:
+            break

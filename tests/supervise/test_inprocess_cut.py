@@ -7,10 +7,16 @@ waiting rank cuts its own connections from another thread, as an interrupted wor
 and every one of them must fail at once while rank 2 is still alive; a rank blocked in a
 store wait is freed the same way. What the set-up opened before the function (a socket to
 a service, the control channel) is never cut.
+
+gloo loses a send it could not write (``EPIPE``) when the connection fails before its
+event loop wrote it: the collective waits its whole timeout. A send made after a cut, by
+this rank or a peer, and before this rank's loop saw it must not be lost: the tests stop
+the sender's gloo loop thread (``ptrace``, from the peer) to make that order certain.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import threading
@@ -27,10 +33,13 @@ from rallypoint.testing import run_workers
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/fdinfo"), reason="Linux only")
 
 
+HELD: list[socket.socket] = []  # a worker's cut sockets (each test's workers are forked)
+
+
 def _cut_later(since: frozenset[int], port: int | None, delay: float) -> None:
     def later() -> None:
         time.sleep(delay)
-        cut_attempt(since, port)
+        cut_attempt(since, port, HELD)
 
     threading.Thread(target=later, daemon=True).start()
 
@@ -107,3 +116,92 @@ def test_only_connections_made_since_the_entry_are_cut() -> None:
     what, waited, alive = run_workers(_blocked_in_the_store, 1, False, timeout=60)[0]
     assert what != "returned" and waited < 5.0
     assert not alive
+
+
+_PTRACE_SEIZE, _PTRACE_INTERRUPT, _PTRACE_DETACH, _WALL = 0x4206, 0x4207, 17, 0x40000000
+
+
+def _ptrace(request: int, tid: int) -> bool:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    libc.ptrace.restype = ctypes.c_long
+    return bool(libc.ptrace(request, tid, None, None) == 0)
+
+
+def _stop_thread(tid: int) -> bool:
+    """Stop thread ``tid`` of another process (until a ``PTRACE_DETACH``); False where
+    ptrace is not allowed."""
+    if not _ptrace(_PTRACE_SEIZE, tid):
+        return False
+    if not _ptrace(_PTRACE_INTERRUPT, tid):
+        _ptrace(_PTRACE_DETACH, tid)
+        return False
+    os.waitpid(tid, _WALL)
+    return True
+
+
+def _gloo_loop_thread() -> int:
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as fp:
+            if fp.read().strip() == "gloo_tcp_loop":
+                return int(tid)
+    raise AssertionError("no gloo loop thread")
+
+
+def _send_after_the_cut(who: str) -> tuple[str, float]:
+    """Rank 1 posts a receive from rank 0 and stops rank 0's gloo loop; then ``who`` (rank
+    0: ``self``, rank 1: ``peer``) cuts, rank 0 sends (its loop has not seen the cut) and
+    cuts too, and rank 1 lets rank 0's loop go on: rank 0's send must end at once."""
+    rank = int(os.environ["RANK"])
+    entry = sockets_now()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=15))
+    dist.barrier()
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        received = dist.irecv(torch.zeros(4), src=0)
+        store.set("posted", "1")
+        loop = int(store.get("loop"))
+        if not _stop_thread(loop):
+            store.set("stopped", "no")
+            return "no ptrace", 0.0
+        if who == "peer":
+            cut_attempt(entry, None, HELD)
+        store.set("stopped", "yes")
+        store.wait(["sent"])
+        _ptrace(_PTRACE_DETACH, loop)
+        try:
+            received.wait()
+        except RuntimeError:
+            return "recv failed", 0.0
+        return "recv completed", 0.0
+    store.set("loop", str(_gloo_loop_thread()))
+    store.wait(["posted"])
+    time.sleep(0.3)  # rank 1's receive is known here: the send below writes at once
+    if store.get("stopped") == b"no":
+        return "no ptrace", 0.0
+    time.sleep(0.2)  # a peer's cut has reached this rank
+    if who == "self":
+        cut_attempt(entry, None, HELD)
+    sent = dist.isend(torch.ones(4), dst=1)
+    cut_attempt(entry, None, HELD)
+    store.set("sent", "1")
+    begin = time.monotonic()
+    try:
+        sent.wait()
+        what = "sent"
+    except RuntimeError as exc:
+        what = str(exc).splitlines()[0][-100:]
+    return what, time.monotonic() - begin
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("who", ["self", "peer"])
+def test_a_send_made_before_gloo_saw_the_cut_is_not_lost(who: str) -> None:
+    """A cut that shut down the writing side (``self``: this rank's write fails; ``peer``:
+    the peer's end answers with a reset) left gloo a send it could not write, which it
+    never failed: the sender waited its whole timeout (15 s here), as a rank of an 8-rank
+    DDP job under heavy load did in ``loss.backward()``."""
+    out = run_workers(_send_after_the_cut, 2, who, timeout=60)
+    if out[1][0] == "no ptrace":
+        pytest.skip("ptrace is not allowed here")
+    assert out[0][1] < 5.0, out

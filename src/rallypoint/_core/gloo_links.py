@@ -19,6 +19,7 @@ __all__ = [
     "epoll_sets",
     "listens",
     "loops",
+    "release",
     "shut_down",
     "socket_links",
     "tcp_table",
@@ -144,8 +145,17 @@ def listens(epoll_fd: int, links: dict[int, int] | None = None) -> bool:
     return _listening([links.get(fd, OTHER) for fd in _watched(epoll_fd)], tcp_table())
 
 
-def shut_down(inodes: frozenset[int] | set[int], links: dict[int, int] | None = None) -> int:
-    """Shut down this process's sockets whose inode is in ``inodes``; returns how many."""
+def shut_down(
+    inodes: frozenset[int] | set[int],
+    links: dict[int, int] | None = None,
+    *,
+    how: int = socket.SHUT_RDWR,
+    hold: list[socket.socket] | None = None,
+) -> int:
+    """Shut down (``how``) this process's sockets whose inode is in ``inodes``; returns how
+    many. With ``hold``, a duplicate of each is kept open there: when gloo closes its own
+    descriptor, the socket stays open (no FIN or reset to the peer) until ``hold`` is
+    closed (:func:`release`)."""
     links = socket_links() if links is None else links
     done = 0
     for fd, inode in links.items():
@@ -153,9 +163,21 @@ def shut_down(inodes: frozenset[int] | set[int], links: dict[int, int] | None = 
             continue
         with contextlib.suppress(OSError):
             dup = socket.socket(fileno=os.dup(fd))
+            kept = False
             try:
-                dup.shutdown(socket.SHUT_RDWR)
+                dup.shutdown(how)
                 done += 1
+                if hold is not None:
+                    hold.append(dup)
+                    kept = True
             finally:
-                dup.close()
+                if not kept:
+                    dup.close()
     return done
+
+
+def release(held: list[socket.socket]) -> None:
+    """Close the sockets :func:`shut_down` held, and empty ``held``."""
+    while held:
+        with contextlib.suppress(OSError):
+            held.pop().close()

@@ -41,7 +41,7 @@ from rallypoint._supervise._inprocess._control import (
     decode,
     encode,
 )
-from rallypoint._supervise._inprocess._cut import cut_attempt, sockets_now
+from rallypoint._supervise._inprocess._cut import cut_attempt, release, sockets_now
 
 __all__ = ["WAKE_SIGNAL", "RestartInterrupt", "restartable"]
 
@@ -121,6 +121,7 @@ class _Channel:
         self.in_fn = False
         self.interrupted = False
         self.entry_sockets: frozenset[int] = frozenset()  # this process's, when fn was entered
+        self.held: list[socket.socket] = []  # the cut sockets, open until the next attempt
         self.running = False  # in run(): a restartable call nested in it is a plain call
         self.returned = False  # the first call returned: later calls are plain calls
         self.said_second = False
@@ -175,7 +176,7 @@ class _Channel:
             self.quiet.enter_context(cpp_warnings_off())
         abort_nccl()
         port = os.environ.get("MASTER_PORT", "")
-        cut_attempt(self.entry_sockets, int(port) if port.isdigit() else None)
+        cut_attempt(self.entry_sockets, int(port) if port.isdigit() else None, self.held)
 
     def _on_wake(self, signum: int, frame: FrameType | None) -> None:
         with self.lock:
@@ -282,6 +283,9 @@ class _Channel:
                 os._exit(1)
             if isinstance(msg, Assign):
                 break
+        # every rank of the attempt has left it (or was replaced): its peers can no longer
+        # be writing on the cut connections (_cut)
+        release(self.held)
         os.environ.update(msg.env)
         with self.lock:
             self.interrupted = False
