@@ -162,9 +162,13 @@ def longest_pause(rows: list[tuple[float, int, int]], after: int = 0) -> tuple[f
 
 def never_back(rows: list[tuple[float, int, int]]) -> None:
     """Each commit is one step past the one before (a restarted process starts a new file
-    section, at the step it healed to, which is never below the last one)."""
+    section, at the step it healed to, which is never below the last one). One exception,
+    as torchft allows with ``--min_replicas 1``: a group that was alone in a quorum (the
+    others were slow to join on a loaded machine) stepped past the others and then died;
+    its new process heals to the others' step, behind its old process's last commit, in a
+    quorum of more participants than that commit had."""
     for a, b in itertools.pairwise(rows):
-        assert b[1] >= a[1], f"a step went back: {a} then {b}"
+        assert b[1] >= a[1] or a[2] < b[2], f"a step went back: {a} then {b}"
 
 
 def same_parameters(out: Path, groups: list[int]) -> None:

@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,15 +149,19 @@ def _gloo_loop_thread() -> int:
     raise AssertionError("no gloo loop thread")
 
 
-def _send_after_the_cut(who: str) -> tuple[str, float]:
+def _send_after_the_cut(who: str, path: str) -> tuple[str, float]:
     """Rank 1 posts a receive from rank 0 and stops rank 0's gloo loop; then ``who`` (rank
     0: ``self``, rank 1: ``peer``) cuts, rank 0 sends (its loop has not seen the cut) and
-    cuts too, and rank 1 lets rank 0's loop go on: rank 0's send must end at once."""
+    cuts too, and rank 1 lets rank 0's loop go on: rank 0's send must end at once. The
+    store is a file: a TCPStore's server in rank 0 would be cut too (under rallypoint the
+    agent hosts it), and rank 1's waits in it would fail."""
     rank = int(os.environ["RANK"])
     entry = sockets_now()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=15))
+    store = dist.FileStore(path, 2)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=15)
+    )
     dist.barrier()
-    store = dist.distributed_c10d._get_default_store()
     if rank == 1:
         received = dist.irecv(torch.zeros(4), src=0)
         store.set("posted", "1")
@@ -196,12 +201,12 @@ def _send_after_the_cut(who: str) -> tuple[str, float]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("who", ["self", "peer"])
-def test_a_send_made_before_gloo_saw_the_cut_is_not_lost(who: str) -> None:
+def test_a_send_made_before_gloo_saw_the_cut_is_not_lost(who: str, tmp_path: Path) -> None:
     """A cut that shut down the writing side (``self``: this rank's write fails; ``peer``:
     the peer's end answers with a reset) left gloo a send it could not write, which it
     never failed: the sender waited its whole timeout (15 s here), as a rank of an 8-rank
     DDP job under heavy load did in ``loss.backward()``."""
-    out = run_workers(_send_after_the_cut, 2, who, timeout=60)
+    out = run_workers(_send_after_the_cut, 2, who, str(tmp_path / "store"), timeout=60)
     if out[1][0] == "no ptrace":
         pytest.skip("ptrace is not allowed here")
     assert out[0][1] < 5.0, out
