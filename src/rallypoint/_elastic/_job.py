@@ -135,10 +135,6 @@ class Job:
             run = prefixed("rallypoint/job", store)
             self._adopt(run, run, "rallypoint/job")
 
-    def adopt_memory_store(self, store: Store) -> None:
-        """A job of one node keeps its run in this process's memory."""
-        self._adopt(store, None, "rallypoint/job")
-
     def _adopt(self, store: Store, second: Store | None, where: str) -> None:
         self._run = RunStore(store, where)
         try:
