@@ -18,7 +18,17 @@ from pathlib import Path
 import rallypoint
 
 PACKAGE = Path(rallypoint.__file__).parent
-PARTS = ["distributed", "join", "launcher", "observe", "rendezvous", "rpc", "snapshot", "testing"]
+PARTS = [
+    "distributed",
+    "ft",
+    "join",
+    "launcher",
+    "observe",
+    "rendezvous",
+    "rpc",
+    "snapshot",
+    "testing",
+]
 NEEDS_SOURCE = ["rallypoint.testing.run_rpc_contract"]
 """Names that need the ``.py`` files, torch's rule rather than a face's: the RPC contract
 suite compiles ``@torch.jit.script`` functions at import, and TorchScript reads source."""

@@ -12,7 +12,17 @@ import pytest
 
 import rallypoint
 
-PARTS = ["distributed", "join", "launcher", "observe", "rendezvous", "rpc", "snapshot", "testing"]
+PARTS = [
+    "distributed",
+    "ft",
+    "join",
+    "launcher",
+    "observe",
+    "rendezvous",
+    "rpc",
+    "snapshot",
+    "testing",
+]
 """Every public part: each is checked by every test below."""
 TORCHS_OWN = {("rpc", "TensorPipeRpcBackendOptions")}
 """torch's own classes re-exported as they are (torch compatibility): their home is torch."""
@@ -119,7 +129,13 @@ def test_worker_summary_and_statuses_and_the_deprecated_name() -> None:
     assert old is launcher.WorkerSummary
 
 
-FACES = ["rallypoint"] + [f"rallypoint.{part}" for part in PARTS]
+FT_FACE = pytest.mark.xfail(
+    strict=True,
+    reason="rallypoint.ft's face imports its names without `as` (Optimizer under another "
+    "name): the mark comes off when that face is written as the others are",
+)
+FACES = ["rallypoint"] + [f"rallypoint.{part}" for part in PARTS if part != "ft"]
+FACES += [pytest.param("rallypoint.ft", marks=FT_FACE)]
 LAZY = ["rallypoint", "rallypoint.distributed", "rallypoint.launcher", "rallypoint.observe"]
 LAZY += ["rallypoint.snapshot", "rallypoint.testing"]
 """The faces whose import must stay cheap: each name is imported on first access."""

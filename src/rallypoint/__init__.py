@@ -12,6 +12,7 @@ from rallypoint._core.version import __version__ as __version__
 
 if TYPE_CHECKING:
     from rallypoint import distributed as distributed
+    from rallypoint import ft as ft
     from rallypoint import join as join
     from rallypoint import launcher as launcher
     from rallypoint import observe as observe
@@ -35,6 +36,7 @@ __all__ = [
     "RestartInterrupt",
     "WorkerFailedError",
     "distributed",
+    "ft",
     "join",
     "launch",
     "launcher",
@@ -47,7 +49,17 @@ __all__ = [
     "testing",
 ]
 
-_PARTS = ["distributed", "join", "launcher", "observe", "rendezvous", "rpc", "snapshot", "testing"]
+_PARTS = [
+    "distributed",
+    "ft",
+    "join",
+    "launcher",
+    "observe",
+    "rendezvous",
+    "rpc",
+    "snapshot",
+    "testing",
+]
 """The public subpackages, each imported on first access."""
 _HOMES = {
     "FatalError": "rallypoint.launcher",

@@ -73,7 +73,9 @@ class NoticeWriters:
 
     def start_writer(self, close: Sequence[int]) -> None:
         """Fork the writer process now (``close``: this process's descriptors it must not
-        keep)."""
+        keep), with ``rallypoint.ft.agent`` imported first: the writer imports nothing."""
+        import rallypoint.ft.agent  # noqa: F401
+
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:

@@ -189,7 +189,6 @@ class _Server:
             ready = sel.select(IDLE if self.later and self.workers else None)
             if not ready and self.later:
                 if not self.notice_writers.started:  # forked before the imports (_notices)
-                    importlib.import_module("rallypoint.ft.agent")
                     self.notice_writers.start_writer(self._own_fds())
                 self._import_later([self.later.pop(0)])
                 gc.freeze()  # as after Init: forked children share it without churn
