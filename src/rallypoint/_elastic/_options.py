@@ -15,10 +15,12 @@ __all__ = [
     "HealthOptions",
     "RendezvousOptions",
     "RestartOptions",
+    "check_backend",
     "parse_nnodes",
 ]
 
 BACKENDS = ("c10d", "etcd", "etcd-v3", "file", "static")
+"""The built-in rendezvous backends; plugins add theirs (:func:`check_backend`)."""
 BUILTIN_CHECKS = ("builtin:disk", "builtin:gpu", "builtin:store")
 """The health checks rallypoint runs itself (``_elastic._health``)."""
 
@@ -67,7 +69,8 @@ class RendezvousOptions:
     min_nodes: int = 1
     max_nodes: int = 1
     backend: str = "c10d"
-    """Rendezvous backend of a multi-node job: ``c10d``, ``etcd``, ``file`` or ``static``."""
+    """Rendezvous backend of a multi-node job: ``c10d``, ``etcd``, ``file``, ``static``, or
+    an installed plugin's (entry point group ``rallypoint.rendezvous_backends``)."""
     endpoint: str = ""
     """``HOST:PORT`` of the rendezvous store (a path for ``file``)."""
     conf: Mapping[str, str] = field(default_factory=dict)
@@ -82,10 +85,7 @@ class RendezvousOptions:
     def __post_init__(self) -> None:
         lo = check_int(self.min_nodes, "min_nodes", minimum=1)
         hi = check_int(self.max_nodes, "max_nodes", minimum=lo)
-        if self.backend not in BACKENDS:
-            raise ValueError(
-                f"rdzv_backend must be one of c10d, etcd, file, static, got {self.backend!r}"
-            )
+        check_backend(self.backend, "rdzv_backend")
         if not isinstance(self.endpoint, str):
             raise TypeError(
                 f"rdzv_endpoint must be 'HOST:PORT', got {type(self.endpoint).__name__}"
@@ -150,6 +150,24 @@ class HealthOptions:
                     f"{', '.join(BUILTIN_CHECKS)}"
                 )
         check_seconds(self.timeout, "health_check_timeout", maximum=MAX_SECONDS)
+
+
+def check_backend(name: object, what: str) -> str:
+    """``name`` if the rendezvous registry knows it (a built-in backend, one registered in
+    this process, or an installed plugin's); else ``ValueError`` listing the known ones."""
+    if not isinstance(name, str):
+        raise TypeError(f"{what} must be a backend name, got {type(name).__name__}")
+    if name in BACKENDS:
+        return name
+    from rallypoint.rendezvous import rendezvous_handler_registry as registry
+
+    if not registry.is_available(name):
+        known = ", ".join(registry.available())
+        raise ValueError(
+            f"{what} {name!r} is not a rendezvous backend; known: {known} (a plugin adds its "
+            "own through the entry point group rallypoint.rendezvous_backends)"
+        )
+    return name
 
 
 def parse_nnodes(value: str | int) -> tuple[int, int]:

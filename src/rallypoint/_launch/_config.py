@@ -22,7 +22,6 @@ from typing import Any, Literal, Self, TypeAlias
 
 from rallypoint._core.checks import MAX_SECONDS
 from rallypoint._elastic._options import (
-    BACKENDS,
     HealthOptions,
     RendezvousOptions,
     RestartOptions,
@@ -96,8 +95,9 @@ class LaunchConfig:
             "--rdzv-backend",
             "--rdzv_backend",
             default="static",
-            choices=BACKENDS,
-            help="rendezvous backend of a multi-node job",
+            value=values.rdzv_backend,
+            help="rendezvous backend of a multi-node job: c10d, etcd, etcd-v3, file, static, "
+            "or an installed plugin's",
         ),
     )
     rdzv_endpoint: str = option(

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 from rallypoint._core.checks import MAX_SECONDS, to_timedelta
-from rallypoint._elastic._options import BUILTIN_CHECKS, parse_nnodes
+from rallypoint._elastic._options import BUILTIN_CHECKS, check_backend, parse_nnodes
 from rallypoint._watch._flight._recorder import parse_buffer
 from rallypoint._watch._stragglers._pace import parse_threshold
 
@@ -38,6 +38,7 @@ __all__ = [
     "or_none",
     "parse_nproc",
     "positive",
+    "rdzv_backend",
     "run_id",
     "text",
     "threshold",
@@ -73,6 +74,11 @@ def run_id(value: str, flag: str) -> str | None:
             f"{flag} {value.replace('/', '-').replace(chr(0), '')})"
         )
     return value
+
+
+def rdzv_backend(value: str, flag: str) -> str:
+    """``--rdzv-backend``: a name the rendezvous registry knows, plugins' included."""
+    return check_backend(str(value).strip(), flag)
 
 
 def count_or_off(value: str, flag: str) -> int | None:

@@ -48,6 +48,18 @@ class RendezvousHandlerRegistry:
         """The registered names (plugins appear once loaded)."""
         return sorted(self._registry)
 
+    def available(self) -> list[str]:
+        """The names :meth:`create_handler` takes: the registered ones and those of the
+        installed plugins (their entry points are listed, not loaded)."""
+        names = set(self._registry)
+        if self._group is not None:
+            names.update(entry.name for entry in entry_points(group=self._group))
+        return sorted(names)
+
+    def is_available(self, backend: str) -> bool:
+        """Whether :meth:`create_handler` knows ``backend`` (a plugin is not loaded)."""
+        return backend in self._registry or backend in self.available()
+
     def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
         """Create the handler ``params.backend`` names."""
         creator = self._registry.get(params.backend)
