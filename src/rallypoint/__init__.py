@@ -8,6 +8,7 @@ on first access.
 
 from typing import TYPE_CHECKING
 
+from rallypoint._core.public import lazy_names, listing
 from rallypoint._core.version import __version__ as __version__
 
 if TYPE_CHECKING:
@@ -75,17 +76,6 @@ _HOMES = {
 ``__module__``."""
 
 if not TYPE_CHECKING:  # mypy reads the imports above: a name not there stays an error
-
-    def __getattr__(name: str) -> object:
-        from importlib import import_module
-
-        if name in _PARTS:
-            return import_module(f"{__name__}.{name}")  # which sets the attribute
-        if name not in _HOMES:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        globals()[name] = getattr(import_module(_HOMES[name]), name)
-        return globals()[name]
-
-
-def __dir__() -> list[str]:
-    return sorted([*__all__, *(name for name in globals() if name.startswith("__"))])
+    __getattr__ = lazy_names(__name__, globals(), _HOMES, _PARTS)
+__dir__ = listing(globals(), __all__)
+del lazy_names, listing

@@ -32,6 +32,8 @@ import ``progress`` from here, so each name is imported on first access.
 
 from typing import TYPE_CHECKING
 
+from rallypoint._core.public import lazy_names, listing
+
 if TYPE_CHECKING:
     from rallypoint._core.fatal import FatalError as FatalError
     from rallypoint._core.status import JobStatus as JobStatus
@@ -124,30 +126,6 @@ _RENAMED = {"WorkerState": "WorkerSummary"}
 """An old name and its public name: the old one resolves with a ``DeprecationWarning``."""
 
 if not TYPE_CHECKING:  # mypy reads the imports above: a name not there stays an error
-
-    def __getattr__(name: str) -> object:
-        if name in _RENAMED:
-            import warnings
-
-            new = _RENAMED[name]
-            warnings.warn(
-                f"{__name__}.{name} is deprecated: it is {new}; the name goes in the next release",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            name = new
-        if name in globals():
-            return globals()[name]
-        if name not in _HOMES:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        from importlib import import_module
-
-        from rallypoint._core.public import set_public_module
-
-        globals()[name] = getattr(import_module(_HOMES[name]), name)
-        set_public_module(__name__, globals(), [name])  # the one place: __module__ is this face
-        return globals()[name]
-
-
-def __dir__() -> list[str]:
-    return sorted([*__all__, *(name for name in globals() if name.startswith("__"))])
+    __getattr__ = lazy_names(__name__, globals(), _HOMES, renamed=_RENAMED)
+__dir__ = listing(globals(), __all__)
+del lazy_names, listing

@@ -14,6 +14,8 @@ launcher side's, in ``rallypoint._watch``.
 
 from typing import TYPE_CHECKING
 
+from rallypoint._core.public import lazy_names, listing
+
 if TYPE_CHECKING:
     from rallypoint.observe._events import Event as Event
     from rallypoint.observe._events import EventLog as EventLog
@@ -45,18 +47,6 @@ _HOMES = {
 """Each name's module, imported on first access (PEP 562)."""
 
 if not TYPE_CHECKING:  # mypy reads the imports above: a name not there stays an error
-
-    def __getattr__(name: str) -> object:
-        if name not in _HOMES:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        from importlib import import_module
-
-        from rallypoint._core.public import set_public_module
-
-        globals()[name] = getattr(import_module(_HOMES[name]), name)
-        set_public_module(__name__, globals(), [name])  # the one place: __module__ is this face
-        return globals()[name]
-
-
-def __dir__() -> list[str]:
-    return sorted([*__all__, *(name for name in globals() if name.startswith("__"))])
+    __getattr__ = lazy_names(__name__, globals(), _HOMES)
+__dir__ = listing(globals(), __all__)
+del lazy_names, listing

@@ -22,6 +22,8 @@ Public names (resolved lazily: importing ``rallypoint.testing`` loads nothing he
 
 from typing import TYPE_CHECKING
 
+from rallypoint._core.public import lazy_names, listing
+
 if TYPE_CHECKING:
     from rallypoint.testing import training_log as training_log
     from rallypoint.testing._etcd import EtcdServer as EtcdServer
@@ -83,20 +85,6 @@ _HOMES = {
 """Each name's module, imported on first access (PEP 562)."""
 
 if not TYPE_CHECKING:  # mypy reads the imports above: a name not there stays an error
-
-    def __getattr__(name: str) -> object:
-        from importlib import import_module
-
-        if name in _PARTS:
-            return import_module(f"{__name__}.{name}")  # which sets the attribute
-        if name not in _HOMES:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        from rallypoint._core.public import set_public_module
-
-        globals()[name] = getattr(import_module(_HOMES[name]), name)
-        set_public_module(__name__, globals(), [name])  # the one place: __module__ is this face
-        return globals()[name]
-
-
-def __dir__() -> list[str]:
-    return sorted([*__all__, *(name for name in globals() if name.startswith("__"))])
+    __getattr__ = lazy_names(__name__, globals(), _HOMES, _PARTS)
+__dir__ = listing(globals(), __all__)
+del lazy_names, listing
