@@ -1,7 +1,9 @@
 """Every duration option of ``rallypoint run`` and ``rallypoint.launch`` refuses a value that
 is not finite (``inf``, ``1e400``, ``nan``) or absurdly long with one line that names the
 option (the CLI: argparse's ``argument --x:``, exit status 2; ``launch``: ``ValueError``),
-never a traceback (``timedelta(seconds=inf)`` raises ``OverflowError``)."""
+never a traceback (``timedelta(seconds=inf)`` raises ``OverflowError``); a negative, zero
+or sub-microsecond one says the number as the user typed it (``got -1``, ``got 1e-9``),
+never a ``timedelta``'s text (``-1 day, 23:59:59``, ``0:00:00``)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 
 import rallypoint
 
+ZERO_ALLOWED = {"--shutdown-timeout"}
 # (flag, launch keyword)
 DURATIONS = [
     ("--monitor-interval", "monitor_interval"),
@@ -96,3 +99,30 @@ def test_an_infinite_shutdown_timeout_from_the_environment_is_one_line(tmp_path:
     assert line.startswith("rallypoint run: error: TORCH_ELASTIC_SHUTDOWN_TIMEOUT: "), line
     line = _usage_error([str(script)], env={"PET_HANG_TIMEOUT": "nan"})
     assert line.startswith("rallypoint run: error: argument --hang-timeout/"), line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["-1", "-0.5", "0", "1e-9"])
+@pytest.mark.parametrize(("flag", "keyword"), DURATIONS)
+def test_a_negative_zero_or_tiny_duration_says_the_number_as_typed(
+    tmp_path: Path, flag: str, keyword: str, value: str
+) -> None:
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    zero = flag in ZERO_ALLOWED
+    if value == "0" and zero:
+        return  # a valid value (the job would run)
+    if value == "1e-9":
+        least = "0 or at least" if zero else "at least"
+        says = f"must be {least} 0.000001 (a microsecond), got 1e-9"
+    else:
+        says = f"must be {'>= 0' if zero else '> 0'}, got {value}"
+    line = _usage_error([flag, value, str(script)])
+    assert re.fullmatch(
+        rf"rallypoint run: error: argument {flag}(/--\w+)?: {re.escape(says)}", line
+    ), line
+    # the API takes a timedelta: its seconds, not its text
+    if value.startswith("-") or (not zero and value == "0"):
+        with pytest.raises(ValueError) as refused:
+            rallypoint.launch(_never, nproc=1, **{keyword: timedelta(seconds=float(value))})  # type: ignore[arg-type]
+        assert str(refused.value) == f"{keyword} {says} s", refused.value

@@ -251,7 +251,7 @@ def _never() -> None:
     [
         (["--health-check", ""], {}, "--health-check needs a shell command"),
         (["--health-check", "builtin:cpu"], {}, "'builtin:cpu' is not a built-in check"),
-        (["--health-check-timeout", "0"], {}, "--health-check-timeout must be > 0"),
+        (["--health-check-timeout", "0"], {}, "--health_check_timeout: must be > 0, got 0"),
         ([], {"PET_HEALTH_CHECK": "builtin:gpus"}, "'builtin:gpus' is not a built-in check"),
     ],
 )

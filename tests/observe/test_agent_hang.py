@@ -96,7 +96,7 @@ def test_bad_hang_options_are_one_line_errors(tmp_path: Path) -> None:
     script = tmp_path / "ok.py"
     script.write_text("pass\n")
     for args, needle in (
-        (["--hang-timeout", "0"], "hang_timeout must be > 0"),
+        (["--hang-timeout", "0"], "--hang_timeout: must be > 0, got 0"),
         (["--on-hang", "ignore"], "invalid choice"),
         (["--events", str(tmp_path / "no" / "dir" / "e.jsonl")], "cannot open events file"),
     ):

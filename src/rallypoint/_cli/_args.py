@@ -184,6 +184,6 @@ def _shutdown_timeout(value: timedelta | None) -> timedelta:
         return value
     env = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
     try:
-        return timedelta(seconds=duration_type()(env))
+        return timedelta(seconds=duration_type(zero=True)(env))
     except argparse.ArgumentTypeError as exc:
         raise UsageError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT: {exc}") from None

@@ -18,6 +18,7 @@ from rallypoint._launch._option import Flag, cli_flag, declared
 __all__ = ["PROG", "RunFlags", "UsageError", "build_parser", "command_line", "duration_type"]
 
 PROG = "rallypoint run"
+_MICROSECOND = 1e-6
 
 
 class UsageError(ValueError):
@@ -39,9 +40,11 @@ def _cluster_defaults() -> dict[str, Any]:
         raise UsageError(str(exc)) from None
 
 
-def duration_type(maximum: float = MAX_SECONDS) -> Callable[[str], float]:
-    """The ``type`` of a duration option: seconds, a finite number up to ``maximum``
-    (argparse names the option in the error; the config checks the lower bound)."""
+def duration_type(maximum: float = MAX_SECONDS, *, zero: bool = False) -> Callable[[str], float]:
+    """The ``type`` of a duration option: seconds, a finite number > 0 (``zero``: >= 0) up
+    to ``maximum``; argparse names the option in the error, which shows the number as
+    typed. A ``timedelta`` holds microseconds: a smaller positive number is refused, not
+    made 0."""
 
     def seconds(text: str) -> float:
         try:
@@ -50,6 +53,13 @@ def duration_type(maximum: float = MAX_SECONDS) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text!r}")
+        if value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero else '> 0'}, got {text}")
+        if 0 < value < _MICROSECOND:
+            least = "0 or at least" if zero else "at least"
+            raise argparse.ArgumentTypeError(
+                f"must be {least} 0.000001 (a microsecond), got {text}"
+            )
         if value > maximum:
             raise argparse.ArgumentTypeError(
                 f"must be at most {duration_text(maximum)}, got {text!r}"
@@ -175,7 +185,7 @@ def _add(group: argparse._ActionsContainer, f: Flag, cluster: dict[str, Any]) ->
         default = f.default() if callable(f.default) else f.default
         kw["default"] = cluster.get(f.pet[len("PET_") :].lower(), default if pet is None else pet)
     if f.seconds is not None:
-        kw["type"] = duration_type(f.seconds)
+        kw["type"] = duration_type(f.seconds, zero=f.zero)
     for name in ("type", "choices", "metavar"):
         if getattr(f, name) is not None:
             kw[name] = getattr(f, name)

@@ -95,10 +95,12 @@ def check_seconds(
     else:
         wanted = "seconds (float) or a datetime.timedelta" if numbers else "a datetime.timedelta"
         raise TypeError(f"{what} must be {wanted}, got {_type_name(value)}")
+    # a timedelta as the seconds it holds: "-1 s", never "-1 day, 23:59:59"
+    shown = f"{secs:g} s" if isinstance(value, timedelta) else f"{value}"
     if secs < 0 or (secs == 0 and not allow_zero):
-        raise ValueError(f"{what} must be {bound}, got {value}")
+        raise ValueError(f"{what} must be {bound}, got {shown}")
     if maximum is not None and secs > maximum:
-        raise ValueError(f"{what} must be at most {duration_text(maximum)}, got {value}")
+        raise ValueError(f"{what} must be at most {duration_text(maximum)}, got {shown}")
     return secs
 
 

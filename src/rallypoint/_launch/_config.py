@@ -248,7 +248,13 @@ class LaunchConfig:
     """The signals forwarded to the workers, as on the command line."""
     shutdown_timeout: timedelta = option(
         "stop",
-        flag=flag("--shutdown-timeout", "--shutdown_timeout", seconds=MAX_SECONDS, help="seconds"),
+        flag=flag(
+            "--shutdown-timeout",
+            "--shutdown_timeout",
+            seconds=MAX_SECONDS,
+            zero=True,
+            help="seconds",
+        ),
     )
     restart_grace: timedelta = option(
         "stop",

@@ -53,6 +53,8 @@ class Flag:
     """Given once per value; ``PET_<NAME>`` holds one value a line."""
     seconds: float | None = None
     """A duration: a finite number of seconds up to this, a ``timedelta`` for ``launch()``."""
+    zero: bool = False
+    """A duration that may be 0 (else it must be > 0)."""
     value: Callable[[Any, str], Any] | None = None
     """What the parsed flag means as the keyword's value (``ValueError`` naming the flag,
     given as the second argument); default: itself (a switch: a bool)."""
