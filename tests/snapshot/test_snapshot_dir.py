@@ -14,6 +14,7 @@ from rallypoint._snapshot._snapshot_dir import (
     FRESH,
     Checkpoint,
     CheckpointDir,
+    live_problem,
     namespace,
     step_name,
 )
@@ -184,3 +185,33 @@ def test_an_explicit_choice_with_nothing_to_offer_fails_the_restore(
         persister("other").complete()
     assert persister(FRESH).complete() == []  # a fresh start
     assert persister("").complete() == []  # a live job's checkpoints are never offered
+
+
+@pytest.mark.timeout(60)
+def test_a_second_job_with_a_live_jobs_run_id_restores_none_of_its_checkpoints(
+    tmp_path: Path, live: subprocess.Popen[str]
+) -> None:
+    """The launcher refuses such a one-node job (``live_problem``); a process that gets
+    this far anyway (a node of a multi-node job that is not the live one) is refused as a
+    writer and offered only what its own job wrote."""
+    _checkpoint(tmp_path / "run-other", 40)  # the live job's
+    _checkpoint(tmp_path / "run-ended", 30)
+    assert live_problem(tmp_path, "other") == (
+        f"--rdzv-id other: a job with this run id is running and writing {tmp_path}/run-other "
+        f"(--snapshot-dir {tmp_path}); this one would restore its checkpoints: give it its "
+        "own --rdzv-id, or start it once that job ended"
+    )
+    assert live_problem(tmp_path, "ended") == ""  # no process holds it
+    assert live_problem(tmp_path, "new") == ""  # no namespace yet
+    second = CheckpointDir(tmp_path, "other", "t-second")
+    assert "another job with the same run id" in second.claim()
+    ended = Checkpoint(30, "run-ended/step-000000000030", "ended")
+    assert second.complete() == [ended]  # never the live job's step 40
+    assert second.complete("other") == []
+    assert CheckpointDir(tmp_path, "other", "t-other").complete() == [  # the live job's own
+        Checkpoint(40, "run-other/step-000000000040"),
+        ended,
+    ]
+    live.kill()
+    live.wait()
+    assert live_problem(tmp_path, "other") == ""  # it ended: a relaunch resumes from it

@@ -195,11 +195,20 @@ def test_a_live_job_never_reads_another_live_jobs_checkpoints(
     assert "restored" not in text, text  # another live job's checkpoints are another training
     assert starts(tmp_path / "job-b") == [(0, 0, 2), (0, 0, 2)], text
     assert _steps(ck / "run-job-b") == ["step-000000000006", "step-000000000008"]
-    # with a's own run id: the same training (its step 4 over b's 8); refused as a writer
-    same = run(2, tmp_path / "same", "none", 6, snapshot_dir=ck, every=2, run_id="job-a",
-               extra_env={envvars.SNAPSHOT_RESUME_FROM: "job-a"})  # fmt: skip
-    assert "another job with the same run id is writing" in same, same
-    assert starts(tmp_path / "same") == [(4, 4, 2), (4, 4, 2)], same
+    # a's own run id while a runs: refused before a worker starts (it would restore a's
+    # checkpoints and train the same run twice), as launch() and as rallypoint run
+    said = (
+        f"--rdzv-id job-a: a job with this run id is running and writing {ck}/run-job-a "
+        f"(--snapshot-dir {ck}); this one would restore its checkpoints: give it its own "
+        "--rdzv-id, or start it once that job ended"
+    )
+    with pytest.raises(ValueError) as refused:
+        run(2, tmp_path / "same", "none", 6, snapshot_dir=ck, every=2, run_id="job-a")
+    assert str(refused.value) == said
+    assert not list((tmp_path / "same").glob("start-*"))
+    assert _one_line(["--rdzv-id", "job-a", "--snapshot-dir", str(ck)], tmp_path) == (
+        f"rallypoint run: error: {said}"
+    )
     _release(a, tmp_path / "job-a")
     assert _steps(ck / "run-job-a") == ["step-000000000028", "step-000000000030"]
     assert _steps(ck / "run-job-b") == ["step-000000000006", "step-000000000008"]
@@ -228,18 +237,23 @@ def test_a_relaunch_resumes_from_an_ended_job_and_an_explicit_choice_wins(
     assert line in text, text
 
 
-def _usage_error(ck: Path, source: str, cwd: Path) -> str:
-    """``rallypoint run --snapshot-resume-from SOURCE``: exit status 2 and one line on
-    stderr, before any worker starts; returns that line."""
+def _one_line(flags: list[str], cwd: Path) -> str:
+    """``rallypoint run FLAGS``: exit status 2 and one line on stderr, before any worker
+    starts; returns that line."""
     script = cwd / "never.py"
     script.write_text("raise SystemExit('the job must not start')\n")
-    cmd = [sys.executable, "-m", "rallypoint", "run", "--snapshot-dir", str(ck),
-           "--snapshot-resume-from", source, str(script)]  # fmt: skip
+    cmd = [sys.executable, "-m", "rallypoint", "run", *flags, str(script)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=cwd)
     assert done.returncode == 2, (done.stdout, done.stderr)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert not done.stdout, done.stdout
     return lines[0]
+
+
+def _usage_error(ck: Path, source: str, cwd: Path) -> str:
+    """``rallypoint run --snapshot-resume-from SOURCE``: see :func:`_one_line`."""
+    return _one_line(["--snapshot-dir", str(ck), "--snapshot-resume-from", source], cwd)
 
 
 @pytest.mark.timeout(300)
@@ -269,12 +283,68 @@ def test_resume_from_a_live_or_unknown_job_or_an_empty_path_is_one_line_and_exit
         launch(print, nproc=1, env=env)  # launch() checks it too, before a worker starts
 
 
+def _damage(step: Path, how: str) -> str:
+    """Damage the checkpoint ``step`` as ``how`` says; returns what the line says of it."""
+    data = sorted(step.glob("*.distcp"))[-1]
+    if how == "metadata":
+        (step / ".metadata").write_bytes(b"not a checkpoint")  # still listed as complete
+        return "its .metadata does not load: UnpicklingError: "
+    if how == "truncated":
+        size = data.stat().st_size
+        os.truncate(data, 100)
+        return f"its data file {data.name} is truncated (100 bytes; its .metadata lists {size})"
+    if how == "missing":
+        data.unlink()
+        return f"its data file {data.name} cannot be read (No such file or directory)"
+    assert how == "zeroed"  # the same size, other bytes: the ranks' skeletons are read
+    for path in step.glob("*.distcp"):
+        path.write_bytes(b"\0" * path.stat().st_size)
+    return "its meta/0, meta/1 do not load: UnpicklingError: invalid load key"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["metadata", "truncated", "missing", "zeroed"])
+def test_a_damaged_explicit_choice_is_one_line_naming_it_and_exit_2(
+    tmp_path: Path, how: str
+) -> None:
+    """Checked by the launcher before a worker starts: not a traceback from every rank,
+    nor "rank 0 raised FatalError"."""
+    from rallypoint.launcher import launch
+
+    ck = tmp_path / "ck"
+    _resume(tmp_path, "job-a", ck, 4)  # ended, with the checkpoints of steps 2 and 4
+    newest, older = ck / "run-job-a" / "step-000000000004", ck / "run-job-a" / "step-000000000002"
+    says = _damage(newest, how)
+    # by its path: that checkpoint alone
+    flag = f"--snapshot-resume-from {newest}"
+    line = _usage_error(ck, str(newest), tmp_path)
+    assert line.startswith(
+        f"rallypoint run: error: {flag}: cannot load the checkpoint {newest}: "
+    ), line
+    assert says in line and line.endswith("repair it, or name another one"), line
+    # by its job: the older one still loads (the workers fall back to it) ...
+    _resume(tmp_path, "job-b", ck, 6, source="job-a")
+    assert starts(tmp_path / "job-b") == [(2, 2, 2), (2, 2, 2)]
+    # ... until it is damaged too
+    _damage(older, how)
+    line = _usage_error(ck, "job-a", tmp_path)
+    head = f"--snapshot-resume-from job-a: cannot load the checkpoint {newest}: "
+    assert line.startswith(f"rallypoint run: error: {head}") and " (and 1 older); " in line, line
+    env = {envvars.SNAPSHOT_DIR: str(ck), envvars.SNAPSHOT_RESUME_FROM: "job-a"}
+    with pytest.raises(ValueError, match=f"^{re.escape(head)}"):
+        launch(print, nproc=1, env=env)  # launch() checks it too, before a worker starts
+
+
 @pytest.mark.timeout(300)
 def test_an_explicit_choice_that_cannot_load_fails_the_restore_not_a_fresh_start(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The workers' own check, behind the launcher's (a checkpoint damaged after the
+    launcher looked, or storage that a node sees otherwise)."""
+    from rallypoint._launch import _run_job
     from rallypoint.launcher import WorkerFailedError
 
+    monkeypatch.setattr(_run_job, "resume_problem", lambda *args: "")
     ck = tmp_path / "ck"
     _resume(tmp_path, "job-a", ck, 4)  # ended, with the checkpoints of steps 2 and 4
     for metadata in ck.glob("run-job-a/step-*/.metadata"):

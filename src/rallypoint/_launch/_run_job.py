@@ -26,7 +26,7 @@ from rallypoint._elastic._health import HealthChecks
 from rallypoint._elastic._job import stop_on_signal
 from rallypoint._elastic._one_node import OneNode
 from rallypoint._launch._config import LaunchConfig
-from rallypoint._snapshot._snapshot_dir import resume_problem
+from rallypoint._snapshot._snapshot_dir import live_problem, resume_problem
 from rallypoint._supervise._env import user_rpc_secret
 from rallypoint._supervise._errors import LaunchInterruptedError
 from rallypoint._supervise._signals import SignalQueue
@@ -55,7 +55,7 @@ def run_job(
     temporary exists (``_supervise._warm._server``).
     """
     run_id = config.world.run_id or uuid.uuid4().hex[:12]
-    _check_resume(config, run_id)
+    _check_snapshots(config, run_id)
     # what launches killed with their whole process group left (never a live one's)
     remove_stale([tempfile.gettempdir(), socket_parent()])
     with SignalQueue(config.stop.signal_numbers) as signals:
@@ -108,15 +108,23 @@ def _snapshot_setting(config: LaunchConfig, name: str) -> str:
     return config.workers.env.get(name, os.environ.get(name, ""))
 
 
-def _check_resume(config: LaunchConfig, run_id: str) -> None:
-    """``--snapshot-resume-from`` names a job or a path that offers a checkpoint, and not
-    a live job: else one line (``ValueError``) before any worker starts."""
-    resume_from = _snapshot_setting(config, envvars.SNAPSHOT_RESUME_FROM)
+def _check_snapshots(config: LaunchConfig, run_id: str) -> None:
+    """Before any worker starts, else one line (``ValueError``): no live job with this
+    one-node job's ``--rdzv-id`` writes ``--snapshot-dir`` (it would restore that job's
+    checkpoints), and ``--snapshot-resume-from`` names a job or a path that offers a
+    checkpoint that loads, and not a live job."""
     directory = _snapshot_setting(config, envvars.SNAPSHOT_DIR)
-    if resume_from and directory:
-        why = resume_problem(os.path.abspath(directory), resume_from, run_id)
-        if why:
-            raise ValueError(why)
+    if not directory:
+        return
+    root = os.path.abspath(directory)
+    why = ""
+    if config.world.run_id and not config.rendezvous.multi_node:
+        why = live_problem(root, run_id)
+    resume_from = _snapshot_setting(config, envvars.SNAPSHOT_RESUME_FROM)
+    if resume_from and not why:
+        why = resume_problem(root, resume_from, run_id)
+    if why:
+        raise ValueError(why)
 
 
 def _health(config: LaunchConfig, supervisor: Supervisor, observer: Observer) -> HealthChecks:

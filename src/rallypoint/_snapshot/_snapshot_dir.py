@@ -25,6 +25,7 @@ __all__ = [
     "KEEP",
     "Checkpoint",
     "CheckpointDir",
+    "live_problem",
     "namespace",
     "resume_problem",
     "step_name",
@@ -128,6 +129,7 @@ class CheckpointDir:
         self.own = self.root / namespace(run_id)
         self.token = token
         self._live = -1
+        self._refused = False  # another live job writes our namespace: its checkpoints too
 
     def close(self) -> None:
         if self._live >= 0:
@@ -150,6 +152,7 @@ class CheckpointDir:
                     fcntl.flock(live, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     os.close(live)
+                    self._refused = True
                     return (
                         f"another job with the same run id is writing {self.own}: give each "
                         "job its own --rdzv-id or --snapshot-dir"
@@ -197,7 +200,8 @@ class CheckpointDir:
         ``resume_from`` (``--snapshot-resume-from``):
 
         - ``""``: this job's namespace, the namespaces of jobs that ended (no process holds
-          their ``.live``) and the flat layout; never the namespace of another live job;
+          their ``.live``) and the flat layout; never the namespace of another live job (nor
+          what it wrote in this job's namespace, when :meth:`claim` found it writing there);
         - :data:`FRESH` (``none``): only the checkpoints this job wrote itself;
         - a run id or an absolute path: the checkpoints this job wrote, and those of that job
           (a namespace under ``DIR``, refused while that job lives) or that path (one
@@ -215,12 +219,12 @@ class CheckpointDir:
                     found.append((step, mine, _written(path), Checkpoint(step, name, job)))
 
         if not resume_from:
-            add(self.own, True)
+            add(self.own, True, only_ours=self._refused)
             for ns in self._ended_others():
                 add(ns, False)
         else:
             source = self.source(resume_from)
-            add(self.own, True, only_ours=source != self.own)
+            add(self.own, True, only_ours=source != self.own or self._refused)
             if source is not None and source != self.own and not self.refusal(resume_from):
                 if (source / ".metadata").is_file():  # one checkpoint
                     step, job = _step_of(source), _job_of(source.parent)
@@ -343,11 +347,27 @@ class CheckpointDir:
                     shutil.rmtree(path, ignore_errors=True)
 
 
+def live_problem(root: str | os.PathLike[str], run_id: str) -> str:
+    """Why a job may not start with the run id ``run_id`` and ``--snapshot-dir root``: a
+    live job with the same run id writes that namespace (its checkpoints are another
+    training's, which the new job would restore), in one line; ``""`` otherwise. For a
+    one-node job, checked before its workers start (the nodes of one multi-node job share
+    a run id: their workers tell each other apart from another job by its token)."""
+    ckdir = CheckpointDir(root, run_id, "")
+    if not (ckdir.own / ".live").exists() or ckdir._ended(ckdir.own):
+        return ""
+    return (
+        f"--rdzv-id {run_id}: a job with this run id is running and writing {ckdir.own} "
+        f"(--snapshot-dir {ckdir.root}); this one would restore its checkpoints: give it its "
+        "own --rdzv-id, or start it once that job ended"
+    )
+
+
 def resume_problem(root: str | os.PathLike[str], resume_from: str, run_id: str) -> str:
     """Why the job ``run_id`` cannot resume from ``resume_from`` (``--snapshot-resume-from``,
     with ``--snapshot-dir root``), in one line that says what to change; ``""`` when it
-    can (loading the checkpoint is the workers' part: a damaged one fails their restore).
-    Checked before the workers start."""
+    can. Checked before the workers start: a checkpoint whose metadata or files are damaged
+    is found here (``_verify``); damage inside a data file only the workers' load finds."""
     ckdir = CheckpointDir(root, run_id, "")
     source = ckdir.source(resume_from)
     if source is None:
@@ -358,8 +378,9 @@ def resume_problem(root: str | os.PathLike[str], resume_from: str, run_id: str) 
     why = ckdir.refusal(resume_from)
     if why:
         return why
-    if ckdir.offered(resume_from):
-        return ""
+    offered = ckdir.offered(resume_from)
+    if offered:
+        return _none_loads(flag, offered)
     if os.path.isabs(resume_from):
         return (
             f"{flag}: no complete checkpoint in {source} (name a step-<N> directory with a "
@@ -370,4 +391,23 @@ def resume_problem(root: str | os.PathLike[str], resume_from: str, run_id: str) 
     return (
         f"{flag}: no checkpoint of job {resume_from!r} in {ckdir.root} ({source} holds no "
         f"complete checkpoint); {known}"
+    )
+
+
+def _none_loads(flag: str, offered: list[Path]) -> str:
+    """``""`` when one of the ``offered`` checkpoints (newest first) looks loadable (the
+    workers restore the newest that loads), else one line naming the newest and what is
+    wrong with it."""
+    from rallypoint._snapshot._verify import checkpoint_problem
+
+    problems = []
+    for path in offered:
+        why = checkpoint_problem(path)
+        if not why:
+            return ""
+        problems.append(f"{path}: {why}")
+    older = f" (and {len(problems) - 1} older)" if len(problems) > 1 else ""
+    return (
+        f"{flag}: cannot load the checkpoint {problems[0]}{older}; an explicit choice never "
+        "starts from scratch: repair it, or name another one"
     )
