@@ -244,9 +244,10 @@ def test_below_min_replica_size_groups_wait_and_do_not_train_alone(tmp_path: Pat
 
 @pytest.mark.timeout(300)
 def test_on_etcd_a_lost_member_costs_nothing(tmp_path: Path) -> None:
-    """The quorum's state in a 3-member etcd cluster: no lighthouse process at all (the
-    groups' TORCHFT_LIGHTHOUSE is the cluster); the member the groups talk to first, the
-    leader, is killed mid-run, and the groups go on without a pause past the goal."""
+    """The quorum's state in a 3-member etcd cluster (the groups' TORCHFT_LIGHTHOUSE is the
+    cluster; ``rallypoint lighthouse --store`` decides there); the member the groups talk
+    to first, the leader, is killed mid-run, and the groups go on without a pause past the
+    goal."""
     import shutil
 
     from rallypoint.testing._etcd_cluster import EtcdCluster
@@ -257,19 +258,17 @@ def test_on_etcd_a_lost_member_costs_nothing(tmp_path: Path) -> None:
         first = cluster.leader()
         order = [(first + i) % 3 for i in range(3)]
         address = "etcd://" + ",".join(cluster.members[i].endpoint for i in order)
-        house = subprocess.run(  # writes the rules into the cluster, then is not needed
-            [sys.executable, "-c", "from rallypoint.ft.lighthouse import LighthouseServer; "
-             f"LighthouseServer(min_replicas=1, join_timeout_ms=2000, store={address!r})"],
-            capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH":
-            os.pathsep.join(sys.path)},
-        )  # fmt: skip
-        assert house.returncode == 0, house.stderr
-        groups = [start_group(tmp_path, g, address, STEPS) for g in (0, 1)]
-        wait_for_step(tmp_path, 0, FAULT)
-        cluster.kill(order[0])
-        killed_at = time.time()
-        texts = finish(groups)
+        house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "2000", "--store", address)
+        try:
+            groups = [start_group(tmp_path, g, address, STEPS) for g in (0, 1)]
+            wait_for_step(tmp_path, 0, FAULT)
+            cluster.kill(order[0])
+            killed_at = time.time()
+            texts = finish(groups)
+        finally:
+            screen = house.stop()
     assert all(p.returncode == 0 for p in groups), "\n".join(t[-3000:] for t in texts)
+    assert "quorum 1: group" in screen, screen
     _checks(tmp_path, [0, 1], healthy=[])
     for g in (0, 1):
         rows = steps(tmp_path, g)

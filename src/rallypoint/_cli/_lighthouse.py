@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
         "--quorum-tick-ms",
         type=int,
         default=100,
-        help="accepted for torchft's command lines (members decide as requests come)",
+        help="how often the lighthouse looks at what time alone decides: heartbeats, the "
+        "join timeout (ms; asks are answered as they come)",
     )
     p.add_argument(
         "--heartbeat_timeout_ms",
@@ -53,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--store",
         default=None,
-        help="etcd://HOST:PORT[,HOST:PORT...]: keep the state in etcd (no process to lose)",
+        help="etcd://HOST:PORT[,HOST:PORT...]: keep the state in etcd instead of a TCPStore",
     )
     return p
 
@@ -63,6 +64,9 @@ def lighthouse_main(argv: list[str]) -> int:
     from rallypoint.ft.lighthouse import LighthouseServer
     from rallypoint.rendezvous import KVError
 
+    def say(line: str) -> None:
+        print(f"rallypoint lighthouse: {line}", flush=True)
+
     try:
         server = LighthouseServer(
             args.bind,
@@ -71,6 +75,7 @@ def lighthouse_main(argv: list[str]) -> int:
             args.quorum_tick_ms,
             args.heartbeat_timeout_ms,
             store=args.store,
+            say=say,
         )
     except (ValueError, KVError) as exc:
         sys.stderr.write(f"rallypoint lighthouse: error: {exc}\n")
@@ -88,5 +93,5 @@ def lighthouse_main(argv: list[str]) -> int:
         f"{rules.heartbeat_timeout_ms}); set TORCHFT_LIGHTHOUSE={server.address()}",
         flush=True,
     )
-    server.watch(lambda line: print(f"rallypoint lighthouse: {line}", flush=True))
+    server.wait()
     return 0

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from rallypoint._core.envvars import FT_NOTICE
 from rallypoint._core.store import Store
 from rallypoint._core.torch_c import PrefixStore, TCPStore
+from rallypoint.ft._client import LighthouseLink, connect_lighthouse
 from rallypoint.ft._commit import ABORT, COMMIT, SIT, agree
 from rallypoint.ft._heal import (
     HealError,
@@ -43,17 +44,10 @@ from rallypoint.ft._heal import (
     mismatch,
 )
 from rallypoint.ft._plan import Plan, plan
-from rallypoint.ft._quorum import (
-    Liveness,
-    Quorum,
-    QuorumClient,
-    Request,
-    gone_notices,
-    read_rules,
-)
 from rallypoint.ft._record import GroupEvents
+from rallypoint.ft._records import Quorum, Request
 from rallypoint.ft._watch import GroupGuard
-from rallypoint.rendezvous import KVConnectionError, KVError, connect_kv
+from rallypoint.rendezvous import KeyValueStore
 
 __all__ = ["ExceptionWithTraceback", "Manager", "WorldSizeMode"]
 
@@ -128,21 +122,19 @@ class Manager:
         self._rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
         self._world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
         self._replica_id = str(replica_id or os.environ.get("REPLICA_GROUP_ID", "") or "0")
-        self._group = self._group_store(store_addr, store_port)
         self._lighthouse = lighthouse_addr or os.environ.get("TORCHFT_LIGHTHOUSE", "")
-        self._kv = self._connect_lighthouse()
-        self._secret = self._shared_secret()
+        self._connect_lighthouse().close()  # a bad or unreachable address: one line, now
+        self._group = self._group_store(store_addr, store_port)
+        self._member, self._secret, self._advertised_secret = self._agree_on_member()
         self._heal = HealServer(self._secret, timeout=self._timeout.total_seconds())
-        self._heal_addr = f"{_advertised(hostname)}:{self._heal.port}"
-        self._member = self._agree_on_member()
+        self._group.set(f"heal/{self._rank}", f"{_advertised(hostname)}:{self._heal.port}")
         self._client = (
-            QuorumClient(
-                self._kv,
+            LighthouseLink(
+                self._lighthouse,
                 self._member,
-                heartbeat=heartbeat_interval,
+                self._replica_id,
                 connect_timeout=self._connect_timeout.total_seconds(),
-                beat_kv=self._connect_lighthouse(),
-                reconnect=self._connect_again,
+                heartbeat=heartbeat_interval.total_seconds(),
             )
             if self._rank == 0
             else None
@@ -165,19 +157,17 @@ class Manager:
         self._said_below: int | None = None
         self._incompatible: IncompatibleStateError | None = None
         self._future: concurrent.futures.Future[None] | None = None
-        rules, _ = read_rules(self._kv, self._connect_timeout.total_seconds())
-        self._commit_live = Liveness(rules.heartbeat_timeout_ms / 1000)
         self._stop = threading.Event()
         self._guard = GroupGuard(
             self._pg,
-            Liveness(rules.heartbeat_timeout_ms / 1000),
             self._connect_lighthouse(),
             self._connect_again,
             self.report_error,
+            _say,
         )
         threading.Thread(
             target=self._guard.watch,
-            args=(self._stop, lambda: self._plan, self._member),
+            args=(self._stop, self._member),
             name="rallypoint-ft-watch",
             daemon=True,
         ).start()
@@ -198,38 +188,28 @@ class Manager:
         )
         return PrefixStore("rallypoint-ft/", store)
 
-    def _connect_lighthouse(self) -> Any:
-        if not self._lighthouse:
-            raise ValueError(
-                "rallypoint.ft.Manager needs the lighthouse: set TORCHFT_LIGHTHOUSE (for "
-                "example http://host:29510, or etcd://host:2379) or pass lighthouse_addr"
-            )
-        try:
-            kv, _ = connect_kv(self._lighthouse, timeout=self._connect_timeout)
-        except KVConnectionError as exc:
-            raise ConnectionError(
-                f"rallypoint.ft: cannot reach the lighthouse {self._lighthouse} "
-                f"(TORCHFT_LIGHTHOUSE): {exc}"
-            ) from None
-        return kv
+    def _connect_lighthouse(self) -> KeyValueStore:
+        return connect_lighthouse(self._lighthouse, self._connect_timeout.total_seconds())
 
-    def _connect_again(self) -> Any:
-        return connect_kv(self._lighthouse, timeout=timedelta(seconds=2))[0]
+    def _connect_again(self) -> KeyValueStore:
+        return connect_lighthouse(self._lighthouse, 2.0)
 
-    def _shared_secret(self) -> bytes:
+    def _agree_on_member(self) -> tuple[str, bytes, str]:
+        """This group's member id and heal key, the same on every rank: ``(member, key,
+        the key as asks carry it)``. With ``RALLYPOINT_FT_SECRET`` every group uses the
+        job's secret and asks carry none; else each group makes its own, and its asks
+        carry it to the groups that heal from it (the store is then the trust root), so
+        that a lighthouse restarted with an empty store loses no group's key."""
         given = os.environ.get("RALLYPOINT_FT_SECRET", "")
-        if given:
-            return given.encode()
-        return bytes(self._kv.set_if_absent("secret", secrets.token_hex(32).encode()))
-
-    def _agree_on_member(self) -> str:
-        self._group.set(f"heal/{self._rank}", self._heal_addr)
         if self._rank == 0:
             member = f"{self._replica_id}:{secrets.token_hex(4)}"
+            key = given or secrets.token_hex(32)
+            self._group.set("secret", key)
             self._group.set("member", member)
-            return member
         self._group.wait(["member"], self._connect_timeout)
-        return bytes(self._group.get("member")).decode()
+        member = bytes(self._group.get("member")).decode()
+        key = bytes(self._group.get("secret")).decode()
+        return member, key.encode(), "" if given else key
 
     def _tell_agent(self) -> None:
         """Where this worker's agent tells the others at once if the worker dies."""
@@ -305,12 +285,15 @@ class Manager:
                 self._heal_addrs(),
                 self._commit_failures,
                 shrink_only,
+                secret=self._advertised_secret,
             )
-            quorum = self._ask(req, wait)
+            quorum = self._client.quorum(req, wait)
             self._group.set(f"quorum/{seq}", quorum.to_bytes())
+            if seq >= 2:  # every rank has read it: the group store stays the same size
+                self._group.delete_key(f"quorum/{seq - 2}")
         else:
             self._group.wait([f"quorum/{seq}"], timedelta(seconds=wait))
-            quorum = Quorum.from_bytes(bytes(self._group.get(f"quorum/{seq}")))
+            quorum = Quorum.from_bytes(bytes(self._group.get(f"quorum/{seq}")), f"quorum/{seq}")
         done = plan(
             quorum,
             self._member,
@@ -320,7 +303,7 @@ class Manager:
         )
         self._plan = done
         if self._client is not None:
-            self._events.quorum(quorum, done.heal, lambda: gone_notices(self._kv))
+            self._events.quorum(quorum, done.heal)
         try:
             self._configure(quorum, done)
         except Exception as exc:  # the process group could not be made: this step fails
@@ -329,33 +312,6 @@ class Manager:
         if allow_heal:
             self._serve_or_heal(done)
 
-    def _ask(self, req: Request, wait: float) -> Quorum:
-        """The quorum, through a lighthouse that may be restarting meanwhile."""
-        assert self._client is not None
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                return self._client.request(req, max(0.0, deadline - time.monotonic()))
-            except (KVError, RuntimeError, OSError) as exc:
-                if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
-                    raise TimeoutError(f"rallypoint.ft: no quorum: {exc}") from exc
-                _say(f"the lighthouse {self._lighthouse} is away ({type(exc).__name__}); retrying")
-                time.sleep(0.2)
-                with contextlib.suppress(KVError, RuntimeError, OSError):
-                    self._reconnect()
-
-    def _reconnect(self) -> None:
-        def connect() -> Any:
-            return connect_kv(self._lighthouse, timeout=timedelta(seconds=2))[0]
-
-        kv = connect()
-        assert self._client is not None
-        self._client.close()
-        self._kv, self._guard.kv = kv, connect()
-        self._client = QuorumClient(
-            kv, self._member, connect_timeout=5.0, beat_kv=connect(), reconnect=connect
-        )
-
     def _configure(self, quorum: Quorum, done: Plan) -> None:
         store = f"{self._lighthouse}#ft/pg/{quorum.gen}/{quorum.quorum_id}/{self._rank}"
         size = len(quorum.members)
@@ -363,6 +319,7 @@ class Manager:
         args = (store, self._replica_id, done.replica_rank, size, quorum.quorum_id, self._rank)
         made = self._guard.configure(
             (quorum.gen, quorum.quorum_id),
+            done,
             lambda: self._pg.configure(*args, self._world_size, ranks),
         )
         # a member of the last group left after this step began: that group is gone and
@@ -380,8 +337,9 @@ class Manager:
         self._healing = True
         began = time.monotonic()
         try:
+            key = done.source_secret.encode() if done.source_secret else self._secret
             state, size = fetch_state(
-                done.source_addr, self._secret, done.max_step, self._timeout.total_seconds()
+                done.source_addr, key, done.max_step, self._timeout.total_seconds()
             )
         except HealError as exc:  # the source died while it sent, say: this step fails
             self.report_error(exc)
@@ -499,6 +457,7 @@ class Manager:
         if self._rank != 0:
             self._group.wait([f"commit/{seq}"], timedelta(seconds=wait))
             return bytes(self._group.get(f"commit/{seq}")) == b"1"
+        assert self._client is not None
         keys = [f"vote/{seq}/{r}" for r in range(self._world_size)]
         outcome = False
         try:
@@ -507,17 +466,23 @@ class Manager:
             mine = ABORT if ABORT in votes else (SIT if SIT in votes else COMMIT)
             if done is not None:
                 outcome = agree(
-                    self._kv,
+                    self._client.kv,
                     done.round,
                     self._member,
                     mine,
-                    done.participants,
-                    self._commit_live,
+                    len(done.participants),
+                    self._member in done.participants,
                     wait,
                 )
         except Exception as exc:  # the lighthouse or the group store away: no commit
             self.report_error(exc)
         self._group.set(f"commit/{seq}", b"1" if outcome else b"0")
+        if seq >= 2:  # every rank has read them: the group store stays the same size
+            for key in [
+                f"commit/{seq - 2}",
+                *(f"vote/{seq - 2}/{r}" for r in range(self._world_size)),
+            ]:
+                self._group.delete_key(key)
         return outcome
 
     # ------------------------------------------------------------------ errors, state

@@ -3,9 +3,9 @@
 ``Manager`` writes its lighthouse and member id into the file that ``rallypoint run``
 names in ``RALLYPOINT_FT_NOTICE`` (one per worker). When the worker dies, the process that
 reaps it calls :func:`tell_gone` in a child of its own (which imports nothing: this module
-loads what it needs): the other groups read the notice
-at their next look (every 20 ms), abort their collectives with the dead group, and leave
-it out of the next quorum, instead of waiting for its heartbeat to time out.
+loads what it needs): the lighthouse reads the notice at once, tells the other groups'
+watchers, which abort their collectives with the dead group, and leaves it out of the
+next quorum, instead of waiting for its heartbeat to time out.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
-from rallypoint.ft._quorum import notify_gone
+from rallypoint.ft._client import post
+from rallypoint.ft._records import Ask
 from rallypoint.rendezvous import connect_kv
 
 __all__ = ["tell_gone"]
@@ -27,5 +28,5 @@ def tell_gone(record: str, why: str, timeout: float = 5.0) -> bool:
     except (ValueError, KeyError, TypeError):
         return False  # not a replica group's record
     kv, _ = connect_kv(lighthouse, timeout=timedelta(seconds=timeout))
-    notify_gone(kv, member, why)
+    post(kv, Ask("gone", member, why=why[:200]))
     return True

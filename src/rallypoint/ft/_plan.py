@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rallypoint.ft._quorum import Quorum
+from rallypoint.ft._records import Quorum
 
 __all__ = ["Plan", "plan"]
 
@@ -37,6 +37,8 @@ class Plan:
     heal: bool
     source_addr: str = ""
     source_replica: str = ""
+    source_secret: str = ""
+    """The key the source's heal servers accept (empty: the job's ``RALLYPOINT_FT_SECRET``)."""
     serves: bool = False
     """Some member heals from this one."""
 
@@ -86,5 +88,6 @@ def plan(quorum: Quorum, member: str, group_rank: int, init_sync: bool, sync_hea
         heal=heal,
         source_addr=addr,
         source_replica=source.replica_id if source is not None else "",
+        source_secret=source.secret if source is not None else "",
         serves=me in assign.values(),
     )

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from rallypoint._core.envvars import EVENTS_FILE, EVENTS_NODE
-from rallypoint.ft._quorum import Quorum, changes
+from rallypoint.ft._records import Quorum, changes
 from rallypoint.observe import EventLog
 
 __all__ = ["GroupEvents"]
@@ -35,16 +34,12 @@ class GroupEvents:
             except ValueError as exc:
                 _drop(exc)
 
-    def quorum(self, quorum: Quorum, healing: bool, gone: Callable[[], dict[str, str]]) -> None:
+    def quorum(self, quorum: Quorum, healing: bool) -> None:
         """A quorum this group is in; written when it differs from the last one."""
         previous, self._previous = self._previous, quorum
         if self._log is None or (previous is not None and previous.quorum_id == quorum.quorum_id):
             return
-        try:
-            reasons = gone() if previous is not None else {}
-        except Exception:  # the store is away: the event goes without the notices' reasons
-            reasons = {}
-        left, joined = changes(quorum, previous, reasons)
+        left, joined = changes(quorum, previous)
         self._emit(
             "quorum",
             group=self.replica_id,

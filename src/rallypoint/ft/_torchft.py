@@ -1,5 +1,5 @@
-"""torchft's ``torchft._torchft`` names that its tests use: the lighthouse server."""
+"""torchft's ``torchft._torchft`` names that its tests import: the lighthouse's."""
 
-from rallypoint.ft._lighthouse import LighthouseServer
+from rallypoint.ft.coordination import LighthouseClient, LighthouseServer, Quorum, QuorumMember
 
-__all__ = ["LighthouseServer"]
+__all__ = ["LighthouseClient", "LighthouseServer", "Quorum", "QuorumMember"]

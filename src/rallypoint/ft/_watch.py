@@ -1,24 +1,33 @@
 """The cross-group process group's guard: which quorum it is configured for, and a watcher
 thread that aborts it the moment that quorum is broken — a member gone (its agent said so,
-or its heartbeat stopped) or a participant that voted to abort the step — so that no
-collective waits on a dead group or on a step that cannot commit."""
+or its heartbeat stopped) or a participant that voted the step down — so that no
+collective waits on a dead group or on a step that cannot commit.
+
+The watcher learns both from the lighthouse's news (``news/<k>``), waiting on the next
+one with the store's own wait on a connection of its own: it reads nothing while nothing
+happens, whatever the number of groups.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
-from rallypoint.ft._commit import ABORT
 from rallypoint.ft._plan import Plan
-from rallypoint.ft._quorum import Liveness
+from rallypoint.ft._records import RecordError, parse_counter
 from rallypoint.rendezvous import KeyValueStore, KVError
 
 __all__ = ["GroupGuard"]
 
 Key = tuple[str, int]
-"""A configuration: the store life and the quorum id."""
+"""A configuration: the lighthouse life and the quorum id."""
+
+_LOST = (KVError, RuntimeError, OSError, ConnectionError)
+_WAIT = timedelta(seconds=20)
 
 
 class GroupGuard:
@@ -28,62 +37,102 @@ class GroupGuard:
     def __init__(
         self,
         pg: Any,
-        live: Liveness,
         kv: KeyValueStore,
         connect: Callable[[], KeyValueStore],
         report: Callable[[Exception], None],
+        say: Callable[[str], None],
     ) -> None:
-        self._pg, self._live, self._connect, self._report = pg, live, connect, report
+        self._pg, self._connect, self._report, self._say = pg, connect, report, say
         self._lock = threading.Lock()
         self.configured: Key | None = None
         self.left: Exception | None = None
         """The error of the last abort, until a new configuration replaces the group."""
         self.kv = kv
         """The watcher's own connection to the lighthouse (``connect`` makes a new one)."""
+        self._dead: dict[str, tuple[str, int]] = {}
+        """member -> (why, the last round that held it), as the news told."""
+        self._plan: Plan | None = None
 
-    def configure(self, key: Key, make: Callable[[], None]) -> bool:
+    def configure(self, key: Key, plan: Plan, make: Callable[[], None]) -> bool:
         """Run ``make`` (configure the process group) unless ``key`` is configured already;
-        whether it ran."""
+        whether it ran. A member the news already reported dead in this round aborts it."""
         with self._lock:
+            self._plan = plan
             if self.configured == key:
                 return False
             make()
             self.configured = key
-            return True
+        dead = [m for m in plan.members if m in self._dead and self._dead[m][1] >= plan.round]
+        if dead:
+            self._abort(key, self._left_error(dead))
+        return True
 
-    def watch(self, stop: threading.Event, plan: Callable[[], Plan | None], me: str) -> None:
-        """Look every 20 ms until ``stop``: abort the group of the current plan when broken."""
-        aborted: Key | None = None
-        while not stop.wait(0.02):
-            done, key = plan(), self.configured
-            if done is None or key is None or key == aborted:
-                continue
-            others = [m for m in done.members if m != me]
+    def watch(self, stop: threading.Event, me: str) -> None:
+        """Until ``stop``: wait for each piece of news and act on it."""
+        seen = self._start()
+        while not stop.is_set():
+            key = f"news/{seen + 1}"
             try:
-                self._live.refresh(self.kv, others)
-            except (KVError, RuntimeError, OSError):  # the lighthouse is away: look again
-                with contextlib.suppress(KVError, RuntimeError, OSError):  # on a new link
+                if not self.kv.wait([key], _WAIT):
+                    seen = max(seen, self._last() - 256)  # fell behind a deleted window
+                    continue
+                raw = self.kv.get(key)
+            except _LOST:  # the lighthouse is away: a new link, and its news from now on
+                if stop.wait(0.2):
+                    return
+                with contextlib.suppress(*_LOST):
                     self.kv = self._connect()
+                    seen = self._last()
                 continue
-            dead = [m for m in others if not self._live.alive(m)]
-            if dead:
-                why = "; ".join(
-                    f"group {m.split(':')[0]}: {self._live.gone.get(m, 'no heartbeat')}"
-                    for m in dead
-                )
-                self._abort(key, RuntimeError(f"replica group(s) left the quorum ({why})"))
-                aborted = key
-            elif self._voted_abort(done):
-                self._abort(key, RuntimeError("a replica group could not finish this step"))
-                aborted = key
+            seen += 1
+            if raw is not None:
+                self._act(key, raw, me)
 
-    def _voted_abort(self, done: Plan) -> bool:
-        """Whether this step's commit is already lost (a participant voted abort): whoever
-        still waits in its collectives is freed now, not at the timeout."""
+    def _start(self) -> int:
+        while True:
+            try:
+                return self._last()
+            except _LOST:
+                with contextlib.suppress(*_LOST):
+                    self.kv = self._connect()
+
+    def _last(self) -> int:
         try:
-            return bool(self.kv.get(f"outcome/{done.round}") == ABORT.encode())
-        except (KVError, RuntimeError, OSError):
-            return False
+            return parse_counter(self.kv.get("news/last"), "news/last")
+        except RecordError as exc:
+            self._say(f"ignoring a record in the lighthouse's store: {exc}")
+            return 0
+
+    def _act(self, key: str, raw: bytes, me: str) -> None:
+        try:
+            news = json.loads(raw)
+            if not isinstance(news, dict):
+                raise ValueError("not an object")
+            if "abort" in news:
+                self._aborted_round(int(news["abort"]))
+                return
+            member, why, last = str(news["member"]), str(news["why"]), news.get("round")
+            last_round = -1 if last is None else int(last)
+        except (ValueError, KeyError, TypeError) as exc:
+            self._say(f"ignoring a record in the lighthouse's store: {key}: {exc}")
+            return
+        self._dead[member] = (why[:200], last_round)
+        if len(self._dead) > 4096:
+            self._dead.pop(next(iter(self._dead)))
+        plan, configured = self._plan, self.configured
+        if plan is None or configured is None or member == me or member not in plan.members:
+            return
+        if last_round >= plan.round:
+            self._abort(configured, self._left_error([member]))
+
+    def _aborted_round(self, round_: int) -> None:
+        plan, configured = self._plan, self.configured
+        if plan is not None and configured is not None and plan.round == round_:
+            self._abort(configured, RuntimeError("a replica group could not finish this step"))
+
+    def _left_error(self, members: list[str]) -> RuntimeError:
+        why = "; ".join(f"group {m.split(':')[0]}: {self._dead[m][0]}" for m in members)
+        return RuntimeError(f"replica group(s) left the quorum ({why})")
 
     def _abort(self, key: Key, error: Exception) -> None:
         with self._lock:

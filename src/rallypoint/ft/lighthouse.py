@@ -1,5 +1,5 @@
-"""The lighthouse (``rallypoint lighthouse``): where replica groups agree on each step's
-quorum; torchft's ``LighthouseServer`` with the same arguments, and ``store=`` for etcd."""
+"""The lighthouse (``rallypoint lighthouse``): where replica groups get each step's quorum;
+torchft's ``LighthouseServer`` with the same arguments, and ``store=`` for etcd."""
 
 from rallypoint.ft._lighthouse import LighthouseServer
 

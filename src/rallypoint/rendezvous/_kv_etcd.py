@@ -410,6 +410,16 @@ class EtcdKV(KeyValueStore):
         )
         return int(data.get("count", 0))
 
+    def compact(self, keep: int = 10_000) -> None:
+        _, revision = self._range(self._key("compact"))
+        if revision - keep <= 1:
+            return
+        try:
+            self._post("/v3/kv/compaction", {"revision": str(revision - keep)})
+        except GatewayError as exc:  # compacted past it already (by another caller)
+            if "compacted" not in str(exc):
+                raise
+
     def clone(self) -> EtcdKV:
         return self  # connections are per thread already
 

@@ -1,0 +1,264 @@
+"""A member's side of the quorum protocol: ask, then wait on the answer's key.
+
+A member posts a message to the lighthouse's inbox (``in/<i>``, two store operations)
+and waits for the one key that answers it (``a/<member>/<seq>``) with the store's own
+blocking wait: no polling, and O(1) operations per round whatever the number of groups.
+The answer names the round, whose quorum it reads once (``r/<n>``). A lighthouse that is
+restarted costs a reconnect: the member says hello to the new life, with the last quorum
+it had, and asks again. Heartbeats are a counter (``hb/<member>``) the member ``add``s to
+on a connection of its own. Nothing here imports torch (an agent posts its notices
+through :func:`post`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+from rallypoint.ft._records import (
+    Ask,
+    Quorum,
+    RecordError,
+    Request,
+    Rules,
+    parse_answer,
+)
+from rallypoint.rendezvous import (
+    KeyValueStore,
+    KVConnectionError,
+    KVError,
+    KVStateError,
+    connect_kv,
+)
+
+__all__ = ["LighthouseLink", "QuorumRefused", "connect_lighthouse", "post"]
+
+_LOST = (KVError, RuntimeError, OSError)
+"""What a store operation raises when the lighthouse is away."""
+
+
+class QuorumRefused(RuntimeError):
+    """The lighthouse will not admit this member (its replica id is taken by a live one)."""
+
+
+def post(kv: KeyValueStore, msg: Ask) -> None:
+    """Put ``msg`` in the lighthouse's inbox."""
+    index = kv.add("in/n", 1)
+    kv.set(f"in/{index}", msg.to_bytes())
+
+
+def connect_lighthouse(address: str, timeout: float) -> KeyValueStore:
+    """The lighthouse's store, or one line: ``ValueError`` for an address that is not one,
+    ``ConnectionError`` for one that does not answer within ``timeout``."""
+    if not isinstance(address, str) or not address.strip():
+        raise ValueError(
+            "rallypoint.ft needs the lighthouse: set TORCHFT_LIGHTHOUSE (for example "
+            "http://host:29510, or etcd://host:2379) or pass lighthouse_addr"
+        )
+    try:
+        kv, _ = connect_kv(address, timeout=timedelta(seconds=max(0.1, timeout)))
+    except ValueError as exc:
+        raise ValueError(
+            f"TORCHFT_LIGHTHOUSE={address!r} is not a lighthouse address: {exc}"
+        ) from None
+    except KVConnectionError as exc:
+        raise ConnectionError(
+            f"rallypoint.ft: cannot reach the lighthouse {address} (TORCHFT_LIGHTHOUSE) "
+            f"within {timeout:g} s: {exc}"
+        ) from None
+    return kv
+
+
+def read_life(kv: KeyValueStore, timeout: float) -> tuple[Rules, str]:
+    """The lighthouse's rules and the token of its life (it may still be starting)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        raw, gen = kv.multi_get(["config", "gen"])
+        if raw is not None and gen is not None:
+            try:
+                return Rules.from_bytes(raw), gen.decode(errors="replace")[:64]
+            except RecordError as exc:
+                _say(f"ignoring the lighthouse's rules: {exc}")
+                return Rules(), gen.decode(errors="replace")[:64]
+        if time.monotonic() >= deadline:
+            raise ConnectionError(
+                f"rallypoint.ft: {kv.endpoint} holds no lighthouse (no 'config' and 'gen' "
+                f"keys after {timeout:g} s): start `rallypoint lighthouse` there"
+            )
+        time.sleep(0.05)
+
+
+class LighthouseLink:
+    """One member's connection to the lighthouse: hello, ask, heartbeat, leave.
+
+    ``heartbeat``: seconds between beats on a thread of its own (``None``: the caller
+    beats, as torchft's ``LighthouseClient.heartbeat``)."""
+
+    def __init__(
+        self,
+        address: str,
+        member: str,
+        replica_id: str,
+        *,
+        connect_timeout: float,
+        heartbeat: float | None = 0.1,
+        say: Callable[[str], None] | None = None,
+        hello: bool = True,
+    ) -> None:
+        self.address, self.member, self.replica_id = address, member, replica_id
+        self._connect_timeout = connect_timeout
+        self._say = say or _say
+        self.kv = connect_lighthouse(address, connect_timeout)
+        self.rules, self.gen = read_life(self.kv, connect_timeout)
+        self.previous: Quorum | None = None
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._said: set[str] = set()
+        if hello:
+            post(self.kv, self._hello(self.gen))
+        self._beat_kv: KeyValueStore | None = None
+        if heartbeat is not None:
+            self._beat_kv = self.kv.clone()
+            self.beat()
+            threading.Thread(
+                target=self._beat_loop,
+                args=(heartbeat,),
+                name="rallypoint-ft-heartbeat",
+                daemon=True,
+            ).start()
+
+    # ------------------------------------------------------------------ heartbeats
+    def beat(self) -> None:
+        kv = self._beat_kv or self.kv
+        key = f"hb/{self.member}"
+        try:
+            kv.add(key, 1)
+        except KVStateError as exc:  # someone wrote a non-counter there: start it again
+            self._once(key, f"{key} held something else ({exc}); it is a counter again")
+            kv.set(key, b"1")
+
+    def _beat_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.beat()
+            except _LOST:  # the lighthouse is away (restarting): beat on a new connection
+                with contextlib.suppress(*_LOST, ValueError, ConnectionError):
+                    kv = connect_lighthouse(self.address, 2.0)
+                    _, gen = read_life(kv, 2.0)
+                    post(kv, self._hello(gen))
+                    self._beat_kv = kv
+
+    def _hello(self, gen: str) -> Ask:
+        return Ask("hello", self.member, replica_id=self.replica_id, prev=self._prev(gen))
+
+    def _prev(self, gen: str) -> tuple[int, tuple[str, ...]] | None:
+        """The last quorum, for a lighthouse life (``gen``) that did not make it."""
+        quorum = self.previous
+        if quorum is None or quorum.gen == gen:
+            return None
+        return quorum.quorum_id, tuple(quorum.ids())
+
+    # ------------------------------------------------------------------ quorums
+    def quorum(self, req: Request, timeout: float) -> Quorum:
+        """This step's quorum (one that holds this member), or ``TimeoutError``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                quorum = self._ask_once(req, deadline)
+            except _LOST as exc:
+                if isinstance(exc, TimeoutError):
+                    raise
+                self._reconnect(exc, deadline)
+                continue
+            if quorum is not None:
+                self.previous = quorum
+                return quorum
+
+    def _ask_once(self, req: Request, deadline: float) -> Quorum | None:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        post(self.kv, Ask("ask", self.member, seq, req, prev=self._prev(self.gen)))
+        key = f"a/{self.member}/{seq}"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.kv.wait([key], timedelta(seconds=left)):
+                raise TimeoutError(self._timeout_line())
+            raw = self.kv.get(key)
+            if raw is None:
+                continue
+            try:
+                kind, value = parse_answer(raw, key)
+                if kind == "refused":
+                    raise QuorumRefused(
+                        f"rallypoint.ft: the lighthouse refused {self.member}: {value}"
+                    )
+                if kind == "retry":
+                    self._once(str(value), f"{value}")
+                    return None
+                rkey = f"r/{value}"
+                record = self.kv.get(rkey)
+                if record is None:
+                    raise RecordError(f"{rkey}: missing, though {key} names it")
+                quorum = Quorum.from_bytes(record, rkey)
+            except RecordError as exc:
+                self._once(
+                    str(exc), f"ignoring a record in the lighthouse's store: {exc}; asking again"
+                )
+                return None
+            if self.member not in quorum.ids():
+                self._once(rkey, f"{rkey} does not hold {self.member}; asking again")
+                return None
+            return quorum
+
+    def _timeout_line(self) -> str:
+        status = ""
+        with contextlib.suppress(*_LOST):
+            raw = self.kv.get("status")
+            if raw:
+                status = f": {raw.decode(errors='replace')[:300]}"
+        return f"rallypoint.ft: no quorum within the timeout{status}"
+
+    def _reconnect(self, exc: BaseException, deadline: float) -> None:
+        self._once(
+            "away", f"the lighthouse {self.address} is away ({type(exc).__name__}); retrying"
+        )
+        while True:
+            try:
+                kv = connect_lighthouse(
+                    self.address, min(2.0, max(0.1, deadline - time.monotonic()))
+                )
+                self.rules, self.gen = read_life(kv, 2.0)
+                self.kv = kv
+                post(kv, self._hello(self.gen))
+                self._said.discard("away")
+                return
+            except (ConnectionError, *_LOST) as again:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"rallypoint.ft: the lighthouse {self.address} did not come back: {again}"
+                    ) from None
+                time.sleep(0.1)
+
+    # ------------------------------------------------------------------ leaving
+    def close(self, why: str = "") -> None:
+        """Stop beating; with ``why``, tell the lighthouse at once that this member left."""
+        self._stop.set()
+        if why:
+            with contextlib.suppress(*_LOST):
+                post(self.kv, Ask("gone", self.member, why=why[:200]))
+
+    def _once(self, key: str, line: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            self._say(line)
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"rallypoint.ft: {line.removeprefix('rallypoint.ft: ')}\n")

@@ -1,0 +1,298 @@
+"""The lighthouse's decisions: who is alive, and each round's quorum (no I/O here).
+
+One decider serves a lighthouse life. It learns from messages (hello, ask, gone) and from
+the heartbeat counters it reads each tick, and answers with effects that its loop
+(``_lighthouse_loop``) writes to the store. A request stays pending until a quorum holds
+it, so a member asks once per step however many rounds go by. A round is decided as soon
+as every live member of the previous quorum has asked (joiners asking meanwhile come in
+too); the first quorum of a life waits for every member known to be alive, or for
+``join_timeout_ms``. After a restart the previous quorum is the one the members carry in
+their asks, so the first quorum after a lighthouse restart includes every live group.
+
+Liveness: a member is gone when told (its agent or itself said so) or when its heartbeat
+counter has not moved for ``heartbeat_timeout_ms``. A notice about a member whose counter
+then moves twice more is not believed (anyone with store access can write one).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rallypoint.ft._records import Ask, Quorum, Request, Rules, sort_members
+
+__all__ = ["Decided", "Decider", "Died", "Reply"]
+
+
+@dataclass
+class _Member:
+    replica_id: str
+    moved: float
+    """When its heartbeat counter last moved (or it asked, or said hello)."""
+    first: float = 0.0
+    beat: int | None = None
+    gone: str | None = None
+    gone_beat: int | None = None
+    dead_since: float | None = None
+    """When the decider last saw it go from alive to dead (its death was announced)."""
+    last_round: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    quorum: Quorum
+    answers: dict[str, int]
+    """member -> the ``seq`` of the ask this quorum answers."""
+
+
+@dataclass(frozen=True, slots=True)
+class Died:
+    member: str
+    why: str
+    round: int | None
+    """The last round that held it (its commit cannot succeed without it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """An answer that is not a quorum: ``retry`` (ask again, with why) or ``refused``."""
+
+    member: str
+    seq: int
+    kind: str
+    why: str
+
+
+Effect = Decided | Died | Reply
+
+
+@dataclass
+class Decider:
+    rules: Rules
+    gen: str
+    next_round: int = 0
+    say: Callable[[str], None] = lambda line: None
+    clock: Callable[[], float] = time.monotonic
+    members: dict[str, _Member] = field(default_factory=dict)
+    pending: dict[str, tuple[Request, int]] = field(default_factory=dict)
+    previous: Quorum | None = None
+    carried: tuple[int, tuple[str, ...]] | None = None
+    """The newest previous quorum members carried into this life: ``(id, members)``."""
+    first_ask: float | None = None
+    said_below: int | None = None
+    held: dict[str, float] = field(default_factory=dict)
+    started: float = field(default=0.0)
+    """Members waiting because another live member has their replica id: since when."""
+
+    def __post_init__(self) -> None:
+        self.started = self.clock()
+
+    # ------------------------------------------------------------------ what it learns
+    def receive(self, msg: Ask) -> None:
+        """Take one message in (the loop calls :meth:`tick` after each batch)."""
+        now = self.clock()
+        if msg.kind in ("tick", "hole", "abort"):
+            return  # a tick only wakes the loop; an abort the loop relays as news
+        if msg.kind == "gone":
+            self._told_gone(msg.member, msg.why or "left")
+            return
+        req = msg.request
+        rid = req.replica_id if req is not None else msg.replica_id or msg.member.split(":")[0]
+        seen = self._see(msg.member, rid, now)
+        if msg.prev is not None and (self.carried is None or msg.prev[0] > self.carried[0]):
+            self.carried = msg.prev
+        if msg.kind == "ask" and req is not None:
+            seen.gone, seen.gone_beat = None, None  # it speaks: it is alive
+            self.pending[msg.member] = (req, msg.seq)
+            if self.first_ask is None:
+                self.first_ask = now
+
+    def beats(self, values: dict[str, int | None]) -> None:
+        """The heartbeat counters just read (``None``: missing or unreadable)."""
+        now = self.clock()
+        for member, value in values.items():
+            seen = self.members.get(member)
+            if seen is None or value is None:
+                continue
+            if seen.beat != value:
+                seen.beat, seen.moved = value, now
+            if seen.gone is not None and seen.gone_beat is not None and value >= seen.gone_beat + 2:
+                self.say(
+                    f"a notice that {member} left ({seen.gone}) is not believed: its "
+                    "heartbeat still moves"
+                )
+                seen.gone, seen.gone_beat, seen.dead_since = None, None, None
+
+    def watched(self) -> list[str]:
+        """The members whose heartbeat counters the loop reads each tick."""
+        return list(self.members)
+
+    def gone_beat(self, member: str, value: int | None) -> None:
+        """The counter of ``member`` at the moment a notice about it arrived."""
+        seen = self.members.get(member)
+        if seen is not None and seen.gone is not None:
+            seen.gone_beat = value if value is not None else seen.beat
+
+    def _see(self, member: str, replica_id: str, now: float) -> _Member:
+        seen = self.members.get(member)
+        if seen is None:
+            seen = self.members[member] = _Member(replica_id, now, now)
+        seen.moved = now
+        return seen
+
+    def _told_gone(self, member: str, why: str) -> None:
+        seen = self.members.get(member)
+        if seen is None:
+            now = self.clock()
+            seen = self.members[member] = _Member(member.split(":")[0], now, now)
+        if seen.gone is None:
+            seen.gone = why
+
+    # ------------------------------------------------------------------ liveness
+    def alive(self, member: str, now: float | None = None) -> bool:
+        seen = self.members.get(member)
+        if seen is None:
+            return False
+        now = self.clock() if now is None else now
+        return seen.gone is None and (now - seen.moved) * 1000 < self.rules.heartbeat_timeout_ms
+
+    def why_gone(self, member: str) -> str:
+        seen = self.members.get(member)
+        if seen is None:
+            return "unknown to this lighthouse"
+        if seen.gone is not None:
+            return seen.gone
+        return f"no heartbeat for {self.rules.heartbeat_timeout_ms / 1000:g} s"
+
+    # ------------------------------------------------------------------ deciding
+    def tick(self, now: float) -> list[Effect]:
+        effects: list[Effect] = list(self._deaths(now))
+        effects += self._duplicates(now)
+        decided = self._decide(now)
+        if decided is not None:
+            effects.append(decided)
+        self._forget(now)
+        return effects
+
+    def _deaths(self, now: float) -> list[Died]:
+        out = []
+        for member, seen in self.members.items():
+            if seen.dead_since is None and not self.alive(member, now):
+                seen.dead_since = now
+                out.append(Died(member, self.why_gone(member), seen.last_round))
+            elif seen.dead_since is not None and self.alive(member, now):
+                seen.dead_since = None
+        return out
+
+    def _duplicates(self, now: float) -> list[Reply]:
+        """A member asking under the replica id of an older live member is held; still
+        held after the heartbeat timeout (the older one is not a dead predecessor), it is
+        refused."""
+        oldest: dict[str, tuple[float, str]] = {}
+        for member, seen in self.members.items():
+            if self.alive(member, now):
+                best = oldest.get(seen.replica_id)
+                if best is None or (seen.first, member) < best:
+                    oldest[seen.replica_id] = (seen.first, member)
+        holding: dict[str, float] = {}
+        out = []
+        for member in list(self.pending):
+            seen = self.members[member]
+            first = oldest.get(seen.replica_id)
+            if first is None or first[1] == member or not self.alive(member, now):
+                continue
+            since = holding[member] = self.held.get(member, now)
+            if (now - since) * 1000 >= self.rules.heartbeat_timeout_ms:
+                _, seq = self.pending.pop(member)
+                del holding[member]
+                why = (
+                    f"replica id {seen.replica_id!r} is taken by a live replica group "
+                    f"({first[1]}): give each group its own REPLICA_GROUP_ID"
+                )
+                self.say(f"refused {member}: {why}")
+                out.append(Reply(member, seq, "refused", why))
+        self.held = holding
+        return out
+
+    def _decide(self, now: float) -> Decided | None:
+        live = {
+            m: req
+            for m, (req, _) in self.pending.items()
+            if self.alive(m, now) and m not in self.held
+        }
+        if not live:
+            return None
+        if len(live) < self.rules.min_replicas:
+            if self.said_below != len(live):
+                self.said_below = len(live)
+                self.say(
+                    f"waiting: {len(live)} replica group(s) ask, --min_replicas is "
+                    f"{self.rules.min_replicas}"
+                )
+            return None
+        waited = now - (self.first_ask or now)
+        if self.previous is not None:
+            expected = [m for m in self.previous.ids() if self.alive(m, now)]
+            if not all(m in live for m in expected):
+                return None
+            if any(r.shrink_only for r in live.values()):
+                live = {m: r for m, r in live.items() if m in expected}
+        else:
+            expected = [m for m in self.members if self.alive(m, now)]
+            if (
+                self.carried is not None
+                and (now - self.started) * 1000 < self.rules.heartbeat_timeout_ms
+            ):
+                # a lighthouse restart: a member of the last quorum that has not reached
+                # this life yet is still reconnecting (its heartbeat would have)
+                expected += [m for m in self.carried[1] if m not in self.members]
+            if not all(m in live for m in expected) and waited * 1000 < self.rules.join_timeout_ms:
+                return None
+        return self._make(list(live.values()), now)
+
+    def _make(self, chosen: list[Request], now: float) -> Decided:
+        previous = self.previous
+        ids = sorted(r.member for r in chosen)
+        failed = any(r.commit_failures > 0 for r in chosen)
+        if previous is not None:
+            same = sorted(previous.ids()) == ids
+            quorum_id = previous.quorum_id if same and not failed else previous.quorum_id + 1
+        else:
+            quorum_id = (self.carried[0] if self.carried is not None else 0) + 1
+        before = (
+            previous.ids()
+            if previous is not None
+            else list(self.carried[1] if self.carried else ())
+        )
+        left = {m: self.why_gone(m) if not self.alive(m, now) else "did not ask in time"
+                for m in before if m not in ids}  # fmt: skip
+        quorum = Quorum(
+            quorum_id, self.gen, sort_members(chosen), self.next_round, left, time.time()
+        )
+        answers = {}
+        for req in chosen:
+            _, seq = self.pending.pop(req.member)
+            answers[req.member] = seq
+            self.members[req.member].last_round = self.next_round
+        self.next_round += 1
+        self.previous, self.first_ask, self.said_below = quorum, None, None
+        if self.pending:
+            self.first_ask = now
+        return Decided(quorum, answers)
+
+    def _forget(self, now: float) -> None:
+        """Members dead for twice the heartbeat timeout and in no quorum are dropped."""
+        keep = set(self.previous.ids()) if self.previous is not None else set()
+        limit = 2 * self.rules.heartbeat_timeout_ms / 1000
+        for member in [
+            m
+            for m, s in self.members.items()
+            if m not in keep and s.dead_since is not None and now - s.dead_since > limit
+        ]:
+            del self.members[member]
+            self.pending.pop(member, None)
+
+    def forgotten(self, known: list[str]) -> list[str]:
+        """Of ``known``, the members this decider no longer tracks."""
+        return [m for m in known if m not in self.members]

@@ -1,0 +1,256 @@
+"""The lighthouse's loop: read the inbox, let the decider decide, write what it decided.
+
+It blocks on the store's own wait for the next inbox key (``in/<i>``), so it wakes when a
+member writes, not on a timer; a ticker thread posts a ``tick`` every ``quorum_tick_ms``
+for what time alone decides (a heartbeat that stopped, the join timeout) and fills a hole
+that a writer who died between its ``add`` and its ``set`` would leave. Each wake reads
+every message that has arrived in one ``multi_get``; heartbeat counters are read at most
+once a tick. What it writes:
+
+- ``r/<n>``: round n's quorum, once, and ``a/<member>/<seq>``: each answered ask;
+- ``news/<k>`` (and ``news/last``): a member of a quorum died, or a round's commit was
+  voted down, for the members' watchers; ``o/<n>`` = ``abort`` for a dead member's round;
+- ``status``: why no quorum yet, for a member whose wait times out.
+
+Everything it consumed or that no member can need again is deleted: inbox messages at
+once, a round's keys ``RETAIN`` rounds later, notices 256 later, a forgotten member's
+heartbeat; on etcd, the history of revisions is compacted once a minute. The store stays
+the same size however long the job runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from rallypoint._core.quorum_line import quorum_line
+from rallypoint.ft._client import post
+from rallypoint.ft._decider import Decided, Decider, Died, Reply
+from rallypoint.ft._records import (
+    Ask,
+    Quorum,
+    RecordError,
+    Rules,
+    answer,
+    changes,
+    parse_counter,
+    parse_message,
+)
+from rallypoint.rendezvous import KeyValueStore, KVError
+
+__all__ = ["RETAIN", "DeciderLoop"]
+
+RETAIN = 8
+"""Rounds whose keys are kept: a member in round n's quorum is needed to decide n + 1, so
+no member can still read a round this far back."""
+_NEWS_KEPT = 256
+_COMPACT_EVERY = 60.0
+"""Seconds between compactions of the store's history (etcd's revisions)."""
+_LOST = (KVError, RuntimeError, OSError)
+
+
+class DeciderLoop:
+    """One lighthouse life over ``kv`` (the loop's own connection)."""
+
+    def __init__(self, kv: KeyValueStore, rules: Rules, say: Callable[[str], None]) -> None:
+        self.kv = kv
+        self.rules = rules
+        self._say = say
+        self.gen = secrets.token_hex(8)
+        first_round = parse_counter(kv.get("round"), "round") + 1 if kv.get("round") else 0
+        self.decider = Decider(rules, self.gen, first_round, say=say)
+        self._next = parse_counter(kv.get("in/done"), "in/done") + 1
+        self._news = parse_counter(kv.get("news/last"), "news/last")
+        self._garbage: dict[int, list[str]] = {}
+        self._last_beats = 0.0
+        self._last_compact = time.monotonic()
+        self._last_status = ""
+        self._shown: Quorum | None = None
+        self._stop = threading.Event()
+        kv.multi_set([("config", rules.to_bytes()), ("gen", self.gen.encode())])
+        self.rounds = 0
+        """Rounds decided in this life."""
+
+    # ------------------------------------------------------------------ running
+    def start(self, ticker_kv: KeyValueStore) -> list[threading.Thread]:
+        threads = [
+            threading.Thread(target=self.run, name="rallypoint-lighthouse", daemon=True),
+            threading.Thread(
+                target=self._tick_loop,
+                args=(ticker_kv,),
+                name="rallypoint-lighthouse-tick",
+                daemon=True,
+            ),
+        ]
+        for thread in threads:
+            thread.start()
+        return threads
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._once()
+            except _LOST as exc:  # the store is going away with its host: say it once
+                if self._stop.is_set():
+                    return
+                self._say(f"the store failed ({type(exc).__name__}: {exc}); going on")
+                time.sleep(0.1)
+
+    def _once(self) -> None:
+        self.kv.wait([f"in/{self._next}"], timedelta(hours=1))
+        count = parse_counter(self.kv.get("in/n"), "in/n")
+        keys = [f"in/{i}" for i in range(self._next, max(count, self._next) + 1)]
+        consumed = []
+        for key, raw in zip(keys, self.kv.multi_get(keys), strict=True):
+            if raw is None:
+                break
+            consumed.append(key)
+            try:
+                msg = parse_message(raw, key)
+            except RecordError as exc:
+                self._say(f"ignoring a message: {exc}")
+                continue
+            self._take(msg)
+        self._next += len(consumed)
+        now = time.monotonic()
+        if (now - self._last_beats) * 1000 >= self.rules.quorum_tick_ms:
+            self._read_beats()
+            self._last_beats = now
+        known = self.decider.watched()
+        for effect in self.decider.tick(now):
+            self._write(effect)
+        gone = self.decider.forgotten(known)
+        if gone:
+            self.kv.delete_many([f"hb/{m}" for m in gone])
+        if consumed:
+            self.kv.delete_many(consumed)
+            self.kv.set("in/done", str(self._next - 1).encode())
+        self._write_status()
+        if now - self._last_compact > _COMPACT_EVERY:
+            self._last_compact = now
+            self.kv.compact()
+
+    def _take(self, msg: Ask) -> None:
+        if msg.kind == "gone":
+            self.decider.receive(msg)
+            with contextlib.suppress(RecordError):
+                self.decider.gone_beat(
+                    msg.member, parse_counter(self.kv.get(f"hb/{msg.member}"), "hb")
+                )
+        elif msg.kind == "abort":
+            self._publish({"abort": msg.round, "member": msg.member})
+        else:
+            self.decider.receive(msg)
+
+    def _read_beats(self) -> None:
+        members = self.decider.watched()
+        if not members:
+            return
+        values: dict[str, int | None] = {}
+        for member, raw in zip(
+            members, self.kv.multi_get([f"hb/{m}" for m in members]), strict=True
+        ):
+            try:
+                values[member] = parse_counter(raw, f"hb/{member}") if raw is not None else None
+            except RecordError as exc:
+                self._say(f"ignoring a heartbeat: {exc}")
+                values[member] = None
+        self.decider.beats(values)
+
+    # ------------------------------------------------------------------ writing
+    def _write(self, effect: Decided | Died | Reply) -> None:
+        if isinstance(effect, Decided):
+            self._decided(effect)
+        elif isinstance(effect, Died):
+            if effect.round is not None and effect.round in self._garbage:
+                self.kv.set_if_absent(f"o/{effect.round}", b"abort")
+            self._publish({"member": effect.member, "why": effect.why, "round": effect.round})
+        else:
+            key = f"a/{effect.member}/{effect.seq}"
+            self.kv.set(key, answer(effect.kind, effect.why))
+            self._garbage.setdefault(self.decider.next_round - 1, []).append(key)
+
+    def _decided(self, done: Decided) -> None:
+        quorum = done.quorum
+        n = quorum.round
+        self.kv.set(f"r/{n}", quorum.to_bytes())
+        answers = [(f"a/{m}/{seq}", answer("round", n)) for m, seq in done.answers.items()]
+        self.kv.multi_set([*answers, ("round", str(n).encode())])
+        self._garbage.setdefault(n, []).extend(
+            [f"r/{n}", f"c/{n}", f"o/{n}", *(k for k, _ in answers)]
+        )
+        self.rounds += 1
+        old = [r for r in self._garbage if r <= n - RETAIN]
+        for r in old:
+            self.kv.delete_many(self._garbage.pop(r))
+        if self._shown is None or self._shown.quorum_id != quorum.quorum_id:
+            self._say(describe(quorum, self._shown))
+        self._shown = quorum
+
+    def _publish(self, news: dict[str, Any]) -> None:
+        self._news += 1
+        self.kv.multi_set(
+            [
+                (f"news/{self._news}", json.dumps(news).encode()),
+                ("news/last", str(self._news).encode()),
+            ]
+        )
+        if self._news > _NEWS_KEPT:
+            self.kv.delete(f"news/{self._news - _NEWS_KEPT}")
+
+    def _write_status(self) -> None:
+        d = self.decider
+        if not d.pending:
+            line = ""
+        elif len(d.pending) < self.rules.min_replicas:
+            line = (
+                f"{len(d.pending)} replica group(s) ask; the lighthouse needs --min_replicas "
+                f"{self.rules.min_replicas}"
+            )
+        else:
+            missing = [
+                m
+                for m in (d.previous.ids() if d.previous else [])
+                if m not in d.pending and d.alive(m)
+            ]
+            line = (
+                f"waiting for group(s) {', '.join(m.split(':')[0] for m in missing)}"
+                if missing
+                else ""
+            )
+        if line != self._last_status:
+            self._last_status = line
+            self.kv.set("status", line.encode() or b" ")
+
+    # ------------------------------------------------------------------ the clock
+    def _tick_loop(self, kv: KeyValueStore) -> None:
+        interval = self.rules.quorum_tick_ms / 1000
+        stuck_at, since = -1, time.monotonic()
+        while not self._stop.wait(interval):
+            try:
+                post(kv, Ask("tick"))
+                if self._next != stuck_at:
+                    stuck_at, since = self._next, time.monotonic()
+                elif time.monotonic() - since > max(1.0, 3 * interval):
+                    # a writer died between its add and its set: fill its place
+                    kv.set_if_absent(f"in/{stuck_at}", Ask("hole").to_bytes())
+                    since = time.monotonic()
+            except _LOST:
+                if self._stop.is_set():
+                    return
+                time.sleep(interval)
+
+
+def describe(quorum: Quorum, previous: Quorum | None) -> str:
+    """``quorum 7: groups 0, 2 (group 1 left: rank 0 killed by SIGKILL)``."""
+    left, joined = changes(quorum, previous)
+    return quorum_line(quorum.quorum_id, [m.replica_id for m in quorum.members], left, joined)
