@@ -145,6 +145,7 @@ INTERNAL = [
     "rallypoint._cli",
     "rallypoint._core",
     "rallypoint._elastic",
+    "rallypoint._elastic._health",
     "rallypoint._launch",
     "rallypoint._snapshot",
     "rallypoint._supervise",

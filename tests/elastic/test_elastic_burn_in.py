@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rallypoint._elastic._burn_in import LinkTimes, gemm_seconds, slow_node
+from rallypoint._elastic._health._burn_in import LinkTimes, gemm_seconds, slow_node
 
 FAST = 0.01
 
@@ -74,7 +74,7 @@ def test_the_gemm_child_runs_and_says_when_there_is_no_gpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: test_gemm_seconds_on_a_real_gpu covers it")
     done = subprocess.run(
-        [sys.executable, "-m", "rallypoint._elastic._gpu_probe", "--gemm"],
+        [sys.executable, "-m", "rallypoint._elastic._health._gpu_probe", "--gemm"],
         capture_output=True,
         text=True,
         timeout=60,

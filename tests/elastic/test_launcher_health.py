@@ -16,9 +16,9 @@ import psutil
 import pytest
 
 from rallypoint._core.torch_c import HashStore
-from rallypoint._elastic._builtin_checks import STORE_LATENCY_BOUND, check_store
-from rallypoint._elastic._check_run import OUTPUT_LINE_LIMIT, HealthContext
 from rallypoint._elastic._exits import EXIT_UNHEALTHY
+from rallypoint._elastic._health._builtin_checks import STORE_LATENCY_BOUND, check_store
+from rallypoint._elastic._health._check_run import OUTPUT_LINE_LIMIT, HealthContext
 
 RALLYPOINT = [sys.executable, "-m", "rallypoint", "run"]
 
@@ -279,7 +279,7 @@ def test_builtin_gpu_checks_every_visible_gpu() -> None:
     import torch
 
     proc = subprocess.run(
-        [sys.executable, "-m", "rallypoint._elastic._gpu_probe"],
+        [sys.executable, "-m", "rallypoint._elastic._health._gpu_probe"],
         capture_output=True,
         text=True,
         timeout=100,

@@ -5,7 +5,7 @@ and is a child subreaper, as the warm process is for the workers: whatever the c
 starts stays a descendant, even what leaves its session or daemonizes. When the command
 exits, this process is told to stop, or its parent dies, it kills the command and every
 descendant, reaps them and exits as the command did (:func:`main`). The health checks run
-through it (``rallypoint._elastic._check_run``).
+through it (``rallypoint._elastic._health._check_run``).
 """
 
 from __future__ import annotations

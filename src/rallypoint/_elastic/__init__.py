@@ -14,9 +14,8 @@ behind the ``NodeSupervisor`` Protocol (``_protocols``), and runs it attempt aft
 - ``_job``, ``_round``, ``_stores``, ``_records``: the run and the round, their store keys
   and the typed records the nodes exchange; ``_verdict``: the same error on every node;
   ``_signature``: when two failures are the same (futile restarts);
-- ``_health``, ``_check_run``, ``_builtin_checks``, ``_burn_in``, ``_gpu_probe``,
-  ``_exclusion``: health checks and the exclusion list; ``_exits``: their exit statuses;
-  ``_errors``: the rendezvous, exclusion and health errors;
+- ``_health/``: keeping bad nodes out: health checks, the burn-in and the exclusion list;
+  ``_exits``: their exit statuses; ``_errors``: the rendezvous, exclusion and health errors;
 - ``_rendezvous``: the agent's handler; ``_job_stacks``: a running job's stacks, asked for
   from outside it; ``_options``: the option groups this part reads.
 """

@@ -22,8 +22,8 @@ from typing import Any, NoReturn, Protocol
 
 from rallypoint._core.status import JobStatus
 from rallypoint._elastic._errors import RendezvousFailedError
-from rallypoint._elastic._exclusion import leave_excluded
-from rallypoint._elastic._health import HealthChecks
+from rallypoint._elastic._health._checks import HealthChecks
+from rallypoint._elastic._health._exclusion import leave_excluded
 from rallypoint._elastic._job import Job
 from rallypoint._elastic._options import RestartOptions
 from rallypoint._elastic._policy import MEMBERSHIP_CHANGED

@@ -44,7 +44,7 @@ class RestartOptions:
 
     burn_in: bool = False
     """After each round forms, time the nodes' links and exclude a node much slower than
-    the median (``_elastic._burn_in``)."""
+    the median (``_elastic._health._burn_in``)."""
 
     hot_spare: bool = False
     """A node that waits as a spare starts its workers ahead: they run the script's set-up

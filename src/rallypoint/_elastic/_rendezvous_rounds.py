@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 from rallypoint._core.blocking import call_in_thread
 from rallypoint._core.status import JobStatus
-from rallypoint._elastic._burn_in import measure, slow_node
 from rallypoint._elastic._errors import RendezvousFailedError
-from rallypoint._elastic._exclusion import say_host_exclusions
+from rallypoint._elastic._health._burn_in import measure, slow_node
+from rallypoint._elastic._health._exclusion import say_host_exclusions
 from rallypoint._elastic._job import Job, interruptible
 from rallypoint._elastic._options import RestartOptions
 from rallypoint._elastic._policy import ElasticPolicy

@@ -20,9 +20,9 @@ from typing import Any
 from rallypoint._core import envvars
 from rallypoint._core.status import JobStatus
 from rallypoint._core.tempdirs import mark_owned, remove_stale
-from rallypoint._elastic._check_run import HealthContext
 from rallypoint._elastic._coordinator import Coordinator, Membership
-from rallypoint._elastic._health import HealthChecks
+from rallypoint._elastic._health._check_run import HealthContext
+from rallypoint._elastic._health._checks import HealthChecks
 from rallypoint._elastic._job import stop_on_signal
 from rallypoint._elastic._one_node import OneNode
 from rallypoint._launch._config import LaunchConfig

@@ -1,14 +1,14 @@
-"""``python -m rallypoint._elastic._gpu_probe``: the ``builtin:gpu`` health check.
+"""``python -m rallypoint._elastic._health._gpu_probe``: the ``builtin:gpu`` health check.
 
 Each visible GPU allocates :data:`ALLOC_MIB` MiB and runs a matmul whose result is
 checked against the CPU's; every device says how long it took. Exit status: 0 healthy,
 1 a device failed (its line says how), 5 no GPU to check (:data:`NO_GPU`). The caller
 bounds the whole run with the check's time limit.
 
-``python -m rallypoint._elastic._gpu_probe --gemm``: the burn-in's GEMM (``_burn_in``): a
-:data:`GEMM_SIZE` square fp16 GEMM on each visible GPU, best of five; its last line is the
-slowest GPU's time in seconds (exit 5 without a GPU). Both run in a child process, so the
-agent never holds a CUDA context.
+``python -m rallypoint._elastic._health._gpu_probe --gemm``: the burn-in's GEMM
+(``_burn_in``): a :data:`GEMM_SIZE` square fp16 GEMM on each visible GPU, best of five; its
+last line is the slowest GPU's time in seconds (exit 5 without a GPU). Both run in a child
+process, so the agent never holds a CUDA context.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :class:`CheckResult` is how a check ended and :class:`HealthContext` what the built-in
 checks look at on this node; the checks themselves are in ``_builtin_checks``, the list
-a node runs and the failure screen in ``_health``.
+a node runs and the failure screen in ``_checks``.
 
 A command runs under a child subreaper of its own (``rallypoint._core.subreaper``), so
 that everything it started is killed when it exits, times out or the launcher goes, also

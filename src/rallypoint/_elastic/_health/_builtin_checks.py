@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 from rallypoint._core.blocking import call_in_thread
 from rallypoint._core.disk import check_writable, format_free, free_bytes
-from rallypoint._elastic._check_run import CheckResult, HealthContext, run_command
-from rallypoint._elastic._gpu_probe import NO_GPU
+from rallypoint._elastic._health._check_run import CheckResult, HealthContext, run_command
+from rallypoint._elastic._health._gpu_probe import NO_GPU
 
 __all__ = ["DISK_FLOOR", "STORE_LATENCY_BOUND", "check_disk", "check_store", "run_builtin"]
 
@@ -99,7 +99,7 @@ def check_store(context: HealthContext) -> str:
 
 
 def _gpu(context: HealthContext, timeout: float) -> CheckResult:
-    argv = [sys.executable, "-m", "rallypoint._elastic._gpu_probe"]
+    argv = [sys.executable, "-m", "rallypoint._elastic._health._gpu_probe"]
     result = run_command("builtin:gpu", timeout, poll=context.poll, argv=argv)
     if result.exitcode == NO_GPU:
         last = result.output.strip().splitlines()[-1:] or ["no GPU"]

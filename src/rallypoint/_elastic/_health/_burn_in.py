@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from rallypoint._elastic._check_run import run_command
+from rallypoint._elastic._health._check_run import run_command
 
 if TYPE_CHECKING:
     from rallypoint._core.store import Store
@@ -96,7 +96,7 @@ def gemm_seconds(timeout: float = 60.0) -> float:
 
     if torch.version.cuda is None and torch.version.hip is None:
         return 0.0
-    argv = [sys.executable, "-m", "rallypoint._elastic._gpu_probe", "--gemm"]
+    argv = [sys.executable, "-m", "rallypoint._elastic._health._gpu_probe", "--gemm"]
     result = run_command("burn-in GEMM", timeout, argv=argv)
     try:
         return float(result.output.split()[-1]) if result.ok else 0.0

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import signal
 
-from rallypoint._elastic._builtin_checks import run_builtin
-from rallypoint._elastic._check_run import CheckResult, HealthContext, run_command
 from rallypoint._elastic._errors import UnhealthyNodeError
 from rallypoint._elastic._exits import EXIT_UNHEALTHY
+from rallypoint._elastic._health._builtin_checks import run_builtin
+from rallypoint._elastic._health._check_run import CheckResult, HealthContext, run_command
 from rallypoint._elastic._options import HealthOptions
 from rallypoint._supervise._output import write_console
 from rallypoint._watch._observer import Observer
