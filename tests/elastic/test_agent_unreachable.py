@@ -158,11 +158,12 @@ def test_a_tcpstore_connect_ends_within_its_timeout(mode: str) -> None:
     with endpoint(mode) as ep:
         start = time.monotonic()
         with pytest.raises(KVConnectionError) as info:
-            tcp_kv("127.0.0.1", ep.port, is_server=False, timeout=timedelta(seconds=2))
+            tcp_kv("127.0.0.1", ep.port, is_server=False, timeout=timedelta(seconds=5))
         elapsed = time.monotonic() - start
-    assert 2.0 <= elapsed < 3.5, elapsed  # its timeout (on a loaded host), not twice it
+    # its timeout, not twice it (a margin of 5 s for a loaded host)
+    assert 5.0 <= elapsed < 10.0, elapsed
     why = "connection refused" if mode == "refused" else "accepts connections but does not answer"
-    assert f"Cannot reach the TCPStore at {ep.address} within 2 s: " in str(info.value)
+    assert f"Cannot reach the TCPStore at {ep.address} within 5 s: " in str(info.value)
     assert why in str(info.value), info.value
 
 

@@ -5,9 +5,12 @@ default group until the others are out (its process, and its process group, stay
 an idle peer, not a dead one, is what the others must get away from). The other ranks are
 blocked in a collective that a joinable issued in the loop body (a plain custom joinable's
 own all-reduce, DDP's backward) or are shadowing in the join loop. Each must raise
-RankFailedError naming rank 1 within 2 s of the failure, and rank 1's own exception must
-come out of its Join. Each scenario has its own gloo group with a 20 s timeout, far above
-the 2 s bound, so a survivor released only by the group's timeout fails the test instead of
+RankFailedError naming rank 1, released by the failure protocol: no collective error behind
+its exception (a survivor released by the group's timeout raises with gloo's "Timed out"
+behind it), and before the group's timeout could have fired. Rank 1's own exception must
+come out of its Join. What is checked is how a rank was released, never how fast: the
+machine may be loaded (how fast: benchmarks/). Each scenario has its own gloo group with a
+20 s timeout, so a survivor released only by the group's timeout fails the test instead of
 hanging it.
 """
 
@@ -32,7 +35,6 @@ from rallypoint.testing import run_workers
 W = 3
 FAILING = 1
 FAIL_STEP = 3
-BOUND = 2.0
 GROUP_TIMEOUT = 20
 MID_ITERATION_TIMEOUT = 3
 
@@ -186,10 +188,13 @@ def run_scenarios() -> dict[str, Any]:
         out: dict[str, float] = {}
         try:
             scenario(groups[name], rank, out)
-            results[name] = ("returned", "", None, time.time(), out)
+            results[name] = ("returned", "", None, time.time(), out, "")
         except Exception as exc:
             rank_named = getattr(exc, "rank", None)
-            results[name] = (type(exc).__name__, str(exc), rank_named, time.time(), out)
+            # what released it: a collective's error (a timeout), or nothing (the protocol)
+            cause = exc.__cause__ or exc.__context__
+            behind = "" if cause is None else f"{type(cause).__name__}: {cause}"
+            results[name] = (type(exc).__name__, str(exc), rank_named, time.time(), out, behind)
         # rank 1 waits here, alive and idle, until the others are out; they pass it only
         # after their own scenario ended (in the test's bound, or the group's timeout)
         dist.barrier()
@@ -206,22 +211,24 @@ def results() -> list[dict[str, Any]]:
 def test_failing_rank_gets_its_own_exception_promptly(
     results: list[dict[str, Any]], name: str
 ) -> None:
-    kind, message, _, raised_at, out = results[FAILING][name]
+    kind, message, _, raised_at, out, _ = results[FAILING][name]
     assert (kind, message) == ("Boom", f"bad batch {FAIL_STEP}")
-    assert raised_at - out["failed_at"] < 2 * BOUND + 1  # it waits for the others, bounded
+    # it shadows for the others, then leaves: not after a group's timeout (nor a hang)
+    assert raised_at - out["failed_at"] < GROUP_TIMEOUT
 
 
 @pytest.mark.parametrize("name", sorted(set(SCENARIOS) - RELEASED_BY_TIMEOUT))
 @pytest.mark.parametrize("survivor", [r for r in range(W) if r != FAILING])
-def test_every_survivor_raises_within_two_seconds_while_the_failed_rank_lives(
+def test_every_survivor_is_released_by_the_protocol_while_the_failed_rank_lives(
     results: list[dict[str, Any]], name: str, survivor: int
 ) -> None:
     failed_at = results[FAILING][name][4]["failed_at"]
-    kind, message, failed_rank, raised_at, _ = results[survivor][name]
+    kind, message, failed_rank, raised_at, _, behind = results[survivor][name]
     assert kind == "RankFailedError", message
     assert failed_rank == FAILING
     assert message.startswith(f"rank 1 failed inside the Join context: Boom: bad batch {FAIL_STEP}")
-    assert raised_at - failed_at < BOUND
+    assert behind == "", f"released by a collective's error, not the protocol: {behind}"
+    assert raised_at - failed_at < GROUP_TIMEOUT  # before the group's timeout could fire
 
 
 @pytest.mark.parametrize("survivor", [r for r in range(W) if r != FAILING])
@@ -229,7 +236,8 @@ def test_a_failure_inside_an_iteration_is_not_shadowed_and_still_named(
     results: list[dict[str, Any]], survivor: int
 ) -> None:
     failed_at = results[FAILING]["mid_iteration"][4]["failed_at"]
-    kind, message, failed_rank, raised_at, _ = results[survivor]["mid_iteration"]
+    kind, message, failed_rank, raised_at, _, behind = results[survivor]["mid_iteration"]
     assert kind == "RankFailedError", message
     assert failed_rank == FAILING
-    assert raised_at - failed_at < MID_ITERATION_TIMEOUT + 5  # the group's timeout, no hang
+    assert "Timed out" in behind, behind  # released by the group's (short) timeout
+    assert raised_at - failed_at < GROUP_TIMEOUT  # and no hang

@@ -189,7 +189,7 @@ def test_workers_without_dump(tmp_path: Path) -> None:
         stacks = collect_stacks(
             {0: stopped.pid, 1: plain.pid, 2: gone.pid}, 0.3, directory=tmp_path, host="h1"
         )
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 30  # its 0.3 s and no more: a bound, not a speed
         assert stacks[0].error == "no dump within 0.3 s"
         assert stacks[1].error is not None and "no stack dump handler" in stacks[1].error
         assert stacks[2].error == "process has exited"

@@ -58,7 +58,7 @@ def test_a_skewed_clock_is_measured_through_a_real_store(stores: Any) -> None:
     responder = ClockResponder(node, round=0, group_rank=1, clock=skewed)
     offset = ClockProbe(round=0).measure(judge, 1)
     assert offset is not None
-    assert 0 <= offset.delay_ns < 100 * MS, offset
+    assert 0 <= offset.delay_ns < 2000 * MS, offset  # a round trip (a loaded machine's)
     assert abs(offset.offset_ns + SKEW) <= offset.delay_ns // 2 + MS, offset
     responder.close(judge)
     assert not responder._thread.is_alive(), "a stop ends the thread blocked in get"
@@ -141,10 +141,11 @@ def test_a_node_that_does_not_answer_is_skipped_for_a_while(stores: Any) -> None
     probe = ClockProbe(round=0)
     started = time.monotonic()
     assert probe.refresh(judge, [1]) == {}  # one ping, one second without an answer
-    assert 0.9 < time.monotonic() - started < 5
+    assert 0.9 < time.monotonic() - started < 20  # its second, and no hang
     started = time.monotonic()
     assert probe.refresh(judge, [1]) == {}
-    assert time.monotonic() - started < 0.5, "not asked again at once"
+    # not asked again at once: a ping would wait its second again (the widest bound below)
+    assert time.monotonic() - started < 0.9, "not asked again at once"
 
 
 def _traces(ranks: Mapping[int, int], *, shift: int = 0, n: int = 30) -> dict[int, RankTrace]:

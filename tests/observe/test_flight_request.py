@@ -68,8 +68,8 @@ def test_answers_come_without_waiting_and_an_exited_worker_is_not_waited_for(
         dying.wait(5)
         assert request.ready()
         started = time.monotonic()
-        traces = request.results(10.0)
-        assert time.monotonic() - started < 2.0  # not the full timeout for the dead one
+        traces = request.results(60.0)
+        assert time.monotonic() - started < 20.0  # not the full timeout for the dead one
         assert traces[1].error == "it exited before answering"
         # a worker gone before the request: nobody reads its FIFO
         gone = FlightRequest({1: dying.pid}, tmp_path)
@@ -138,7 +138,8 @@ def test_stacks_come_from_the_thread_and_by_signal_when_it_does_not_answer(
         assert dump.main.frames[0].name == "waiting_here", dump.main  # in time.sleep
         current = next(t for t in dump.threads if t.current)
         if how == "thread":  # written from the Flight Recorder thread, with the GIL held
-            assert any(f.name == "dump_stacks_now" for f in current.frames) and took < 1.0
+            # (which path answered, not how fast: the thread's own frame says it)
+            assert any(f.name == "dump_stacks_now" for f in current.frames), dump
         else:  # its thread never answered: the signal, after THREAD_WAIT
             assert current is dump.main and took >= THREAD_WAIT
     finally:

@@ -260,9 +260,9 @@ class SilentKV(MemoryKV):
         super().set(key, value)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 def test_close_timeout_bounds_set_closed_and_shutdown() -> None:
-    kv = SilentKV(hang=20)
+    kv = SilentKV(hang=60)
     config = DynamicRendezvousConfig(
         run_id="job", min_nodes=1, max_nodes=1, **{**FAST, "close_timeout": timedelta(seconds=0.5)}
     )
@@ -273,10 +273,10 @@ def test_close_timeout_bounds_set_closed_and_shutdown() -> None:
         start = time.monotonic()
         with pytest.raises(RendezvousTimeoutError, match=r"close_timeout=0\.5 s.*memory"):
             node.set_closed()
-        assert time.monotonic() - start < 3  # not the store's 20 s
+        assert time.monotonic() - start < 20  # not the store's 60 s (a loaded machine)
         start = time.monotonic()
         assert node.shutdown() is False  # torch's shutdown also reports a failed close
-        assert time.monotonic() - start < 8  # close_timeout + stopping the heartbeats
+        assert time.monotonic() - start < 30  # close_timeout + stopping the heartbeats
     finally:
         kv.released.set()
     deadline = time.monotonic() + 10

@@ -134,7 +134,9 @@ def test_strangers_on_the_tcp_port_are_dropped_and_peers_still_served(
     silent = [socket.create_connection(("127.0.0.1", b.port)) for _ in range(64)]
     start = time.monotonic()
     _write(a, ("g", 1), b"y" * 100, replica=_addr(b))  # while strangers hold connections
-    assert time.monotonic() - start < 2  # it waited for none of them
+    # it waited for none of them: waiting for one alone takes HANDSHAKE_SECONDS (a bound
+    # that a loaded machine's plain write stays far below)
+    assert time.monotonic() - start < HANDSHAKE_SECONDS
     assert _held(b) == [(0, "g", 1)]
     for s in silent:
         s.settimeout(HANDSHAKE_SECONDS + 3)

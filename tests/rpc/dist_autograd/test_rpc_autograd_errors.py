@@ -1,5 +1,6 @@
 """A failure anywhere in a distributed backward pass fails the caller's ``backward`` at once
-(well within a second), never at the RPC timeout (60 s here).
+(well within a second on an idle machine), never at the RPC timeout (60 s here); the tests
+bound it far from both (``AT_ONCE``), for a loaded machine.
 
 Real processes on CPU: an error raised by the callee's own backward (a custom
 ``autograd.Function``); a gradient the callee cannot send (a tensor on a device its map
@@ -25,6 +26,9 @@ from rallypoint.rpc import dist_autograd
 from rallypoint.testing import run_workers
 
 ENV = {RPC_SECRET: "autograd-errors"}
+AT_ONCE = 20.0
+"""Seconds: "at once", against the 60 s RPC timeout a lost error waits for (what it takes on
+an idle machine, a fraction of a second, is a benchmark's business; a loaded CI is slow)."""
 MARK = (7,)  # the shape of the tensor the callee sees as a cuda:0 tensor
 
 
@@ -107,7 +111,7 @@ def _run(case: str) -> tuple[str, float, list[float] | None]:
 @pytest.mark.timeout(120)
 def test_an_error_in_the_callees_backward_fails_the_caller_at_once() -> None:
     text, seconds, _ = _run("remote")
-    assert seconds < 1.0, (seconds, text)
+    assert seconds < AT_ONCE, (seconds, text)
     assert text.startswith("Error on Node 0: Error on Node 1: "), text
     assert "boom in the callee's backward" in text
 
@@ -117,7 +121,7 @@ def test_a_gradient_the_callee_cannot_send_fails_the_caller_at_once() -> None:
     """The issue's hang: the callee has no device map entry for its gradient's device. The
     refusal (torch's words) comes back with the pass's credit instead of being lost."""
     text, seconds, _ = _run("refused")
-    assert seconds < 1.0, (seconds, text)
+    assert seconds < AT_ONCE, (seconds, text)
     assert text.startswith("Error on Node 0: Error on Node 1: TensorPipe RPC backend only "), text
     assert "Request device mapping is not available for destination w0" in text
     assert "set_device_map('w0', {'cuda:0': ...})" in text
@@ -132,6 +136,6 @@ def test_the_gradient_goes_back_with_the_reverse_of_the_callers_map() -> None:
     if torch.cuda.device_count() > 0:
         assert text == "ok on cuda:0" and grad == [2.0] * MARK[0], text
         return
-    assert seconds < 1.0, (seconds, text)
+    assert seconds < AT_ONCE, (seconds, text)
     assert text.startswith("Error on Node 0: Error on Node 1: Error on Node 0: could not "), text
     assert "tensor was mapped to cuda:0 but this worker has no CUDA" in text

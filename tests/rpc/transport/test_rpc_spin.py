@@ -284,13 +284,14 @@ def test_a_gap_counts_for_the_site_where_the_process_went_idle_whoever_ends_it(
         other_w.close()
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(120)
 def test_a_wait_ends_at_its_timeout_even_when_the_spin_window_is_longer(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
-    """A 10 s window (``busy_poll_us`` set high) must not stretch a 50 ms wait: the
-    spin counts against the caller's timeout, and the wait that follows gets the rest."""
-    waits = _fresh(10.0)
+    """A 60 s window (``busy_poll_us`` set high) must not stretch a 50 ms wait: the
+    spin counts against the caller's timeout, and the wait that follows gets the rest (the
+    bound is far from both, for a loaded machine)."""
+    waits = _fresh(60.0)
     own_r, _ = pair
     poller = select.poll()
     poller.register(own_r.fileno(), select.POLLIN)
@@ -303,7 +304,7 @@ def test_a_wait_ends_at_its_timeout_even_when_the_spin_window_is_longer(
         assert waits.may_spin()  # nobody else runs, and a new site is worth a try
         began = time.monotonic()
         assert not wait()
-        assert time.monotonic() - began < 5.0  # the timeout, not the 10 s window
+        assert time.monotonic() - began < 20.0  # the timeout, not the 60 s window
     latch.release()
 
 
@@ -373,7 +374,7 @@ def test_a_forked_child_does_not_count_its_parents_waiting_threads(
         thread.join()
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(120)
 def test_a_spin_that_finds_its_cpu_taken_stops_and_spinning_pauses_while_it_lasts(
     pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -383,7 +384,7 @@ def test_a_spin_that_finds_its_cpu_taken_stops_and_spinning_pauses_while_it_last
     that doubles while it goes on; a spin that keeps the CPU resets it."""
     real_yield = os.sched_yield
     monkeypatch.setattr(_spin, "CONTENDED_S", CONTENDED_S)
-    waits = _fresh(5.0)  # a long window: only the taken CPU can end these spins early
+    waits = _fresh(60.0)  # a long window: only the taken CPU can end these spins early
     own_r, own_w = pair
     monkeypatch.setattr(os, "sched_yield", lambda: time.sleep(0.005))  # a slice elsewhere
     pauses = []
@@ -391,7 +392,7 @@ def test_a_spin_that_finds_its_cpu_taken_stops_and_spinning_pauses_while_it_last
         _until(waits.may_spin)
         began = time.monotonic()
         assert waits.spin(own_r.fileno()) == TIMEOUT
-        assert time.monotonic() - began < 2.5  # not the 5 s window
+        assert time.monotonic() - began < 20.0  # not the 60 s window (a loaded machine)
         pauses.append(waits._calm_at - time.perf_counter())
         assert not waits.may_spin()  # paused
     assert waits.contended == 2
