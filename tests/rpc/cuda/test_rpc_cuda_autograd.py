@@ -161,4 +161,5 @@ def _remote_error() -> tuple[str, float] | None:
 def test_an_error_in_a_gpu_workers_backward_fails_the_caller_at_once() -> None:
     need_gpus(1)
     text, seconds = run_workers(_remote_error, 2, timeout=200, env=ENV)[0]
-    assert "boom on the GPU worker" in text and seconds < 1.0, (text, seconds)
+    # at once: far below the 60 s RPC timeout a lost error waits for (a loaded machine)
+    assert "boom on the GPU worker" in text and seconds < 20.0, (text, seconds)
