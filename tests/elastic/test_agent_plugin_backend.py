@@ -4,8 +4,9 @@ The plugin is a real distribution, ``pip install``ed into a venv of the test's o
 sees the project's venv through a ``.pth``): it declares ``mybackend`` in the entry point
 group ``rallypoint.rendezvous_backends``, wraps the built-in ``file`` backend and records
 each handler it makes and each round it runs. ``rallypoint run --rdzv-backend mybackend``
-then runs the job's rounds (a failure and its restart) on the plugin's handler; an unknown
-name is one line that lists the known ones, the installed plugin's included.
+then runs the job's rounds (a failure and its restart) on the plugin's handler, and
+``rallypoint stacks`` asks through it; an unknown name is one line that lists the known
+ones, the installed plugin's included.
 """
 
 from __future__ import annotations
@@ -156,11 +157,13 @@ def plugin_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return python
 
 
-def _run(python: Path, *argv: str, log: Path) -> subprocess.CompletedProcess[str]:
+def _run(
+    python: Path, *argv: str, log: Path, command: str = "run"
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "RP_PLUGIN_LOG": str(log)}
     env.pop("PYTHONPATH", None)  # the venv's own paths only
     return subprocess.run(
-        [str(python), "-m", "rallypoint", "run", *argv],
+        [str(python), "-m", "rallypoint", command, *argv],
         capture_output=True, text=True, timeout=200, env=env,
     )  # fmt: skip
 
@@ -228,3 +231,24 @@ def test_launch_takes_a_registered_backend_and_refuses_an_unknown_one() -> None:
         assert config.rendezvous.backend == "mine"
     finally:
         rendezvous_handler_registry._registry.pop("mine")
+
+
+def test_rallypoint_stacks_asks_through_the_plugins_handler(
+    plugin_python: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "plugin.log"
+    flags = ["--rdzv-endpoint", str(tmp_path / "rdzv"), "--rdzv-id", "plug", "--timeout", "2"]
+    done = _run(plugin_python, "--rdzv-backend", "mybackend", *flags, log=log, command="stacks")
+    # no job runs there: the plugin's handler was asked, and found none
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.strip().splitlines() == [
+        "rallypoint stacks: error: no agent of this run has published its node count: is it "
+        "running?"
+    ], done.stderr
+    assert log.read_text().splitlines() == ["create mybackend plug"]
+    done = _run(plugin_python, "--rdzv-backend", "nobackend", *flags, log=log, command="stacks")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.startswith(
+        "rallypoint stacks: error: --rdzv-backend 'nobackend' is not a rendezvous backend; "
+        "known: c10d, etcd, etcd-v3, file, mybackend, static "
+    ), done.stderr

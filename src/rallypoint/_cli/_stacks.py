@@ -26,7 +26,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", required=True, help="HOST:PORT")
     p.add_argument("--rdzv-id", "--rdzv_id", required=True, help="the job's run id")
     p.add_argument(
-        "--rdzv-backend", "--rdzv_backend", default="c10d", choices=["c10d", "etcd", "file"]
+        "--rdzv-backend",
+        "--rdzv_backend",
+        default="c10d",
+        help="the job's backend: c10d, etcd, file, or an installed plugin's",
     )
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for answers")
     return p
@@ -43,6 +46,13 @@ def stacks_main(argv: Sequence[str] | None = None) -> int:
         return 2
     from rallypoint._elastic._errors import RendezvousFailedError
     from rallypoint._elastic._job_stacks import job_stacks
+    from rallypoint._elastic._options import check_backend
+
+    try:  # the names the rendezvous registry knows, as rallypoint run takes them
+        check_backend(args.rdzv_backend, "--rdzv-backend")
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
 
     try:
         report, missing = job_stacks(
