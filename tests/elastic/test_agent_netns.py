@@ -88,7 +88,7 @@ def test_two_hosts_cut_and_restore() -> None:
         assert b.is_cut
         start = time.monotonic()
         assert _connect(net, 0, b.address, 0.5) == "fail TimeoutError"  # dropped, not refused
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 30  # its 0.5 s, not the system's connect timeout
 
         b.restore()
         deadline = time.monotonic() + 10

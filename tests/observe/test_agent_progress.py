@@ -73,7 +73,7 @@ def test_worker_progress_reaches_board() -> None:
         assert last is not None
         assert stamps[1] <= last <= stamps[2]  # the last write is the third call's clock
         assert board.reported() == [1]
-        assert board.seconds_since_progress(1) < 5
+        assert board.seconds_since_progress(1) < 60  # a fresh stamp (a loaded machine)
         assert board.seconds_since_progress() == pytest.approx(
             board.seconds_since_progress(1), abs=0.5
         )

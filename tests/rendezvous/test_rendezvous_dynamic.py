@@ -101,7 +101,7 @@ def test_max_nodes_completes_at_once_with_unique_ranks(tcp: Cluster) -> None:
               for _ in range(15)]  # fmt: skip
     start = time.monotonic()
     results = tcp.join_all(nodes)
-    assert time.monotonic() - start < 10  # not the 60 s last call
+    assert time.monotonic() - start < 30  # not the 60 s last call (a loaded machine)
     assert sorted(r for r, _ in results) == list(range(16))
     assert {w for _, w in results} == {16}
     assert all(h.round == 0 for h in nodes)
@@ -113,7 +113,7 @@ def test_last_call_after_min_nodes(memory: Cluster) -> None:
     results = memory.join_all([a, b])
     elapsed = time.monotonic() - start
     assert sorted(results) == [(0, 2), (1, 2)]
-    assert 0.25 <= elapsed < 5
+    assert 0.25 <= elapsed < 30  # the 0.3 s last call, not the join timeout
 
 
 def test_join_timeout_when_too_few_nodes(memory: Cluster) -> None:
@@ -121,7 +121,7 @@ def test_join_timeout_when_too_few_nodes(memory: Cluster) -> None:
     start = time.monotonic()
     with pytest.raises(RendezvousTimeoutError, match=r"did not complete within 0\.4 s"):
         lone.next_rendezvous()
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # its 0.4 s, and no hang
 
 
 def test_unpacks_as_store_rank_world_size(memory: Cluster) -> None:
@@ -201,9 +201,9 @@ def test_spare_round_says_which_round_a_spare_waits_out(memory: Cluster) -> None
 
 
 def test_dead_node_detected_and_survivors_keep_ranks(memory: Cluster) -> None:
-    # a 20 s last call, so that "no last call" stands out from a slow host (4 of 4 nodes
+    # a 90 s last call, so that "no last call" stands out from a slow host (4 of 4 nodes
     # first: a full round completes at once)
-    last_call = timedelta(seconds=20)
+    last_call = timedelta(seconds=90)
     nodes = [memory.node(min_nodes=2, max_nodes=4, last_call_timeout=last_call) for _ in range(4)]
     ranks = dict(zip(nodes, (r for r, _ in memory.join_all(nodes)), strict=True))
     victim = next(h for h in nodes if ranks[h] == 1)
@@ -215,7 +215,7 @@ def test_dead_node_detected_and_survivors_keep_ranks(memory: Cluster) -> None:
     assert all(h.num_nodes_waiting() >= 1 for h in survivors)
     start = time.monotonic()
     again = dict(zip(survivors, memory.join_all(survivors), strict=True))
-    assert time.monotonic() - start < 10  # everyone expected is back: no last call
+    assert time.monotonic() - start < 45  # everyone expected is back: no 90 s last call
     assert {w for _, w in again.values()} == {3}
     for h in survivors:
         if ranks[h] < 3:
@@ -339,7 +339,7 @@ def test_corrupt_counter_on_tcpstore_is_state_error_fast(tcp: Cluster) -> None:
     start = time.monotonic()
     with pytest.raises(RendezvousStateError, match="not an integer"):
         tcp.node(min_nodes=1, max_nodes=1).next_rendezvous()
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30  # at once, not after retries until a timeout
 
 
 def test_corrupt_slot_fails_every_waiter(memory: Cluster) -> None:
@@ -474,7 +474,7 @@ def test_set_closed_from_another_thread_while_blocked_on_tcpstore(tcp: Cluster) 
     assert node.is_closed() is False
     assert node.num_nodes_waiting() == 0
     node.set_closed()  # the same handler, from another thread: must not queue
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 10  # behind the wait: its round's 20 s join timeout
     with pytest.raises(RendezvousClosedError):
         future.result(10)
 
