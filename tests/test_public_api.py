@@ -115,7 +115,7 @@ def test_progress_from_the_launcher_loads_only_progress() -> None:
     assert out.returncode == 0, out.stderr
     loaded = set(ast.literal_eval(out.stdout))
     assert "rallypoint.observe._progress" in loaded
-    parts = ("launcher", "_launch", "_supervise", "_elastic", "_cli", "_watch")
+    parts = ("launcher", "_launch", "_supervise", "_elastic", "_cli", "_watch", "_worker_side")
     assert {m for m in loaded if m.split(".")[1] in parts} == {"rallypoint.launcher"}
 
 
@@ -154,6 +154,7 @@ INTERNAL = [
     "rallypoint._watch",
     "rallypoint._watch._flight",
     "rallypoint._watch._stragglers",
+    "rallypoint._worker_side",
 ]
 
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rallypoint._supervise._inprocess._cut import cut_attempt, sockets_now
+from rallypoint._worker_side._cut import cut_attempt, sockets_now
 from rallypoint.testing import run_workers
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/fdinfo"), reason="Linux only")

@@ -13,8 +13,6 @@ from pathlib import Path
 
 from rallypoint._core.envvars import ERROR_FILE, FT_NOTICE
 from rallypoint._supervise._env import spare_env, standby_env, worker_env
-from rallypoint._supervise._inprocess._control import Assign, encode
-from rallypoint._supervise._inprocess._control import pair as control_pair
 from rallypoint._supervise._main_module import describe_main
 from rallypoint._supervise._options import OutputOptions, WorkerOptions
 from rallypoint._supervise._output import LOG_TROUBLE, Duplicate, OutputRouter
@@ -22,6 +20,8 @@ from rallypoint._supervise._state import GroupInfo, Worker
 from rallypoint._supervise._warm._process import WarmProcess
 from rallypoint._supervise._worker import CALLABLES, Target, WorkerSpec
 from rallypoint._watch._observer import Observer
+from rallypoint._worker_side._control import Assign, encode
+from rallypoint._worker_side._control import pair as control_pair
 
 __all__ = ["WorkerStarter"]
 

@@ -1,10 +1,10 @@
-"""The agent's side of an in-process restart (``_restartable`` is the worker's side): one
-attempt's control channels and the restart's state machine, its timers included.
+"""The agent's side of an in-process restart (``rallypoint._worker_side`` is the worker's):
+one attempt's control channels and the restart's state machine, its timers included.
 
 Workers that entered ``@rallypoint.restartable`` say so on their control channel
-(``_control``). When the attempt fails and the caller has restarts left, only the failed
-rank must go: the others are told to leave their function (``Interrupt``) and the attempt
-ends once each has parked (kept for the next attempt) or exited. One still inside its
+(``_worker_side._control``). When the attempt fails and the caller has restarts left, only
+the failed rank must go: the others are told to leave their function (``Interrupt``) and
+the attempt ends once each has parked (kept for the next attempt) or exited. One still inside its
 function ``restart_grace`` seconds later, or one that never entered a restartable
 function, is killed and replaced. An exception a worker's function raises is its own
 failure unless the attempt is restarting already or it says a peer vanished (then it
@@ -20,7 +20,10 @@ from dataclasses import dataclass
 
 import psutil
 
-from rallypoint._supervise._inprocess._control import (
+from rallypoint._supervise._output import write_console
+from rallypoint._supervise._state import Worker
+from rallypoint._supervise._summary import peer_vanished
+from rallypoint._worker_side._control import (
     Done,
     Hello,
     Interrupt,
@@ -31,9 +34,6 @@ from rallypoint._supervise._inprocess._control import (
     encode,
     receive,
 )
-from rallypoint._supervise._output import write_console
-from rallypoint._supervise._state import Worker
-from rallypoint._supervise._summary import peer_vanished
 
 __all__ = ["EXIT_EVENT_WAIT", "SECOND_GRACE", "STORE_RESET_AFTER", "InProcess", "Restarting"]
 

@@ -28,7 +28,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from rallypoint._core import envvars
 from rallypoint._core.cpp_log import cpp_warnings_off
-from rallypoint._supervise._inprocess._control import (
+from rallypoint._worker_side._control import (
     MAX_MESSAGE,
     Assign,
     Done,
@@ -41,7 +41,7 @@ from rallypoint._supervise._inprocess._control import (
     decode,
     encode,
 )
-from rallypoint._supervise._inprocess._cut import cut_attempt, release, sockets_now
+from rallypoint._worker_side._cut import cut_attempt, release, sockets_now
 
 __all__ = ["WAKE_SIGNAL", "RestartInterrupt", "restartable"]
 

@@ -11,13 +11,13 @@ import socket
 import time
 from dataclasses import replace
 
-from rallypoint._supervise._inprocess._control import Hello, receive
 from rallypoint._supervise._output import write_console
 from rallypoint._supervise._starter import WorkerStarter
 from rallypoint._supervise._state import GroupInfo, Worker
 from rallypoint._supervise._stop import Stopper
 from rallypoint._supervise._warm._exits import ExitReports
 from rallypoint._watch._observer import Observer
+from rallypoint._worker_side._control import Hello, receive
 
 __all__ = ["SparePool"]
 
