@@ -51,12 +51,12 @@ def test_a_second_call_is_a_plain_call_and_its_failure_replaces_the_processes(
     assert "in-process restart 1 of 3: ranks 0, 2, 3 kept" in text, text[-4000:]
     first, second = _pids(tmp_path, "train0", 0), _pids(tmp_path, "train0", 1)
     assert {r for r in second if second[r] != first.get(r)} == {1}
-    # the second call is said by rank 0 alone, not once per rank: once by the kept rank 0
-    # of restart 1, and once by the new rank 0 of restart 2 (its failure started every
-    # rank afresh); one line per rank said it 8 times
+    # the second call is said by rank 0 alone, not once per rank (4 lines an attempt):
+    # by the kept rank 0 of restart 1 (whose line may be cut with its process, ms later)
+    # and by the new rank 0 of restart 2 (its failure started every rank afresh)
     line = "@restartable train() called again in this process: only the first call restarts"
-    assert text.count(line) == 2, text[-4000:]
-    assert text.count(f"[rank0]: rallypoint: {line}") == 2, text[-4000:]
+    said = text.count(line)
+    assert 1 <= said <= 2 and text.count(f"[rank0]: rallypoint: {line}") == said, text[-4000:]
     again = _pids(tmp_path, "train0", 2)
     assert sorted(again) == [0, 1, 2, 3]
     assert not set(again.values()) & set(second.values()), (second, again)
