@@ -15,11 +15,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import importlib._bootstrap
+import importlib._bootstrap_external
 import os
 import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from queue import SimpleQueue
@@ -51,6 +54,10 @@ R = TypeVar("R")
 WAKE_SIGNAL = signal.SIGRTMIN + 3
 """Raises :class:`RestartInterrupt` in the main thread while the function runs (a real-time
 signal: training code does not use it, and a sleep or a lock wait it interrupts)."""
+
+
+HELD_RETRY = 0.02
+"""Seconds between wake-ups while the main thread is in an import (``importing``)."""
 
 
 class RestartInterrupt(BaseException):
@@ -125,6 +132,8 @@ class _Channel:
         self.running = False  # in run(): a restartable call nested in it is a plain call
         self.returned = False  # the first call returned: later calls are plain calls
         self.said_second = False
+        self.woken = False  # the wake-up signal was sent and its handler has not run yet
+        self.held_import = False  # the handler held the interruption in an import this attempt
         self.quiet: contextlib.ExitStack | None = None  # C++ warnings off while leaving
         self.replies: SimpleQueue[Message | None] = SimpleQueue()
         self.reader = threading.Thread(target=self._read, name="rallypoint-restart", daemon=True)
@@ -156,14 +165,28 @@ class _Channel:
         """From the reader thread: abort NCCL, cut the attempt's gloo and store connections
         (``_cut``: whoever waits on them fails at once), then raise in the main thread if it
         is in the function (else the restart loop reads the message). The signal goes
-        while the lock is held, so the main thread cannot leave the function in between."""
+        while the lock is held, so the main thread cannot leave the function in between.
+
+        A main thread in an import holds it (``_on_wake``). From then on, every
+        ``HELD_RETRY`` seconds until the main thread has left the function, the attempt is
+        cut again (once its import is done, the function may make a connection and wait on
+        it, the signal pending) and the signal is sent again if it was held again."""
         with self.lock:
             self.interrupted = True
         self._leave_attempt()
-        with self.lock:
-            if self.in_fn:
-                with contextlib.suppress(OSError, ValueError):
-                    signal.pthread_kill(threading.main_thread().ident or 0, WAKE_SIGNAL)
+        while True:
+            with self.lock:
+                held = self.held_import
+            if held:
+                self._cut()
+            with self.lock:
+                if not self.in_fn:
+                    return
+                if not self.woken:
+                    self.woken = True
+                    with contextlib.suppress(OSError, ValueError):
+                        signal.pthread_kill(threading.main_thread().ident or 0, WAKE_SIGNAL)
+            time.sleep(HELD_RETRY)
 
     def _leave_attempt(self) -> None:
         """Once per attempt: quiet torch's C++ warnings until the next one (the attempt's
@@ -175,12 +198,21 @@ class _Channel:
             self.quiet = contextlib.ExitStack()
             self.quiet.enter_context(cpp_warnings_off())
         abort_nccl()
+        self._cut()
+
+    def _cut(self) -> None:
+        """Cut what the attempt made and is not cut yet (``held`` has a copy of each cut)."""
         port = os.environ.get("MASTER_PORT", "")
-        cut_attempt(self.entry_sockets, int(port) if port.isdigit() else None, self.held)
+        done = self.entry_sockets | {os.fstat(s.fileno()).st_ino for s in self.held}
+        cut_attempt(done, int(port) if port.isdigit() else None, self.held)
 
     def _on_wake(self, signum: int, frame: FrameType | None) -> None:
         with self.lock:
             raise_now = self.in_fn and self.interrupted
+            self.woken = False
+            if raise_now and importing(frame):
+                self.held_import = True  # the reader sends it again
+                return
             if raise_now:
                 self.in_fn = False  # once: the wrapper's own code is never interrupted
         if raise_now:
@@ -237,6 +269,7 @@ class _Channel:
         self.entry_sockets = sockets_now()
         with self.lock:
             self.in_fn = not self.interrupted
+            self.woken = self.held_import = False
         try:
             if not self.in_fn:
                 raise RestartInterrupt("another rank failed before the function started")
@@ -294,6 +327,31 @@ class _Channel:
             quiet, self.quiet = self.quiet, None
         if quiet is not None:
             quiet.close()
+
+
+_IMPORT_FILES = frozenset(
+    (
+        importlib._bootstrap.module_from_spec.__code__.co_filename,
+        importlib._bootstrap_external.SourceFileLoader.get_data.__code__.co_filename,
+    )
+)
+
+
+def importing(frame: FrameType | None) -> bool:
+    """Whether the main thread, stopped at ``frame``, is importing a module inside the
+    function. An exception there would leave the module, or a package it was being made
+    a member of, half-initialised in ``sys.modules`` for every later attempt (``module
+    'sympy' has no attribute 'printing'``, ``partially initialized module
+    'torch._dynamo'``): Python's import system does not expect one. An import outside the
+    function (its caller's) does not count: the walk stops at the wrapper."""
+    while frame is not None and frame.f_code is not _CALL_CODE:
+        if frame.f_code.co_filename in _IMPORT_FILES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_CALL_CODE = _Channel._call.__code__
 
 
 def abort_nccl() -> None:
