@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -92,12 +93,86 @@ def test_on_hang_fail_exits_1_with_the_stacks(tmp_path: Path) -> None:
     assert "--on-hang fail" in proc.stderr.splitlines()[-1]
 
 
+SLOW_SETUP = """
+import os, sys, time
+import torch, torch.distributed as dist
+import rallypoint.launcher as rl
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.Linear(8, 4)
+opt = torch.optim.Adam(model.parameters())  # the first one imports torch._dynamo and sympy
+time.sleep(float(sys.argv[1]) if rank == 1 else 0.0)  # a slow set-up (data, say)
+for step in range(3):
+    model(torch.randn(4, 8)).sum().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+    rl.progress()
+print(f"done rank={rank}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture
+def cpu_burner() -> Iterator[None]:
+    """A process spinning on a core beside the job, as on a loaded CI machine."""
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        burner.kill()
+        burner.wait()
+
+
+@pytest.mark.timeout(150)
+def test_a_set_up_longer_than_the_hang_timeout_is_no_hang(tmp_path: Path, cpu_burner: None) -> None:
+    """Before its first ``progress()`` in an attempt a rank is in its set-up (its first
+    Adam's imports, then 5 s of its own): ``--setup-timeout`` bounds it, not the 2 s of
+    ``--hang-timeout`` (the false hang of issue 67: a healthy job reported hung)."""
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_SETUP)
+    events = tmp_path / "events.jsonl"
+    args = ["--nproc-per-node", "2", "--hang-timeout", "2", "--setup-timeout", "60"]
+    proc = _run(["run", *args, "--events", str(events), str(script), "5"])
+    assert proc.returncode == 0, proc.stderr
+    assert "reported progress" not in proc.stderr, proc.stderr
+    assert '"hang"' not in events.read_text()
+    assert "done rank=0" in proc.stdout and "done rank=1" in proc.stdout
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_stuck_in_its_set_up_is_a_hang_after_the_setup_timeout(
+    tmp_path: Path, cpu_burner: None
+) -> None:
+    """Rank 1 never leaves its set-up, and rank 0 waits for it in its first step: a hang,
+    found once ``--setup-timeout`` has passed, and the line says that neither rank had
+    reported progress (both in their set-up)."""
+    script = tmp_path / "stuck.py"
+    script.write_text(SLOW_SETUP)
+    events = tmp_path / "events.jsonl"
+    args = ["--nproc-per-node", "2", "--hang-timeout", "2", "--setup-timeout", "8"]
+    args += ["--on-hang", "fail", "--events", str(events)]
+    proc = _run(["run", *args, str(script), "3600"])
+    assert proc.returncode == 1, proc.stderr
+    line = "in the set-up: ranks 0, 1 have not reported any in this attempt (--setup-timeout)"
+    assert line in proc.stderr, proc.stderr
+    assert "rank 1: sleep" in proc.stderr, proc.stderr
+    hang = next(json.loads(x) for x in events.read_text().splitlines() if '"hang"' in x)
+    assert hang["idle_s"] >= 8.0, hang
+
+
 def test_bad_hang_options_are_one_line_errors(tmp_path: Path) -> None:
     script = tmp_path / "ok.py"
     script.write_text("pass\n")
     for args, needle in (
         (["--hang-timeout", "0"], "--hang_timeout: must be > 0, got 0"),
         (["--on-hang", "ignore"], "invalid choice"),
+        (["--setup-timeout", "5"], "setup_timeout bounds a hang in the set-up: set hang_"),
+        (
+            ["--hang-timeout", "8", "--setup-timeout", "5"],
+            "setup_timeout must be at least hang_timeout (8 s), got 5 s",
+        ),
         (["--events", str(tmp_path / "no" / "dir" / "e.jsonl")], "cannot open events file"),
     ):
         proc = _run(["run", *args, str(script)])

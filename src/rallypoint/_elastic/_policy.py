@@ -16,13 +16,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rallypoint._core.blocking import InThread, call_in_thread
 from rallypoint._elastic._round import Round
 from rallypoint._supervise._output import write_console
-from rallypoint._supervise._policy import collective_timeout_reason
+from rallypoint._supervise._policy import collective_timeout_reason, hang_reason
 from rallypoint._supervise._state import Culprit, OutcomeKind, Stop
 from rallypoint._watch._flight._format import hang_report
 from rallypoint._watch._stacks_exchange import request_stacks
@@ -92,8 +92,8 @@ class ElasticPolicy:
             return Stop(OutcomeKind.RESTART, reason)
         return None
 
-    def on_hang(self, running: Mapping[int, int], idle_s: float) -> Stop:
-        reason = f"no worker on {self.host} reported progress for {idle_s:.1f} s (--hang-timeout)"
+    def on_hang(self, running: Mapping[int, int], idle_s: float, setup: Sequence[int] = ()) -> Stop:
+        reason = hang_reason(idle_s, setup, f" on {self.host}")
         action = self.job.restarts.on_hang
         self.job.observer.emit(
             "hang", round=self.rnd.number, idle_s=round(idle_s, 3), action=action

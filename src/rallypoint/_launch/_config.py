@@ -393,6 +393,17 @@ class LaunchConfig:
             help="no rallypoint.progress() from any worker for SECONDS is a hang (off by default)",
         ),
     )
+    setup_timeout: timedelta | None = option(
+        "watch",
+        flag=flag(
+            "--setup-timeout",
+            "--setup_timeout",
+            seconds=MAX_SECONDS,
+            help="with --hang-timeout: while a worker has not called rallypoint.progress() yet "
+            "in an attempt (its set-up), the hang is no progress for SECONDS (default 5 times "
+            "--hang-timeout, at least 60)",
+        ),
+    )
     on_hang: Literal["restart", "fail"] = option(
         "restarts",
         flag=flag(

@@ -239,8 +239,11 @@ class Attempt:
         self.next_poll = now + self.tools.interval
         running = {w.rank: w.pid for w in self.workers if w.status is None}
         stop: Stop | None = self.policy.poll(running)
-        if stop is None and self.observer.hung():
-            stop = self.policy.on_hang(running, self.observer.idle_seconds())
+        if stop is None:
+            live = {w.local_rank: w.rank for w in self.workers if w.status is None}
+            setup = self.observer.in_setup(live)
+            if self.observer.hung(setup=bool(setup)):
+                stop = self.policy.on_hang(running, self.observer.idle_seconds(), setup)
         if stop is None:
             return
         self._end(stop.kind, stop.reason)

@@ -9,7 +9,7 @@ on), and a hang prints the local workers' stacks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from rallypoint._supervise._output import write_console
@@ -18,7 +18,7 @@ from rallypoint._watch._flight._format import hang_report
 from rallypoint._watch._observer import Observer
 from rallypoint._watch._stragglers._watch import StragglerWatch
 
-__all__ = ["AttemptPolicy", "LocalPolicy", "collective_timeout_reason"]
+__all__ = ["AttemptPolicy", "LocalPolicy", "collective_timeout_reason", "hang_reason"]
 
 
 class AttemptPolicy(Protocol):
@@ -29,8 +29,10 @@ class AttemptPolicy(Protocol):
         elsewhere, a membership change, a lost store), or ``None``."""
         ...
 
-    def on_hang(self, running: Mapping[int, int], idle_s: float) -> Stop:
-        """No worker reported progress for ``idle_s`` seconds; the workers still run."""
+    def on_hang(self, running: Mapping[int, int], idle_s: float, setup: Sequence[int] = ()) -> Stop:
+        """No worker reported progress for ``idle_s`` seconds; the workers still run.
+        ``setup``: the ranks that have not reported any yet in this attempt (the bound was
+        ``--setup-timeout``)."""
         ...
 
     def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> Culprit:
@@ -62,8 +64,8 @@ class LocalPolicy:
             self.stragglers.tick(running)
         return None
 
-    def on_hang(self, running: Mapping[int, int], idle_s: float) -> Stop:
-        reason = f"no worker reported progress for {idle_s:.1f} s (--hang-timeout)"
+    def on_hang(self, running: Mapping[int, int], idle_s: float, setup: Sequence[int] = ()) -> Stop:
+        reason = hang_reason(idle_s, setup)
         self.observer.emit("hang", round=self.attempt, idle_s=round(idle_s, 3), action=self.action)
         report = hang_report(self.observer.collect(running))
         write_console(2, f"rallypoint: {reason}; stacks:\n{report.text}\n".encode())
@@ -76,6 +78,17 @@ class LocalPolicy:
             2, f"rallypoint: {collective_timeout_reason(rank)}; stacks:\n{text}\n".encode()
         )
         return Culprit(culprit, culprit_rank)
+
+
+def hang_reason(idle_s: float, setup: Sequence[int], where: str = "") -> str:
+    """The line of a hang (``where``: `` on HOST``); one whose bound was ``--setup-timeout``
+    names the ranks still in their set-up."""
+    idle = f"no worker{where} reported progress for {idle_s:.1f} s"
+    if not setup:
+        return f"{idle} (--hang-timeout)"
+    ranks = ", ".join(map(str, setup))
+    some = f"ranks {ranks} have" if len(setup) > 1 else f"rank {ranks} has"
+    return f"{idle}, in the set-up: {some} not reported any in this attempt (--setup-timeout)"
 
 
 def collective_timeout_reason(rank: int) -> str:

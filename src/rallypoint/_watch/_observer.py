@@ -58,6 +58,11 @@ __all__ = ["Observer", "WatchOptions"]
 
 STACKS_TIMEOUT = 5.0
 """Seconds to wait for a worker's stack dump."""
+SETUP_FACTOR = 5
+"""The default ``setup_timeout``: this many times ``hang_timeout``, ..."""
+SETUP_MINIMUM = 60.0
+"""... and at least this many seconds (a first step's imports took over 8 s on a loaded
+2-core machine)."""
 FLIGHT_TIMEOUT = 10.0
 """Seconds after the request to wait for the workers' Flight Recorder dumps with their
 issuing frames (torch's first takes about a second; without frames, milliseconds)."""
@@ -69,6 +74,10 @@ class WatchOptions:
 
     hang_timeout: timedelta | None = None
     """No progress from any worker for this long is a hang (``None``: not watched)."""
+    setup_timeout: timedelta | None = None
+    """The bound of a hang while a worker has not reported progress yet in the attempt (it
+    is in its set-up: imports, data, a first step that compiles); ``None``:
+    :data:`SETUP_FACTOR` times ``hang_timeout``, at least :data:`SETUP_MINIMUM` seconds."""
     events: str | None = None
     """Append the job's events (JSON lines) to this file; ``rallypoint report`` draws them."""
     straggler_threshold: float | None = DEFAULT_THRESHOLD
@@ -82,7 +91,18 @@ class WatchOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "flight_recorder", parse_buffer(self.flight_recorder))
-        check_seconds(self.hang_timeout, "hang_timeout", allow_none=True, maximum=MAX_SECONDS)
+        hang = check_seconds(
+            self.hang_timeout, "hang_timeout", allow_none=True, maximum=MAX_SECONDS
+        )
+        setup = check_seconds(
+            self.setup_timeout, "setup_timeout", allow_none=True, maximum=MAX_SECONDS
+        )
+        if setup is not None and hang is None:
+            raise ValueError("setup_timeout bounds a hang in the set-up: set hang_timeout too")
+        if setup is not None and hang is not None and setup < hang:
+            raise ValueError(
+                f"setup_timeout must be at least hang_timeout ({hang:g} s), got {setup:g} s"
+            )
         threshold = parse_threshold(self.straggler_threshold)
         object.__setattr__(self, "straggler_threshold", threshold)
         window = check_window(self.straggler_window)
@@ -114,6 +134,10 @@ class Observer(Closing):
     def __init__(self, *, nproc: int, watch: WatchOptions, node: str) -> None:
         hang_timeout = watch.hang_timeout
         self.hang_timeout = hang_timeout
+        self.setup_timeout = watch.setup_timeout
+        if self.setup_timeout is None and hang_timeout is not None:
+            default = max(SETUP_FACTOR * hang_timeout.total_seconds(), SETUP_MINIMUM)
+            self.setup_timeout = timedelta(seconds=default)
         self.straggler_threshold = watch.straggler_threshold
         self.straggler_window = watch.straggler_window.total_seconds()
         self.node = node
@@ -212,12 +236,19 @@ class Observer(Closing):
         window = self.straggler_window  # nothing older is judged (``judge_arrivals``)
         return FlightRequest(pids_by_rank, self.stacks_dir, arrivals=True, window_s=window)
 
-    def hung(self) -> bool:
-        return (
-            self.board is not None
-            and self.hang_timeout is not None
-            and self.board.is_hung(self.hang_timeout)
-        )
+    def hung(self, *, setup: bool = False) -> bool:
+        """Whether no worker reported progress for ``hang_timeout``, or, while a worker is
+        in its set-up (``setup``: :meth:`in_setup`), for ``setup_timeout``."""
+        bound = self.setup_timeout if setup else self.hang_timeout
+        return self.board is not None and bound is not None and self.board.is_hung(bound)
+
+    def in_setup(self, ranks: Mapping[int, int]) -> list[int]:
+        """Of ``ranks`` (``{local rank: global rank}``), the global ranks that have not
+        reported progress yet in this attempt (:meth:`reset`)."""
+        if self.board is None or self.hang_timeout is None:
+            return []
+        reported = set(self.board.reported())
+        return sorted(rank for local, rank in ranks.items() if local not in reported)
 
     def idle_seconds(self) -> float:
         return 0.0 if self.board is None else self.board.seconds_since_progress()
