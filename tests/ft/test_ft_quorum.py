@@ -9,9 +9,6 @@ what the issue asks of every case: the healthy groups never pause longer than th
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 

@@ -71,3 +71,49 @@ def _failures(stdout: str) -> str:
     end = min((i for i in (stdout.find(" PASSES "), summary) if i >= 0), default=len(stdout))
     failures = stdout[start:end] if 0 <= start < end else stdout[-6000:]
     return failures[:12000] + (stdout[summary:][-3000:] if summary >= 0 else "")
+
+
+def _swap_file(tmp_path: Path, name: str, drop: tuple[str, ...] = ()) -> Path:
+    """torchft's test file ``name`` with ``torchft`` imports swapped for ``rallypoint.ft``;
+    ``drop``: names it imports that rallypoint.ft does not offer (docs/ft.md says why)."""
+    spec = importlib.util.find_spec("torchft")
+    assert spec is not None and spec.origin is not None
+    text = Path(spec.origin).with_name(name).read_text()
+    for gone in drop:
+        text = re.sub(rf"^\s*{gone},\n", "", text, flags=re.M)
+        text = re.sub(rf"\b{gone},\s*", "", text)
+    text = text.replace("from torchft.", "from rallypoint.ft.")
+    text = text.replace("from torchft import", "from rallypoint.ft import")
+    unswapped = re.findall(r"^\s*(?:from|import) torchft\b.*$", text, re.M)
+    assert not unswapped, unswapped
+    path = tmp_path / name.replace("_test.py", "_swapped_test.py")
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs torchft==0.2.0")
+def test_torchfts_lighthouse_and_coordination_tests_pass_with_the_import_swapped(
+    tmp_path: Path,
+) -> None:
+    """torchft's own tests of its lighthouse protocol: the join timeout, the heartbeat
+    timeout, a client's quorum with and without its optional arguments and data, and the
+    documented classes of ``coordination`` (less ``ManagerClient``/``ManagerServer``:
+    rallypoint has no manager server, each group's rank 0 asks the lighthouse itself)."""
+    paths = [
+        _swap_file(tmp_path, "lighthouse_test.py"),
+        _swap_file(tmp_path, "coordination_test.py", drop=("ManagerClient", "ManagerServer")),
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+           "--timeout", "120", "-rA", *map(str, paths)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
+    passed = set(re.findall(r"^PASSED \S+::(\w+)", done.stdout, re.M))
+    expected = {
+        "test_join_timeout_behavior",
+        "test_heartbeat_timeout_ms_sanity",
+        "test_lighthouse_client_behavior",
+        "test_heartbeat_round_trip",
+        "test_coordination_docs",
+    }
+    assert passed == expected, _failures(done.stdout) + done.stderr[-2000:]

@@ -13,12 +13,14 @@ through :func:`post`).
 from __future__ import annotations
 
 import contextlib
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from rallypoint._core.fatal import FatalError
 from rallypoint.ft._records import (
     Ask,
     Quorum,
@@ -33,16 +35,33 @@ from rallypoint.rendezvous import (
     KVError,
     KVStateError,
     connect_kv,
+    is_etcd_address,
 )
 
-__all__ = ["LighthouseLink", "QuorumRefused", "connect_lighthouse", "post"]
+__all__ = [
+    "LighthouseAddressError",
+    "LighthouseLink",
+    "LighthouseUnreachable",
+    "QuorumRefused",
+    "connect_lighthouse",
+    "post",
+]
 
 _LOST = (KVError, RuntimeError, OSError)
 """What a store operation raises when the lighthouse is away."""
 
 
-class QuorumRefused(RuntimeError):
-    """The lighthouse will not admit this member (its replica id is taken by a live one)."""
+class QuorumRefused(RuntimeError, FatalError):
+    """The lighthouse will not admit this member (its replica id is taken by a live one):
+    the group's job ends, since a restart under the same id would be refused too."""
+
+
+class LighthouseAddressError(ValueError, FatalError):
+    """``TORCHFT_LIGHTHOUSE`` is not a lighthouse's address (no restart can fix that)."""
+
+
+class LighthouseUnreachable(ConnectionError, FatalError):
+    """Nothing answered at the lighthouse's address within the connect timeout."""
 
 
 def post(kv: KeyValueStore, msg: Ask) -> None:
@@ -55,22 +74,56 @@ def connect_lighthouse(address: str, timeout: float) -> KeyValueStore:
     """The lighthouse's store, or one line: ``ValueError`` for an address that is not one,
     ``ConnectionError`` for one that does not answer within ``timeout``."""
     if not isinstance(address, str) or not address.strip():
-        raise ValueError(
+        raise LighthouseAddressError(
             "rallypoint.ft needs the lighthouse: set TORCHFT_LIGHTHOUSE (for example "
             "http://host:29510, or etcd://host:2379) or pass lighthouse_addr"
         )
+    deadline = time.monotonic() + timeout
+    refused = _refused_until(address, deadline)
+    if refused:
+        raise LighthouseUnreachable(
+            f"rallypoint.ft: cannot reach the lighthouse {address} (TORCHFT_LIGHTHOUSE) "
+            f"within {timeout:g} s: {refused}"
+        )
     try:
-        kv, _ = connect_kv(address, timeout=timedelta(seconds=max(0.1, timeout)))
+        left = max(0.1, deadline - time.monotonic())
+        kv, _ = connect_kv(address, timeout=timedelta(seconds=left))
     except ValueError as exc:
-        raise ValueError(
+        raise LighthouseAddressError(
             f"TORCHFT_LIGHTHOUSE={address!r} is not a lighthouse address: {exc}"
         ) from None
     except KVConnectionError as exc:
-        raise ConnectionError(
+        raise LighthouseUnreachable(
             f"rallypoint.ft: cannot reach the lighthouse {address} (TORCHFT_LIGHTHOUSE) "
             f"within {timeout:g} s: {exc}"
         ) from None
     return kv
+
+
+def _refused_until(address: str, deadline: float) -> str:
+    """Why nothing accepts a TCP connection at a TCPStore ``address`` until ``deadline``
+    (``""``: something does, or it is not such an address). A TCPStore client would retry
+    a refused connect in a thread that outlives its own timeout; a plain socket does not."""
+    text = address.strip()
+    if is_etcd_address(text):
+        return ""
+    host, _, port = text.split("://", 1)[-1].rstrip("/").rpartition(":")
+    if not port.isdigit() or not host:
+        return ""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection(
+                (host.strip("[]"), int(port)), timeout=max(0.05, min(1.0, left))
+            ):
+                return ""
+        except ConnectionRefusedError:
+            why = "connection refused"
+        except OSError as exc:
+            why = f"no answer ({exc.strerror or type(exc).__name__})"
+        if time.monotonic() + 0.1 >= deadline:
+            return why
+        time.sleep(0.1)
 
 
 def read_life(kv: KeyValueStore, timeout: float) -> tuple[Rules, str]:
@@ -85,7 +138,7 @@ def read_life(kv: KeyValueStore, timeout: float) -> tuple[Rules, str]:
                 _say(f"ignoring the lighthouse's rules: {exc}")
                 return Rules(), gen.decode(errors="replace")[:64]
         if time.monotonic() >= deadline:
-            raise ConnectionError(
+            raise LighthouseUnreachable(
                 f"rallypoint.ft: {kv.endpoint} holds no lighthouse (no 'config' and 'gen' "
                 f"keys after {timeout:g} s): start `rallypoint lighthouse` there"
             )
@@ -116,6 +169,7 @@ class LighthouseLink:
         self.rules, self.gen = read_life(self.kv, connect_timeout)
         self.previous: Quorum | None = None
         self._seq = 0
+        self._retry_of = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._said: set[str] = set()
@@ -143,15 +197,23 @@ class LighthouseLink:
             kv.set(key, b"1")
 
     def _beat_loop(self, interval: float) -> None:
+        lost_at: float | None = None
         while not self._stop.wait(interval):
-            try:
-                self.beat()
-            except _LOST:  # the lighthouse is away (restarting): beat on a new connection
-                with contextlib.suppress(*_LOST, ValueError, ConnectionError):
+            if lost_at is not None:  # the lighthouse is away (restarting): a new connection,
+                if time.monotonic() - lost_at < 1.0:  # at most once a second
+                    continue
+                try:
                     kv = connect_lighthouse(self.address, 2.0)
                     _, gen = read_life(kv, 2.0)
                     post(kv, self._hello(gen))
-                    self._beat_kv = kv
+                    self._beat_kv, lost_at = kv, None
+                except (*_LOST, ValueError, ConnectionError):
+                    lost_at = time.monotonic()
+                    continue
+            try:
+                self.beat()
+            except _LOST:  # never again on this connection (each try would log a warning)
+                lost_at = time.monotonic() - 1.0
 
     def _hello(self, gen: str) -> Ask:
         return Ask("hello", self.member, replica_id=self.replica_id, prev=self._prev(gen))
@@ -167,11 +229,12 @@ class LighthouseLink:
     def quorum(self, req: Request, timeout: float) -> Quorum:
         """This step's quorum (one that holds this member), or ``TimeoutError``."""
         deadline = time.monotonic() + timeout
+        self._retry_of = 0
         while True:
             try:
                 quorum = self._ask_once(req, deadline)
             except _LOST as exc:
-                if isinstance(exc, TimeoutError):
+                if isinstance(exc, TimeoutError | QuorumRefused):
                     raise
                 self._reconnect(exc, deadline)
                 continue
@@ -183,7 +246,9 @@ class LighthouseLink:
         with self._lock:
             self._seq += 1
             seq = self._seq
-        post(self.kv, Ask("ask", self.member, seq, req, prev=self._prev(self.gen)))
+        retry_of, self._retry_of = self._retry_of, 0
+        ask = Ask("ask", self.member, seq, req, prev=self._prev(self.gen), retry_of=retry_of)
+        post(self.kv, ask)
         key = f"a/{self.member}/{seq}"
         while True:
             left = deadline - time.monotonic()
@@ -210,6 +275,7 @@ class LighthouseLink:
                 self._once(
                     str(exc), f"ignoring a record in the lighthouse's store: {exc}; asking again"
                 )
+                self._retry_of = seq
                 return None
             if self.member not in quorum.ids():
                 self._once(rkey, f"{rkey} does not hold {self.member}; asking again")

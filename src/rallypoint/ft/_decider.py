@@ -1,17 +1,13 @@
 """The lighthouse's decisions: who is alive, and each round's quorum (no I/O here).
 
-One decider serves a lighthouse life. It learns from messages (hello, ask, gone) and from
-the heartbeat counters it reads each tick, and answers with effects that its loop
-(``_lighthouse_loop``) writes to the store. A request stays pending until a quorum holds
-it, so a member asks once per step however many rounds go by. A round is decided as soon
-as every live member of the previous quorum has asked (joiners asking meanwhile come in
-too); the first quorum of a life waits for every member known to be alive, or for
-``join_timeout_ms``. After a restart the previous quorum is the one the members carry in
-their asks, so the first quorum after a lighthouse restart includes every live group.
-
-Liveness: a member is gone when told (its agent or itself said so) or when its heartbeat
-counter has not moved for ``heartbeat_timeout_ms``. A notice about a member whose counter
-then moves twice more is not believed (anyone with store access can write one).
+It learns from messages (hello, ask, gone) and the heartbeat counters its loop reads each
+tick (``_decider_loop`` writes what it decides). A request stays pending until a quorum
+holds it. A round is decided once every live member of the previous quorum has asked
+(joiners that asked meanwhile come in); a life's first quorum waits for every member known
+alive, or ``join_timeout_ms``, and after a restart the previous quorum is the one the
+members carry, so it holds every live group. A member is gone when told or when its
+counter stops for ``heartbeat_timeout_ms``; a notice about a member that then asks, or
+whose counter moves twice more, is not believed (anyone with store access can write one).
 """
 
 from __future__ import annotations
@@ -83,6 +79,9 @@ class Decider:
     said_below: int | None = None
     held: dict[str, float] = field(default_factory=dict)
     started: float = field(default=0.0)
+    answered: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """member -> (seq, round) of its last answered ask."""
+    again: list[Reply] = field(default_factory=list)
     """Members waiting because another live member has their replica id: since when."""
 
     def __post_init__(self) -> None:
@@ -103,7 +102,12 @@ class Decider:
         if msg.prev is not None and (self.carried is None or msg.prev[0] > self.carried[0]):
             self.carried = msg.prev
         if msg.kind == "ask" and req is not None:
-            seen.gone, seen.gone_beat = None, None  # it speaks: it is alive
+            self._revive(msg.member, seen, "it asks for quorums")
+            answered = self.answered.get(msg.member)
+            if msg.retry_of and answered is not None and answered[0] == msg.retry_of:
+                # its answer was unreadable (overwritten by someone): the same round again
+                self.again.append(Reply(msg.member, msg.seq, "round", str(answered[1])))
+                return
             self.pending[msg.member] = (req, msg.seq)
             if self.first_ask is None:
                 self.first_ask = now
@@ -117,12 +121,17 @@ class Decider:
                 continue
             if seen.beat != value:
                 seen.beat, seen.moved = value, now
-            if seen.gone is not None and seen.gone_beat is not None and value >= seen.gone_beat + 2:
-                self.say(
-                    f"a notice that {member} left ({seen.gone}) is not believed: its "
-                    "heartbeat still moves"
-                )
-                seen.gone, seen.gone_beat, seen.dead_since = None, None, None
+            if seen.gone is not None and seen.gone_beat is None:
+                seen.gone_beat = value  # the first count read after the notice
+            elif seen.gone is not None and value >= (seen.gone_beat or 0) + 2:
+                self._revive(member, seen, "its heartbeat still moves")
+
+    def _revive(self, member: str, seen: _Member, why: str) -> None:
+        """A member said to have left shows it has not (anyone who can write the store can
+        write a notice): the notice is not believed."""
+        if seen.gone is not None:
+            self.say(f"a notice that {member} left ({seen.gone}) is not believed: {why}")
+        seen.gone, seen.gone_beat, seen.dead_since = None, None, None
 
     def watched(self) -> list[str]:
         """The members whose heartbeat counters the loop reads each tick."""
@@ -167,7 +176,8 @@ class Decider:
 
     # ------------------------------------------------------------------ deciding
     def tick(self, now: float) -> list[Effect]:
-        effects: list[Effect] = list(self._deaths(now))
+        effects: list[Effect] = [*self.again, *self._deaths(now)]
+        self.again.clear()
         effects += self._duplicates(now)
         decided = self._decide(now)
         if decided is not None:
@@ -274,6 +284,7 @@ class Decider:
         for req in chosen:
             _, seq = self.pending.pop(req.member)
             answers[req.member] = seq
+            self.answered[req.member] = (seq, self.next_round)
             self.members[req.member].last_round = self.next_round
         self.next_round += 1
         self.previous, self.first_ask, self.said_below = quorum, None, None
@@ -292,6 +303,7 @@ class Decider:
         ]:
             del self.members[member]
             self.pending.pop(member, None)
+            self.answered.pop(member, None)
 
     def forgotten(self, known: list[str]) -> list[str]:
         """Of ``known``, the members this decider no longer tracks."""

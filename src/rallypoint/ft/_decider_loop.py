@@ -1,22 +1,15 @@
 """The lighthouse's loop: read the inbox, let the decider decide, write what it decided.
 
-It blocks on the store's own wait for the next inbox key (``in/<i>``), so it wakes when a
-member writes, not on a timer; a ticker thread posts a ``tick`` every ``quorum_tick_ms``
-for what time alone decides (a heartbeat that stopped, the join timeout) and fills a hole
-that a writer who died between its ``add`` and its ``set`` would leave. Each wake reads
-every message that has arrived in one ``multi_get``; heartbeat counters are read at most
-once a tick. What it writes:
-
-- ``r/<n>``: round n's quorum, once, and ``a/<member>/<seq>``: each answered ask;
-- ``news/<k>`` (and ``news/last``): a member of a quorum died, or a round's commit was
-  voted down, for the members' watchers; ``o/<n>`` = ``abort`` for a dead member's round;
-- ``status``: why no quorum yet, for a member whose wait times out.
-
-Everything it consumed or that no member can need again is deleted: inbox messages at
-once, a round's keys ``RETAIN`` rounds later, notices 256 later, a forgotten member's
-heartbeat; on etcd, the history of revisions is compacted once a minute. The store stays
-the same size however long the job runs.
-"""
+It blocks in the store's own wait for the next inbox key (``in/<i>``), so it wakes when a
+member writes; a ticker posts a ``tick`` every ``quorum_tick_ms`` for what time alone
+decides, and fills the hole of a writer that died between its ``add`` and its ``set``.
+A wake reads every message that arrived in one ``multi_get``; heartbeats at most once a
+tick. It writes ``r/<n>`` (a round's quorum, once), ``a/<member>/<seq>`` (each answer),
+``news/<k>`` (a member died, a commit was voted down: for the members' watchers), ``o/<n>``
+(``abort`` for a dead member's round) and ``status`` (why no quorum yet). What nobody
+can need again is deleted (inbox messages at once, rounds ``RETAIN`` later, news 32 later,
+forgotten members' heartbeats; etcd's history is compacted each minute): the store stays
+the same size however long the job runs."""
 
 from __future__ import annotations
 
@@ -49,7 +42,7 @@ __all__ = ["RETAIN", "DeciderLoop"]
 RETAIN = 8
 """Rounds whose keys are kept: a member in round n's quorum is needed to decide n + 1, so
 no member can still read a round this far back."""
-_NEWS_KEPT = 256
+_NEWS_KEPT = 32
 _COMPACT_EVERY = 60.0
 """Seconds between compactions of the store's history (etcd's revisions)."""
 _LOST = (KVError, RuntimeError, OSError)
@@ -72,6 +65,7 @@ class DeciderLoop:
         self._last_compact = time.monotonic()
         self._last_status = ""
         self._shown: Quorum | None = None
+        self._said: set[str] = set()
         self._stop = threading.Event()
         kv.multi_set([("config", rules.to_bytes()), ("gen", self.gen.encode())])
         self.rounds = 0
@@ -102,7 +96,10 @@ class DeciderLoop:
             except _LOST as exc:  # the store is going away with its host: say it once
                 if self._stop.is_set():
                     return
-                self._say(f"the store failed ({type(exc).__name__}: {exc}); going on")
+                self._say_once("lost", f"the store failed ({type(exc).__name__}: {exc}); going on")
+                time.sleep(0.1)
+            except Exception as exc:  # a defect here must not stop every group's training
+                self._say(f"error in the decider, going on: {type(exc).__name__}: {exc}")
                 time.sleep(0.1)
 
     def _once(self) -> None:
@@ -117,7 +114,7 @@ class DeciderLoop:
             try:
                 msg = parse_message(raw, key)
             except RecordError as exc:
-                self._say(f"ignoring a message: {exc}")
+                self._say(f"ignoring a message: {exc}")  # consumed: said once
                 continue
             self._take(msg)
         self._next += len(consumed)
@@ -162,9 +159,16 @@ class DeciderLoop:
             try:
                 values[member] = parse_counter(raw, f"hb/{member}") if raw is not None else None
             except RecordError as exc:
-                self._say(f"ignoring a heartbeat: {exc}")
+                self._say_once(f"hb/{member}", f"ignoring a heartbeat: {exc}")
                 values[member] = None
         self.decider.beats(values)
+
+    def _say_once(self, key: str, line: str) -> None:
+        if key not in self._said:
+            if len(self._said) > 10_000:
+                self._said.clear()
+            self._said.add(key)
+            self._say(line)
 
     # ------------------------------------------------------------------ writing
     def _write(self, effect: Decided | Died | Reply) -> None:
@@ -176,7 +180,8 @@ class DeciderLoop:
             self._publish({"member": effect.member, "why": effect.why, "round": effect.round})
         else:
             key = f"a/{effect.member}/{effect.seq}"
-            self.kv.set(key, answer(effect.kind, effect.why))
+            value = int(effect.why) if effect.kind == "round" else effect.why
+            self.kv.set(key, answer(effect.kind, value))
             self._garbage.setdefault(self.decider.next_round - 1, []).append(key)
 
     def _decided(self, done: Decided) -> None:

@@ -57,6 +57,10 @@ SCHEME = Scheme(
 _LEN = struct.Struct("<Q")
 _MAX_HEADER = 64 << 20
 _CHUNK = 8 << 20
+MAX_CONNECTIONS = 64
+"""Connections a heal server serves at once (a heal takes one per healing group)."""
+HANDSHAKE_TIMEOUT = 5.0
+"""Seconds a connection has to authenticate before it is dropped."""
 
 
 class HealError(RuntimeError):
@@ -197,6 +201,7 @@ class HealServer:
         self._sock.listen(64)
         self.port = self._sock.getsockname()[1]
         self._closed = False
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         threading.Thread(target=self._accept, name="rallypoint-ft-heal", daemon=True).start()
 
     def allow(self, step: int, state: Any) -> None:
@@ -223,15 +228,26 @@ class HealServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            if not self._slots.acquire(blocking=False):
+                conn.close()  # more connections than any heal needs: a flood, dropped
+                continue
+            threading.Thread(target=self._serve_slot, args=(conn,), daemon=True).start()
+
+    def _serve_slot(self, conn: socket.socket) -> None:
+        try:
+            self._serve(conn)
+        finally:
+            self._slots.release()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
-            deadline = time.monotonic() + self.timeout
+            # a stranger that does not authenticate within HANDSHAKE_TIMEOUT is dropped
+            deadline = time.monotonic() + min(self.timeout, HANDSHAKE_TIMEOUT)
             try:
                 hello = server_handshake(conn, self.secret, SCHEME, deadline)
             except (HandshakeError, OSError, TimeoutError):
                 return  # not of the job, or gone: dropped
+            deadline = time.monotonic() + self.timeout
             try:
                 step = int(hello.get("step", -1))
             except (TypeError, ValueError):

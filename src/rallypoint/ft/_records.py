@@ -227,6 +227,8 @@ class Ask:
     """``(quorum id, members)`` of the last quorum it had under another lighthouse life."""
     replica_id: str = ""
     """A ``hello``'s replica id (its requests carry their own)."""
+    retry_of: int = 0
+    """An ask that repeats ask ``retry_of`` (its answer was unreadable): the same round."""
 
     def to_bytes(self) -> bytes:
         body: dict[str, Any] = {"kind": self.kind}
@@ -242,6 +244,8 @@ class Ask:
             body["round"] = self.round
         if self.replica_id:
             body["replica_id"] = self.replica_id
+        if self.retry_of:
+            body["retry_of"] = self.retry_of
         if self.prev is not None:
             body["prev"] = {"quorum_id": self.prev[0], "members": list(self.prev[1])}
         return json.dumps(body).encode()
@@ -279,6 +283,7 @@ def parse_message(raw: bytes, key: str) -> Ask:
         _get(data, "round", int, key, 0),
         prev,
         _get(data, "replica_id", str, key, ""),
+        _get(data, "retry_of", int, key, 0),
     )
 
 

@@ -69,12 +69,12 @@ class GroupGuard:
 
     def watch(self, stop: threading.Event, me: str) -> None:
         """Until ``stop``: wait for each piece of news and act on it."""
-        seen = self._start()
+        seen = self._start(stop)
         while not stop.is_set():
             key = f"news/{seen + 1}"
             try:
                 if not self.kv.wait([key], _WAIT):
-                    seen = max(seen, self._last() - 256)  # fell behind a deleted window
+                    seen = max(seen, self._last() - 32)  # fell behind the news kept
                     continue
                 raw = self.kv.get(key)
             except _LOST:  # the lighthouse is away: a new link, and its news from now on
@@ -88,13 +88,15 @@ class GroupGuard:
             if raw is not None:
                 self._act(key, raw, me)
 
-    def _start(self) -> int:
-        while True:
+    def _start(self, stop: threading.Event) -> int:
+        while not stop.is_set():
             try:
                 return self._last()
             except _LOST:
                 with contextlib.suppress(*_LOST):
                     self.kv = self._connect()
+                stop.wait(0.5)
+        return 0
 
     def _last(self) -> int:
         try:

@@ -120,9 +120,7 @@ class KeyValueStore(ABC):
         """A ``torch.distributed.Store`` over the same data whose keys live under ``prefix``."""
 
     def compact(self, keep: int = 10_000) -> None:  # noqa: B027 - optional hook
-        """Drop the history a store keeps of overwritten and deleted keys, all but the
-        newest ``keep`` revisions (etcd keeps every revision until compacted, and its
-        space quota counts them; other stores keep none)."""
+        """Drop all but the newest ``keep`` revisions of history (etcd's quota counts them)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections (the data stays)."""

@@ -143,7 +143,16 @@ class C10dKV(KeyValueStore):
             return int(self._store.add(key, amount))
         except (RuntimeError, ValueError) as exc:
             failure = exc
-        # Either the value is not an integer or the store is gone: look with a fresh client.
+        # Either the value is not an integer or the store is gone: look with a fresh client
+        # (unless nothing listens there any more: a TCPStore connect would retry that
+        # refusal for its whole timeout)
+        host, _, port = self.endpoint.rpartition(":")
+        if self._connect is not None and port.isdigit():
+            why = _why_no_answer(host.strip("[]"), int(port))
+            if why == "connection refused":
+                raise KVConnectionError(
+                    f"The store at {self.endpoint} failed during add: {why}"
+                ) from failure
         if self._connect is not None:
             try:
                 self._store = self._connect()
