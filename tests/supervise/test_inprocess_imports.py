@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint._supervise._inprocess._restartable import importing
+from rallypoint._worker_side._restartable import importing
 
 SCRIPT = Path(__file__).with_name("_restart_imports.py")
 MOMENTS = [

@@ -1,13 +1,14 @@
 """One node's workers: start them from the warm process, watch them, stop them.
 
 Internal, the launcher side: ``rallypoint._launch`` and ``rallypoint._elastic`` import its
-modules directly; the public names (errors, ``restartable``) are re-exported by
-:mod:`rallypoint.launcher`. The parts:
+modules directly; its public names (the errors) are re-exported by
+:mod:`rallypoint.launcher`. What runs inside a worker on the agent's behalf
+(``@restartable``) is ``rallypoint._worker_side``. The parts:
 
 - ``_warm/``: the warm process that imports torch once and forks every worker, and the
   one reader of its exit reports (``_warm/_exits``);
-- ``_inprocess/``: in-process restarts (``@restartable`` in the worker, the control
-  channel, the agent's side with the restart's state and timers, the spare workers);
+- ``_inprocess/``: in-process restarts, the agent's side: the restart's state and timers,
+  and the spare workers;
 - ``_starter``: an attempt's worker specs, pipes and output files; ``_worker`` /
   ``_spawn_entry`` / ``_main_module``: what a worker does around the user's code (forked,
   or spawned with the caller's ``__main__``);

@@ -55,8 +55,8 @@ if TYPE_CHECKING:
     from rallypoint._supervise._errors import WarmProcessError as WarmProcessError
     from rallypoint._supervise._errors import WorkerFailedError as WorkerFailedError
     from rallypoint._supervise._errors import WorkerSummary as WorkerSummary
-    from rallypoint._supervise._inprocess._restartable import RestartInterrupt as RestartInterrupt
-    from rallypoint._supervise._inprocess._restartable import restartable as restartable
+    from rallypoint._worker_side._restartable import RestartInterrupt as RestartInterrupt
+    from rallypoint._worker_side._restartable import restartable as restartable
     from rallypoint.observe import EventLog as EventLog
     from rallypoint.observe import progress as progress
     from rallypoint.observe import read_events as read_events
@@ -106,7 +106,7 @@ _HOMES = {
     "NodeExcludedError": "rallypoint._elastic._errors",
     "PortInUseError": "rallypoint._supervise._errors",
     "RendezvousFailedError": "rallypoint._elastic._errors",
-    "RestartInterrupt": "rallypoint._supervise._inprocess._restartable",
+    "RestartInterrupt": "rallypoint._worker_side._restartable",
     "UnhealthyNodeError": "rallypoint._elastic._errors",
     "WarmErrorKind": "rallypoint._supervise._errors",
     "WarmProcessError": "rallypoint._supervise._errors",
@@ -117,7 +117,7 @@ _HOMES = {
     "progress": "rallypoint.observe",
     "read_events": "rallypoint.observe",
     "render_report": "rallypoint.observe",
-    "restartable": "rallypoint._supervise._inprocess._restartable",
+    "restartable": "rallypoint._worker_side._restartable",
 }
 """Each name's module, imported on first access (PEP 562)."""
 # WorkerState: the record's name until 0.1 (torchelastic's WorkerState is an enum of a
