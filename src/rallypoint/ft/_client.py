@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from datetime import timedelta
 
 from rallypoint._core.fatal import FatalError
@@ -170,6 +171,8 @@ class LighthouseLink:
         self.previous: Quorum | None = None
         self._seq = 0
         self._retry_of = 0
+        self._last_round: int | None = None
+        """The round of the last quorum this member got in this lighthouse life."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._said: set[str] = set()
@@ -249,38 +252,57 @@ class LighthouseLink:
         retry_of, self._retry_of = self._retry_of, 0
         ask = Ask("ask", self.member, seq, req, prev=self._prev(self.gen), retry_of=retry_of)
         post(self.kv, ask)
+        following = self._last_round is not None and not retry_of
+        if following:  # in the last round's quorum: the next round cannot be decided
+            # without this ask, so it holds this member unless this member is left out
+            # (then its own answer comes when a later round holds it)
+            rkey = f"r/{self._last_round + 1}"  # type: ignore[operator]
+            quorum = self._read(rkey, rkey, seq, deadline)
+            if quorum is None or self.member in quorum.ids():
+                return self._took(quorum)
         key = f"a/{self.member}/{seq}"
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.kv.wait([key], timedelta(seconds=left)):
-                raise TimeoutError(self._timeout_line())
-            raw = self.kv.get(key)
+        self._wait(key, deadline)
+        raw = self.kv.get(key)
+        try:
             if raw is None:
-                continue
-            try:
-                kind, value = parse_answer(raw, key)
-                if kind == "refused":
-                    raise QuorumRefused(
-                        f"rallypoint.ft: the lighthouse refused {self.member}: {value}"
-                    )
-                if kind == "retry":
-                    self._once(str(value), f"{value}")
-                    return None
-                rkey = f"r/{value}"
-                record = self.kv.get(rkey)
-                if record is None:
-                    raise RecordError(f"{rkey}: missing, though {key} names it")
-                quorum = Quorum.from_bytes(record, rkey)
-            except RecordError as exc:
-                self._once(
-                    str(exc), f"ignoring a record in the lighthouse's store: {exc}; asking again"
-                )
-                self._retry_of = seq
-                return None
-            if self.member not in quorum.ids():
-                self._once(rkey, f"{rkey} does not hold {self.member}; asking again")
-                return None
-            return quorum
+                raise RecordError(f"{key}: gone after the wait")
+            kind, value = parse_answer(raw, key)
+        except RecordError as exc:
+            return self._unreadable(exc, seq)
+        if kind == "refused":
+            raise QuorumRefused(f"rallypoint.ft: the lighthouse refused {self.member}: {value}")
+        if kind == "retry":
+            self._once(str(value), f"{value}")
+            return None
+        rkey = f"r/{value}"
+        quorum = self._read(rkey, key, seq, deadline)
+        if quorum is not None and self.member not in quorum.ids():
+            self._once(rkey, f"{rkey} does not hold {self.member}; asking again")
+            return None
+        return self._took(quorum)
+
+    def _wait(self, key: str, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0 or not self.kv.wait([key], timedelta(seconds=left)):
+            raise TimeoutError(self._timeout_line())
+
+    def _read(self, rkey: str, named_by: str, seq: int, deadline: float) -> Quorum | None:
+        self._wait(rkey, deadline)
+        try:
+            return _ROUNDS.read(self.kv, self.gen, rkey, named_by)
+        except RecordError as exc:
+            return self._unreadable(exc, seq)
+
+    def _unreadable(self, exc: RecordError, seq: int) -> Quorum | None:
+        self._once(str(exc), f"ignoring a record in the lighthouse's store: {exc}; asking again")
+        self._retry_of = seq  # the lighthouse answers it again, under a key of its own
+        self._last_round = None
+        return None
+
+    def _took(self, quorum: Quorum | None) -> Quorum | None:
+        if quorum is not None:
+            self._last_round = quorum.round
+        return quorum
 
     def _timeout_line(self) -> str:
         status = ""
@@ -300,7 +322,7 @@ class LighthouseLink:
                     self.address, min(2.0, max(0.1, deadline - time.monotonic()))
                 )
                 self.rules, self.gen = read_life(kv, 2.0)
-                self.kv = kv
+                self.kv, self._last_round = kv, None
                 post(kv, self._hello(self.gen))
                 self._said.discard("away")
                 return
@@ -323,6 +345,43 @@ class LighthouseLink:
         if key not in self._said:
             self._said.add(key)
             self._say(line)
+
+
+class _Rounds:
+    """The rounds read in this process, each read and parsed once however many members
+    the process hosts (a round of G members is O(G) to parse: G members in one process
+    would make it O(G²))."""
+
+    def __init__(self, keep: int = 32) -> None:
+        self._lock = threading.Lock()
+        self._keep = keep
+        self._found: dict[tuple[str, str, str], Future[Quorum]] = {}
+
+    def read(self, kv: KeyValueStore, gen: str, rkey: str, named_by: str) -> Quorum:
+        where = (kv.endpoint, gen, rkey)
+        with self._lock:
+            found = self._found.get(where)
+            mine = found is None
+            if found is None:
+                found = self._found[where] = Future()
+                while len(self._found) > self._keep:
+                    del self._found[next(iter(self._found))]
+        if not mine:
+            return found.result()
+        try:
+            record = kv.get(rkey)
+            if record is None:
+                raise RecordError(f"{rkey}: missing, though {named_by} names it")
+            found.set_result(Quorum.from_bytes(record, rkey))
+        except BaseException as exc:
+            with self._lock:  # not kept: the next reader reads it again
+                if self._found.get(where) is found:
+                    del self._found[where]
+            found.set_exception(exc)
+        return found.result()
+
+
+_ROUNDS = _Rounds()
 
 
 def _say(line: str) -> None:

@@ -283,7 +283,9 @@ class Decider:
         answers = {}
         for req in chosen:
             _, seq = self.pending.pop(req.member)
-            answers[req.member] = seq
+            last = self.answered.get(req.member)
+            if last is None or last[1] != self.next_round - 1:
+                answers[req.member] = seq  # a member of the last round waits on this one
             self.answered[req.member] = (seq, self.next_round)
             self.members[req.member].last_round = self.next_round
         self.next_round += 1

@@ -89,6 +89,7 @@ class LighthouseClient:
         self.addr, self.connect_timeout = addr, connect_timeout
         self._links: dict[str, LighthouseLink] = {}
         self._lock = threading.Lock()
+        self._made: dict[tuple[str, int], Quorum] = {}
         self._link("")  # a bad or unreachable address: one line, now
 
     def _link(self, replica_id: str) -> LighthouseLink:
@@ -143,7 +144,13 @@ class LighthouseClient:
             data=data,  # type: ignore[arg-type]
         )
         decided = self._link(replica_id).quorum(req, timeout.total_seconds())
-        return _public(decided)
+        with self._lock:
+            made = self._made.get((decided.gen, decided.round))
+            if made is None:
+                made = _public(decided)
+                self._made = {(decided.gen, decided.round): made}  # replicas of this
+                # process read the same round: its members are made once
+        return Quorum(made.quorum_id, list(made.participants), made.created)
 
     def heartbeat(self, replica_id: str, timeout: timedelta = timedelta(seconds=5)) -> None:
         """Say that ``replica_id`` is alive.

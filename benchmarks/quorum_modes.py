@@ -1,0 +1,157 @@
+"""``benchmarks/quorum.py --steady`` and ``--scale G``: the quorum's steady cost and its scale.
+
+``--steady``: 3 groups of one rank, the tiny MLP of quorum.py, no sleep and no fault; the
+median step of plain torch DDP over gloo (3 ranks, no quorum), of torchft 0.2.0 and of
+rallypoint.ft, in one run.
+
+``--scale G``: G members ask for a quorum every round through the coordination API
+(``LighthouseClient.quorum``), hosted as threads by two processes, against torchft's Rust
+lighthouse and against ``rallypoint lighthouse`` (``--min_replicas G``, so every round
+holds every member): rounds per second and each member's median wait for its quorum.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ports import free_port
+
+DDP = """
+import os, sys, time
+import torch, torch.distributed as dist
+OUT, STEPS = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+rank = dist.get_rank()
+with open(f"{OUT}/steps-{rank}", "w", buffering=1) as log:
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        opt.zero_grad()
+        ddp(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
+        opt.step()
+        log.write(f"{time.time()!r} {step + 1}\\n")
+dist.destroy_process_group()
+"""
+
+MEMBERS = """
+import importlib, json, statistics, sys, threading, time
+from datetime import timedelta
+coordination = importlib.import_module(sys.argv[1])
+addr, first, count, rounds = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+client = coordination.LighthouseClient(addr, timedelta(seconds=30))
+waits, ends = [], []
+def member(i):
+    for step in range(rounds):
+        t = time.perf_counter()
+        client.quorum(replica_id=f"m{i}", timeout=timedelta(seconds=120), step=step, world_size=1)
+        waits.append(time.perf_counter() - t)
+        if step == 0:
+            ends.append(("first", time.time()))
+    ends.append(("last", time.time()))
+threads = [threading.Thread(target=member, args=(i,)) for i in range(first, first + count)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(json.dumps({"waits": waits, "first": max(t for k, t in ends if k == "first"),
+                  "last": max(t for k, t in ends if k == "last")}))
+"""
+
+
+def steady(steps: int) -> dict[str, float]:
+    """The median step (seconds) of each stack, in one run."""
+    from quorum import WORKER, _group, _lighthouse
+
+    out: dict[str, float] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="rp-steady-"))
+    ddp = tmp / "ddp.py"
+    ddp.write_text(DDP)
+    (tmp / "ddp").mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "3", str(ddp), str(tmp / "ddp"), str(steps)]  # fmt: skip
+    subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)  # fmt: skip
+    out["plain DDP"] = _median_step(tmp / "ddp", 3, skip=10)
+    worker = WORKER.replace("time.sleep(0.15)", "pass").replace(
+        "manager.current_step() >= FAULT", "False"
+    )
+    for kind in ("torchft", "rallypoint"):
+        run = tmp / kind
+        run.mkdir()
+        script = run / "worker.py"
+        script.write_text(worker)
+        port = free_port()
+        house = _lighthouse(kind, port, [])
+        time.sleep(1.0)
+        groups = [_group(kind, g, port, script, run) for g in range(3)]
+        try:
+            for p in groups:
+                p.wait(timeout=600)
+        finally:
+            for p in groups:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            house.kill()
+            house.wait()
+        out["torchft" if kind == "torchft" else "rallypoint.ft"] = _median_step(run, 3, skip=10)
+    return out
+
+
+def _median_step(out: Path, groups: int, skip: int) -> float:
+    gaps = []
+    for g in range(groups):
+        times = [
+            float(line.split()[0])
+            for line in (out / f"steps-{g}").read_text().splitlines()
+            if line.split()[1] != "fault"
+        ]
+        gaps += [b - a for a, b in zip(times[skip:], times[skip + 1 :], strict=False)]
+    return statistics.median(gaps)
+
+
+def scale(members: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Rounds per second and the median wait, per lighthouse, ``members`` in two processes."""
+    results = {}
+    for kind in ("torchft", "rallypoint"):
+        port = free_port()
+        if kind == "torchft":
+            cmd = [str(Path(sys.executable).with_name("torchft_lighthouse"))]
+            module = "torchft.coordination"
+        else:
+            cmd = [sys.executable, "-m", "rallypoint", "lighthouse"]
+            module = "rallypoint.ft.coordination"
+        cmd += ["--min_replicas", str(members), "--bind", f"[::]:{port}",
+                "--join_timeout_ms", "60000"]  # fmt: skip
+        house = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.5)
+        half = members // 2
+        hosts = [
+            subprocess.Popen(
+                [sys.executable, "-c", MEMBERS, module, f"http://localhost:{port}",
+                 str(first), str(count), str(rounds)],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+            for first, count in ((0, half), (half, members - half))
+        ]
+        try:
+            outs = [json.loads(h.communicate(timeout=900)[0]) for h in hosts]
+        finally:
+            house.kill()
+            house.wait()
+        waits = [w for o in outs for w in o["waits"][1:]]
+        began = max(o["first"] for o in outs)
+        ended = max(o["last"] for o in outs)
+        results[kind] = {
+            "rounds/s": (rounds - 1) / (ended - began),
+            "median wait ms": 1000 * statistics.median(waits),
+        }
+    return results
