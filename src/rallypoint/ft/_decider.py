@@ -82,6 +82,8 @@ class Decider:
     answered: dict[str, tuple[int, int]] = field(default_factory=dict)
     """member -> (seq, round) of its last answered ask."""
     again: list[Reply] = field(default_factory=list)
+    retrying: set[str] = field(default_factory=set)
+    """Members whose pending ask repeats one whose round they could not read."""
     """Members waiting because another live member has their replica id: since when."""
 
     def __post_init__(self) -> None:
@@ -108,6 +110,8 @@ class Decider:
                 # its answer was unreadable (overwritten by someone): the same round again
                 self.again.append(Reply(msg.member, msg.seq, "round", str(answered[1])))
                 return
+            if msg.retry_of:  # it could not read the round it waited on: answer its key
+                self.retrying.add(msg.member)
             self.pending[msg.member] = (req, msg.seq)
             if self.first_ask is None:
                 self.first_ask = now
@@ -284,8 +288,9 @@ class Decider:
         for req in chosen:
             _, seq = self.pending.pop(req.member)
             last = self.answered.get(req.member)
-            if last is None or last[1] != self.next_round - 1:
+            if last is None or last[1] != self.next_round - 1 or req.member in self.retrying:
                 answers[req.member] = seq  # a member of the last round waits on this one
+            self.retrying.discard(req.member)
             self.answered[req.member] = (seq, self.next_round)
             self.members[req.member].last_round = self.next_round
         self.next_round += 1

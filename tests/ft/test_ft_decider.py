@@ -1,0 +1,131 @@
+"""The lighthouse's decisions as a pure state machine, on a clock the test moves."""
+
+from __future__ import annotations
+
+from rallypoint.ft._decider import Decided, Decider, Died, Reply
+from rallypoint.ft._records import Ask, Request, Rules
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _decider(**rules: int) -> tuple[Decider, Clock, list[str]]:
+    clock, lines = Clock(), []
+    decider = Decider(Rules(**rules), "gen", clock=clock, say=lines.append)
+    return decider, clock, lines
+
+
+def _ask(member: str, seq: int, step: int = 0, retry_of: int = 0) -> Ask:
+    req = Request(member, member.split(":")[0], step, 1)
+    return Ask("ask", member, seq, req, retry_of=retry_of)
+
+
+def _decided(effects: list[object]) -> Decided:
+    [done] = [e for e in effects if isinstance(e, Decided)]
+    return done
+
+
+def test_a_round_waits_for_every_live_member_of_the_last_and_answers_only_newcomers() -> None:
+    d, clock, _ = _decider(min_replicas=2)
+    d.receive(_ask("a:1", 1))
+    assert not [e for e in d.tick(clock()) if isinstance(e, Decided)]  # below min_replicas
+    d.receive(_ask("b:1", 1))
+    first = _decided(d.tick(clock()))
+    assert first.quorum.ids() == ["a:1", "b:1"] and first.answers == {"a:1": 1, "b:1": 1}
+    d.receive(_ask("a:1", 2, step=1))
+    assert not [e for e in d.tick(clock()) if isinstance(e, Decided)]  # b has not asked
+    d.receive(_ask("c:1", 1))  # a joiner comes in with the next round
+    d.receive(_ask("b:1", 2, step=1))
+    second = _decided(d.tick(clock()))
+    assert second.quorum.ids() == ["a:1", "b:1", "c:1"]
+    assert second.quorum.quorum_id == first.quorum.quorum_id + 1
+    # a and b were in the last round and wait on this round's record: only c is answered
+    assert second.answers == {"c:1": 1}
+
+
+def test_a_member_that_could_not_read_its_round_is_answered_under_its_own_key() -> None:
+    d, clock, _ = _decider()
+    for m in ("a:1", "b:1"):
+        d.receive(_ask(m, 1))
+    _decided(d.tick(clock()))
+    d.receive(_ask("a:1", 2, step=1))
+    d.receive(_ask("b:1", 3, step=1, retry_of=2))  # its wait on r/1 found a forged record
+    done = _decided(d.tick(clock()))
+    assert done.answers == {"b:1": 3}
+    # and a retry of an ask already answered gets that round again, at once
+    d.receive(_ask("a:1", 3, step=1, retry_of=2))
+    [again] = [e for e in d.tick(clock()) if isinstance(e, Reply)]
+    assert (again.member, again.seq, again.kind, again.why) == ("a:1", 3, "round", "1")
+
+
+def test_a_notice_about_a_member_that_then_asks_is_not_believed() -> None:
+    d, clock, lines = _decider()
+    for m in ("a:1", "b:1"):
+        d.receive(_ask(m, 1))
+    _decided(d.tick(clock()))
+    d.receive(Ask("gone", "b:1", why="forged"))
+    [died] = [e for e in d.tick(clock()) if isinstance(e, Died)]
+    assert died.member == "b:1" and died.why == "forged" and died.round == 0
+    d.receive(_ask("b:1", 2, step=1))
+    d.receive(_ask("a:1", 2, step=1))
+    done = _decided(d.tick(clock()))
+    assert done.quorum.ids() == ["a:1", "b:1"]
+    assert any("a notice that b:1 left (forged) is not believed" in line for line in lines)
+
+
+def test_a_member_whose_heartbeat_stops_is_left_out_and_said_why() -> None:
+    d, clock, _ = _decider(heartbeat_timeout_ms=1000)
+    for m in ("a:1", "b:1"):
+        d.receive(_ask(m, 1))
+    _decided(d.tick(clock()))
+    d.receive(_ask("a:1", 2, step=1))
+    clock.now += 0.5
+    d.beats({"a:1": 5, "b:1": 5})
+    assert not [e for e in d.tick(clock()) if isinstance(e, Decided | Died)]
+    clock.now += 0.8
+    d.beats({"a:1": 6, "b:1": 5})  # b's counter stopped
+    clock.now += 0.3
+    effects = d.tick(clock())
+    [died] = [e for e in effects if isinstance(e, Died)]
+    assert died.member == "b:1" and "no heartbeat" in died.why
+    done = _decided(effects)
+    assert done.quorum.ids() == ["a:1"] and "no heartbeat" in done.quorum.left["b:1"]
+
+
+def test_a_second_member_under_a_live_members_replica_id_is_held_then_refused() -> None:
+    d, clock, _ = _decider(heartbeat_timeout_ms=1000)
+    d.receive(_ask("7:a", 1))
+    _decided(d.tick(clock()))
+    d.receive(_ask("7:b", 1))
+    d.receive(_ask("7:a", 2, step=1))
+    done = _decided(d.tick(clock()))
+    assert done.quorum.ids() == ["7:a"]  # held, not admitted
+    for beat in (1, 2):  # both stay alive: b is no restarted a
+        clock.now += 0.55
+        d.beats({"7:a": beat, "7:b": beat})
+    d.receive(_ask("7:a", 3, step=2))
+    [refused] = [e for e in d.tick(clock()) if isinstance(e, Reply)]
+    assert refused.member == "7:b" and refused.kind == "refused"
+    assert "replica id '7' is taken by a live replica group (7:a)" in refused.why
+
+
+def test_after_a_restart_the_first_quorum_waits_for_the_last_quorum_s_live_members() -> None:
+    d, clock, _ = _decider(join_timeout_ms=60000, heartbeat_timeout_ms=5000)
+    ask = _ask("a:1", 1, step=9)
+    d.receive(Ask("ask", "a:1", 1, ask.request, prev=(4, ("a:1", "b:1"))))
+    assert not [e for e in d.tick(clock()) if isinstance(e, Decided)]  # b is reconnecting
+    d.receive(_ask("b:1", 1, step=9))
+    done = _decided(d.tick(clock()))
+    assert done.quorum.ids() == ["a:1", "b:1"] and done.quorum.quorum_id == 5
+    # a member of that quorum that never comes back is waited for one heartbeat timeout
+    d2, clock2, _ = _decider(join_timeout_ms=60000, heartbeat_timeout_ms=5000)
+    d2.receive(Ask("ask", "a:1", 1, ask.request, prev=(4, ("a:1", "b:1"))))
+    assert not [e for e in d2.tick(clock2()) if isinstance(e, Decided)]
+    clock2.now += 5.1
+    d2.receive(_ask("a:1", 1, step=9))  # (its heartbeat would keep it alive meanwhile)
+    assert _decided(d2.tick(clock2())).quorum.ids() == ["a:1"]
