@@ -39,8 +39,8 @@ from rallypoint._supervise._errors import (
 )
 from rallypoint._supervise._output import write_console
 from rallypoint._supervise._policy import AttemptPolicy
-from rallypoint._supervise._state import Failure, Outcome, OutcomeKind
-from rallypoint._supervise._summary import in_process_line, peer_vanished
+from rallypoint._supervise._state import Failure, Outcome, OutcomeKind, in_process_line
+from rallypoint._supervise._summary import peer_vanished
 from rallypoint._watch._observer import Observer
 from rallypoint._watch._stragglers._watch import StragglerWatch
 

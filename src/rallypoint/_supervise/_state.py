@@ -1,5 +1,6 @@
 """The supervisor's records: who this node is in the job (:class:`GroupInfo`), one running
-worker (:class:`Worker`), and how an attempt ended (:class:`Outcome`)."""
+worker (:class:`Worker`), and how an attempt ended (:class:`Outcome`; what an in-process
+restart kept, :func:`in_process_line`)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,22 @@ import signal
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rallypoint._core.status import WorkerStatus
 from rallypoint._supervise._errors import WorkerSummary
 from rallypoint._supervise._summary import describe_status, error_info
 
-__all__ = ["Culprit", "Failure", "GroupInfo", "Outcome", "OutcomeKind", "Stop", "Worker"]
+__all__ = [
+    "Culprit",
+    "Failure",
+    "GroupInfo",
+    "Outcome",
+    "OutcomeKind",
+    "Stop",
+    "Worker",
+    "in_process_line",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,3 +217,22 @@ class Worker:
         if not last or _STOP_EXCEPTION.search(last):
             return ""
         return f"its own failure: {last.strip()}"
+
+
+def in_process_line(outcome: Outcome) -> tuple[str, dict[str, Any]]:
+    """What an in-process restart keeps and replaces, in one line and as event fields:
+    ``ranks 0, 2, 3 kept (pids 11, 12, 13); rank 1 replaced (was killed by SIGKILL)``."""
+    kept = sorted(outcome.kept, key=lambda w: w.rank)
+    pids = {w.pid for w in kept}
+    replaced = sorted((w for w in outcome.workers if w.pid not in pids), key=lambda w: w.rank)
+    ranks = ", ".join(str(w.rank) for w in kept)
+    pids_text = ", ".join(str(w.pid) for w in kept)
+    many = "s" if len(kept) > 1 else ""
+    line = f"rank{many} {ranks} kept (pid{many} {pids_text})"
+    if replaced:
+        line += "; " + "; ".join(f"rank {w.rank} replaced ({w.detail})" for w in replaced)
+    fields = {
+        "kept": [w.rank for w in kept],
+        "replaced": [w.rank for w in replaced],
+    }
+    return line, fields

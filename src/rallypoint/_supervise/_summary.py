@@ -13,14 +13,10 @@ import textwrap
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from rallypoint._core.status import WorkerStatus
 from rallypoint._supervise._errors import WorkerSummary
 from rallypoint._watch._flight._final import COLLECTIVE_TIMEOUT
-
-if TYPE_CHECKING:
-    from rallypoint._supervise._state import Outcome
 
 __all__ = [
     "PEER_LOSS",
@@ -29,7 +25,6 @@ __all__ = [
     "error_info",
     "fatal_message",
     "format_summary",
-    "in_process_line",
     "peer_loss",
     "peer_vanished",
     "stopped_with_the_job",
@@ -136,25 +131,6 @@ def format_summary(
             lines.append(f"  rank {w.rank} (local_rank: {w.local_rank}, pid {w.pid}): {w.detail}")
     lines.append(rule)
     return "\n".join(lines)
-
-
-def in_process_line(outcome: Outcome) -> tuple[str, dict[str, Any]]:
-    """What an in-process restart keeps and replaces, in one line and as event fields:
-    ``ranks 0, 2, 3 kept (pids 11, 12, 13); rank 1 replaced (was killed by SIGKILL)``."""
-    kept = sorted(outcome.kept, key=lambda w: w.rank)
-    pids = {w.pid for w in kept}
-    replaced = sorted((w for w in outcome.workers if w.pid not in pids), key=lambda w: w.rank)
-    ranks = ", ".join(str(w.rank) for w in kept)
-    pids_text = ", ".join(str(w.pid) for w in kept)
-    many = "s" if len(kept) > 1 else ""
-    line = f"rank{many} {ranks} kept (pid{many} {pids_text})"
-    if replaced:
-        line += "; " + "; ".join(f"rank {w.rank} replaced ({w.detail})" for w in replaced)
-    fields = {
-        "kept": [w.rank for w in kept],
-        "replaced": [w.rank for w in replaced],
-    }
-    return line, fields
 
 
 _SUPERVISE_DIR = os.path.dirname(os.path.abspath(__file__))
