@@ -129,7 +129,7 @@ def cpu_burner() -> Iterator[None]:
 def test_a_set_up_longer_than_the_hang_timeout_is_no_hang(tmp_path: Path, cpu_burner: None) -> None:
     """Before its first ``progress()`` in an attempt a rank is in its set-up (its first
     Adam's imports, then 5 s of its own): ``--setup-timeout`` bounds it, not the 2 s of
-    ``--hang-timeout`` (the false hang of issue 67: a healthy job reported hung)."""
+    ``--hang-timeout`` (before, a healthy job was reported hung)."""
     script = tmp_path / "slow.py"
     script.write_text(SLOW_SETUP)
     events = tmp_path / "events.jsonl"

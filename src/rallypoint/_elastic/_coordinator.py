@@ -40,6 +40,7 @@ from rallypoint._supervise._errors import (
 from rallypoint._supervise._output import write_console
 from rallypoint._supervise._policy import AttemptPolicy
 from rallypoint._supervise._state import Failure, Outcome, OutcomeKind, in_process_line
+from rallypoint._supervise._stop import INTERRUPT_GRACE
 from rallypoint._supervise._summary import peer_vanished
 from rallypoint._watch._observer import Observer
 from rallypoint._watch._stragglers._watch import StragglerWatch
@@ -109,7 +110,19 @@ def _all_replaced(outcome: Outcome) -> tuple[str, dict[str, Any]]:
 
 
 def _signal_line(outcome: Outcome) -> str:
+    """The node's line when a signal stopped it; a Ctrl-C's says "interrupted" (the
+    workers print nothing of it: ``Stop``)."""
     name = signal.Signals(outcome.signum).name
+    if outcome.signum == signal.SIGINT:
+        killed = [w.rank for w in outcome.workers if w.exitcode == -signal.SIGKILL]
+        ranks = ", ".join(map(str, killed))
+        some = f"ranks {ranks} were" if len(killed) > 1 else f"rank {ranks} was"
+        return "interrupted: received SIGINT and stopped the workers" + (
+            f"; {some} killed (SIGKILL): still running after {INTERRUPT_GRACE:g} s or a second "
+            "Ctrl-C"
+            if killed
+            else ""
+        )
     states = "; ".join(f"rank {w.rank}: {w.detail}" for w in outcome.workers)
     return f"received {name}: forwarded it to the workers and stopped" + (
         f" ({states})" if states else ""

@@ -205,11 +205,18 @@ class Attempt:
         return peer_vanished(traceback_text)
 
     def _take_signals(self) -> None:
+        """A signal stops every worker (once, then SIGKILL at once for a second one) and
+        says so. A Ctrl-C (SIGINT) is said once the job has stopped (within 5 s) in one
+        line; the workers are told first, so that one blocked in a collective or a store
+        wait leaves too (``Stop``)."""
         while (signum := self.tools.signals.pop()) is not None:
             name = signal.Signals(signum).name
+            quiet = signum == signal.SIGINT
             if self.kind is not OutcomeKind.SIGNAL:
                 self.kind, self.signum, self.root = OutcomeKind.SIGNAL, signum, None
                 self.inproc.abandon()  # every worker goes
+                if quiet:
+                    self.inproc.stop_all()
                 self._stop(signum)
                 say = (
                     f"received {name}: stopping the workers (SIGKILL in "
@@ -223,7 +230,7 @@ class Attempt:
                 say = f"received {name} while stopping: killed the workers (SIGKILL) at once"
             else:
                 continue
-            if any(w.status is None for w in self.workers):
+            if not quiet and any(w.status is None for w in self.workers):
                 write_console(2, f"rallypoint: {say}\n".encode())
 
     def _check_deadline(self, now: float) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import selectors
+import signal
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -22,11 +23,15 @@ from rallypoint._supervise._warm._exits import ExitReports
 from rallypoint._supervise._warm._notices import WRITER_NAME
 from rallypoint._supervise._warm._process import WarmProcess
 
-__all__ = ["QUICK_GRACE", "Stopper"]
+__all__ = ["INTERRUPT_GRACE", "QUICK_GRACE", "Stopper"]
 
 QUICK_GRACE = 3.0
 """Seconds of grace for workers stopped because of a hang or a restart: they are likely
 blocked in a collective, so waiting the whole ``shutdown_timeout`` would only delay."""
+INTERRUPT_GRACE = 4.0
+"""Seconds of grace for workers stopped by a Ctrl-C (SIGINT): a job stops within 5 s of
+one, as under torchrun, whatever ``shutdown_timeout`` says (it is the grace of a SIGTERM,
+a preemption's)."""
 
 
 class Stopper:
@@ -51,12 +56,15 @@ class Stopper:
         spare: Sequence[Worker] = (),
     ) -> float:
         """Send ``signum`` to every worker's tree (but ``spare``'s); returns when to send
-        SIGKILL."""
+        SIGKILL: ``shutdown_timeout`` from now, at most :data:`QUICK_GRACE` when ``quick``,
+        :data:`INTERRUPT_GRACE` for a SIGINT."""
         for w in workers:
             if w.status is None and w.signalled is None:
                 w.signalled = signum
         self.kill_trees(workers, signum, spare=spare)
         grace = min(self.grace, QUICK_GRACE) if quick else self.grace
+        if signum == signal.SIGINT:
+            grace = min(grace, INTERRUPT_GRACE)
         return time.monotonic() + grace
 
     def kill_trees(

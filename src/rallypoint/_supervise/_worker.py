@@ -34,6 +34,7 @@ from rallypoint._supervise._errors import FatalError
 from rallypoint._supervise._identity import show_identity
 from rallypoint._supervise._main_module import load_main
 from rallypoint._supervise._numa import bind_to_cpus
+from rallypoint._worker_side._restartable import STOP_SEEN_WAIT, told_to_stop
 
 __all__ = [
     "BAD_TARGET_EXIT",
@@ -95,6 +96,18 @@ def _reset_signals() -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _shown(exc: BaseException, tb_text: str) -> str:
+    """What a failed worker prints: its traceback; once the agent said the job stops (a
+    Ctrl-C), nothing for the ``KeyboardInterrupt`` and one line for anything else (the
+    launcher says "interrupted" once per node; the error file has the traceback)."""
+    interrupted = isinstance(exc, KeyboardInterrupt)  # the signal comes after the message
+    if not told_to_stop(wait=STOP_SEEN_WAIT if interrupted else 0.0):
+        return tb_text
+    if interrupted:
+        return ""
+    return f"stopped by the Ctrl-C with {type(exc).__name__}: {exc}\n"
 
 
 def child_main(spec: WorkerSpec, fds: list[int], close: list[int]) -> NoReturn:
@@ -278,7 +291,7 @@ def execute(target: Target, result_fd: int) -> NoReturn:
     except BaseException as exc:  # the user's KeyboardInterrupt too is the worker's failure
         tb_text = _user_traceback(exc)
         with contextlib.suppress(BaseException):
-            sys.stderr.write(tb_text)
+            sys.stderr.write(_shown(exc, tb_text))
         _record(exc, tb_text)
         try:
             pickled: bytes | None = pickle.dumps(exc)

@@ -4,7 +4,7 @@ Each worker gets one end of a ``SOCK_SEQPACKET`` pair (``RALLYPOINT_CONTROL_FD``
 agent keeps the other. Messages are small JSON objects, one a packet: the worker runs the
 user's code, so the agent never unpickles what it sends. Worker -> agent: :class:`Hello`,
 :class:`Raised`, :class:`Parked`, :class:`Done`; agent -> worker: :class:`Interrupt`,
-:class:`Verdict`, :class:`Assign`. Each class says when it is sent.
+:class:`Verdict`, :class:`Assign`, :class:`Stop`. Each class says when it is sent.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ __all__ = [
     "Message",
     "Parked",
     "Raised",
+    "Stop",
     "Verdict",
     "decode",
     "encode",
@@ -42,6 +43,7 @@ class Kind(enum.Enum):
     INTERRUPT = "interrupt"
     VERDICT = "verdict"
     ASSIGN = "assign"
+    STOP = "stop"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +95,14 @@ class Assign:
     env: dict[str, str] = field(default_factory=dict)
 
 
-Message: TypeAlias = Hello | Raised | Parked | Done | Interrupt | Verdict | Assign
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Agent -> worker, just before it forwards a SIGINT (a Ctrl-C): the job stops. The
+    worker leaves as its SIGINT handlers say, restarts nothing, prints no traceback of
+    the stop, and cuts its attempt's connections if it is still there a moment later."""
+
+
+Message: TypeAlias = Hello | Raised | Parked | Done | Interrupt | Verdict | Assign | Stop
 
 _KINDS: dict[type[Message], Kind] = {
     Hello: Kind.HELLO,
@@ -103,6 +112,7 @@ _KINDS: dict[type[Message], Kind] = {
     Interrupt: Kind.INTERRUPT,
     Verdict: Kind.VERDICT,
     Assign: Kind.ASSIGN,
+    Stop: Kind.STOP,
 }
 _TYPES = {kind: cls for cls, kind in _KINDS.items()}
 

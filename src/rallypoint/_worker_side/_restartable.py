@@ -40,13 +40,14 @@ from rallypoint._worker_side._control import (
     Message,
     Parked,
     Raised,
+    Stop,
     Verdict,
     decode,
     encode,
 )
 from rallypoint._worker_side._cut import cut_attempt, release, sockets_now
 
-__all__ = ["WAKE_SIGNAL", "RestartInterrupt", "restartable"]
+__all__ = ["STOP_SEEN_WAIT", "WAKE_SIGNAL", "RestartInterrupt", "restartable", "told_to_stop"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -58,6 +59,12 @@ signal: training code does not use it, and a sleep or a lock wait it interrupts)
 
 HELD_RETRY = 0.02
 """Seconds between wake-ups while the main thread is in an import (``importing``)."""
+STOP_SEEN_WAIT = 0.5
+"""Most seconds a worker ending in a ``KeyboardInterrupt`` waits for its reader thread to
+say whether a :class:`Stop` came (the agent sends it before the signal)."""
+STOP_CUT_AFTER = 1.0
+"""Seconds after a :class:`Stop` before a worker still there leaves its attempt (``_stop``):
+its SIGINT handlers may use the connections until then."""
 
 
 class RestartInterrupt(BaseException):
@@ -113,6 +120,25 @@ def _channel() -> _Channel | None:
     return _CHANNEL
 
 
+def told_to_stop(wait: float = 0.0) -> bool:
+    """Whether the agent said that the job stops (:class:`Stop`, sent before it forwards a
+    Ctrl-C): what this process prints as it ends is the stop's, not a failure's. ``wait``:
+    seconds to give the reader thread, which may have the message and not have said so
+    yet (it was busy, or the main thread held the GIL)."""
+    channel = _CHANNEL
+    if channel is not None and channel.pid == os.getpid() and channel.stop_seen.wait(wait):
+        return True
+    fd = os.environ.get(envvars.CONTROL_FD, "")
+    if not fd.isdigit():
+        return False
+    try:  # the reader has not taken it yet, or there is none (no restartable function)
+        with socket.fromfd(int(fd), socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            data = sock.recv(MAX_MESSAGE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        return isinstance(decode(data), Stop)
+    except (OSError, ValueError):
+        return False
+
+
 def _distributed_ready() -> bool:
     dist = sys.modules.get("torch.distributed")
     return bool(dist is not None and dist.is_available() and dist.is_initialized())
@@ -134,6 +160,8 @@ class _Channel:
         self.said_second = False
         self.woken = False  # the wake-up signal was sent and its handler has not run yet
         self.held_import = False  # the handler held the interruption in an import this attempt
+        self.stopping = False  # the agent said the job stops (a Ctrl-C): nothing restarts
+        self.stop_seen = threading.Event()  # set with ``stopping``
         self.quiet: contextlib.ExitStack | None = None  # C++ warnings off while leaving
         self.replies: SimpleQueue[Message | None] = SimpleQueue()
         self.reader = threading.Thread(target=self._read, name="rallypoint-restart", daemon=True)
@@ -157,9 +185,15 @@ class _Channel:
                 msg = decode(data)
             except ValueError:
                 continue
+            if isinstance(msg, Stop):
+                with self.lock:
+                    self.stopping = True
+                self.stop_seen.set()
             if isinstance(msg, Interrupt):
                 self._interrupt()
             self.replies.put(msg)
+            if isinstance(msg, Stop):
+                self._stop()
 
     def _interrupt(self) -> None:
         """From the reader thread: abort NCCL, cut the attempt's gloo and store connections
@@ -187,6 +221,15 @@ class _Channel:
                     with contextlib.suppress(OSError, ValueError):
                         signal.pthread_kill(threading.main_thread().ident or 0, WAKE_SIGNAL)
             time.sleep(HELD_RETRY)
+
+    def _stop(self) -> None:
+        """From the reader thread, on :class:`Stop` (a Ctrl-C comes): nothing restarts from
+        now on. A main thread that has not left :data:`STOP_CUT_AFTER` seconds later, as its
+        SIGINT handler says, is blocked in C++ (a collective, a store wait), where the
+        handler cannot run: the attempt is left (``_leave_attempt``), its wait fails, and
+        the handler runs."""
+        time.sleep(STOP_CUT_AFTER)
+        self._leave_attempt()
 
     def _leave_attempt(self) -> None:
         """Once per attempt: quiet torch's C++ warnings until the next one (the attempt's
@@ -279,8 +322,8 @@ class _Channel:
         except Exception as exc:  # KeyboardInterrupt, SystemExit: the process ends as asked
             with self.lock:
                 self.in_fn = False
-                interrupted = self.interrupted
-            if interrupted or self._consequence(exc):
+                interrupted, stopping = self.interrupted, self.stopping
+            if not stopping and (interrupted or self._consequence(exc)):
                 return None, True
             raise
         finally:
@@ -295,6 +338,8 @@ class _Channel:
             msg = self.replies.get()
             if msg is None or isinstance(msg, Verdict):
                 return msg is not None and msg.restart
+            if isinstance(msg, Stop):
+                return False
             if isinstance(msg, Interrupt):
                 return True
 
@@ -316,6 +361,8 @@ class _Channel:
             msg = self.replies.get()
             if msg is None:  # the agent is gone
                 os._exit(1)
+            if isinstance(msg, Stop):  # a Ctrl-C: the process ends as one ends it
+                raise KeyboardInterrupt
             if isinstance(msg, Assign):
                 break
         # every rank of the attempt has left it (or was replaced): its peers can no longer

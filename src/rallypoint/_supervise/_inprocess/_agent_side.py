@@ -30,6 +30,7 @@ from rallypoint._worker_side._control import (
     Message,
     Parked,
     Raised,
+    Stop,
     Verdict,
     encode,
     receive,
@@ -233,6 +234,13 @@ class InProcess:
     def abandon(self) -> None:
         """A signal or the deadline ends the attempt: every worker goes, restart or not."""
         self.restarting, self.raised_until = None, None
+
+    def stop_all(self) -> None:
+        """A Ctrl-C: tell every worker (parked ones too) that the job stops (:class:`Stop`),
+        before the signal is forwarded."""
+        for w in self.workers:
+            if w.status is None:
+                _tell(w, Stop())
 
     def escalate(self, now: float) -> list[Worker]:
         """Run the restart's timers: empty the store when due; return the interrupted
