@@ -9,6 +9,7 @@ what the issue asks of every case: the healthy groups never pause longer than th
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from pathlib import Path
 
@@ -207,6 +208,90 @@ def test_a_lighthouse_killed_and_started_again_costs_a_pause_not_the_job(tmp_pat
         assert any(t > killed_at + 1.0 for t, _, _ in steps(tmp_path, g))
     same_parameters(tmp_path, [0, 1])
     assert screen.count("TORCHFT_LIGHTHOUSE=") == 2
+
+
+@pytest.mark.timeout(300)
+def test_a_lighthouse_restarted_then_a_group_killed_costs_a_pause_and_every_group_heals(
+    tmp_path: Path,
+) -> None:
+    """The lighthouse is lost with its store (no RALLYPOINT_FT_SECRET), comes back, and
+    then a group dies: the first quorum of the new life holds every live group, the pause
+    once it is back is within the goal, and the killed group heals from a live one (its
+    heal key travels in its asks, not in the lost store)."""
+    import os
+    import signal
+
+    house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "3000")
+    try:
+        groups = [start_group(tmp_path, g, house.address, 80, FT_TOGETHER="3") for g in range(3)]
+        wait_for_step(tmp_path, 0, 10)
+        house.kill()
+        time.sleep(1.0)
+        house.start()
+        back_at = time.time()
+        first_after = steps(tmp_path, 0)[-1][1]
+        wait_for_step(tmp_path, (0, 2), first_after + 5)
+        pid = int((tmp_path / "steps-1").read_text().split()[-1])
+        os.kill(pid, signal.SIGKILL)  # group 1's worker, after the lighthouse came back
+        killed_at = time.time()
+        texts = finish(groups)
+    finally:
+        screen = house.stop()
+    assert all(p.returncode == 0 for p in groups), _lines(texts)[-6000:]
+    second_life = screen.split("TORCHFT_LIGHTHOUSE=")[2]
+    first_quorum = next(line for line in second_life.splitlines() if ": quorum " in line)
+    assert "groups 0, 1, 2" in first_quorum, second_life
+    for g in range(3):
+        rows = steps(tmp_path, g)
+        never_back(rows)
+        assert rows[-1][1] == 80, rows[-3:]
+    same_parameters(tmp_path, [0, 1, 2])
+    for g in (0, 2):
+        rows = steps(tmp_path, g)
+        _, median = longest_pause(rows, 2)
+        resumed = min(t for t, _, _ in rows if t > back_at)
+        assert resumed - back_at <= 3 * median + 1.5, (g, resumed - back_at, median)
+        _pause_within_goal(tmp_path, g, after=first_after + 5, extra=1.0, context=_lines(texts))
+    assert any(t > killed_at for t, _, _ in steps(tmp_path, 1))
+    assert "heal secrets differ" not in "".join(texts)
+
+
+@pytest.mark.timeout(300)
+def test_records_forged_mid_run_are_named_and_no_group_steps_back(tmp_path: Path) -> None:
+    """Mid-run, someone with access to the lighthouse's store writes a heartbeat that is
+    not a counter, inbox garbage, a notice that a live group left, the next round's record
+    and a piece of news, none of them what the protocol writes: each is said in one line,
+    every group ends at the last step with the same parameters, none steps back."""
+    from datetime import timedelta
+
+    from rallypoint.ft._client import post
+    from rallypoint.ft._records import Ask
+    from rallypoint.rendezvous import connect_kv
+
+    house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "3000")
+    try:
+        groups = [start_group(tmp_path, g, house.address, STEPS, FT_TOGETHER="3") for g in range(3)]
+        wait_for_step(tmp_path, 0, FAULT)
+        kv, _ = connect_kv(house.address, timeout=timedelta(seconds=10))
+        n = int(kv.get("round") or b"0")
+        record = json.loads(kv.get(f"r/{n}") or b"{}")
+        members = [m["member"] for m in record["members"]]
+        kv.set(f"hb/{members[0]}", b"not a counter")
+        index = kv.add("in/n", 1)
+        kv.set(f"in/{index}", b"\x00garbage")
+        post(kv, Ask("gone", members[1], why="forged notice"))
+        kv.set(f"r/{n + 3}", b"{not json")
+        last = int(kv.get("news/last") or b"0")
+        kv.set(f"news/{last + 1}", b"[]")
+        texts = finish(groups)
+    finally:
+        screen = house.stop()
+    assert all(p.returncode == 0 for p in groups), _lines(texts)[-6000:]
+    _checks(tmp_path, [0, 1, 2], healthy=[], context=_lines(texts))
+    said = screen + "".join(texts)
+    assert "ignoring a message: in/" in said and "not JSON" in said, said[-4000:]
+    assert f"hb/{members[0]}" in said, said[-4000:]
+    assert f"a notice that {members[1]} left (forged notice) is not believed" in said, said[-4000:]
 
 
 @pytest.mark.timeout(300)
