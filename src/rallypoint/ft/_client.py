@@ -373,7 +373,7 @@ class _Rounds:
             if record is None:
                 raise RecordError(f"{rkey}: missing, though {named_by} names it")
             found.set_result(Quorum.from_bytes(record, rkey))
-        except BaseException as exc:
+        except BaseException as exc:  # handed to every reader waiting on this round
             with self._lock:  # not kept: the next reader reads it again
                 if self._found.get(where) is found:
                     del self._found[where]

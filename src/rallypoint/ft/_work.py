@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 if TYPE_CHECKING:
-    from rallypoint.ft._manager import Manager
+    from rallypoint.ft.manager import Manager
 
 __all__ = ["DummyWork", "ManagedWork", "wrap_future"]
 

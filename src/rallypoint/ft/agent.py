@@ -1,6 +1,32 @@
-"""What a launcher calls when a worker of a replica group dies (``rallypoint run`` does):
-the other groups are told at once instead of waiting for its heartbeat to stop."""
+"""The agent's side of "told, not timed out": a dead worker's group leaves the quorum now.
 
-from rallypoint.ft._notice import tell_gone
+``Manager`` writes its lighthouse and member id into the file that ``rallypoint run``
+names in ``RALLYPOINT_FT_NOTICE`` (one per worker). When the worker dies, the process that
+reaps it calls :func:`tell_gone` in a child of its own (which imports nothing: this module
+loads what it needs): the lighthouse reads the notice at once, tells the other groups'
+watchers, which abort their collectives with the dead group, and leaves it out of the
+next quorum, instead of waiting for its heartbeat to time out.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+from rallypoint.ft._client import post
+from rallypoint.ft._records import Ask
+from rallypoint.rendezvous import connect_kv
 
 __all__ = ["tell_gone"]
+
+
+def tell_gone(record: str, why: str, timeout: float = 5.0) -> bool:
+    """Tell the lighthouse named in ``record`` (what the worker wrote) that its member left."""
+    try:
+        data = json.loads(record)
+        lighthouse, member = str(data["lighthouse"]), str(data["member"])
+    except (ValueError, KeyError, TypeError):
+        return False  # not a replica group's record
+    kv, _ = connect_kv(lighthouse, timeout=timedelta(seconds=timeout))
+    post(kv, Ask("gone", member, why=why[:200]))
+    return True

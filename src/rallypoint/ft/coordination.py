@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from rallypoint.ft._client import LighthouseLink
-from rallypoint.ft._lighthouse import LighthouseServer
 from rallypoint.ft._records import Quorum as _Decided
 from rallypoint.ft._records import Request
+from rallypoint.ft.lighthouse import LighthouseServer
 
 __all__ = ["LighthouseClient", "LighthouseServer", "Quorum", "QuorumMember", "Timestamp"]
 
