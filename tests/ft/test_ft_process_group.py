@@ -25,7 +25,7 @@ def _made_together(n_groups: int, monkeypatch: pytest.MonkeyPatch) -> list[Proce
     stores = [HashStore() for _ in range(n_groups)]
     pgs = [ProcessGroupGloo(timeout=timedelta(seconds=20)) for _ in range(2 * n_groups)]
     monkeypatch.setattr(
-        "rallypoint.ft._process_group.store_from_address",
+        "rallypoint.ft.process_group.store_from_address",
         lambda addr, timeout: stores[int(addr.split("#")[1]) // 2],
     )
     threads = [
