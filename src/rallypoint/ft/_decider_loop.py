@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import queue
 import secrets
 import threading
 import time
@@ -67,13 +68,22 @@ class DeciderLoop:
         self._shown: Quorum | None = None
         self._said: set[str] = set()
         self._stop = threading.Event()
+        self._trash: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
+        """Keys to delete, off the path that answers asks (the janitor deletes them)."""
         kv.multi_set([("config", rules.to_bytes()), ("gen", self.gen.encode())])
         self.rounds = 0
         """Rounds decided in this life."""
 
     # ------------------------------------------------------------------ running
     def start(self, ticker_kv: KeyValueStore) -> list[threading.Thread]:
+        janitor_kv = self.kv.clone()
         threads = [
+            threading.Thread(
+                target=self._janitor,
+                args=(janitor_kv,),
+                name="rallypoint-lighthouse-janitor",
+                daemon=True,
+            ),
             threading.Thread(target=self.run, name="rallypoint-lighthouse", daemon=True),
             threading.Thread(
                 target=self._tick_loop,
@@ -88,6 +98,12 @@ class DeciderLoop:
 
     def stop(self) -> None:
         self._stop.set()
+        self._trash.put(None)
+
+    def _janitor(self, kv: KeyValueStore) -> None:
+        while (keys := self._trash.get()) is not None:
+            with contextlib.suppress(*_LOST):
+                kv.delete_many(keys)
 
     def run(self) -> None:
         while not self._stop.is_set():
@@ -127,9 +143,9 @@ class DeciderLoop:
             self._write(effect)
         gone = self.decider.forgotten(known)
         if gone:
-            self.kv.delete_many([f"hb/{m}" for m in gone])
+            self._trash.put([f"hb/{m}" for m in gone])
         if consumed:
-            self.kv.delete_many(consumed)
+            self._trash.put(consumed)
             self.kv.set("in/done", str(self._next - 1).encode())
         self._write_status()
         if now - self._last_compact > _COMPACT_EVERY:
@@ -196,7 +212,7 @@ class DeciderLoop:
         self.rounds += 1
         old = [r for r in self._garbage if r <= n - RETAIN]
         for r in old:
-            self.kv.delete_many(self._garbage.pop(r))
+            self._trash.put(self._garbage.pop(r))
         if self._shown is None or self._shown.quorum_id != quorum.quorum_id:
             self._say(describe(quorum, self._shown))
         self._shown = quorum
@@ -210,7 +226,7 @@ class DeciderLoop:
             ]
         )
         if self._news > _NEWS_KEPT:
-            self.kv.delete(f"news/{self._news - _NEWS_KEPT}")
+            self._trash.put([f"news/{self._news - _NEWS_KEPT}"])
 
     def _write_status(self) -> None:
         d = self.decider
