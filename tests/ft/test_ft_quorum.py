@@ -291,7 +291,38 @@ def test_records_forged_mid_run_are_named_and_no_group_steps_back(tmp_path: Path
     said = screen + "".join(texts)
     assert "ignoring a message: in/" in said and "not JSON" in said, said[-4000:]
     assert f"hb/{members[0]}" in said, said[-4000:]
-    assert f"a notice that {members[1]} left (forged notice) is not believed" in said, said[-4000:]
+    back = f"{members[1]} asks again: it is back (it was said to have left: forged notice)"
+    unbelieved = f"a notice that {members[1]} left (forged notice) is not believed"
+    assert back in said or unbelieved in said, said[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_group_is_left_out_at_once_and_comes_back_when_it_runs_again(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOP on a group's worker (its heartbeat stops with it, for 5 s before it would
+    time out): its agent sees the stop and tells the lighthouse, the others go on within
+    the goal; SIGCONT, and it asks again, is taken back, heals, and ends equal."""
+    import os
+    import signal
+
+    house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "3000")
+    try:
+        groups = [start_group(tmp_path, g, house.address, STEPS, FT_TOGETHER="3") for g in range(3)]
+        wait_for_step(tmp_path, 1, FAULT)
+        pid = int((tmp_path / "steps-1").read_text().split()[-1])
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        time.sleep(3.0)
+        os.kill(pid, signal.SIGCONT)
+        texts = finish(groups)
+    finally:
+        screen = house.stop()
+    assert all(p.returncode == 0 for p in groups), _lines(texts)[-6000:]
+    assert "group 1 left: rank 0 stopped (SIGSTOP)" in screen, screen[-3000:]
+    _checks(tmp_path, [0, 1, 2], healthy=[0, 2], extra=1.0, context=screen + _lines(texts))
+    for g in (0, 2):  # they stepped while group 1 was stopped
+        assert any(stopped_at + 0.5 < t < stopped_at + 3.0 for t, _, _ in steps(tmp_path, g))
 
 
 @pytest.mark.timeout(300)

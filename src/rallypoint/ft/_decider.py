@@ -104,7 +104,7 @@ class Decider:
         if msg.prev is not None and (self.carried is None or msg.prev[0] > self.carried[0]):
             self.carried = msg.prev
         if msg.kind == "ask" and req is not None:
-            self._revive(msg.member, seen, "it asks for quorums")
+            self._revive(msg.member, seen, "")
             answered = self.answered.get(msg.member)
             if msg.retry_of and answered is not None and answered[0] == msg.retry_of:
                 # its answer was unreadable (overwritten by someone): the same round again
@@ -133,8 +133,10 @@ class Decider:
     def _revive(self, member: str, seen: _Member, why: str) -> None:
         """A member said to have left shows it has not (anyone who can write the store can
         write a notice): the notice is not believed."""
-        if seen.gone is not None:
+        if seen.gone is not None and why:
             self.say(f"a notice that {member} left ({seen.gone}) is not believed: {why}")
+        elif seen.gone is not None:
+            self.say(f"{member} asks again: it is back (it was said to have left: {seen.gone})")
         seen.gone, seen.gone_beat, seen.dead_since = None, None, None
 
     def watched(self) -> list[str]:

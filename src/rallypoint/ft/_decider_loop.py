@@ -44,6 +44,9 @@ RETAIN = 8
 """Rounds whose keys are kept: a member in round n's quorum is needed to decide n + 1, so
 no member can still read a round this far back."""
 _NEWS_KEPT = 32
+_NEWS_EVERY = 5.0
+"""Seconds between news when nothing happens (a watcher's wait that timed out would log a
+warning of torch's)."""
 _COMPACT_EVERY = 60.0
 """Seconds between compactions of the store's history (etcd's revisions)."""
 _LOST = (KVError, RuntimeError, OSError)
@@ -64,6 +67,7 @@ class DeciderLoop:
         self._garbage: dict[int, list[str]] = {}
         self._last_beats = 0.0
         self._last_compact = time.monotonic()
+        self._last_news = time.monotonic()
         self._last_status = ""
         self._shown: Quorum | None = None
         self._said: set[str] = set()
@@ -148,6 +152,8 @@ class DeciderLoop:
             self._trash.put(consumed)
             self.kv.set("in/done", str(self._next - 1).encode())
         self._write_status()
+        if now - self._last_news > _NEWS_EVERY:
+            self._publish({"tick": True})  # the watchers' waits end before they time out
         if now - self._last_compact > _COMPACT_EVERY:
             self._last_compact = now
             self.kv.compact()
@@ -210,14 +216,21 @@ class DeciderLoop:
             [f"r/{n}", f"c/{n}", f"o/{n}", *(k for k, _ in answers)]
         )
         self.rounds += 1
-        old = [r for r in self._garbage if r <= n - RETAIN]
-        for r in old:
-            self._trash.put(self._garbage.pop(r))
+        # a member left out of the round after its last one may still wait on that round's
+        # record (it was stopped, say): the record stays until it has moved on
+        waited_on = {last + 1 for _, last in self.decider.answered.values()}
+        for r in [r for r in self._garbage if r <= n - RETAIN]:
+            keys = self._garbage.pop(r)
+            if r in waited_on:
+                keys.remove(f"r/{r}")
+                self._garbage.setdefault(n, []).append(f"r/{r}")
+            self._trash.put(keys)
         if self._shown is None or self._shown.quorum_id != quorum.quorum_id:
             self._say(describe(quorum, self._shown))
         self._shown = quorum
 
     def _publish(self, news: dict[str, Any]) -> None:
+        self._last_news = time.monotonic()
         self._news += 1
         self.kv.multi_set(
             [

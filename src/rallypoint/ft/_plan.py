@@ -41,6 +41,10 @@ class Plan:
     """The key the source's heal servers accept (empty: the job's ``RALLYPOINT_FT_SECRET``)."""
     serves: bool = False
     """Some member heals from this one."""
+    source_rank: int | None = None
+    """The source's rank in the process group across the quorum (a transport's ``src_rank``)."""
+    dst_ranks: tuple[int, ...] = ()
+    """The ranks of the members that heal from this one (a transport's ``dst_ranks``)."""
 
 
 def plan(quorum: Quorum, member: str, group_rank: int, init_sync: bool, sync_heal: bool) -> Plan:
@@ -90,4 +94,6 @@ def plan(quorum: Quorum, member: str, group_rank: int, init_sync: bool, sync_hea
         source_replica=source.replica_id if source is not None else "",
         source_secret=source.secret if source is not None else "",
         serves=me in assign.values(),
+        source_rank=assign[me] if heal else None,
+        dst_ranks=tuple(h for h, s in assign.items() if s == me),
     )

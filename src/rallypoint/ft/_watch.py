@@ -110,6 +110,8 @@ class GroupGuard:
             news = json.loads(raw)
             if not isinstance(news, dict):
                 raise ValueError("not an object")
+            if "tick" in news:
+                return
             if "abort" in news:
                 self._aborted_round(int(news["abort"]))
                 return

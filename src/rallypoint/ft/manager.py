@@ -17,12 +17,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import enum
-import json
 import os
-import queue
-import secrets
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,30 +28,60 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from rallypoint._core.envvars import FT_NOTICE
-from rallypoint._core.store import Store
-from rallypoint._core.torch_c import PrefixStore, TCPStore
 from rallypoint.ft._client import LighthouseLink, connect_lighthouse
 from rallypoint.ft._commit import ABORT, COMMIT, SIT, agree
-from rallypoint.ft._heal import (
-    HealError,
-    HealServer,
-    IncompatibleStateError,
-    fetch_state,
-    mismatch,
+from rallypoint.ft._manager_parts import (
+    Background,
+    advertised,
+    agree_on_member,
+    ask,
+    check_arguments,
+    group_store,
+    heal_server,
+    retries_of,
+    say,
+    spares_left_out,
+    tell_agent,
+    tensor_bytes,
+    transport_metadata,
+    triton_present,
+    with_timeout,
 )
 from rallypoint.ft._plan import Plan, plan
 from rallypoint.ft._record import GroupEvents
 from rallypoint.ft._records import Quorum, Request
+from rallypoint.ft._state.heal import (
+    HealError,
+    IncompatibleStateError,
+    fetch_state,
+    mismatch,
+)
+from rallypoint.ft._state.rwlock import RWLock
 from rallypoint.ft._watch import GroupGuard
 from rallypoint.rendezvous import KeyValueStore
 
-__all__ = ["ExceptionWithTraceback", "Manager", "WorldSizeMode"]
+__all__ = [
+    "MANAGER_ADDR_KEY",
+    "REPLICA_ID_KEY",
+    "ExceptionWithTraceback",
+    "Manager",
+    "WorldSizeMode",
+]
 
 T = TypeVar("T")
 
+MANAGER_ADDR_KEY: str = "manager_addr"
+"""torchft's group-store key of its manager server's address; here rank 0 writes its heal
+address (what the other groups reach this group at) under it."""
+REPLICA_ID_KEY: str = "replica_id"
+"""The group-store key (as torchft's) that rank 0 writes this group's member id under."""
+
 
 class WorldSizeMode(enum.Enum):
+    """``DYNAMIC``: every group in the quorum takes part and the average divides by them;
+    ``FIXED_WITH_SPARES``: ``min_replica_size`` groups take part, the others are spares
+    (they hold the state and step with the others, and send zeros to the average)."""
+
     DYNAMIC = 0
     FIXED_WITH_SPARES = 1
 
@@ -108,11 +134,14 @@ class Manager:
             raise TypeError(f"min_replica_size must be an int, got {min_replica_size!r}")
         if min_replica_size < 1:
             raise ValueError(f"min_replica_size must be at least 1, got {min_replica_size}")
+        check_arguments(world_size_mode, WorldSizeMode, checkpoint_transport, port)
         self._pg = pg
         self._fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
         if load_state_dict is not None and state_dict is not None:
             self._fns["default"] = (load_state_dict, state_dict)
         self._min_replica_size = min_replica_size
+        self._state_lock = RWLock(timeout=timeout.total_seconds())
+        self._reads_allowed = True
         self._use_async_quorum = use_async_quorum
         self._timeout = _env_seconds("TORCHFT_TIMEOUT_SEC", timeout)
         self._quorum_timeout = _env_seconds("TORCHFT_QUORUM_TIMEOUT_SEC", quorum_timeout)
@@ -120,16 +149,24 @@ class Manager:
         self._world_size_mode = world_size_mode
         self._init_sync = init_sync
         self._max_retries = max_retries
+        self._quorum_retries = retries_of(quorum_retries)
         self._rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
         self._world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
         self._replica_id = str(replica_id or os.environ.get("REPLICA_GROUP_ID", "") or "0")
         self._lighthouse = lighthouse_addr or os.environ.get("TORCHFT_LIGHTHOUSE", "")
         self._connect_lighthouse().close()  # a bad or unreachable address: one line, now
-        self._group = self._group_store(store_addr, store_port)
-        self._member, self._secret, self._advertised_secret = self._agree_on_member()
-        self._heal = HealServer(self._secret, timeout=self._timeout.total_seconds())
-        self._heal_addr = f"{_advertised(hostname)}:{self._heal.port}"
+        self._group = group_store(store_addr, store_port, self._connect_timeout)
+        self._member, self._secret, self._advertised_secret = agree_on_member(
+            self._group, self._rank, self._replica_id, self._connect_timeout
+        )
+        self._heal = heal_server(self._secret, self._timeout, self._rank, port, self._replica_id)
+        self._heal.advertised = advertised(hostname)
+        self._transport = checkpoint_transport if checkpoint_transport is not None else self._heal
+        self._heal_addr = transport_metadata(self._transport)
         self._group.set(f"heal/{self._rank}", self._heal_addr)
+        if self._rank == 0:
+            self._group.set(MANAGER_ADDR_KEY, self._heal.metadata())
+            self._group.set(REPLICA_ID_KEY, self._member)
         self._client = (
             LighthouseLink(
                 self._lighthouse,
@@ -142,7 +179,7 @@ class Manager:
             else None
         )
         self._events = GroupEvents(self._replica_id, self._rank)
-        self._tell_agent()
+        tell_agent(self._lighthouse, self._member)
         self._start_state()
 
     def _start_state(self) -> None:
@@ -160,13 +197,13 @@ class Manager:
         self._incompatible: IncompatibleStateError | None = None
         self._future: concurrent.futures.Future[None] | None = None
         self._stop = threading.Event()
-        self._background = _Background()
+        self._background = Background()
         self._guard = GroupGuard(
             self._pg,
             self._connect_lighthouse(),
             self._connect_again,
             self.report_error,
-            _say,
+            say,
         )
         threading.Thread(
             target=self._guard.watch,
@@ -178,48 +215,11 @@ class Manager:
         """``(source replica id, step, bytes, seconds)`` of this group's last heal."""
 
     # ------------------------------------------------------------------ set-up
-    def _group_store(self, addr: str | None, port: int | None) -> Store:
-        host = addr or os.environ.get("MASTER_ADDR", "")
-        port_ = port or int(os.environ.get("MASTER_PORT", "0"))
-        if not host or not port_:
-            raise ValueError(
-                "rallypoint.ft.Manager needs its replica group's store: run the group under "
-                "rallypoint run (or torchrun), or pass store_addr and store_port"
-            )
-        store = TCPStore(
-            host, port_, is_master=False, wait_for_workers=False, timeout=self._connect_timeout
-        )
-        return PrefixStore("rallypoint-ft/", store)
-
     def _connect_lighthouse(self) -> KeyValueStore:
         return connect_lighthouse(self._lighthouse, self._connect_timeout.total_seconds())
 
     def _connect_again(self) -> KeyValueStore:
         return connect_lighthouse(self._lighthouse, 2.0)
-
-    def _agree_on_member(self) -> tuple[str, bytes, str]:
-        """This group's member id and heal key, the same on every rank: ``(member, key,
-        the key as asks carry it)``. With ``RALLYPOINT_FT_SECRET`` every group uses the
-        job's secret and asks carry none; else each group makes its own, and its asks
-        carry it to the groups that heal from it (the store is then the trust root), so
-        that a lighthouse restarted with an empty store loses no group's key."""
-        given = os.environ.get("RALLYPOINT_FT_SECRET", "")
-        if self._rank == 0:
-            member = f"{self._replica_id}:{secrets.token_hex(4)}"
-            key = given or secrets.token_hex(32)
-            self._group.set("secret", key)
-            self._group.set("member", member)
-        self._group.wait(["member"], self._connect_timeout)
-        member = bytes(self._group.get("member")).decode()
-        key = bytes(self._group.get("secret")).decode()
-        return member, key.encode(), "" if given else key
-
-    def _tell_agent(self) -> None:
-        """Where this worker's agent tells the others at once if the worker dies."""
-        path = os.environ.get(FT_NOTICE)
-        if path:
-            with contextlib.suppress(OSError), open(path, "w") as fp:
-                json.dump({"lighthouse": self._lighthouse, "member": self._member}, fp)
 
     def _heal_addrs(self) -> tuple[str, ...]:
         if self._world_size == 1:
@@ -241,6 +241,11 @@ class Manager:
         self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
 
     def _manager_state_dict(self) -> dict[str, Any]:
+        """The state a healing group gets (read only while reads are allowed)."""
+        with self._state_lock.r_lock():
+            return self._own_state()
+
+    def _own_state(self) -> dict[str, Any]:
         return {
             "user": {key: fns[1]() for key, fns in self._fns.items()},
             "torchft": self.state_dict(),
@@ -254,10 +259,17 @@ class Manager:
         self._batches_committed = int(state_dict["batches_committed"])
 
     def allow_state_dict_read(self) -> None:
-        pass  # the heal server reads the state only between a quorum and its commit
+        """Let a healing group read this group's state again."""
+        if not self._reads_allowed:
+            self._reads_allowed = True
+            self._state_lock.w_release()
 
     def disallow_state_dict_read(self) -> None:
-        pass
+        """Keep healing groups from reading the state (it is being changed, as in the
+        middle of a local SGD sync); waits for a read under way, up to ``timeout``."""
+        if self._reads_allowed:
+            self._state_lock.w_acquire()
+            self._reads_allowed = False
 
     # ------------------------------------------------------------------ the quorum
     def start_quorum(
@@ -294,7 +306,7 @@ class Manager:
                 shrink_only,
                 secret=self._advertised_secret,
             )
-            quorum = self._client.quorum(req, wait)
+            quorum = ask(self._client, req, wait, self._quorum_retries, self._replica_id)
             if self._world_size > 1:  # the group's other ranks read it there
                 self._group.set(f"quorum/{seq}", quorum.to_bytes())
                 if seq >= 2:  # every rank has read it: the group store stays the same size
@@ -309,6 +321,8 @@ class Manager:
             self._init_sync,
             not self._use_async_quorum and allow_heal,
         )
+        if self._world_size_mode is WorldSizeMode.FIXED_WITH_SPARES:
+            done = spares_left_out(done, self._min_replica_size)
         self._plan = done
         if self._client is not None:
             self._events.quorum(quorum, done.heal)
@@ -339,25 +353,25 @@ class Manager:
 
     def _serve_or_heal(self, done: Plan) -> None:
         if done.serves:
-            self._heal.allow(done.max_step, self._manager_state_dict)
+            try:
+                self._send(done)
+            except Exception as exc:  # the healer is gone, say: its heal fails, not this step
+                say(f"group {self._replica_id} could not send its state ({exc})")
         if not done.heal:
             return
         self._healing = True
         began = time.monotonic()
         try:
-            key = done.source_secret.encode() if done.source_secret else self._secret
-            state, size = fetch_state(
-                done.source_addr, key, done.max_step, self._timeout.total_seconds()
-            )
-        except HealError as exc:  # the source died while it sent, say: this step fails
+            state, size = self._receive(done)
+        except Exception as exc:  # the source died while it sent, say: this step fails
             self.report_error(exc)
             if self._rank == 0:
-                _say(
+                say(
                     f"group {self._replica_id} could not heal from group "
                     f"{done.source_replica} at step {done.max_step} ({exc}); it asks again"
                 )
             return
-        problem = mismatch(self._manager_state_dict()["user"], state["user"])
+        problem = mismatch(self._own_state()["user"], state["user"])
         if problem:
             self._incompatible = IncompatibleStateError(
                 f"the state of group {done.source_replica} does not fit this group's "
@@ -370,10 +384,32 @@ class Manager:
         self.last_heal = (done.source_replica, done.max_step, size, time.monotonic() - began)
         self._events.heal(*self.last_heal)
         if self._rank == 0:
-            _say(
+            say(
                 f"group {self._replica_id} healed from group {done.source_replica} at step "
                 f"{done.max_step} ({size / 1e6:.1f} MB in {time.monotonic() - began:.2f} s)"
             )
+
+    def _send(self, done: Plan) -> None:
+        """Offer this group's state to the groups that heal from it, over the transport."""
+        if self._transport is self._heal:  # read only when a healer asks for it
+            self._heal.allow(done.max_step, self._manager_state_dict)
+            return
+        state = self._manager_state_dict()
+        self._transport.send_checkpoint(list(done.dst_ranks), done.max_step, state, self._timeout)
+
+    def _receive(self, done: Plan) -> tuple[Any, int]:
+        """The source's state and its tensors' bytes, over the transport."""
+        timeout = self._timeout
+        if self._transport is self._heal:
+            key = done.source_secret.encode() if done.source_secret else self._secret
+            return fetch_state(done.source_addr, key, done.max_step, timeout.total_seconds())
+        assert done.source_rank is not None
+        state = self._transport.recv_checkpoint(
+            done.source_rank, done.source_addr, done.max_step, timeout
+        )
+        if not (isinstance(state, dict) and "user" in state and "torchft" in state):
+            raise HealError(f"the transport's state from group {done.source_replica} is not a heal")
+        return state, tensor_bytes(state)
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -397,6 +433,11 @@ class Manager:
         """Sum ``tensor`` over the quorum (in place; AVG divides by the participants)."""
         from rallypoint.ft._work import DummyWork, ManagedWork
 
+        if should_quantize and triton_present():
+            raise ValueError(
+                "should_quantize: rallypoint.ft does not quantize its allreduces (torchft "
+                "does where triton is present); pass should_quantize=False"
+            )
         op = dist.ReduceOp.AVG if reduce_op is None else reduce_op
         self.wait_quorum()
         if self._incompatible is not None:  # before a collective that would not match
@@ -419,9 +460,12 @@ class Manager:
         return ManagedWork(self, work, tensor, n if op == dist.ReduceOp.AVG else None)
 
     def wrap_future(self, fut: Any, default: T, timeout: timedelta | None = None) -> Any:
+        """``fut``, whose failure (or a wait past ``timeout``, the manager's by default) is
+        recorded on this manager and replaced by ``default``."""
         from rallypoint.ft._work import wrap_future
 
-        return wrap_future(self, fut, default)
+        seconds = (timeout or self._timeout).total_seconds()
+        return wrap_future(self, with_timeout(fut, seconds), default)
 
     # ------------------------------------------------------------------ the commit
     def should_commit(self, timeout: timedelta | None = None) -> bool:
@@ -437,17 +481,20 @@ class Manager:
         done = self._plan
         enough = self.num_participants() >= self._min_replica_size
         if not enough and self._rank == 0 and self._said_below != self.num_participants():
-            _say(
+            say(
                 f"group {self._replica_id}: {self.num_participants()} replica group(s) take "
                 f"part, below min_replica_size {self._min_replica_size}: waiting, not "
                 "training alone"
             )
         self._said_below = None if enough else self.num_participants()
         ok_here = enough and self._errored is None
-        vote = COMMIT if ok_here else (ABORT if self.is_participating() else SIT)
+        counted = done is not None and self._member in done.participants  # spares too
+        vote = COMMIT if ok_here else (ABORT if counted else SIT)
         wait = (timeout or self._timeout).total_seconds()
         decided = self._decide(vote, done, wait)
-        self._heal.disallow()
+        self._transport.disallow_checkpoint()
+        if self._transport is not self._heal:
+            self._heal.disallow()
         if decided:
             self._step += 1
             self._batches_committed += self.num_participants()
@@ -536,49 +583,10 @@ class Manager:
         if self._client is not None:
             self._client.close("shut down")
         self._heal.close()
+        if self._transport is not self._heal:
+            self._transport.shutdown(wait=wait)
         if wait and self._future is not None:
             with contextlib.suppress(Exception):
                 self._future.result()
         self._background.close()
         self._events.close()
-
-
-class _Background:
-    """One daemon thread that runs a manager's quorums in turn (a quorum still being asked
-    for must not keep a process that is failing alive: its peers would wait for its
-    heartbeat to stop; and a thread started per step cost ~0.8 ms on a loaded machine)."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...], Any] | None]
-        self._jobs = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="rallypoint-ft-quorum", daemon=True).start()
-
-    def submit(self, fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
-        future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._jobs.put((fn, args, future))
-        return future
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, args, future = job
-            try:
-                fn(*args)
-                future.set_result(None)
-            except BaseException as exc:  # handed to the thread that waits for the quorum
-                future.set_exception(exc)
-
-
-def _advertised(hostname: str) -> str:
-    """The address other hosts reach this one's heal server at."""
-    try:
-        return socket.gethostbyname(hostname)
-    except OSError:
-        return "127.0.0.1"
-
-
-def _say(line: str) -> None:
-    with contextlib.suppress(OSError, ValueError):
-        sys.stderr.write(f"rallypoint.ft: {line}\n")

@@ -247,11 +247,14 @@ class _Server:
     def _reap(self) -> None:
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status = os.waitpid(-1, os.WNOHANG | os.WUNTRACED)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
+            if os.WIFSTOPPED(status):
+                self._stopped(pid, status)
+                continue
             if pid in self.workers:
                 del self.workers[pid]
                 # read before the launcher hears of the exit: a job that ends on it removes
@@ -332,6 +335,19 @@ class _Server:
                 return fp.read(65536), rank
         except OSError:
             return None  # not a replica group's worker, or it never got that far
+
+    def _stopped(self, pid: int, status: int) -> None:
+        """A worker of a replica group was stopped (SIGSTOP, ^Z): the other groups go on
+        without it now, not after its heartbeat times out; run again, it asks again and
+        the lighthouse takes it back."""
+        path, rank = self.notices.get(pid, ("", 0))
+        try:
+            with open(path) as fp:
+                record = fp.read(65536)
+        except OSError:
+            return  # not a replica group's worker, or it never got that far
+        stop = signal.Signals(os.WSTOPSIG(status)).name
+        self.notice_writers.tell(record, f"rank {rank} stopped ({stop})")
 
     def _tell_replica_groups(self, record: str, rank: int, status: int) -> None:
         """A worker of a replica group died: tell the other groups now (``_notices``),
