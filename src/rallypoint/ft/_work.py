@@ -1,5 +1,4 @@
-"""The Manager's works, under the name its module imports them by: they live in
-:mod:`rallypoint.ft.work` (torchft's path), ``DummyWork`` is its ``_DummyWork``."""
+"""The Manager's works by the names it imports: they live in :mod:`rallypoint.ft.work`."""
 
 from rallypoint.ft.work import ManagedWork, _DummyWork, wrap_future
 

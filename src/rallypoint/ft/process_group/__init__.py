@@ -69,7 +69,7 @@ def store_from_address(store_addr: str, timeout: timedelta) -> Store:
     return kv.torch_store(prefix.strip("/") + "/")
 
 
-def create_store_client(store_addr: str, timeout: timedelta) -> Any:
+def create_store_client(store_addr: str, timeout: timedelta) -> Store:
     """torchft's: a client of the TCPStore at ``HOST:PORT/PREFIX`` under ``PREFIX`` (a bare
     or bracketed IPv6 host too: the port is the field after the last colon)."""
     address, _, prefix = store_addr.partition("/")
