@@ -1,0 +1,91 @@
+"""DiLoCo across replica groups started as a user starts them: ``rallypoint lighthouse`` and
+one ``rallypoint run`` per group, each running ``_diloco_train.py`` (a program written for
+torchft, real processes, gloo). A group SIGKILLed mid-sync is restarted by its launcher,
+heals from a live group at the current outer step, and every group ends at the same outer
+step; with one fragment, with the same parameters."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _groups import (
+    STARTED,
+    _env,
+    finish,
+    lighthouse,
+    same_parameters,
+    steps,
+    steps_by_process,
+)
+
+TRAIN = Path(__file__).with_name("_diloco_train.py")
+
+
+def _start(
+    out: Path, group: int, house: str, outer_steps: int, **env: str
+) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "1",
+           "--max-restarts", "2", str(TRAIN), str(out), str(outer_steps)]  # fmt: skip
+    extra = {"REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": house, **env}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(**extra)
+    )
+    STARTED.append(proc)
+    return proc
+
+
+def _run(tmp_path: Path, groups: int, outer_steps: int, **env: str) -> list[str]:
+    house = lighthouse("--min_replicas", "1")
+    try:
+        procs = [_start(tmp_path, g, house.address, outer_steps, FT_TOGETHER=str(groups), **env)
+                 for g in range(groups)]  # fmt: skip
+        texts = finish(procs, timeout=240)
+    finally:
+        logs = house.stop()
+    for g, (proc, text) in enumerate(zip(procs, texts, strict=True)):
+        assert proc.returncode == 0, (
+            f"group {g}: rc {proc.returncode}\n{text[-4000:]}\n{logs[-2000:]}"
+        )
+    return texts
+
+
+@pytest.mark.timeout(300)
+def test_diloco_group_killed_mid_sync_heals_and_every_group_ends_equal(tmp_path: Path) -> None:
+    texts = _run(tmp_path, 3, 12, FT_KILL="1:3", FT_HOLD="5:1")
+    assert len(steps_pids(tmp_path, 1)) == 2, "group 1 was not killed and restarted"
+    finals = {g: steps(tmp_path, g)[-1][1] for g in range(3)}
+    assert set(finals.values()) == {12}, finals
+    back = steps_by_process(tmp_path, 1)[1]  # its first row: the step it healed to
+    assert back[0] >= 3, f"group 1 came back at outer step {back[0]}, behind its own"
+    assert "group 1 healed from group" in texts[1] and f"at step {back[0]}" in texts[1], texts[1]
+    lines = [r.split() for r in (tmp_path / "steps-1").read_text().splitlines() if r.strip()]
+    second = list(dict.fromkeys(r[3] for r in lines))[1]
+    first_back = next(r for r in lines if r[3] == second)
+    assert first_back[2] == "3", f"group 1 came back in a quorum without the others: {lines}"
+    same_parameters(tmp_path, [0, 1, 2])
+
+
+@pytest.mark.timeout(300)
+def test_streaming_diloco_two_fragments_ends_rc_0_on_every_group(tmp_path: Path) -> None:
+    _run(
+        tmp_path,
+        3,
+        12,
+        FT_FRAGMENTS="2",
+        FT_SYNC_EVERY="4",
+        FT_DELAY="1",
+        FT_KILL="2:3",
+        FT_HOLD="5:2",
+    )
+    finals = {g: steps(tmp_path, g)[-1][1] for g in range(3)}
+    assert set(finals.values()) == {12}, finals
+    assert len(steps_pids(tmp_path, 2)) == 2, "group 2 was not killed and restarted"
+
+
+def steps_pids(out: Path, group: int) -> set[str]:
+    """The processes of ``group`` that committed an outer step."""
+    lines = (out / f"steps-{group}").read_text().splitlines()
+    return {line.split()[3] for line in lines if line.strip()}
