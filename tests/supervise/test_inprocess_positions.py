@@ -146,3 +146,21 @@ def test_a_rank_failing_before_init_process_group_keeps_the_others(tmp_path: Pat
         assert f"rank {attempt - 1} replaced (exited with 1)" in text, text[-6000:]
     assert sorted(_entries(tmp_path, 4)) == [0, 1, 2, 3]
     assert "found a bad configuration" in text
+
+
+@pytest.mark.timeout(300)
+def test_on_two_nodes_a_rank_failing_before_init_process_group_keeps_the_others(
+    tmp_path: Path, endpoint: str
+) -> None:
+    """Each of 8 ranks on two nodes in turn raises before ``init_process_group`` while the
+    others wait in it (in its store rendezvous or in ``ProcessGroupGloo``'s constructor,
+    which connects the ranks): only the failing rank is replaced, each time."""
+    text = _two_nodes(tmp_path, 8, "early", "hand", endpoint)
+    assert "did not leave the function" not in text, text[-6000:]
+    lines = [x for x in text.splitlines() if x.startswith("rallypoint") and "in-process" in x]
+    replaced = [x for x in lines if "replaced" in x]
+    for attempt in range(1, 9):
+        line = f"rank {attempt - 1} replaced (exited with 1)"
+        assert sum(line in x for x in replaced) == 1, "\n".join(lines)
+    assert sum(x.count("replaced") for x in replaced) == 8, "\n".join(lines)
+    assert sorted(_entries(tmp_path, 8)) == list(range(8))
