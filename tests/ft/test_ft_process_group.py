@@ -89,3 +89,34 @@ def test_an_abort_frees_a_rank_blocked_on_a_peer_that_never_joins(
     assert _allreduce(pgs, [2, 3]) == [[7.0] * 4, [7.0] * 4]  # the other group is untouched
     for pg in pgs:
         pg.abort()
+
+
+@pytest.mark.timeout(60)
+def test_an_injected_failure_is_swallowed_recorded_and_the_next_allreduces_skipped() -> None:
+    """``FakeProcessGroupWrapper`` fails the next allreduce's work on request; an
+    ``ErrorSwallowingProcessGroupWrapper`` above it records the error instead of raising
+    and skips every allreduce after it until ``configure``."""
+    from rallypoint.ft.process_group import (
+        ErrorSwallowingProcessGroupWrapper,
+        FakeProcessGroupWrapper,
+        ProcessGroupDummy,
+    )
+
+    dummy = ProcessGroupDummy(0, 1)
+    fake = FakeProcessGroupWrapper(dummy)
+    pg = ErrorSwallowingProcessGroupWrapper(fake)
+    assert isinstance(pg, torch.distributed.ProcessGroup) and pg.parent is fake
+    t = torch.ones(2)
+    assert pg.allreduce([t], torch.distributed.ReduceOp.SUM).wait() and pg.error() is None
+    boom = RuntimeError("injected")
+    fake.report_future_error(boom)
+    work = pg.allreduce([t], torch.distributed.AllreduceOptions())
+    assert work.wait() and pg.error() is boom  # swallowed, recorded
+    skipped = len(dummy._work)
+    assert pg.allreduce([t], torch.distributed.ReduceOp.SUM).get_future().wait() == [t]
+    assert len(dummy._work) == skipped  # never reached the group under it
+    pg.configure("unused", "0", 0, 1)
+    assert pg.error() is None and dummy.configure_count == 1
+    with pytest.raises(RuntimeError, match="injected"):  # the fake alone raises it
+        fake.report_future_error(boom)
+        fake.allreduce([t], torch.distributed.ReduceOp.SUM).wait()

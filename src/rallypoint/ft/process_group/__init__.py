@@ -245,8 +245,11 @@ class ProcessGroupWrapper(ProcessGroup):
         args = (store_addr, replica_id, rank, world_size, quorum_id)
         if isinstance(self._wrapped, ProcessGroup):
             self._wrapped.configure(*args, group_rank, group_world_size, global_ranks)
-        else:
-            self.abort(errored=False)
+        else:  # a communicator of its own (a torch group given, not reconfigurable, stays)
+            with self._lock:
+                old, self._made = self._made, None
+            if old is not None:
+                self._abort_pg(old)
             made = self._create_pg(store_from_address(store_addr, self._timeout), rank, world_size)
             with self._lock:
                 self._made = made
@@ -257,7 +260,7 @@ class ProcessGroupWrapper(ProcessGroup):
     @property
     def parent(self) -> Any:
         """The torch process group that runs the collectives."""
-        pg = self._made if self._wrapped is None else self._wrapped
+        pg = self._made if self._made is not None else self._wrapped
         if pg is None:
             raise RuntimeError(
                 "process group not initialized (the Manager configures it at a quorum)"
@@ -285,7 +288,9 @@ class ProcessGroupWrapper(ProcessGroup):
         return self._errored
 
     def size(self) -> int:
-        return self._size if self._wrapped is None else int(self._wrapped.size())
+        if self._made is not None or self._wrapped is None:
+            return self._size
+        return int(self._wrapped.size())
 
     def rank(self) -> int:
         return self._rank
@@ -301,7 +306,7 @@ class ProcessGroupWrapper(ProcessGroup):
         self._timeout = timeout
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(pg={self._made if self._wrapped is None else self._wrapped})"
+        return f"{type(self).__name__}(pg={self._made or self._wrapped})"
 
     def _collective(self, name: str, *args: Any) -> Any:
         if name == "allreduce" and len(args) > 1:
