@@ -27,6 +27,7 @@ from rallypoint.ft._records import (
     Quorum,
     RecordError,
     Request,
+    RoundNote,
     Rules,
     parse_answer,
 )
@@ -66,9 +67,13 @@ class LighthouseUnreachable(ConnectionError, FatalError):
 
 
 def post(kv: KeyValueStore, msg: Ask) -> None:
-    """Put ``msg`` in the lighthouse's inbox."""
-    index = kv.add("in/n", 1)
-    kv.set(f"in/{index}", msg.to_bytes())
+    """Put ``msg`` in the lighthouse's inbox (in a place of its own: one that the lighthouse
+    filled as a hole meanwhile, this writer being too slow, is given up for the next)."""
+    raw = msg.to_bytes()
+    while True:
+        index = kv.add("in/n", 1)
+        if kv.set_if_absent(f"in/{index}", raw) == raw:
+            return
 
 
 def connect_lighthouse(address: str, timeout: float) -> KeyValueStore:
@@ -257,9 +262,16 @@ class LighthouseLink:
             # without this ask, so it holds this member unless this member is left out
             # (then its own answer comes when a later round holds it)
             rkey = f"r/{self._last_round + 1}"  # type: ignore[operator]
-            quorum = self._read(rkey, rkey, seq, deadline)
-            if quorum is None or self.member in quorum.ids():
-                return self._took(quorum)
+            self._wait(rkey, deadline)
+            try:
+                quorum = _ROUNDS.read(self.kv, self.gen, rkey, rkey)
+            except RoundNote as note:  # not decided (below --min_replicas): its answer comes
+                self._once(str(note), str(note))  # when a round holds it
+            except RecordError as exc:
+                return self._unreadable(exc, seq)
+            else:
+                if self.member in quorum.ids():
+                    return self._took(quorum)
         key = f"a/{self.member}/{seq}"
         self._wait(key, deadline)
         raw = self.kv.get(key)
@@ -275,11 +287,11 @@ class LighthouseLink:
             self._once(str(value), f"{value}")
             return None
         rkey = f"r/{value}"
-        quorum = self._read(rkey, key, seq, deadline)
-        if quorum is not None and self.member not in quorum.ids():
+        answered = self._read(rkey, key, seq, deadline)
+        if answered is not None and self.member not in answered.ids():
             self._once(rkey, f"{rkey} does not hold {self.member}; asking again")
             return None
-        return self._took(quorum)
+        return self._took(answered)
 
     def _wait(self, key: str, deadline: float) -> None:
         left = deadline - time.monotonic()

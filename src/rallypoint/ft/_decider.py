@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from rallypoint.ft._records import Ask, Quorum, Request, Rules, sort_members
 
-__all__ = ["Decided", "Decider", "Died", "Reply"]
+__all__ = ["Decided", "Decider", "Died", "Note", "Reply"]
 
 
 @dataclass
@@ -51,6 +51,15 @@ class Died:
 
 
 @dataclass(frozen=True, slots=True)
+class Note:
+    """Why round ``round`` is not a quorum (written in its place: the members that wait
+    on it say so once, then wait for their own answer)."""
+
+    round: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class Reply:
     """An answer that is not a quorum: ``retry`` (ask again, with why) or ``refused``."""
 
@@ -60,7 +69,7 @@ class Reply:
     why: str
 
 
-Effect = Decided | Died | Reply
+Effect = Decided | Died | Note | Reply
 
 
 @dataclass
@@ -78,13 +87,13 @@ class Decider:
     first_ask: float | None = None
     said_below: int | None = None
     held: dict[str, float] = field(default_factory=dict)
+    """Members waiting because another live member has their replica id: since when."""
     started: float = field(default=0.0)
     answered: dict[str, tuple[int, int]] = field(default_factory=dict)
     """member -> (seq, round) of its last answered ask."""
     again: list[Reply] = field(default_factory=list)
     retrying: set[str] = field(default_factory=set)
     """Members whose pending ask repeats one whose round they could not read."""
-    """Members waiting because another live member has their replica id: since when."""
 
     def __post_init__(self) -> None:
         self.started = self.clock()
@@ -185,9 +194,7 @@ class Decider:
         effects: list[Effect] = [*self.again, *self._deaths(now)]
         self.again.clear()
         effects += self._duplicates(now)
-        decided = self._decide(now)
-        if decided is not None:
-            effects.append(decided)
+        effects += self._decide(now)
         self._forget(now)
         return effects
 
@@ -231,7 +238,38 @@ class Decider:
         self.held = holding
         return out
 
-    def _decide(self, now: float) -> Decided | None:
+    def _decide(self, now: float) -> list[Effect]:
+        below = self._below(now)
+        if below:
+            return below
+        decided = self._choose(now)
+        return [decided] if decided is not None else []
+
+    def _below(self, now: float) -> list[Effect]:
+        """Fewer live groups ask than ``min_replicas``: said once per count, on the
+        lighthouse and to each waiting group (the round it waits on, or its answer)."""
+        live = [m for m in self.pending if self.alive(m, now) and m not in self.held]
+        groups = [m for m in self.members if self.alive(m, now) and m not in self.held]
+        if not live or len(groups) >= self.rules.min_replicas:
+            return []  # (fewer ask, but the others are alive: they are coming)
+        if self.said_below == len(groups):
+            return []
+        self.said_below = len(groups)
+        text = (
+            f"waiting: {len(groups)} replica group(s) alive, the lighthouse's --min_replicas "
+            f"is {self.rules.min_replicas}"
+        )
+        self.say(text)
+        out: list[Effect] = [Note(self.next_round, text)]
+        for member in live:
+            last = self.answered.get(member)
+            if last is None or last[1] != self.next_round - 1:  # it waits on its answer
+                _, seq = self.pending[member]
+                out.append(Reply(member, seq, "retry", text))
+        self.next_round += 1  # that round is the note: the next decision is the one after
+        return out
+
+    def _choose(self, now: float) -> Decided | None:
         live = {
             m: req
             for m, (req, _) in self.pending.items()
@@ -240,12 +278,6 @@ class Decider:
         if not live:
             return None
         if len(live) < self.rules.min_replicas:
-            if self.said_below != len(live):
-                self.said_below = len(live)
-                self.say(
-                    f"waiting: {len(live)} replica group(s) ask, --min_replicas is "
-                    f"{self.rules.min_replicas}"
-                )
             return None
         waited = now - (self.first_ask or now)
         if self.previous is not None:

@@ -7,7 +7,7 @@ A wake reads every message that arrived in one ``multi_get``; heartbeats at most
 tick. It writes ``r/<n>`` (a round's quorum, once), ``a/<member>/<seq>`` (each answer),
 ``news/<k>`` (a member died, a commit was voted down: for the members' watchers), ``o/<n>``
 (``abort`` for a dead member's round) and ``status`` (why no quorum yet). What nobody
-can need again is deleted (inbox messages at once, rounds ``RETAIN`` later, news 32 later,
+can need again is deleted (inbox messages at once, rounds ``RETAIN`` later, news 8 later,
 forgotten members' heartbeats; etcd's history is compacted each minute): the store stays
 the same size however long the job runs."""
 
@@ -25,7 +25,7 @@ from typing import Any
 
 from rallypoint._core.quorum_line import quorum_line
 from rallypoint.ft._client import post
-from rallypoint.ft._decider import Decided, Decider, Died, Reply
+from rallypoint.ft._decider import Decided, Decider, Died, Note, Reply
 from rallypoint.ft._records import (
     Ask,
     Quorum,
@@ -43,7 +43,7 @@ __all__ = ["RETAIN", "DeciderLoop"]
 RETAIN = 8
 """Rounds whose keys are kept: a member in round n's quorum is needed to decide n + 1, so
 no member can still read a round this far back."""
-_NEWS_KEPT = 32
+_NEWS_KEPT = 8
 _NEWS_EVERY = 5.0
 """Seconds between news when nothing happens (a watcher's wait that timed out would log a
 warning of torch's)."""
@@ -193,9 +193,12 @@ class DeciderLoop:
             self._say(line)
 
     # ------------------------------------------------------------------ writing
-    def _write(self, effect: Decided | Died | Reply) -> None:
+    def _write(self, effect: Decided | Died | Note | Reply) -> None:
         if isinstance(effect, Decided):
             self._decided(effect)
+        elif isinstance(effect, Note):
+            self.kv.set(f"r/{effect.round}", json.dumps({"note": effect.text}).encode())
+            self._garbage.setdefault(effect.round, []).append(f"r/{effect.round}")
         elif isinstance(effect, Died):
             if effect.round is not None and effect.round in self._garbage:
                 self.kv.set_if_absent(f"o/{effect.round}", b"abort")
@@ -274,7 +277,7 @@ class DeciderLoop:
                 post(kv, Ask("tick"))
                 if self._next != stuck_at:
                     stuck_at, since = self._next, time.monotonic()
-                elif time.monotonic() - since > max(1.0, 3 * interval):
+                elif time.monotonic() - since > max(5.0, 3 * interval):
                     # a writer died between its add and its set: fill its place
                     kv.set_if_absent(f"in/{stuck_at}", Ask("hole").to_bytes())
                     since = time.monotonic()

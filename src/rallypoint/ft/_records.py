@@ -20,6 +20,7 @@ __all__ = [
     "Quorum",
     "RecordError",
     "Request",
+    "RoundNote",
     "Rules",
     "changes",
     "parse_answer",
@@ -35,6 +36,10 @@ _MAX_RANKS = 1 << 16
 
 class RecordError(ValueError):
     """A record in the store that is not what the protocol writes (names the key)."""
+
+
+class RoundNote(RecordError):
+    """A round that is not a quorum but a note of why not (``r/<n>`` = ``{"note": ...}``)."""
 
 
 def _load(raw: bytes, key: str) -> dict[str, Any]:
@@ -192,6 +197,8 @@ class Quorum:
     @classmethod
     def from_bytes(cls, raw: bytes, key: str) -> Quorum:
         data = _load(raw, key)
+        if set(data) == {"note"} and isinstance(data["note"], str):
+            raise RoundNote(data["note"][:_MAX_NAME])
         members = _get(data, "members", list, key)
         if not members or len(members) > _MAX_RANKS:
             raise RecordError(f"{key}: a quorum of {len(members)} members")

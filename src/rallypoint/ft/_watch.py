@@ -74,7 +74,7 @@ class GroupGuard:
             key = f"news/{seen + 1}"
             try:
                 if not self.kv.wait([key], _WAIT):
-                    seen = max(seen, self._last() - 32)  # fell behind the news kept
+                    seen = max(seen, self._last() - 8)  # fell behind the news kept
                     continue
                 raw = self.kv.get(key)
             except _LOST:  # the lighthouse is away: a new link, and its news from now on

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from rallypoint.ft._client import LighthouseLink, connect_lighthouse
 from rallypoint.ft._commit import ABORT, COMMIT, SIT, agree
-from rallypoint.ft._manager_parts import (
+from rallypoint.ft._group.manager_parts import (
     Background,
     advertised,
     agree_on_member,
