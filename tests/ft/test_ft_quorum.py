@@ -356,6 +356,34 @@ def test_below_min_replica_size_groups_wait_and_do_not_train_alone(tmp_path: Pat
 
 
 @pytest.mark.timeout(300)
+def test_below_the_lighthouse_min_replicas_the_lighthouse_and_each_group_say_so_once(
+    tmp_path: Path,
+) -> None:
+    """``--min_replicas 3`` and one of three groups gone for good: the two left wait, and
+    say why once each, as the lighthouse does, instead of blocking in silence."""
+    house = lighthouse("--min_replicas", "3", "--join_timeout_ms", "3000")
+    try:
+        flags = ("--max-restarts", "0")
+        groups = [
+            start_group(tmp_path, g, house.address, STEPS, *flags, FT_KILL=f"2:{FAULT}")
+            for g in range(3)
+        ]
+        wait_for_step(tmp_path, 0, FAULT)
+        time.sleep(6.0)
+        for p in groups[:2]:
+            p.terminate()  # SIGTERM: its output is flushed
+        texts = finish(groups, timeout=60)
+    finally:
+        screen = house.stop()
+    line = "waiting: 2 replica group(s) alive, the lighthouse's --min_replicas is 3"
+    after = screen.split("quorum 1: groups 0, 1, 2", 1)[1]  # (before it: groups starting)
+    assert after.count(line) == 1, screen[-3000:]
+    for g in (0, 1):
+        assert 1 <= texts[g].count(line) <= 2, texts[g][-3000:]  # once per wait
+        assert steps(tmp_path, g)[-1][1] <= FAULT + 1
+
+
+@pytest.mark.timeout(300)
 def test_on_etcd_a_lost_member_costs_nothing(tmp_path: Path) -> None:
     """The quorum's state in a 3-member etcd cluster (the groups' TORCHFT_LIGHTHOUSE is the
     cluster; ``rallypoint lighthouse --store`` decides there); the member the groups talk
