@@ -97,7 +97,7 @@ def test_port_is_where_rank_0_listens() -> None:
 
 
 def test_quorum_retries_ask_again_after_a_failed_ask() -> None:
-    from rallypoint.ft._manager_parts import ask
+    from rallypoint.ft._group.manager_parts import ask
 
     class Flaky:
         calls = 0
