@@ -172,3 +172,77 @@ def test_a_pg_transport_refuses_a_process_group_without_send_and_recv() -> None:
 
     with pytest.raises(TypeError, match="PGTransport needs a process group with send and recv"):
         PGTransport(object(), timeout=timedelta(seconds=1), device=torch.device("cpu"))
+
+
+@pytest.mark.timeout(120)
+def test_no_transport_unpickles_what_a_peer_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HTTP, the process group and the heal stream each carry a state with a DTensor, an
+    optimizer-like nest and bytes while every unpickling entry point raises."""
+    import pickle
+    import threading
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh, distribute_tensor
+
+    import rallypoint.ft as ft
+    from rallypoint.ft._heal import HealServer
+    from rallypoint.ft.checkpointing import HTTPTransport
+    from rallypoint.ft.checkpointing.pg_transport import PGTransport
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        state = {
+            "w": torch.arange(6.0).reshape(2, 3),
+            "d": distribute_tensor(torch.tensor([5, 6, 7]), DeviceMesh("cpu", 1), []),
+            "optim": {
+                "state": {0: {"step": torch.tensor(3.0)}},
+                "groups": [{"betas": (0.9, 0.99)}],
+            },
+            "raw": b"\x00\x01",
+        }
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("a transport unpickled what a peer sent")
+
+        for name in ("loads", "load", "Unpickler"):
+            monkeypatch.setattr(pickle, name, refuse)
+        monkeypatch.setattr(torch, "load", refuse)
+
+        def same(got: Any) -> None:
+            assert torch.equal(got["w"], state["w"]) and got["raw"] == b"\x00\x01"
+            assert torch.equal(got["d"].to_local(), state["d"].to_local())
+            assert got["d"]._spec == state["d"]._spec
+            assert got["optim"]["groups"][0]["betas"] == (0.9, 0.99)
+            assert torch.equal(got["optim"]["state"][0]["step"], torch.tensor(3.0))
+
+        wait = timedelta(seconds=10)
+        for transport in (HTTPTransport(wait, num_chunks=0), HTTPTransport(wait, num_chunks=2)):
+            transport.send_checkpoint([1], 4, state, wait)
+            same(transport.recv_checkpoint(0, transport.metadata(), 4, wait))
+            transport.shutdown()
+        heal = HealServer(b"secret", host="127.0.0.1", timeout=10.0)
+        heal.send_checkpoint([1], 4, state, wait)
+        same(heal.recv_checkpoint(0, heal.metadata(), 4, wait))
+        heal.shutdown()
+
+        store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        got: list[Any] = []
+
+        def rank(r: int) -> None:
+            pg = ft.ProcessGroupGloo(timeout=wait)
+            pg.configure(f"localhost:{store.port}/nopickle", "0", r, 2)
+            transport = PGTransport(pg, timeout=wait, device=torch.device("cpu"))
+            if r == 0:
+                transport.send_checkpoint([1], 4, state, wait)
+            else:
+                got.append(transport.recv_checkpoint(0, transport.metadata(), 4, wait))
+
+        threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(got) == 1, "the process group transport did not deliver"
+        same(got[0])
+    finally:
+        dist.destroy_process_group()
