@@ -220,9 +220,10 @@ def main() -> None:
     parser.add_argument("--steady", action="store_true", help="the median step, no fault")
     parser.add_argument("--scale", type=int, metavar="G", help="G members' rounds per second")
     parser.add_argument("--rounds", type=int, default=200, help="rounds for --scale")
+    parser.add_argument("--growth", type=int, metavar="R", help="keys and RSS over R rounds")
     args = parser.parse_args()
-    if args.steady or args.scale:
-        from quorum_modes import scale, steady
+    if args.steady or args.scale or args.growth:
+        from quorum_modes import growth, scale, steady
 
         print(f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
         if args.steady:
@@ -232,6 +233,9 @@ def main() -> None:
             for name, row in scale(args.scale, args.rounds).items():
                 print(f"| {args.scale} | {name} | {row['rounds/s']:.1f} rounds/s | "
                       f"{row['median wait ms']:.1f} ms |")  # fmt: skip
+        if args.growth:
+            for name, value in growth(args.growth).items():
+                print(f"| {name} | {value:.1f} |")
         return
     names = list(STACKS)
     if importlib.util.find_spec("torchft") is None:

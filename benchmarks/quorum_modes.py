@@ -136,9 +136,19 @@ def scale(members: int, rounds: int) -> dict[str, dict[str, float]]:
         half = members // 2
         hosts = [
             subprocess.Popen(
-                [sys.executable, "-c", MEMBERS, module, f"http://localhost:{port}",
-                 str(first), str(count), str(rounds)],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                [
+                    sys.executable,
+                    "-c",
+                    MEMBERS,
+                    module,
+                    f"http://localhost:{port}",
+                    str(first),
+                    str(count),
+                    str(rounds),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
             )  # fmt: skip
             for first, count in ((0, half), (half, members - half))
         ]
@@ -155,3 +165,53 @@ def scale(members: int, rounds: int) -> dict[str, dict[str, float]]:
             "median wait ms": 1000 * statistics.median(waits),
         }
     return results
+
+
+def growth(rounds: int) -> dict[str, float]:
+    """4 members, ``rounds`` rounds against a ``rallypoint lighthouse`` process: its store's
+    keys and its resident memory after 100 rounds and at the end."""
+    import threading
+    from datetime import timedelta
+
+    import psutil
+
+    from rallypoint.ft.coordination import LighthouseClient
+    from rallypoint.rendezvous import connect_kv
+
+    port = free_port()
+    house = subprocess.Popen(
+        [sys.executable, "-m", "rallypoint", "lighthouse", "--min_replicas", "4",
+         "--bind", f"[::]:{port}", "--join_timeout_ms", "60000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    time.sleep(1.5)
+    address = f"http://localhost:{port}"
+    client = LighthouseClient(address, timedelta(seconds=30))
+    kv, _ = connect_kv(address, timeout=timedelta(seconds=30))
+    out: dict[str, float] = {}
+
+    def run(first: int, last: int) -> None:
+        def member(i: int) -> None:
+            for step in range(first, last):
+                client.quorum(f"m{i}", timedelta(seconds=60), step=step, world_size=1)
+
+        threads = [threading.Thread(target=member, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    try:
+        run(0, 100)
+        time.sleep(1.0)  # the lighthouse deletes on a thread of its own: let it catch up
+        out["keys at 100"] = kv.store.num_keys()  # type: ignore[attr-defined]
+        out["rss MB at 100"] = psutil.Process(house.pid).memory_info().rss / 2**20
+        run(100, rounds)
+        time.sleep(1.0)
+        out[f"keys at {rounds}"] = kv.store.num_keys()  # type: ignore[attr-defined]
+        out[f"rss MB at {rounds}"] = psutil.Process(house.pid).memory_info().rss / 2**20
+    finally:
+        client.close()
+        house.kill()
+        house.wait()
+    return out
