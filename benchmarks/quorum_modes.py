@@ -149,7 +149,7 @@ def scale(members: int, rounds: int) -> dict[str, dict[str, float]]:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
                 text=True,
-            )  # fmt: skip
+            )
             for first, count in ((0, half), (half, members - half))
         ]
         try:
