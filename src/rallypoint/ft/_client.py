@@ -51,6 +51,8 @@ __all__ = [
 
 _LOST = (KVError, RuntimeError, OSError)
 """What a store operation raises when the lighthouse is away."""
+_HANDSHAKE = 5.0
+"""Seconds a TCPStore's handshake may take once its port accepted a connection."""
 
 
 class QuorumRefused(RuntimeError, FatalError):
@@ -91,8 +93,9 @@ def connect_lighthouse(address: str, timeout: float) -> KeyValueStore:
             f"rallypoint.ft: cannot reach the lighthouse {address} (TORCHFT_LIGHTHOUSE) "
             f"within {timeout:g} s: {refused}"
         )
-    try:
-        left = max(0.1, deadline - time.monotonic())
+    try:  # something listens there: its handshake gets a few seconds however little is
+        # left (a loaded machine can take more than a second to answer it)
+        left = max(_HANDSHAKE, deadline - time.monotonic())
         kv, _ = connect_kv(address, timeout=timedelta(seconds=left))
     except ValueError as exc:
         raise LighthouseAddressError(
