@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rallypoint.ft._decider import Decided, Decider, Died, Reply
-from rallypoint.ft._records import Ask, Request, Rules
+from rallypoint.ft._quorum.decider import Decided, Decider, Died, Reply
+from rallypoint.ft._quorum.records import Ask, Request, Rules
 
 
 class Clock:

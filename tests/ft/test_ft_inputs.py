@@ -95,8 +95,8 @@ def test_an_unreachable_lighthouse_is_one_line(tmp_path: Path) -> None:
                           timeout=100, env=env)  # fmt: skip
     assert done.returncode != 0
     [line] = [x for x in done.stderr.splitlines() if "Unreachable:" in x]
-    assert line.startswith("rallypoint.ft._client.LighthouseUnreachable: rallypoint.ft: cannot "
-                           "reach the lighthouse "), line  # fmt: skip
+    unreachable = "rallypoint.ft._quorum.client.LighthouseUnreachable: rallypoint.ft: cannot"
+    assert line.startswith(f"{unreachable} reach the lighthouse "), line
     assert f"127.0.0.1:{dead}" in line and "TORCHFT_LIGHTHOUSE" in line, line
     env.pop("TORCHFT_LIGHTHOUSE")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

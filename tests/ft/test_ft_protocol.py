@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-import rallypoint.ft._client as client_module
-from rallypoint.ft._client import LighthouseLink, QuorumRefused, post
-from rallypoint.ft._records import Ask, Request
+import rallypoint.ft._quorum.client as client_module
+from rallypoint.ft._quorum.client import LighthouseLink, QuorumRefused, post
+from rallypoint.ft._quorum.records import Ask, Request
 from rallypoint.ft.coordination import LighthouseClient, LighthouseServer
 from rallypoint.rendezvous import KeyValueStore, connect_kv
 

@@ -264,8 +264,8 @@ def test_records_forged_mid_run_are_named_and_no_group_steps_back(tmp_path: Path
     every group ends at the last step with the same parameters, none steps back."""
     from datetime import timedelta
 
-    from rallypoint.ft._client import post
-    from rallypoint.ft._records import Ask
+    from rallypoint.ft._quorum.client import post
+    from rallypoint.ft._quorum.records import Ask
     from rallypoint.rendezvous import connect_kv
 
     house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "3000")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rallypoint.ft._records import Quorum
+from rallypoint.ft._quorum.records import Quorum
 
 __all__ = ["Plan", "plan"]
 

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from rallypoint._core.envvars import EVENTS_FILE, EVENTS_NODE
-from rallypoint.ft._records import Quorum, changes
+from rallypoint.ft._quorum.records import Quorum, changes
 from rallypoint.observe import EventLog
 
 __all__ = ["GroupEvents"]

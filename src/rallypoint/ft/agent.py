@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
-from rallypoint.ft._client import post
-from rallypoint.ft._records import Ask
+from rallypoint.ft._quorum.client import post
+from rallypoint.ft._quorum.records import Ask
 from rallypoint.rendezvous import connect_kv
 
 __all__ = ["tell_gone"]

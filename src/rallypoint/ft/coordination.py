@@ -15,9 +15,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from datetime import timedelta
 
-from rallypoint.ft._client import LighthouseLink
-from rallypoint.ft._records import Quorum as _Decided
-from rallypoint.ft._records import Request
+from rallypoint.ft._quorum.client import LighthouseLink
+from rallypoint.ft._quorum.records import Quorum as _Decided
+from rallypoint.ft._quorum.records import Request
 from rallypoint.ft.lighthouse import LighthouseServer
 
 __all__ = ["LighthouseClient", "LighthouseServer", "Quorum", "QuorumMember", "Timestamp"]

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from rallypoint.ft._client import post
-from rallypoint.ft._decider_loop import DeciderLoop
-from rallypoint.ft._records import Ask, Rules
+from rallypoint.ft._quorum.client import post
+from rallypoint.ft._quorum.decider_loop import DeciderLoop
+from rallypoint.ft._quorum.records import Ask, Rules
 from rallypoint.rendezvous import KVError, connect_kv, is_etcd_address
 
 __all__ = ["DEFAULT_BIND", "LighthouseServer", "parse_bind"]

@@ -28,8 +28,6 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from rallypoint.ft._client import LighthouseLink, connect_lighthouse
-from rallypoint.ft._commit import ABORT, COMMIT, SIT, agree
 from rallypoint.ft._group.manager_parts import (
     Background,
     advertised,
@@ -48,8 +46,11 @@ from rallypoint.ft._group.manager_parts import (
     with_timeout,
 )
 from rallypoint.ft._plan import Plan, plan
+from rallypoint.ft._quorum.client import LighthouseLink, connect_lighthouse
+from rallypoint.ft._quorum.commit import ABORT, COMMIT, SIT, agree
+from rallypoint.ft._quorum.records import Quorum, Request
+from rallypoint.ft._quorum.watch import GroupGuard
 from rallypoint.ft._record import GroupEvents
-from rallypoint.ft._records import Quorum, Request
 from rallypoint.ft._state.heal import (
     HealError,
     IncompatibleStateError,
@@ -57,7 +58,6 @@ from rallypoint.ft._state.heal import (
     mismatch,
 )
 from rallypoint.ft._state.rwlock import RWLock
-from rallypoint.ft._watch import GroupGuard
 from rallypoint.rendezvous import KeyValueStore
 
 __all__ = [

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rallypoint.ft._records import Ask, Quorum, Request, Rules, sort_members
+from rallypoint.ft._quorum.records import Ask, Quorum, Request, Rules, sort_members
 
 __all__ = ["Decided", "Decider", "Died", "Note", "Reply"]
 

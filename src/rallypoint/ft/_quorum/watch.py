@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from rallypoint.ft._plan import Plan
-from rallypoint.ft._records import RecordError, parse_counter
+from rallypoint.ft._quorum.records import RecordError, parse_counter
 from rallypoint.rendezvous import KeyValueStore, KVError
 
 __all__ = ["GroupGuard"]

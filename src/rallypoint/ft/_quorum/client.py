@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from datetime import timedelta
 
 from rallypoint._core.fatal import FatalError
-from rallypoint.ft._records import (
+from rallypoint.ft._quorum.records import (
     Ask,
     Quorum,
     RecordError,

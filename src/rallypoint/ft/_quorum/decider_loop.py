@@ -24,9 +24,9 @@ from datetime import timedelta
 from typing import Any
 
 from rallypoint._core.quorum_line import quorum_line
-from rallypoint.ft._client import post
-from rallypoint.ft._decider import Decided, Decider, Died, Note, Reply
-from rallypoint.ft._records import (
+from rallypoint.ft._quorum.client import post
+from rallypoint.ft._quorum.decider import Decided, Decider, Died, Note, Reply
+from rallypoint.ft._quorum.records import (
     Ask,
     Quorum,
     RecordError,

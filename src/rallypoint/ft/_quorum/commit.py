@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from rallypoint.ft._client import post
-from rallypoint.ft._records import Ask
+from rallypoint.ft._quorum.client import post
+from rallypoint.ft._quorum.records import Ask
 from rallypoint.rendezvous import KeyValueStore, KVStateError
 
 __all__ = ["ABORT", "COMMIT", "SIT", "agree"]
