@@ -117,3 +117,18 @@ def test_torchfts_lighthouse_and_coordination_tests_pass_with_the_import_swapped
         "test_coordination_docs",
     }
     assert passed == expected, _failures(done.stdout) + done.stderr[-2000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs torchft==0.2.0")
+def test_torchfts_ddp_optim_and_data_tests_pass_with_the_import_swapped(tmp_path: Path) -> None:
+    """torchft's unit tests of its DDP wrapper (with ``manager._ManagedWork``), its optimizer
+    wrapper and its sampler, against ``rallypoint.ft``."""
+    paths = [_swap_file(tmp_path, f"{name}_test.py") for name in ("ddp", "optim", "data")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+           "--timeout", "120", "-rA", *map(str, paths)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
+    passed = set(re.findall(r"^PASSED \S+::(\w+)", done.stdout, re.M))
+    expected = {"test_ddp", "test_pure_ddp", "test_optimizer_wrapper", "test_distributed_sampler"}
+    assert passed == expected, _failures(done.stdout) + done.stderr[-2000:]

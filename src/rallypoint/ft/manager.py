@@ -58,6 +58,9 @@ from rallypoint.ft._state.heal import (
     mismatch,
 )
 from rallypoint.ft._state.rwlock import RWLock
+from rallypoint.ft.work import ManagedWork, wrap_future
+from rallypoint.ft.work import _DummyWork as DummyWork
+from rallypoint.ft.work import _ManagedWork as _ManagedWork  # where torchft's tests look
 from rallypoint.rendezvous import KeyValueStore
 
 __all__ = [
@@ -431,8 +434,6 @@ class Manager:
         self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: Any = None
     ) -> Any:
         """Sum ``tensor`` over the quorum (in place; AVG divides by the participants)."""
-        from rallypoint.ft._work import DummyWork, ManagedWork
-
         if should_quantize and triton_present():
             raise ValueError(
                 "should_quantize: rallypoint.ft does not quantize its allreduces (torchft "
@@ -462,8 +463,6 @@ class Manager:
     def wrap_future(self, fut: Any, default: T, timeout: timedelta | None = None) -> Any:
         """``fut``, whose failure (or a wait past ``timeout``, the manager's by default) is
         recorded on this manager and replaced by ``default``."""
-        from rallypoint.ft._work import wrap_future
-
         seconds = (timeout or self._timeout).total_seconds()
         return wrap_future(self, with_timeout(fut, seconds), default)
 

@@ -65,6 +65,14 @@ class ManagedWork(dist.Work):
         return fut
 
 
+class _ManagedWork(ManagedWork):
+    """torchft's ``manager._ManagedWork(manager, work, value)``: a collective whose failure
+    is recorded on the manager (no division)."""
+
+    def __init__(self, manager: Manager, work: Any, value: torch.Tensor) -> None:
+        super().__init__(manager, work, value, None)
+
+
 def wrap_future(manager: Manager, fut: Any, default: T) -> Any:
     """``fut`` whose failure is recorded on ``manager`` and replaced by ``default``."""
     out: torch.futures.Future[Any] = torch.futures.Future()
