@@ -129,3 +129,22 @@ def test_after_a_restart_the_first_quorum_waits_for_the_last_quorum_s_live_membe
     clock2.now += 5.1
     d2.receive(_ask("a:1", 1, step=9))  # (its heartbeat would keep it alive meanwhile)
     assert _decided(d2.tick(clock2())).quorum.ids() == ["a:1"]
+
+
+def test_a_new_member_that_said_hello_is_waited_for_up_to_the_join_timeout() -> None:
+    d, clock, _ = _decider(join_timeout_ms=2000)
+    d.receive(_ask("a:1", 1))
+    _decided(d.tick(clock()))
+    d.receive(Ask("hello", "b:1", replica_id="b"))  # b is coming: it has not asked yet
+    d.receive(_ask("a:1", 2, step=1))
+    assert not [e for e in d.tick(clock()) if isinstance(e, Decided)]
+    d.receive(_ask("b:1", 1))
+    assert _decided(d.tick(clock())).quorum.ids() == ["a:1", "b:1"]
+    # one that says hello and never asks holds the others for the join timeout, no more
+    d.receive(Ask("hello", "c:1", replica_id="c"))
+    d.receive(_ask("a:1", 3, step=2))
+    d.receive(_ask("b:1", 2, step=2))
+    assert not [e for e in d.tick(clock()) if isinstance(e, Decided)]
+    clock.now += 2.1
+    d.beats({"a:1": 1, "b:1": 1, "c:1": 1})
+    assert _decided(d.tick(clock())).quorum.ids() == ["a:1", "b:1"]

@@ -93,6 +93,9 @@ class Decider:
     """member -> (seq, round) of its last answered ask."""
     again: list[Reply] = field(default_factory=list)
     retrying: set[str] = field(default_factory=set)
+    told_below: set[str] = field(default_factory=set)
+    below_text: str = ""
+    note_round: int = 0
     """Members whose pending ask repeats one whose round they could not read."""
 
     def __post_init__(self) -> None:
@@ -246,27 +249,31 @@ class Decider:
         return [decided] if decided is not None else []
 
     def _below(self, now: float) -> list[Effect]:
-        """Fewer live groups ask than ``min_replicas``: said once per count, on the
-        lighthouse and to each waiting group (the round it waits on, or its answer)."""
+        """Fewer live groups than ``min_replicas``: said once per count, on the lighthouse
+        and to each waiting group (in the round it waits on, or in its own answer)."""
         live = [m for m in self.pending if self.alive(m, now) and m not in self.held]
         groups = [m for m in self.members if self.alive(m, now) and m not in self.held]
         if not live or len(groups) >= self.rules.min_replicas:
             return []  # (fewer ask, but the others are alive: they are coming)
-        if self.said_below == len(groups):
-            return []
-        self.said_below = len(groups)
-        text = (
-            f"waiting: {len(groups)} replica group(s) alive, the lighthouse's --min_replicas "
-            f"is {self.rules.min_replicas}"
-        )
-        self.say(text)
-        out: list[Effect] = [Note(self.next_round, text)]
+        out: list[Effect] = []
+        if self.said_below != len(groups):
+            self.said_below, self.told_below = len(groups), set()
+            self.below_text = (
+                f"waiting: {len(groups)} replica group(s) alive, the lighthouse's "
+                f"--min_replicas is {self.rules.min_replicas}"
+            )
+            self.say(self.below_text)
+            out.append(Note(self.next_round, self.below_text))
+            self.note_round = self.next_round
+            self.next_round += 1  # that round is the note: the next decision is the one after
         for member in live:
+            if member in self.told_below:
+                continue
+            self.told_below.add(member)
             last = self.answered.get(member)
-            if last is None or last[1] != self.next_round - 1:  # it waits on its answer
+            if last is None or last[1] != self.note_round - 1:  # it waits on its answer
                 _, seq = self.pending[member]
-                out.append(Reply(member, seq, "retry", text))
-        self.next_round += 1  # that round is the note: the next decision is the one after
+                out.append(Reply(member, seq, "retry", self.below_text))
         return out
 
     def _choose(self, now: float) -> Decided | None:
@@ -282,7 +289,7 @@ class Decider:
         waited = now - (self.first_ask or now)
         if self.previous is not None:
             expected = [m for m in self.previous.ids() if self.alive(m, now)]
-            if not all(m in live for m in expected):
+            if not all(m in live for m in expected + self._joining(live, now)):
                 return None
             if any(r.shrink_only for r in live.values()):
                 live = {m: r for m, r in live.items() if m in expected}
@@ -298,6 +305,23 @@ class Decider:
             if not all(m in live for m in expected) and waited * 1000 < self.rules.join_timeout_ms:
                 return None
         return self._make(list(live.values()), now)
+
+    def _joining(self, live: dict[str, Request], now: float) -> list[str]:
+        """New members that said hello but have not asked yet: waited for, as torchft's
+        lighthouse waits for a replica that beats, up to ``join_timeout_ms`` since hello
+        (so that a group that is coming is not left to ask after the others stopped)."""
+        assert self.previous is not None
+        inside = set(self.previous.ids())
+        return [
+            m
+            for m, seen in self.members.items()
+            if m not in inside
+            and m not in live
+            and m not in self.pending
+            and m not in self.answered
+            and self.alive(m, now)
+            and (now - seen.first) * 1000 < self.rules.join_timeout_ms
+        ]
 
     def _make(self, chosen: list[Request], now: float) -> Decided:
         previous = self.previous
