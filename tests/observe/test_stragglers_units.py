@@ -261,7 +261,7 @@ def test_bad_window(value: object, exc: type[Exception], match: str) -> None:
     [
         (["--straggler-threshold", "1"], "--straggler-threshold must be a number greater than 1"),
         (["--straggler-threshold", "fast"], "got 'fast'"),
-        (["--straggler-window", "0"], "straggler_window must be"),
+        (["--straggler-window", "0"], "--straggler-window/--straggler_window: must be > 0, got 0"),
         (["--straggler-window", "x"], "invalid float value"),
     ],
 )
