@@ -52,6 +52,8 @@ class GroupGuard:
         self._dead: dict[str, tuple[str, int]] = {}
         """member -> (why, the last round that held it), as the news told."""
         self._plan: Plan | None = None
+        self._fresh = True
+        """Whether ``kv`` is the connection it was given (not yet found broken)."""
 
     def configure(self, key: Key, plan: Plan, make: Callable[[], None]) -> bool:
         """Run ``make`` (configure the process group) unless ``key`` is configured already;
@@ -69,34 +71,29 @@ class GroupGuard:
 
     def watch(self, stop: threading.Event, me: str) -> None:
         """Until ``stop``: wait for each piece of news and act on it."""
-        seen = self._start(stop)
+        seen, linked = 0, False
         while not stop.is_set():
+            if not linked:  # its news from now on, on a new link once the first broke
+                try:  # (never again on a broken one: each try logs a warning of torch's)
+                    if not self._fresh:
+                        self.kv = self._connect()
+                    seen, linked = self._last(), True
+                except _LOST:
+                    self._fresh = False
+                    stop.wait(1.0)
+                    continue
             key = f"news/{seen + 1}"
             try:
                 if not self.kv.wait([key], _WAIT):
                     seen = max(seen, self._last() - 8)  # fell behind the news kept
                     continue
                 raw = self.kv.get(key)
-            except _LOST:  # the lighthouse is away: a new link, and its news from now on
-                if stop.wait(0.2):
-                    return
-                with contextlib.suppress(*_LOST):
-                    self.kv = self._connect()
-                    seen = self._last()
+            except _LOST:  # the lighthouse is away
+                linked = self._fresh = False
                 continue
             seen += 1
             if raw is not None:
                 self._act(key, raw, me)
-
-    def _start(self, stop: threading.Event) -> int:
-        while not stop.is_set():
-            try:
-                return self._last()
-            except _LOST:
-                with contextlib.suppress(*_LOST):
-                    self.kv = self._connect()
-                stop.wait(0.5)
-        return 0
 
     def _last(self) -> int:
         try:
