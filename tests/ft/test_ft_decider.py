@@ -33,11 +33,13 @@ def _decided(effects: list[object]) -> Decided:
 def test_a_round_waits_for_every_live_member_of_the_last_and_answers_only_newcomers() -> None:
     d, clock, _ = _decider(min_replicas=2)
     d.receive(_ask("a:1", 1))
-    assert not [e for e in d.tick(clock()) if isinstance(e, Decided)]  # below min_replicas
+    [told] = d.tick(clock())[1:]  # below min_replicas: a note, and a is told to ask again
+    assert isinstance(told, Reply) and told.kind == "retry"
     d.receive(_ask("b:1", 1))
+    d.receive(_ask("a:1", 2))
     first = _decided(d.tick(clock()))
-    assert first.quorum.ids() == ["a:1", "b:1"] and first.answers == {"a:1": 1, "b:1": 1}
-    d.receive(_ask("a:1", 2, step=1))
+    assert first.quorum.ids() == ["a:1", "b:1"] and first.answers == {"a:1": 2, "b:1": 1}
+    d.receive(_ask("a:1", 3, step=1))
     assert not [e for e in d.tick(clock()) if isinstance(e, Decided)]  # b has not asked
     d.receive(_ask("c:1", 1))  # a joiner comes in with the next round
     d.receive(_ask("b:1", 2, step=1))
@@ -148,3 +150,19 @@ def test_a_new_member_that_said_hello_is_waited_for_up_to_the_join_timeout() -> 
     clock.now += 2.1
     d.beats({"a:1": 1, "b:1": 1, "c:1": 1})
     assert _decided(d.tick(clock())).quorum.ids() == ["a:1", "b:1"]
+
+
+def test_an_ask_told_to_ask_again_is_over_and_its_next_one_is_answered() -> None:
+    """Below min_replicas a waiting member is told so and asks again: a quorum that then
+    forms must answer its new ask, not the one it no longer waits on."""
+    d, clock, _ = _decider(min_replicas=2)
+    d.receive(Ask("hello", "b:1", replica_id="b"))
+    d.receive(_ask("a:1", 1))
+    clock.now += 6.0  # b said hello and went quiet: a alone is below min_replicas
+    d.beats({"a:1": 1})
+    [told] = [e for e in d.tick(clock()) if isinstance(e, Reply)]
+    assert (told.member, told.seq, told.kind) == ("a:1", 1, "retry")
+    d.receive(_ask("b:1", 1))  # b is back: enough, but a's first ask is over
+    assert not [e for e in d.tick(clock()) if isinstance(e, Decided)]
+    d.receive(_ask("a:1", 2))
+    assert _decided(d.tick(clock())).answers == {"a:1": 2, "b:1": 1}

@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -72,6 +72,20 @@ def house() -> Iterator[tuple[LighthouseServer, list[str]]]:
     server.shutdown()
 
 
+@pytest.fixture
+def make_house() -> Iterator[Callable[..., LighthouseServer]]:
+    """Lighthouses shut down whatever the test ends with (a live one at exit aborts)."""
+    made: list[LighthouseServer] = []
+
+    def make(*args: Any, **kwargs: Any) -> LighthouseServer:
+        made.append(LighthouseServer(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for server in made:
+        server.shutdown()
+
+
 def _port(server: LighthouseServer) -> int:
     return int(server.address().rpartition(":")[2])
 
@@ -79,9 +93,9 @@ def _port(server: LighthouseServer) -> int:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("members", [4, 16, 64])
 def test_each_member_makes_the_same_few_store_operations_a_round_whatever_their_number(
-    members: int, monkeypatch: pytest.MonkeyPatch
+    members: int, monkeypatch: pytest.MonkeyPatch, make_house: Callable[..., LighthouseServer]
 ) -> None:
-    server = LighthouseServer("[::]:0", min_replicas=members, join_timeout_ms=60000)
+    server = make_house("[::]:0", min_replicas=members, join_timeout_ms=60000)
     counts: dict[str, Counter[str]] = {}
     real = client_module.connect_lighthouse
 
@@ -121,8 +135,10 @@ def test_each_member_makes_the_same_few_store_operations_a_round_whatever_their_
 
 
 @pytest.mark.timeout(240)
-def test_the_lighthouse_store_holds_as_many_keys_after_1000_rounds_as_after_100() -> None:
-    server = LighthouseServer("[::]:0", min_replicas=4, join_timeout_ms=60000)
+def test_the_lighthouse_store_holds_as_many_keys_after_1000_rounds_as_after_100(
+    make_house: Callable[..., LighthouseServer],
+) -> None:
+    server = make_house("[::]:0", min_replicas=4, join_timeout_ms=60000)
     store = server.loop.kv.store  # type: ignore[attr-defined]
     client = LighthouseClient(server.address(), timedelta(seconds=10))
     names = [f"g{i}" for i in range(4)]

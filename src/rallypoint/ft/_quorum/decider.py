@@ -272,8 +272,9 @@ class Decider:
             self.told_below.add(member)
             last = self.answered.get(member)
             if last is None or last[1] != self.note_round - 1:  # it waits on its answer
-                _, seq = self.pending[member]
-                out.append(Reply(member, seq, "retry", self.below_text))
+                _, seq = self.pending.pop(member)  # it asks again: this ask is over (a
+                out.append(Reply(member, seq, "retry", self.below_text))  # quorum holding
+                # it would answer a key it no longer waits on)
         return out
 
     def _choose(self, now: float) -> Decided | None:
