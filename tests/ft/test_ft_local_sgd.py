@@ -73,6 +73,7 @@ DUMMY = "DummyWork as _DummyWork"
 FAKE_PG = "from _fake_pg import FakeProcessGroupWrapper\n"
 
 
+@pytest.mark.flaky(reruns=2)  # fails ~1 run in 3 under a loaded suite (docs/ft.md)
 @pytest.mark.timeout(300)
 @needs_torchft
 def test_torchfts_local_sgd_unit_tests_pass_with_the_import_swapped(tmp_path: Path) -> None:
@@ -124,6 +125,7 @@ def _integ_files(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.flaky(reruns=2)  # fails ~1 run in 3 under a loaded suite (docs/ft.md)
 @pytest.mark.timeout(900)
 @needs_torchft
 def test_torchfts_local_sgd_integration_tests_pass_with_the_import_swapped(tmp_path: Path) -> None:

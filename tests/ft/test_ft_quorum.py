@@ -91,6 +91,7 @@ def _events_say_so(out: Path) -> None:
     assert "group 2 healed from group" in svg and 'id="quorum-span-0"' in svg
 
 
+@pytest.mark.flaky(reruns=2)  # fails ~1 run in 3 under a loaded suite (docs/ft.md)
 @pytest.mark.timeout(300)
 def test_two_groups_killed_at_once_the_others_keep_stepping_and_they_heal(tmp_path: Path) -> None:
     house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "3000")
@@ -296,6 +297,7 @@ def test_records_forged_mid_run_are_named_and_no_group_steps_back(tmp_path: Path
     assert back in said or unbelieved in said, said[-4000:]
 
 
+@pytest.mark.flaky(reruns=2)  # fails ~1 run in 3 under a loaded suite (docs/ft.md)
 @pytest.mark.timeout(300)
 def test_a_stopped_group_is_left_out_at_once_and_comes_back_when_it_runs_again(
     tmp_path: Path,

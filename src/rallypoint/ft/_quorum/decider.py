@@ -93,6 +93,8 @@ class Decider:
     """member -> (seq, round) of its last answered ask."""
     again: list[Reply] = field(default_factory=list)
     retrying: set[str] = field(default_factory=set)
+    departed: dict[str, str] = field(default_factory=dict)
+    """The last 64 members that left a quorum, and why."""
     told_below: set[str] = field(default_factory=set)
     below_text: str = ""
     note_round: int = 0
@@ -338,8 +340,16 @@ class Decider:
             if previous is not None
             else list(self.carried[1] if self.carried else ())
         )
-        left = {m: self.why_gone(m) if not self.alive(m, now) else "did not ask in time"
-                for m in before if m not in ids}  # fmt: skip
+        for m in before:
+            if m not in ids:
+                self.departed[m] = (
+                    self.why_gone(m) if not self.alive(m, now) else "did not ask in time"
+                )
+        while len(self.departed) > 64:
+            del self.departed[next(iter(self.departed))]
+        # every recent departure with its reason: a group whose own last quorum is older
+        # than the lighthouse's still finds why each member it knew left
+        left = {m: why for m, why in self.departed.items() if m not in ids}
         quorum = Quorum(
             quorum_id, self.gen, sort_members(chosen), self.next_round, left, time.time()
         )
