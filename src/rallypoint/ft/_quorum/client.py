@@ -41,6 +41,7 @@ from rallypoint.rendezvous import (
 )
 
 __all__ = [
+    "STORE_LOST",
     "LighthouseAddressError",
     "LighthouseLink",
     "LighthouseUnreachable",
@@ -49,8 +50,8 @@ __all__ = [
     "post",
 ]
 
-_LOST = (KVError, RuntimeError, OSError)
-"""What a store operation raises when the lighthouse is away."""
+STORE_LOST = (KVError, RuntimeError, OSError)
+"""What a store operation raises when the lighthouse is away (ConnectionError included)."""
 _HANDSHAKE = 5.0
 """Seconds a TCPStore's handshake may take once its port accepted a connection."""
 
@@ -218,12 +219,12 @@ class LighthouseLink:
                     _, gen = read_life(kv, 2.0)
                     post(kv, self._hello(gen))
                     self._beat_kv, lost_at = kv, None
-                except (*_LOST, ValueError, ConnectionError):
+                except (*STORE_LOST, ValueError, ConnectionError):
                     lost_at = time.monotonic()
                     continue
             try:
                 self.beat()
-            except _LOST:  # never again on this connection (each try would log a warning)
+            except STORE_LOST:  # never again on this connection (each try would log a warning)
                 lost_at = time.monotonic() - 1.0
 
     def _hello(self, gen: str) -> Ask:
@@ -244,7 +245,7 @@ class LighthouseLink:
         while True:
             try:
                 quorum = self._ask_once(req, deadline)
-            except _LOST as exc:
+            except STORE_LOST as exc:
                 if isinstance(exc, TimeoutError | QuorumRefused):
                     raise
                 self._reconnect(exc, deadline)
@@ -321,7 +322,7 @@ class LighthouseLink:
 
     def _timeout_line(self) -> str:
         status = ""
-        with contextlib.suppress(*_LOST):
+        with contextlib.suppress(*STORE_LOST):
             raw = self.kv.get("status")
             if raw:
                 status = f": {raw.decode(errors='replace')[:300]}"
@@ -341,7 +342,7 @@ class LighthouseLink:
                 post(kv, self._hello(self.gen))
                 self._said.discard("away")
                 return
-            except (ConnectionError, *_LOST) as again:
+            except (ConnectionError, *STORE_LOST) as again:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
                         f"rallypoint.ft: the lighthouse {self.address} did not come back: {again}"
@@ -353,7 +354,7 @@ class LighthouseLink:
         """Stop beating; with ``why``, tell the lighthouse at once that this member left."""
         self._stop.set()
         if why:
-            with contextlib.suppress(*_LOST):
+            with contextlib.suppress(*STORE_LOST):
                 post(self.kv, Ask("gone", self.member, why=why[:200]))
 
     def _once(self, key: str, line: str) -> None:

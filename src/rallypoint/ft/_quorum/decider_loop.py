@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 from rallypoint._core.quorum_line import quorum_line
-from rallypoint.ft._quorum.client import post
+from rallypoint.ft._quorum.client import STORE_LOST, post
 from rallypoint.ft._quorum.decider import Decided, Decider, Died, Note, Reply
 from rallypoint.ft._quorum.records import (
     Ask,
@@ -36,7 +36,7 @@ from rallypoint.ft._quorum.records import (
     parse_counter,
     parse_message,
 )
-from rallypoint.rendezvous import KeyValueStore, KVError
+from rallypoint.rendezvous import KeyValueStore
 
 __all__ = ["RETAIN", "DeciderLoop"]
 
@@ -49,7 +49,6 @@ _NEWS_EVERY = 5.0
 warning of torch's)."""
 _COMPACT_EVERY = 60.0
 """Seconds between compactions of the store's history (etcd's revisions)."""
-_LOST = (KVError, RuntimeError, OSError)
 
 
 class DeciderLoop:
@@ -106,14 +105,14 @@ class DeciderLoop:
 
     def _janitor(self, kv: KeyValueStore) -> None:
         while (keys := self._trash.get()) is not None:
-            with contextlib.suppress(*_LOST):
+            with contextlib.suppress(*STORE_LOST):
                 kv.delete_many(keys)
 
     def run(self) -> None:
         while not self._stop.is_set():
             try:
                 self._once()
-            except _LOST as exc:  # the store is going away with its host: say it once
+            except STORE_LOST as exc:  # the store is going away with its host: say it once
                 if self._stop.is_set():
                     return
                 self._say_once("lost", f"the store failed ({type(exc).__name__}: {exc}); going on")
@@ -281,7 +280,7 @@ class DeciderLoop:
                     # a writer died between its add and its set: fill its place
                     kv.set_if_absent(f"in/{stuck_at}", Ask("hole").to_bytes())
                     since = time.monotonic()
-            except _LOST:
+            except STORE_LOST:
                 if self._stop.is_set():
                     return
                 time.sleep(interval)

@@ -18,15 +18,15 @@ from datetime import timedelta
 from typing import Any
 
 from rallypoint.ft._plan import Plan
+from rallypoint.ft._quorum.client import STORE_LOST
 from rallypoint.ft._quorum.records import RecordError, parse_counter
-from rallypoint.rendezvous import KeyValueStore, KVError
+from rallypoint.rendezvous import KeyValueStore
 
 __all__ = ["GroupGuard"]
 
 Key = tuple[str, int]
 """A configuration: the lighthouse life and the quorum id."""
 
-_LOST = (KVError, RuntimeError, OSError, ConnectionError)
 _WAIT = timedelta(seconds=20)
 
 
@@ -78,7 +78,7 @@ class GroupGuard:
                     if not self._fresh:
                         self.kv = self._connect()
                     seen, linked = self._last(), True
-                except _LOST:
+                except STORE_LOST:
                     self._fresh = False
                     stop.wait(1.0)
                     continue
@@ -88,7 +88,7 @@ class GroupGuard:
                     seen = max(seen, self._last() - 8)  # fell behind the news kept
                     continue
                 raw = self.kv.get(key)
-            except _LOST:  # the lighthouse is away
+            except STORE_LOST:  # the lighthouse is away
                 linked = self._fresh = False
                 continue
             seen += 1
