@@ -93,6 +93,24 @@ def test_who_left_is_taken_from_one_quorum_to_the_next_with_any_writers_reason(
     )
 
 
+def test_a_group_back_before_the_next_quorum_left_and_joined(tmp_path: Path) -> None:
+    """Group 1 restarted so fast that it is in the very next quorum: the writers that were in
+    the last one say it left (its old incarnation did), so the change says both."""
+    path = tmp_path / "ev.jsonl"
+    killed = {"1": "rank 0 killed by SIGKILL", "2": "rank 0 killed by SIGKILL"}
+    with EventLog(path, node="a") as log:
+        log.emit("quorum", group="0", quorum=2, step=1, groups=["0", "1", "2", "3"])
+        log.emit("quorum", group="0", quorum=3, step=10, groups=["0", "1", "3"],
+                 left=killed, joined={"1": 10})  # fmt: skip
+        log.emit("quorum", group="1", quorum=3, step=10, groups=["0", "1", "3"], left={})
+    part = build_participation(read_events(path), 0.0, 1.0)
+    assert part is not None
+    assert part.changes[1].label == (
+        "quorum 3: groups 0, 1, 3 (group 1 left: rank 0 killed by SIGKILL; "
+        "group 2 left: rank 0 killed by SIGKILL; group 1 joined at step 10)"
+    )
+
+
 def test_a_job_without_quorums_has_no_group_lanes(tmp_path: Path) -> None:
     path = tmp_path / "plain.jsonl"
     with EventLog(path, node="a") as log:

@@ -5,7 +5,8 @@ their agents' events (``rallypoint run --events``; fields in docs/multinode.md).
 in a quorum writes it, so a quorum is kept once (its id and its groups), at the time the
 first group wrote it; it lasts until the next quorum. Who left and who joined is taken
 from one quorum to the next here (each group wrote it against the last quorum it was in),
-with the reasons any of its writers gave. A group's lane is filled where it was in the
+with the reasons any of its writers gave; a group they say left that is in the new quorum
+again restarted between the two, so it left and joined. A group's lane is filled where it was in the
 quorum and empty where it was out; its heals are marks on it.
 """
 
@@ -64,8 +65,9 @@ def _names(value: object) -> list[str]:
 def _change_label(
     quorum: object, groups: list[str], before: list[str], why: dict[str, str], at: dict[str, object]
 ) -> str:
-    left = [(g, why.get(g)) for g in before if g not in groups]
-    joined = [(g, at.get(g)) for g in groups if before and g not in before]
+    # a group its writers say left may be back already (a fast restart): it left and joined
+    left = [(g, why.get(g)) for g in before if g not in groups or g in why]
+    joined = [(g, at.get(g)) for g in groups if before and (g not in before or g in why)]
     return quorum_line(quorum, groups, left, joined)
 
 
