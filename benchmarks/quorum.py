@@ -99,7 +99,8 @@ def _lighthouse(kind: str, port: int, flags: list[str]) -> subprocess.Popen[byte
         cmd = [str(Path(sys.executable).with_name("torchft_lighthouse"))]
     else:
         cmd = [sys.executable, "-m", "rallypoint", "lighthouse"]
-    cmd += ["--min_replicas", "1", "--bind", f"[::]:{port}", *flags]
+    least = [] if "--min_replicas" in flags else ["--min_replicas", "1"]  # torchft's: once
+    cmd += [*least, "--bind", f"[::]:{port}", *flags]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -219,16 +220,19 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--steady", action="store_true", help="the median step, no fault")
     parser.add_argument("--scale", type=int, metavar="G", help="G members' rounds per second")
-    parser.add_argument("--rounds", type=int, default=200, help="rounds for --scale")
+    parser.add_argument("--rounds", type=int, default=200, help="--scale rounds, --steady steps")
     parser.add_argument("--growth", type=int, metavar="R", help="keys and RSS over R rounds")
     args = parser.parse_args()
     if args.steady or args.scale or args.growth:
         from quorum_modes import growth, scale, steady
 
         print(f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
-        if args.steady:
-            for name, step in steady(300).items():
-                print(f"| {name} | {1000 * step:.1f} ms |")
+        if args.steady:  # stacks interleaved, each run's median step; then their median
+            runs = [steady(args.rounds) for _ in range(args.repeat)]
+            for name in runs[0]:
+                each = [1000 * run[name] for run in runs]
+                print(f"| {name} | {statistics.median(each):.1f} ms | "
+                      f"{', '.join(f'{v:.1f}' for v in each)} |")  # fmt: skip
         if args.scale:
             for name, row in scale(args.scale, args.rounds).items():
                 print(f"| {args.scale} | {name} | {row['rounds/s']:.1f} rounds/s | "

@@ -41,8 +41,8 @@ def agree(
                 counted = kv.add(f"c/{round_}", 1)
             except KVStateError:  # a forged counter: this round cannot be counted
                 counted, vote = -1, ABORT
-            if counted >= participants:
-                kv.set_if_absent(key, COMMIT.encode())
+            if counted >= participants:  # the last vote: the outcome is known here
+                return kv.set_if_absent(key, COMMIT.encode()) == COMMIT.encode()
         if vote == ABORT and kv.set_if_absent(key, ABORT.encode()) == ABORT.encode():
             post(kv, Ask("abort", member, round=round_))
     if not kv.wait([key], timedelta(seconds=timeout)):
