@@ -21,7 +21,7 @@ import pytest
 
 import rallypoint.ft._quorum.client as client_module
 from rallypoint.ft._quorum.client import LighthouseLink, QuorumRefused, post
-from rallypoint.ft._quorum.records import Ask, Request
+from rallypoint.ft._quorum.records import Ask, Quorum, Request
 from rallypoint.ft.coordination import LighthouseClient, LighthouseServer
 from rallypoint.rendezvous import KeyValueStore, connect_kv
 
@@ -299,10 +299,43 @@ def test_below_min_replicas_the_lighthouse_and_each_group_say_so_once() -> None:
     finally:
         server.shutdown()
     below = [line for line in lines if "--min_replicas is 3" in line]
-    assert 1 <= len(below) <= 2, lines  # once per change of the count (1, then 2)
+    assert len(below) == 1, lines  # once, though the count went from 1 to 2
     for g in range(2):  # each group said it, once, while it waited
-        assert any("--min_replicas is 3" in line for line in said[g]), said
-        assert len(said[g]) == len(set(said[g])), said
+        assert len([line for line in said[g] if "--min_replicas is 3" in line]) == 1, said
+
+
+@pytest.mark.timeout(120)
+def test_groups_starting_one_by_one_below_min_replicas_each_say_it_once() -> None:
+    """12 groups join one at a time under ``--min_replicas 12``: the count changes 11
+    times, yet the lighthouse says it once and each group at most once, then they all form
+    the quorum."""
+    lines: list[str] = []
+    server = LighthouseServer("[::]:0", min_replicas=12, join_timeout_ms=100, say=lines.append)
+    said: list[list[str]] = [[] for _ in range(12)]
+    got: list[Quorum] = []
+    try:
+        links = []
+        threads = []
+        for g in range(12):
+            link = LighthouseLink(
+                server.address(), f"{g}:x", str(g), connect_timeout=10, say=said[g].append
+            )
+            links.append(link)
+            threads.append(
+                threading.Thread(target=lambda k=link: got.append(k.quorum(_req(k, 0), 60.0)))
+            )
+            threads[-1].start()
+            time.sleep(0.1)
+        for t in threads:
+            t.join(60)
+        for link in links:
+            link.close()
+    finally:
+        server.shutdown()
+    assert len(got) == 12 and all(len(q.members) == 12 for q in got), got
+    assert len([line for line in lines if "--min_replicas is 12" in line]) == 1, lines
+    for g in range(12):
+        assert len([line for line in said[g] if "--min_replicas is 12" in line]) <= 1, said[g]
 
 
 @pytest.mark.timeout(60)

@@ -270,7 +270,7 @@ class LighthouseLink:
             try:
                 quorum = _ROUNDS.read(self.kv, self.gen, rkey, rkey)
             except RoundNote as note:  # not decided (below --min_replicas): its answer comes
-                self._once(str(note), str(note))  # when a round holds it
+                self._once("below", str(note))  # when a round holds it
             except RecordError as exc:
                 return self._unreadable(exc, seq)
             else:
@@ -287,8 +287,8 @@ class LighthouseLink:
             return self._unreadable(exc, seq)
         if kind == "refused":
             raise QuorumRefused(f"rallypoint.ft: the lighthouse refused {self.member}: {value}")
-        if kind == "retry":
-            self._once(str(value), f"{value}")
+        if kind == "retry":  # below --min_replicas: said once until a quorum holds it
+            self._once("below", f"{value}")
             return None
         rkey = f"r/{value}"
         answered = self._read(rkey, key, seq, deadline)
@@ -318,6 +318,7 @@ class LighthouseLink:
     def _took(self, quorum: Quorum | None) -> Quorum | None:
         if quorum is not None:
             self._last_round = quorum.round
+            self._said.discard("below")
         return quorum
 
     def _timeout_line(self) -> str:

@@ -258,12 +258,13 @@ class Decider:
         if not live or len(groups) >= self.rules.min_replicas:
             return []  # (fewer ask, but the others are alive: they are coming)
         out: list[Effect] = []
-        if self.said_below != len(groups):
+        self.below_text = (
+            f"waiting: {len(groups)} replica group(s) alive, the lighthouse's "
+            f"--min_replicas is {self.rules.min_replicas}"
+        )
+        if self.said_below is None:  # once until a quorum forms (not once per count: 64
+            # groups starting one by one would each be told 63 times)
             self.said_below, self.told_below = len(groups), set()
-            self.below_text = (
-                f"waiting: {len(groups)} replica group(s) alive, the lighthouse's "
-                f"--min_replicas is {self.rules.min_replicas}"
-            )
             self.say(self.below_text)
             out.append(Note(self.next_round, self.below_text))
             self.note_round = self.next_round
