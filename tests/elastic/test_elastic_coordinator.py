@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from rallypoint._elastic._coordinator import Coordinator
-from rallypoint._elastic._options import RestartOptions
 from rallypoint._elastic._policy import ElasticPolicy
 from rallypoint._elastic._protocols import NodeSupervisor
 from rallypoint._elastic._rendezvous import run_store_namespace
@@ -27,9 +26,10 @@ from rallypoint._elastic._rendezvous_rounds import RendezvousRounds
 from rallypoint._elastic._stores import RunStore
 from rallypoint._supervise._policy import AttemptPolicy
 from rallypoint._supervise._state import Failure, GroupInfo, Outcome, OutcomeKind
-from rallypoint._watch._observer import Observer, WatchOptions
+from rallypoint._watch._observer import Observer
 from rallypoint.launcher import (
     HangError,
+    LaunchConfig,
     RendezvousFailedError,
     WorkerFailedError,
     WorkerStatus,
@@ -195,12 +195,12 @@ class Cluster:
     ) -> Future[list[Any]]:
         observer = Observer(
             nproc=supervisor.nproc,
-            watch=WatchOptions(events=str(self.tmp / f"{supervisor.host}.jsonl")),
+            watch=LaunchConfig(events=str(self.tmp / f"{supervisor.host}.jsonl")).watch,
             node=supervisor.host,
         )
         self.observers.append(observer)
         handler = self.handler()
-        restarts = RestartOptions(max_restarts=max_restarts, on_hang=on_hang)  # type: ignore[arg-type]
+        restarts = LaunchConfig(max_restarts=max_restarts, on_hang=on_hang).restarts  # type: ignore[arg-type]
         rounds = RendezvousRounds(
             supervisor,
             lambda: handler,

@@ -8,7 +8,6 @@ from datetime import timedelta
 import pytest
 
 from rallypoint._launch._config import OPTION_NAMES
-from rallypoint._supervise._options import StopOptions, WorkerOptions
 from rallypoint.launcher import LaunchConfig
 
 
@@ -47,16 +46,16 @@ def test_defaults_and_read_back() -> None:
         getattr(cfg, name)
 
 
-def test_groups_are_frozen_and_validate_on_their_own() -> None:
+def test_groups_are_frozen_and_take_the_checked_values() -> None:
     cfg = LaunchConfig(nproc=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.workers = WorkerOptions(nproc=3)  # type: ignore[misc]
+        cfg.workers = LaunchConfig(nproc=3).workers  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.workers.nproc = 3  # type: ignore[misc]
     with pytest.raises(ValueError, match="nproc must be >= 1"):
-        WorkerOptions(nproc=0)
+        LaunchConfig(nproc=0)
     with pytest.raises(ValueError, match="signals_to_handle"):
-        StopOptions(signals_to_handle=("SIGKILL",))
+        LaunchConfig(signals_to_handle="SIGKILL")
 
 
 @pytest.mark.parametrize(

@@ -1,19 +1,22 @@
 """Each launch option is declared once, as a ``LaunchConfig`` field whose metadata holds its
-flag: ``rallypoint run``'s parser, its ``PET_*`` defaults and ``launch()``'s keywords are
-made from the declarations, and the option is named nowhere else but where it is used."""
+default, its check and its flag: ``rallypoint run``'s parser, its ``PET_*`` defaults and
+``launch()``'s keywords are made from the declarations, the groups take the checked values
+as they are, and the option is named nowhere else but where it is used."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from rallypoint._cli._args import config_from_args
 from rallypoint._cli._parser import RunFlags, build_parser, command_line
-from rallypoint._launch._config import OPTION_NAMES, LaunchConfig
-from rallypoint._launch._option import Flag, declared
+from rallypoint._launch._config import _GROUPS, OPTION_NAMES, LaunchConfig
+from rallypoint._launch._option import Flag, declared, flag_default
 from rallypoint.launcher import launch
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "rallypoint"
@@ -152,3 +155,44 @@ def test_an_option_is_named_in_its_declaration_and_where_it_is_used(name: str, p
         if path.parts[len(SRC.parts)] != part and _names(path, name, flag)
     }
     assert files == {"_launch/_config.py"}
+
+
+TORCHRUNS_OWN = {"rdzv_backend", "node_rank", "shutdown_timeout", "prefix"}
+"""The options whose default on the command line is not ``launch()``'s: torchrun's
+``static`` backend and node rank 0, torch's ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, torch's
+``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``."""
+
+
+def test_a_default_is_written_once() -> None:
+    """The groups' records declare no default: each option's is its declaration's, and its
+    flag's default and the one its help shows are made from it."""
+    for make in _GROUPS.values():
+        for item in dataclasses.fields(make):
+            assert item.default is dataclasses.MISSING, (make.__name__, item.name)
+            assert item.default_factory is dataclasses.MISSING, (make.__name__, item.name)
+    for name, option in DECLARED:
+        flag = option.flag
+        if flag is None or flag.switch or flag.repeat:
+            continue
+        assert "{default}" not in flag.help
+        if name not in TORCHRUNS_OWN:
+            assert flag.default == flag_default(option.default), name
+    parser = build_parser()
+    grace = next(a for a in parser._actions if "--restart-grace" in a.option_strings)
+    assert grace.default == 10.0 and "(default 10)" in str(grace.help)
+    assert LaunchConfig().restart_grace == timedelta(seconds=10)
+
+
+def test_an_option_is_checked_once_for_launch_and_the_command_line(tmp_path: Path) -> None:
+    """The one check of an option runs on ``launch()``'s keyword and on the flag's value."""
+    with pytest.raises(TypeError, match="restart_grace must be a datetime"):
+        LaunchConfig(restart_grace=5)
+    with pytest.raises(ValueError, match="restart_grace must be > 0"):
+        LaunchConfig(restart_grace=timedelta(0))
+    with pytest.raises(ValueError, match="spare_workers must be >= 0"):
+        LaunchConfig(spare_workers=-1)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    args = build_parser().parse_args(["--spare-workers", "-1", str(script)])
+    with pytest.raises(ValueError, match="spare_workers must be >= 0"):
+        config_from_args(args)

@@ -22,9 +22,10 @@ import pytest
 
 from _support import cli_zygote
 from rallypoint._watch._flight._records import FlightEntry, GroupTrace, RankTrace
-from rallypoint._watch._observer import Observer, WatchOptions
+from rallypoint._watch._observer import Observer
 from rallypoint._watch._stragglers._arrival_watch import ArrivalWatch, describe_arrival
 from rallypoint._watch._stragglers._arrivals import MAX_RATIO, is_straggler, judge_arrivals
+from rallypoint.launcher import LaunchConfig
 
 MS = 1_000_000
 
@@ -112,7 +113,7 @@ def test_an_event_that_cannot_be_written_never_ends_the_job(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "events.jsonl"
-    observer = Observer(nproc=1, watch=WatchOptions(events=str(path)), node="h")
+    observer = Observer(nproc=1, watch=LaunchConfig(events=str(path)).watch, node="h")
     try:
         observer.emit("straggler", ratio=math.inf, lag_s={"0": math.nan, "1": [1.5, -math.inf]})
         observer.emit("odd", what=object())

@@ -25,7 +25,6 @@ from rallypoint._supervise._numa import (
     cpu_ranges,
     visible_gpu_count,
 )
-from rallypoint._supervise._options import WorkerOptions
 from rallypoint._supervise._warm._numa_probe import NumaProbeError, find_cpu_sets
 from rallypoint.launcher import LaunchConfig, WarmProcessError, launch
 
@@ -112,7 +111,7 @@ def test_torchs_affinity_mode_is_accepted_as_the_mode(monkeypatch: pytest.Monkey
     from torch.numa.binding import AffinityMode
 
     monkeypatch.setattr(_numa, "visible_gpu_count", lambda visible, dev="/dev": 8)
-    options = WorkerOptions(nproc=2, numa_binding=AffinityMode.CORE_COMPLEX)
+    options = LaunchConfig(nproc=2, numa_binding=AffinityMode.CORE_COMPLEX).workers
     assert options.numa_binding == "core-complex" and type(options.numa_binding) is str
 
 

@@ -35,7 +35,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Target]:
     if args.no_prefix:
         options["prefix"] = None
     target = _target(args)
-    options["shutdown_timeout"] = _shutdown_timeout(options["shutdown_timeout"])
+    shutdown_timeout = _shutdown_timeout(options.pop("shutdown_timeout"))
+    if shutdown_timeout is not None:  # else launch()'s default
+        options["shutdown_timeout"] = shutdown_timeout
     snapshots = _snapshot_env(args)
     if snapshots:
         options["env"] = snapshots
@@ -178,11 +180,12 @@ def _target(args: argparse.Namespace) -> Target:
     return Target(kind, script, tuple(args.training_script_args))
 
 
-def _shutdown_timeout(value: timedelta | None) -> timedelta:
-    """``--shutdown-timeout``, else torch's ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30 s."""
-    if value is not None:
+def _shutdown_timeout(value: timedelta | None) -> timedelta | None:
+    """``--shutdown-timeout``, else torch's ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else
+    ``None`` (``launch()``'s default)."""
+    env = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    if value is not None or env is None:
         return value
-    env = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
     try:
         return timedelta(seconds=duration_type(zero=True)(env))
     except argparse.ArgumentTypeError as exc:

@@ -1,13 +1,15 @@
-"""The option groups of job-level coordination, stored parsed and validated."""
+"""The option groups of job-level coordination, stored parsed and validated.
+
+``LaunchConfig`` declares each option once (its default, its check, its help) and gives
+these groups the checked values; a group checks only the rules between its fields.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
-
-from rallypoint._core.checks import MAX_SECONDS, check_int, check_seconds
 
 __all__ = [
     "BACKENDS",
@@ -29,79 +31,56 @@ BUILTIN_CHECKS = ("builtin:disk", "builtin:gpu", "builtin:store")
 class RestartOptions:
     """What a failure or a hang does to the job."""
 
-    max_restarts: int = 0
+    max_restarts: int
     """Restart the workers this many times after a failure (one budget for the whole job)."""
-    on_hang: Literal["restart", "fail"] = "restart"
+    on_hang: Literal["restart", "fail"]
     """What a hang does: restart the workers (counts as a restart) or fail the job."""
-    max_same_failure: int | None = 3
+    max_same_failure: int | None
     """End the job when the same root cause failed this many attempts in a row (the same
     exception at the same innermost user frame, or the same exit at the same rank);
     ``None``: restart until the budget is spent."""
 
-    max_node_failures: int | None = 2
+    max_node_failures: int | None
     """Exclude a node that was the root cause of this many failures in a row, while the
     others are at least ``min_nodes`` (multi-node jobs); ``None``: never."""
 
-    burn_in: bool = False
+    burn_in: bool
     """After each round forms, time the nodes' links and exclude a node much slower than
     the median (``_elastic._health._burn_in``)."""
 
-    hot_spare: bool = False
+    hot_spare: bool
     """A node that waits as a spare starts its workers ahead: they run the script's set-up
     and wait in their ``@rallypoint.restartable`` function for the ranks of the round that
     admits the node."""
-
-    def __post_init__(self) -> None:
-        for name in ("burn_in", "hot_spare"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        check_int(self.max_restarts, "max_restarts", minimum=0)
-        check_int(self.max_same_failure, "max_same_failure", minimum=1, allow_none=True)
-        check_int(self.max_node_failures, "max_node_failures", minimum=1, allow_none=True)
-        if self.on_hang not in ("restart", "fail"):
-            raise ValueError(f"on_hang must be 'restart' or 'fail', got {self.on_hang!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RendezvousOptions:
     """How the nodes of a job find each other (``nnodes`` parsed: ``min_nodes``, ``max_nodes``)."""
 
-    min_nodes: int = 1
-    max_nodes: int = 1
-    backend: str = "c10d"
+    min_nodes: int
+    max_nodes: int
+    backend: str
     """Rendezvous backend of a multi-node job: ``c10d``, ``etcd``, ``file``, ``static``, or
     an installed plugin's (entry point group ``rallypoint.rendezvous_backends``)."""
-    endpoint: str = ""
+    endpoint: str
     """``HOST:PORT`` of the rendezvous store (a path for ``file``)."""
-    conf: Mapping[str, str] = field(default_factory=dict)
+    conf: Mapping[str, str]
     """Rendezvous options (``join_timeout``, ``last_call_timeout``, ``keep_alive_interval``...)."""
-    node_rank: int | None = None
+    node_rank: int | None
     """This node's rank with the ``static`` backend."""
-    local_addr: str | None = None
+    local_addr: str | None
     """The address this node gives the others (torchrun's ``--local-addr``): the workers'
     ``MASTER_ADDR`` when this node hosts their store (default: its FQDN; on a single
     node ``master_addr``)."""
 
     def __post_init__(self) -> None:
-        lo = check_int(self.min_nodes, "min_nodes", minimum=1)
-        hi = check_int(self.max_nodes, "max_nodes", minimum=lo)
-        check_backend(self.backend, "rdzv_backend")
-        if not isinstance(self.endpoint, str):
-            raise TypeError(
-                f"rdzv_endpoint must be 'HOST:PORT', got {type(self.endpoint).__name__}"
-            )
+        lo, hi = self.min_nodes, self.max_nodes
         if hi > 1 and self.backend != "file" and not self.endpoint:
             raise ValueError(
                 f"nnodes={self.nnodes!r} needs a rendezvous endpoint: pass --rdzv-endpoint "
                 "HOST:PORT (rdzv_endpoint=), the same on every node"
             )
-        if not isinstance(self.conf, Mapping):
-            raise TypeError("rdzv_conf must be a mapping of option names to values")
-        check_int(self.node_rank, "node_rank", allow_none=True)
-        if self.local_addr is not None and (
-            not isinstance(self.local_addr, str) or not self.local_addr.strip()
-        ):
-            raise ValueError(f"local_addr must be a host name or address, got {self.local_addr!r}")
         if self.backend == "static" and hi > 1:
             if self.node_rank is None or not 0 <= self.node_rank < hi:
                 raise ValueError(
@@ -129,27 +108,11 @@ class RendezvousOptions:
 class HealthOptions:
     """What this node checks before it joins a round (``_elastic._health``)."""
 
-    checks: tuple[str, ...] = ()
+    checks: tuple[str, ...]
     """Shell commands (exit 0: healthy) and ``builtin:disk``/``builtin:gpu``/``builtin:store``,
     run in this order before each round this node joins."""
-    timeout: timedelta = timedelta(seconds=60)
+    timeout: timedelta
     """Most time one check may take; a check still running then is killed and fails."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.checks, str) or not all(isinstance(c, str) for c in self.checks):
-            raise TypeError(f"health_check must be a list of commands, got {self.checks!r}")
-        for check in self.checks:
-            if not check.strip():
-                raise ValueError(
-                    "health_check needs a shell command or one of "
-                    f"{', '.join(BUILTIN_CHECKS)}, got {check!r}"
-                )
-            if check.strip().startswith("builtin:") and check.strip() not in BUILTIN_CHECKS:
-                raise ValueError(
-                    f"unknown health check {check.strip()!r}; the built-in checks are "
-                    f"{', '.join(BUILTIN_CHECKS)}"
-                )
-        check_seconds(self.timeout, "health_check_timeout", maximum=MAX_SECONDS)
 
 
 def check_backend(name: object, what: str) -> str:

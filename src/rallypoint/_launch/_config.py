@@ -1,13 +1,13 @@
 """``LaunchConfig``: every option of ``rallypoint.launch`` and ``rallypoint run``, each
-declared once, as a field whose metadata carries its flag (spellings, ``PET_`` variable,
-help) and the option group that stores it (``_option``).
+declared once, as a field whose metadata carries its default, its check, its flag
+(spellings, ``PET_`` variable, help) and the option group that stores it (``_option``).
 
 Users (and the CLI) pass flat options, ``LaunchConfig(nproc=4, nnodes="2:4", ...)``; the
 config stores them parsed, in one small validated group per concern (``workers``,
 ``output``, ``stop``, ``world``, ``watch``, ``restarts``, ``rendezvous``, ``health``), each
 defined by the part that reads it, and every flat option reads back parsed
-(``config.preload``: a tuple). Bad values raise ``ValueError``/``TypeError`` naming the
-flat option. The options themselves: docs/launcher.md.
+(``config.preload``: a tuple); the groups take the checked values as they are. Bad values
+raise ``ValueError``/``TypeError`` naming the flat option. The options: docs/launcher.md.
 """
 
 # option() makes a dataclass field, as dataclasses.field() does:
@@ -21,13 +21,9 @@ from datetime import timedelta
 from typing import Any, Literal, Self, TypeAlias
 
 from rallypoint._core.checks import MAX_SECONDS
-from rallypoint._elastic._options import (
-    HealthOptions,
-    RendezvousOptions,
-    RestartOptions,
-)
+from rallypoint._elastic._options import HealthOptions, RendezvousOptions, RestartOptions
 from rallypoint._launch import _values as values
-from rallypoint._launch._option import UNSET, Option, declared, flag, option
+from rallypoint._launch._option import Option, declared, flag, option, store
 from rallypoint._supervise._numa import NUMA_MODES
 from rallypoint._supervise._options import (
     DEFAULT_PREFIX,
@@ -36,9 +32,10 @@ from rallypoint._supervise._options import (
     StopOptions,
     WorkerOptions,
     WorldOptions,
-    parse_std_spec,
 )
-from rallypoint._watch._observer import WatchOptions
+from rallypoint._watch._flight._recorder import DEFAULT_BUFFER
+from rallypoint._watch._observer import SETUP_FACTOR, SETUP_MINIMUM, WatchOptions
+from rallypoint._watch._stragglers._pace import DEFAULT_THRESHOLD, WINDOW_S
 
 __all__ = ["DEFAULT_PREFIX", "OPTION_NAMES", "LaunchConfig", "LaunchOptions"]
 
@@ -70,31 +67,31 @@ _FILTERS_HELP = (
 class LaunchConfig:
     """Options of a launch; the CLI flag with the same name (``-`` for ``_``) sets each.
 
-    ``LaunchConfig(**options)`` takes the flat options below (each left out keeps its
-    group's default) and stores them parsed in the groups (see the module docstring).
+    ``LaunchConfig(**options)`` takes the flat options below (each left out takes its
+    declared default) and stores them checked in the groups (see the module docstring).
     """
 
     # ------------------------------------------------------------ nodes and rendezvous
     nnodes: str | int = option(
         "rendezvous",
+        default="1:1",
         attr=("min_nodes", "max_nodes"),
         parse=values.as_nnodes,
         read=lambda rendezvous: rendezvous.nnodes,
         flag=flag(
-            "--nnodes",
-            section=_NODES,
-            default="1:1",
-            help="nodes: N or MIN:MAX (elastic between MIN and MAX)",
+            "--nnodes", section=_NODES, help="nodes: N or MIN:MAX (elastic between MIN and MAX)"
         ),
     )
     """``N`` or ``MIN:MAX``."""
     rdzv_backend: str = option(
         "rendezvous",
+        default="c10d",
         attr="backend",
+        parse=values.as_backend,
         flag=flag(
             "--rdzv-backend",
             "--rdzv_backend",
-            default="static",
+            default="static",  # torchrun's
             value=values.rdzv_backend,
             help="rendezvous backend of a multi-node job: c10d, etcd, etcd-v3, file, static, "
             "or an installed plugin's",
@@ -102,47 +99,51 @@ class LaunchConfig:
     )
     rdzv_endpoint: str = option(
         "rendezvous",
+        default="",
         attr="endpoint",
-        flag=flag("--rdzv-endpoint", "--rdzv_endpoint", default="", help="HOST:PORT of the store"),
+        parse=values.as_endpoint,
+        flag=flag("--rdzv-endpoint", "--rdzv_endpoint", help="HOST:PORT of the store"),
     )
     run_id: str | None = option(
         "world",
+        parse=values.as_run_id,
         flag=flag(
-            "--rdzv-id",
-            "--rdzv_id",
-            default="none",
-            value=values.run_id,
-            help="job id (TORCHELASTIC_RUN_ID)",
+            "--rdzv-id", "--rdzv_id", value=values.run_id, help="job id (TORCHELASTIC_RUN_ID)"
         ),
     )
     rdzv_conf: Mapping[str, str] = option(
         "rendezvous",
+        default={},
         attr="conf",
+        parse=values.as_conf,
         flag=flag(
             "--rdzv-conf",
             "--rdzv_conf",
-            default="",
             value=values.key_values,
             help="rendezvous options: k=v,k=v",
         ),
     )
     max_restarts: int = option(
         "restarts",
-        flag=flag("--max-restarts", "--max_restarts", default=0, type=int, help="group restarts"),
+        default=0,
+        parse=values.count(0),
+        flag=flag("--max-restarts", "--max_restarts", type=int, help="group restarts"),
     )
     max_same_failure: int | None = option(
         "restarts",
+        default=3,
+        parse=values.count(1, none=True),
         flag=flag(
             "--max-same-failure",
             "--max_same_failure",
-            default="3",
             value=values.count_or_off,
             help="end the job when the same root cause failed N attempts in a row, or off "
-            "(default 3)",
+            "(default {default})",
         ),
     )
     hot_spare: bool = option(
         "restarts",
+        default=False,
         flag=flag(
             "--hot-spare",
             "--hot_spare",
@@ -153,10 +154,11 @@ class LaunchConfig:
     )
     spare_workers: int = option(
         "workers",
+        default=0,
+        parse=values.count(0),
         flag=flag(
             "--spare-workers",
             "--spare_workers",
-            default=0,
             type=int,
             help="keep N extra workers that ran the script's set-up ready to take a replaced "
             "rank's place in an in-process restart (@rallypoint.restartable)",
@@ -164,6 +166,7 @@ class LaunchConfig:
     )
     burn_in: bool = option(
         "restarts",
+        default=False,
         flag=flag(
             "--burn-in",
             "--burn_in",
@@ -174,33 +177,33 @@ class LaunchConfig:
     )
     max_node_failures: int | None = option(
         "restarts",
+        default=2,
+        parse=values.count(1, none=True),
         flag=flag(
             "--max-node-failures",
             "--max_node_failures",
-            default="2",
             value=values.count_or_off,
             help="exclude a node that was the root cause of K failures in a row while MIN "
-            "nodes remain, or off (default 2)",
+            "nodes remain, or off (default {default})",
         ),
     )
     monitor_interval: timedelta = option(
         "stop",
+        default=timedelta(seconds=0.1),
         flag=flag(
-            "--monitor-interval",
-            "--monitor_interval",
-            default=0.1,
-            seconds=MAX_MONITOR_INTERVAL,
-            help="seconds",
+            "--monitor-interval", "--monitor_interval", seconds=MAX_MONITOR_INTERVAL, help="seconds"
         ),
     )
     node_rank: int | None = option(
         "rendezvous",
-        flag=flag(
+        parse=values.count(none=True),
+        flag=flag(  # torchrun's default
             "--node-rank", "--node_rank", default=0, type=int, help="node rank (static backend)"
         ),
     )
     local_addr: str | None = option(
         "rendezvous",
+        parse=values.as_local_addr,
         flag=flag(
             "--local-addr",
             "--local_addr",
@@ -211,46 +214,51 @@ class LaunchConfig:
     # ------------------------------------------------------------------------ workers
     nproc: int = option(
         "workers",
+        default=1,
+        parse=values.count(1),
         flag=flag(
             "--nproc-per-node",
             "--nproc_per_node",
             section="workers",
-            default="1",
             value=values.parse_nproc,
             help="workers: int, cpu, gpu, auto",
         ),
     )
     start_method: Literal["fork", "spawn"] = option(
         "workers",
+        default="fork",
+        parse=values.one_of("fork", "spawn"),
         flag=flag(
             "--start-method",
             "--start_method",
-            default="fork",
             choices=("fork", "spawn", "forkserver"),
             value=values.fork_or_spawn,
             help="fork from the warm process (default) or spawn fresh interpreters",
         ),
     )
     role: str = option(
-        "workers", flag=flag("--role", default="default", help="worker role (ROLE_NAME)")
+        "workers",
+        default="default",
+        parse=values.as_role,
+        flag=flag("--role", help="worker role (ROLE_NAME)"),
     )
     signals_to_handle: str = option(
         "stop",
+        default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         parse=values.as_signals,
         read=lambda stop: ",".join(stop.signals_to_handle),
         flag=flag(
-            "--signals-to-handle",
-            "--signals_to_handle",
-            default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-            help="signals forwarded to the workers",
+            "--signals-to-handle", "--signals_to_handle", help="signals forwarded to the workers"
         ),
     )
     """The signals forwarded to the workers, as on the command line."""
     shutdown_timeout: timedelta = option(
         "stop",
+        default=timedelta(seconds=30),
         flag=flag(
             "--shutdown-timeout",
             "--shutdown_timeout",
+            default=None,  # torch's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else this default (_cli)
             seconds=MAX_SECONDS,
             zero=True,
             help="seconds",
@@ -258,17 +266,18 @@ class LaunchConfig:
     )
     restart_grace: timedelta = option(
         "stop",
+        default=timedelta(seconds=10),
         flag=flag(
             "--restart-grace",
             "--restart_grace",
-            default=10.0,
             seconds=MAX_SECONDS,
             help="seconds a worker of a @rallypoint.restartable function has to leave it when "
-            "the job restarts in process; one that does not is replaced (default 10)",
+            "the job restarts in process; one that does not is replaced (default {default})",
         ),
     )
     virtual_local_rank: bool = option(
         "workers",
+        default=False,
         flag=flag(
             "--virtual-local-rank",
             "--virtual_local_rank",
@@ -279,6 +288,7 @@ class LaunchConfig:
     )
     numa_binding: Literal["node", "socket", "exclusive", "core-complex"] | None = option(
         "workers",
+        parse=values.as_numa_mode,
         flag=flag(
             "--numa-binding",
             "--numa_binding",
@@ -295,25 +305,15 @@ class LaunchConfig:
     )
     redirects: str | int | Mapping[int, int] = option(
         "output",
-        parse=parse_std_spec,
-        flag=flag(
-            "-r",
-            "--redirects",
-            default="0",
-            value=values.text,
-            help=_STDIO_HELP.format("files only"),
-        ),
+        default=0,
+        parse=values.as_std_spec,
+        flag=flag("-r", "--redirects", value=values.text, help=_STDIO_HELP.format("files only")),
     )
     tee: str | int | Mapping[int, int] = option(
         "output",
-        parse=parse_std_spec,
-        flag=flag(
-            "-t",
-            "--tee",
-            default="0",
-            value=values.text,
-            help=_STDIO_HELP.format("files and console"),
-        ),
+        default=0,
+        parse=values.as_std_spec,
+        flag=flag("-t", "--tee", value=values.text, help=_STDIO_HELP.format("files and console")),
     )
     local_ranks_filter: Iterable[int] | None = option(
         "output",
@@ -321,14 +321,14 @@ class LaunchConfig:
         flag=flag(
             "--local-ranks-filter",
             "--local_ranks_filter",
-            default="",
             value=values.local_ranks,
             help="show only these local ranks on the console, e.g. 0,1",
         ),
     )
     duplicate_stdout_filters: Iterable[str] = option(
         "output",
-        parse=values.as_tuple,
+        default=(),
+        parse=values.as_filters,
         flag=flag(
             "--duplicate-stdout-filters",
             "--duplicate_stdout_filters",
@@ -338,7 +338,8 @@ class LaunchConfig:
     )
     duplicate_stderr_filters: Iterable[str] = option(
         "output",
-        parse=values.as_tuple,
+        default=(),
+        parse=values.as_filters,
         flag=flag(
             "--duplicate-stderr-filters",
             "--duplicate_stderr_filters",
@@ -349,32 +350,33 @@ class LaunchConfig:
     # -------------------------------------------------------------- single-node store
     master_addr: str = option(
         "world",
+        default="127.0.0.1",
+        parse=values.as_host,
         flag=flag(
-            "--master-addr",
-            "--master_addr",
-            section="single-node store",
-            default="127.0.0.1",
-            help="store address",
+            "--master-addr", "--master_addr", section="single-node store", help="store address"
         ),
     )
     master_port: int | None = option(
         "world",
+        parse=values.count(0, maximum=65535, none=True),
         flag=flag("--master-port", "--master_port", type=int, help="store port (free if unset)"),
     )
     # ---------------------------------------------------------------------- rallypoint
     preload: tuple[str, ...] | str = option(
         "workers",
+        default="",
         parse=values.as_modules,
         flag=flag(
             "--preload",
             section="rallypoint",
-            default="",
             value=values.module_names,
             help="modules the warm process imports: a,b",
         ),
     )
     prefix: str | None = option(
         "output",
+        default=DEFAULT_PREFIX,
+        parse=values.as_text,
         flag=flag(
             "--prefix",
             default=lambda: os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", DEFAULT_PREFIX),
@@ -400,49 +402,53 @@ class LaunchConfig:
             "--setup_timeout",
             seconds=MAX_SECONDS,
             help="with --hang-timeout: while a worker has not called rallypoint.progress() yet "
-            "in an attempt (its set-up), the hang is no progress for SECONDS (default 5 times "
-            "--hang-timeout, at least 60)",
+            f"in an attempt (its set-up), the hang is no progress for SECONDS (default "
+            f"{SETUP_FACTOR} times --hang-timeout, at least {SETUP_MINIMUM:g})",
         ),
     )
     on_hang: Literal["restart", "fail"] = option(
         "restarts",
+        default="restart",
+        parse=values.one_of("restart", "fail"),
         flag=flag(
             "--on-hang",
             "--on_hang",
-            default="restart",
             choices=("restart", "fail"),
             help="after printing the stacks of a hang: restart (counts as one) or fail",
         ),
     )
     events: str | os.PathLike[str] | None = option(
         "watch",
-        parse=values.as_path,
+        parse=values.as_events,
         flag=flag("--events", help="append the job's events (JSON lines) to FILE"),
     )
     straggler_threshold: float | str | None = option(
         "watch",
+        default=DEFAULT_THRESHOLD,
+        parse=values.as_threshold,
         flag=flag(
             "--straggler-threshold",
             "--straggler_threshold",
-            default="1.5",
             value=values.threshold,
             help="report a rank or node whose step time (between rallypoint.progress() calls) "
             "exceeds this many times the median of the others: a number > 1, or off "
-            "(default 1.5)",
+            "(default {default})",
         ),
     )
     straggler_window: timedelta | float = option(
         "watch",
+        default=timedelta(seconds=WINDOW_S),
+        parse=values.as_window,
         flag=flag(
             "--straggler-window",
             "--straggler_window",
-            default=30.0,
             seconds=MAX_SECONDS,
-            help="seconds of recent steps a step time is averaged over (default 30)",
+            help="seconds of recent steps a step time is averaged over (default {default})",
         ),
     )
     health_check: Sequence[str] | str = option(
         "health",
+        default=(),
         attr="checks",
         parse=values.as_checks,
         flag=flag(
@@ -457,36 +463,38 @@ class LaunchConfig:
     )
     health_check_timeout: timedelta | float = option(
         "health",
+        default=timedelta(seconds=60),
         attr="timeout",
-        parse=values.as_seconds,
+        parse=values.as_health_timeout,
         flag=flag(
             "--health-check-timeout",
             "--health_check_timeout",
-            default=60.0,
             seconds=MAX_SECONDS,
             value=values.positive,
-            help="seconds one health check may take before it is killed and fails (default 60)",
+            help="seconds one health check may take before it is killed and fails "
+            "(default {default})",
         ),
     )
     flight_recorder: int | str | None = option(
         "watch",
+        default=DEFAULT_BUFFER,
+        parse=values.as_buffer,
         flag=flag(
             "--flight-recorder",
             "--flight_recorder",
-            default="2000",
             value=values.buffer,
             help="collectives each worker's torch Flight Recorder keeps, used to name the rank "
-            "and collective of a hang: a number, or off (default 2000; TORCH_FR_BUFFER_SIZE "
-            "wins)",
+            "and collective of a hang: a number, or off (default {default}; "
+            "TORCH_FR_BUFFER_SIZE wins)",
         ),
     )
     # ------------------------------------------------------------ launch() and the API
-    env: Mapping[str, str] = option("workers")
+    env: Mapping[str, str] = option("workers", default={}, parse=values.as_env)
     """Extra environment variables for the workers."""
-    cwd: str | os.PathLike[str] | None = option("workers", parse=values.as_path)
-    rank_offset: int = option("world")
-    world_size: int | None = option("world")
-    parallel: object | None = option(None, default=None)
+    cwd: str | os.PathLike[str] | None = option("workers", parse=values.as_cwd)
+    rank_offset: int = option("world", default=0, parse=values.count(0))
+    world_size: int | None = option("world", parse=values.count(1, none=True))
+    parallel: object | None = option(None)
     """A ``rallypoint.distributed`` parallel layout: ``launch`` then wraps ``fn`` with
     ``rallypoint.distributed.parallel_worker(fn, parallel)``."""
 
@@ -507,23 +515,7 @@ class LaunchConfig:
         return object.__new__(cls)
 
     def __post_init__(self) -> None:
-        init = object.__setattr__
-        for group, make in _GROUPS.items():
-            kwargs: dict[str, Any] = {}
-            for name, opt in _DECLARED:
-                value = getattr(self, name)
-                if opt.group != group or value is UNSET:
-                    continue
-                parsed = value if opt.parse is None else opt.parse(value, name)
-                attr = opt.attr or name
-                kwargs.update(
-                    zip(attr, parsed, strict=True) if isinstance(attr, tuple) else {attr: parsed}
-                )
-            init(self, group, make(**kwargs))
-        for name, opt in _DECLARED:
-            if opt.group is not None:
-                part, attr = getattr(self, opt.group), opt.attr or name
-                init(self, name, opt.read(part) if opt.read else getattr(part, str(attr)))
+        store(self, _DECLARED, _GROUPS)
         self._check_together()
 
     def _check_together(self) -> None:

@@ -27,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from rallypoint._core.checks import MAX_SECONDS, check_int, check_seconds
+from rallypoint._core.checks import check_int
 from rallypoint._core.closing import Closing
 from rallypoint._core.envvars import EVENTS_FILE, EVENTS_NODE
 from rallypoint._core.procs import pid_running
@@ -38,19 +38,11 @@ from rallypoint._watch._flight._final import (
     remove_final_traces,
 )
 from rallypoint._watch._flight._recorder import (
-    DEFAULT_BUFFER,
     FlightRequest,
     flight_recorder_env,
-    parse_buffer,
     remove_flight_files,
 )
 from rallypoint._watch._stacks import StackDump, collect_stacks, remove_dump_file, stacks_env
-from rallypoint._watch._stragglers._pace import (
-    DEFAULT_THRESHOLD,
-    WINDOW_S,
-    check_window,
-    parse_threshold,
-)
 from rallypoint._watch._stragglers._watch import StragglerWatch
 from rallypoint.observe import EventLog, ProgressBoard
 
@@ -72,43 +64,36 @@ issuing frames (torch's first takes about a second; without frames, milliseconds
 class WatchOptions:
     """What the agent watches besides exits (``LaunchConfig`` options of the same names)."""
 
-    hang_timeout: timedelta | None = None
+    hang_timeout: timedelta | None
     """No progress from any worker for this long is a hang (``None``: not watched)."""
-    setup_timeout: timedelta | None = None
+    setup_timeout: timedelta | None
     """The bound of a hang while a worker has not reported progress yet in the attempt (it
     is in its set-up: imports, data, a first step that compiles); ``None``:
     :data:`SETUP_FACTOR` times ``hang_timeout``, at least :data:`SETUP_MINIMUM` seconds."""
-    events: str | None = None
+    events: str | None
     """Append the job's events (JSON lines) to this file; ``rallypoint report`` draws them."""
-    straggler_threshold: float | None = DEFAULT_THRESHOLD
+    straggler_threshold: float | None
     """A rank (or node) whose step time exceeds this many times the median of the others'
     is reported once (``None``, also given as ``"off"``: not watched)."""
-    straggler_window: timedelta = timedelta(seconds=WINDOW_S)
+    straggler_window: timedelta
     """Step times are averaged over this much recent history (at least 5 steps)."""
-    flight_recorder: int | str | None = DEFAULT_BUFFER
-    """Collectives each worker's Flight Recorder keeps (``None``, also ``"off"``: none);
-    the user's own ``TORCH_FR_BUFFER_SIZE`` wins."""
+    flight_recorder: int | None
+    """Collectives each worker's Flight Recorder keeps (``None``: none); the user's own
+    ``TORCH_FR_BUFFER_SIZE`` wins."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "flight_recorder", parse_buffer(self.flight_recorder))
-        hang = check_seconds(
-            self.hang_timeout, "hang_timeout", allow_none=True, maximum=MAX_SECONDS
-        )
-        setup = check_seconds(
-            self.setup_timeout, "setup_timeout", allow_none=True, maximum=MAX_SECONDS
-        )
+        hang = _seconds(self.hang_timeout)
+        setup = _seconds(self.setup_timeout)
         if setup is not None and hang is None:
             raise ValueError("setup_timeout bounds a hang in the set-up: set hang_timeout too")
         if setup is not None and hang is not None and setup < hang:
             raise ValueError(
                 f"setup_timeout must be at least hang_timeout ({hang:g} s), got {setup:g} s"
             )
-        threshold = parse_threshold(self.straggler_threshold)
-        object.__setattr__(self, "straggler_threshold", threshold)
-        window = check_window(self.straggler_window)
-        object.__setattr__(self, "straggler_window", timedelta(seconds=window))
-        if self.events is not None and not isinstance(self.events, str):
-            raise TypeError(f"events must be a path, got {type(self.events).__name__}")
+
+
+def _seconds(value: timedelta | None) -> float | None:
+    return None if value is None else value.total_seconds()
 
 
 def _json_safe(value: Any) -> Any:
