@@ -43,8 +43,8 @@ class Stopper:
         self.grace = shutdown_timeout.total_seconds()
         self.store_pid = 0
         self.snapshot_pid = 0
-        self.spare_workers: set[int] = set()
-        """Pids of the spare workers (``--spare-workers``): left alone unless targeted.
+        self.spare_pids: set[int] = set()
+        """Pids of the spare workers that wait for a rank: left alone unless targeted.
         Set by the spare pool alone (``_inprocess._spares``)."""
 
     def stop(
@@ -75,7 +75,7 @@ class Stopper:
         it was signalled twice could cut its own checkpoint short). The trees of ``spare``
         (workers kept for an in-process restart) are left alone."""
         kept = {w.pid for w in spare if w.status is None}
-        kept |= self.spare_workers - {w.pid for w in workers}
+        kept |= self.spare_pids - {w.pid for w in workers}
         groups = set()
         for w in workers:
             if w.pid in kept:

@@ -5,8 +5,8 @@ Workers that entered ``@rallypoint.restartable`` say so on their control channel
 (``_worker_side._control``). When the attempt fails and the caller has restarts left, only
 the failed rank must go: the others are told to leave their function (``Interrupt``) and
 the attempt ends once each has parked (kept for the next attempt) or exited. One still inside its
-function ``restart_grace`` seconds later, or one that never entered a restartable
-function, is killed and replaced. An exception a worker's function raises is its own
+function once the restart's grace (``--restart-grace``) is over, or one that never entered a
+restartable function, is killed and replaced. An exception a worker's function raises is its own
 failure unless the attempt is restarting already or it says a peer vanished (then it
 waits for the failure that caused it, as an exit does).
 """
@@ -201,7 +201,7 @@ class InProcess:
         Once any worker said it runs a restartable function, one that has not said so yet
         is still in the script's set-up (a replacement, say): it is told too, and finds
         the message when it reaches the function, which it then leaves at once (within
-        ``restart_grace``, or it is replaced). The store is emptied
+        the restart's grace, or it is replaced). The store is emptied
         :data:`STORE_RESET_AFTER` seconds later."""
         assert self.grace is not None
         self.restarting = Restarting(reason, now + self.grace)

@@ -62,7 +62,7 @@ class SparePool:
         """The one place the waiting spares change: the stopper leaves them alone unless
         they are its targets."""
         self._waiting = waiting
-        self.stopper.spare_workers = {w.pid for w in waiting}
+        self.stopper.spare_pids = {w.pid for w in waiting}
 
     def top_up(self, group: GroupInfo) -> None:
         """Fork spares until ``count`` of them run or wait."""
