@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 
 from rallypoint._elastic._coordinator import Coordinator
-from rallypoint._elastic._policy import ElasticPolicy
+from rallypoint._elastic._monitor_tick import ElasticPolicy
 from rallypoint._elastic._protocols import NodeSupervisor
 from rallypoint._elastic._rendezvous import run_store_namespace
 from rallypoint._elastic._rendezvous_rounds import RendezvousRounds
 from rallypoint._elastic._stores import RunStore
-from rallypoint._supervise._policy import AttemptPolicy
 from rallypoint._supervise._state import Failure, GroupInfo, Outcome, OutcomeKind
+from rallypoint._supervise._stop_reasons import AttemptPolicy
 from rallypoint._watch._observer import Observer
 from rallypoint.launcher import (
     HangError,

@@ -10,9 +10,10 @@ behind the ``NodeSupervisor`` Protocol (``_protocols``), and runs it attempt aft
 - ``_rendezvous_rounds``: ``RendezvousRounds``, a node of a multi-node job, through a
   :mod:`rallypoint.rendezvous` handler (only its public API);
 - ``_one_node``: ``OneNode``, a single-node launch (a static world, its records in memory);
-- ``_policy``: what an elastic attempt checks each monitor tick, and the job-wide hang;
-- ``_job``, ``_round``, ``_stores``, ``_records``: the run and the round, their store keys
-  and the typed records the nodes exchange; ``_verdict``: the same error on every node;
+- ``_monitor_tick``: what an elastic attempt checks each monitor tick, and the job-wide hang;
+- ``_round``: the round and the restart policy (an outcome to the round's one decision);
+  ``_job``, ``_stores``, ``_records``: the run, the store keys and the typed records the
+  nodes exchange; ``_verdict``: the same error on every node;
   ``_signature``: when two failures are the same (futile restarts);
 - ``_health/``: keeping bad nodes out: health checks, the burn-in and the exclusion list;
   ``_exits``: their exit statuses; ``_errors``: the rendezvous, exclusion and health errors;

@@ -3,8 +3,8 @@
 Every node runs the same loop: run the health checks (``_health``), join a round (its
 :class:`Membership`: the rendezvous of a multi-node job, ``_rendezvous_rounds``, or a
 world of its own, ``_one_node``), run the local workers under the membership's policy,
-and, on a failure, let the first node to claim the round spend one restart of the job's
-budget and decide for everyone (``_round``: the one restart policy; a job of one node
+and hand the outcome to the round (``_round``: the one restart policy, from an outcome to
+a decision; the first node to claim the round decides for everyone, and a job of one node
 claims its own rounds). Membership changes restart without spending budget; an agent
 that keeps being the root cause is excluded (``_exclusion``). When every node's workers
 succeeded the job's status is written and the rendezvous is closed; a failed job raises
@@ -25,12 +25,11 @@ from rallypoint._elastic._errors import RendezvousFailedError
 from rallypoint._elastic._health._checks import HealthChecks
 from rallypoint._elastic._health._exclusion import leave_excluded
 from rallypoint._elastic._job import Job
+from rallypoint._elastic._monitor_tick import MEMBERSHIP_CHANGED
 from rallypoint._elastic._options import RestartOptions
-from rallypoint._elastic._policy import MEMBERSHIP_CHANGED
 from rallypoint._elastic._protocols import NodeSupervisor
 from rallypoint._elastic._records import Action, Decision, FailureRecord
 from rallypoint._elastic._round import Round
-from rallypoint._elastic._signature import failure_signature
 from rallypoint._elastic._verdict import raise_failure, root_cause
 from rallypoint._supervise._errors import (
     LaunchError,
@@ -38,9 +37,9 @@ from rallypoint._supervise._errors import (
     LaunchTimeoutError,
 )
 from rallypoint._supervise._output import write_console
-from rallypoint._supervise._policy import AttemptPolicy
 from rallypoint._supervise._state import Failure, Outcome, OutcomeKind, in_process_line
 from rallypoint._supervise._stop import INTERRUPT_GRACE
+from rallypoint._supervise._stop_reasons import AttemptPolicy
 from rallypoint._supervise._summary import peer_vanished
 from rallypoint._watch._observer import Observer
 from rallypoint._watch._stragglers._watch import StragglerWatch
@@ -245,7 +244,7 @@ class Coordinator:
             case OutcomeKind.SIGNAL:
                 raise LaunchInterruptedError(_signal_line(outcome), signum=outcome.signum)
             case OutcomeKind.TIMEOUT:
-                rnd.claim("the job ran past --timeout", spend=True, force_fail=True)
+                self._judge(rnd, outcome)
                 raise LaunchTimeoutError(
                     f"the job did not finish within {self.timeout}; its workers were killed"
                 )
@@ -253,14 +252,15 @@ class Coordinator:
                 raise RendezvousFailedError(outcome.reason + "; stopped this node's workers")
             case OutcomeKind.FAILED | OutcomeKind.BAD_TARGET | OutcomeKind.FATAL:
                 assert outcome.failure is not None
-                self._on_failure(rnd, outcome.failure, outcome.kind)
+                self._publish_failure(rnd, outcome.failure)
+                if not self._peer_loss(rnd, outcome.failure):  # else a restart is decided
+                    self._judge(rnd, outcome)
             case OutcomeKind.OK:
                 if self._wait_job_done(rnd):
                     self._finish(rnd, JobStatus.SUCCEEDED)
                     return True
-            case OutcomeKind.HANG:  # a multi-node job's policy claimed it already
-                fail = self.restarts.on_hang == "fail"
-                rnd.claim(outcome.reason, spend=True, force_fail=fail)
+            case OutcomeKind.HANG:
+                self._judge(rnd, outcome)
             case OutcomeKind.RESTART:
                 pass  # the round is decided already
         decision = rnd.decision()
@@ -272,7 +272,10 @@ class Coordinator:
             return False
         self._fail(rnd, outcome, decision)
 
-    def _on_failure(self, rnd: Round, failure: Failure, kind: OutcomeKind) -> None:
+    def _judge(self, rnd: Round, outcome: Outcome) -> None:
+        rnd.judge(outcome, host=self.supervisor.host, one_node=self.membership.one_node)
+
+    def _publish_failure(self, rnd: Round, failure: Failure) -> None:
         w = failure.worker
         host = self.supervisor.host
         rnd.store.publish_failure(
@@ -288,19 +291,6 @@ class Coordinator:
                 detail=w.detail,
                 traceback=failure.traceback,
             )
-        )
-        if self._peer_loss(rnd, failure):
-            return  # a restart is decided: follow it
-        fatal = kind is OutcomeKind.FATAL
-        one_node = self.membership.one_node
-        rnd.claim(
-            f"rank {w.rank} {w.detail}" if one_node else f"rank {w.rank} on {host} {w.detail}",
-            spend=True,
-            force_fail=kind is OutcomeKind.BAD_TARGET or fatal,
-            signature=failure_signature(w.rank, w.detail, failure.traceback),
-            note=f"rank {w.rank} raised FatalError; not restarting" if fatal else "",
-            node="" if one_node else self.job.node,  # one node is never excluded
-            host=host,
         )
 
     def _peer_loss(self, rnd: Round, failure: Failure) -> bool:

@@ -20,8 +20,8 @@ from rallypoint._elastic._protocols import NodeSupervisor
 from rallypoint._elastic._round import Round
 from rallypoint._elastic._stores import RoundStore, prefixed
 from rallypoint._supervise._options import WorldOptions
-from rallypoint._supervise._policy import AttemptPolicy, LocalPolicy
 from rallypoint._supervise._state import GroupInfo
+from rallypoint._supervise._stop_reasons import AttemptPolicy, LocalPolicy
 from rallypoint._watch._observer import Observer
 from rallypoint._watch._stragglers._watch import StragglerWatch
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from rallypoint._supervise._policy import AttemptPolicy
 from rallypoint._supervise._state import GroupInfo, Outcome
+from rallypoint._supervise._stop_reasons import AttemptPolicy
 
 __all__ = ["NodeSupervisor"]
 

@@ -17,16 +17,16 @@ from rallypoint._elastic._errors import RendezvousFailedError
 from rallypoint._elastic._health._burn_in import measure, slow_node
 from rallypoint._elastic._health._exclusion import say_host_exclusions
 from rallypoint._elastic._job import Job, interruptible
+from rallypoint._elastic._monitor_tick import ElasticPolicy
 from rallypoint._elastic._options import RestartOptions
-from rallypoint._elastic._policy import ElasticPolicy
 from rallypoint._elastic._protocols import NodeSupervisor
 from rallypoint._elastic._records import NodeRecord
 from rallypoint._elastic._round import Round
 from rallypoint._elastic._stores import RoundStore, prefixed
 from rallypoint._supervise._errors import LaunchInterruptedError
 from rallypoint._supervise._output import write_console
-from rallypoint._supervise._policy import AttemptPolicy
 from rallypoint._supervise._state import GroupInfo
+from rallypoint._supervise._stop_reasons import AttemptPolicy
 from rallypoint._watch._observer import Observer
 from rallypoint._watch._stacks_exchange import publish_node_count
 from rallypoint._watch._stragglers._watch import StragglerWatch

@@ -1,9 +1,12 @@
-"""One round of an elastic job as this node sees it, and the one decision about its fate.
+"""One round of a job as this node sees it, and the restart policy: the one decision
+about the round's fate.
 
-The first node to ``claim()`` the round decides it; the decision is written by
-compare-and-set, so that when the claiming node is lost before it writes one (its
-heartbeats stop), another node can write a restart instead and nobody waits out the
-store's ``read_timeout`` (:meth:`Round.decision`).
+:meth:`Round.judge` turns the outcome of this node's attempt into a claim (what it spends,
+whether it must end the job); :meth:`Round.claim` applies the budget, the same-failure
+limit and the exclusion of a node that keeps failing. The first node to claim the round
+decides it; the decision is written by compare-and-set, so that when the claiming node is
+lost before it writes one (its heartbeats stop), another node can write a restart instead
+and nobody waits out the store's ``read_timeout`` (:meth:`Round.decision`).
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from dataclasses import dataclass, field
 from rallypoint._elastic._errors import RendezvousFailedError
 from rallypoint._elastic._job import Job
 from rallypoint._elastic._records import Action, Decision, ExclusionRecord
-from rallypoint._elastic._signature import repeated_line
+from rallypoint._elastic._signature import failure_signature, repeated_line
 from rallypoint._elastic._stores import RoundStore
-from rallypoint._supervise._state import GroupInfo
+from rallypoint._supervise._state import GroupInfo, Outcome, OutcomeKind
 
 __all__ = ["TAKEOVER_AFTER", "Round"]
 
@@ -45,6 +48,34 @@ class Round:
     @property
     def group_rank(self) -> int:
         return self.group.group_rank
+
+    def judge(self, outcome: Outcome, *, host: str, one_node: bool) -> None:
+        """Claim the round for the outcome of this node's attempt (the first claim wins):
+        a timeout ends the job; a failure spends a restart, unless it cannot be restarted
+        (a bad target, ``FatalError``); a hang spends one or ends the job (``on_hang``).
+        A failure names this node (on ``host``) for the exclusion rule, unless the job has
+        ``one_node`` (never excluded). Other outcomes claim nothing here: a signal or a
+        lost store ends this node, a success waits for the others, a restart was decided
+        already, and a membership change claims without spending (the caller's)."""
+        kind = outcome.kind
+        if kind is OutcomeKind.TIMEOUT:
+            self.claim("the job ran past --timeout", spend=True, force_fail=True)
+        elif kind is OutcomeKind.HANG:  # a multi-node job's policy claimed it already
+            fail = self.job.restarts.on_hang == "fail"
+            self.claim(outcome.reason, spend=True, force_fail=fail)
+        elif kind in (OutcomeKind.FAILED, OutcomeKind.BAD_TARGET, OutcomeKind.FATAL):
+            assert outcome.failure is not None
+            failure, fatal = outcome.failure, kind is OutcomeKind.FATAL
+            w = failure.worker
+            self.claim(
+                f"rank {w.rank} {w.detail}" if one_node else f"rank {w.rank} on {host} {w.detail}",
+                spend=True,
+                force_fail=kind is OutcomeKind.BAD_TARGET or fatal,
+                signature=failure_signature(w.rank, w.detail, failure.traceback),
+                note=f"rank {w.rank} raised FatalError; not restarting" if fatal else "",
+                node="" if one_node else self.job.node,
+                host=host,
+            )
 
     def claim(
         self,

@@ -12,8 +12,9 @@ modules directly; its public names (the errors) are re-exported by
 - ``_starter``: an attempt's worker specs, pipes and output files; ``_worker`` /
   ``_spawn_entry`` / ``_main_module``: what a worker does around the user's code (forked,
   or spawned with the caller's ``__main__``);
-- ``_supervisor``, ``_attempt``: one attempt under a policy (``_policy``), its ``Outcome``
-  (``_state``); ``_signals``, ``_stop``: signals, stopping whole process trees;
+- ``_supervisor``, ``_attempt``: one attempt, its ``Outcome`` (``_state``); ``_stop_reasons``:
+  why it stops besides exits (the caller's ``AttemptPolicy``, a single node's hang);
+  ``_signals``, ``_stop``: signals, stopping whole process trees;
 - ``_env``, ``_identity``, ``_output``, ``_numa``, ``_limits``: what each worker is given;
   ``_results``: what a ``launch()`` worker returns;
 - ``_summary``: what a failed worker left behind, and the console's lines about it;

@@ -22,11 +22,11 @@ from typing import Any
 
 from rallypoint._supervise._inprocess._agent_side import InProcess
 from rallypoint._supervise._output import OutputRouter, write_console
-from rallypoint._supervise._policy import AttemptPolicy
 from rallypoint._supervise._results import ResultPipes
 from rallypoint._supervise._signals import SignalQueue
 from rallypoint._supervise._state import Failure, Outcome, OutcomeKind, Stop, Worker
 from rallypoint._supervise._stop import Stopper
+from rallypoint._supervise._stop_reasons import AttemptPolicy
 from rallypoint._supervise._summary import (
     bad_target_message,
     error_info,

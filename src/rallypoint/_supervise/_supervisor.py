@@ -41,11 +41,11 @@ from rallypoint._supervise._inprocess._spares import SparePool
 from rallypoint._supervise._limits import check_worker_limits
 from rallypoint._supervise._options import OutputOptions, StopOptions, WorkerOptions
 from rallypoint._supervise._output import OutputRouter, write_console
-from rallypoint._supervise._policy import AttemptPolicy
 from rallypoint._supervise._signals import SignalQueue
 from rallypoint._supervise._starter import WorkerStarter
 from rallypoint._supervise._state import GroupInfo, Outcome, Worker
 from rallypoint._supervise._stop import Stopper
+from rallypoint._supervise._stop_reasons import AttemptPolicy
 from rallypoint._supervise._warm._exits import ExitReports
 from rallypoint._supervise._warm._process import WarmProcess
 from rallypoint._supervise._worker import Target

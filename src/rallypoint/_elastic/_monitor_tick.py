@@ -22,8 +22,8 @@ from typing import Any
 from rallypoint._core.blocking import InThread, call_in_thread
 from rallypoint._elastic._round import Round
 from rallypoint._supervise._output import write_console
-from rallypoint._supervise._policy import collective_timeout_reason, hang_reason
 from rallypoint._supervise._state import Culprit, OutcomeKind, Stop
+from rallypoint._supervise._stop_reasons import collective_timeout_reason, hang_reason
 from rallypoint._watch._flight._format import hang_report
 from rallypoint._watch._stacks_exchange import request_stacks
 from rallypoint._watch._stragglers._watch import StragglerWatch
