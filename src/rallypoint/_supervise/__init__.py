@@ -8,7 +8,8 @@ modules directly; its public names (the errors) are re-exported by
 - ``_warm/``: the warm process that imports torch once and forks every worker, and the
   one reader of its exit reports (``_warm/_exits``);
 - ``_inprocess/``: in-process restarts, the agent's side: the restart's state and timers,
-  and the spare workers;
+  and the spare workers; ``_kept``: the one owner of the workers kept between attempts
+  (parked by an in-process restart or a hot spare, and the spares);
 - ``_starter``: an attempt's worker specs, pipes and output files; ``_worker`` /
   ``_spawn_entry`` / ``_main_module``: what a worker does around the user's code (forked,
   or spawned with the caller's ``__main__``);

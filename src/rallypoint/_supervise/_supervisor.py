@@ -38,6 +38,7 @@ from rallypoint._supervise._errors import (
 )
 from rallypoint._supervise._inprocess._agent_side import InProcess
 from rallypoint._supervise._inprocess._spares import SparePool
+from rallypoint._supervise._kept import KeptWorkers
 from rallypoint._supervise._limits import check_worker_limits
 from rallypoint._supervise._options import OutputOptions, StopOptions, WorkerOptions
 from rallypoint._supervise._output import OutputRouter, write_console
@@ -153,15 +154,15 @@ class Supervisor(Closing):
         )
         self.signals = SignalQueue(stop.signal_numbers) if signals is None else signals
         self._snapshots_tried = False
-        self.kept: dict[int, Worker] = {}
-        """Workers parked by the last attempt for an in-process restart, by local rank."""
-        self.spares = SparePool(
+        spares = SparePool(
             workers.spare_workers,
             starter=self.starter,
             stopper=self.stopper,
             exits=self.exits,
             observer=observer,
         )
+        self.kept = KeptWorkers(spares, stopper=self.stopper, exits=self.exits)
+        """The workers kept between attempts: parked ones and spares."""
         self.tools = AttemptTools(
             exits=self.exits,
             stopper=self.stopper,
@@ -254,8 +255,7 @@ class Supervisor(Closing):
             self._start_snapshots()  # replaced if it died since the last attempt
         router = OutputRouter()
         workers: list[Worker] = []
-        kept, self.kept = self._alive(self.kept), {}
-        spared = self.spares.place(kept, self.nproc, number)
+        kept, spared = self.kept.take(self.nproc, number)
         try:
             workers = self.starter.start(group, number, router, kept)
         except BaseException:  # Ctrl-C too: no half-started worker outlives it
@@ -273,9 +273,10 @@ class Supervisor(Closing):
             else:
                 self.observer.emit("worker_start", **fields)
         grace = self.stop_options.restart_grace.total_seconds() if restart_in_process else None
-        top_up = functools.partial(self.spares.top_up, group) if self.spares.count else None
+        spares = self.kept.spares
+        top_up = functools.partial(spares.top_up, group) if spares.count else None
         outcome = self._attempt(workers, router, policy, number, grace, cause_wait, top_up)
-        self.kept = {w.local_rank: w for w in outcome.kept}
+        self.kept.park(outcome.kept)
         outcome.in_process = grace is not None and any(w.restartable for w in workers)
         return outcome
 
@@ -283,11 +284,11 @@ class Supervisor(Closing):
         """Start this node's workers ahead, as a hot spare's: they run the script's set-up
         and wait for the ranks of the round that admits the node (the next
         :meth:`run_attempt` gives them, as to workers kept by an in-process restart)."""
-        if self.kept:
+        if self.kept.parked:
             return
         self.init_warm()
         workers = self.starter.start_standby(group)
-        self.kept = {w.local_rank: w for w in workers}
+        self.kept.park(workers)
         pids = ", ".join(str(w.pid) for w in workers)
         write_console(
             2,
@@ -297,38 +298,10 @@ class Supervisor(Closing):
         for w in workers:
             self.observer.emit("worker_standby", local_rank=w.local_rank, pid=w.pid)
 
-    def _alive(self, kept: dict[int, Worker]) -> dict[int, Worker]:
-        """``kept`` but the workers that exited since (a hot spare's set-up that failed, a
-        parked worker killed): those are started afresh."""
-        if not kept and not self.spares.waiting:
-            return kept
-        self.exits.read()  # a spare's exit too, for the pool
-        for local_rank, w in list(kept.items()):
-            if self.exits.pop(w.pid) is not None:
-                del kept[local_rank]
-                w.close_channels()
-        return kept
-
     def stop_kept(self) -> None:
-        """Stop the workers kept for an in-process restart that will not come, as workers
-        are stopped: SIGTERM (their handlers run), SIGKILL after ``--shutdown-timeout``.
-        Spares hold no rank and no state: they are killed at once (a spare's SIGTERM
-        handler, a checkpoint on preemption say, has nothing to save)."""
-        spares = self.spares.take_all()
-        if spares:
-            self.stopper.kill_trees(spares, signal.SIGKILL)
-            self.stopper.wait_all(spares, 5.0)
-            for w in spares:
-                w.close_channels()
-        kept, self.kept = list(self.kept.values()), {}
-        if not kept:
-            return
-        self.stopper.kill_trees(kept, signal.SIGTERM)
-        self.stopper.wait_all(kept, self.stopper.grace)
-        self.stopper.kill_trees(kept, signal.SIGKILL)
-        self.stopper.wait_all(kept, 5.0)
-        for w in kept:
-            w.close_channels()
+        """Stop the workers kept for an in-process restart that will not come, and the
+        spares (:meth:`KeptWorkers.stop`)."""
+        self.kept.stop()
 
     def _attempt(
         self,
