@@ -458,7 +458,8 @@ class Manager:
         except Exception as exc:  # the group was aborted, say: this step fails
             self.report_error(exc)
             return DummyWork(tensor)
-        return ManagedWork(self, work, tensor, n if op == dist.ReduceOp.AVG else None)
+        divide = n if op == dist.ReduceOp.AVG else None
+        return ManagedWork(self, work, tensor, divide, self._guard.ending)
 
     def wrap_future(self, fut: Any, default: T, timeout: timedelta | None = None) -> Any:
         """``fut``, whose failure (or a wait past ``timeout``, the manager's by default) is

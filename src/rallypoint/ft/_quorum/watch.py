@@ -5,7 +5,9 @@ collective waits on a dead group or on a step that cannot commit.
 
 The watcher learns both from the lighthouse's news (``news/<k>``), waiting on the next
 one with the store's own wait on a connection of its own: it reads nothing while nothing
-happens, whatever the number of groups.
+happens, whatever the number of groups. An abort never waits for a configuration: the
+rendezvous runs on a thread of its own, and the abort ends the wait for it (and for the
+collectives of the group it ends: :class:`Ending`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,43 @@ from rallypoint.ft._quorum.client import STORE_LOST
 from rallypoint.ft._quorum.records import RecordError, parse_counter
 from rallypoint.rendezvous import KeyValueStore
 
-__all__ = ["GroupGuard"]
+__all__ = ["Ending", "GroupGuard"]
 
 Key = tuple[str, int]
 """A configuration: the lighthouse life and the quorum id."""
 
 _WAIT = timedelta(seconds=20)
+
+
+class Ending:
+    """Set once, when the process group configured with it is aborted; it wakes whoever
+    waits on something of that group (its rendezvous, a collective): gloo may never end a
+    collective whose peer died, whatever the abort cuts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+        self._wakes: set[threading.Event] = set()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+            wakes, self._wakes = self._wakes, set()
+        for event in wakes:
+            event.set()
+
+    def wait(self, done: threading.Event) -> bool:
+        """Wait until ``done`` is set, or this is; whether ``done`` was."""
+        with self._lock:
+            if not self._set:
+                self._wakes.add(done)
+        done.wait()
+        with self._lock:
+            self._wakes.discard(done)
+        return not self._set
 
 
 class GroupGuard:
@@ -54,20 +87,51 @@ class GroupGuard:
         self._plan: Plan | None = None
         self._fresh = True
         """Whether ``kv`` is the connection it was given (not yet found broken)."""
+        self.ending = Ending()
+        """The end of the process group configured last (set by its abort)."""
 
     def configure(self, key: Key, plan: Plan, make: Callable[[], None]) -> bool:
         """Run ``make`` (configure the process group) unless ``key`` is configured already;
-        whether it ran. A member the news already reported dead in this round aborts it."""
+        whether it ran. A member the news already reported dead in this round fails the
+        step at once: no rendezvous is begun that it cannot finish, and one under way is
+        left (on its thread) when the news comes."""
         with self._lock:
             self._plan = plan
             if self.configured == key:
                 return False
-            make()
-            self.configured = key
-        dead = [m for m in plan.members if m in self._dead and self._dead[m][1] >= plan.round]
+            dead = self._dead_in(plan)
+            if dead:
+                self.left = self._left_error(dead)
+                self._report(self.left)
+                return False
+            self.configured, ending = key, Ending()
+            self.ending = ending
+        failed: list[BaseException] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                make()
+            except BaseException as exc:  # raised in the quorum's thread, below
+                failed.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="rallypoint-ft-configure", daemon=True).start()
+        if not ending.wait(done):  # aborted meanwhile: the rendezvous is left to its timeout
+            raise self.left or RuntimeError("the process group was aborted")
+        if failed:
+            with self._lock:
+                if self.configured == key:
+                    self.configured = None
+            raise failed[0]
+        dead = self._dead_in(plan)
         if dead:
             self._abort(key, self._left_error(dead))
         return True
+
+    def _dead_in(self, plan: Plan) -> list[str]:
+        return [m for m in plan.members if m in self._dead and self._dead[m][1] >= plan.round]
 
     def watch(self, stop: threading.Event, me: str) -> None:
         """Until ``stop``: wait for each piece of news and act on it."""
@@ -144,3 +208,4 @@ class GroupGuard:
             self.configured = None  # the next quorum makes a new group, same id or not
             with contextlib.suppress(Exception):
                 self._pg.abort()
+            self.ending.set()

@@ -33,7 +33,9 @@ import torch.distributed as dist
 from rallypoint._core.forking import fork_safe_lock
 from rallypoint._core.gloo_links import device_connections, epoll_sets, listens, shut_down
 from rallypoint._core.store import Store
-from rallypoint._core.torch_c import HashStore, PrefixStore, TCPStore, as_torch_store
+from rallypoint._core.torch_c import PrefixStore, TCPStore, as_torch_store
+from rallypoint.ft.process_group._dummy import dummy_process_group as dummy_process_group
+from rallypoint.ft.process_group._release import release
 from rallypoint.ft.work import _DummyWork
 from rallypoint.rendezvous import connect_kv
 
@@ -229,6 +231,7 @@ class ProcessGroupWrapper(ProcessGroup):
         self._rank, self._size = 0, 1
         self._errored: Exception | None = None
         self._lock = threading.Lock()
+        self._made_for = 0  # configures and aborts: one made for an older count is dropped
         self.quorum_id: int | None = None
 
     def configure(
@@ -247,12 +250,21 @@ class ProcessGroupWrapper(ProcessGroup):
             self._wrapped.configure(*args, group_rank, group_world_size, global_ranks)
         else:  # a communicator of its own (a torch group given, not reconfigurable, stays)
             with self._lock:
-                old, self._made = self._made, None
-            if old is not None:
-                self._abort_pg(old)
-            made = self._create_pg(store_from_address(store_addr, self._timeout), rank, world_size)
+                old, self._made = [self._made], None
+                self._made_for += 1
+                count = self._made_for
+            if old[0] is not None:
+                self._abort_pg(old[0])
+            release(old)
+            store = store_from_address(store_addr, self._timeout)
+            made = [self._create_pg(store, rank, world_size)]
             with self._lock:
-                self._made = made
+                if self._made_for == count:
+                    self._made, made = made[0], []
+            if made:  # aborted while its rendezvous ran (a member died): never used
+                self._abort_pg(made[0])
+                release(made)
+                raise RuntimeError("the process group was aborted while it was being made")
         with self._lock:
             self._rank, self._size, self.quorum_id = rank, world_size, quorum_id
             self._errored = None
@@ -271,13 +283,15 @@ class ProcessGroupWrapper(ProcessGroup):
 
     def abort(self, errored: bool = True) -> None:
         with self._lock:
-            made, self._made = self._made, None
-            if errored and (made is not None or self._wrapped is not None):
+            made, self._made = [self._made], None
+            self._made_for += 1
+            if errored and (made[0] is not None or self._wrapped is not None):
                 self._errored = RuntimeError("the process group was aborted")
-        if made is not None:
-            self._abort_pg(made)
+        if made[0] is not None:
+            self._abort_pg(made[0])
         elif self._wrapped is not None and hasattr(self._wrapped, "abort"):
             self._wrapped.abort()
+        release(made)  # its destructor waits for its collectives: not on this thread
 
     def shutdown(self) -> None:
         self.abort(errored=False)
@@ -348,7 +362,7 @@ class ProcessGroupGloo(ProcessGroupWrapper):
 
     def __init__(self, timeout: timedelta | float = timedelta(seconds=60), pg: Any = None) -> None:
         super().__init__(timeout, pg)
-        self._loops: set[int] = set()
+        self._loops: dict[int, set[int]] = {}  # id of a communicator -> its device's loop
 
     def getBackendName(self) -> str:
         return "torchft-gloo"
@@ -363,8 +377,9 @@ class ProcessGroupGloo(ProcessGroupWrapper):
         options._devices = [device]
         options._timeout = self._timeout
         backend = gloo(as_torch_store(store), rank, world_size, options)
-        self._loops = {fd for fd in new if listens(fd)} or new
-        return _torch_group(store, rank, world_size, dist.ProcessGroup.BackendType.GLOO, backend)
+        pg = _torch_group(store, rank, world_size, dist.ProcessGroup.BackendType.GLOO, backend)
+        self._loops[id(pg)] = {fd for fd in new if listens(fd)} or new
+        return pg
 
     def reduce_scatter(self, *args: Any) -> Any:
         raise RuntimeError("ProcessGroupGloo does not support reduce_scatter.")
@@ -373,9 +388,8 @@ class ProcessGroupGloo(ProcessGroupWrapper):
         raise RuntimeError("ProcessGroupGloo does not support reduce_scatter_tensor_coalesced.")
 
     def _abort_pg(self, pg: Any) -> None:
-        for fd in self._loops:  # the backend (and so its device) is alive until this returns
+        for fd in self._loops.pop(id(pg), set()):  # its device is alive while pg is
             shut_down(device_connections(fd))
-        self._loops = set()
 
 
 _DEVICE_LOCK = fork_safe_lock()
@@ -583,15 +597,3 @@ class ManagedProcessGroup(ProcessGroupWrapper):
 
     def configure(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("a ManagedProcessGroup is configured by its Manager at each quorum")
-
-
-def dummy_process_group() -> Any:
-    """A c10d process group of one rank: it absorbs DDP's own broadcasts (the Manager
-    averages the gradients across the replica groups)."""
-    store = HashStore()
-    pg = dist.ProcessGroup(store, 0, 1)
-    backend = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=60))
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    if torch.cuda.is_available():
-        pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, backend)
-    return pg
