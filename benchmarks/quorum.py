@@ -20,6 +20,7 @@ stream. Without torchft installed it measures rallypoint alone and says so.
     python benchmarks/quorum.py [--repeat N] [--state-mb 100]
     python benchmarks/quorum.py --steady          # the median step, no fault (quorum_modes.py)
     python benchmarks/quorum.py --scale 64        # rounds per second at 64 members
+    python benchmarks/quorum.py --diloco          # a DiLoCo sync, a fault (quorum_diloco.py)
 """
 
 from __future__ import annotations
@@ -222,7 +223,13 @@ def main() -> None:
     parser.add_argument("--scale", type=int, metavar="G", help="G members' rounds per second")
     parser.add_argument("--rounds", type=int, default=200, help="--scale rounds, --steady steps")
     parser.add_argument("--growth", type=int, metavar="R", help="keys and RSS over R rounds")
+    parser.add_argument("--diloco", action="store_true", help="a DiLoCo sync, and a fault")
     args = parser.parse_args()
+    if args.diloco:
+        from quorum_diloco import diloco
+
+        diloco(args.repeat, args.state_mb)
+        return
     if args.steady or args.scale or args.growth:
         from quorum_modes import growth, scale, steady
 
