@@ -59,6 +59,10 @@ signal: training code does not use it, and a sleep or a lock wait it interrupts)
 
 HELD_RETRY = 0.02
 """Seconds between wake-ups while the main thread is in an import (``importing``)."""
+RECUT_FIRST, RECUT_MAX = 0.02, 0.5
+"""Seconds from an interruption to its attempt's next cut while the main thread is still in
+the function; each gap doubles, up to ``RECUT_MAX`` (a cut reads ``/proc/net/tcp``, which
+took 0.1 s on a loaded host)."""
 STOP_SEEN_WAIT = 0.5
 """Most seconds a worker ending in a ``KeyboardInterrupt`` waits for its reader thread to
 say whether a :class:`Stop` came (the agent sends it before the signal)."""
@@ -159,7 +163,6 @@ class _Channel:
         self.returned = False  # the first call returned: later calls are plain calls
         self.said_second = False
         self.woken = False  # the wake-up signal was sent and its handler has not run yet
-        self.held_import = False  # the handler held the interruption in an import this attempt
         self.stopping = False  # the agent said the job stops (a Ctrl-C): nothing restarts
         self.stop_seen = threading.Event()  # set with ``stopping``
         self.quiet: contextlib.ExitStack | None = None  # C++ warnings off while leaving
@@ -201,18 +204,20 @@ class _Channel:
         is in the function (else the restart loop reads the message). The signal goes
         while the lock is held, so the main thread cannot leave the function in between.
 
-        A main thread in an import holds it (``_on_wake``). From then on, every
-        ``HELD_RETRY`` seconds until the main thread has left the function, the attempt is
-        cut again (once its import is done, the function may make a connection and wait on
-        it, the signal pending) and the signal is sent again if it was held again."""
+        Until the main thread has left the function, the signal is sent again every
+        :data:`HELD_RETRY` seconds if an import held it (``_on_wake``), and the attempt is
+        cut again (:data:`RECUT_FIRST`). The handler runs between Python instructions only:
+        a main thread in C++ (or in an import, once it is done) may make a connection after
+        the cut and wait on it, the signal pending. An ``init_process_group`` under way
+        makes its store connection, then ``ProcessGroupGloo``'s constructor waits there for
+        the address of a rank that failed before writing it: cut once, that survivor was
+        replaced after ``--restart-grace``."""
         with self.lock:
             self.interrupted = True
         self._leave_attempt()
+        gap = RECUT_FIRST
+        recut_at = time.monotonic() + gap
         while True:
-            with self.lock:
-                held = self.held_import
-            if held:
-                self._cut()
             with self.lock:
                 if not self.in_fn:
                     return
@@ -221,6 +226,10 @@ class _Channel:
                     with contextlib.suppress(OSError, ValueError):
                         signal.pthread_kill(threading.main_thread().ident or 0, WAKE_SIGNAL)
             time.sleep(HELD_RETRY)
+            if time.monotonic() >= recut_at:
+                self._cut()
+                gap = min(2 * gap, RECUT_MAX)
+                recut_at = time.monotonic() + gap
 
     def _stop(self) -> None:
         """From the reader thread, on :class:`Stop` (a Ctrl-C comes): nothing restarts from
@@ -254,8 +263,7 @@ class _Channel:
             raise_now = self.in_fn and self.interrupted
             self.woken = False
             if raise_now and importing(frame):
-                self.held_import = True  # the reader sends it again
-                return
+                return  # the reader sends it again
             if raise_now:
                 self.in_fn = False  # once: the wrapper's own code is never interrupted
         if raise_now:
@@ -312,7 +320,7 @@ class _Channel:
         self.entry_sockets = sockets_now()
         with self.lock:
             self.in_fn = not self.interrupted
-            self.woken = self.held_import = False
+            self.woken = False
         try:
             if not self.in_fn:
                 raise RestartInterrupt("another rank failed before the function started")
