@@ -73,7 +73,6 @@ DUMMY = "DummyWork as _DummyWork"
 FAKE_PG = "from _fake_pg import FakeProcessGroupWrapper\n"
 
 
-@pytest.mark.flaky(reruns=2)  # fails ~1 run in 3 under a loaded suite (docs/ft.md)
 @pytest.mark.timeout(300)
 @needs_torchft
 def test_torchfts_local_sgd_unit_tests_pass_with_the_import_swapped(tmp_path: Path) -> None:
@@ -83,8 +82,22 @@ def test_torchfts_local_sgd_unit_tests_pass_with_the_import_swapped(tmp_path: Pa
     )
     path = tmp_path / "local_sgd_swapped_test.py"
     path.write_text(text)
+    (tmp_path / "conftest.py").write_text(SEEDED)
     passed, why = _run(tmp_path, path, 280)
     assert passed == UNIT, why
+
+
+SEEDED = """
+import pytest, torch
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
+"""
+"""Each case starts from the same random draw. torchft's cases draw unseeded, and in 4.1%
+of draws (82 of 2,000, with or without torchft) ``test_local_sgd_recovery``'s one SGD step
+leaves a parameter as it was (every ReLU unit of the first layer off for both inputs, or a
+step below float32's resolution): the "parameter did not change" failure of this file."""
 
 
 INTEG = [
