@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -44,6 +45,22 @@ class Counting:
 
             return counted
         return attr
+
+
+class _CountingStore:
+    """A torch store that counts the calls made to it (each is a round trip or more)."""
+
+    def __init__(self, store: Any, counts: Counter[str]) -> None:
+        self._store, self.counts = store, counts
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.counts[name] += 1
+            return attr(*args, **kwargs)
+
+        return counted
 
 
 def _rounds(client: LighthouseClient, names: list[str], rounds: int, first: int = 0) -> None:
@@ -132,6 +149,33 @@ def test_each_member_makes_the_same_few_store_operations_a_round_whatever_their_
     assert max(per_member.values()) <= 5 * 20, per_member
     client.close()
     server.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_the_lighthouse_reads_its_inbox_up_to_a_slot_not_written_in_few_round_trips() -> None:
+    """64 slots counted, slot 40 not written yet (its writer is between its add and its
+    set): the run up to it is found with a binary search of checks, not with a round trip
+    per slot (at G members that made each wake of the lighthouse O(G))."""
+    import torch.distributed as dist
+
+    from rallypoint.ft._quorum.decider_loop import DeciderLoop
+    from rallypoint.rendezvous._kv_c10d import C10dKV
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    keys = [f"in/{i}" for i in range(1, 65)]
+    for key in keys:
+        if key != "in/40":
+            store.set(key, b"x")
+    kv = C10dKV(store, endpoint=f"127.0.0.1:{store.port}")
+    trips: Counter[str] = Counter()
+    kv._store = _CountingStore(store, trips)  # type: ignore[assignment]
+    loop = SimpleNamespace(kv=kv)
+    assert DeciderLoop._written(loop, keys) == keys[:39]  # type: ignore[arg-type]
+    assert sum(trips.values()) <= 8, trips  # one check of all, then log2(64) = 6
+    trips.clear()
+    store.set("in/40", b"x")
+    assert DeciderLoop._written(loop, keys) == keys  # type: ignore[arg-type]
+    assert sum(trips.values()) == 1, trips
 
 
 @pytest.mark.timeout(240)

@@ -70,6 +70,9 @@ class DeciderLoop:
         self._last_status = ""
         self._shown: Quorum | None = None
         self._said: set[str] = set()
+        self._beating: set[str] = set()
+        """Members whose heartbeat counter was there at the last read."""
+        self._ticks = 0
         self._stop = threading.Event()
         self._trash: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
         """Keys to delete, off the path that answers asks (the janitor deletes them)."""
@@ -124,7 +127,7 @@ class DeciderLoop:
     def _once(self) -> None:
         self.kv.wait([f"in/{self._next}"], timedelta(hours=1))
         count = parse_counter(self.kv.get("in/n"), "in/n")
-        keys = [f"in/{i}" for i in range(self._next, max(count, self._next) + 1)]
+        keys = self._written([f"in/{i}" for i in range(self._next, max(count, self._next) + 1)])
         consumed = []
         for key, raw in zip(keys, self.kv.multi_get(keys), strict=True):
             if raw is None:
@@ -147,6 +150,7 @@ class DeciderLoop:
         gone = self.decider.forgotten(known)
         if gone:
             self._trash.put([f"hb/{m}" for m in gone])
+            self._beating.difference_update(gone)
         if consumed:
             self._trash.put(consumed)
             self.kv.set("in/done", str(self._next - 1).encode())
@@ -156,6 +160,22 @@ class DeciderLoop:
         if now - self._last_compact > _COMPACT_EVERY:
             self._last_compact = now
             self.kv.compact()
+
+    def _written(self, keys: list[str]) -> list[str]:
+        """The longest run of ``keys`` from the first that is written: a slot counted but
+        not written yet (its writer is between its ``add`` and its ``set``) ends the run.
+        One check when all are there, a binary search otherwise: a read of a missing key
+        is a round trip each, ``G`` of them at ``G`` members."""
+        if len(keys) <= 1 or self.kv.wait(keys, timedelta(0)):
+            return keys
+        there, missing = 1, len(keys)  # the first was waited on; the whole run was not there
+        while missing - there > 1:
+            mid = (there + missing) // 2
+            if self.kv.wait(keys[:mid], timedelta(0)):
+                there = mid
+            else:
+                missing = mid
+        return keys[:there]
 
     def _take(self, msg: Ask) -> None:
         if msg.kind == "gone":
@@ -170,13 +190,22 @@ class DeciderLoop:
             self.decider.receive(msg)
 
     def _read_beats(self) -> None:
-        members = self.decider.watched()
+        """The watched members' counters: in one read for those seen beating; those not
+        (yet: a coordination client may never beat) are looked for every tenth tick, since
+        a missing key costs a round trip of its own."""
+        watched = self.decider.watched()
+        self._ticks += 1
+        members = [m for m in watched if m in self._beating or self._ticks % 10 == 0]
         if not members:
             return
         values: dict[str, int | None] = {}
         for member, raw in zip(
             members, self.kv.multi_get([f"hb/{m}" for m in members]), strict=True
         ):
+            if raw is None:
+                self._beating.discard(member)
+            else:
+                self._beating.add(member)
             try:
                 values[member] = parse_counter(raw, f"hb/{member}") if raw is not None else None
             except RecordError as exc:

@@ -135,7 +135,12 @@ class Request:
     """A coordination client's own data (torchft's ``QuorumMember.data``)."""
 
     def to_json(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if v not in ("", None, (), False, 0)}
+        # fields read as they are (asdict deep-copies each: a round of G members is G of them)
+        out = {
+            name: value
+            for name in self.__dataclass_fields__
+            if (value := getattr(self, name)) not in ("", None, (), False, 0)
+        }
         out.update(member=self.member, replica_id=self.replica_id, step=self.step)
         out["world_size"] = self.world_size
         if self.heal:
