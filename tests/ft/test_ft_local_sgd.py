@@ -60,6 +60,7 @@ def _swap(text: str, extra: dict[str, str]) -> str:
 def _run(tmp_path: Path, path: Path, timeout: float, *args: str) -> tuple[set[str], str]:
     here = str(Path(__file__).parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), here, *sys.path])}
+    env["COLUMNS"] = "400"  # the summary's "FAILED id - error" lines keep their error
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
            "--timeout", "150", "-rA", str(path), *args]  # fmt: skip
     done = subprocess.run(
