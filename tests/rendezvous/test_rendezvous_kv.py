@@ -68,6 +68,44 @@ class TestFileStoreKV(KVContract):
         yield file_kv(str(tmp_path / "store"))
 
 
+@pytest.mark.timeout(60)
+def test_wait_confirms_the_keys_and_wait_woken_returns_at_the_wake(
+    tcp_server: tuple[C10dKV, int],
+) -> None:
+    """libuv's TCPStore wakes the waiters of a missing key on a compare-and-swap that sets
+    nothing: ``wait`` checks and waits on, ``wait_woken`` returns (its caller reads the key
+    and finds it missing)."""
+    import threading
+    import time
+
+    from torch.distributed import TCPStore
+
+    _, port = tcp_server
+
+    def client() -> C10dKV:
+        store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        return C10dKV(store, endpoint=f"127.0.0.1:{port}")
+
+    key = f"woken{next(_ids)}"
+    woken: dict[str, bool] = {}
+
+    def waiter(name: str, kv: C10dKV) -> None:
+        method = kv.wait if name == "wait" else kv.wait_woken
+        woken[name] = method([key], timedelta(seconds=3))
+
+    threads = [threading.Thread(target=waiter, args=(n, client())) for n in ("wait", "woken")]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    began = time.monotonic()
+    other = client()
+    assert other.compare_and_swap(key, b"not there", b"v") == b"not there"
+    for t in threads:
+        t.join(10)
+    assert woken == {"wait": False, "woken": True}, woken
+    assert other.get(key) is None and time.monotonic() - began > 2.0
+
+
 def test_tcp_unreachable_names_the_endpoint() -> None:
     from rallypoint._core.net import free_port
 

@@ -201,6 +201,17 @@ class C10dKV(KeyValueStore):
                 return False
             timeout = timedelta(seconds=remaining)
 
+    def wait_woken(self, keys: Sequence[str], timeout: timedelta) -> bool:
+        if timeout <= timedelta(0):
+            return self.check(keys)
+        try:
+            self._store.wait(list(keys), timeout)
+            return True
+        except (RuntimeError, ValueError) as exc:
+            if _is_timeout(exc):
+                return False
+            raise self._fail("wait", exc) from exc
+
     def check(self, keys: Sequence[str]) -> bool:
         try:
             return bool(self._store.check(list(keys)))

@@ -298,8 +298,9 @@ class LighthouseLink:
         return self._took(answered)
 
     def _wait(self, key: str, deadline: float) -> None:
+        """Until ``key`` is written (a rare early wake reads it missing: asked again)."""
         left = deadline - time.monotonic()
-        if left <= 0 or not self.kv.wait([key], timedelta(seconds=left)):
+        if left <= 0 or not self.kv.wait_woken([key], timedelta(seconds=left)):
             raise TimeoutError(self._timeout_line())
 
     def _read(self, rkey: str, named_by: str, seq: int, deadline: float) -> Quorum | None:

@@ -125,7 +125,7 @@ class DeciderLoop:
                 time.sleep(0.1)
 
     def _once(self) -> None:
-        self.kv.wait([f"in/{self._next}"], timedelta(hours=1))
+        self.kv.wait_woken([f"in/{self._next}"], timedelta(hours=1))  # (an early wake reads none)
         count = parse_counter(self.kv.get("in/n"), "in/n")
         keys = self._written([f"in/{i}" for i in range(self._next, max(count, self._next) + 1)])
         consumed = []
