@@ -211,7 +211,7 @@ class _Channel:
         the cut and wait on it, the signal pending. An ``init_process_group`` under way
         makes its store connection, then ``ProcessGroupGloo``'s constructor waits there for
         the address of a rank that failed before writing it: cut once, that survivor was
-        replaced after ``--restart-grace``."""
+        replaced after the restart's grace."""
         with self.lock:
             self.interrupted = True
         self._leave_attempt()

@@ -67,11 +67,8 @@ class KeyValueStore(ABC):
         """Atomically add ``amount`` to the integer under ``key``; return the new value."""
 
     def enroll(self, counter: str, member: str) -> int:
-        """Take the next arrival number (1, 2, ...) at ``counter`` for ``member``.
-
-        The default is ``add(counter, 1)``; a backend whose ``add`` retries under
-        contention (etcd) overrides it with something contention-free.
-        """
+        """Take the next arrival number (1, 2, ...) at ``counter`` for ``member``: ``add``,
+        unless a backend whose ``add`` retries under contention (etcd) has better."""
         return self.add(counter, 1)
 
     def enrolled(self, counter: str) -> int:
@@ -93,20 +90,16 @@ class KeyValueStore(ABC):
     @abstractmethod
     def compare_and_swap(self, key: str, expected: bytes, desired: bytes) -> bytes:
         """Write ``desired`` if the value equals ``expected``; return the value now stored.
-
         A missing key matches an empty ``expected``; a missing key with a non-empty
-        ``expected`` is left missing and ``expected`` is returned (c10d's semantics).
-        """
+        ``expected`` is left missing and ``expected`` is returned (c10d's semantics)."""
 
     @abstractmethod
     def wait(self, keys: Sequence[str], timeout: timedelta) -> bool:
         """Block until every key exists (``True``) or ``timeout`` passes (``False``)."""
 
     def wait_woken(self, keys: Sequence[str], timeout: timedelta) -> bool:
-        """As :meth:`wait`, minus the check that the keys exist once woken, where a backend
-        would pay a round trip for it: on c10d's libuv TCPStore, a compare-and-swap on a
-        missing key with a non-empty ``expected`` wakes its waiters and sets nothing. A
-        caller that reads the keys next and takes a missing one in its stride uses this."""
+        """As :meth:`wait`, without a round trip to check the keys once woken (a caller that
+        reads them next, and takes a missing one in its stride)."""
         return self.wait(keys, timeout)
 
     @abstractmethod

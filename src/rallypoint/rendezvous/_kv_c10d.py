@@ -3,8 +3,8 @@
 
 A non-blocking ``get`` is ``check`` then ``get`` (a ``compare_set`` probe would be one
 round trip, but on the libuv TCPStore a ``compare_set`` of a missing key wakes every
-client waiting on it). ``wait`` is TCPStore's server-side blocking wait, re-checked
-after it returns so that a spurious wake-up never passes for the key. A TCPStore server
+client waiting on it). ``wait`` is TCPStore's server-side blocking wait (``wait_woken``),
+re-checked after it returns so that a spurious wake-up never passes for the key. A TCPStore server
 drops the connection of a client that ``add``s to a non-integer value, so a failed
 ``add`` reconnects and looks at the value to tell corrupt state (:class:`KVStateError`)
 from a lost server (:class:`KVConnectionError`).
@@ -120,8 +120,6 @@ class C10dKV(KeyValueStore):
             raise self._fail("get", exc) from exc
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        if len(keys) <= 4:
-            return [self.get(key) for key in keys]
         try:
             if self._store.check(list(keys)):
                 return [bytes(v) for v in self._store.multi_get(list(keys))]
@@ -184,22 +182,12 @@ class C10dKV(KeyValueStore):
             raise self._fail("compare_and_swap", exc) from exc
 
     def wait(self, keys: Sequence[str], timeout: timedelta) -> bool:
-        if timeout <= timedelta(0):
-            return self.check(keys)
         deadline = time.monotonic() + timeout.total_seconds()
-        while True:
-            try:
-                self._store.wait(list(keys), timeout)
-                if self._store.check(list(keys)):
-                    return True
-            except (RuntimeError, ValueError) as exc:
-                if _is_timeout(exc):
-                    return False
-                raise self._fail("wait", exc) from exc
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            timeout = timedelta(seconds=remaining)
+        while self.wait_woken(keys, timeout):
+            if self.check(keys):
+                return True
+            timeout = timedelta(seconds=deadline - time.monotonic())
+        return False
 
     def wait_woken(self, keys: Sequence[str], timeout: timedelta) -> bool:
         if timeout <= timedelta(0):

@@ -166,12 +166,12 @@ class DeciderLoop:
         not written yet (its writer is between its ``add`` and its ``set``) ends the run.
         One check when all are there, a binary search otherwise: a read of a missing key
         is a round trip each, ``G`` of them at ``G`` members."""
-        if len(keys) <= 1 or self.kv.wait(keys, timedelta(0)):
+        if len(keys) <= 1 or self.kv.wait_woken(keys, timedelta(0)):
             return keys
         there, missing = 1, len(keys)  # the first was waited on; the whole run was not there
         while missing - there > 1:
             mid = (there + missing) // 2
-            if self.kv.wait(keys[:mid], timedelta(0)):
+            if self.kv.wait_woken(keys[:mid], timedelta(0)):
                 there = mid
             else:
                 missing = mid
