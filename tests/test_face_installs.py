@@ -18,17 +18,11 @@ from pathlib import Path
 import rallypoint
 
 PACKAGE = Path(rallypoint.__file__).parent
-PARTS = [
-    "distributed",
-    "ft",
-    "join",
-    "launcher",
-    "observe",
-    "rendezvous",
-    "rpc",
-    "snapshot",
-    "testing",
-]
+PARTS = sorted(  # every public subpackage, found on disk (the face's own list is checked)
+    p.name
+    for p in Path(rallypoint.__file__).parent.iterdir()
+    if p.is_dir() and not p.name.startswith("_") and (p / "__init__.py").exists()
+)
 NEEDS_SOURCE = ["rallypoint.testing.run_rpc_contract"]
 """Names that need the ``.py`` files, torch's rule rather than a face's: the RPC contract
 suite compiles ``@torch.jit.script`` functions at import, and TorchScript reads source."""
