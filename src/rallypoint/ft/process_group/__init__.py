@@ -36,8 +36,8 @@ from rallypoint._core.store import Store
 from rallypoint._core.torch_c import PrefixStore, TCPStore, as_torch_store
 from rallypoint.ft.process_group._dummy import dummy_process_group as dummy_process_group
 from rallypoint.ft.process_group._release import release
+from rallypoint.ft.process_group._stores import store_from_address as store_from_address
 from rallypoint.ft.work import _DummyWork
-from rallypoint.rendezvous import connect_kv
 
 if TYPE_CHECKING:
     from rallypoint.ft.manager import Manager
@@ -59,16 +59,6 @@ __all__ = [
     "dummy_process_group",
     "store_from_address",
 ]
-
-
-def store_from_address(store_addr: str, timeout: timedelta) -> Store:
-    """A torch ``Store`` for ``store_addr`` (see the module docstring)."""
-    if "#" in store_addr:
-        address, _, prefix = store_addr.partition("#")
-    else:
-        address, _, prefix = store_addr.partition("/")
-    kv, _ = connect_kv(address, timeout=timeout)
-    return kv.torch_store(prefix.strip("/") + "/")
 
 
 def create_store_client(store_addr: str, timeout: timedelta) -> Store:
