@@ -63,6 +63,15 @@ class _CountingStore:
         return counted
 
 
+def _settled(count: Callable[[], int], bound: int, within: float = 15.0) -> int:
+    """The store's key count once it is at most ``bound``, or after ``within`` seconds: the
+    lighthouse's janitor deletes on a thread of its own, behind on a loaded machine."""
+    deadline = time.monotonic() + within
+    while (n := count()) > bound and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return n
+
+
 def _rounds(client: LighthouseClient, names: list[str], rounds: int, first: int = 0) -> None:
     errors: list[BaseException] = []
 
@@ -189,7 +198,7 @@ def test_the_lighthouse_store_holds_as_many_keys_after_1000_rounds_as_after_100(
     _rounds(client, names, 100)
     after_100 = store.num_keys()
     _rounds(client, names, 900, first=100)
-    after_1000 = store.num_keys()
+    after_1000 = _settled(store.num_keys, after_100 + 12)
     assert server.loop.rounds >= 900  # (a first ask told to ask again shares a round)
     assert after_1000 <= after_100 + 12, (after_100, after_1000)  # ticks, the 8 news kept
     assert after_1000 <= 100 * len(names), after_1000
@@ -215,7 +224,7 @@ def test_on_etcd_the_keys_stay_flat_over_1000_rounds_and_history_is_compacted(
             _rounds(client, names, 100)
             after_100 = kv.count_prefix("")  # type: ignore[attr-defined]
             _rounds(client, names, 900, first=100)
-            after_1000 = kv.count_prefix("")  # type: ignore[attr-defined]
+            after_1000 = _settled(lambda: kv.count_prefix(""), after_100 + 12)  # type: ignore[attr-defined]
             assert after_1000 <= after_100 + 12, (after_100, after_1000)  # ticks, the 8 news kept
             kv.compact(keep=100)  # what the loop does once a minute
             client.close()
