@@ -105,7 +105,11 @@ def _lighthouse(kind: str, port: int, flags: list[str]) -> subprocess.Popen[byte
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _group(kind: str, group: int, port: int, script: Path, out: Path) -> subprocess.Popen[bytes]:
+def _group(
+    kind: str, group: int, port: int, script: Path, out: Path, args: tuple[int, ...] = ()
+) -> subprocess.Popen[bytes]:
+    """One replica group of one rank under its stack's launcher; ``args`` after ``out``
+    (this worker's steps and fault step by default)."""
     env = dict(os.environ, REPLICA_GROUP_ID=str(group), OMP_NUM_THREADS="1",
                TORCHFT_LIGHTHOUSE=f"http://localhost:{port}",
                FT_IMPL="torchft" if kind == "torchft" else "rallypoint.ft")  # fmt: skip
@@ -114,7 +118,7 @@ def _group(kind: str, group: int, port: int, script: Path, out: Path) -> subproc
     else:
         head = [sys.executable, "-m", "rallypoint", "run"]
     cmd = [*head, "--nproc-per-node", "1", "--max-restarts", "3", str(script), str(out),
-           str(STEPS), str(FAULT)]  # fmt: skip
+           *map(str, args or (STEPS, FAULT))]  # fmt: skip
     log = open(out / f"group-{group}.log", "wb")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip

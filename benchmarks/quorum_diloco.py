@@ -77,32 +77,17 @@ manager.shutdown()
 """
 
 
-def _group(kind: str, group: int, port: int, out: Path, args: list[int]) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, REPLICA_GROUP_ID=str(group), OMP_NUM_THREADS="1",
-               TORCHFT_LIGHTHOUSE=f"http://localhost:{port}",
-               FT_IMPL="torchft" if kind == "torchft" else "rallypoint.ft")  # fmt: skip
-    if kind == "torchft":
-        head = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    else:
-        head = [sys.executable, "-m", "rallypoint", "run"]
-    cmd = [*head, "--nproc-per-node", "1", "--max-restarts", "3", str(out / "worker.py"),
-           str(out), *map(str, args)]  # fmt: skip
-    log = open(out / f"group-{group}.log", "wb")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
-
-
 def _run(kind: str, mode: str, mb: int, timeout: float) -> Path:
     """Run the 3 groups of one stack; the folder with their step logs."""
-    from quorum import _lighthouse
+    from quorum import _group, _lighthouse
 
     out = Path(tempfile.mkdtemp(prefix=f"rp-diloco-{kind}-{mode}-"))
     (out / "worker.py").write_text(WORKER)
     port = free_port()
     house = _lighthouse(kind, port, ["--min_replicas", "3" if mode == "sync" else "2"])
     time.sleep(1.0)
-    args = [10, mb, -1, 0] if mode == "sync" else [10, mb, 3, 1]
-    groups = [_group(kind, g, port, out, args) for g in range(3)]
+    args = (10, mb, -1, 0) if mode == "sync" else (10, mb, 3, 1)
+    groups = [_group(kind, g, port, out / "worker.py", out, args) for g in range(3)]
     deadline = time.monotonic() + timeout
     try:
         for p in groups:
