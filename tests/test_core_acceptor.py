@@ -3,6 +3,8 @@ throttled rejection log, and the handshake both ends of which live in ``_core``.
 
 from __future__ import annotations
 
+import contextlib
+import selectors
 import socket
 import threading
 import time
@@ -71,8 +73,8 @@ def _connect(port: int, source: str = "127.0.0.1") -> socket.socket:
 def test_one_address_cannot_push_out_the_handshake_of_another(
     served: tuple[Acceptor, _Lines, list[dict[str, Any]]],
 ) -> None:
-    """A flood from one address drops that address's oldest handshakes, never another
-    address's: with one cap for all, the flood pushed out the oldest (the peer's)."""
+    """A flood from one address drops that address's handshakes, never another address's:
+    with one cap for all, the flood pushed out the oldest (the peer's)."""
     acceptor, lines, hellos = served
     acceptor._cap = 8  # at most 4 from one address
     port = _port(acceptor)
@@ -81,13 +83,84 @@ def test_one_address_cannot_push_out_the_handshake_of_another(
     peer.recv(40, socket.MSG_PEEK)  # greeted, so pending: the oldest handshake
     flood = [_connect(port, "127.0.0.2") for _ in range(20)]
     lines.wait_for(lambda seen: len(seen) >= 5)
-    # the last one was greeted before its address's oldest was dropped: wait for the drop
-    lines.wait_for(lambda _: len(acceptor._pending) <= 5)
+    # the last one is greeted before the acceptor's thread counts it: wait for the count
+    lines.wait_for(lambda _: len(acceptor._pending) == 5)
     assert len(acceptor._pending) == 5, acceptor._pending
     client_handshake(peer, SECRET, SCHEME, time.monotonic() + 5, {"name": "peer"})
     assert lines.wait_for(lambda _: hellos) and hellos == [{"name": "peer"}]
     for sock in [peer, *flood]:
         sock.close()
+
+
+class _Churn:
+    """``count`` idle connections from one address, each reopened the moment the server
+    drops it: strangers that keep a cap full."""
+
+    def __init__(self, port: int, count: int) -> None:
+        self.port, self.sel = port, selectors.DefaultSelector()
+        self.reopened, self._stop = 0, threading.Event()
+        for _ in range(count):
+            self._open()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _open(self) -> None:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+        sock.setblocking(False)
+        self.sel.register(sock, selectors.EVENT_READ)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self.sel.select(0.05):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                with contextlib.suppress(BlockingIOError, OSError):
+                    if sock.recv(64):
+                        continue  # the greeting: never answered
+                self.sel.unregister(sock)
+                sock.close()
+                self.reopened += 1
+                self._open()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("grace", [0.0, None], ids=["no grace", "the grace"])
+def test_strangers_reconnecting_when_dropped_do_not_push_out_a_slow_peer_beside_them(
+    served: tuple[Acceptor, _Lines, list[dict[str, Any]]], grace: float | None
+) -> None:
+    """A peer on the strangers' address that answers after 0.3 s (a loaded machine): each
+    stranger it pushes out comes back and pushes out the next oldest, so without a grace
+    the peer itself is dropped within milliseconds; with it, the peer is kept."""
+    acceptor, _, hellos = served
+    acceptor._cap = 8  # at most 4 from one address
+    if grace is not None:
+        acceptor._grace = grace
+    port = _port(acceptor)
+    churn = _Churn(port, 4)
+    try:
+        time.sleep(max(acceptor._grace, 0.1) + 0.1)  # the strangers' handshakes are old
+        peer = socket.create_connection(("127.0.0.1", port), timeout=5)
+        peer.recv(40, socket.MSG_PEEK)
+        time.sleep(0.3)
+        if grace == 0.0:
+            with pytest.raises((ConnectionError, HandshakeError, OSError)):
+                client_handshake(peer, SECRET, SCHEME, time.monotonic() + 5, {"name": "peer"})
+            assert churn.reopened >= 4  # each stranger once, then the peer
+        else:
+            client_handshake(peer, SECRET, SCHEME, time.monotonic() + 5, {"name": "peer"})
+            deadline = time.monotonic() + 5
+            while not hellos and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert hellos == [{"name": "peer"}]
+        peer.close()
+    finally:
+        churn.close()
 
 
 @pytest.mark.timeout(30)

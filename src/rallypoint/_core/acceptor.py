@@ -34,6 +34,9 @@ from rallypoint._core.peercred import same_user
 __all__ = ["MAX_PENDING", "Acceptor", "RejectionLog", "max_pending"]
 
 MAX_PENDING = 128
+GRACE = 1.0
+"""Seconds a pending handshake keeps its place unless it is the newest (a quarter of the
+handshake deadline when that is shorter)."""
 _ACCEPT_BURST = 64
 _PAUSE_MIN = 0.01
 _PAUSE_MAX = 0.2
@@ -118,6 +121,7 @@ class _Pending:
     where: str
     peer: str
     """The peer's address without its port: the key of the per-address cap."""
+    since: float
     deadline: float
     handshake: ServerHandshake
 
@@ -134,9 +138,13 @@ class Acceptor:
     they arrive, so idle connections cost sockets, not threads. Each handshake has one
     deadline for the whole exchange (a slowloris is dropped when it passes). At most
     :func:`max_pending` handshakes wait at a time, at most half of them from one peer
-    address: a new connection beyond its address's share drops that address's oldest
-    pending handshake, one beyond the total the oldest of all, so a flood neither exhausts
-    file descriptors nor locks out a legitimate peer. A Unix connection whose peer runs as
+    address. A new connection beyond its address's share drops that address's oldest
+    pending handshake once that one has had :data:`GRACE` to answer, and before that the
+    newest one instead; one beyond the total does the same among all. So a flood exhausts
+    no file descriptors, a new peer always gets a place, and strangers that reconnect
+    whenever they are dropped cannot push out a peer beside them before its grace: their
+    churn pushes out only each other (dropping the oldest alone, the churn reached the
+    peer within milliseconds). A Unix connection whose peer runs as
     another uid (:mod:`._core.peercred`) is dropped before the greeting. When ``accept()``
     fails for want of resources (``EMFILE``, ``ENFILE``, ``ENOBUFS``, ``ENOMEM``) the
     listeners pause, from ``_PAUSE_MIN`` doubling up to ``_PAUSE_MAX``, while connections
@@ -164,6 +172,7 @@ class Acceptor:
         self._blocked = blocked
         self.rejections = RejectionLog(log)
         self._cap = max_pending()
+        self._grace = min(GRACE, deadline / 4)
         self._pending: OrderedDict[socket.socket, _Pending] = OrderedDict()  # oldest first
         self._per_peer: Counter[str] = Counter()
         self._paused_until = 0.0
@@ -272,6 +281,7 @@ class Acceptor:
         self._pause = min(self._pause * 2, _PAUSE_MAX)
 
     def _start(self, sock: socket.socket, uds: bool, where: str, peer: str) -> None:
+        self._make_room(peer)
         if not uds:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
@@ -283,16 +293,27 @@ class Acceptor:
         if sent != len(handshake.greeting):
             sock.close()
             return
-        pending = _Pending(sock, uds, where, peer, time.monotonic() + self._deadline, handshake)
+        now = time.monotonic()
+        pending = _Pending(sock, uds, where, peer, now, now + self._deadline, handshake)
         self._pending[sock] = pending
         self._per_peer[peer] += 1
         self._sel.register(sock, selectors.EVENT_READ, pending)
-        if self._per_peer[peer] > self.peer_cap:
-            oldest = next(p for p in self._pending.values() if p.peer == peer)
-            self._drop(oldest, f"more than {self.peer_cap} connections from it were authenticating")
-        while len(self._pending) > self._cap:
-            oldest = next(iter(self._pending.values()))
-            self._drop(oldest, f"more than {self._cap} connections were authenticating")
+
+    def _make_room(self, peer: str) -> None:
+        """Below both caps: drop the oldest handshake in the way, or the newest while the
+        oldest is within its grace."""
+        if self._per_peer[peer] >= self.peer_cap:
+            mine = [p for p in self._pending.values() if p.peer == peer]  # oldest first
+            self._push_out(mine[0], mine[-1], f"{self.peer_cap} connections from it")
+        if len(self._pending) >= self._cap:
+            every = list(self._pending.values())
+            self._push_out(every[0], every[-1], f"{self._cap} connections")
+
+    def _push_out(self, oldest: _Pending, newest: _Pending, what: str) -> None:
+        if time.monotonic() - oldest.since >= self._grace:
+            self._drop(oldest, f"{what} were authenticating; it was the oldest")
+        else:
+            self._drop(newest, f"{what} were authenticating; it was the newest")
 
     # ---- handshakes --------------------------------------------------------------------
     def _advance(self, pending: _Pending) -> None:

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any, NoReturn
 
-from rallypoint._core.acceptor import Acceptor
+from rallypoint._core.acceptor import GRACE, Acceptor
 from rallypoint._core.handshake import ServerHandshake
 from rallypoint._core.peercred import same_user
 from rallypoint._core.throttle import Throttle
@@ -341,14 +341,7 @@ class LocalSession:
         secret = self.server.secret
         if secret is None:
             raise AuthError("no secret yet")
-        host, _, port = addr.rpartition(":")
-        deadline = time.monotonic() + CONNECT_SECONDS
-        sock = socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS)
-        try:
-            client_handshake(sock, secret, deadline)
-        except BaseException:  # Ctrl-C too: the socket is closed
-            sock.close()
-            raise
+        sock = _connect(addr, secret)
         sock.settimeout(PEER_TIMEOUT)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.peers[addr] = sock
@@ -358,6 +351,28 @@ class LocalSession:
         sock = self.peers.pop(addr, None)
         if sock is not None:
             sock.close()
+
+
+def _connect(addr: str, secret: bytes) -> socket.socket:
+    """An authenticated connection to the snapshot server at ``addr``; tried again once when
+    the server drops it during the handshake (strangers beside us filled its places)."""
+    try:
+        return _handshaken(addr, secret)
+    except ConnectionResetError:
+        time.sleep(GRACE)  # theirs are old by then: ours keeps its place
+        return _handshaken(addr, secret)
+
+
+def _handshaken(addr: str, secret: bytes) -> socket.socket:
+    host, _, port = addr.rpartition(":")
+    deadline = time.monotonic() + CONNECT_SECONDS
+    sock = socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS)
+    try:
+        client_handshake(sock, secret, deadline)
+    except BaseException:  # Ctrl-C too: the socket is closed
+        sock.close()
+        raise
+    return sock
 
 
 def _where(msg: dict[str, Any]) -> tuple[int, int, Key]:
