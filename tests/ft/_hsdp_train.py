@@ -5,9 +5,9 @@ As torchtitan's ``components/ft/manager.py``: ``ProcessGroupGloo(timeout=...)``,
 ``Manager(..., use_async_quorum=True, load_state_dict=None, state_dict=None)`` and then
 ``register_state_dict_fn``, ``ManagedProcessGroup(manager)`` registered as
 ``"dp_replicate"``, and each FSDP module's all-reduce hook
-``dist.all_reduce(output, group=replicate_pg, op=ReduceOp.AVG)``. A heal sends each rank's
-shard: the state dict holds local tensors, and loading wraps them back into the rank's
-DTensors (the mesh and placements are this group's own).
+``dist.all_reduce(output, group=replicate_pg, op=ReduceOp.AVG)``; and its state functions:
+DCP's model and flat optimizer state dicts, each read once and kept (torchtitan's
+``ModelWrapper`` and ``FTOptimizersContainer``). A heal sends each rank's DTensor shards.
 
 argv: OUT STEPS. Environment: REPLICA_GROUP_ID, TORCHFT_LIGHTHOUSE, RANK/WORLD_SIZE (from
 ``rallypoint run --nproc-per-node 2``), FT_IMPL (``torchft`` to run torchft itself),
@@ -26,11 +26,16 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.distributed_c10d import ReduceOp
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
 ft = importlib.import_module(os.environ.get("FT_IMPL", "rallypoint.ft"))
 ft_process_group = importlib.import_module(f"{ft.__name__}.process_group")
@@ -56,41 +61,62 @@ model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.L
 for layer in (model[0], model[2]):
     fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)
-SHARDED = dict(model.named_parameters())  # the sharded DTensors (forward swaps in others)
 inner = torch.optim.Adam(model.parameters(), lr=1e-3)
-PARAMS = [p for group in inner.param_groups for p in group["params"]]
 
 
-def _local(obj):
-    if isinstance(obj, DTensor):
-        return obj.to_local()
-    if isinstance(obj, dict):
-        return {k: _local(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_local(v) for v in obj]
-    return obj
+class ModelWrapper:
+    """torchtitan's (``components/checkpoint.py``): DCP's model state dict read once and
+    kept (its tensors are the parameters' own), read again after a load."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache_state_dict = get_model_state_dict(model)
+
+    def state_dict(self):
+        return self.cache_state_dict
+
+    def load_state_dict(self, state):
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=False))
+        self.cache_state_dict = get_model_state_dict(self.model)
+
+
+class FTOptimizersContainer:
+    """torchtitan's (``components/optimizer.py``): the optimizer's state made at once (so
+    that DCP never steps it to make it), its flat DCP state dict kept, and kept again after
+    a load."""
+
+    FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+        get_optimizer_state_dict(model, optimizer)
+        self.cache_state_dict = {}
+
+    def init_cache_state_dict(self):
+        self.cache_state_dict = get_optimizer_state_dict(
+            self.model, self.optimizer, options=self.FLAT
+        )
+
+    def state_dict(self):
+        return self.cache_state_dict
+
+    def load_state_dict(self, state):
+        self.cache_state_dict = {}
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=self.FLAT)
+        self.init_cache_state_dict()
+
+
+wrapper, container = ModelWrapper(model), FTOptimizersContainer(model, inner)
+container.init_cache_state_dict()
 
 
 def state_dict():
-    return {
-        "model": {k: p.to_local() for k, p in SHARDED.items()},
-        "optim": _local(inner.state_dict()),
-    }
+    return {"model": wrapper.state_dict(), "optimizer": container.state_dict()}
 
 
 def load_state_dict(state):
-    with torch.no_grad():
-        for k, p in SHARDED.items():
-            p.to_local().copy_(state["model"][k])
-    optim = state["optim"]
-    for index, moments in optim["state"].items():
-        p = PARAMS[int(index)]
-        for key, value in moments.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                moments[key] = DTensor.from_local(
-                    value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-                )
-    inner.load_state_dict(optim)
+    wrapper.load_state_dict(state["model"])
+    container.load_state_dict(state["optimizer"])
 
 
 manager = ft.Manager(
