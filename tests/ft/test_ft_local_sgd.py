@@ -57,7 +57,10 @@ def _swap(text: str, extra: dict[str, str]) -> str:
     return text
 
 
-def _run(tmp_path: Path, path: Path, timeout: float, *args: str) -> tuple[set[str], str]:
+def _run(
+    tmp_path: Path, path: Path, timeout: float, *args: str, conftest: str = ""
+) -> tuple[set[str], str]:
+    (tmp_path / "conftest.py").write_text(conftest + EXIT_AT_END)
     here = str(Path(__file__).parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), here, *sys.path])}
     env["COLUMNS"] = "400"  # the summary's "FAILED id - error" lines keep their error
@@ -69,6 +72,23 @@ def _run(tmp_path: Path, path: Path, timeout: float, *args: str) -> tuple[set[st
     passed = set(re.findall(r"^PASSED \S+::\w+::(\w+)", done.stdout, re.M))
     return passed, _failures(done.stdout) + done.stderr[-2000:]
 
+
+EXIT_AT_END = """
+import os, sys
+
+_status = [0]
+
+def pytest_sessionfinish(session, exitstatus):
+    _status[0] = int(exitstatus)
+
+def pytest_unconfigure(config):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_status[0])
+"""
+"""The child ends once its summary is written: a case cut by its timeout can leave a
+replica's thread blocked for good (one waiting at the test's barrier for replicas that
+failed), and the interpreter's exit would wait on it (the file ran out its 880 s)."""
 
 DUMMY = "DummyWork as _DummyWork"
 FAKE_PG = "from _fake_pg import FakeProcessGroupWrapper\n"
@@ -83,8 +103,7 @@ def test_torchfts_local_sgd_unit_tests_pass_with_the_import_swapped(tmp_path: Pa
     )
     path = tmp_path / "local_sgd_swapped_test.py"
     path.write_text(text)
-    (tmp_path / "conftest.py").write_text(SEEDED)
-    passed, why = _run(tmp_path, path, 280)
+    passed, why = _run(tmp_path, path, 280, conftest=SEEDED)
     assert passed == UNIT, why
 
 
