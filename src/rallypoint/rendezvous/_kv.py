@@ -44,6 +44,7 @@ class KeyValueStore(ABC):
 
     #: a short human description of where the data lives, for error messages
     endpoint: str = ""
+    native_append: bool = False  # append is one send of the store's (c10d), not a swap loop
 
     @abstractmethod
     def set(self, key: str, value: bytes) -> None:
@@ -82,6 +83,12 @@ class KeyValueStore(ABC):
             raise KVStateError(
                 f"The key {counter!r} at {self.endpoint} holds {raw[:40]!r}, not a counter."
             ) from None
+
+    def append(self, key: str, value: bytes) -> None:
+        """Append ``value`` to ``key``'s value atomically (this connection's next call sees it)."""
+        old = b""
+        while (now := self.compare_and_swap(key, old, old + value)) != old + value:
+            old = now if now != old else b""  # (a missing key answers with ``old``)
 
     @abstractmethod
     def set_if_absent(self, key: str, value: bytes) -> bytes:

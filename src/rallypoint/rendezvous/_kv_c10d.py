@@ -17,7 +17,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rallypoint._core.blocking import call_in_thread
 from rallypoint._core.forking import fork_safe_lock
@@ -26,6 +26,7 @@ from rallypoint.rendezvous._kv import KeyValueStore, KVConnectionError, KVStateE
 if TYPE_CHECKING:
     from rallypoint._core.torch_c import TCPStore, TorchStore
 
+_T = TypeVar("_T")
 _SIDE: dict[tuple[int, str], C10dKV] = {}
 _SIDE_LOCK = fork_safe_lock()
 
@@ -76,6 +77,8 @@ class C10dKV(KeyValueStore):
         share_key: clones of KVs with the same key share one side connection per process.
     """
 
+    native_append = True
+
     def __init__(
         self,
         store: TorchStore,
@@ -99,15 +102,18 @@ class C10dKV(KeyValueStore):
             f"The store at {self.endpoint} failed during {op}: {type(exc).__name__}: {exc}"
         )
 
-    def set(self, key: str, value: bytes) -> None:
+    def _call(self, op: str, call: Callable[..., _T], *args: Any) -> _T:
         try:
-            self._store.set(key, value)
-            # a TCPStore client sends a set without waiting for the server, which serves
-            # a connection's requests in order: a round trip after it returns once the
-            # write is applied, so every other connection reads it from then on
-            self._store.check([key])
+            return call(*args)
         except (RuntimeError, ValueError) as exc:
-            raise self._fail("set", exc) from exc
+            raise self._fail(op, exc) from exc
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call("set", self._store.set, key, value)
+        # a TCPStore client sends a set without waiting for the server, which serves a
+        # connection's requests in order: a round trip after it returns once the write
+        # is applied, so every other connection reads it from then on
+        self._call("set", self._store.check, [key])
 
     def get(self, key: str) -> bytes | None:
         # check-then-get: never compare_set on a missing key, which (libuv TCPStore)
@@ -130,11 +136,8 @@ class C10dKV(KeyValueStore):
     def multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
         if not items:
             return
-        try:
-            self._store.multi_set([k for k, _ in items], [v for _, v in items])
-            self._store.check([items[0][0]])  # applied before it returns, as set()
-        except (RuntimeError, ValueError) as exc:
-            raise self._fail("multi_set", exc) from exc
+        self._call("multi_set", self._store.multi_set, [k for k, _ in items], [v for _, v in items])
+        self._call("multi_set", self._store.check, [items[0][0]])  # applied on return, as set()
 
     def add(self, key: str, amount: int) -> int:
         try:
@@ -167,19 +170,18 @@ class C10dKV(KeyValueStore):
                 ) from failure
         raise self._fail("add", failure) from failure
 
+    def append(self, key: str, value: bytes) -> None:
+        self._call("append", self._store.append, key, value)  # (it waits for no answer)
+
     def set_if_absent(self, key: str, value: bytes) -> bytes:
         if not value:
             raise ValueError("set_if_absent needs a non-empty value")
-        try:
-            return bytes(self._store.compare_set(key, b"", value))
-        except (RuntimeError, ValueError) as exc:
-            raise self._fail("set_if_absent", exc) from exc
+        return bytes(self._call("set_if_absent", self._store.compare_set, key, b"", value))
 
     def compare_and_swap(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        try:
-            return bytes(self._store.compare_set(key, expected, desired))
-        except (RuntimeError, ValueError) as exc:
-            raise self._fail("compare_and_swap", exc) from exc
+        return bytes(
+            self._call("compare_and_swap", self._store.compare_set, key, expected, desired)
+        )
 
     def wait(self, keys: Sequence[str], timeout: timedelta) -> bool:
         deadline = time.monotonic() + timeout.total_seconds()
@@ -201,16 +203,10 @@ class C10dKV(KeyValueStore):
             raise self._fail("wait", exc) from exc
 
     def check(self, keys: Sequence[str]) -> bool:
-        try:
-            return bool(self._store.check(list(keys)))
-        except (RuntimeError, ValueError) as exc:
-            raise self._fail("check", exc) from exc
+        return bool(self._call("check", self._store.check, list(keys)))
 
     def delete(self, key: str) -> bool:
-        try:
-            return bool(self._store.delete_key(key))
-        except (RuntimeError, ValueError) as exc:
-            raise self._fail("delete", exc) from exc
+        return bool(self._call("delete", self._store.delete_key, key))
 
     def clone(self) -> C10dKV:
         """A connection for background (non-blocking) operations, shared per process.
@@ -233,10 +229,7 @@ class C10dKV(KeyValueStore):
 
     def _new_client(self) -> TorchStore:
         assert self._connect is not None
-        try:
-            return self._connect()
-        except (RuntimeError, ValueError) as exc:
-            raise self._fail("connect", exc) from exc
+        return self._call("connect", self._connect)
 
     def torch_store(self, prefix: str) -> TorchStore:
         from rallypoint._core.torch_c import PrefixStore

@@ -124,6 +124,18 @@ class KVContract:
         assert kv.compare_and_swap("cas-missing", b"x", b"y") == b"x"
         assert kv.get("cas-missing") is None
 
+    def test_append_keeps_every_writers_bytes_whole(self, kv: KeyValueStore) -> None:
+        def write(i: int) -> None:
+            writer = kv.clone()
+            for j in range(5):
+                writer.append("log", b"<%d.%d>" % (i, j))
+            writer.get("log")  # (an append may be applied after it returns: not after this)
+
+        _threads(8, write)
+        value = kv.get("log") or b""
+        parts = sorted(value.strip(b"<>").split(b"><"))
+        assert parts == sorted(b"%d.%d" % (i, j) for i in range(8) for j in range(5))
+
     def test_wait_present_missing_and_late(self, kv: KeyValueStore) -> None:
         kv.set("w/here", b"1")
         assert kv.wait(["w/here"], timedelta(seconds=5)) is True
