@@ -278,8 +278,7 @@ def test_records_forged_mid_run_are_named_and_no_group_steps_back(tmp_path: Path
         record = json.loads(kv.get(f"r/{n}") or b"{}")
         members = [m["member"] for m in record["members"]]
         kv.set(f"hb/{members[0]}", b"not a counter")
-        index = kv.add("in/n", 1)
-        kv.set(f"in/{index}", b"\x00garbage")
+        kv.append("in/box", b"\x00garbage")
         post(kv, Ask("gone", members[1], why="forged notice"))
         kv.set(f"r/{n + 3}", b"{not json")
         last = int(kv.get("news/last") or b"0")

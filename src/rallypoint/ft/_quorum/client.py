@@ -1,8 +1,9 @@
 """A member's side of the quorum protocol: ask, then wait on the answer's key.
 
-A member posts a message to the lighthouse's inbox (``in/<i>``, two store operations)
-and waits for the one key that answers it (``a/<member>/<seq>``) with the store's own
-blocking wait: no polling, and O(1) operations per round whatever the number of groups.
+A member posts a message to the lighthouse's inbox (inbox.py: two sends, or two store
+operations where the store cannot append) and waits for the one key that answers it
+(``a/<member>/<seq>``) with the store's own blocking wait: no polling, and O(1)
+operations per round whatever the number of groups.
 The answer names the round, whose quorum it reads once (``r/<n>``). A lighthouse that is
 restarted costs a reconnect: the member says hello to the new life, with the last quorum
 it had, and asks again. Heartbeats are a counter (``hb/<member>``) the member ``add``s to
@@ -22,6 +23,7 @@ from concurrent.futures import Future
 from datetime import timedelta
 
 from rallypoint._core.fatal import FatalError
+from rallypoint.ft._quorum.inbox import post
 from rallypoint.ft._quorum.records import (
     Ask,
     Quorum,
@@ -67,16 +69,6 @@ class LighthouseAddressError(ValueError, FatalError):
 
 class LighthouseUnreachable(ConnectionError, FatalError):
     """Nothing answered at the lighthouse's address within the connect timeout."""
-
-
-def post(kv: KeyValueStore, msg: Ask) -> None:
-    """Put ``msg`` in the lighthouse's inbox (in a place of its own: one that the lighthouse
-    filled as a hole meanwhile, this writer being too slow, is given up for the next)."""
-    raw = msg.to_bytes()
-    while True:
-        index = kv.add("in/n", 1)
-        if kv.set_if_absent(f"in/{index}", raw) == raw:
-            return
 
 
 def connect_lighthouse(address: str, timeout: float) -> KeyValueStore:

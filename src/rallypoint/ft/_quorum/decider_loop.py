@@ -1,13 +1,13 @@
 """The lighthouse's loop: read the inbox, let the decider decide, write what it decided.
 
-It blocks in the store's own wait for the next inbox key (``in/<i>``), so it wakes when a
-member writes; a ticker posts a ``tick`` every ``quorum_tick_ms`` for what time alone
-decides, and fills the hole of a writer that died between its ``add`` and its ``set``.
-A wake reads every message that arrived in one ``multi_get``; heartbeats at most once a
-tick. It writes ``r/<n>`` (a round's quorum, once), ``a/<member>/<seq>`` (each answer),
+It blocks in the store's own wait on its inbox (inbox.py), so it wakes when a member
+writes; a ticker posts a ``tick`` every ``quorum_tick_ms`` for what time alone decides,
+and fills the hole of a writer that died between taking a slot and writing it. A wake
+takes every message that arrived; heartbeats at most once a tick. It writes ``r/<n>`` (a
+round's quorum, once), ``a/<member>/<seq>`` (each answer),
 ``news/<k>`` (a member died, a commit was voted down: for the members' watchers), ``o/<n>``
 (``abort`` for a dead member's round) and ``status`` (why no quorum yet). What nobody
-can need again is deleted (inbox messages at once, rounds ``RETAIN`` later, news 8 later,
+can need again is deleted (inbox slots at once, rounds ``RETAIN`` later, news 8 later,
 forgotten members' heartbeats; etcd's history is compacted each minute): the store stays
 the same size however long the job runs."""
 
@@ -24,8 +24,9 @@ from datetime import timedelta
 from typing import Any
 
 from rallypoint._core.quorum_line import quorum_line
-from rallypoint.ft._quorum.client import STORE_LOST, post
+from rallypoint.ft._quorum.client import STORE_LOST
 from rallypoint.ft._quorum.decider import Decided, Decider, Died, Note, Reply
+from rallypoint.ft._quorum.inbox import Inbox, post
 from rallypoint.ft._quorum.records import (
     Ask,
     Quorum,
@@ -61,7 +62,7 @@ class DeciderLoop:
         self.gen = secrets.token_hex(8)
         first_round = parse_counter(kv.get("round"), "round") + 1 if kv.get("round") else 0
         self.decider = Decider(rules, self.gen, first_round, say=say)
-        self._next = parse_counter(kv.get("in/done"), "in/done") + 1
+        self.inbox = Inbox(kv)
         self._news = parse_counter(kv.get("news/last"), "news/last")
         self._garbage: dict[int, list[str]] = {}
         self._last_beats = 0.0
@@ -125,21 +126,15 @@ class DeciderLoop:
                 time.sleep(0.1)
 
     def _once(self) -> None:
-        self.kv.wait_woken([f"in/{self._next}"], timedelta(hours=1))  # (an early wake reads none)
-        count = parse_counter(self.kv.get("in/n"), "in/n")
-        keys = self._written([f"in/{i}" for i in range(self._next, max(count, self._next) + 1)])
-        consumed = []
-        for key, raw in zip(keys, self.kv.multi_get(keys), strict=True):
-            if raw is None:
-                break
-            consumed.append(key)
+        self.inbox.wait(timedelta(hours=1))  # (an early wake takes none)
+        taken = self.inbox.take()
+        for key, raw in taken:
             try:
                 msg = parse_message(raw, key)
             except RecordError as exc:
                 self._say(f"ignoring a message: {exc}")  # consumed: said once
                 continue
             self._take(msg)
-        self._next += len(consumed)
         now = time.monotonic()
         if (now - self._last_beats) * 1000 >= self.rules.quorum_tick_ms:
             self._read_beats()
@@ -151,31 +146,15 @@ class DeciderLoop:
         if gone:
             self._trash.put([f"hb/{m}" for m in gone])
             self._beating.difference_update(gone)
+        consumed = self.inbox.consumed(taken)
         if consumed:
             self._trash.put(consumed)
-            self.kv.set("in/done", str(self._next - 1).encode())
         self._write_status()
         if now - self._last_news > _NEWS_EVERY:
             self._publish({"tick": True})  # the watchers' waits end before they time out
         if now - self._last_compact > _COMPACT_EVERY:
             self._last_compact = now
             self.kv.compact()
-
-    def _written(self, keys: list[str]) -> list[str]:
-        """The longest run of ``keys`` from the first that is written: a slot counted but
-        not written yet (its writer is between its ``add`` and its ``set``) ends the run.
-        One check when all are there, a binary search otherwise: a read of a missing key
-        is a round trip each, ``G`` of them at ``G`` members."""
-        if len(keys) <= 1 or self.kv.wait_woken(keys, timedelta(0)):
-            return keys
-        there, missing = 1, len(keys)  # the first was waited on; the whole run was not there
-        while missing - there > 1:
-            mid = (there + missing) // 2
-            if self.kv.wait_woken(keys[:mid], timedelta(0)):
-                there = mid
-            else:
-                missing = mid
-        return keys[:there]
 
     def _take(self, msg: Ask) -> None:
         if msg.kind == "gone":
@@ -303,8 +282,11 @@ class DeciderLoop:
         while not self._stop.wait(interval):
             try:
                 post(kv, Ask("tick"))
-                if self._next != stuck_at:
-                    stuck_at, since = self._next, time.monotonic()
+                waits_on = self.inbox.stuck()
+                if waits_on is None:
+                    continue
+                if waits_on != stuck_at:
+                    stuck_at, since = waits_on, time.monotonic()
                 elif time.monotonic() - since > max(5.0, 3 * interval):
                     # a writer died between its add and its set: fill its place
                     kv.set_if_absent(f"in/{stuck_at}", Ask("hole").to_bytes())
