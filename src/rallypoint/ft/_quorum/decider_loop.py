@@ -4,7 +4,7 @@ It blocks in the store's own wait on its inbox (inbox.py), so it wakes when a me
 writes; a ticker posts a ``tick`` every ``quorum_tick_ms`` for what time alone decides,
 and fills the hole of a writer that died between taking a slot and writing it. A wake
 takes every message that arrived; heartbeats at most once a tick. It writes ``r/<n>`` (a
-round's quorum, once), ``a/<member>/<seq>`` (each answer),
+round's quorum, once, with its answers in the same write), ``a/<member>/<seq>`` (each answer),
 ``news/<k>`` (a member died, a commit was voted down: for the members' watchers), ``o/<n>``
 (``abort`` for a dead member's round) and ``status`` (why no quorum yet). What nobody
 can need again is deleted (inbox slots at once, rounds ``RETAIN`` later, news 8 later,
@@ -69,6 +69,7 @@ class DeciderLoop:
         self._last_compact = time.monotonic()
         self._last_news = time.monotonic()
         self._last_status = ""
+        self._status_at = 0.0
         self._shown: Quorum | None = None
         self._said: set[str] = set()
         self._beating: set[str] = set()
@@ -149,7 +150,7 @@ class DeciderLoop:
         consumed = self.inbox.consumed(taken)
         if consumed:
             self._trash.put(consumed)
-        self._write_status()
+        self._write_status(now)
         if now - self._last_news > _NEWS_EVERY:
             self._publish({"tick": True})  # the watchers' waits end before they time out
         if now - self._last_compact > _COMPACT_EVERY:
@@ -219,9 +220,9 @@ class DeciderLoop:
     def _decided(self, done: Decided) -> None:
         quorum = done.quorum
         n = quorum.round
-        self.kv.set(f"r/{n}", quorum.to_bytes())
         answers = [(f"a/{m}/{seq}", answer("round", n)) for m, seq in done.answers.items()]
-        self.kv.multi_set([*answers, ("round", str(n).encode())])
+        # one write, the round's record first: an answer names a round already there
+        self.kv.multi_set([(f"r/{n}", quorum.to_bytes()), *answers, ("round", str(n).encode())])
         self._garbage.setdefault(n, []).extend(
             [f"r/{n}", f"c/{n}", f"o/{n}", *(k for k, _ in answers)]
         )
@@ -251,8 +252,13 @@ class DeciderLoop:
         if self._news > _NEWS_KEPT:
             self._trash.put([f"news/{self._news - _NEWS_KEPT}"])
 
-    def _write_status(self) -> None:
+    def _write_status(self, now: float) -> None:
+        """Why no quorum yet, for a member's timeout line: once a tick at most (each wake
+        of a round that waits for G members would write it)."""
         d = self.decider
+        if d.pending and (now - self._status_at) * 1000 < self.rules.quorum_tick_ms:
+            return
+        self._status_at = now
         if not d.pending:
             line = ""
         elif len(d.pending) < self.rules.min_replicas:
