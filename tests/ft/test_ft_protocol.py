@@ -253,14 +253,21 @@ def test_forged_records_are_named_in_one_line_and_the_members_go_on(
     ]
     forger, _ = connect_kv(server.address(), timeout=T)
 
-    def both(step: int) -> None:
+    def both(step: int, first_reads: str = "") -> None:
+        """Both members ask; with ``first_reads``, the second only once the first said it
+        (the round cannot be decided without the second's ask, so the first reads what
+        the forger wrote before the lighthouse writes the round over it)."""
         out: list[Any] = []
         threads = [
             threading.Thread(target=lambda k=link: out.append(k.quorum(_req(k, step), 20)))
             for link in links
         ]
-        for t in threads:
-            t.start()
+        threads[0].start()
+        deadline = time.monotonic() + 15
+        while first_reads and not any(first_reads in x for x in said):
+            assert time.monotonic() < deadline, said
+            time.sleep(0.01)
+        threads[1].start()
         for t in threads:
             t.join(30)
         assert len(out) == 2 and all(len(q.members) == 2 for q in out), out
@@ -276,7 +283,8 @@ def test_forged_records_are_named_in_one_line_and_the_members_go_on(
     forger.set("r/1", b"{not json")
     # a notice that a live member left
     post(forger, Ask("gone", "0:x", why="forged"))
-    for step in range(1, 6):
+    both(1, first_reads="r/1: not JSON")
+    for step in range(2, 6):
         both(step)
     time.sleep(0.5)
     both(6)
