@@ -13,8 +13,7 @@ once. ``store_addr``: ``ADDRESS#PREFIX`` (a lighthouse's store, ``HOST:PORT`` or
   last ``configure`` (or to the process group it wraps); :class:`ProcessGroupGloo` and
   :class:`ProcessGroupNCCL` make torch's own. torchft's ``ProcessGroupBaby*`` run the
   communicator in a child process so that it can be killed; here the abort works in
-  process, so they are the same classes (no copy per collective). A collective that
-  fails aborts its communicator (``_on_failure``), so its peers fail at once too.
+  process, so they are the same classes (no copy per collective).
 - :class:`ManagedProcessGroup` is the Manager as a process group: its allreduce is
   ``manager.allreduce`` (the average over the quorum's participants, a failure recorded
   and never raised), its size the number of participants (HSDP: docs/ft.md).
@@ -36,7 +35,6 @@ from rallypoint._core.gloo_links import device_connections, epoll_sets, listens,
 from rallypoint._core.store import Store
 from rallypoint._core.torch_c import PrefixStore, TCPStore, as_torch_store
 from rallypoint.ft.process_group._dummy import dummy_process_group as dummy_process_group
-from rallypoint.ft.process_group._on_failure import abort_on_failure
 from rallypoint.ft.process_group._release import release
 from rallypoint.ft.process_group._stores import store_from_address as store_from_address
 from rallypoint.ft.work import _DummyWork
@@ -273,12 +271,8 @@ class ProcessGroupWrapper(ProcessGroup):
             )
         return pg
 
-    def abort(self, errored: bool = True, only: Any = None) -> None:
-        """End the collectives of this group's communicator (``only``: if it is still that
-        one; a later configure made another)."""
+    def abort(self, errored: bool = True) -> None:
         with self._lock:
-            if only is not None and self._made is not only:
-                return
             made, self._made = [self._made], None
             self._made_for += 1
             if errored and (made[0] is not None or self._wrapped is not None):
@@ -325,11 +319,7 @@ class ProcessGroupWrapper(ProcessGroup):
             opts = dist.BroadcastOptions()
             opts.rootRank = args[1]
             args = (args[0], opts)
-        parent = self.parent
-        work = getattr(parent, name)(*args)
-        if parent is self._made:  # a failed collective aborts this communicator
-            abort_on_failure(work, lambda: self.abort(only=parent))
-        return work
+        return getattr(self.parent, name)(*args)
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> Any:
         raise NotImplementedError(
