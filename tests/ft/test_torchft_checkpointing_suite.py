@@ -53,6 +53,7 @@ def _swapped(tmp_path: Path, name: str, out: str) -> Path:
     return path
 
 
+@pytest.mark.flaky(reruns=2)  # torchft's multi-rank case waits on 10 s barriers (see below)
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs torchft==0.2.0")
 @pytest.mark.skipif(importlib.util.find_spec("parameterized") is None, reason="needs parameterized")
@@ -67,4 +68,9 @@ def test_torchfts_checkpointing_tests_pass_with_the_import_swapped(tmp_path: Pat
            "--timeout", "120", "-rA", *map(str, paths), "-k", "not test_benchmark"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=380, env=env, cwd=tmp_path)
     passed = set(re.findall(r"^PASSED \S+::(?:\w+::)?(\w+)", done.stdout, re.M))
-    assert passed == PASSING, done.stdout[-8000:] + done.stderr[-2000:]
+    # (with two whole suites side by side, 2 runs in 4 lost test_multi_http_transport_cpu,
+    # whose threads meet at threading.Barrier(timeout=10); its error was cut from the tail,
+    # so the failures' own sections come first)
+    _, found, after = done.stdout.partition("= FAILURES =")
+    failures = after[:6000] if found else ""
+    assert passed == PASSING, failures + done.stdout[-4000:] + done.stderr[-2000:]
