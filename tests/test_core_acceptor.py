@@ -3,8 +3,6 @@ throttled rejection log, and the handshake both ends of which live in ``_core``.
 
 from __future__ import annotations
 
-import contextlib
-import selectors
 import socket
 import threading
 import time
@@ -13,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from _support.strangers import Holder
 from rallypoint._core.acceptor import Acceptor, RejectionLog
 from rallypoint._core.handshake import (
     HandshakeError,
@@ -92,43 +91,6 @@ def test_one_address_cannot_push_out_the_handshake_of_another(
         sock.close()
 
 
-class _Churn:
-    """``count`` idle connections from one address, each reopened the moment the server
-    drops it: strangers that keep a cap full."""
-
-    def __init__(self, port: int, count: int) -> None:
-        self.port, self.sel = port, selectors.DefaultSelector()
-        self.reopened, self._stop = 0, threading.Event()
-        for _ in range(count):
-            self._open()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _open(self) -> None:
-        sock = socket.create_connection(("127.0.0.1", self.port), timeout=5)
-        sock.setblocking(False)
-        self.sel.register(sock, selectors.EVENT_READ)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for key, _ in self.sel.select(0.05):
-                sock = key.fileobj
-                assert isinstance(sock, socket.socket)
-                with contextlib.suppress(BlockingIOError, OSError):
-                    if sock.recv(64):
-                        continue  # the greeting: never answered
-                self.sel.unregister(sock)
-                sock.close()
-                self.reopened += 1
-                self._open()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        for key in list(self.sel.get_map().values()):
-            key.fileobj.close()  # type: ignore[union-attr]
-
-
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("grace", [0.0, None], ids=["no grace", "the grace"])
 def test_strangers_reconnecting_when_dropped_do_not_push_out_a_slow_peer_beside_them(
@@ -142,8 +104,7 @@ def test_strangers_reconnecting_when_dropped_do_not_push_out_a_slow_peer_beside_
     if grace is not None:
         acceptor._grace = grace
     port = _port(acceptor)
-    churn = _Churn(port, 4)
-    try:
+    with Holder([("127.0.0.1", port)], 4) as strangers:
         time.sleep(max(acceptor._grace, 0.1) + 0.1)  # the strangers' handshakes are old
         peer = socket.create_connection(("127.0.0.1", port), timeout=5)
         peer.recv(40, socket.MSG_PEEK)
@@ -151,7 +112,7 @@ def test_strangers_reconnecting_when_dropped_do_not_push_out_a_slow_peer_beside_
         if grace == 0.0:
             with pytest.raises((ConnectionError, HandshakeError, OSError)):
                 client_handshake(peer, SECRET, SCHEME, time.monotonic() + 5, {"name": "peer"})
-            assert churn.reopened >= 4  # each stranger once, then the peer
+            assert strangers.reopened >= 4  # each stranger once, then the peer
         else:
             client_handshake(peer, SECRET, SCHEME, time.monotonic() + 5, {"name": "peer"})
             deadline = time.monotonic() + 5
@@ -159,8 +120,6 @@ def test_strangers_reconnecting_when_dropped_do_not_push_out_a_slow_peer_beside_
                 time.sleep(0.01)
             assert hellos == [{"name": "peer"}]
         peer.close()
-    finally:
-        churn.close()
 
 
 @pytest.mark.timeout(30)

@@ -17,10 +17,11 @@ from typing import Any
 import psutil
 import pytest
 from _jobs import TRAIN, same_params, starts
-from _ports import Holder, snapshot_listeners
+from _ports import snapshot_listeners
 from _train import train
 
 from _support import cli_zygote
+from _support.strangers import Holder
 from rallypoint.launcher import launch
 from rallypoint.testing import _workers
 from rallypoint.testing._netns import Network, netns_available
