@@ -294,8 +294,7 @@ class DeciderLoop:
                 if waits_on != stuck_at:
                     stuck_at, since = waits_on, time.monotonic()
                 elif time.monotonic() - since > max(5.0, 3 * interval):
-                    # a writer died between its add and its set: fill its place
-                    kv.set_if_absent(f"in/{stuck_at}", Ask("hole").to_bytes())
+                    self.inbox.fill(kv, stuck_at)
                     since = time.monotonic()
             except STORE_LOST:
                 if self._stop.is_set():

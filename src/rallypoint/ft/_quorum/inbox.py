@@ -92,3 +92,9 @@ class Inbox:
     def stuck(self) -> int | None:
         """The slot the loop waits on (``None`` in a box, where no writer leaves a hole)."""
         return None if self.boxed else self.next
+
+    @staticmethod
+    def fill(kv: KeyValueStore, slot: int) -> None:
+        """Fill ``slot`` as a hole (its writer died between its ``add`` and its write) on
+        ``kv``, the caller's own connection: the loop then reads past it."""
+        kv.set_if_absent(f"in/{slot}", Ask("hole").to_bytes())
