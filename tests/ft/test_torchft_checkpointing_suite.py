@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_torchft_suite import _failures
 
 PASSING = {
     "test_checkpoint_server_0_no_chunks",
@@ -69,8 +70,5 @@ def test_torchfts_checkpointing_tests_pass_with_the_import_swapped(tmp_path: Pat
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=380, env=env, cwd=tmp_path)
     passed = set(re.findall(r"^PASSED \S+::(?:\w+::)?(\w+)", done.stdout, re.M))
     # (with two whole suites side by side, 2 runs in 4 lost test_multi_http_transport_cpu,
-    # whose threads meet at threading.Barrier(timeout=10); its error was cut from the tail,
-    # so the failures' own sections come first)
-    _, found, after = done.stdout.partition("= FAILURES =")
-    failures = after[:6000] if found else ""
-    assert passed == PASSING, failures + done.stdout[-4000:] + done.stderr[-2000:]
+    # whose threads meet at threading.Barrier(timeout=10): the failures' own sections first)
+    assert passed == PASSING, _failures(done.stdout) + done.stderr[-2000:]
