@@ -64,6 +64,6 @@ want cuda-other && step cuda-other 220 "${PYTEST[@]}" -rP tests/supervise/test_i
     tests/elastic/test_launcher_health.py tests/elastic/test_elastic_burn_in.py tests/ft/test_ft_nccl.py
 want restart-gpu && step restart-gpu 200 "$RUN" benchmarks/restart_gpu.py --repeat 2
 want rpc-cuda && step rpc-cuda 90 "$RUN" benchmarks/rpc.py --only cuda --quick
-want launch-cuda && step launch-cuda 120 "$RUN" benchmarks/launch.py --sizes 16 --cuda-sizes 8 \
+want launch-cuda && step launch-cuda 200 "$RUN" benchmarks/launch.py --sizes 16 --cuda-sizes 8 \
     --repeat 2 --skip-recovery
 exit 0

@@ -9,7 +9,8 @@ that step, wait until that group's process has started: a late group then joins 
 others still train, however slow a loaded machine starts it), FT_BALLAST_MB (a tensor of that
 size in the state, 0), FT_DIE_SERVING ("GROUP:STEP": from that step on, that group's first
 process SIGKILLs itself 20 ms after it starts sending its state to a healing group),
-FT_BACKEND (``nccl``: the model on the visible GPU and ProcessGroupNCCL across groups),
+FT_BACKEND (``nccl``: the model on the visible GPU and ProcessGroupNCCL across groups;
+``cuda-gloo``: the model on the visible GPU and ProcessGroupGloo, which takes CUDA tensors),
 FT_TOGETHER (N: wait until groups 0..N-1 have all started before asking for a quorum, so
 that none trains alone from step 0 however slowly a loaded machine starts the others).
 Every committed step appends ``time step participants pid`` to OUT/steps-<group>; the end
@@ -47,7 +48,8 @@ while FIRST and not all(os.path.exists(os.path.join(OUT, f"started-{g}")) for g 
 
 torch.manual_seed(GROUP)  # different on purpose: the first quorum's heal makes them equal
 NCCL = os.environ.get("FT_BACKEND") == "nccl"
-DEVICE = torch.device("cuda", 0) if NCCL else torch.device("cpu")
+ON_GPU = NCCL or os.environ.get("FT_BACKEND") == "cuda-gloo"
+DEVICE = torch.device("cuda", 0) if ON_GPU else torch.device("cpu")
 model = torch.nn.Sequential(torch.nn.Linear(16, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, 4))
 model = model.to(DEVICE)
 inner = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -105,5 +107,9 @@ with open(os.path.join(OUT, f"steps-{GROUP}"), "a", buffering=1) as log:
             while not os.path.exists(os.path.join(OUT, f"started-{hold_group}")):
                 assert time.monotonic() < deadline, f"group {hold_group} never started"
                 time.sleep(0.05)
+devices = {str(p.device) for p in model.parameters()}
+devices |= {str(p.grad.device) for p in model.parameters() if p.grad is not None}
+with open(os.path.join(OUT, f"devices-{GROUP}"), "w") as f:  # parameters' and gradients'
+    f.write(" ".join(sorted(devices)))
 torch.save({k: v.cpu() for k, v in model.state_dict().items()}, f"{OUT}/final-{GROUP}.pt")
 manager.shutdown()
