@@ -185,25 +185,3 @@ def test_progress_is_exported() -> None:
 
     assert "progress" in rl.__all__
     rl.progress()  # a no-op outside a rallypoint worker
-
-
-def test_peer_loss_errors_are_recognised(tmp_path: Path) -> None:
-    from rallypoint._supervise._summary import peer_loss
-
-    gloo = tmp_path / "gloo.json"
-    gloo.write_text(
-        json.dumps({"message": {"message": "RuntimeError: [../gloo/transport/tcp/pair.cc:553] "
-                                "Connection closed by peer [127.0.0.1]:5527"}})
-    )  # fmt: skip
-    own = tmp_path / "own.json"
-    own.write_text(json.dumps({"message": {"message": "ValueError: boom"}}))
-    assert peer_loss(gloo) and not peer_loss(own) and not peer_loss(tmp_path / "missing.json")
-    # a collective that timed out names gloo's transport too, but no peer vanished: it is a
-    # failure of its own (a multi-node job then does not wait the liveness window for one)
-    timeout = tmp_path / "timeout.json"
-    timeout.write_text(
-        json.dumps({"message": {"message": "RuntimeError: [../gloo/transport/tcp/unbound_"
-                                "buffer.cc:78] Timed out waiting 3000ms for recv operation "
-                                "to complete"}})
-    )  # fmt: skip
-    assert not peer_loss(timeout)

@@ -37,10 +37,10 @@ from rallypoint._supervise._errors import (
     LaunchTimeoutError,
 )
 from rallypoint._supervise._output import write_console
+from rallypoint._supervise._peer_loss import peer_vanished
 from rallypoint._supervise._state import Failure, Outcome, OutcomeKind, in_process_line
 from rallypoint._supervise._stop import INTERRUPT_GRACE
 from rallypoint._supervise._stop_reasons import AttemptPolicy
-from rallypoint._supervise._summary import peer_vanished
 from rallypoint._watch._observer import Observer
 from rallypoint._watch._stragglers._watch import StragglerWatch
 

@@ -22,17 +22,13 @@ from typing import Any
 
 from rallypoint._supervise._inprocess._agent_side import InProcess
 from rallypoint._supervise._output import OutputRouter, write_console
+from rallypoint._supervise._peer_loss import peer_vanished
 from rallypoint._supervise._results import ResultPipes
 from rallypoint._supervise._signals import SignalQueue
 from rallypoint._supervise._state import Failure, Outcome, OutcomeKind, Stop, Worker
 from rallypoint._supervise._stop import Stopper
 from rallypoint._supervise._stop_reasons import AttemptPolicy
-from rallypoint._supervise._summary import (
-    bad_target_message,
-    error_info,
-    fatal_message,
-    peer_vanished,
-)
+from rallypoint._supervise._summary import bad_target_message, error_info, fatal_message
 from rallypoint._supervise._warm._exits import ExitReports
 from rallypoint._supervise._worker import BAD_TARGET_EXIT, FATAL_EXIT
 from rallypoint._watch._flight._final import COLLECTIVE_TIMEOUT

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import pickle
-import re
 import signal
 import textwrap
 from dataclasses import replace
@@ -16,42 +15,15 @@ from pathlib import Path
 
 from rallypoint._core.status import WorkerStatus
 from rallypoint._supervise._errors import WorkerSummary
-from rallypoint._watch._flight._final import COLLECTIVE_TIMEOUT
 
 __all__ = [
-    "PEER_LOSS",
     "bad_target_message",
     "describe_status",
     "error_info",
     "fatal_message",
     "format_summary",
-    "peer_loss",
-    "peer_vanished",
     "stopped_with_the_job",
 ]
-
-PEER_LOSS = re.compile(
-    r"Connection (closed|reset) by peer|Broken pipe|DistNetworkError|Socket Timeout|"
-    r"gloo/transport|NCCL"
-)
-"""Errors a rank gets when a peer vanished mid-collective: a consequence of a failure."""
-
-
-def peer_vanished(text: str) -> bool:
-    """Whether an error ``text`` says that a peer vanished mid-collective (:data:`PEER_LOSS`).
-    A collective that timed out is not that, though gloo's error names its transport: the
-    peers are there, one of them never came (``_watch._flight._final.COLLECTIVE_TIMEOUT``)."""
-    return PEER_LOSS.search(text) is not None and COLLECTIVE_TIMEOUT.search(text) is None
-
-
-def peer_loss(error_file: Path) -> bool:
-    """Whether the worker's recorded error says that a peer vanished under it."""
-    try:
-        text = error_file.read_text(errors="replace")
-    except OSError:
-        return False
-    return peer_vanished(text)
-
 
 _WIDTH = 72
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import psutil
 
 from rallypoint._supervise._output import write_console
+from rallypoint._supervise._peer_loss import peer_vanished
 from rallypoint._supervise._state import Worker
-from rallypoint._supervise._summary import peer_vanished
 from rallypoint._worker_side._control import (
     Done,
     Hello,
