@@ -24,6 +24,7 @@ from rallypoint._elastic._protocols import NodeSupervisor
 from rallypoint._elastic._rendezvous import run_store_namespace
 from rallypoint._elastic._rendezvous_rounds import RendezvousRounds
 from rallypoint._elastic._stores import RunStore
+from rallypoint._supervise._peer_loss import LOCAL_CAUSE_WAIT, CauseWait
 from rallypoint._supervise._state import Failure, GroupInfo, Outcome, OutcomeKind
 from rallypoint._supervise._stop_reasons import AttemptPolicy
 from rallypoint._watch._observer import Observer
@@ -131,7 +132,9 @@ class FakeSupervisor:
                 states[0] = WorkerSummary(
                     group.rank_offset, 0, 10_000_000, WorkerStatus.FAILED, 1, "exited with 1"
                 )
-                failure = Failure(states[0], tb, None, time=at, elapsed=1.0)
+                causes = CauseWait(LOCAL_CAUSE_WAIT if cause_wait is None else cause_wait)
+                loss = causes.failure(tb, time.monotonic())  # none of its wait spent here
+                failure = Failure(states[0], tb, None, time=at, elapsed=1.0, peer_loss=loss)
                 return Outcome(OutcomeKind.FAILED, states, failure=failure)
             case Run():
                 return self._until_stopped(group, policy, running)

@@ -37,7 +37,6 @@ from rallypoint._supervise._errors import (
     LaunchTimeoutError,
 )
 from rallypoint._supervise._output import write_console
-from rallypoint._supervise._peer_loss import peer_vanished
 from rallypoint._supervise._state import Failure, Outcome, OutcomeKind, in_process_line
 from rallypoint._supervise._stop import INTERRUPT_GRACE
 from rallypoint._supervise._stop_reasons import AttemptPolicy
@@ -96,7 +95,9 @@ class Membership(Protocol):
         ...
 
     def cause_wait(self, job: Job) -> float | None:
-        """How long a worker's peer-loss exception waits for its cause."""
+        """How long a failure that says a peer vanished waits for its cause, all waits
+        together (``_supervise._peer_loss``); ``None``: no liveness window to wait (one
+        node, or a rendezvous without heartbeats), only for a cause on this node."""
         ...
 
 
@@ -295,20 +296,22 @@ class Coordinator:
 
     def _peer_loss(self, rnd: Round, failure: Failure) -> bool:
         """A worker that failed in a collective because a peer vanished is not a job failure
-        when that peer's node is gone: wait up to the liveness window for another node's
-        decision or a membership change (which restarts without spending budget)."""
+        when that peer's node is gone: wait for another node's decision or a membership
+        change (which restarts without spending budget) for what is left of the failure's
+        wait for a cause (``Failure.peer_loss``: the attempt spent the rest)."""
         if rnd.store.decided():
             return True
-        window = self.membership.cause_wait(self.job)
-        if not peer_vanished(failure.traceback) or window is None:
+        loss = failure.peer_loss
+        if loss is None or self.membership.one_node:  # its own, or no other node to lose
             return False
-        deadline = time.monotonic() + window
-        while time.monotonic() < deadline:
+        while True:
             if rnd.store.decided() or self._membership_changed(rnd, MEMBERSHIP_CHANGED):
                 return True
+            left = loss.left(time.monotonic())
+            if left <= 0:
+                return False
             self.job.check_signals()
-            time.sleep(self.poll_every)
-        return False
+            time.sleep(min(self.poll_every, left))
 
     def _membership_changed(self, rnd: Round, reason: str) -> bool:
         waiting = self.job.nodes_waiting()

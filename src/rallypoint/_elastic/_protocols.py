@@ -63,7 +63,8 @@ class NodeSupervisor(Protocol):
     ) -> Outcome:
         """Run the local workers of ``group`` until they are gone (or, with
         ``restart_in_process``, parked for the next attempt: ``Outcome.kept``);
-        ``cause_wait``: how long a worker's peer-loss exception waits for its cause."""
+        ``cause_wait``: how long a failure that says a peer vanished waits for its cause,
+        all waits together; the outcome's ``Failure.peer_loss`` says what is left."""
         ...
 
     def start_standby(self, group: GroupInfo) -> None:

@@ -5,8 +5,9 @@ result pipes are read as they fill, and signals to the launcher wake the loop th
 pipe. The first failure stops every worker's whole process tree (SIGTERM, then SIGKILL
 after the grace period). A signal to the launcher is forwarded to the workers, which get
 ``--shutdown-timeout`` seconds; the same signal again or another one kills them at once.
-A rank that failed only because a peer vanished under it waits up to :data:`CAUSE_WAIT`
-for the failure that caused it, which is then the root cause. Workers of a
+A rank that failed only because a peer vanished under it waits for the failure that
+caused it, which is then the root cause (``_peer_loss``: how long, on one clock with the
+raised peer losses and the coordinator's wait). Workers of a
 ``@rallypoint.restartable`` function are interrupted and kept for the next attempt instead
 (``_inprocess._agent_side``: the in-process restart's state and timers).
 """
@@ -22,7 +23,7 @@ from typing import Any
 
 from rallypoint._supervise._inprocess._agent_side import InProcess
 from rallypoint._supervise._output import OutputRouter, write_console
-from rallypoint._supervise._peer_loss import peer_vanished
+from rallypoint._supervise._peer_loss import CauseWait, peer_vanished
 from rallypoint._supervise._results import ResultPipes
 from rallypoint._supervise._signals import SignalQueue
 from rallypoint._supervise._state import Failure, Outcome, OutcomeKind, Stop, Worker
@@ -35,12 +36,10 @@ from rallypoint._watch._flight._final import COLLECTIVE_TIMEOUT
 from rallypoint._watch._observer import Observer
 from rallypoint._watch._stacks_format import format_grouped_stacks
 
-__all__ = ["CAUSE_WAIT", "Attempt", "AttemptTools"]
+__all__ = ["Attempt", "AttemptTools"]
 
 _DRAIN = 0.5
 """Seconds to keep reading pipes after the last worker exited (its children may hold them)."""
-CAUSE_WAIT = 0.5
-"""Seconds a failure caused by a vanished peer waits for the peer's own failure."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +60,8 @@ class AttemptTools:
 
 class Attempt:
     """Watches ``workers`` (already started) until they are all gone; :meth:`run` says how.
-    ``inproc`` runs their in-process restart, ``number`` is the attempt's (its events')."""
+    ``inproc`` runs their in-process restart, ``number`` is the attempt's (its events');
+    ``causes`` is the clock of its peer losses' wait for a cause, which ``inproc`` shares."""
 
     def __init__(
         self,
@@ -71,11 +71,12 @@ class Attempt:
         router: OutputRouter,
         policy: AttemptPolicy,
         inproc: InProcess,
+        causes: CauseWait,
         number: int,
     ) -> None:
         self.tools, self.stopper, self.observer = tools, tools.stopper, tools.observer
         self.workers, self.router, self.policy = workers, router, policy
-        self.inproc, self.number = inproc, number
+        self.inproc, self.causes, self.number = inproc, causes, number
         self.by_pid = {w.pid: w for w in workers}
         self.sel = selectors.DefaultSelector()
         self.results = ResultPipes(workers, self.sel)
@@ -141,7 +142,7 @@ class Attempt:
                 continue
             if w.pid not in self.inproc.told_to_fail and self._peer_loss(w):  # wait for its cause
                 if self.consequence is None:
-                    self.consequence, self.cause_until = w, now + CAUSE_WAIT
+                    self.consequence, self.cause_until = w, self.causes.exit_until(now)
                 continue
             self._fail(w, self._failure_kind(w))
         if self.kind is None and self.consequence is not None:
@@ -423,4 +424,5 @@ class Attempt:
             elapsed=root.exited_at - self.tools.started,
             bad_target=bad,
             culprit=self.culprit,
+            peer_loss=self.causes.failure(tb, root.exited_at),
         )

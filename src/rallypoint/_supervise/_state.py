@@ -16,6 +16,7 @@ from typing import Any
 
 from rallypoint._core.status import WorkerStatus
 from rallypoint._supervise._errors import WorkerSummary
+from rallypoint._supervise._peer_loss import PeerLoss
 from rallypoint._supervise._summary import describe_status, error_info
 
 __all__ = [
@@ -109,6 +110,9 @@ class Failure:
     culprit: str = ""
     """When a collective timed out: the rank the others waited for, by the Flight Recorder
     (``_watch._flight._format.hang_report``), where this node made that report."""
+    peer_loss: PeerLoss | None = None
+    """Its error says a peer vanished under it: its wait for a cause, of which the attempt
+    spent some (``_peer_loss``); ``None``: a failure of its own."""
 
 
 @dataclass(slots=True)

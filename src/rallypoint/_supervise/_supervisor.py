@@ -27,7 +27,7 @@ from rallypoint._core.closing import Closing
 from rallypoint._core.disk import check_writable
 from rallypoint._core.net import port_is_free
 from rallypoint._core.tempdirs import make_owned_dir
-from rallypoint._supervise._attempt import CAUSE_WAIT, Attempt, AttemptTools
+from rallypoint._supervise._attempt import Attempt, AttemptTools
 from rallypoint._supervise._env import base_env
 from rallypoint._supervise._errors import (
     BadTargetError,
@@ -42,6 +42,7 @@ from rallypoint._supervise._kept import KeptWorkers
 from rallypoint._supervise._limits import check_worker_limits
 from rallypoint._supervise._options import OutputOptions, StopOptions, WorkerOptions
 from rallypoint._supervise._output import OutputRouter, write_console
+from rallypoint._supervise._peer_loss import LOCAL_CAUSE_WAIT, CauseWait
 from rallypoint._supervise._signals import SignalQueue
 from rallypoint._supervise._starter import WorkerStarter
 from rallypoint._supervise._state import GroupInfo, Outcome, Worker
@@ -248,9 +249,11 @@ class Supervisor(Closing):
         """Start the local workers of ``group`` (but the ones kept from the last attempt,
         which get its environment), watch them until they are gone; with
         ``restart_in_process``, workers of a ``@rallypoint.restartable`` function are kept
-        for the next attempt instead (``Outcome.kept``). ``cause_wait``: how long an
-        exception of a worker's function that says a peer vanished waits for its cause
-        (another node's failure, in a multi-node job)."""
+        for the next attempt instead (``Outcome.kept``). ``cause_wait``: how long a
+        failure that says a peer vanished waits for its cause (another node's failure or
+        loss, in a multi-node job), counted from the attempt's first one and shared with
+        the caller, which waits the rest (``Failure.peer_loss``); ``None``: one node's
+        (``_peer_loss.LOCAL_CAUSE_WAIT``)."""
         if envvars.SNAPSHOT_SOCKET in self.starter.base_env:
             self._start_snapshots()  # replaced if it died since the last attempt
         router = OutputRouter()
@@ -313,10 +316,11 @@ class Supervisor(Closing):
         cause_wait: float | None,
         on_restartable: Callable[[], object] | None,
     ) -> Outcome:
+        causes = CauseWait(LOCAL_CAUSE_WAIT if cause_wait is None else cause_wait)
         inproc = InProcess(
             workers,
             grace,
-            cause_wait=CAUSE_WAIT if cause_wait is None else cause_wait,
+            causes=causes,
             reset_store=self.warm.reset_store if self.stopper.store_pid else None,
             on_restartable=on_restartable,
         )
@@ -326,6 +330,7 @@ class Supervisor(Closing):
             router=router,
             policy=policy,
             inproc=inproc,
+            causes=causes,
             number=number,
         )
         return attempt.run()

@@ -8,7 +8,7 @@ the attempt ends once each has parked (kept for the next attempt) or exited. One
 function once the restart's grace (``--restart-grace``) is over, or one that never entered a
 restartable function, is killed and replaced. An exception a worker's function raises is its own
 failure unless the attempt is restarting already or it says a peer vanished (then it
-waits for the failure that caused it, as an exit does).
+waits for the failure that caused it, on the attempt's one clock for that: ``_peer_loss``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import psutil
 
 from rallypoint._supervise._output import write_console
-from rallypoint._supervise._peer_loss import peer_vanished
+from rallypoint._supervise._peer_loss import CauseWait, peer_vanished
 from rallypoint._supervise._state import Worker
 from rallypoint._worker_side._control import (
     Done,
@@ -78,7 +78,8 @@ class InProcess:
     """Control messages and the in-process restart of one attempt's workers.
 
     ``grace`` is ``--restart-grace`` in seconds (``None``: this attempt does not restart in
-    process); ``cause_wait``, how long a function's peer-loss exception waits for its cause;
+    process); ``causes``, the attempt's clock for its peer losses' wait for a cause (a
+    function's peer-loss exception waits until it runs out);
     ``reset_store`` empties the workers' store hosted here (a survivor blocked on it gets
     an error); ``on_restartable`` is called once, when a worker first says it runs a
     restartable function.
@@ -89,13 +90,13 @@ class InProcess:
         workers: list[Worker],
         grace: float | None,
         *,
-        cause_wait: float,
+        causes: CauseWait,
         reset_store: Callable[[], object] | None = None,
         on_restartable: Callable[[], object] | None = None,
     ) -> None:
         self.workers = workers
         self.grace = grace
-        self.cause_wait = cause_wait
+        self.causes = causes
         self.reset_store = reset_store
         self.on_restartable = on_restartable if grace is not None else None
         self.by_fd = {w.control.fileno(): w for w in workers if w.control is not None}
@@ -167,13 +168,12 @@ class InProcess:
 
     def hold_or_fail(self, w: Worker) -> None:
         """``w``'s function raised while the attempt runs: a peer loss waits for its cause
-        (``cause_wait``), anything else is its own failure."""
+        (until the attempt's clock, ``causes``, runs out), anything else is its own failure."""
         if not peer_vanished(w.raised):
             self.own_failure(w)
             return
         self.waiting.append(w)
-        if self.raised_until is None:
-            self.raised_until = time.monotonic() + self.cause_wait
+        self.raised_until = self.causes.seen(time.monotonic())
 
     def own_failure(self, w: Worker) -> None:
         """``w``'s exception is its own: it re-raises, exits, and its exit is the root."""
