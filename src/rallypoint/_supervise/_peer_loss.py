@@ -5,10 +5,10 @@ by peer", a ``DistNetworkError``: :data:`PEER_LOSS`): a consequence, not a failu
 own, until its cause had time to show up (a worker of this node that failed for a reason of
 its own; across nodes, another node's decision or a node's loss, noticed within the
 rendezvous's liveness window). The attempt sees a peer loss as a worker's exit or as an
-exception a ``@rallypoint.restartable`` function raised; the coordinator waits for the
-other nodes after it. All wait on one clock (:class:`CauseWait`) that starts at the first
-peer loss seen and runs one window: the attempt holds a raised one until the window ends
-and an exit's for :data:`LOCAL_CAUSE_WAIT` at most; its failure carries the clock
+exception a ``@rallypoint.restartable`` function raised; the coordinator waits after it.
+All wait on one clock (:class:`CauseWait`) from the first peer loss seen, for one window
+(the liveness window plus :data:`LOCAL_CAUSE_WAIT`): the attempt holds a raised one until
+it ends and an exit's for :data:`LOCAL_CAUSE_WAIT` at most; its failure carries the clock
 (``Failure.peer_loss``), and the coordinator waits the rest."""
 
 from __future__ import annotations

@@ -316,7 +316,10 @@ class Supervisor(Closing):
         cause_wait: float | None,
         on_restartable: Callable[[], object] | None,
     ) -> Outcome:
-        causes = CauseWait(LOCAL_CAUSE_WAIT if cause_wait is None else cause_wait)
+        # across nodes, the liveness window and the half second an exit waits for a cause
+        # on its node: a lost node noticed at the window's very end (a loaded machine) is
+        # still a cause, not a restart spent
+        causes = CauseWait(LOCAL_CAUSE_WAIT + (cause_wait or 0.0))
         inproc = InProcess(
             workers,
             grace,
