@@ -8,7 +8,7 @@ on first access.
 
 from typing import TYPE_CHECKING
 
-from rallypoint._core.public import lazy_names, listing
+from rallypoint._core.public import lazy_face
 from rallypoint._core.version import __version__ as __version__
 
 if TYPE_CHECKING:
@@ -75,7 +75,5 @@ _HOMES = {
 """Each other name's face, imported on first access (PEP 562); that face sets its
 ``__module__``."""
 
-if not TYPE_CHECKING:  # mypy reads the imports above: a name not there stays an error
-    __getattr__ = lazy_names(__name__, globals(), _HOMES, _PARTS)
-__dir__ = listing(globals(), __all__)
-del lazy_names, listing
+lazy_face(__name__)  # its __getattr__ and __dir__ read _HOMES (mypy reads the imports above)
+del lazy_face

@@ -3,19 +3,20 @@
 
 Tracebacks, ``repr`` and pickles then name the module users import from; pickling still
 works because the package re-exports every name it claims. A face whose import must stay
-cheap (``rallypoint.launcher``) gets its PEP 562 ``__getattr__`` and its ``__dir__`` from
-:func:`lazy_names` and :func:`listing`, the one copy of that code.
+cheap (``rallypoint.launcher``) becomes a :class:`LazyFace` (:func:`lazy_face`), whose class
+holds the one ``__getattr__`` and ``__dir__`` of every such face.
 """
 
 from __future__ import annotations
 
+import sys
 import types
 import warnings
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from importlib import import_module
 from typing import Any
 
-__all__ = ["lazy_names", "listing", "set_public_module"]
+__all__ = ["LazyFace", "lazy_face", "set_public_module"]
 
 
 def set_public_module(package: str, namespace: Mapping[str, Any], names: Iterable[str]) -> None:
@@ -35,25 +36,20 @@ def set_public_module(package: str, namespace: Mapping[str, Any], names: Iterabl
             obj.__module__ = package
 
 
-def lazy_names(
-    package: str,
-    namespace: dict[str, Any],
-    homes: Mapping[str, str],
-    parts: Collection[str] = (),
-    renamed: Mapping[str, str] | None = None,
-) -> Callable[[str], object]:
-    """A lazy face's PEP 562 ``__getattr__``: each of ``homes`` imported from its module on
-    first access (its ``__module__`` then set to ``package``, as :func:`set_public_module`
-    does), each of ``parts`` a subpackage or submodule imported on first access, and each
-    old name in ``renamed`` resolved to its new one with a ``DeprecationWarning``.
+class LazyFace(types.ModuleType):
+    """The class of a lazy face (:func:`lazy_face`): the one ``__getattr__`` and ``__dir__``
+    of every face whose import must stay cheap. A face keeps its names for mypy in
+    ``if TYPE_CHECKING:`` and here reads its own tables: ``_HOMES`` (each name's module,
+    imported on first access, its ``__module__`` then set to the face, as
+    :func:`set_public_module` does), ``_PARTS`` (subpackages or submodules imported on
+    first access) and ``_RENAMED`` (an old name resolved to its new one with a
+    ``DeprecationWarning``)."""
 
-    The face assigns it under ``if not TYPE_CHECKING:`` (mypy reads the face's imports, so
-    that a name not there stays an error)."""
-    old_names = dict(renamed or {})
-
-    def __getattr__(name: str) -> object:
-        if name in old_names:
-            new = old_names[name]
+    def __getattr__(self, name: str) -> object:
+        package, namespace = self.__name__, self.__dict__
+        renamed: Mapping[str, str] = namespace.get("_RENAMED", {})
+        if name in renamed:
+            new = renamed[name]
             warnings.warn(
                 f"{package}.{name} is deprecated: it is {new}; the name goes in the next release",
                 DeprecationWarning,
@@ -62,22 +58,21 @@ def lazy_names(
             name = new
             if name in namespace:
                 return namespace[name]
-        if name in parts:
+        if name in namespace.get("_PARTS", ()):
             return import_module(f"{package}.{name}")  # which sets the attribute
+        homes: Mapping[str, str] = namespace.get("_HOMES", {})
         if name not in homes:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         namespace[name] = getattr(import_module(homes[name]), name)
         set_public_module(package, namespace, [name])  # the one place: __module__ is the face
         return namespace[name]
 
-    return __getattr__
+    def __dir__(self) -> list[str]:
+        """Its public names and its dunders, nothing else."""
+        names = self.__dict__
+        return sorted([*names["__all__"], *(n for n in names if n.startswith("__"))])
 
 
-def listing(namespace: Mapping[str, Any], names: Iterable[str]) -> Callable[[], list[str]]:
-    """A face's ``__dir__``: its public ``names`` and its dunders, nothing else."""
-    public = list(names)
-
-    def __dir__() -> list[str]:
-        return sorted([*public, *(name for name in namespace if name.startswith("__"))])
-
-    return __dir__
+def lazy_face(package: str) -> None:
+    """Make the module ``package`` (a face, at the end of its import) a :class:`LazyFace`."""
+    sys.modules[package].__class__ = LazyFace

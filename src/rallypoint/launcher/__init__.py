@@ -32,7 +32,7 @@ import ``progress`` from here, so each name is imported on first access.
 
 from typing import TYPE_CHECKING
 
-from rallypoint._core.public import lazy_names, listing
+from rallypoint._core.public import lazy_face
 
 if TYPE_CHECKING:
     from rallypoint._core.fatal import FatalError as FatalError
@@ -125,7 +125,5 @@ _HOMES = {
 _RENAMED = {"WorkerState": "WorkerSummary"}
 """An old name and its public name: the old one resolves with a ``DeprecationWarning``."""
 
-if not TYPE_CHECKING:  # mypy reads the imports above: a name not there stays an error
-    __getattr__ = lazy_names(__name__, globals(), _HOMES, renamed=_RENAMED)
-__dir__ = listing(globals(), __all__)
-del lazy_names, listing
+lazy_face(__name__)  # its __getattr__ and __dir__ read _HOMES (mypy reads the imports above)
+del lazy_face

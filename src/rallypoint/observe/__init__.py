@@ -14,7 +14,7 @@ launcher side's, in ``rallypoint._watch``.
 
 from typing import TYPE_CHECKING
 
-from rallypoint._core.public import lazy_names, listing
+from rallypoint._core.public import lazy_face
 
 if TYPE_CHECKING:
     from rallypoint.observe._events import Event as Event
@@ -46,7 +46,5 @@ _HOMES = {
 }
 """Each name's module, imported on first access (PEP 562)."""
 
-if not TYPE_CHECKING:  # mypy reads the imports above: a name not there stays an error
-    __getattr__ = lazy_names(__name__, globals(), _HOMES)
-__dir__ = listing(globals(), __all__)
-del lazy_names, listing
+lazy_face(__name__)  # its __getattr__ and __dir__ read _HOMES (mypy reads the imports above)
+del lazy_face

@@ -22,7 +22,7 @@ Public names (resolved lazily: importing ``rallypoint.testing`` loads nothing he
 
 from typing import TYPE_CHECKING
 
-from rallypoint._core.public import lazy_names, listing
+from rallypoint._core.public import lazy_face
 
 if TYPE_CHECKING:
     from rallypoint.testing import training_log as training_log
@@ -84,7 +84,5 @@ _HOMES = {
 }
 """Each name's module, imported on first access (PEP 562)."""
 
-if not TYPE_CHECKING:  # mypy reads the imports above: a name not there stays an error
-    __getattr__ = lazy_names(__name__, globals(), _HOMES, _PARTS)
-__dir__ = listing(globals(), __all__)
-del lazy_names, listing
+lazy_face(__name__)  # its __getattr__ and __dir__ read _HOMES (mypy reads the imports above)
+del lazy_face
