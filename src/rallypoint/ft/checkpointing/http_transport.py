@@ -9,8 +9,11 @@ lighthouse's store can fetch the state. It is plain HTTP: anyone on the path can
 bytes. rallypoint's default transport authenticates both ends (docs/ft.md, "Transports").
 
 Requests block while the state is not offered (before the first ``send_checkpoint``, and
-from ``disallow_checkpoint`` to the next), up to ``timeout``; a request for another step
-than the one offered gets 400.
+from ``disallow_checkpoint`` to the next), up to ``timeout``; so does a request for a later
+step than the one offered (its source has not reached that step's ``send_checkpoint`` yet,
+as rallypoint's own heal server waits). A request for an earlier step gets 400: that state
+is gone. (torchft answers 400 to a later step too: its own multi-rank test, whose receiver
+asks as soon as a barrier lets it, failed so in 2 runs of 8 on a loaded machine.)
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._checkpoint_lock = RWLock(timeout=timeout.total_seconds())
         self._disallowed = False
         self._step = -1
+        self._offered = threading.Condition()  # notified when a new step is offered
         self._timeout = timeout
         self._num_chunks = num_chunks
         self._token = secrets.token_urlsafe(16)
@@ -85,7 +89,9 @@ class HTTPTransport(CheckpointTransport[T]):
 
     def allow_checkpoint(self, step: int) -> None:
         """Serve the state staged last, as the state of ``step``."""
-        self._step = step
+        with self._offered:
+            self._step = step
+            self._offered.notify_all()
         if self._disallowed:
             self._disallowed = False
             self._checkpoint_lock.w_release()
@@ -121,6 +127,7 @@ class HTTPTransport(CheckpointTransport[T]):
         if not hmac.compare_digest(parts[2].encode(), self._token.encode()):
             request.send_error(403, "not this transport's address")
             return
+        self._wait_for_step(parts[3])
         with self._checkpoint_lock.r_lock():
             status, error, body = self._body(parts[3], parts[4])
             if status != 200:
@@ -134,6 +141,17 @@ class HTTPTransport(CheckpointTransport[T]):
                 for part in body:
                     for start in range(0, len(part), _CHUNK):
                         request.wfile.write(part[start : start + _CHUNK])
+
+    def _wait_for_step(self, step_text: str) -> None:
+        """Until a step at or past ``step_text`` is offered (``TimeoutError`` after the
+        timeout): a peer that asks for a step its source has not offered yet is early, not
+        wrong."""
+        if not step_text.isdigit():
+            return  # answered by _body
+        step, timeout = int(step_text), self._timeout.total_seconds()
+        with self._offered:
+            if not self._offered.wait_for(lambda: self._step >= step, timeout):
+                raise TimeoutError(f"step {step} was not offered within {timeout:g} s")
 
     def _body(self, step_text: str, key: str) -> tuple[int, str, list[bytes | memoryview]]:
         """``(status, error, body parts)`` for ``step_text`` and ``key`` (under the lock)."""
