@@ -182,3 +182,25 @@ def test_free_ports_are_distinct_and_bindable() -> None:
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+@pytest.mark.timeout(30)
+def test_a_reserved_port_is_kept_from_others_but_a_store_can_listen_on_it() -> None:
+    """run_workers' MASTER_PORT: a plain bind (another process's) is refused while held, and
+    rank 0's TCPStore still binds and serves it (c10d sets SO_REUSEADDR)."""
+    import errno
+    import socket
+
+    import torch.distributed as dist
+
+    from rallypoint._core.net import reserved_port
+
+    with reserved_port() as port:
+        with socket.socket() as thief, pytest.raises(OSError) as refused:
+            thief.bind(("127.0.0.1", port))
+        assert refused.value.errno == errno.EADDRINUSE
+        wait = timedelta(seconds=10)
+        server = dist.TCPStore("127.0.0.1", port, 2, True, timeout=wait, wait_for_workers=False)
+        client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=wait)
+        client.set("k", "v")
+        assert server.get("k") == b"v"

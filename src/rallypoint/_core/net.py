@@ -1,10 +1,13 @@
-"""Ports: free ones now, whether an explicit one is free; the address towards a host."""
+"""Ports: free ones now, one held for a server to come, whether an explicit one is free; the
+address towards a host."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 
-__all__ = ["free_port", "free_ports", "local_address_towards", "port_is_free"]
+__all__ = ["free_port", "free_ports", "local_address_towards", "port_is_free", "reserved_port"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -39,6 +42,26 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for sock in probes:
             sock.close()
+
+
+@contextlib.contextmanager
+def reserved_port(host: str = "0.0.0.0") -> Iterator[int]:
+    """A TCP port that stays out of everyone else's reach while the block runs, for a
+    server that another process starts later (a worker's TCPStore at ``MASTER_PORT``).
+
+    :func:`free_port`'s port is free only until it returns: another process's ``bind`` to
+    port 0, or its outgoing connection's local port, can take it before the server binds
+    it, and the server then fails with ``EADDRINUSE`` while its clients wait out their
+    connect timeout. Here the probe stays bound (with ``SO_REUSEADDR``, never listening):
+    the kernel hands the port to no ``bind`` to port 0 and no ``connect``, and refuses a
+    ``bind`` without ``SO_REUSEADDR``, while a server that sets ``SO_REUSEADDR`` (c10d's
+    TCPStore, either backend) binds and listens beside it.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        yield int(sock.getsockname()[1])
 
 
 def port_is_free(port: int, host: str = "0.0.0.0") -> bool:

@@ -3,10 +3,11 @@
 Workers are forked from a process that has already imported torch, so a test with four
 gloo ranks does not pay four ``import torch``: the zygote inside :func:`worker_zygote`
 (:mod:`rallypoint.testing._zygote`), else the caller itself. Each child gets the
-environment a launcher would give it and a fresh ``MASTER_PORT`` per call. This is a test
-helper, not the launcher: no restarts, no output handling, no rendezvous, and every call
-has a deadline. Workers still running at the deadline dump their stacks before they are
-killed, and the ``TimeoutError`` says where each hung (:func:`run_workers`).
+environment a launcher would give it and a fresh ``MASTER_PORT`` per call, kept from other
+processes until the workers end (``reserved_port``). This is a test helper, not the
+launcher: no restarts, no output handling, no rendezvous, and every call has a deadline.
+Workers still running at the deadline dump their stacks before they are killed, and the
+``TimeoutError`` says where each hung (:func:`run_workers`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 from rallypoint._core.blocking import settle_before_fork
 from rallypoint._core.checks import check_int
-from rallypoint._core.net import free_port
+from rallypoint._core.net import reserved_port
 from rallypoint.testing._native_stacks import native_stacks, short_native
 from rallypoint.testing._zygote import Zygote
 
@@ -184,10 +185,13 @@ def run_workers(
     check_int(world_size, "world_size", minimum=1)
     if _ZYGOTE is None:
         settle_before_fork(_SETTLE_WAIT)
-    port = free_port()
     procs: list[Any] = []  # multiprocessing's fork-context Process type is not exported
     conns: dict[Connection, int] = {}
     with contextlib.ExitStack() as files:
+        # held until the workers are gone: a port merely free when picked was taken by
+        # another process before rank 0's store bound it (a suite beside this one), and
+        # the other ranks waited out their store connect timeout
+        port = files.enter_context(reserved_port())
         dumps = [files.enter_context(tempfile.TemporaryFile()) for _ in range(world_size)]
         try:
             for rank in range(world_size):
