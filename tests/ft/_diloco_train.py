@@ -4,10 +4,14 @@ argv: OUT OUTER_STEPS. Environment: REPLICA_GROUP_ID, TORCHFT_LIGHTHOUSE (as tor
 FT_IMPL (``torchft`` to run torchft itself, else ``rallypoint.ft``), FT_FRAGMENTS (model
 fragments, 1), FT_SYNC_EVERY (4), FT_DELAY (fragment_sync_delay, 1), FT_KILL ("GROUP:STEP":
 that group's first process SIGKILLs itself mid-sync once the outer step reaches STEP: its
-quorum asked for and its average sent, before the commit), FT_TOGETHER (N: wait until
-groups 0..N-1 have started), FT_HOLD ("STEP:GROUP": at that outer step, wait once until
-that group's second process is about to ask for a quorum, so that it comes back before
-the others end, however slowly a loaded machine restarts it). Every new outer step appends
+quorum asked for and its average sent, before the commit; OUT/killed-<group> says it did),
+FT_TOGETHER (N: a first process starts training once groups 0..N-1 have made their
+managers, so every group is in the first quorum and, the lighthouse waiting for every live
+member of the last quorum, in each one after), FT_HOLD ("STEP:GROUP": from that outer step
+on, once that group was killed, wait once until its second process is about to ask for a
+quorum, so that it comes back before the others end, however slowly a loaded machine
+restarts it; never before the kill, which a hold would keep from happening: the held
+groups ask for no quorum, so the killed group's never forms). Every new outer step appends
 ``time step participants pid`` to OUT/steps-<group> (a heal too: the step it healed to);
 the end writes the parameters to OUT/final-<group>.pt.
 """
@@ -34,10 +38,6 @@ FIRST = not os.path.exists(os.path.join(OUT, f"started-{GROUP}"))
 open(os.path.join(OUT, f"started-{GROUP}"), "a").close()
 hold_step, _, hold_group = os.environ.get("FT_HOLD", "-1:-1").partition(":")
 together = int(os.environ.get("FT_TOGETHER", "0"))
-deadline = time.monotonic() + 120
-while FIRST and not all(os.path.exists(os.path.join(OUT, f"started-{g}")) for g in range(together)):
-    assert time.monotonic() < deadline, "the other groups never started"
-    time.sleep(0.05)
 
 torch.manual_seed(GROUP)  # different on purpose: the first quorum's heal makes them equal
 layers = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(FRAGMENTS)]
@@ -70,6 +70,11 @@ diloco = local_sgd.DiLoCo(
 )
 if not FIRST:  # it asks for its first quorum a few inner steps from now
     open(os.path.join(OUT, f"restarted-{GROUP}"), "a").close()
+open(os.path.join(OUT, f"ready-{GROUP}"), "a").close()  # its manager said hello
+deadline = time.monotonic() + 120
+while FIRST and not all(os.path.exists(os.path.join(OUT, f"ready-{g}")) for g in range(together)):
+    assert time.monotonic() < deadline, "the other groups never made their managers"
+    time.sleep(0.05)
 inner_step = 0
 with diloco, open(os.path.join(OUT, f"steps-{GROUP}"), "a", buffering=1) as log:
     while manager.current_step() < STEPS:
@@ -84,9 +89,11 @@ with diloco, open(os.path.join(OUT, f"steps-{GROUP}"), "a", buffering=1) as log:
             log.write(f"{time.time()!r} {now} {manager.num_participants()} {os.getpid()}\n")
         mid_sync = diloco._local_step == SYNC_EVERY // FRAGMENTS - DELAY  # quorum asked, sent
         if FIRST and str(GROUP) == kill_group and now >= int(kill_step) and mid_sync:
+            open(os.path.join(OUT, f"killed-{GROUP}"), "a").close()
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(0.03)
-        if int(hold_step) >= 0 and now >= int(hold_step):
+        killed = os.path.exists(os.path.join(OUT, f"killed-{hold_group}"))
+        if int(hold_step) >= 0 and now >= int(hold_step) and killed:
             hold_step = "-1"
             deadline = time.monotonic() + 120
             while not os.path.exists(os.path.join(OUT, f"restarted-{hold_group}")):
