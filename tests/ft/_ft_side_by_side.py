@@ -194,7 +194,8 @@ def wrap_future_timeout(lighthouse: Any, replica: int) -> dict[str, Any]:
         fine.set_result(3)
         return {
             "value": value,
-            "seconds": round(time.monotonic() - began, 1),
+            # after its timeout, not long after (a loaded machine: torchft's took 0.6 s)
+            "after the timeout": 0.5 <= time.monotonic() - began < 2.0,
             "errored": error is not None
             and "TimeoutError"
             in type(error.original_exception).__name__ + repr(error.original_exception),
@@ -215,11 +216,11 @@ def state_reads(lighthouse: Any, replica: int) -> dict[str, Any]:
             refused = ""
         except Exception as exc:
             refused = type(exc).__name__
-        waited = round(time.monotonic() - began)
+        waited = 1.0 <= time.monotonic() - began < 3.0  # its timeout (a loaded machine)
         manager.allow_state_dict_read()
         return {
             "refused": refused,
-            "waited": waited,
+            "waited its timeout": waited,
             "after": sorted(manager._manager_state_dict()),
         }
     finally:

@@ -80,14 +80,18 @@ def test_a_heal_over_http_or_the_process_group_ends_equal(scenario: str) -> None
 @pytest.mark.timeout(360)
 def test_wrap_future_gives_the_default_after_its_timeout() -> None:
     (group,) = _side_by_side("wrap_future_timeout")
-    assert group == {"value": 7, "seconds": 0.5, "errored": True, "completed": 3}
+    assert group == {"value": 7, "after the timeout": True, "errored": True, "completed": 3}
 
 
 @needs_torchft
 @pytest.mark.timeout(360)
 def test_a_state_whose_reads_are_disallowed_is_not_read_until_allowed() -> None:
     (group,) = _side_by_side("state_reads")
-    assert group == {"refused": "TimeoutError", "waited": 1, "after": ["torchft", "user"]}
+    assert group == {
+        "refused": "TimeoutError",
+        "waited its timeout": True,
+        "after": ["torchft", "user"],
+    }
 
 
 @needs_torchft
