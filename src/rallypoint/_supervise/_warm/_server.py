@@ -21,6 +21,7 @@ import selectors
 import shutil
 import signal
 import socket
+import time
 import traceback
 from typing import NoReturn
 
@@ -79,6 +80,9 @@ _ORPHANED_KILL_TIMEOUT = 1.5
 _NOTICES_TIMEOUT = 2.0
 """Seconds the notices in flight have to be written when this process ends (a notice
 takes ~40 ms; more only if the lighthouse is unreachable)."""
+SAME_DEATH = 10.0
+"""Seconds in which more deaths of one replica group member (the same record: a member id
+is new in each process that makes a ``Manager``) are the first one's consequences."""
 
 
 def serve(sock: socket.socket, import_torch: bool) -> NoReturn:
@@ -153,6 +157,8 @@ class _Server:
         self.deferred: list[tuple[Request | Reply | None, list[int]]] = []
         """Requests read while importing (:meth:`_import_later`), answered after it."""
         self.notices: dict[int, tuple[str, int]] = {}
+        self.told: dict[str, float] = {}
+        """Each replica group member told dead lately, and when (``_tell_replica_groups``)."""
         """Workers that may run a ``rallypoint.ft`` Manager: their notice file, their rank."""
         self.notice_writers = NoticeWriters()
         """What tells the other replica groups that one of those workers died."""
@@ -352,6 +358,13 @@ class _Server:
     def _tell_replica_groups(self, record: str, rank: int, status: int) -> None:
         """A worker of a replica group died: tell the other groups now (``_notices``),
         without holding this loop up."""
+        # its other ranks, stopped by their agent because of it, are not news: their
+        # notices could overtake the first (separate writers) and name the wrong cause
+        now = time.monotonic()
+        self.told = {r: t for r, t in self.told.items() if now - t < SAME_DEATH}
+        if record in self.told:
+            return
+        self.told[record] = now
         why = f"rank {rank} {describe_status(status)[1]}"
         self.notice_writers.tell(record, why)
 
