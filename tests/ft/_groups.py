@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from rallypoint._core.net import reserved_port
+
 TRAIN = Path(__file__).with_name("_ft_train.py")
 
 
@@ -67,8 +69,11 @@ class Lighthouse:
 
 
 def lighthouse(*args: str) -> Lighthouse:
-    house = Lighthouse(free_port(), list(args))
-    house.start()
+    # the port stays out of other processes' reach until the lighthouse has bound it (a
+    # suite beside this one could take a port merely free when picked)
+    with reserved_port() as port:
+        house = Lighthouse(port, list(args))
+        house.start()
     return house
 
 
