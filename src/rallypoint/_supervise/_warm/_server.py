@@ -157,9 +157,9 @@ class _Server:
         self.deferred: list[tuple[Request | Reply | None, list[int]]] = []
         """Requests read while importing (:meth:`_import_later`), answered after it."""
         self.notices: dict[int, tuple[str, int]] = {}
+        """Workers that may run a ``rallypoint.ft`` Manager: their notice file, their rank."""
         self.told: dict[str, float] = {}
         """Each replica group member told dead lately, and when (``_tell_replica_groups``)."""
-        """Workers that may run a ``rallypoint.ft`` Manager: their notice file, their rank."""
         self.notice_writers = NoticeWriters()
         """What tells the other replica groups that one of those workers died."""
         self.store_pid = 0
