@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from rallypoint.ft._quorum.decider import Decided, Decider, Died, Reply
-from rallypoint.ft._quorum.records import Ask, Request, Rules
+from rallypoint.ft._quorum.records import Ask, RecordError, Request, Rules, parse_message
 
 
 class Clock:
@@ -166,3 +170,34 @@ def test_an_ask_told_to_ask_again_is_over_and_its_next_one_is_answered() -> None
     assert not [e for e in d.tick(clock()) if isinstance(e, Decided)]
     d.receive(_ask("a:1", 2))
     assert _decided(d.tick(clock())).answers == {"a:1": 2, "b:1": 1}
+
+
+def test_an_ask_posted_again_after_a_stop_is_taken_once() -> None:
+    """A member stopped while it waited posts its ask again (``again``): a lighthouse that
+    answered it already ignores the copy, one that forgot it takes it as new."""
+    d, clock, _ = _decider(min_replicas=2)
+    d.receive(_ask("a:1", 1))
+    d.receive(_ask("b:1", 1))
+    first = _decided(d.tick(clock()))
+    copy = Ask("ask", "a:1", 1, _ask("a:1", 1).request, again=True)
+    d.receive(copy)  # answered in round 0: not asked again
+    assert "a:1" not in d.pending
+    d.receive(_ask("a:1", 2, step=1, retry_of=0))
+    d.receive(Ask("ask", "a:1", 2, _ask("a:1", 2, step=1).request, again=True))
+    assert d.pending["a:1"][1] == 2  # not answered yet: the same ask, still pending
+    d.receive(_ask("b:1", 2, step=1))
+    second = _decided(d.tick(clock()))
+    assert second.quorum.round == first.quorum.round + 1 and not d.pending
+    fresh, clock2, _ = _decider(min_replicas=1)  # a lighthouse that never saw a:1
+    fresh.receive(copy)
+    assert _decided(fresh.tick(clock2())).answers == {"a:1": 1}
+
+
+def test_an_asks_after_and_again_are_validated_and_named() -> None:
+    ask = Ask("ask", "a:1", 3, _ask("a:1", 3).request, after=7, again=True)
+    assert parse_message(ask.to_bytes(), "in/box") == ask
+    body = json.loads(ask.to_bytes())
+    for field, value in [("after", "7"), ("after", -1), ("after", True), ("again", 1)]:
+        raw = json.dumps({**body, field: value}).encode()
+        with pytest.raises(RecordError, match=f"in/box: '{field}' is"):
+            parse_message(raw, "in/box")

@@ -7,13 +7,15 @@ operations per round whatever the number of groups.
 The answer names the round, whose quorum it reads once (``r/<n>``). A lighthouse that is
 restarted costs a reconnect: the member says hello to the new life, with the last quorum
 it had, and asks again. Heartbeats are a counter (``hb/<member>``) the member ``add``s to
-on a connection of its own. Nothing here imports torch (an agent posts its notices
-through :func:`post`).
+on a connection of its own; a beat that finds the process was stopped meanwhile posts the
+ask in flight again (the lighthouse may have forgotten the member, or deleted the round it
+waits on). Nothing here imports torch (an agent posts its notices through :func:`post`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import sys
 import threading
@@ -174,6 +176,9 @@ class LighthouseLink:
         self._retry_of = 0
         self._last_round: int | None = None
         """The round of the last quorum this member got in this lighthouse life."""
+        self._asking: Ask | None = None
+        """The ask whose answer this member waits for."""
+        self._beat_at = time.monotonic()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._said: set[str] = set()
@@ -199,6 +204,14 @@ class LighthouseLink:
         except KVStateError as exc:  # someone wrote a non-counter there: start it again
             self._once(key, f"{key} held something else ({exc}); it is a counter again")
             kv.set(key, b"1")
+        now = time.monotonic()
+        gap, self._beat_at = now - self._beat_at, now
+        asking = self._asking
+        if asking is not None and gap * 1000 > self.rules.heartbeat_timeout_ms:
+            # this process was stopped (SIGSTOP, say) past the heartbeat timeout while it
+            # waited: the lighthouse may have forgotten it, or deleted the round it waits
+            # on; the same ask again brings either back
+            post(kv, dataclasses.replace(asking, again=True))
 
     def _beat_loop(self, interval: float) -> None:
         lost_at: float | None = None
@@ -251,9 +264,25 @@ class LighthouseLink:
             self._seq += 1
             seq = self._seq
         retry_of, self._retry_of = self._retry_of, 0
-        ask = Ask("ask", self.member, seq, req, prev=self._prev(self.gen), retry_of=retry_of)
-        post(self.kv, ask)
         following = self._last_round is not None and not retry_of
+        ask = Ask(
+            "ask",
+            self.member,
+            seq,
+            req,
+            prev=self._prev(self.gen),
+            retry_of=retry_of,
+            after=self._last_round if following else None,
+        )
+        self._asking = ask
+        try:
+            return self._answer(ask, following, deadline)
+        finally:
+            self._asking = None
+
+    def _answer(self, ask: Ask, following: bool, deadline: float) -> Quorum | None:
+        seq = ask.seq
+        post(self.kv, ask)
         if following:  # in the last round's quorum: the next round cannot be decided
             # without this ask, so it holds this member unless this member is left out
             # (then its own answer comes when a later round holds it)
@@ -283,7 +312,7 @@ class LighthouseLink:
             self._once("below", f"{value}")
             return None
         rkey = f"r/{value}"
-        answered = self._read(rkey, key, seq, deadline)
+        answered = self._read(rkey, key, seq)
         if answered is not None and self.member not in answered.ids():
             self._once(rkey, f"{rkey} does not hold {self.member}; asking again")
             return None
@@ -295,8 +324,9 @@ class LighthouseLink:
         if left <= 0 or not self.kv.wait_woken([key], timedelta(seconds=left)):
             raise TimeoutError(self._timeout_line())
 
-    def _read(self, rkey: str, named_by: str, seq: int, deadline: float) -> Quorum | None:
-        self._wait(rkey, deadline)
+    def _read(self, rkey: str, named_by: str, seq: int) -> Quorum | None:
+        """The round an answer names (written before it: missing, it was deleted since,
+        this member having been stopped, say, and the member asks again)."""
         try:
             return _ROUNDS.read(self.kv, self.gen, rkey, named_by)
         except RecordError as exc:

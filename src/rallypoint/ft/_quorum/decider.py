@@ -124,6 +124,8 @@ class Decider:
                 # its answer was unreadable (overwritten by someone): the same round again
                 self.again.append(Reply(msg.member, msg.seq, "round", str(answered[1])))
                 return
+            if msg.again and answered is not None and answered[0] >= msg.seq:
+                return  # posted again after a stop, and answered meanwhile
             if msg.retry_of:  # it could not read the round it waited on: answer its key
                 self.retrying.add(msg.member)
             self.pending[msg.member] = (req, msg.seq)

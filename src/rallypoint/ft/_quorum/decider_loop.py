@@ -71,6 +71,8 @@ class DeciderLoop:
         self._last_status = ""
         self._status_at = 0.0
         self._shown: Quorum | None = None
+        self._kept: set[int] = set()
+        """The rounds whose record is in the store."""
         self._said: set[str] = set()
         self._beating: set[str] = set()
         """Members whose heartbeat counter was there at the last read."""
@@ -168,6 +170,19 @@ class DeciderLoop:
             self._publish({"abort": msg.round, "member": msg.member})
         else:
             self.decider.receive(msg)
+            if msg.after is not None:
+                self._deleted_round(msg.after + 1)
+
+    def _deleted_round(self, n: int) -> None:
+        """A member of round ``n - 1`` asks and waits on round ``n``'s record, which was
+        decided and deleted while it was stopped (past twice the heartbeat timeout, it was
+        forgotten): a note there sends it to the answer under its own key."""
+        if n >= self.decider.next_round or n in self._kept:
+            return
+        text = f"round {n} was deleted while this group waited (it was stopped, say)"
+        self.kv.set(f"r/{n}", json.dumps({"note": text}).encode())
+        self._kept.add(n)
+        self._garbage.setdefault(self.decider.next_round - 1, []).append(f"r/{n}")
 
     def _read_beats(self) -> None:
         """The watched members' counters: in one read for those seen beating; those not
@@ -207,6 +222,7 @@ class DeciderLoop:
         elif isinstance(effect, Note):
             self.kv.set(f"r/{effect.round}", json.dumps({"note": effect.text}).encode())
             self._garbage.setdefault(effect.round, []).append(f"r/{effect.round}")
+            self._kept.add(effect.round)
         elif isinstance(effect, Died):
             if effect.round is not None and effect.round in self._garbage:
                 self.kv.set_if_absent(f"o/{effect.round}", b"abort")
@@ -227,15 +243,19 @@ class DeciderLoop:
             [f"r/{n}", f"c/{n}", f"o/{n}", *(k for k, _ in answers)]
         )
         self.rounds += 1
+        self._kept.add(n)
         # a member left out of the round after its last one may still wait on that round's
-        # record (it was stopped, say): the record stays until it has moved on
-        waited_on = {last + 1 for _, last in self.decider.answered.values()}
+        # record (it was stopped, say): the record stays until it has moved on (or is
+        # forgotten: then its ask brings a note back, _deleted_round)
+        waited_on = {f"r/{last + 1}" for _, last in self.decider.answered.values()}
         for r in [r for r in self._garbage if r <= n - RETAIN]:
             keys = self._garbage.pop(r)
-            if r in waited_on:
-                keys.remove(f"r/{r}")
-                self._garbage.setdefault(n, []).append(f"r/{r}")
-            self._trash.put(keys)
+            kept = [k for k in keys if k in waited_on]
+            if kept:
+                self._garbage.setdefault(n, []).extend(kept)
+            gone = [k for k in keys if k not in waited_on]
+            self._kept.difference_update(int(k[2:]) for k in gone if k.startswith("r/"))
+            self._trash.put(gone)
         if self._shown is None or self._shown.quorum_id != quorum.quorum_id:
             self._say(describe(quorum, self._shown))
         self._shown = quorum

@@ -241,6 +241,11 @@ class Ask:
     """A ``hello``'s replica id (its requests carry their own)."""
     retry_of: int = 0
     """An ask that repeats ask ``retry_of`` (its answer was unreadable): the same round."""
+    after: int | None = None
+    """The round a member of its quorum asks after: it waits on ``r/<after + 1>``."""
+    again: bool = False
+    """Posted again by a member that was stopped while it waited (its heartbeat found the
+    gap): a lighthouse that answered it already ignores it."""
 
     def to_bytes(self) -> bytes:
         body: dict[str, Any] = {"kind": self.kind}
@@ -260,6 +265,10 @@ class Ask:
             body["retry_of"] = self.retry_of
         if self.prev is not None:
             body["prev"] = {"quorum_id": self.prev[0], "members": list(self.prev[1])}
+        if self.after is not None:
+            body["after"] = self.after
+        if self.again:
+            body["again"] = True
         return json.dumps(body).encode()
 
 
@@ -296,6 +305,8 @@ def parse_message(raw: bytes, key: str) -> Ask:
         prev,
         _get(data, "replica_id", str, key, ""),
         _get(data, "retry_of", int, key, 0),
+        _get(data, "after", int, key, None),
+        _get(data, "again", bool, key, False),
     )
 
 
