@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,13 +69,32 @@ def _two_nodes(out: Path, world: int, kind: str, grad: str, endpoint: str, *flag
         )
         for _ in range(2)
     ]
+    texts = _finish(agents, 240)
+    assert [a.returncode for a in agents] == [0, 0], "\n\n".join(t[-4000:] for t in texts)
+    return "\n".join(texts)
+
+
+def _finish(agents: list[subprocess.Popen[str]], timeout: float) -> list[str]:
+    """Both agents' output; a job still running after ``timeout`` is stopped with SIGTERM
+    (then SIGKILL) and fails the test with what each agent said until then."""
+    deadline = time.monotonic() + timeout
     try:
-        texts = [a.communicate(timeout=280)[0] for a in agents]
+        return [a.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for a in agents]
+    except subprocess.TimeoutExpired:
+        for a in agents:
+            a.terminate()
+        said = []
+        for a in agents:
+            try:
+                said.append(a.communicate(timeout=20)[0])
+            except subprocess.TimeoutExpired:
+                a.kill()
+                said.append(a.communicate()[0])
+        tails = "\n\n".join(f"agent {i}:\n{t[-5000:]}" for i, t in enumerate(said))
+        pytest.fail(f"the job did not end within {timeout:g} s:\n{tails}")
     finally:
         for a in agents:
             a.kill()
-    assert [a.returncode for a in agents] == [0, 0], "\n\n".join(t[-4000:] for t in texts)
-    return "\n".join(texts)
 
 
 def _entries(out: Path, attempt: int) -> dict[int, tuple[int, int]]:
