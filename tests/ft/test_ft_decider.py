@@ -188,6 +188,9 @@ def test_an_ask_posted_again_after_a_stop_is_taken_once() -> None:
     d.receive(_ask("b:1", 2, step=1))
     second = _decided(d.tick(clock()))
     assert second.quorum.round == first.quorum.round + 1 and not d.pending
+    d.receive(_ask("a:1", 4, step=2))  # a copy of an ask it has since replaced
+    d.receive(Ask("ask", "a:1", 3, _ask("a:1", 3, step=2).request, again=True))
+    assert d.pending["a:1"][1] == 4
     fresh, clock2, _ = _decider(min_replicas=1)  # a lighthouse that never saw a:1
     fresh.receive(copy)
     assert _decided(fresh.tick(clock2())).answers == {"a:1": 1}

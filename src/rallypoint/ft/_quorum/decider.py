@@ -124,8 +124,12 @@ class Decider:
                 # its answer was unreadable (overwritten by someone): the same round again
                 self.again.append(Reply(msg.member, msg.seq, "round", str(answered[1])))
                 return
-            if msg.again and answered is not None and answered[0] >= msg.seq:
-                return  # posted again after a stop, and answered meanwhile
+            pending = self.pending.get(msg.member)
+            if msg.again and (
+                (answered is not None and answered[0] >= msg.seq)
+                or (pending is not None and pending[1] > msg.seq)
+            ):
+                return  # posted again after a stop, and answered or overtaken meanwhile
             if msg.retry_of:  # it could not read the round it waited on: answer its key
                 self.retrying.add(msg.member)
             self.pending[msg.member] = (req, msg.seq)
