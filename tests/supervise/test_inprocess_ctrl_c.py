@@ -139,8 +139,17 @@ def test_on_two_nodes_each_says_interrupted_once(tmp_path: Path, endpoint: str) 
             a.kill()
     joined = "\n\n".join(t[-3000:] for t in texts)
     assert [a.returncode for a in agents] == [130, 130], joined
-    assert took < 5.0, f"{took:.1f} s\n{joined}"
+    # a node whose peer stopped first can have ranks in a connect to the peer's store, gone
+    # with it: c10d retries the connect through the signal, in C++ where no Python handler
+    # runs, so those ranks are killed after 4 s, as the line then says (seen once, with two
+    # suites and more beside); a known gap of the stop, docs/launcher.md
+    assert took < 8.0, f"{took:.1f} s\n{joined}"
+    killed: set[int] = set()
     for text in texts:
-        assert [x for x in _ours(text) if "SIGINT" in x] == [LINE], joined
+        [line] = [x for x in _ours(text) if "SIGINT" in x]
+        if line != LINE:
+            ranks, _, why = line.removeprefix(f"{LINE}; ranks ").partition(" were killed ")
+            assert why == "(SIGKILL): still running after 4 s or a second Ctrl-C", joined
+            killed |= {int(r) for r in ranks.split(", ")}
         assert "Traceback" not in text, joined
-    assert _handlers(tmp_path) == {0, 1, 2, 3}, joined
+    assert _handlers(tmp_path) == {0, 1, 2, 3} - killed, joined
