@@ -71,8 +71,6 @@ class DeciderLoop:
         self._last_status = ""
         self._status_at = 0.0
         self._shown: Quorum | None = None
-        self._kept: set[int] = set()
-        """The rounds whose record is in the store."""
         self._said: set[str] = set()
         self._beating: set[str] = set()
         """Members whose heartbeat counter was there at the last read."""
@@ -177,12 +175,12 @@ class DeciderLoop:
         """A member of round ``n - 1`` asks and waits on round ``n``'s record, which was
         decided and deleted while it was stopped (past twice the heartbeat timeout, it was
         forgotten): a note there sends it to the answer under its own key."""
-        if n >= self.decider.next_round or n in self._kept:
-            return
+        key = f"r/{n}"
+        if n >= self.decider.next_round or any(key in keys for keys in self._garbage.values()):
+            return  # not decided yet, or its record is still there
         text = f"round {n} was deleted while this group waited (it was stopped, say)"
-        self.kv.set(f"r/{n}", json.dumps({"note": text}).encode())
-        self._kept.add(n)
-        self._garbage.setdefault(self.decider.next_round - 1, []).append(f"r/{n}")
+        self.kv.set(key, json.dumps({"note": text}).encode())
+        self._garbage.setdefault(self.decider.next_round - 1, []).append(key)
 
     def _read_beats(self) -> None:
         """The watched members' counters: in one read for those seen beating; those not
@@ -222,7 +220,6 @@ class DeciderLoop:
         elif isinstance(effect, Note):
             self.kv.set(f"r/{effect.round}", json.dumps({"note": effect.text}).encode())
             self._garbage.setdefault(effect.round, []).append(f"r/{effect.round}")
-            self._kept.add(effect.round)
         elif isinstance(effect, Died):
             if effect.round is not None and effect.round in self._garbage:
                 self.kv.set_if_absent(f"o/{effect.round}", b"abort")
@@ -243,7 +240,6 @@ class DeciderLoop:
             [f"r/{n}", f"c/{n}", f"o/{n}", *(k for k, _ in answers)]
         )
         self.rounds += 1
-        self._kept.add(n)
         # a member left out of the round after its last one may still wait on that round's
         # record (it was stopped, say): the record stays until it has moved on (or is
         # forgotten: then its ask brings a note back, _deleted_round)
@@ -253,9 +249,7 @@ class DeciderLoop:
             kept = [k for k in keys if k in waited_on]
             if kept:
                 self._garbage.setdefault(n, []).extend(kept)
-            gone = [k for k in keys if k not in waited_on]
-            self._kept.difference_update(int(k[2:]) for k in gone if k.startswith("r/"))
-            self._trash.put(gone)
+            self._trash.put([k for k in keys if k not in waited_on])
         if self._shown is None or self._shown.quorum_id != quorum.quorum_id:
             self._say(describe(quorum, self._shown))
         self._shown = quorum
