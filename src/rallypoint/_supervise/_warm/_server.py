@@ -23,6 +23,7 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from typing import NoReturn
 
 from rallypoint._core.envvars import FT_NOTICE
@@ -51,6 +52,7 @@ from rallypoint._supervise._warm._messages import (
     recv,
     send,
 )
+from rallypoint._supervise._warm._name_lookup import settle_reverse_lookup
 from rallypoint._supervise._warm._notices import NoticeWriters
 from rallypoint._supervise._warm._snapshots import SnapshotServer, fork_snapshot_server
 from rallypoint._supervise._worker import WorkerSpec, child_main
@@ -129,11 +131,10 @@ def _store_main(conn: socket.socket) -> NoReturn:
             send(conn, Failed(kind, f"{type(exc).__name__}: {exc}"))
 
 
-def _import_quietly(names: list[str]) -> None:
-    """Import ``names``; one that fails is left to the workers that need it."""
-    for name in names:
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
+def _import_quietly(name: str) -> None:
+    """Import ``name``; if it fails, that is left to the workers that need it."""
+    with contextlib.suppress(Exception):
+        importlib.import_module(name)
 
 
 def _find_cpus(mode: str, nproc: int, env: dict[str, str]) -> Reply:
@@ -155,7 +156,7 @@ class _Server:
         self.later: list[str] = []
         """What to import once idle (:data:`LATER_MODULES`), unless Init said no."""
         self.deferred: list[tuple[Request | Reply | None, list[int]]] = []
-        """Requests read while importing (:meth:`_import_later`), answered after it."""
+        """Requests read while importing (:meth:`_meanwhile`), answered after it."""
         self.notices: dict[int, tuple[str, int]] = {}
         """Workers that may run a ``rallypoint.ft`` Manager: their notice file, their rank."""
         self.told: dict[str, float] = {}
@@ -187,6 +188,7 @@ class _Server:
         if self.import_torch:
             for name in WARM_MODULES:
                 importlib.import_module(name)
+            settle_reverse_lookup()  # before any fork: each worker would wait it out
         sel = selectors.DefaultSelector()
         sel.register(self.sock, selectors.EVENT_READ)
         sel.register(self.wake_r, selectors.EVENT_READ)
@@ -196,7 +198,7 @@ class _Server:
             if not ready and self.later:
                 if not self.notice_writers.started:  # forked before the imports (_notices)
                     self.notice_writers.start_writer(self._own_fds())
-                self._import_later([self.later.pop(0)])
+                self._meanwhile(_import_quietly, self.later.pop(0))
                 gc.freeze()  # as after Init: forked children share it without churn
             while self.deferred:
                 self._on_message(self.deferred.pop(0))
@@ -208,10 +210,11 @@ class _Server:
                         os.read(self.wake_r, 4096)
                     self._reap()
 
-    def _import_later(self, names: list[str]) -> None:
-        """Import ``names`` (a second or more in which the loop does not run): meanwhile a
-        worker's death is reported from SIGCHLD's handler and requests are read from
-        SIGIO's, a shutdown done at once, the rest answered after the import."""
+    def _meanwhile(self, step: Callable[..., None], *args: str) -> None:
+        """Run ``step`` (an import of :data:`LATER_MODULES`, a second or more in which the
+        loop does not run): meanwhile a worker's death is reported from SIGCHLD's handler
+        and requests are read from SIGIO's, a shutdown done at once, the rest answered after
+        the step."""
         fd = self.sock.fileno()
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
         signal.signal(signal.SIGIO, self._on_io)
@@ -220,7 +223,7 @@ class _Server:
         self.importing = True
         try:
             self._on_io(signal.SIGIO, None)  # a request that came before the signal was armed
-            _import_quietly(names)
+            step(*args)
         finally:
             self.importing = False
             fcntl.fcntl(fd, fcntl.F_SETFL, flags)
