@@ -50,9 +50,11 @@ class Lighthouse:
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
         )
         assert self.proc.stdout is not None
-        first = self.proc.stdout.readline()
-        assert "TORCHFT_LIGHTHOUSE=" in first, first + self.proc.stdout.read()
-        self.logs.append(first)
+        # c10d may warn first (a reverse name lookup that timed out): read to the address
+        while "TORCHFT_LIGHTHOUSE=" not in (line := self.proc.stdout.readline()):
+            self.logs.append(line)
+            assert line, "".join(self.logs)  # it ended without saying where it listens
+        self.logs.append(line)
 
     def kill(self) -> None:
         assert self.proc is not None
