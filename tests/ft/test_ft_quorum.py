@@ -31,6 +31,7 @@ from rallypoint.observe import read_events
 
 STEPS = 50
 FAULT = 10
+_LOOKUP_STALLED = "The hostname of the client socket cannot be retrieved"
 
 
 def _pause_within_goal(
@@ -38,9 +39,12 @@ def _pause_within_goal(
 ) -> None:
     """The goal, 3 steps (their median time each), and ``extra`` seconds for a loaded
     2-core machine (the suite runs two test files at once, and CI a second suite beside
-    it); benchmarks/quorum.py measures the pause itself."""
+    it); benchmarks/quorum.py measures the pause itself. Where a name server answered at
+    first and then did not, c10d's reverse lookup in a process that had not failed one yet
+    stood still for the resolver's timeout (1 s here), a TCPStore server's included, once
+    (docs/multinode.md): when c10d said so, that second is allowed too."""
     worst, median = longest_pause(steps(out, group), after)
-    limit = 3 * median + extra
+    limit = 3 * median + extra + (1.0 if _LOOKUP_STALLED in context else 0.0)
     assert worst <= limit, (
         f"group {group} paused {worst:.2f} s (a step: {median:.3f} s)\n{context[-6000:]}"
     )
