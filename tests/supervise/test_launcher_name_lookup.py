@@ -79,3 +79,21 @@ def test_workers_and_replacements_connect_at_once_where_the_name_server_never_an
     assert job.returncode == 0, job.stdout + job.stderr
     first, replacement = (float((tmp_path / f"took-{n}").read_text()) for n in (0, 1))
     assert first < 0.5 and replacement < 0.5, (direct, first, replacement, job.stderr)
+
+
+@pytest.mark.timeout(120)
+def test_the_settling_connection_gives_up_at_once_where_the_loopback_is_down() -> None:
+    """A network namespace whose loopback is down: c10d would retry its connect for the
+    store's timeout (300 s by default) and hold the warm process up that long."""
+    code = (
+        "import time, torch\n"
+        "from rallypoint._supervise._warm._name_lookup import settle_reverse_lookup\n"
+        "began = time.monotonic(); settle_reverse_lookup(); print(time.monotonic() - began)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        ["unshare", "-n", sys.executable, "-c", code],
+        capture_output=True, text=True, env=env, timeout=100,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout) < 0.5, done.stdout

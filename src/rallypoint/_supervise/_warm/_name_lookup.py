@@ -14,14 +14,35 @@ inherits the lookup switched off.
 from __future__ import annotations
 
 import contextlib
+import socket
+from datetime import timedelta
 
 __all__ = ["settle_reverse_lookup"]
+
+_TIMEOUT = timedelta(seconds=3)
+"""What the connection may take beyond the lookup (c10d retries a failed connect until its
+timeout, 300 s by default)."""
 
 
 def settle_reverse_lookup() -> None:
     """Make one c10d connection in this process (nothing is left running after it)."""
     from rallypoint._core.torch_c import TCPStore
 
+    if not _loopback_connects():
+        return  # a namespace whose loopback is down: c10d would retry until its timeout
     with contextlib.suppress(Exception):  # only a speed-up: a failure changes nothing
-        store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False, use_libuv=True)
+        store = TCPStore(
+            "127.0.0.1", 0, None, True, _TIMEOUT, wait_for_workers=False, use_libuv=True
+        )
         del store  # its server thread ends with it: the warm process forks single-threaded
+
+
+def _loopback_connects() -> bool:
+    try:
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen(1)
+            socket.create_connection(server.getsockname(), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
