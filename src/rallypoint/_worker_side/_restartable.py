@@ -69,6 +69,11 @@ say whether a :class:`Stop` came (the agent sends it before the signal)."""
 STOP_CUT_AFTER = 1.0
 """Seconds after a :class:`Stop` before a worker still there leaves its attempt (``_stop``):
 its SIGINT handlers may use the connections until then."""
+STORE_WAIT = 300.0
+"""Most seconds a new attempt waits for its store to take connections (``_await_store``;
+c10d's own connect retries for its timeout, 300 s for a TCPStore by default)."""
+STORE_RETRY = 0.05
+"""Seconds between two tries of a store that refused, or did not answer."""
 
 
 class RestartInterrupt(BaseException):
@@ -382,6 +387,29 @@ class _Channel:
             quiet, self.quiet = self.quiet, None
         if quiet is not None:
             quiet.close()
+        self._await_store()
+
+    def _await_store(self) -> None:
+        """Until the attempt's store (``MASTER_ADDR:MASTER_PORT``) takes a TCP connection,
+        tried here, where a Ctrl-C is heard: c10d retries a refused connect in C++, deaf to
+        signals, and the node that hosts the store may be stopping (its agent took the store
+        with it). A :class:`Stop` ends the wait as a Ctrl-C, an :class:`Interrupt` lets the
+        attempt fail before the function starts; then the function's own connect follows."""
+        host, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+        if not host or not port.isdigit():
+            return
+        deadline = time.monotonic() + STORE_WAIT
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.stopping:
+                    raise KeyboardInterrupt
+                if self.interrupted:
+                    return
+            try:
+                socket.create_connection((host, int(port)), timeout=1.0).close()
+                return
+            except OSError:
+                self.stop_seen.wait(STORE_RETRY)  # a Stop ends it at once
 
 
 _IMPORT_FILES = frozenset(
