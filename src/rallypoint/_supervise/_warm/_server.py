@@ -23,7 +23,6 @@ import signal
 import socket
 import time
 import traceback
-from collections.abc import Callable
 from typing import NoReturn
 
 from rallypoint._core.envvars import FT_NOTICE
@@ -131,10 +130,11 @@ def _store_main(conn: socket.socket) -> NoReturn:
             send(conn, Failed(kind, f"{type(exc).__name__}: {exc}"))
 
 
-def _import_quietly(name: str) -> None:
-    """Import ``name``; if it fails, that is left to the workers that need it."""
-    with contextlib.suppress(Exception):
-        importlib.import_module(name)
+def _import_quietly(names: list[str]) -> None:
+    """Import ``names``; one that fails is left to the workers that need it."""
+    for name in names:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
 
 
 def _find_cpus(mode: str, nproc: int, env: dict[str, str]) -> Reply:
@@ -156,7 +156,7 @@ class _Server:
         self.later: list[str] = []
         """What to import once idle (:data:`LATER_MODULES`), unless Init said no."""
         self.deferred: list[tuple[Request | Reply | None, list[int]]] = []
-        """Requests read while importing (:meth:`_meanwhile`), answered after it."""
+        """Requests read while importing (:meth:`_import_later`), answered after it."""
         self.notices: dict[int, tuple[str, int]] = {}
         """Workers that may run a ``rallypoint.ft`` Manager: their notice file, their rank."""
         self.told: dict[str, float] = {}
@@ -198,7 +198,7 @@ class _Server:
             if not ready and self.later:
                 if not self.notice_writers.started:  # forked before the imports (_notices)
                     self.notice_writers.start_writer(self._own_fds())
-                self._meanwhile(_import_quietly, self.later.pop(0))
+                self._import_later([self.later.pop(0)])
                 gc.freeze()  # as after Init: forked children share it without churn
             while self.deferred:
                 self._on_message(self.deferred.pop(0))
@@ -210,11 +210,10 @@ class _Server:
                         os.read(self.wake_r, 4096)
                     self._reap()
 
-    def _meanwhile(self, step: Callable[..., None], *args: str) -> None:
-        """Run ``step`` (an import of :data:`LATER_MODULES`, a second or more in which the
-        loop does not run): meanwhile a worker's death is reported from SIGCHLD's handler
-        and requests are read from SIGIO's, a shutdown done at once, the rest answered after
-        the step."""
+    def _import_later(self, names: list[str]) -> None:
+        """Import ``names`` (a second or more in which the loop does not run): meanwhile a
+        worker's death is reported from SIGCHLD's handler and requests are read from
+        SIGIO's, a shutdown done at once, the rest answered after the import."""
         fd = self.sock.fileno()
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
         signal.signal(signal.SIGIO, self._on_io)
@@ -223,7 +222,7 @@ class _Server:
         self.importing = True
         try:
             self._on_io(signal.SIGIO, None)  # a request that came before the signal was armed
-            step(*args)
+            _import_quietly(names)
         finally:
             self.importing = False
             fcntl.fcntl(fd, fcntl.F_SETFL, flags)
