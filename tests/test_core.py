@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -182,6 +183,20 @@ def test_free_ports_are_distinct_and_bindable() -> None:
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+@pytest.mark.timeout(30)
+def test_free_ports_lie_below_the_ports_outgoing_connections_take() -> None:
+    """A port from port 0 can be any connection's local port before its taker binds it (a
+    test's store said "already in use" on a loaded machine); these cannot."""
+    from rallypoint._core.net import free_port, free_ports
+
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if not ranges.exists() or int(ranges.read_text().split()[0]) <= 11_000:
+        pytest.skip("no room below this kernel's range of local ports")
+    low = int(ranges.read_text().split()[0])
+    ports = [free_port(), free_port("::1"), *free_ports(20)]
+    assert all(10_000 <= port < low for port in ports), (low, ports)
 
 
 @pytest.mark.timeout(30)

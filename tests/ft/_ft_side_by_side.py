@@ -231,9 +231,9 @@ def port(lighthouse: Any, replica: int) -> dict[str, Any]:
     """port=: rank 0 listens there (torchft's manager server; rallypoint's heal server)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free = s.getsockname()[1]
+    from rallypoint._core.net import free_port
+
+    free = free_port()
     manager = _manager(lighthouse, replica, {"w": torch.zeros(1)}, port=free)
     try:
         with socket.create_connection(("127.0.0.1", free), timeout=5):

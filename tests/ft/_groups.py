@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,12 +17,6 @@ import torch
 from rallypoint._core.net import reserved_port
 
 TRAIN = Path(__file__).with_name("_ft_train.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env(**extra: str) -> dict[str, str]:

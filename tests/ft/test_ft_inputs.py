@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rallypoint._core.net import free_port
 from rallypoint.ft._heal import (
     HealError,
     HealServer,
@@ -79,9 +80,7 @@ def test_an_unreachable_lighthouse_is_one_line(tmp_path: Path) -> None:
     from rallypoint._core.torch_c import TCPStore
 
     group = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
+    dead = free_port()
     code = (
         "import rallypoint.ft as torchft\n"
         "from datetime import timedelta\n"

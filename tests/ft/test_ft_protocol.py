@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 import rallypoint.ft._quorum.client as client_module
+from rallypoint._core.net import free_port
 from rallypoint.ft._quorum.client import LighthouseLink, QuorumRefused, post
 from rallypoint.ft._quorum.records import Ask, Quorum, Request
 from rallypoint.ft.coordination import LighthouseClient, LighthouseServer
@@ -453,9 +454,7 @@ def test_a_malformed_lighthouse_address_is_one_line_at_once(address: str, says: 
 
 
 def test_an_unreachable_lighthouse_is_one_line_within_the_connect_timeout() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
+    dead = free_port()
     began = time.monotonic()
     with pytest.raises(ConnectionError) as caught:
         LighthouseClient(f"http://127.0.0.1:{dead}", timedelta(seconds=1.5))

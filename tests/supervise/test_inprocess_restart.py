@@ -392,11 +392,9 @@ def _finish(agents: list[subprocess.Popen[str]]) -> list[str]:
 def test_across_two_agents_a_crash_keeps_every_other_rank_on_both_nodes(
     tmp_path: Path, reference: Path
 ) -> None:
-    import socket
+    from rallypoint._core.net import free_port
 
-    with socket.socket() as s:  # the first agent hosts the rendezvous store there
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = f"127.0.0.1:{free_port()}"  # the first agent hosts the rendezvous store there
     agents = [_agent(endpoint, tmp_path, "kill") for _ in range(2)]
     try:
         texts = _finish(agents)
@@ -413,11 +411,9 @@ def test_across_two_agents_a_crash_keeps_every_other_rank_on_both_nodes(
 def test_across_two_agents_a_spare_worker_takes_the_crashed_ranks_place(
     tmp_path: Path, reference: Path
 ) -> None:
-    import socket
+    from rallypoint._core.net import free_port
 
-    with socket.socket() as s:  # the first agent hosts the rendezvous store there
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = f"127.0.0.1:{free_port()}"  # the first agent hosts the rendezvous store there
     agents = [_agent(endpoint, tmp_path, "spare", "--spare-workers", "1") for _ in range(2)]
     try:
         texts = _finish(agents)

@@ -9,12 +9,13 @@ Real ``rallypoint run`` jobs of ``_restart_train.py``: rank 1 SIGKILLs itself af
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from rallypoint._core.net import free_port
 
 SCRIPT = Path(__file__).with_name("_restart_train.py")
 PRELOAD = "torch._dynamo"
@@ -59,9 +60,7 @@ def test_two_agents_each_says_in_process_and_the_failed_summary_says_stopped(
     """One worker per node: the node of rank 1 keeps none of its workers, yet the restart
     is in process (the other node keeps rank 0); then the job fails, and rank 0, waiting
     for a restart that does not come, is stopped."""
-    with socket.socket() as s:  # the first agent hosts the rendezvous store there
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = f"127.0.0.1:{free_port()}"  # the first agent hosts the rendezvous store there
     out = tmp_path / "out"
     out.mkdir()
     flags = [

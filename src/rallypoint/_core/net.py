@@ -4,8 +4,10 @@ address towards a host."""
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 __all__ = ["free_port", "free_ports", "local_address_towards", "port_is_free", "reserved_port"]
 
@@ -14,26 +16,39 @@ def free_port(host: str = "127.0.0.1") -> int:
     """Return a TCP port that is free on ``host`` right now.
 
     The port is only reserved until this function returns; callers that can bind port 0
-    themselves (TCPStore can) should do that instead.
+    themselves (TCPStore can) should do that instead. It is picked below the kernel's
+    range for outgoing connections' local ports where there is room, so no connection
+    made meanwhile takes it (:func:`free_ports`).
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1, host)[0]
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """Return ``count`` distinct TCP ports that are free on ``host`` right now.
 
-    Calling :func:`free_port` twice can return the same port: the kernel may hand out a
-    port again as soon as the probe socket closes. Here every probe stays bound until all
-    ports are picked, so they differ.
+    A port that port 0 gives is one the kernel also hands to outgoing connections as
+    their local port: any process's connect between this return and the caller's bind
+    can take it (a test's store then failed with "already in use" on a loaded machine).
+    So ports are drawn at random below that range (``ip_local_port_range``, Linux) and
+    bound without ``SO_REUSEADDR`` (a port in ``TIME_WAIT`` or held by
+    :func:`reserved_port` is passed over), with port 0 as the fallback. Every probe stays
+    bound until all ports are picked, so they differ.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    below = _below_outgoing_ports()
     probes: list[socket.socket] = []
     try:
-        for _ in range(count):
+        for _ in range(50 * count):
+            if len(probes) == count or not below:
+                break
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.bind((host, random.choice(below)))
+            except OSError:
+                sock.close()
+                continue
+            probes.append(sock)
+        while len(probes) < count:
             sock = socket.socket(family, socket.SOCK_STREAM)
             probes.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -42,6 +57,16 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for sock in probes:
             sock.close()
+
+
+def _below_outgoing_ports() -> range:
+    """Ports under the kernel's range for outgoing connections (from 10000, so that the
+    well-known and registered ports of common services stay out), or none."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    return range(10_000, low) if low > 11_000 else range(0)
 
 
 @contextlib.contextmanager
