@@ -92,6 +92,48 @@ def test_an_abort_frees_a_rank_blocked_on_a_peer_that_never_joins(
 
 
 @pytest.mark.timeout(60)
+def test_set_timeout_bounds_the_next_collective_as_torchs_own_gloo_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchft's tests shorten a live group's timeout before a collective a crashed peer
+    never joins, and wait for the error; a timeout kept for the next communicator only
+    made each such wait the first timeout (30 s there). torch's gloo backend, given the
+    same call, is the control."""
+    import torch.distributed as dist
+
+    def failed_within(allreduce: object) -> float:
+        began = time.monotonic()
+        with pytest.raises(RuntimeError, match="Timed out"):
+            allreduce()  # type: ignore[operator]
+        return time.monotonic() - began
+
+    store = HashStore()
+    control: dict[int, object] = {}
+
+    def make(rank: int) -> None:
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        options._timeout = timedelta(seconds=20)
+        control[rank] = dist.ProcessGroupGloo(store, rank, 2, options)
+
+    threads = [threading.Thread(target=make, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    torch_gloo = control[0]
+    torch_gloo.set_timeout(timedelta(seconds=1))  # type: ignore[attr-defined]
+    torch_took = failed_within(lambda: torch_gloo.allreduce([torch.ones(1)]).wait())  # type: ignore[attr-defined]
+
+    pgs = _made_together(1, monkeypatch)
+    pgs[0].set_timeout(timedelta(seconds=1))
+    ours_took = failed_within(lambda: pgs[0].allreduce([torch.ones(1)]).wait())
+    assert torch_took < 5 and ours_took < 5, (torch_took, ours_took)
+    for pg in pgs:
+        pg.abort()
+
+
+@pytest.mark.timeout(60)
 def test_an_injected_failure_is_swallowed_recorded_and_the_next_allreduces_skipped() -> None:
     """``FakeProcessGroupWrapper`` fails the next allreduce's work on request; an
     ``ErrorSwallowingProcessGroupWrapper`` above it records the error instead of raising

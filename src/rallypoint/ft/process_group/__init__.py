@@ -23,6 +23,7 @@ once. ``store_addr``: ``ADDRESS#PREFIX`` (a lighthouse's store, ``HOST:PORT`` or
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -307,7 +308,14 @@ class ProcessGroupWrapper(ProcessGroup):
         raise NotImplementedError(f"{type(self).__name__}.getBackendName")
 
     def set_timeout(self, timeout: timedelta) -> None:
-        self._timeout = timeout
+        """The timeout of the communicators made from now on and, as torch's
+        ``Backend.set_timeout``, of the next collectives of the one in use (where its
+        backend can change it: gloo can)."""
+        self._timeout = _as_timedelta(timeout)
+        made = self._made
+        for device in ("cpu", "cuda") if made is not None else ():
+            with contextlib.suppress(RuntimeError):  # no backend there, or one that cannot
+                made._get_backend(torch.device(device)).set_timeout(self._timeout)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(pg={self._made or self._wrapped})"
