@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -101,10 +102,10 @@ def test_set_timeout_bounds_the_next_collective_as_torchs_own_gloo_does(
     same call, is the control."""
     import torch.distributed as dist
 
-    def failed_within(allreduce: object) -> float:
+    def failed_within(allreduce: Callable[[], object]) -> float:
         began = time.monotonic()
         with pytest.raises(RuntimeError, match="Timed out"):
-            allreduce()  # type: ignore[operator]
+            allreduce()
         return time.monotonic() - began
 
     store = HashStore()

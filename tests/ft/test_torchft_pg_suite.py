@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_torchft_suite import _failures
 
 BABY_INTERNALS = [
     "test_baby_gloo_apis",
@@ -57,18 +58,16 @@ def _swapped(tmp_path: Path, name: str) -> Path:
 def _run(tmp_path: Path, paths: list[Path], *args: str, timeout: float) -> tuple[set[str], str]:
     """The cases that passed (``Class::test``, a parametrized index kept, its id dropped)
     and pytest's output: its failures first (a tail alone had lost them behind the summary's
-    list of passed cases), then its summary."""
+    list of passed cases), then its summary (``_failures``, as the other swapped suites)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-           "--timeout", "120", "-rfEp", *map(str, paths), *args]  # fmt: skip
+           "--timeout", "120", "-rA", *map(str, paths), *args]  # fmt: skip
     done = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path
     )
     names = re.findall(r"^PASSED \S+?::(\S+)", done.stdout, re.M)
     passed = {re.sub(r"(_\d+)_.*$", r"\1", n) for n in names}
-    start = done.stdout.find(" FAILURES ")
-    failures = done.stdout[start : start + 12000] if start >= 0 else ""
-    return passed, failures + done.stdout[-4000:] + done.stderr[-2000:]
+    return passed, _failures(done.stdout) + done.stderr[-2000:]
 
 
 skip_without_torchft = pytest.mark.skipif(

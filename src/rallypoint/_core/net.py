@@ -38,12 +38,12 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     below = _below_outgoing_ports()
     probes: list[socket.socket] = []
     try:
-        for _ in range(50 * count):
-            if len(probes) == count or not below:
+        for port in random.sample(below, min(len(below), 50 * count)):
+            if len(probes) == count:
                 break
             sock = socket.socket(family, socket.SOCK_STREAM)
             try:
-                sock.bind((host, random.choice(below)))
+                sock.bind((host, port))
             except OSError:
                 sock.close()
                 continue

@@ -313,7 +313,9 @@ class ProcessGroupWrapper(ProcessGroup):
         backend can change it: gloo can)."""
         self._timeout = _as_timedelta(timeout)
         made = self._made
-        for device in ("cpu", "cuda") if made is not None else ():
+        if made is None:
+            return
+        for device in ("cpu", "cuda"):
             with contextlib.suppress(RuntimeError):  # no backend there, or one that cannot
                 made._get_backend(torch.device(device)).set_timeout(self._timeout)
 
