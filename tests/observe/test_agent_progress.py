@@ -184,3 +184,46 @@ def test_unclosed_board_is_removed_at_exit_but_not_by_forked_children(tmp_path: 
     )
     assert out.stdout.strip() == "True"
     assert list(tmp_path.iterdir()) == []  # the owner's exit removed it
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_agents_board_is_deleted_by_the_next_board_and_a_live_ones_is_kept(
+    tmp_path: Path,
+) -> None:
+    """A SIGKILLed process cannot unlink its board; the next board made in the directory
+    deletes it (nobody holds its lock), but not a live process's board, nor a file made
+    a moment ago (its agent may not have locked it yet)."""
+    code = (
+        "import sys\n"
+        "from rallypoint.observe import ProgressBoard\n"
+        f"b = ProgressBoard(2, directory={str(tmp_path)!r})\n"
+        "print(b.path, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]  # fmt: skip
+    try:
+        killed, live = (Path(p.stdout.readline().strip()) for p in procs if p.stdout)
+        procs[0].kill()
+        procs[0].wait(10)
+        fresh = tmp_path / "rallypoint-progress-justmade"
+        fresh.write_bytes(b"")
+        long_ago = time.time() - 120
+        for path in (killed, live):
+            os.utime(path, (long_ago, long_ago))
+        board = ProgressBoard(1, directory=tmp_path)
+        assert not killed.exists()
+        assert live.exists() and fresh.exists()
+        board.close()
+        assert sorted(tmp_path.iterdir()) == sorted([live, fresh])
+        procs[1].communicate("", timeout=30)  # its owner ends normally: it goes too
+        assert procs[1].returncode == 0
+        assert list(tmp_path.iterdir()) == [fresh]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=10)

@@ -12,6 +12,7 @@ not a board gives one ``RuntimeWarning``: progress reporting never breaks traini
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import struct
@@ -40,6 +41,9 @@ _MAGIC = b"RPPROG\x00\x02"
 _HEADER = struct.Struct("<8sII")
 _SLOT_SIZE = 8
 _MAX_SLOTS = 1 << 16
+_PREFIX = "rallypoint-progress-"
+_SWEEP_AFTER = 60.0
+"""Seconds a board's file may exist unlocked: its agent locks it right after making it."""
 
 # worker-side state: _view is the mapped slot array once initialised, _disabled once we
 # know this process was not started with a board.
@@ -135,10 +139,45 @@ def _map(path: str) -> mmap.mmap:
     return mm
 
 
-def _unlink_if_owner(path: str, owner: int) -> None:
+def _unlink_if_owner(path: str, owner: int, lock: int) -> None:
     if os.getpid() == owner:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.close(lock)
+
+
+def _sweep_orphans(directory: str) -> list[str]:
+    """Delete the boards in ``directory`` whose agent is gone; returns their paths.
+
+    An agent holds an ``flock`` on its board for its life (so do processes forked from it
+    that kept the descriptor); the kernel drops it when they exit, SIGKILL included, which
+    would otherwise leave the file behind for good (a killed process unlinks nothing). A
+    board nobody locks, older than ``_SWEEP_AFTER`` (one just made may not be locked yet),
+    is an orphan. Boards of other users cannot be opened and are left alone."""
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(_PREFIX)]
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if now - os.fstat(fd).st_mtime < _SWEEP_AFTER:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its agent is alive
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _default_directory() -> str:
@@ -177,11 +216,11 @@ class ProgressBoard(Closing):
             raise ValueError(f"nslots must be between 1 and {_MAX_SLOTS}, got {nslots}")
         self.nslots = nslots
         self._clock = clock
-        fd, self.path = tempfile.mkstemp(
-            prefix="rallypoint-progress-",
-            dir=os.fspath(directory) if directory is not None else _default_directory(),
-        )
+        where = os.fspath(directory) if directory is not None else _default_directory()
+        _sweep_orphans(where)
+        fd, self.path = tempfile.mkstemp(prefix=_PREFIX, dir=where)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # for this process's life
             size = _HEADER.size + 2 * nslots * _SLOT_SIZE
             os.ftruncate(fd, size)
             self._mm: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED)
@@ -189,10 +228,10 @@ class ProgressBoard(Closing):
             os.close(fd)
             os.unlink(self.path)
             raise
-        os.close(fd)
         # a board that is never closed still disappears when this process exits (but not
-        # when a process forked from it exits)
-        self._finalizer = weakref.finalize(self, _unlink_if_owner, self.path, os.getpid())
+        # when a process forked from it exits); one whose process is killed is deleted by
+        # the next board made in its directory (_sweep_orphans), the lock on ``fd`` gone
+        self._finalizer = weakref.finalize(self, _unlink_if_owner, self.path, os.getpid(), fd)
         _HEADER.pack_into(self._mm, 0, _MAGIC, nslots, 0)
         both = memoryview(self._mm)[_HEADER.size :].cast("d")
         self._slots: memoryview[float] = both[:nslots]
