@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rallypoint._core.gloo_links import loops, release, shut_down, tcp_table
+from rallypoint._core.gloo_links import device_connections, loops, release, shut_down, tcp_table
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/fdinfo"), reason="Linux only")
 
@@ -80,6 +80,32 @@ def test_a_loop_whose_peer_reset_a_connection_is_still_found(loop: _Loop) -> Non
         assert time.monotonic() < deadline, "the reset socket is still listed"
         time.sleep(0.01)
     assert _inode(live) in loops()[loop.epoll.fileno()]  # a dropped loop cut nothing
+
+
+@pytest.mark.timeout(30)
+def test_a_socket_that_took_a_watched_sockets_number_is_not_taken_for_it(loop: _Loop) -> None:
+    """gloo closes a connection whose peer hung up while another thread opens a socket (a
+    TCPStore client's, a new device's), which gets the freed number: an abort that read the
+    epoll set's numbers, then the fd table, cut that stranger (seen as a new communicator's
+    "Connection closed by peer" in torchft's resiliency cases). The epoll set names the file
+    it watches; here it stays watched (a duplicate keeps it open) as its number is reused."""
+    watched = loop.connect()
+    number, kept = watched.fileno(), os.dup(watched.fileno())
+    other = _Loop()
+    try:
+        stranger = other.connect()
+        watched.close()
+        os.dup2(stranger.fileno(), number)  # the freed number now holds the stranger
+        epoll = loop.epoll.fileno()
+        assert device_connections(epoll) == {os.fstat(kept).st_ino}
+        assert loops()[epoll] == {os.fstat(kept).st_ino}
+        assert shut_down(device_connections(epoll)) == 1  # the watched one, through ``kept``
+        stranger.sendall(b"still connected")
+        assert other.peers[0].recv(64) == b"still connected"
+    finally:
+        os.close(number)
+        os.close(kept)
+        other.close()
 
 
 @pytest.mark.timeout(30)

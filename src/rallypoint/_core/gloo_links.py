@@ -81,13 +81,25 @@ def unix_sockets() -> frozenset[int]:
     return frozenset(int(f[6]) for f in map(str.split, lines) if len(f) > 6 and f[6].isdigit())
 
 
-def _watched(epoll_fd: int) -> list[int]:
+def _watched(epoll_fd: int, links: dict[int, int]) -> list[tuple[int, int]]:
+    """``(fd, inode)`` of each file epoll set ``epoll_fd`` watches. The inode is the one
+    the registration names, not that of whatever the fd number holds now: a watched socket
+    that another thread closed meanwhile (gloo, when its peer hung up) gave its number to
+    the next socket made, a TCPStore client's or a new device's, which must not be taken
+    for it. Without an ``ino:`` field (old kernels), the fd table's inode."""
     try:
         with open(f"/proc/self/fdinfo/{epoll_fd}") as fp:
             lines = fp.read().splitlines()
     except OSError:
         return []
-    return [int(line.split()[1]) for line in lines if line.startswith("tfd:")]
+    out = []
+    for line in lines:
+        if not line.startswith("tfd:"):
+            continue
+        fd = int(line.split()[1])
+        found = [f[4:] for f in line.split() if f.startswith("ino:")]
+        out.append((fd, int(found[0], 16) if found else links.get(fd, OTHER)))
+    return out
 
 
 def loops(
@@ -101,7 +113,9 @@ def loops(
     for fd, inode in links.items():
         if inode != EPOLL:
             continue
-        kinds = [links.get(t, OTHER) for t in _watched(fd)]
+        # a socket is known by its registration's inode (see _watched), the rest by kind
+        kinds = [ino if links.get(t, OTHER) > 0 else links.get(t, OTHER)
+                 for t, ino in _watched(fd, links)]  # fmt: skip
         if kinds.count(PIPE) != 1 or any(k in (OTHER, EPOLL) for k in kinds):
             continue  # not one wake-up pipe, or something else than sockets
         sockets = [k for k in kinds if k > 0]
@@ -136,13 +150,13 @@ def device_connections(
     gloo device's loop: its pairs' sockets, not its listener)."""
     links = socket_links() if links is None else links
     tcp = tcp_table() if tcp is None else tcp
-    return _connected([links.get(fd, OTHER) for fd in _watched(epoll_fd)], tcp)
+    return _connected([ino for _, ino in _watched(epoll_fd, links)], tcp)
 
 
 def listens(epoll_fd: int, links: dict[int, int] | None = None) -> bool:
     """Whether epoll set ``epoll_fd`` watches a listening TCP socket (a gloo device's)."""
     links = socket_links() if links is None else links
-    return _listening([links.get(fd, OTHER) for fd in _watched(epoll_fd)], tcp_table())
+    return _listening([ino for _, ino in _watched(epoll_fd, links)], tcp_table())
 
 
 def shut_down(
