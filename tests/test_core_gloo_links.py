@@ -99,6 +99,8 @@ def test_a_socket_that_took_a_watched_sockets_number_is_not_taken_for_it(loop: _
         epoll = loop.epoll.fileno()
         assert device_connections(epoll) == {os.fstat(kept).st_ino}
         assert loops()[epoll] == {os.fstat(kept).st_ino}
+        listed_before = {number: os.fstat(kept).st_ino}  # the fd table read before the reuse
+        assert shut_down({os.fstat(kept).st_ino}, listed_before) == 0
         assert shut_down(device_connections(epoll)) == 1  # the watched one, through ``kept``
         stranger.sendall(b"still connected")
         assert other.peers[0].recv(64) == b"still connected"

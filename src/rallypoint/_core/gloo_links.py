@@ -176,7 +176,11 @@ def shut_down(
         if inode <= 0 or inode not in inodes:
             continue
         with contextlib.suppress(OSError):
-            dup = socket.socket(fileno=os.dup(fd))
+            copy = os.dup(fd)
+            if os.fstat(copy).st_ino != inode:  # closed since it was listed; its number
+                os.close(copy)  # taken by another socket, which is none of ours to cut
+                continue
+            dup = socket.socket(fileno=copy)
             kept = False
             try:
                 dup.shutdown(how)
