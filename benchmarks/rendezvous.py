@@ -87,7 +87,7 @@ def _make_handlers(kind: str, endpoint: str, run_id: str, n: int, count: int) ->
     )
     for _ in range(count):
         if kind == "etcd":
-            from rallypoint.rendezvous._kv_etcd import EtcdKV, EtcdOptions
+            from rallypoint.rendezvous._etcd.kv import EtcdKV, EtcdOptions
 
             kv: Any = EtcdKV(EtcdOptions(endpoints=[(host, int(port))], prefix=f"/bench/{run_id}/"))
         else:

@@ -27,8 +27,8 @@ from rallypoint.rendezvous import (
     RendezvousTimeoutError,
     get_rendezvous_handler,
 )
-from rallypoint.rendezvous._etcd_gateway import EtcdGateway
-from rallypoint.rendezvous._kv_etcd import EtcdKV, EtcdOptions
+from rallypoint.rendezvous._etcd.gateway import EtcdGateway
+from rallypoint.rendezvous._etcd.kv import EtcdKV, EtcdOptions
 from rallypoint.testing._etcd import EtcdServer, etcd_binary, make_tls_files
 from rallypoint.testing._rendezvous_contract import KVContract
 from rallypoint.testing._workers import run_workers
@@ -172,6 +172,59 @@ def test_set_if_absent_racing_a_delete(etcd: EtcdServer) -> None:
         thread.join(10)
     assert seen <= {b"mine", b"theirs"}
     assert b"mine" in seen
+
+
+def _write_after_the_first_read(kv: EtcdKV, other: EtcdKV, key: str, what: str) -> None:
+    """``kv``'s first read that finds ``key`` missing is followed by ``other`` writing
+    ``what`` (``key`` itself, or another key): what happens while a wait sets up its
+    watch, which then starts behind etcd's head."""
+    read = kv._range
+    done: list[bool] = []
+
+    def reading(full: bytes) -> tuple[bytes | None, int]:
+        found = read(full)
+        if not done and found[0] is None and full.endswith(key.encode()):
+            done.append(True)
+            other.set(what, b"1")
+        return found
+
+    kv._range = reading  # type: ignore[method-assign]
+
+
+@pytest.mark.timeout(60)
+def test_a_put_made_while_a_wait_sets_up_its_watch_wakes_it_at_once(etcd: EtcdServer) -> None:
+    """etcd hands a watch that starts behind its head (a write anywhere since the read) its
+    history on a catch-up loop every 100 ms: such a wake came 0-100 ms late (a lighthouse
+    round on etcd took 55-70 ms, most of it here). The put is found by a read once the
+    watch is made; here it must come in well under the catch-up's mean of 50 ms."""
+    kv, other = _kv(etcd, lease_ttl=0), _kv(etcd, lease_ttl=0)
+    other._prefix = kv._prefix
+    took = []
+    for i in range(11):
+        _write_after_the_first_read(kv, other, f"k{i}", f"k{i}")
+        start = time.monotonic()
+        assert kv.wait([f"k{i}"], timedelta(seconds=5))
+        took.append(time.monotonic() - start)
+    assert sorted(took)[5] < 0.03, [round(t * 1000) for t in took]
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_whose_watch_starts_behind_the_head_still_sees_a_later_put(
+    etcd: EtcdServer,
+) -> None:
+    """Another key written as the watch is made: the read finds the awaited one missing,
+    and the watch must still deliver its put when it comes."""
+    kv, other = _kv(etcd, lease_ttl=0), _kv(etcd, lease_ttl=0)
+    other._prefix = kv._prefix
+    _write_after_the_first_read(kv, other, "late", "unrelated")
+    timer = threading.Timer(0.3, other.set, ("late", b"1"))
+    timer.start()
+    try:
+        start = time.monotonic()
+        assert kv.wait(["late"], timedelta(seconds=10))
+        assert 0.25 < time.monotonic() - start < 5
+    finally:
+        timer.join(10)
 
 
 @pytest.mark.timeout(150)

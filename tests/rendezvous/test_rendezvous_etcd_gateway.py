@@ -23,7 +23,7 @@ import pytest
 
 from rallypoint._core.net import free_ports
 from rallypoint.rendezvous import KVConnectionError, KVStateError
-from rallypoint.rendezvous._etcd_gateway import (
+from rallypoint.rendezvous._etcd.gateway import (
     GRPC_NOT_FOUND,
     GRPC_UNAUTHENTICATED,
     GRPC_UNAVAILABLE,
@@ -31,7 +31,7 @@ from rallypoint.rendezvous._etcd_gateway import (
     EtcdGateway,
     GatewayError,
 )
-from rallypoint.rendezvous._kv_etcd import _SET_IF_ABSENT_TRIES, EtcdKV, EtcdOptions
+from rallypoint.rendezvous._etcd.kv import _SET_IF_ABSENT_TRIES, EtcdKV, EtcdOptions
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,10 +12,11 @@ Drop-in for ``torch.distributed.elastic.rendezvous``: the same errors, ``Rendezv
 
 Every dynamic backend implements one small :class:`KeyValueStore`; the handler does O(1)
 store round trips per node per round (see ``_dynamic.py``). Modules, bottom up: ``_api``
-(errors, handler ABC), ``_kv`` (the interface) and one ``_kv_*`` per store (etcd's HTTP side
-in ``_etcd_gateway``), ``_config`` (settings and options), ``_rounds`` (key layout, records,
-rank assignment), ``_background`` (the handler's thread), ``_dynamic`` (the handler),
-``_backends``/``_static`` (creators), ``_registry``.
+(errors, handler ABC), ``_kv`` (the interface) and one ``_kv_*`` per store (etcd's in the
+``_etcd`` package: ``kv`` over its HTTP side, ``gateway``), ``_config`` (settings and
+options), ``_rounds`` (key layout, records, rank assignment), ``_background`` (the
+handler's thread), ``_dynamic`` (the handler), ``_backends``/``_static`` (creators),
+``_registry``.
 """
 
 from rallypoint._core.public import set_public_module

@@ -1,7 +1,7 @@
 """Creators of the built-in dynamic handlers (``c10d``, ``file``, ``etcd``) from parameters.
 
 The options every handler reads are listed in ``_config.py``; the backend-specific ones
-here (``is_host``, ``store_type``) and in ``_kv_etcd.py``.
+here (``is_host``, ``store_type``) and in ``_etcd/kv.py``.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def create_file_handler(params: RendezvousParameters) -> DynamicRendezvousHandle
 
 
 def create_etcd_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
-    """``etcd``: the etcd v3 API (see ``_kv_etcd.py`` for the options)."""
-    from rallypoint.rendezvous._kv_etcd import etcd_kv_from_params
+    """``etcd``: the etcd v3 API (see ``_etcd/kv.py`` for the options)."""
+    from rallypoint.rendezvous._etcd.kv import etcd_kv_from_params
 
     config_from_params(params)
     kv = etcd_kv_from_params(params)

@@ -1,7 +1,7 @@
 """The small key-value interface every rendezvous backend implements.
 
 The dynamic handler (``_dynamic``) speaks only :class:`KeyValueStore`; a backend is one
-file that maps it onto a real store (``_kv_c10d`` for TCPStore/FileStore, ``_kv_etcd`` for
+file that maps it onto a real store (``_kv_c10d`` for TCPStore/FileStore, ``_etcd.kv`` for
 etcd v3, ``_kv_memory`` for an in-process fake), and every backend passes the same
 contract suite (``rallypoint.testing._rendezvous_contract``). Each method says the
 semantics every implementation keeps. Errors: :class:`KVConnectionError` and

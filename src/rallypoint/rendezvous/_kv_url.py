@@ -55,7 +55,7 @@ def connect_kv(
 
 
 def _etcd(text: str, timeout: timedelta) -> KeyValueStore:
-    from rallypoint.rendezvous._kv_etcd import DEFAULT_PORT, EtcdKV, EtcdOptions
+    from rallypoint.rendezvous._etcd.kv import DEFAULT_PORT, EtcdKV, EtcdOptions
 
     tls = text.lower().startswith("etcds://")
     rest = text.split("://", 1)[1]

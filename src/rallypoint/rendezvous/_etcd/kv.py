@@ -1,4 +1,4 @@
-"""The key-value interface over etcd v3 (the HTTP side is ``_etcd_gateway``).
+"""The key-value interface over etcd v3 (the HTTP side is ``gateway``).
 
 The same code talks to etcd 3.4 through 3.6 (torch's etcd backends use the v2 API, which
 3.6 removed). Atomic operations are transactions comparing the key's revision or value;
@@ -20,14 +20,14 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rallypoint.rendezvous._config import seconds_option
 from rallypoint.rendezvous._endpoint import parse_rendezvous_endpoint
-from rallypoint.rendezvous._etcd_gateway import (
+from rallypoint.rendezvous._etcd.gateway import (
     ATTEMPT_TIMEOUT,
     GRPC_NOT_FOUND,
     WATCH_SLICE,
@@ -110,7 +110,13 @@ class Gateway(Protocol):
 
     def post(self, path: str, body: dict[str, Any], *, timeout: float | None = None) -> Any: ...
 
-    def watch_put(self, key: str, start_revision: int, timeout: float) -> bool: ...
+    def watch_put(
+        self,
+        key: str,
+        start_revision: int,
+        timeout: float,
+        recheck: Callable[[], bool] | None = None,
+    ) -> bool: ...
 
 
 def gateway_for(options: EtcdOptions) -> EtcdGateway:
@@ -388,7 +394,12 @@ class EtcdKV(KeyValueStore):
             if remaining <= 0:
                 return False
             try:
-                if self._gateway.watch_put(_b64(key), revision + 1, min(remaining, WATCH_SLICE)):
+                if self._gateway.watch_put(
+                    _b64(key),
+                    revision + 1,
+                    min(remaining, WATCH_SLICE),
+                    lambda: self._range(key)[0] is not None,
+                ):
                     return True
             except WatchBroken:
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))

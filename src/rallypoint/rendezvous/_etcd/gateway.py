@@ -3,7 +3,7 @@
 etcd serves its v3 API as JSON over HTTP, so the standard library's ``http.client`` is
 all the client needs: no grpcio/protobuf (whose versions fight with torch's) and nothing
 to compile. :class:`EtcdGateway` knows HTTP, endpoints, tokens and etcd's error replies,
-nothing of keys or leases (``_kv_etcd`` maps those onto it). Every try is bounded and a
+nothing of keys or leases (``kv`` maps those onto it). Every try is bounded and a
 failed one moves to the next endpoint, and every request asks for a member with a leader,
 so a member cut off from the others or gone silent costs one bounded try.
 :meth:`EtcdGateway.post` and :meth:`EtcdGateway.watch_put` say how.
@@ -17,7 +17,7 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
 
@@ -323,9 +323,21 @@ class EtcdGateway:
 
     # ------------------------------------------------------------------ watch
 
-    def watch_put(self, key: str, start_revision: int, timeout: float) -> bool:
+    def watch_put(
+        self,
+        key: str,
+        start_revision: int,
+        timeout: float,
+        recheck: Callable[[], bool] | None = None,
+    ) -> bool:
         """Stream ``/v3/watch`` on ``key`` (base64) from ``start_revision`` until a put
         arrives (``True``) or ``timeout`` seconds pass (``False``).
+
+        A watch that starts behind etcd's head (a write anywhere since the caller's read)
+        gets its history from etcd's catch-up loop, which runs every 100 ms: a put already
+        made arrived 30-100 ms late. So when the stream's creation says etcd moved past
+        ``start_revision - 1``, ``recheck`` (a read of the key) runs once first, and its
+        ``True`` ends the watch at once.
 
         Uses its own connection to the preferred member (a watch holds it for the whole
         stream). Raises :class:`WatchBroken` when the stream fails, the member loses its
@@ -353,7 +365,7 @@ class EtcdGateway:
                 raise WatchBroken(f"watch answered {resp.status}")
             if conn.sock is not None:  # events may take until the deadline
                 conn.sock.settimeout(max(0.05, deadline - time.monotonic()))
-            return self._read_events(resp)
+            return self._read_events(resp, start_revision, recheck)
         except TimeoutError:  # socket.timeout: the watch creation or the slice ran out
             if time.monotonic() >= deadline - 0.01:
                 return False
@@ -373,7 +385,9 @@ class EtcdGateway:
         return f"{'https' if self._ssl is not None else 'http'}://{host}:{port}"
 
     @staticmethod
-    def _read_events(resp: http.client.HTTPResponse) -> bool:
+    def _read_events(
+        resp: http.client.HTTPResponse, start: int, recheck: Callable[[], bool] | None
+    ) -> bool:
         while True:
             line = resp.readline()
             if not line:
@@ -382,6 +396,10 @@ class EtcdGateway:
             if "error" in answer:  # e.g. "etcdserver: no leader" (hasleader)
                 raise WatchBroken(f"watch ended: {_reason(answer)}")
             result = answer.get("result", {})
+            if result.get("created") and recheck is not None:
+                head = str(result.get("header", {}).get("revision", "0"))
+                if head.isdigit() and int(head) >= start and recheck():
+                    return True  # behind the head: the put came before the watch
             for event in result.get("events") or []:
                 if event.get("type", "PUT") == "PUT":
                     return True
