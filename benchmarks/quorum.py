@@ -20,6 +20,7 @@ stream. Without torchft installed it measures rallypoint alone and says so.
     python benchmarks/quorum.py [--repeat N] [--state-mb 100]
     python benchmarks/quorum.py --steady          # the median step, no fault (quorum_modes.py)
     python benchmarks/quorum.py --scale 64        # rounds per second at 64 members
+    python benchmarks/quorum.py --scale 4 --store etcd   # the lighthouse over etcd
     python benchmarks/quorum.py --diloco          # a DiLoCo sync, a fault (quorum_diloco.py)
 """
 
@@ -225,6 +226,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--steady", action="store_true", help="the median step, no fault")
     parser.add_argument("--scale", type=int, metavar="G", help="G members' rounds per second")
+    parser.add_argument("--store", choices=["etcd"], help="--scale: the lighthouse over etcd")
     parser.add_argument("--rounds", type=int, default=200, help="--scale rounds, --steady steps")
     parser.add_argument("--growth", type=int, metavar="R", help="keys and RSS over R rounds")
     parser.add_argument("--diloco", action="store_true", help="a DiLoCo sync, and a fault")
@@ -245,7 +247,7 @@ def main() -> None:
                 print(f"| {name} | {statistics.median(each):.1f} ms | "
                       f"{', '.join(f'{v:.1f}' for v in each)} |")  # fmt: skip
         if args.scale:
-            for name, row in scale(args.scale, args.rounds).items():
+            for name, row in scale(args.scale, args.rounds, args.store or "").items():
                 print(f"| {args.scale} | {name} | {row['rounds/s']:.1f} rounds/s | "
                       f"{row['median wait ms']:.1f} ms |")  # fmt: skip
         if args.growth:

@@ -8,6 +8,9 @@ rallypoint.ft, in one run.
 (``LighthouseClient.quorum``), hosted as threads by two processes, against torchft's Rust
 lighthouse and against ``rallypoint lighthouse`` (``--min_replicas G``, so every round
 holds every member): rounds per second and each member's median wait for its quorum.
+``--scale G --store etcd``: the same, ``rallypoint lighthouse --store etcd://`` (a real
+etcd, Debian's ``etcd-server``) against ``rallypoint lighthouse`` on its own TCPStore;
+torchft's lighthouse has no etcd.
 """
 
 from __future__ import annotations
@@ -125,53 +128,67 @@ def _median_step(out: Path, groups: int, skip: int) -> float:
     return statistics.median(gaps)
 
 
-def scale(members: int, rounds: int) -> dict[str, dict[str, float]]:
-    """Rounds per second and the median wait, per lighthouse, ``members`` in two processes."""
-    results = {}
-    for kind in ("torchft", "rallypoint"):
-        port = free_port()
-        if kind == "torchft":
-            cmd = [str(Path(sys.executable).with_name("torchft_lighthouse"))]
-            module = "torchft.coordination"
-        else:
-            cmd = [sys.executable, "-m", "rallypoint", "lighthouse"]
-            module = "rallypoint.ft.coordination"
-        cmd += ["--min_replicas", str(members), "--bind", f"[::]:{port}",
-                "--join_timeout_ms", "60000"]  # fmt: skip
-        house = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(1.5)
-        half = members // 2
-        hosts = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    MEMBERS,
-                    module,
-                    f"http://localhost:{port}",
-                    str(first),
-                    str(count),
-                    str(rounds),
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-            )
-            for first, count in ((0, half), (half, members - half))
-        ]
-        try:
-            outs = [json.loads(h.communicate(timeout=900)[0]) for h in hosts]
-        finally:
-            house.kill()
-            house.wait()
-        waits = [w for o in outs for w in o["waits"][1:]]
-        began = max(o["first"] for o in outs)
-        ended = max(o["last"] for o in outs)
-        results[kind] = {
-            "rounds/s": (rounds - 1) / (ended - began),
-            "median wait ms": 1000 * statistics.median(waits),
+def scale(members: int, rounds: int, store: str = "") -> dict[str, dict[str, float]]:
+    """Rounds per second and the median wait, per lighthouse, ``members`` in two processes
+    (``store="etcd"``: rallypoint's over etcd against rallypoint's over its TCPStore)."""
+    if store != "etcd":
+        return {kind: _scale_one(kind, members, rounds) for kind in ("torchft", "rallypoint")}
+    from rallypoint.testing._etcd import EtcdServer
+
+    with EtcdServer() as etcd:
+        return {
+            "rallypoint, TCPStore": _scale_one("rallypoint", members, rounds),
+            "rallypoint, etcd": _scale_one("rallypoint", members, rounds, etcd.endpoint),
         }
-    return results
+
+
+def _scale_one(kind: str, members: int, rounds: int, etcd: str = "") -> dict[str, float]:
+    port = free_port()
+    if kind == "torchft":
+        cmd = [str(Path(sys.executable).with_name("torchft_lighthouse"))]
+        module = "torchft.coordination"
+    else:
+        cmd = [sys.executable, "-m", "rallypoint", "lighthouse"]
+        module = "rallypoint.ft.coordination"
+    cmd += ["--min_replicas", str(members), "--bind", f"[::]:{port}",
+            "--join_timeout_ms", "60000"]  # fmt: skip
+    address = f"http://localhost:{port}"
+    if etcd:
+        address = f"etcd://{etcd}/scale{port}"
+        cmd += ["--store", address]
+    house = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.5)
+    half = members // 2
+    hosts = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                MEMBERS,
+                module,
+                address,
+                str(first),
+                str(count),
+                str(rounds),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for first, count in ((0, half), (half, members - half))
+    ]
+    try:
+        outs = [json.loads(h.communicate(timeout=900)[0]) for h in hosts]
+    finally:
+        house.kill()
+        house.wait()
+    waits = [w for o in outs for w in o["waits"][1:]]
+    began = max(o["first"] for o in outs)
+    ended = max(o["last"] for o in outs)
+    return {
+        "rounds/s": (rounds - 1) / (ended - began),
+        "median wait ms": 1000 * statistics.median(waits),
+    }
 
 
 def growth(rounds: int) -> dict[str, float]:

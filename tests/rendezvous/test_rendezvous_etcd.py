@@ -227,6 +227,36 @@ def test_a_wait_whose_watch_starts_behind_the_head_still_sees_a_later_put(
         timer.join(10)
 
 
+@pytest.mark.timeout(60)
+def test_a_wait_on_a_store_written_without_pause_neither_spins_nor_misses_the_put(
+    etcd: EtcdServer,
+) -> None:
+    """A store written between every read and the watch after it (a busy lighthouse's):
+    every watch starts behind the head. The wait gives such watches up a few times in a
+    row only (each one a read), then waits on one; the put still wakes it."""
+    kv, other = _kv(etcd, lease_ttl=0), _kv(etcd, lease_ttl=0)
+    other._prefix = kv._prefix
+    reads = []
+    read = kv._range
+
+    def read_then_write(full: bytes) -> tuple[bytes | None, int]:
+        found = read(full)
+        reads.append(found[0])
+        other.set(f"busy{len(reads)}", b"1")
+        return found
+
+    kv._range = read_then_write  # type: ignore[method-assign]
+    timer = threading.Timer(1.5, other.set, ("awaited", b"1"))
+    timer.start()
+    try:
+        start = time.monotonic()
+        assert kv.wait(["awaited"], timedelta(seconds=20))
+        assert 1.4 < time.monotonic() - start < 10
+    finally:
+        timer.join(10)
+    assert reads[-1] == b"1" and len(reads) <= 6, len(reads)  # 3 given up, 1 waited on
+
+
 @pytest.mark.timeout(150)
 def test_close_timeout_bounds_set_closed_against_a_silent_etcd() -> None:
     params = RendezvousParameters(

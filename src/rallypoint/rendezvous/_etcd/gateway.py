@@ -17,7 +17,7 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 
@@ -324,20 +324,15 @@ class EtcdGateway:
     # ------------------------------------------------------------------ watch
 
     def watch_put(
-        self,
-        key: str,
-        start_revision: int,
-        timeout: float,
-        recheck: Callable[[], bool] | None = None,
+        self, key: str, start_revision: int, timeout: float, *, early: bool = False
     ) -> bool:
         """Stream ``/v3/watch`` on ``key`` (base64) from ``start_revision`` until a put
         arrives (``True``) or ``timeout`` seconds pass (``False``).
 
-        A watch that starts behind etcd's head (a write anywhere since the caller's read)
-        gets its history from etcd's catch-up loop, which runs every 100 ms: a put already
-        made arrived 30-100 ms late. So when the stream's creation says etcd moved past
-        ``start_revision - 1``, ``recheck`` (a read of the key) runs once first, and its
-        ``True`` ends the watch at once.
+        A watch that starts behind etcd's head (anything was written since the caller's
+        read) gets every event, old and new, from etcd's catch-up loop, which runs every
+        100 ms: a put came up to 100 ms late. With ``early``, such a watch returns ``True``
+        as soon as it is made: the caller reads the key again and watches from there.
 
         Uses its own connection to the preferred member (a watch holds it for the whole
         stream). Raises :class:`WatchBroken` when the stream fails, the member loses its
@@ -365,7 +360,7 @@ class EtcdGateway:
                 raise WatchBroken(f"watch answered {resp.status}")
             if conn.sock is not None:  # events may take until the deadline
                 conn.sock.settimeout(max(0.05, deadline - time.monotonic()))
-            return self._read_events(resp, start_revision, recheck)
+            return self._read_events(resp, start_revision if early else None)
         except TimeoutError:  # socket.timeout: the watch creation or the slice ran out
             if time.monotonic() >= deadline - 0.01:
                 return False
@@ -385,9 +380,7 @@ class EtcdGateway:
         return f"{'https' if self._ssl is not None else 'http'}://{host}:{port}"
 
     @staticmethod
-    def _read_events(
-        resp: http.client.HTTPResponse, start: int, recheck: Callable[[], bool] | None
-    ) -> bool:
+    def _read_events(resp: http.client.HTTPResponse, early_from: int | None) -> bool:
         while True:
             line = resp.readline()
             if not line:
@@ -396,10 +389,10 @@ class EtcdGateway:
             if "error" in answer:  # e.g. "etcdserver: no leader" (hasleader)
                 raise WatchBroken(f"watch ended: {_reason(answer)}")
             result = answer.get("result", {})
-            if result.get("created") and recheck is not None:
+            if result.get("created") and early_from is not None:
                 head = str(result.get("header", {}).get("revision", "0"))
-                if head.isdigit() and int(head) >= start and recheck():
-                    return True  # behind the head: the put came before the watch
+                if head.isdigit() and int(head) >= early_from:
+                    return True  # behind the head: read again rather than wait for it
             for event in result.get("events") or []:
                 if event.get("type", "PUT") == "PUT":
                     return True
