@@ -200,6 +200,36 @@ def test_free_ports_lie_below_the_ports_outgoing_connections_take() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_await_listener_waits_for_a_server_to_listen_and_says_why_it_gave_up() -> None:
+    """The wait a lighthouse client and an in-process restart make for a store: it ends
+    as soon as something listens, at its deadline with why, or when told to give up."""
+    import socket
+    import threading
+    import time
+
+    from rallypoint._core.net import await_listener, free_port
+
+    port = free_port()
+    start = time.monotonic()
+    assert await_listener("127.0.0.1", port, start + 0.5) == "connection refused"
+    assert 0.3 < time.monotonic() - start < 5
+    start = time.monotonic()
+    assert await_listener("127.0.0.1", port, start + 30, give_up=lambda: True) == "not tried"
+    assert time.monotonic() - start < 1
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    later = threading.Timer(0.5, lambda: (server.bind(("127.0.0.1", port)), server.listen()))
+    later.start()
+    try:
+        start = time.monotonic()
+        assert await_listener("[127.0.0.1]", port, start + 20) == ""
+        assert 0.4 < time.monotonic() - start < 10
+    finally:
+        later.join(10)
+        server.close()
+
+
+@pytest.mark.timeout(30)
 def test_a_reserved_port_is_kept_from_others_but_a_store_can_listen_on_it() -> None:
     """run_workers' MASTER_PORT: a plain bind (another process's) is refused while held, and
     rank 0's TCPStore still binds and serves it (c10d sets SO_REUSEADDR)."""

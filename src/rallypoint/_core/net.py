@@ -1,15 +1,23 @@
-"""Ports: free ones now, one held for a server to come, whether an explicit one is free; the
-address towards a host."""
+"""Ports: free ones now, one held for a server to come, whether an explicit one is free, a
+wait for one to listen; the address towards a host."""
 
 from __future__ import annotations
 
 import contextlib
 import random
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["free_port", "free_ports", "local_address_towards", "port_is_free", "reserved_port"]
+__all__ = [
+    "await_listener",
+    "free_port",
+    "free_ports",
+    "local_address_towards",
+    "port_is_free",
+    "reserved_port",
+]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -111,3 +119,33 @@ def local_address_towards(host: str) -> str:
             return str(probe.getsockname()[0])
     except OSError:
         return "127.0.0.1"
+
+
+def await_listener(
+    host: str,
+    port: int,
+    deadline: float,
+    *,
+    every: float = 0.1,
+    pause: Callable[[float], object] = time.sleep,
+    give_up: Callable[[], bool] = lambda: False,
+) -> str:
+    """Until something at ``host:port`` takes a TCP connection (``""``), ``deadline``
+    (``time.monotonic()``) passes or ``give_up()`` says so: then why the last try failed
+    ("connection refused", "no answer (...)"). A plain socket, tried from Python: c10d's
+    TCPStore client retries a refused connect in C++, deaf to signals and past its own
+    timeout. ``pause(every)`` runs between tries (an ``Event.wait`` ends them early)."""
+    why = "not tried"
+    while not give_up():
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host.strip("[]"), port), max(0.05, min(1.0, left))):
+                return ""
+        except ConnectionRefusedError:
+            why = "connection refused"
+        except OSError as exc:
+            why = f"no answer ({exc.strerror or type(exc).__name__})"
+        if time.monotonic() + every >= deadline:
+            break
+        pause(every)
+    return why

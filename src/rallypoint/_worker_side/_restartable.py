@@ -31,6 +31,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from rallypoint._core import envvars
 from rallypoint._core.cpp_log import cpp_warnings_off
+from rallypoint._core.net import await_listener
 from rallypoint._worker_side._control import (
     MAX_MESSAGE,
     Assign,
@@ -398,18 +399,15 @@ class _Channel:
         host, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
         if not host or not port.isdigit():
             return
-        deadline = time.monotonic() + STORE_WAIT
-        while time.monotonic() < deadline:
+
+        def given_up() -> bool:
             with self.lock:
                 if self.stopping:
                     raise KeyboardInterrupt
-                if self.interrupted:
-                    return
-            try:
-                socket.create_connection((host, int(port)), timeout=1.0).close()
-                return
-            except OSError:
-                self.stop_seen.wait(STORE_RETRY)  # a Stop ends it at once
+                return self.interrupted
+
+        await_listener(host, int(port), time.monotonic() + STORE_WAIT, every=STORE_RETRY,
+                       pause=self.stop_seen.wait, give_up=given_up)  # fmt: skip
 
 
 _IMPORT_FILES = frozenset(

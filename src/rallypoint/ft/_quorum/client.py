@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import socket
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ from concurrent.futures import Future
 from datetime import timedelta
 
 from rallypoint._core.fatal import FatalError
+from rallypoint._core.net import await_listener
 from rallypoint.ft._quorum.inbox import post
 from rallypoint.ft._quorum.records import (
     Ask,
@@ -106,28 +106,14 @@ def connect_lighthouse(address: str, timeout: float) -> KeyValueStore:
 
 def _refused_until(address: str, deadline: float) -> str:
     """Why nothing accepts a TCP connection at a TCPStore ``address`` until ``deadline``
-    (``""``: something does, or it is not such an address). A TCPStore client would retry
-    a refused connect in a thread that outlives its own timeout; a plain socket does not."""
+    (``""``: something does, or it is not such an address)."""
     text = address.strip()
     if is_etcd_address(text):
         return ""
     host, _, port = text.split("://", 1)[-1].rstrip("/").rpartition(":")
     if not port.isdigit() or not host:
         return ""
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            with socket.create_connection(
-                (host.strip("[]"), int(port)), timeout=max(0.05, min(1.0, left))
-            ):
-                return ""
-        except ConnectionRefusedError:
-            why = "connection refused"
-        except OSError as exc:
-            why = f"no answer ({exc.strerror or type(exc).__name__})"
-        if time.monotonic() + 0.1 >= deadline:
-            return why
-        time.sleep(0.1)
+    return await_listener(host, int(port), deadline)
 
 
 def read_life(kv: KeyValueStore, timeout: float) -> tuple[Rules, str]:
