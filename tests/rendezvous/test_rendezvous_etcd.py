@@ -231,9 +231,10 @@ def test_a_wait_whose_watch_starts_behind_the_head_still_sees_a_later_put(
 def test_a_wait_on_a_store_written_without_pause_neither_spins_nor_misses_the_put(
     etcd: EtcdServer,
 ) -> None:
-    """A store written between every read and the watch after it (a busy lighthouse's):
-    every watch starts behind the head. The wait gives such watches up a few times in a
-    row only (each one a read), then waits on one; the put still wakes it."""
+    """A store written between every read and the watch after it (a busy lighthouse's, a
+    rendezvous of many nodes): a wait that watched from the revision it read would start
+    every watch behind etcd's head, and one that gave those up would read without end.
+    One read, one watch and one read once it is made; the put wakes it."""
     kv, other = _kv(etcd, lease_ttl=0), _kv(etcd, lease_ttl=0)
     other._prefix = kv._prefix
     reads = []
@@ -254,7 +255,7 @@ def test_a_wait_on_a_store_written_without_pause_neither_spins_nor_misses_the_pu
         assert 1.4 < time.monotonic() - start < 10
     finally:
         timer.join(10)
-    assert reads[-1] == b"1" and len(reads) <= 6, len(reads)  # 3 given up, 1 waited on
+    assert len(reads) <= 3, len(reads)
 
 
 @pytest.mark.timeout(150)

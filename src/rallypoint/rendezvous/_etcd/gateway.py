@@ -17,7 +17,7 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
 
@@ -324,15 +324,21 @@ class EtcdGateway:
     # ------------------------------------------------------------------ watch
 
     def watch_put(
-        self, key: str, start_revision: int, timeout: float, *, early: bool = False
+        self,
+        key: str,
+        start_revision: int,
+        timeout: float,
+        *,
+        present: Callable[[], bool] | None = None,
     ) -> bool:
-        """Stream ``/v3/watch`` on ``key`` (base64) from ``start_revision`` until a put
-        arrives (``True``) or ``timeout`` seconds pass (``False``).
+        """Stream ``/v3/watch`` on ``key`` (base64) from ``start_revision`` (``0``: from
+        now) until a put arrives (``True``) or ``timeout`` seconds pass (``False``).
 
-        A watch that starts behind etcd's head (anything was written since the caller's
-        read) gets every event, old and new, from etcd's catch-up loop, which runs every
-        100 ms: a put came up to 100 ms late. With ``early``, such a watch returns ``True``
-        as soon as it is made: the caller reads the key again and watches from there.
+        ``present`` (a read of the key) runs once the watch is made, and its ``True`` ends
+        the watch at once: a wait that watches from now and then reads misses no put. A
+        watch from a past revision would not do: etcd hands such a watch (one behind its
+        head) every event, old and new, on its catch-up loop, every 100 ms, so a put came
+        up to 100 ms late (a lighthouse round on etcd took 55-90 ms, mostly that).
 
         Uses its own connection to the preferred member (a watch holds it for the whole
         stream). Raises :class:`WatchBroken` when the stream fails, the member loses its
@@ -351,7 +357,10 @@ class EtcdGateway:
             headers = dict(_HEADERS)
             if token is not None:
                 headers["Authorization"] = token
-            request = {"create_request": {"key": key, "start_revision": str(start_revision)}}
+            created: dict[str, Any] = {"key": key}
+            if start_revision > 0:
+                created["start_revision"] = str(start_revision)
+            request = {"create_request": created}
             conn.request("POST", "/v3/watch", json.dumps(request), headers)
             resp = conn.getresponse()
             if resp.status != HTTP_OK:
@@ -360,7 +369,7 @@ class EtcdGateway:
                 raise WatchBroken(f"watch answered {resp.status}")
             if conn.sock is not None:  # events may take until the deadline
                 conn.sock.settimeout(max(0.05, deadline - time.monotonic()))
-            return self._read_events(resp, start_revision if early else None)
+            return self._read_events(resp, present)
         except TimeoutError:  # socket.timeout: the watch creation or the slice ran out
             if time.monotonic() >= deadline - 0.01:
                 return False
@@ -380,7 +389,7 @@ class EtcdGateway:
         return f"{'https' if self._ssl is not None else 'http'}://{host}:{port}"
 
     @staticmethod
-    def _read_events(resp: http.client.HTTPResponse, early_from: int | None) -> bool:
+    def _read_events(resp: http.client.HTTPResponse, present: Callable[[], bool] | None) -> bool:
         while True:
             line = resp.readline()
             if not line:
@@ -389,10 +398,8 @@ class EtcdGateway:
             if "error" in answer:  # e.g. "etcdserver: no leader" (hasleader)
                 raise WatchBroken(f"watch ended: {_reason(answer)}")
             result = answer.get("result", {})
-            if result.get("created") and early_from is not None:
-                head = str(result.get("header", {}).get("revision", "0"))
-                if head.isdigit() and int(head) >= early_from:
-                    return True  # behind the head: read again rather than wait for it
+            if result.get("created") and present is not None and present():
+                return True
             for event in result.get("events") or []:
                 if event.get("type", "PUT") == "PUT":
                     return True

@@ -20,7 +20,7 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
@@ -44,9 +44,6 @@ if TYPE_CHECKING:
 DEFAULT_PORT = 2379
 _MAX_TXN_OPS = 100  # etcd's default --max-txn-ops is 128
 _SET_IF_ABSENT_TRIES = 8
-_BEHIND_TRIES = 3
-"""Watches in a row a wait gives up for starting behind etcd's head (on a store written
-faster than a read and a watch take, the next would too): then it waits on the last."""
 
 
 def _b64(data: str | bytes) -> str:
@@ -114,7 +111,12 @@ class Gateway(Protocol):
     def post(self, path: str, body: dict[str, Any], *, timeout: float | None = None) -> Any: ...
 
     def watch_put(
-        self, key: str, start_revision: int, timeout: float, *, early: bool = False
+        self,
+        key: str,
+        start_revision: int,
+        timeout: float,
+        *,
+        present: Callable[[], bool] | None = None,
     ) -> bool: ...
 
 
@@ -382,28 +384,24 @@ class EtcdKV(KeyValueStore):
         return all(self._wait_one(self._key(key), deadline) for key in missing)
 
     def _wait_one(self, key: bytes, deadline: float) -> bool:
-        """Read ``key``; while it is missing, watch it from the next revision for at most a
-        slice (a silent member holds a watch without a word), then read again: no put is
-        missed, since every watch starts right after the revision just read. A watch that
-        started behind etcd's head (a write anywhere since the read) is given up at once,
-        up to ``_BEHIND_TRIES`` times in a row, for another read and a watch from there:
-        etcd would hand it its events only on a catch-up loop, every 100 ms."""
-        behind = 0
-        while True:
-            value, revision = self._range(key)
-            if value is not None:
-                return True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
+        """Read ``key``; while it is missing, watch it from now for at most a slice (a
+        silent member holds a watch without a word) and read it once the watch is made: no
+        put is missed, and none waits for etcd's catch-up of watches that start in the
+        past (:meth:`EtcdGateway.watch_put`)."""
+        if self._range(key)[0] is not None:
+            return True
+        while (remaining := deadline - time.monotonic()) > 0:
             try:
-                early = behind < _BEHIND_TRIES
-                woke = self._gateway.watch_put(
-                    _b64(key), revision + 1, min(remaining, WATCH_SLICE), early=early
-                )
-                behind = behind + 1 if woke and early else 0
+                if self._gateway.watch_put(
+                    _b64(key),
+                    0,
+                    min(remaining, WATCH_SLICE),
+                    present=lambda: self._range(key)[0] is not None,
+                ):
+                    return True
             except WatchBroken:
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        return self._range(key)[0] is not None
 
     def delete(self, key: str) -> bool:
         data = self._post("/v3/kv/deleterange", {"key": _b64(self._key(key))})
