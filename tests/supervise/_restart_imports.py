@@ -11,7 +11,7 @@ step.
 
 Every entry into the function writes ``OUT/enter-<restart>-<rank>``: its pid. A rank that
 leaves the function interrupted writes ``OUT/left-<restart>-<rank>``: where it was
-(``adam`` or ``steps``) and the exception's name. Rank 0 writes
+(``barrier``, ``adam`` or ``steps``) and the exception's name. Rank 0 writes
 ``OUT/done`` once the last step is done.
 """
 
@@ -50,11 +50,12 @@ def train() -> None:
     rank = int(os.environ["RANK"])
     _write(f"enter-{restart}-{rank}", str(os.getpid()))
     dist.init_process_group("gloo")
-    dist.barrier()
-    if restart == 0 and rank == FAULT_RANK:
-        _fault()
-    where = "adam"
+    where = "barrier"  # a fault at once can reach a kept rank still leaving the barrier
     try:
+        dist.barrier()
+        if restart == 0 and rank == FAULT_RANK:
+            _fault()
+        where = "adam"
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
