@@ -184,7 +184,7 @@ def test_a_slow_cluster_gets_longer_tries(silent: int) -> None:
 def test_watch_on_a_silent_member_ends_with_its_slice(silent: int) -> None:
     gateway = EtcdGateway([("127.0.0.1", silent)], timeout=100, attempt_timeout=40)
     start = time.monotonic()
-    assert gateway.watch_put("a2V5", 1, timeout=0.5) is False
+    assert gateway.watch_put("a2V5", timeout=0.5) is False
     assert time.monotonic() - start < 20  # its 0.5 s slice, not the 40 s try
 
 
@@ -306,7 +306,7 @@ class LostReads:
         value = base64.b64encode(self.stored).decode()
         return {"succeeded": False, "responses": [{"response_range": {"kvs": [{"value": value}]}}]}
 
-    def watch_put(self, key: str, start_revision: int, timeout: float) -> bool:
+    def watch_put(self, key: str, timeout: float, *, present: object = None) -> bool:
         raise AssertionError("not used")
 
 
@@ -368,7 +368,7 @@ class Replaying:
         self._apply(body)  # its answer is lost
         return self._apply(body)
 
-    def watch_put(self, key: str, start_revision: int, timeout: float) -> bool:
+    def watch_put(self, key: str, timeout: float, *, present: object = None) -> bool:
         raise AssertionError("not used")
 
 

@@ -324,28 +324,24 @@ class EtcdGateway:
     # ------------------------------------------------------------------ watch
 
     def watch_put(
-        self,
-        key: str,
-        start_revision: int,
-        timeout: float,
-        *,
-        present: Callable[[], bool] | None = None,
+        self, key: str, timeout: float, *, present: Callable[[], bool] | None = None
     ) -> bool:
-        """Stream ``/v3/watch`` on ``key`` (base64) from ``start_revision`` (``0``: from
-        now) until a put arrives (``True``) or ``timeout`` seconds pass (``False``).
+        """Stream ``/v3/watch`` on ``key`` (base64) from now until a put arrives (``True``)
+        or ``timeout`` seconds pass (``False``).
 
         ``present`` (a read of the key) runs once the watch is made, and its ``True`` ends
         the watch at once: a wait that watches from now and then reads misses no put. A
-        watch from a past revision would not do: etcd hands such a watch (one behind its
-        head) every event, old and new, on its catch-up loop, every 100 ms, so a put came
-        up to 100 ms late (a lighthouse round on etcd took 55-90 ms, mostly that).
+        watch from the revision a wait read would not do: etcd hands such a watch, when
+        anything was written since (one behind its head), every event, old and new, on its
+        catch-up loop, every 100 ms, so a put came up to 100 ms late (a lighthouse round on
+        etcd took 55-90 ms, mostly that).
 
         Uses its own connection to the preferred member (a watch holds it for the whole
         stream). Raises :class:`WatchBroken` when the stream fails, the member loses its
         leader, or etcd cancels the watch; that member is moved off the preference, and
-        the caller re-reads the key (from another member) and watches again from the
-        revision it read. A silent member looks like a quiet key: keep ``timeout`` short
-        (:data:`WATCH_SLICE`) and re-read between calls.
+        the caller watches again (on another member) and reads the key once that watch is
+        made. A silent member looks like a quiet key: keep ``timeout`` short
+        (:data:`WATCH_SLICE`) and watch again between calls.
         """
         deadline = time.monotonic() + timeout
         with self._lock:
@@ -357,10 +353,7 @@ class EtcdGateway:
             headers = dict(_HEADERS)
             if token is not None:
                 headers["Authorization"] = token
-            created: dict[str, Any] = {"key": key}
-            if start_revision > 0:
-                created["start_revision"] = str(start_revision)
-            request = {"create_request": created}
+            request = {"create_request": {"key": key}}
             conn.request("POST", "/v3/watch", json.dumps(request), headers)
             resp = conn.getresponse()
             if resp.status != HTTP_OK:

@@ -111,12 +111,7 @@ class Gateway(Protocol):
     def post(self, path: str, body: dict[str, Any], *, timeout: float | None = None) -> Any: ...
 
     def watch_put(
-        self,
-        key: str,
-        start_revision: int,
-        timeout: float,
-        *,
-        present: Callable[[], bool] | None = None,
+        self, key: str, timeout: float, *, present: Callable[[], bool] | None = None
     ) -> bool: ...
 
 
@@ -379,22 +374,19 @@ class EtcdKV(KeyValueStore):
 
     def wait(self, keys: Sequence[str], timeout: timedelta) -> bool:
         deadline = time.monotonic() + timeout.total_seconds()
-        present = self.multi_get(keys) if len(keys) > 1 else [None] * len(keys)
+        present = self.multi_get(keys) if len(keys) > 1 else [self.get(k) for k in keys]
         missing = [k for k, v in zip(keys, present, strict=True) if v is None]
         return all(self._wait_one(self._key(key), deadline) for key in missing)
 
     def _wait_one(self, key: bytes, deadline: float) -> bool:
-        """Read ``key``; while it is missing, watch it from now for at most a slice (a
-        silent member holds a watch without a word) and read it once the watch is made: no
-        put is missed, and none waits for etcd's catch-up of watches that start in the
+        """Until ``key``, found missing, is written: watch it from now for at most a slice
+        (a silent member holds a watch without a word) and read it once the watch is made.
+        No put is missed, and none waits for etcd's catch-up of watches that start in the
         past (:meth:`EtcdGateway.watch_put`)."""
-        if self._range(key)[0] is not None:
-            return True
         while (remaining := deadline - time.monotonic()) > 0:
             try:
                 if self._gateway.watch_put(
                     _b64(key),
-                    0,
                     min(remaining, WATCH_SLICE),
                     present=lambda: self._range(key)[0] is not None,
                 ):
