@@ -9,7 +9,7 @@ import threading
 import time
 import urllib.request
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -56,6 +56,13 @@ def _kv(server: EtcdServer, **options: Any) -> EtcdKV:
             **options,
         )
     )
+
+
+def _two_clients(etcd: EtcdServer) -> tuple[EtcdKV, EtcdKV]:
+    """Two clients of the same keys (no lease): the one under test and another node."""
+    kv, other = _kv(etcd, lease_ttl=0), _kv(etcd, lease_ttl=0)
+    other._prefix = kv._prefix
+    return kv, other
 
 
 class TestEtcdKV(KVContract):
@@ -151,8 +158,7 @@ def test_etcd_down_is_connection_error_naming_endpoint() -> None:
 def test_set_if_absent_racing_a_delete(etcd: EtcdServer) -> None:
     """One node keeps writing and deleting a key while another creates it if absent: the
     creator always learns the value that was stored, never a missing one."""
-    kv, other = _kv(etcd, lease_ttl=0), _kv(etcd, lease_ttl=0)
-    other._prefix = kv._prefix  # the same keys, another client
+    kv, other = _two_clients(etcd)
     stop = threading.Event()
 
     def churn() -> None:
@@ -174,21 +180,29 @@ def test_set_if_absent_racing_a_delete(etcd: EtcdServer) -> None:
     assert b"mine" in seen
 
 
-def _write_after_the_first_read(kv: EtcdKV, other: EtcdKV, key: str, what: str) -> None:
-    """``kv``'s first read that finds ``key`` missing is followed by ``other`` writing
-    ``what`` (``key`` itself, or another key): what happens while a wait sets up its
-    watch, which then starts behind etcd's head."""
+def _after_each_read(kv: EtcdKV, then: Callable[[bytes, bytes | None], object]) -> None:
+    """``then(key, value)`` after each of ``kv``'s reads: a write there is one made between
+    a wait's read and its watch."""
     read = kv._range
-    done: list[bool] = []
 
     def reading(full: bytes) -> tuple[bytes | None, int]:
         found = read(full)
-        if not done and found[0] is None and full.endswith(key.encode()):
-            done.append(True)
-            other.set(what, b"1")
+        then(full, found[0])
         return found
 
     kv._range = reading  # type: ignore[method-assign]
+
+
+def _woken_after(kv: EtcdKV, other: EtcdKV, key: str, delay: float) -> float:
+    """Seconds ``kv.wait`` on ``key`` takes when ``other`` writes it ``delay`` s in."""
+    timer = threading.Timer(delay, other.set, (key, b"1"))
+    timer.start()
+    try:
+        start = time.monotonic()
+        assert kv.wait([key], timedelta(seconds=20))
+        return time.monotonic() - start
+    finally:
+        timer.join(10)
 
 
 @pytest.mark.timeout(60)
@@ -197,11 +211,17 @@ def test_a_put_made_while_a_wait_sets_up_its_watch_wakes_it_at_once(etcd: EtcdSe
     history on a catch-up loop every 100 ms: such a wake came 0-100 ms late (a lighthouse
     round on etcd took 55-70 ms, most of it here). The put is found by a read once the
     watch is made; here it must come in well under the catch-up's mean of 50 ms."""
-    kv, other = _kv(etcd, lease_ttl=0), _kv(etcd, lease_ttl=0)
-    other._prefix = kv._prefix
+    kv, other = _two_clients(etcd)
+    written: set[bytes] = set()
+
+    def write_it_once(full: bytes, value: bytes | None) -> None:
+        if value is None and full not in written:  # the key itself, once, after its read
+            written.add(full)
+            other.set(full.decode().rsplit("/", 1)[1], b"1")
+
+    _after_each_read(kv, write_it_once)
     took = []
     for i in range(11):
-        _write_after_the_first_read(kv, other, f"k{i}", f"k{i}")
         start = time.monotonic()
         assert kv.wait([f"k{i}"], timedelta(seconds=5))
         took.append(time.monotonic() - start)
@@ -214,17 +234,16 @@ def test_a_wait_whose_watch_starts_behind_the_head_still_sees_a_later_put(
 ) -> None:
     """Another key written as the watch is made: the read finds the awaited one missing,
     and the watch must still deliver its put when it comes."""
-    kv, other = _kv(etcd, lease_ttl=0), _kv(etcd, lease_ttl=0)
-    other._prefix = kv._prefix
-    _write_after_the_first_read(kv, other, "late", "unrelated")
-    timer = threading.Timer(0.3, other.set, ("late", b"1"))
-    timer.start()
-    try:
-        start = time.monotonic()
-        assert kv.wait(["late"], timedelta(seconds=10))
-        assert 0.25 < time.monotonic() - start < 5
-    finally:
-        timer.join(10)
+    kv, other = _two_clients(etcd)
+    written: list[bytes] = []
+
+    def write_another_once(full: bytes, value: bytes | None) -> None:
+        if value is None and not written:
+            written.append(full)
+            other.set("unrelated", b"1")
+
+    _after_each_read(kv, write_another_once)
+    assert 0.25 < _woken_after(kv, other, "late", 0.3) < 5
 
 
 @pytest.mark.timeout(60)
@@ -235,26 +254,15 @@ def test_a_wait_on_a_store_written_without_pause_neither_spins_nor_misses_the_pu
     rendezvous of many nodes): a wait that watched from the revision it read would start
     every watch behind etcd's head, and one that gave those up would read without end.
     One read, one watch and one read once it is made; the put wakes it."""
-    kv, other = _kv(etcd, lease_ttl=0), _kv(etcd, lease_ttl=0)
-    other._prefix = kv._prefix
-    reads = []
-    read = kv._range
+    kv, other = _two_clients(etcd)
+    reads: list[bytes | None] = []
 
-    def read_then_write(full: bytes) -> tuple[bytes | None, int]:
-        found = read(full)
-        reads.append(found[0])
+    def write_another(full: bytes, value: bytes | None) -> None:
+        reads.append(value)
         other.set(f"busy{len(reads)}", b"1")
-        return found
 
-    kv._range = read_then_write  # type: ignore[method-assign]
-    timer = threading.Timer(1.5, other.set, ("awaited", b"1"))
-    timer.start()
-    try:
-        start = time.monotonic()
-        assert kv.wait(["awaited"], timedelta(seconds=20))
-        assert 1.4 < time.monotonic() - start < 10
-    finally:
-        timer.join(10)
+    _after_each_read(kv, write_another)
+    assert 1.4 < _woken_after(kv, other, "awaited", 1.5) < 10
     assert len(reads) <= 3, len(reads)
 
 
