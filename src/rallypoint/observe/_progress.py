@@ -147,19 +147,18 @@ def _unlink_if_owner(path: str, owner: int, lock: int) -> None:
             os.close(lock)
 
 
-def _sweep_orphans(directory: str) -> list[str]:
-    """Delete the boards in ``directory`` whose agent is gone; returns their paths.
+def _sweep_orphans(directory: str) -> None:
+    """Delete the boards in ``directory`` whose agent is gone.
 
     An agent holds an ``flock`` on its board for its life (so do processes forked from it
     that kept the descriptor); the kernel drops it when they exit, SIGKILL included, which
     would otherwise leave the file behind for good (a killed process unlinks nothing). A
     board nobody locks, older than ``_SWEEP_AFTER`` (one just made may not be locked yet),
     is an orphan. Boards of other users cannot be opened and are left alone."""
-    removed: list[str] = []
     try:
         names = [n for n in os.listdir(directory) if n.startswith(_PREFIX)]
     except OSError:
-        return removed
+        return
     now = time.time()
     for name in names:
         path = os.path.join(directory, name)
@@ -172,12 +171,10 @@ def _sweep_orphans(directory: str) -> list[str]:
                 continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its agent is alive
             os.unlink(path)
-            removed.append(path)
         except OSError:
             continue
         finally:
             os.close(fd)
-    return removed
 
 
 def _default_directory() -> str:
