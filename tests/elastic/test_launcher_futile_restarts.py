@@ -82,12 +82,15 @@ def test_different_failures_and_exit_codes(
 def test_fatal_error_ends_the_job_at_once(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(
-        "import os, rallypoint\n"
+    script, printed = tmp_path / "train.py", tmp_path / "rank0-printed"
+    script.write_text(  # rank 1 fails once rank 0 said its attempt; rank 0 is then stopped
+        "import os, time, rallypoint\n"
         "print('attempt', os.environ['TORCHELASTIC_RESTART_COUNT'], flush=True)\n"
+        f"if os.environ['RANK'] == '0': open({str(printed)!r}, 'w').close()\n"
         "if os.environ['RANK'] == '1':\n"
+        f"    while not os.path.exists({str(printed)!r}): time.sleep(0.01)\n"
         "    raise rallypoint.FatalError('no dataset at /data/x')\n"
+        "time.sleep(60)\n"
     )
     assert run_main(["--nproc-per-node", "2", "--max-restarts", "5", str(script)]) == 1
     out, err = capfd.readouterr()
