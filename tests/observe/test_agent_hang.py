@@ -162,6 +162,47 @@ def test_a_rank_stuck_in_its_set_up_is_a_hang_after_the_setup_timeout(
     assert hang["idle_s"] >= 8.0, hang
 
 
+WIND_DOWN = """
+import sys, time
+import torch, torch.distributed as dist
+import rallypoint.launcher as rl
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+t = torch.ones(1)
+for step in range(3):
+    dist.all_reduce(t)
+    rl.progress()
+dist.destroy_process_group()
+if rank == 1:
+    time.sleep(float(sys.argv[1]))  # its last checkpoint, once rank 0 has finished
+print(f"done rank={rank}", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_winding_down_after_another_finished_is_bound_by_the_setup_timeout(
+    tmp_path: Path,
+) -> None:
+    """Once rank 0 finished, rank 1's last save (no progress for 3 s, three times
+    ``--hang-timeout``) is no hang; the same save stuck for good is one, after
+    ``--setup-timeout``, and the line says the job was winding down."""
+    script = tmp_path / "wind_down.py"
+    script.write_text(WIND_DOWN)
+    args = ["run", "--nproc-per-node", "2", "--hang-timeout", "1", "--setup-timeout", "6"]
+    args += ["--on-hang", "fail"]
+    proc = _run([*args, str(script), "3"])
+    assert proc.returncode == 0, proc.stderr
+    assert "done rank=0" in proc.stdout and "done rank=1" in proc.stdout
+    events = tmp_path / "events.jsonl"
+    proc = _run([*args, "--events", str(events), str(script), "3600"])
+    assert proc.returncode == 1, proc.stderr
+    line = "in the wind-down: rank 0 has finished (--setup-timeout)"
+    assert line in proc.stderr and "rank 1: sleep" in proc.stderr, proc.stderr
+    hang = next(json.loads(x) for x in events.read_text().splitlines() if '"hang"' in x)
+    assert hang["idle_s"] >= 6.0, hang
+
+
 def test_bad_hang_options_are_one_line_errors(tmp_path: Path) -> None:
     script = tmp_path / "ok.py"
     script.write_text("pass\n")

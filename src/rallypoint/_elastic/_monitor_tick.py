@@ -92,8 +92,15 @@ class ElasticPolicy:
             return Stop(OutcomeKind.RESTART, reason)
         return None
 
-    def on_hang(self, running: Mapping[int, int], idle_s: float, setup: Sequence[int] = ()) -> Stop:
-        reason = hang_reason(idle_s, setup, f" on {self.host}")
+    def on_hang(
+        self,
+        running: Mapping[int, int],
+        idle_s: float,
+        setup: Sequence[int] = (),
+        *,
+        finished: Sequence[int] = (),
+    ) -> Stop:
+        reason = hang_reason(idle_s, setup, f" on {self.host}", finished=finished)
         action = self.job.restarts.on_hang
         self.job.observer.emit(
             "hang", round=self.rnd.number, idle_s=round(idle_s, 3), action=action

@@ -402,7 +402,8 @@ class LaunchConfig:
             "--setup_timeout",
             seconds=MAX_SECONDS,
             help="with --hang-timeout: while a worker has not called rallypoint.progress() yet "
-            f"in an attempt (its set-up), the hang is no progress for SECONDS (default "
+            "in an attempt (its set-up), and once one finished (the others' wind-down), the "
+            f"hang is no progress for SECONDS (default "
             f"{SETUP_FACTOR} times --hang-timeout, at least {SETUP_MINIMUM:g})",
         ),
     )

@@ -29,10 +29,18 @@ class AttemptPolicy(Protocol):
         elsewhere, a membership change, a lost store), or ``None``."""
         ...
 
-    def on_hang(self, running: Mapping[int, int], idle_s: float, setup: Sequence[int] = ()) -> Stop:
+    def on_hang(
+        self,
+        running: Mapping[int, int],
+        idle_s: float,
+        setup: Sequence[int] = (),
+        *,
+        finished: Sequence[int] = (),
+    ) -> Stop:
         """No worker reported progress for ``idle_s`` seconds; the workers still run.
-        ``setup``: the ranks that have not reported any yet in this attempt (the bound was
-        ``--setup-timeout``)."""
+        ``setup``: the ranks that have not reported any yet in this attempt; ``finished``:
+        this node's ranks that finished (the others wind down); with either, the bound was
+        ``--setup-timeout``."""
         ...
 
     def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> Culprit:
@@ -64,8 +72,15 @@ class LocalPolicy:
             self.stragglers.tick(running)
         return None
 
-    def on_hang(self, running: Mapping[int, int], idle_s: float, setup: Sequence[int] = ()) -> Stop:
-        reason = hang_reason(idle_s, setup)
+    def on_hang(
+        self,
+        running: Mapping[int, int],
+        idle_s: float,
+        setup: Sequence[int] = (),
+        *,
+        finished: Sequence[int] = (),
+    ) -> Stop:
+        reason = hang_reason(idle_s, setup, finished=finished)
         self.observer.emit("hang", round=self.attempt, idle_s=round(idle_s, 3), action=self.action)
         report = hang_report(self.observer.collect(running))
         write_console(2, f"rallypoint: {reason}; stacks:\n{report.text}\n".encode())
@@ -80,15 +95,24 @@ class LocalPolicy:
         return Culprit(culprit, culprit_rank)
 
 
-def hang_reason(idle_s: float, setup: Sequence[int], where: str = "") -> str:
+def hang_reason(
+    idle_s: float, setup: Sequence[int], where: str = "", *, finished: Sequence[int] = ()
+) -> str:
     """The line of a hang (``where``: `` on HOST``); one whose bound was ``--setup-timeout``
-    names the ranks still in their set-up."""
+    names the ranks still in their set-up, or those that finished (the wind-down)."""
     idle = f"no worker{where} reported progress for {idle_s:.1f} s"
-    if not setup:
-        return f"{idle} (--hang-timeout)"
-    ranks = ", ".join(map(str, setup))
-    some = f"ranks {ranks} have" if len(setup) > 1 else f"rank {ranks} has"
-    return f"{idle}, in the set-up: {some} not reported any in this attempt (--setup-timeout)"
+    if setup:
+        some = _ranks(setup, "have", "has")
+        return f"{idle}, in the set-up: {some} not reported any in this attempt (--setup-timeout)"
+    if finished:
+        some = _ranks(finished, "have", "has")
+        return f"{idle}, in the wind-down: {some} finished (--setup-timeout)"
+    return f"{idle} (--hang-timeout)"
+
+
+def _ranks(ranks: Sequence[int], plural: str, singular: str) -> str:
+    listed = ", ".join(map(str, ranks))
+    return f"ranks {listed} {plural}" if len(ranks) > 1 else f"rank {listed} {singular}"
 
 
 def collective_timeout_reason(rank: int) -> str:

@@ -68,7 +68,8 @@ class WatchOptions:
     """No progress from any worker for this long is a hang (``None``: not watched)."""
     setup_timeout: timedelta | None
     """The bound of a hang while a worker has not reported progress yet in the attempt (it
-    is in its set-up: imports, data, a first step that compiles); ``None``:
+    is in its set-up: imports, data, a first step that compiles), and once a worker of the
+    attempt finished (the others wind down: a last save, the teardown); ``None``:
     :data:`SETUP_FACTOR` times ``hang_timeout``, at least :data:`SETUP_MINIMUM` seconds."""
     events: str | None
     """Append the job's events (JSON lines) to this file; ``rallypoint report`` draws them."""
@@ -223,7 +224,8 @@ class Observer(Closing):
 
     def hung(self, *, setup: bool = False) -> bool:
         """Whether no worker reported progress for ``hang_timeout``, or, while a worker is
-        in its set-up (``setup``: :meth:`in_setup`), for ``setup_timeout``."""
+        in its set-up (:meth:`in_setup`) or the others wind down (``setup``), for
+        ``setup_timeout``."""
         bound = self.setup_timeout if setup else self.hang_timeout
         return self.board is not None and bound is not None and self.board.is_hung(bound)
 
