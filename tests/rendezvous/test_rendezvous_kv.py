@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,6 +61,33 @@ class TestTCPStoreKV(KVContract):
         assert missed == []
         kv.multi_set([(f"m{i}", b"v") for i in range(3)])
         assert other.multi_get([f"m{i}" for i in range(3)]) == [b"v"] * 3
+
+
+def test_a_read_after_a_wake_is_one_round_trip(tcp_server: tuple[C10dKV, int]) -> None:
+    """``get_woken`` asks the server once (``get``: ``check``, then ``get``); a missing key
+    reads as missing and stays missing."""
+    from torch.distributed import TCPStore
+
+    _, port = tcp_server
+    calls: list[str] = []
+
+    class Counting:
+        def __init__(self) -> None:
+            self.store = TCPStore("127.0.0.1", port, is_master=False)
+
+        def __getattr__(self, name: str) -> Any:
+            calls.append(name)
+            return getattr(self.store, name)
+
+    kv = C10dKV(Counting(), endpoint=f"127.0.0.1:{port}")  # type: ignore[arg-type]
+    key = f"read{next(_ids)}"
+    kv.set(key, b"v")
+    calls.clear()
+    assert kv.get_woken(key) == b"v" and calls == ["compare_set"]
+    assert kv.get(key) == b"v" and calls == ["compare_set", "check", "get"]
+    calls.clear()
+    assert kv.get_woken(key + "/missing") is None and calls == ["compare_set"]
+    assert not kv.check([key + "/missing"])
 
 
 class TestFileStoreKV(KVContract):

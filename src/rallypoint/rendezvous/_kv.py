@@ -54,6 +54,12 @@ class KeyValueStore(ABC):
     def get(self, key: str) -> bytes | None:
         """The value of ``key``, or ``None`` if it is missing (never blocks)."""
 
+    def get_woken(self, key: str) -> bytes | None:
+        """As :meth:`get`, for a key that a wait just saw written (it is rarely missing: it
+        was deleted since). Where a read of a missing key has a cost, it may be higher here
+        (the c10d stores read in one round trip, and a missing key wakes its waiters)."""
+        return self.get(key)
+
     def multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """The values of ``keys`` (``None`` where missing), ideally in one round trip."""
         return [self.get(key) for key in keys]

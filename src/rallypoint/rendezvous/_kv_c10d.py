@@ -1,10 +1,11 @@
 """The key-value interface over a c10d store: ``TCPStore`` (backend ``c10d``), ``FileStore``
 (backend ``file``) or ``HashStore``.
 
-A non-blocking ``get`` is ``check`` then ``get`` (a ``compare_set`` probe would be one
+A non-blocking ``get`` is ``check`` then ``get``: a ``compare_set`` probe would be one
 round trip, but on the libuv TCPStore a ``compare_set`` of a missing key wakes every
-client waiting on it). ``wait`` is TCPStore's server-side blocking wait (``wait_woken``),
-re-checked after it returns so that a spurious wake-up never passes for the key. A TCPStore server
+client waiting on it. ``get_woken``, the read of a key a wait just saw, is that probe.
+``wait`` is TCPStore's server-side blocking wait (``wait_woken``), re-checked after it
+returns so that a spurious wake-up never passes for the key. A TCPStore server
 drops the connection of a client that ``add``s to a non-integer value, so a failed
 ``add`` reconnects and looks at the value to tell corrupt state (:class:`KVStateError`)
 from a lost server (:class:`KVConnectionError`).
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from rallypoint._core.torch_c import TCPStore, TorchStore
 
 _T = TypeVar("_T")
+_ABSENT = b"\x00rallypoint: no such key\x00"
+"""The expected value of :meth:`C10dKV.get_woken`'s probe: no record holds it."""
 _SIDE: dict[tuple[int, str], C10dKV] = {}
 _SIDE_LOCK = fork_safe_lock()
 
@@ -124,6 +127,13 @@ class C10dKV(KeyValueStore):
             return bytes(self._store.get(key))
         except (RuntimeError, ValueError) as exc:
             raise self._fail("get", exc) from exc
+
+    def get_woken(self, key: str) -> bytes | None:
+        # one round trip: a compare_set that never matches answers the value, or the
+        # expected value where the key is missing (and then wakes that key's waiters,
+        # which re-check or read: a wake-up is no value)
+        value = bytes(self._call("get", self._store.compare_set, key, _ABSENT, _ABSENT))
+        return None if value == _ABSENT else value
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
         try:

@@ -62,6 +62,15 @@ class KVContract:
         kv.set("bin", b"second")
         assert kv.get("bin") == b"second"
 
+    def test_get_woken_reads_as_get_and_leaves_a_missing_key_missing(
+        self, kv: KeyValueStore
+    ) -> None:
+        kv.set("woken", bytes(range(256)))
+        assert kv.get_woken("woken") == bytes(range(256))
+        assert kv.get_woken("woken/missing") is None
+        assert kv.get("woken/missing") is None
+        assert not kv.wait(["woken/missing"], timedelta(seconds=0.05))
+
     def test_multi_get_mixed_and_multi_set(self, kv: KeyValueStore) -> None:
         kv.multi_set([("m/a", b"1"), ("m/b", b"2")])
         assert kv.multi_get(["m/a", "m/missing", "m/b"]) == [b"1", None, b"2"]

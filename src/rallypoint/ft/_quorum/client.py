@@ -285,7 +285,7 @@ class LighthouseLink:
                     return self._took(quorum)
         key = f"a/{self.member}/{seq}"
         self._wait(key, deadline)
-        raw = self.kv.get(key)
+        raw = self.kv.get_woken(key)
         try:
             if raw is None:
                 raise RecordError(f"{key}: gone after the wait")
@@ -395,7 +395,7 @@ class _Rounds:
         if not mine:
             return found.result()
         try:
-            record = kv.get(rkey)
+            record = kv.get_woken(rkey)  # waited on, or named by an answer written after it
             if record is None:
                 raise RecordError(f"{rkey}: missing, though {named_by} names it")
             found.set_result(Quorum.from_bytes(record, rkey))

@@ -7,12 +7,13 @@ Here the participants of a round count their ``commit`` votes on one counter
 ``abort`` there at once and tells the lighthouse, which tells every watcher, so nobody
 waits in a collective for it. A participant that dies before its vote is aborted for by
 the lighthouse. Everyone waits on ``o/<round>`` with the store's own wait: a commit costs
-each group a few store operations and no polling. A healing group that sits the step out
-does not vote; it reads the outcome to know the step.
+each group three store round trips (add, wait, read) and no polling. A healing group
+that sits the step out does not vote; it reads the outcome to know the step.
 """
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 from rallypoint.ft._quorum.client import post
@@ -45,6 +46,17 @@ def agree(
                 return kv.set_if_absent(key, COMMIT.encode()) == COMMIT.encode()
         if vote == ABORT and kv.set_if_absent(key, ABORT.encode()) == ABORT.encode():
             post(kv, Ask("abort", member, round=round_))
-    if not kv.wait([key], timedelta(seconds=timeout)):
-        kv.set_if_absent(key, ABORT.encode())  # nobody decided in time: nobody steps
-    return kv.get(key) == COMMIT.encode() and vote != SIT
+    return _outcome(kv, key, timeout) == COMMIT.encode() and vote != SIT
+
+
+def _outcome(kv: KeyValueStore, key: str, timeout: float) -> bytes:
+    """The outcome at ``key`` once written: a wait and one read (a wake-up that finds no
+    key waits again), or ``abort``, written by whoever finds it undecided in time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not kv.wait_woken([key], timedelta(seconds=left)):
+            return kv.set_if_absent(key, ABORT.encode())  # undecided in time: nobody steps
+        outcome = kv.get_woken(key)
+        if outcome is not None:
+            return outcome
