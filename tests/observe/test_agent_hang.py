@@ -203,6 +203,34 @@ def test_a_rank_winding_down_after_another_finished_is_bound_by_the_setup_timeou
     assert hang["idle_s"] >= 6.0, hang
 
 
+@pytest.mark.timeout(120)
+def test_across_two_agents_the_wind_down_after_a_node_finished_is_no_hang(
+    tmp_path: Path, endpoint: str
+) -> None:
+    """Rank 0's node finished; rank 1, alone on the other node, saves for 5 s (2.5 times
+    ``--hang-timeout``) before it ends: its agent learnt that a node finished, so the
+    bound is ``--setup-timeout`` and the job ends well on both nodes."""
+    script = tmp_path / "wind_down.py"
+    script.write_text(WIND_DOWN)
+    agents = [
+        cli_zygote.Popen(
+            [
+                sys.executable, "-m", "rallypoint", "run", "--nnodes", "2",
+                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                "--rdzv-id", "wind-down", "--rdzv-conf", "is_host=false", "--max-restarts", "0",
+                "--hang-timeout", "2", "--setup-timeout", "20", "--on-hang", "fail",
+                str(script), "5",
+            ],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    said = [a.communicate(timeout=90) for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(err for _, err in said)
+    out = "".join(o for o, _ in said)
+    assert "done rank=0" in out and "done rank=1" in out, out
+
+
 def test_bad_hang_options_are_one_line_errors(tmp_path: Path) -> None:
     script = tmp_path / "ok.py"
     script.write_text("pass\n")

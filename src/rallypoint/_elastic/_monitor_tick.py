@@ -1,7 +1,8 @@
 """The elastic coordinator's policy for one attempt: what every monitor tick checks.
 
-Each tick answers stack requests, follows a decision another node wrote, restarts when
-nodes wait to join or members were lost (without spending budget), and now and then
+Each tick answers stack requests, follows a decision another node wrote, notes how many
+nodes finished (the rest wind down: a hang is then bound by ``--setup-timeout``), restarts
+when nodes wait to join or members were lost (without spending budget), and now and then
 exchanges step-time summaries for straggler detection. A hang is the whole job's: the
 first node to see it gathers every node's stacks, then the round is decided. A store
 error is :attr:`OutcomeKind.LOST`.
@@ -54,6 +55,7 @@ class ElasticPolicy:
         self.stragglers = stragglers
         self._next_poll = 0.0
         self._checks: InThread[Stop | None] | None = None
+        self._done = 0  # nodes whose workers all finished, at the last check
 
     def poll(self, running: Mapping[int, int]) -> Stop | None:
         if self._checks is None:
@@ -85,12 +87,17 @@ class ElasticPolicy:
             self.stragglers.exchange(self.job.run.store, running)
         if self.rnd.store.decided():
             return Stop(OutcomeKind.RESTART, self.rnd.store.decision().reason)
+        if self.rnd.nnodes > 1:
+            self._done = self.rnd.store.done()
         waiting = self.job.nodes_waiting()
         if waiting > 0:
             reason = MEMBERSHIP_CHANGED.format(waiting=waiting)
             self.rnd.claim(reason, spend=False)
             return Stop(OutcomeKind.RESTART, reason)
         return None
+
+    def nodes_finished(self) -> int:
+        return self._done
 
     def on_hang(
         self,
@@ -99,8 +106,10 @@ class ElasticPolicy:
         setup: Sequence[int] = (),
         *,
         finished: Sequence[int] = (),
+        nodes: int = 0,
     ) -> Stop:
-        reason = hang_reason(idle_s, setup, f" on {self.host}", finished=finished)
+        where = f" on {self.host}"
+        reason = hang_reason(idle_s, setup, where, finished=finished, nodes=nodes)
         action = self.job.restarts.on_hang
         self.job.observer.emit(
             "hang", round=self.rnd.number, idle_s=round(idle_s, 3), action=action

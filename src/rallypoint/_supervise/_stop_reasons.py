@@ -29,6 +29,11 @@ class AttemptPolicy(Protocol):
         elsewhere, a membership change, a lost store), or ``None``."""
         ...
 
+    def nodes_finished(self) -> int:
+        """How many nodes of the attempt saw all their workers finish (known at the last
+        check; 0 on one node): the ranks still running are winding down."""
+        ...
+
     def on_hang(
         self,
         running: Mapping[int, int],
@@ -36,11 +41,12 @@ class AttemptPolicy(Protocol):
         setup: Sequence[int] = (),
         *,
         finished: Sequence[int] = (),
+        nodes: int = 0,
     ) -> Stop:
         """No worker reported progress for ``idle_s`` seconds; the workers still run.
         ``setup``: the ranks that have not reported any yet in this attempt; ``finished``:
-        this node's ranks that finished (the others wind down); with either, the bound was
-        ``--setup-timeout``."""
+        this node's ranks that finished, ``nodes``: the nodes that did (the others wind
+        down); with any of them, the bound was ``--setup-timeout``."""
         ...
 
     def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> Culprit:
@@ -72,6 +78,9 @@ class LocalPolicy:
             self.stragglers.tick(running)
         return None
 
+    def nodes_finished(self) -> int:
+        return 0
+
     def on_hang(
         self,
         running: Mapping[int, int],
@@ -79,8 +88,9 @@ class LocalPolicy:
         setup: Sequence[int] = (),
         *,
         finished: Sequence[int] = (),
+        nodes: int = 0,
     ) -> Stop:
-        reason = hang_reason(idle_s, setup, finished=finished)
+        reason = hang_reason(idle_s, setup, finished=finished, nodes=nodes)
         self.observer.emit("hang", round=self.attempt, idle_s=round(idle_s, 3), action=self.action)
         report = hang_report(self.observer.collect(running))
         write_console(2, f"rallypoint: {reason}; stacks:\n{report.text}\n".encode())
@@ -96,16 +106,25 @@ class LocalPolicy:
 
 
 def hang_reason(
-    idle_s: float, setup: Sequence[int], where: str = "", *, finished: Sequence[int] = ()
+    idle_s: float,
+    setup: Sequence[int],
+    where: str = "",
+    *,
+    finished: Sequence[int] = (),
+    nodes: int = 0,
 ) -> str:
     """The line of a hang (``where``: `` on HOST``); one whose bound was ``--setup-timeout``
-    names the ranks still in their set-up, or those that finished (the wind-down)."""
+    names the ranks still in their set-up, or the ranks or nodes that finished (the
+    wind-down)."""
     idle = f"no worker{where} reported progress for {idle_s:.1f} s"
     if setup:
         some = _ranks(setup, "have", "has")
         return f"{idle}, in the set-up: {some} not reported any in this attempt (--setup-timeout)"
     if finished:
         some = _ranks(finished, "have", "has")
+        return f"{idle}, in the wind-down: {some} finished (--setup-timeout)"
+    if nodes:
+        some = f"{nodes} nodes have" if nodes > 1 else "1 node has"
         return f"{idle}, in the wind-down: {some} finished (--setup-timeout)"
     return f"{idle} (--hang-timeout)"
 
