@@ -212,19 +212,15 @@ def test_across_two_agents_the_wind_down_after_a_node_finished_is_no_hang(
     bound is ``--setup-timeout`` and the job ends well on both nodes."""
     script = tmp_path / "wind_down.py"
     script.write_text(WIND_DOWN)
-    agents = [
-        cli_zygote.Popen(
-            [
-                sys.executable, "-m", "rallypoint", "run", "--nnodes", "2",
-                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                "--rdzv-id", "wind-down", "--rdzv-conf", "is_host=false", "--max-restarts", "0",
-                "--hang-timeout", "2", "--setup-timeout", "20", "--on-hang", "fail",
-                str(script), "5",
-            ],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        for _ in range(2)
-    ]
+    cmd = [
+        sys.executable, "-m", "rallypoint", "run", "--nnodes", "2",
+        "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+        "--rdzv-id", "wind-down", "--rdzv-conf", "is_host=false", "--max-restarts", "0",
+        "--hang-timeout", "2", "--setup-timeout", "20", "--on-hang", "fail",
+        str(script), "5",
+    ]  # fmt: skip
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    agents = [cli_zygote.Popen(cmd, **pipes) for _ in range(2)]
     said = [a.communicate(timeout=90) for a in agents]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(err for _, err in said)
     out = "".join(o for o, _ in said)
