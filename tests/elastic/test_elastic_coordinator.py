@@ -27,6 +27,7 @@ from rallypoint._elastic._stores import RunStore
 from rallypoint._supervise._peer_loss import LOCAL_CAUSE_WAIT, CauseWait
 from rallypoint._supervise._state import Failure, GroupInfo, Outcome, OutcomeKind
 from rallypoint._supervise._stop_reasons import AttemptPolicy
+from rallypoint._watch._idle import Idle
 from rallypoint._watch._observer import Observer
 from rallypoint.launcher import (
     HangError,
@@ -139,7 +140,7 @@ class FakeSupervisor:
             case Run():
                 return self._until_stopped(group, policy, running)
             case Hang():
-                stop = policy.on_hang(running, 5.0)
+                stop = policy.on_hang(running, Idle(5.0))
                 return Outcome(
                     stop.kind, self._states(group, WorkerStatus.TERMINATED, -15), reason=stop.reason
                 )

@@ -17,15 +17,16 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from rallypoint._core.blocking import InThread, call_in_thread
 from rallypoint._elastic._round import Round
 from rallypoint._supervise._output import write_console
 from rallypoint._supervise._state import Culprit, OutcomeKind, Stop
-from rallypoint._supervise._stop_reasons import collective_timeout_reason, hang_reason
+from rallypoint._supervise._stop_reasons import collective_timeout_reason
 from rallypoint._watch._flight._format import hang_report
+from rallypoint._watch._idle import Idle
 from rallypoint._watch._stacks_exchange import request_stacks
 from rallypoint._watch._stragglers._watch import StragglerWatch
 
@@ -99,20 +100,11 @@ class ElasticPolicy:
     def nodes_finished(self) -> int:
         return self._done
 
-    def on_hang(
-        self,
-        running: Mapping[int, int],
-        idle_s: float,
-        setup: Sequence[int] = (),
-        *,
-        finished: Sequence[int] = (),
-        nodes: int = 0,
-    ) -> Stop:
-        where = f" on {self.host}"
-        reason = hang_reason(idle_s, setup, where, finished=finished, nodes=nodes)
+    def on_hang(self, running: Mapping[int, int], idle: Idle) -> Stop:
+        reason = idle.line(f" on {self.host}")
         action = self.job.restarts.on_hang
         self.job.observer.emit(
-            "hang", round=self.rnd.number, idle_s=round(idle_s, 3), action=action
+            "hang", round=self.rnd.number, idle_s=round(idle.seconds, 3), action=action
         )
 
         found: list[int | None] = [None]

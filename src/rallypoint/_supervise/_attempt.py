@@ -245,14 +245,10 @@ class Attempt:
         stop: Stop | None = self.policy.poll(running)
         if stop is None:
             live = {w.local_rank: w.rank for w in self.workers if w.status is None}
-            setup = self.observer.in_setup(live)
-            # a rank (a node) that finished leaves the others in their wind-down (a last
-            # save, the teardown), which reports no progress either: bound as a set-up
             finished = sorted(w.rank for w in self.workers if w.status == 0 or w.returned)
-            nodes = self.policy.nodes_finished()
-            if self.observer.hung(setup=bool(setup or finished or nodes)):
-                idle = self.observer.idle_seconds()
-                stop = self.policy.on_hang(running, idle, setup, finished=finished, nodes=nodes)
+            idle = self.observer.idle(live, finished, self.policy.nodes_finished())
+            if self.observer.hung(idle):
+                stop = self.policy.on_hang(running, idle)
         if stop is None:
             return
         self._end(stop.kind, stop.reason)

@@ -9,16 +9,17 @@ on), and a hang prints the local workers' stacks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Protocol
 
 from rallypoint._supervise._output import write_console
 from rallypoint._supervise._state import Culprit, OutcomeKind, Stop
 from rallypoint._watch._flight._format import hang_report
+from rallypoint._watch._idle import Idle
 from rallypoint._watch._observer import Observer
 from rallypoint._watch._stragglers._watch import StragglerWatch
 
-__all__ = ["AttemptPolicy", "LocalPolicy", "collective_timeout_reason", "hang_reason"]
+__all__ = ["AttemptPolicy", "LocalPolicy", "collective_timeout_reason"]
 
 
 class AttemptPolicy(Protocol):
@@ -30,23 +31,11 @@ class AttemptPolicy(Protocol):
         ...
 
     def nodes_finished(self) -> int:
-        """How many nodes of the attempt saw all their workers finish (known at the last
-        check; 0 on one node): the ranks still running are winding down."""
+        """The nodes whose workers all finished (at the last check; 0 on one node)."""
         ...
 
-    def on_hang(
-        self,
-        running: Mapping[int, int],
-        idle_s: float,
-        setup: Sequence[int] = (),
-        *,
-        finished: Sequence[int] = (),
-        nodes: int = 0,
-    ) -> Stop:
-        """No worker reported progress for ``idle_s`` seconds; the workers still run.
-        ``setup``: the ranks that have not reported any yet in this attempt; ``finished``:
-        this node's ranks that finished, ``nodes``: the nodes that did (the others wind
-        down); with any of them, the bound was ``--setup-timeout``."""
+    def on_hang(self, running: Mapping[int, int], idle: Idle) -> Stop:
+        """No worker reported progress for ``idle.seconds``; the workers still run."""
         ...
 
     def on_collective_timeout(self, running: Mapping[int, int], rank: int) -> Culprit:
@@ -81,17 +70,11 @@ class LocalPolicy:
     def nodes_finished(self) -> int:
         return 0
 
-    def on_hang(
-        self,
-        running: Mapping[int, int],
-        idle_s: float,
-        setup: Sequence[int] = (),
-        *,
-        finished: Sequence[int] = (),
-        nodes: int = 0,
-    ) -> Stop:
-        reason = hang_reason(idle_s, setup, finished=finished, nodes=nodes)
-        self.observer.emit("hang", round=self.attempt, idle_s=round(idle_s, 3), action=self.action)
+    def on_hang(self, running: Mapping[int, int], idle: Idle) -> Stop:
+        reason = idle.line()
+        self.observer.emit(
+            "hang", round=self.attempt, idle_s=round(idle.seconds, 3), action=self.action
+        )
         report = hang_report(self.observer.collect(running))
         write_console(2, f"rallypoint: {reason}; stacks:\n{report.text}\n".encode())
         return Stop(OutcomeKind.HANG, reason, report.rank)
@@ -103,35 +86,6 @@ class LocalPolicy:
             2, f"rallypoint: {collective_timeout_reason(rank)}; stacks:\n{text}\n".encode()
         )
         return Culprit(culprit, culprit_rank)
-
-
-def hang_reason(
-    idle_s: float,
-    setup: Sequence[int],
-    where: str = "",
-    *,
-    finished: Sequence[int] = (),
-    nodes: int = 0,
-) -> str:
-    """The line of a hang (``where``: `` on HOST``); one whose bound was ``--setup-timeout``
-    names the ranks still in their set-up, or the ranks or nodes that finished (the
-    wind-down)."""
-    idle = f"no worker{where} reported progress for {idle_s:.1f} s"
-    if setup:
-        some = _ranks(setup, "have", "has")
-        return f"{idle}, in the set-up: {some} not reported any in this attempt (--setup-timeout)"
-    if finished:
-        some = _ranks(finished, "have", "has")
-        return f"{idle}, in the wind-down: {some} finished (--setup-timeout)"
-    if nodes:
-        some = f"{nodes} nodes have" if nodes > 1 else "1 node has"
-        return f"{idle}, in the wind-down: {some} finished (--setup-timeout)"
-    return f"{idle} (--hang-timeout)"
-
-
-def _ranks(ranks: Sequence[int], plural: str, singular: str) -> str:
-    listed = ", ".join(map(str, ranks))
-    return f"ranks {listed} {plural}" if len(ranks) > 1 else f"rank {listed} {singular}"
 
 
 def collective_timeout_reason(rank: int) -> str:

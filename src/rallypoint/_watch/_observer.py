@@ -21,7 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -42,6 +42,7 @@ from rallypoint._watch._flight._recorder import (
     flight_recorder_env,
     remove_flight_files,
 )
+from rallypoint._watch._idle import Idle
 from rallypoint._watch._stacks import StackDump, collect_stacks, remove_dump_file, stacks_env
 from rallypoint._watch._stragglers._watch import StragglerWatch
 from rallypoint.observe import EventLog, ProgressBoard
@@ -222,12 +223,17 @@ class Observer(Closing):
         window = self.straggler_window  # nothing older is judged (``judge_arrivals``)
         return FlightRequest(pids_by_rank, self.stacks_dir, arrivals=True, window_s=window)
 
-    def hung(self, *, setup: bool = False) -> bool:
-        """Whether no worker reported progress for ``hang_timeout``, or, while a worker is
-        in its set-up (:meth:`in_setup`) or the others wind down (``setup``), for
-        ``setup_timeout``."""
-        bound = self.setup_timeout if setup else self.hang_timeout
-        return self.board is not None and bound is not None and self.board.is_hung(bound)
+    def idle(self, live: Mapping[int, int], finished: Sequence[int], nodes: int) -> Idle:
+        """How long no worker reported progress, with what bounds it: of ``live`` (``{local
+        rank: global rank}``), the ranks in their set-up (:meth:`in_setup`); the ranks of
+        this node and the nodes that ``finished`` (the others wind down)."""
+        return Idle(self.idle_seconds(), self.in_setup(live), finished, nodes)
+
+    def hung(self, idle: Idle) -> bool:
+        """Whether ``idle`` passes ``hang_timeout``, or ``setup_timeout`` while a worker is
+        in its set-up or the others wind down (``idle.long``)."""
+        bound = self.setup_timeout if idle.long else self.hang_timeout
+        return bound is not None and idle.seconds >= bound.total_seconds()
 
     def in_setup(self, ranks: Mapping[int, int]) -> list[int]:
         """Of ``ranks`` (``{local rank: global rank}``), the global ranks that have not
