@@ -88,8 +88,8 @@ class ElasticPolicy:
             self.stragglers.exchange(self.job.run.store, running)
         if self.rnd.store.decided():
             return Stop(OutcomeKind.RESTART, self.rnd.store.decision().reason)
-        if self.rnd.nnodes > 1:
-            self._done = self.rnd.store.done()
+        if self.rnd.nnodes > 1 and self.job.observer.hang_timeout is not None:
+            self._done = self.rnd.store.done()  # only a hang watch reads it
         waiting = self.job.nodes_waiting()
         if waiting > 0:
             reason = MEMBERSHIP_CHANGED.format(waiting=waiting)
