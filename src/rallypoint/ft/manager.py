@@ -478,8 +478,7 @@ class Manager:
     # ------------------------------------------------------------------ the commit
     def should_commit(self, timeout: timedelta | None = None) -> bool:
         """Whether this step commits: on every member of the quorum, or on none."""
-        if self._future is not None:
-            self._ahead.settle(self._future, self.report_error)
+        missed = self._future is not None and self._ahead.settle(self._future, self.report_error)
         error = self._pg.errored() if hasattr(self._pg, "errored") else None
         if error is not None:
             self.report_error(error)
@@ -499,7 +498,7 @@ class Manager:
         vote = COMMIT if ok_here else (ABORT if counted else SIT)
         wait = (timeout or self._timeout).total_seconds()
         decided = self._decide(vote, done, wait)
-        if decided or not (done is not None and done.serves):  # (_group/ahead.py)
+        if decided or not (missed and done is not None and done.serves):  # (_group/ahead.py)
             self._transport.disallow_checkpoint()
             if self._transport is not self._heal:
                 self._heal.disallow()

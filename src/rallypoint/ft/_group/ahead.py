@@ -9,10 +9,9 @@ checks the guess: if the step's quorum is another one (a group left or joined), 
 is voted down as one that failed, and the next step runs on the new group. A change of
 quorum costs one step more; a steady step saves the round trip.
 
-A source keeps serving its state after a step voted down (the state is as it was: nothing
-stepped): the group that heals from it in that round may not have fetched it yet (a guess
-that missed, its own or a peer's, ends the round before the healer's collective holds
-it), and would otherwise wait out its timeout. Its next commit ends it.
+A source whose guess missed keeps serving its state after the step is voted down (the
+state is as it was: nothing stepped): the group that heals from it in that round may not
+have fetched it yet, and would otherwise wait out its timeout. Its next commit ends it.
 """
 
 from __future__ import annotations
