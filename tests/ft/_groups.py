@@ -96,13 +96,13 @@ STARTED: list[subprocess.Popen[str]] = []
 
 
 def run_groups(
-    out: Path, count: int, steps: int, house_args: tuple[str, ...], *flags: str, **env: str
+    out: Path, count: int, steps: int, house_args: tuple[str, ...], **env: str
 ) -> tuple[list[str], str]:
-    """A lighthouse (``house_args``) and groups ``0..count-1`` (``flags``: their launcher's)
-    to their end, which must be a clean exit: what each group said, and the lighthouse."""
+    """A lighthouse (``house_args``) and groups ``0..count-1`` to their end, which must be
+    a clean exit: what each group said, and what the lighthouse said."""
     house = lighthouse(*house_args)
     try:
-        groups = [start_group(out, g, house.address, steps, *flags, **env) for g in range(count)]
+        groups = [start_group(out, g, house.address, steps, **env) for g in range(count)]
         texts = finish(groups)
     finally:
         screen = house.stop()
