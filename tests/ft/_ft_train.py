@@ -112,8 +112,4 @@ devices |= {str(p.grad.device) for p in model.parameters() if p.grad is not None
 with open(os.path.join(OUT, f"devices-{GROUP}"), "w") as f:  # parameters' and gradients'
     f.write(" ".join(sorted(devices)))
 torch.save({k: v.cpu() for k, v in model.state_dict().items()}, f"{OUT}/final-{GROUP}.pt")
-ahead = getattr(manager, "_ahead", None)  # rallypoint: steps run ahead of their quorum
-if ahead is not None:
-    with open(os.path.join(OUT, f"ahead-{GROUP}-{os.getpid()}"), "w") as f:
-        f.write(f"{ahead.steps_ahead} {ahead.steps_missed}")
 manager.shutdown()

@@ -95,21 +95,6 @@ STARTED: list[subprocess.Popen[str]] = []
 (``conftest.py``)."""
 
 
-def run_groups(
-    out: Path, count: int, steps: int, house_args: tuple[str, ...], **env: str
-) -> tuple[list[str], str]:
-    """A lighthouse (``house_args``) and groups ``0..count-1`` to their end, which must be
-    a clean exit: what each group said, and what the lighthouse said."""
-    house = lighthouse(*house_args)
-    try:
-        groups = [start_group(out, g, house.address, steps, **env) for g in range(count)]
-        texts = finish(groups)
-    finally:
-        screen = house.stop()
-    assert all(p.returncode == 0 for p in groups), "\n".join(t[-3000:] for t in texts)
-    return texts, screen
-
-
 def stop_leftovers() -> None:
     while STARTED:
         proc = STARTED.pop()

@@ -19,7 +19,6 @@ from _groups import (
     lighthouse,
     longest_pause,
     never_back,
-    run_groups,
     same_parameters,
     start_group,
     steps,
@@ -58,11 +57,10 @@ def _checks(
     extra: float = 0.5,
     after: int = 2,
     context: str = "",
-    steps_: int = STEPS,
 ) -> None:
     for g in groups:
         never_back(steps(out, g))
-        assert steps(out, g)[-1][1] == steps_, (g, steps(out, g)[-3:])
+        assert steps(out, g)[-1][1] == STEPS, (g, steps(out, g)[-3:])
     for g in healthy:
         _pause_within_goal(out, g, after=after, extra=extra, context=context)
     same_parameters(out, groups)
@@ -132,10 +130,17 @@ def test_the_healing_source_killed_while_it_sends_the_healer_heals_from_a_live_g
     goal; all three end with the same parameters. (They start together: a group that
     trained alone from step 0 on a slow start, and then died as the source, took its steps
     with it, and its new process went back to the others' step.)"""
-    texts, screen = run_groups(
-        tmp_path, 3, STEPS, ("--min_replicas", "1", "--join_timeout_ms", "3000"),
-        FT_KILL=f"1:{FAULT}", FT_DIE_SERVING=f"0:{FAULT}", FT_BALLAST_MB="64", FT_TOGETHER="3",
-    )  # fmt: skip
+    house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "3000")
+    try:
+        groups = [
+            start_group(tmp_path, g, house.address, STEPS, FT_KILL=f"1:{FAULT}",
+                        FT_DIE_SERVING=f"0:{FAULT}", FT_BALLAST_MB="64", FT_TOGETHER="3")
+            for g in range(3)
+        ]  # fmt: skip
+        texts = finish(groups)
+    finally:
+        screen = house.stop()
+    assert all(p.returncode == 0 for p in groups), "\n".join(t[-3000:] for t in texts)
     context = _lines(texts) + screen
     assert "group 0 left: rank 0 killed by SIGKILL" in screen, context
     assert "group 1 could not heal from group 0" in texts[1], context  # and asks again

@@ -28,7 +28,6 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from rallypoint.ft._group.ahead import Ahead, Basis
 from rallypoint.ft._group.manager_parts import (
     Background,
     advertised,
@@ -200,7 +199,6 @@ class Manager:
         self._said_below: int | None = None
         self._incompatible: IncompatibleStateError | None = None
         self._future: concurrent.futures.Future[None] | None = None
-        self._ahead = Ahead()
         self._stop = threading.Event()
         self._background = Background()
         self._guard = GroupGuard(
@@ -285,7 +283,6 @@ class Manager:
             self._future.result()
         self._errored = None
         self._healing = False
-        self._ahead.new_step()
         seq, self._quorum_seq = self._quorum_seq, self._quorum_seq + 1
         wait = (timeout or self._quorum_timeout).total_seconds()
         self._future = self._background.submit(
@@ -337,7 +334,6 @@ class Manager:
         except Exception as exc:  # the process group could not be made: this step fails
             self.report_error(exc)
             return
-        self._ahead.ready = Basis((quorum.gen, quorum.quorum_id), done, self._guard.ending)
         if allow_heal:
             self._serve_or_heal(done)
 
@@ -444,19 +440,15 @@ class Manager:
                 "does where triton is present); pass should_quantize=False"
             )
         op = dist.ReduceOp.AVG if reduce_op is None else reduce_op
-        basis = self._ahead.basis(self._future, self._guard, self._commit_failures == 0)
-        if basis is None:
-            self.wait_quorum()
+        self.wait_quorum()
         if self._incompatible is not None:  # before a collective that would not match
             raise self._incompatible
         if self._errored is not None:
             return DummyWork(tensor)
-        if basis is None:
-            n, ending = self.num_participants(), self._guard.ending
-            if not self.is_participating():
-                tensor.zero_()
-        else:  # ahead of this step's quorum, on the last step's group (_group/ahead.py)
-            n, ending = basis.plan.participating_size, basis.ending
+        self.wait_quorum()
+        n = self.num_participants()
+        if not self.is_participating():
+            tensor.zero_()
         if op == dist.ReduceOp.AVG and not tensor.is_floating_point():
             raise ValueError("average reduce op is only supported for floating point tensors")
         try:
@@ -467,7 +459,7 @@ class Manager:
             self.report_error(exc)
             return DummyWork(tensor)
         divide = n if op == dist.ReduceOp.AVG else None
-        return ManagedWork(self, work, tensor, divide, ending)
+        return ManagedWork(self, work, tensor, divide, self._guard.ending)
 
     def wrap_future(self, fut: Any, default: T, timeout: timedelta | None = None) -> Any:
         """``fut``, whose failure (or a wait past ``timeout``, the manager's by default) is
@@ -478,7 +470,9 @@ class Manager:
     # ------------------------------------------------------------------ the commit
     def should_commit(self, timeout: timedelta | None = None) -> bool:
         """Whether this step commits: on every member of the quorum, or on none."""
-        missed = self._future is not None and self._ahead.settle(self._future, self.report_error)
+        if self._future is not None:
+            with contextlib.suppress(Exception):
+                self.wait_quorum()
         error = self._pg.errored() if hasattr(self._pg, "errored") else None
         if error is not None:
             self.report_error(error)
@@ -498,10 +492,9 @@ class Manager:
         vote = COMMIT if ok_here else (ABORT if counted else SIT)
         wait = (timeout or self._timeout).total_seconds()
         decided = self._decide(vote, done, wait)
-        if decided or not (missed and done is not None and done.serves):  # (_group/ahead.py)
-            self._transport.disallow_checkpoint()
-            if self._transport is not self._heal:
-                self._heal.disallow()
+        self._transport.disallow_checkpoint()
+        if self._transport is not self._heal:
+            self._heal.disallow()
         if decided:
             self._step += 1
             self._batches_committed += self.num_participants()

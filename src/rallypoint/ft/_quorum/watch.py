@@ -105,9 +105,7 @@ class GroupGuard:
                 self._report(self.left)
                 return False
             self.configured, ending = key, Ending()
-            replaced, self.ending = self.ending, ending
-        replaced.set()  # a collective still on the group it replaces (run ahead of this
-        # quorum, _group/ahead.py) ends: that group is aborted as this one is made
+            self.ending = ending
         failed: list[BaseException] = []
         done = threading.Event()
 
