@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +15,15 @@ DEMO = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 
 
 def _agents(argvs: list[list[str]], timeout: float = 150) -> list[str]:
+    # One intra-op thread in every worker, as the uninterrupted run's two workers on one node
+    # get from the launcher: with two threads on a loaded machine, torch's CPU kernels do not
+    # always round a step's gradients the same way twice (seen: the very first backward
+    # differing in its 7th digit), so the runs could not be compared bit for bit.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         cli_zygote.Popen(
             [sys.executable, "-m", "rallypoint", "run", *argv],
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
