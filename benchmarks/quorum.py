@@ -246,10 +246,18 @@ def main() -> None:
                 each = [1000 * run[name] for run in runs]
                 print(f"| {name} | {statistics.median(each):.1f} ms | "
                       f"{', '.join(f'{v:.1f}' for v in each)} |")  # fmt: skip
-        if args.scale:
-            for name, row in scale(args.scale, args.rounds, args.store or "").items():
-                print(f"| {args.scale} | {name} | {row['rounds/s']:.1f} rounds/s | "
-                      f"{row['median wait ms']:.1f} ms |")  # fmt: skip
+        if args.scale:  # repeats alternate which stack runs first; each run's ratio
+            ratios = []
+            for r in range(args.repeat):
+                rows = scale(args.scale, args.rounds, args.store or "", rallypoint_first=r % 2 == 1)
+                for name, row in rows.items():
+                    print(f"| {args.scale} | {name} | {row['rounds/s']:.1f} rounds/s | "
+                          f"{row['median wait ms']:.1f} ms |", flush=True)  # fmt: skip
+                first, second = (row["rounds/s"] for row in rows.values())
+                ratios.append(second / first)
+            each = ", ".join(f"{x:.2f}x" for x in ratios)
+            print(f"{' / '.join(list(rows)[::-1])}, each run: {each} "
+                  f"(median {statistics.median(ratios):.2f}x)")  # fmt: skip
         if args.growth:
             for name, value in growth(args.growth).items():
                 print(f"| {name} | {value:.1f} |")

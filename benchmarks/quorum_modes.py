@@ -128,11 +128,18 @@ def _median_step(out: Path, groups: int, skip: int) -> float:
     return statistics.median(gaps)
 
 
-def scale(members: int, rounds: int, store: str = "") -> dict[str, dict[str, float]]:
+def scale(
+    members: int, rounds: int, store: str = "", rallypoint_first: bool = False
+) -> dict[str, dict[str, float]]:
     """Rounds per second and the median wait, per lighthouse, ``members`` in two processes
     (``store="etcd"``: rallypoint's over etcd against rallypoint's over its TCPStore)."""
     if store != "etcd":
-        return {kind: _scale_one(kind, members, rounds) for kind in ("torchft", "rallypoint")}
+        kinds = ["torchft", "rallypoint"]
+        ran = {
+            kind: _scale_one(kind, members, rounds)
+            for kind in kinds[:: -1 if rallypoint_first else 1]
+        }
+        return {kind: ran[kind] for kind in kinds}
     from rallypoint.testing._etcd import EtcdServer
 
     with EtcdServer() as etcd:
