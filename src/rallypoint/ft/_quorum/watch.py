@@ -84,6 +84,8 @@ class GroupGuard:
         """The watcher's own connection to the lighthouse (``connect`` makes a new one)."""
         self._dead: dict[str, tuple[str, int]] = {}
         """member -> (why, the last round that held it), as the news told."""
+        self._aborted: dict[int, None] = {}
+        """Rounds the news said a participant voted down (the latest 64, in this life)."""
         self._plan: Plan | None = None
         self._fresh = True
         """Whether ``kv`` is the connection it was given (not yet found broken)."""
@@ -100,8 +102,9 @@ class GroupGuard:
             if self.configured == key:
                 return False
             dead = self._dead_in(plan)
-            if dead:
-                self.left = self._left_error(dead)
+            if dead or plan.round in self._aborted:  # a group begun now could not finish
+                # its step: its peers that voted it down will not run the step's collectives
+                self.left = self._left_error(dead) if dead else _voted_down(plan.round)
                 self._report(self.left)
                 return False
             self.configured, ending = key, Ending()
@@ -141,6 +144,7 @@ class GroupGuard:
                 try:  # (never again on a broken one: each try logs a warning of torch's)
                     if not self._fresh:
                         self.kv = self._connect()
+                        self._aborted.clear()  # (a lighthouse started again counts anew)
                     seen, linked = self._last(), True
                 except STORE_LOST:
                     self._fresh = False
@@ -191,9 +195,13 @@ class GroupGuard:
             self._abort(configured, self._left_error([member]))
 
     def _aborted_round(self, round_: int) -> None:
-        plan, configured = self._plan, self.configured
+        with self._lock:  # recorded first: a configuration for it that begins later fails
+            self._aborted[round_] = None
+            if len(self._aborted) > 64:
+                del self._aborted[next(iter(self._aborted))]
+            plan, configured = self._plan, self.configured
         if plan is not None and configured is not None and plan.round == round_:
-            self._abort(configured, RuntimeError("a replica group could not finish this step"))
+            self._abort(configured, _voted_down(round_))
 
     def _left_error(self, members: list[str]) -> RuntimeError:
         why = "; ".join(f"group {m.split(':')[0]}: {self._dead[m][0]}" for m in members)
@@ -209,3 +217,9 @@ class GroupGuard:
             with contextlib.suppress(Exception):
                 self._pg.abort()
             self.ending.set()
+
+
+def _voted_down(round_: int) -> RuntimeError:
+    return RuntimeError(
+        f"a replica group could not finish this step (round {round_} was voted down)"
+    )
