@@ -249,7 +249,7 @@ def main() -> None:
         if args.scale:  # repeats alternate which stack runs first; each run's ratio
             ratios = []
             for r in range(args.repeat):
-                rows = scale(args.scale, args.rounds, args.store or "", rallypoint_first=r % 2 == 1)
+                rows = scale(args.scale, args.rounds, args.store or "", second_first=r % 2 == 1)
                 for name, row in rows.items():
                     print(f"| {args.scale} | {name} | {row['rounds/s']:.1f} rounds/s | "
                           f"{row['median wait ms']:.1f} ms |", flush=True)  # fmt: skip

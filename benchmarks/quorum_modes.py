@@ -129,24 +129,34 @@ def _median_step(out: Path, groups: int, skip: int) -> float:
 
 
 def scale(
-    members: int, rounds: int, store: str = "", rallypoint_first: bool = False
+    members: int, rounds: int, store: str = "", second_first: bool = False
 ) -> dict[str, dict[str, float]]:
     """Rounds per second and the median wait, per lighthouse, ``members`` in two processes
-    (``store="etcd"``: rallypoint's over etcd against rallypoint's over its TCPStore)."""
+    (``store="etcd"``: rallypoint's over etcd against rallypoint's over its TCPStore), the
+    second of the two run first with ``second_first``."""
     if store != "etcd":
-        kinds = ["torchft", "rallypoint"]
-        ran = {
-            kind: _scale_one(kind, members, rounds)
-            for kind in kinds[:: -1 if rallypoint_first else 1]
-        }
-        return {kind: ran[kind] for kind in kinds}
+        both = {"torchft": ("torchft", ""), "rallypoint": ("rallypoint", "")}
+        return _in_order(both, members, rounds, second_first)
     from rallypoint.testing._etcd import EtcdServer
 
     with EtcdServer() as etcd:
-        return {
-            "rallypoint, TCPStore": _scale_one("rallypoint", members, rounds),
-            "rallypoint, etcd": _scale_one("rallypoint", members, rounds, etcd.endpoint),
+        both = {
+            "rallypoint, TCPStore": ("rallypoint", ""),
+            "rallypoint, etcd": ("rallypoint", etcd.endpoint),
         }
+        return _in_order(both, members, rounds, second_first)
+
+
+def _in_order(
+    both: dict[str, tuple[str, str]], members: int, rounds: int, second_first: bool
+) -> dict[str, dict[str, float]]:
+    """Each of ``both`` (name: kind and etcd endpoint) measured, in the order asked for."""
+    names = list(both)
+    ran = {
+        name: _scale_one(both[name][0], members, rounds, both[name][1])
+        for name in (names[::-1] if second_first else names)
+    }
+    return {name: ran[name] for name in names}
 
 
 def _scale_one(kind: str, members: int, rounds: int, etcd: str = "") -> dict[str, float]:
