@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -71,6 +73,38 @@ def test_a_peer_fetches_the_state_and_a_stranger_gets_nothing() -> None:
         got, size = fetch_state(f"127.0.0.1:{server.port}", SECRET, 7, timeout=5.0)
         assert size > 0
         assert torch.equal(got["model"]["weight"], state["model"]["weight"])  # type: ignore[index]
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_healer_asking_for_a_step_its_source_has_passed_is_told_at_once() -> None:
+    server = HealServer(SECRET, host="127.0.0.1", timeout=30.0)  # a wait would take 30 s
+    address = f"127.0.0.1:{server.port}"
+    failed: list[BaseException] = []
+
+    def fetch() -> None:
+        try:
+            fetch_state(address, SECRET, 7, timeout=40.0)
+        except HealError as exc:
+            failed.append(exc)
+
+    try:
+        waiting = threading.Thread(target=fetch)
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive()  # step 7 is not served yet: the healer waits for it
+        began = time.monotonic()
+        server.passed(8)  # the source committed step 7 without serving it
+        waiting.join(10)
+        assert not waiting.is_alive() and time.monotonic() - began < 5
+        assert "no state for step 7" in str(failed[0])
+        began = time.monotonic()
+        with pytest.raises(HealError, match="no state for step 7"):  # and a later ask too
+            fetch_state(address, SECRET, 7, timeout=40.0)
+        assert time.monotonic() - began < 5
+        server.allow(8, lambda: _state())  # the step it is at is served as before
+        assert fetch_state(address, SECRET, 8, timeout=5.0)[1] > 0
     finally:
         server.close()
 

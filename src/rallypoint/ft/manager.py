@@ -333,6 +333,8 @@ class Manager:
             self._configure(quorum, done)
         except Exception as exc:  # the process group could not be made: this step fails
             self.report_error(exc)
+            if allow_heal:  # a healer whose own group was made before the abort fetches
+                self._serve(done)  # this round's state all the same: it is unchanged
             return
         if allow_heal:
             self._serve_or_heal(done)
@@ -354,12 +356,21 @@ class Manager:
         if made and error is not None and error.original_exception is self._guard.left:
             self._errored = None
 
+    def _serve(self, done: Plan) -> None:
+        """Offer this group's state to the groups that heal from it, over the transport."""
+        if not done.serves:
+            return
+        try:
+            if self._transport is self._heal:  # read only when a healer asks for it
+                self._heal.allow(done.max_step, self._manager_state_dict)
+            else:
+                state, to = self._manager_state_dict(), list(done.dst_ranks)
+                self._transport.send_checkpoint(to, done.max_step, state, self._timeout)
+        except Exception as exc:  # the healer is gone, say: its heal fails, not this step
+            say(f"group {self._replica_id} could not send its state ({exc})")
+
     def _serve_or_heal(self, done: Plan) -> None:
-        if done.serves:
-            try:
-                self._send(done)
-            except Exception as exc:  # the healer is gone, say: its heal fails, not this step
-                say(f"group {self._replica_id} could not send its state ({exc})")
+        self._serve(done)
         if not done.heal:
             return
         self._healing = True
@@ -391,14 +402,6 @@ class Manager:
                 f"group {self._replica_id} healed from group {done.source_replica} at step "
                 f"{done.max_step} ({size / 1e6:.1f} MB in {time.monotonic() - began:.2f} s)"
             )
-
-    def _send(self, done: Plan) -> None:
-        """Offer this group's state to the groups that heal from it, over the transport."""
-        if self._transport is self._heal:  # read only when a healer asks for it
-            self._heal.allow(done.max_step, self._manager_state_dict)
-            return
-        state = self._manager_state_dict()
-        self._transport.send_checkpoint(list(done.dst_ranks), done.max_step, state, self._timeout)
 
     def _receive(self, done: Plan) -> tuple[Any, int]:
         """The source's state and its tensors' bytes, over the transport."""
@@ -497,6 +500,7 @@ class Manager:
             self._heal.disallow()
         if decided:
             self._step += 1
+            self._heal.passed(self._step)
             self._batches_committed += self.num_participants()
             self._commit_failures = 0
             return True

@@ -108,6 +108,8 @@ class HealServer(CheckpointTransport[Any]):
         self._lock = threading.Condition()
         self._step: int | None = None
         self._state: Any = None
+        self._past = -1
+        """Steps below this are never served again: the state moved on (``passed``)."""
         self._serving = 0
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -131,6 +133,13 @@ class HealServer(CheckpointTransport[Any]):
             self._step, self._state = None, None
             while self._serving:
                 self._lock.wait()
+
+    def passed(self, step: int) -> None:
+        """The state is at ``step`` now: a healer still asking for an older one is
+        told at once that it is not here (it asks the lighthouse again), not kept waiting."""
+        with self._lock:
+            self._past = max(self._past, step)
+            self._lock.notify_all()
 
     def close(self) -> None:
         self._closed = True
@@ -206,7 +215,7 @@ class HealServer(CheckpointTransport[Any]):
         with self._lock:
             while self._step != step:
                 left = deadline - time.monotonic()
-                if left <= 0 or self._closed:
+                if left <= 0 or self._closed or step < self._past:
                     return None
                 self._lock.wait(min(left, 0.5))
             self._serving += 1
