@@ -125,6 +125,7 @@ class HealServer(CheckpointTransport[Any]):
         """Serve ``state`` (a callable, read once per request, or the object) for ``step``."""
         with self._lock:
             self._step, self._state = step, state
+            self._past = min(self._past, step)  # (a state loaded back to an earlier step)
             self._lock.notify_all()
 
     def disallow(self) -> None:
