@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import pytest
@@ -65,26 +65,84 @@ def watched() -> Iterator[tuple[GroupGuard, _Group, list[Exception], KeyValueSto
         watcher.join(30)
 
 
+def _life(kv: KeyValueStore) -> str:
+    gen = kv.get("gen")
+    assert gen is not None
+    return gen.decode()
+
+
+def _until(done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 20  # the watcher reads the news in order, on a thread
+    while not done() and time.monotonic() < deadline:  # of its own
+        time.sleep(0.01)
+    assert done(), what
+
+
 @pytest.mark.timeout(60)
 def test_a_round_voted_down_before_this_member_configures_it_is_not_begun(
     watched: tuple[GroupGuard, _Group, list[Exception], KeyValueStore],
 ) -> None:
     guard, group, errors, kv = watched
-    assert guard.configure(("life", 1), _plan(6), lambda: group.made.append(6))
+    life = _life(kv)
+    assert guard.configure((life, 1), _plan(6), lambda: group.made.append(6))
     post(kv, Ask("abort", "1:a", round=7))  # a peer voted round 7 down, and then
     post(kv, Ask("abort", "1:a", round=6))  # round 6, the one this member is in
-    deadline = time.monotonic() + 20  # the watcher reads the news in order, on a thread
-    while group.aborts == 0 and time.monotonic() < deadline:  # of its own
-        time.sleep(0.01)
-    assert group.aborts == 1 and guard.ending.is_set(), "round 6 was not aborted"
+    _until(lambda: group.aborts == 1, "round 6 was not aborted")
+    assert guard.ending.is_set()
     assert "round 6 was voted down" in str(errors[-1])
 
     errors.clear()  # this member's quorum thread reaches round 7 only now
-    assert not guard.configure(("life", 2), _plan(7), lambda: group.made.append(7))
+    assert not guard.configure((life, 2), _plan(7), lambda: group.made.append(7))
     assert group.made == [6], "a group was made for a round its peers had voted down"
     assert len(errors) == 1 and "round 7 was voted down" in str(errors[0])
     assert guard.configured is None
 
     errors.clear()  # the next round is configured as usual
-    assert guard.configure(("life", 3), _plan(8), lambda: group.made.append(8))
+    assert guard.configure((life, 3), _plan(8), lambda: group.made.append(8))
     assert group.made == [6, 8] and not errors and not guard.ending.is_set()
+
+
+@pytest.mark.timeout(90)
+def test_after_a_lighthouse_restart_its_rounds_are_its_own_and_missed_news_are_read() -> None:
+    """A lighthouse started again numbers its rounds anew: its round 6 is not the round 6
+    the last life voted down (a member's quorum thread reconnects before its watcher, and
+    refusing that round cost the others a 10 s rendezvous). And news posted while the
+    watcher was still away are read when it is back, not skipped."""
+    say: Callable[[str], None] = lambda _: None  # noqa: E731
+    server = LighthouseServer("[::]:0", min_replicas=1, join_timeout_ms=2000, say=say)
+    address = server.address()
+    port = address.rpartition(":")[2]
+    back = threading.Event()  # the watcher's reconnect waits for this
+
+    def connect() -> KeyValueStore:
+        back.wait(30)
+        return connect_kv(address, timeout=T)[0]
+
+    kv = connect_kv(address, timeout=T)[0]
+    group, errors = _Group(), []
+    guard = GroupGuard(group, kv.clone(), connect, errors.append, say)
+    stop = threading.Event()
+    watcher = threading.Thread(target=guard.watch, args=(stop, "0:a"), daemon=True)
+    watcher.start()
+    try:
+        first = _life(kv)
+        assert guard.configure((first, 1), _plan(6), lambda: group.made.append(6))
+        post(kv, Ask("abort", "1:a", round=6))
+        _until(lambda: group.aborts == 1, "the first life's round 6 was not aborted")
+        server.shutdown()
+        server = LighthouseServer(f"[::]:{port}", min_replicas=1, join_timeout_ms=2000, say=say)
+        kv = connect_kv(address, timeout=T)[0]
+        second = _life(kv)
+        assert second != first
+        errors.clear()  # the watcher is still away: the new life's round 6 is begun
+        assert guard.configure((second, 1), _plan(6), lambda: group.made.append(66))
+        assert group.made == [6, 66] and not errors, errors
+        post(kv, Ask("abort", "1:a", round=6))  # ... and voted down while it is away
+        back.set()
+        _until(lambda: group.aborts == 2, "news posted while the watcher was away were lost")
+        assert "round 6 was voted down" in str(errors[-1])
+    finally:
+        back.set()
+        stop.set()
+        server.shutdown()
+        watcher.join(30)

@@ -28,6 +28,7 @@ from rallypoint.ft._quorum.client import STORE_LOST
 from rallypoint.ft._quorum.decider import Decided, Decider, Died, Note, Reply
 from rallypoint.ft._quorum.inbox import Inbox, post
 from rallypoint.ft._quorum.records import (
+    NEWS_KEPT,
     Ask,
     Quorum,
     RecordError,
@@ -44,7 +45,6 @@ __all__ = ["RETAIN", "DeciderLoop"]
 RETAIN = 8
 """Rounds whose keys are kept: a member in round n's quorum is needed to decide n + 1, so
 no member can still read a round this far back."""
-_NEWS_KEPT = 8
 _NEWS_EVERY = 5.0
 """Seconds between news when nothing happens (a watcher's wait that timed out would log a
 warning of torch's)."""
@@ -263,8 +263,8 @@ class DeciderLoop:
                 ("news/last", str(self._news).encode()),
             ]
         )
-        if self._news > _NEWS_KEPT:
-            self._trash.put([f"news/{self._news - _NEWS_KEPT}"])
+        if self._news > NEWS_KEPT:
+            self._trash.put([f"news/{self._news - NEWS_KEPT}"])
 
     def _write_status(self, now: float) -> None:
         """Why no quorum yet, for a member's timeout line: once a tick at most (each wake

@@ -16,6 +16,7 @@ from typing import Any
 
 __all__ = [
     "MAX_RECORD",
+    "NEWS_KEPT",
     "Ask",
     "Quorum",
     "RecordError",
@@ -32,6 +33,10 @@ MAX_RECORD = 4 << 20
 """Bytes: no record of the protocol is larger (a quorum of 1,000 groups is ~300 KB)."""
 _MAX_NAME = 256
 _MAX_RANKS = 1 << 16
+
+NEWS_KEPT = 8
+"""The lighthouse keeps its last this many ``news/<k>``; a watcher back from an absence
+reads those it missed."""
 
 
 class RecordError(ValueError):

@@ -20,8 +20,8 @@ from datetime import timedelta
 from typing import Any
 
 from rallypoint.ft._plan import Plan
-from rallypoint.ft._quorum.client import STORE_LOST
-from rallypoint.ft._quorum.records import RecordError, parse_counter
+from rallypoint.ft._quorum.client import STORE_LOST, read_life
+from rallypoint.ft._quorum.records import NEWS_KEPT, RecordError, parse_counter
 from rallypoint.rendezvous import KeyValueStore
 
 __all__ = ["Ending", "GroupGuard"]
@@ -82,10 +82,13 @@ class GroupGuard:
         """The error of the last abort, until a new configuration replaces the group."""
         self.kv = kv
         """The watcher's own connection to the lighthouse (``connect`` makes a new one)."""
-        self._dead: dict[str, tuple[str, int]] = {}
-        """member -> (why, the last round that held it), as the news told."""
-        self._aborted: dict[int, None] = {}
-        """Rounds the news said a participant voted down (the latest 64, in this life)."""
+        self._life = ""
+        """The lighthouse life whose news the watcher reads (its ``gen``)."""
+        self._dead: dict[str, tuple[str, int, str]] = {}
+        """member -> (why, the last round that held it, the life), as the news told."""
+        self._aborted: dict[tuple[str, int], None] = {}
+        """(life, round)s the news said a participant voted down (the latest 64): a
+        lighthouse started again numbers its rounds anew, so a round is named by both."""
         self._plan: Plan | None = None
         self._fresh = True
         """Whether ``kv`` is the connection it was given (not yet found broken)."""
@@ -101,8 +104,8 @@ class GroupGuard:
             self._plan = plan
             if self.configured == key:
                 return False
-            dead = self._dead_in(plan)
-            if dead or plan.round in self._aborted:  # a group begun now could not finish
+            dead = self._dead_in(plan, key[0])
+            if dead or (key[0], plan.round) in self._aborted:  # a group begun now could not finish
                 # its step: its peers that voted it down will not run the step's collectives
                 self.left = self._left_error(dead) if dead else _voted_down(plan.round)
                 self._report(self.left)
@@ -128,13 +131,16 @@ class GroupGuard:
                 if self.configured == key:
                     self.configured = None
             raise failed[0]
-        dead = self._dead_in(plan)
+        dead = self._dead_in(plan, key[0])
         if dead:
             self._abort(key, self._left_error(dead))
         return True
 
-    def _dead_in(self, plan: Plan) -> list[str]:
-        return [m for m in plan.members if m in self._dead and self._dead[m][1] >= plan.round]
+    def _dead_in(self, plan: Plan, life: str) -> list[str]:
+        dead = self._dead
+        return [
+            m for m in plan.members if m in dead and dead[m][2] == life and dead[m][1] >= plan.round
+        ]
 
     def watch(self, stop: threading.Event, me: str) -> None:
         """Until ``stop``: wait for each piece of news and act on it."""
@@ -144,8 +150,11 @@ class GroupGuard:
                 try:  # (never again on a broken one: each try logs a warning of torch's)
                     if not self._fresh:
                         self.kv = self._connect()
-                        self._aborted.clear()  # (a lighthouse started again counts anew)
-                    seen, linked = self._last(), True
+                    life, last = read_life(self.kv, 2.0)[1], self._last()
+                    # the news kept that it missed while away (a new life's: all of them)
+                    known = seen if life == self._life else 0
+                    seen = max(known, last - NEWS_KEPT) if self._life else last
+                    self._life, linked = life, True
                 except STORE_LOST:
                     self._fresh = False
                     stop.wait(1.0)
@@ -178,29 +187,34 @@ class GroupGuard:
             if "tick" in news:
                 return
             if "abort" in news:
-                self._aborted_round(int(news["abort"]))
+                self._aborted_round(self._life, int(news["abort"]))
                 return
             member, why, last = str(news["member"]), str(news["why"]), news.get("round")
             last_round = -1 if last is None else int(last)
         except (ValueError, KeyError, TypeError) as exc:
             self._say(f"ignoring a record in the lighthouse's store: {key}: {exc}")
             return
-        self._dead[member] = (why[:200], last_round)
+        self._dead[member] = (why[:200], last_round, self._life)
         if len(self._dead) > 4096:
             self._dead.pop(next(iter(self._dead)))
         plan, configured = self._plan, self.configured
         if plan is None or configured is None or member == me or member not in plan.members:
             return
-        if last_round >= plan.round:
+        if configured[0] == self._life and last_round >= plan.round:
             self._abort(configured, self._left_error([member]))
 
-    def _aborted_round(self, round_: int) -> None:
+    def _aborted_round(self, life: str, round_: int) -> None:
         with self._lock:  # recorded first: a configuration for it that begins later fails
-            self._aborted[round_] = None
+            self._aborted[(life, round_)] = None
             if len(self._aborted) > 64:
                 del self._aborted[next(iter(self._aborted))]
             plan, configured = self._plan, self.configured
-        if plan is not None and configured is not None and plan.round == round_:
+        if (
+            plan is not None
+            and configured is not None
+            and configured[0] == life
+            and plan.round == round_
+        ):
             self._abort(configured, _voted_down(round_))
 
     def _left_error(self, members: list[str]) -> RuntimeError:
