@@ -146,3 +146,26 @@ def test_after_a_lighthouse_restart_its_rounds_are_its_own_and_missed_news_are_r
         stop.set()
         server.shutdown()
         watcher.join(30)
+
+
+@pytest.mark.timeout(60)
+def test_news_posted_before_the_watcher_first_links_are_read() -> None:
+    """A round voted down between the manager's start and its watcher's first read of the
+    news (a slow thread start on a loaded machine) still aborts this member's group."""
+    server = LighthouseServer("[::]:0", min_replicas=1, join_timeout_ms=2000, say=lambda _: None)
+    kv = connect_kv(server.address(), timeout=T)[0]
+    group, errors = _Group(), []
+    guard = GroupGuard(group, kv.clone(), lambda: kv.clone(), errors.append, lambda _: None)
+    stop = threading.Event()
+    watcher = threading.Thread(target=guard.watch, args=(stop, "0:a"), daemon=True)
+    try:
+        assert guard.configure((_life(kv), 1), _plan(6), lambda: group.made.append(6))
+        post(kv, Ask("abort", "1:a", round=6))
+        _until(lambda: (kv.get("news/last") or b"0") != b"0", "the abort was not relayed")
+        watcher.start()  # only now
+        _until(lambda: group.aborts == 1, "news posted before the watcher linked were lost")
+    finally:
+        stop.set()
+        server.shutdown()
+        if watcher.is_alive():
+            watcher.join(30)

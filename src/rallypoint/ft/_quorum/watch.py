@@ -151,9 +151,10 @@ class GroupGuard:
                     if not self._fresh:
                         self.kv = self._connect()
                     life, last = read_life(self.kv, 2.0)[1], self._last()
-                    # the news kept that it missed while away (a new life's: all of them)
+                    # the news kept that it has not read (before it first linked, or while
+                    # away; of a new life, all of them): none is missed for being early
                     known = seen if life == self._life else 0
-                    seen = max(known, last - NEWS_KEPT) if self._life else last
+                    seen = max(known, last - NEWS_KEPT)
                     self._life, linked = life, True
                 except STORE_LOST:
                     self._fresh = False
