@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 
 from rallypoint.ft._plan import Plan
-from rallypoint.ft._quorum.client import post
+from rallypoint.ft._quorum.client import post, read_life
 from rallypoint.ft._quorum.records import Ask
 from rallypoint.ft._quorum.watch import GroupGuard
 from rallypoint.ft.coordination import LighthouseServer
@@ -42,33 +42,51 @@ def _plan(round_: int) -> Plan:
     return Plan(round_, 1, members, 5, 0, 0, 2, members, [], False)
 
 
+def _quiet(_: str) -> None:
+    pass
+
+
+def _house(port: int | str = 0) -> LighthouseServer:
+    return LighthouseServer(f"[::]:{port}", min_replicas=1, join_timeout_ms=2000, say=_quiet)
+
+
+class _Watched:
+    """A guard of member ``0:a`` over a :class:`_Group`, the errors it reports, and its
+    watcher thread (begun by ``start``)."""
+
+    def __init__(self, kv: KeyValueStore, connect: Callable[[], KeyValueStore]) -> None:
+        self.group = _Group()
+        self.errors: list[Exception] = []
+        self.guard = GroupGuard(self.group, kv.clone(), connect, self.errors.append, _quiet)
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(
+            target=self.guard.watch, args=(self._stop, "0:a"), daemon=True
+        )
+
+    def start(self) -> None:
+        self._watcher.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watcher.is_alive():
+            self._watcher.join(30)
+
+
 @pytest.fixture
 def watched() -> Iterator[tuple[GroupGuard, _Group, list[Exception], KeyValueStore]]:
-    server = LighthouseServer("[::]:0", min_replicas=1, join_timeout_ms=2000, say=lambda _: None)
+    server = _house()
     kv, _ = connect_kv(server.address(), timeout=T)
-    group, errors = _Group(), []
-    guard = GroupGuard(
-        group,
-        kv.clone(),
-        lambda: connect_kv(server.address(), timeout=T)[0],
-        errors.append,
-        lambda _: None,
-    )
-    stop = threading.Event()
-    watcher = threading.Thread(target=guard.watch, args=(stop, "0:a"), daemon=True)
-    watcher.start()
+    member = _Watched(kv, lambda: connect_kv(server.address(), timeout=T)[0])
+    member.start()
     try:
-        yield guard, group, errors, kv
+        yield member.guard, member.group, member.errors, kv
     finally:
-        stop.set()
+        member.stop()
         server.shutdown()
-        watcher.join(30)
 
 
 def _life(kv: KeyValueStore) -> str:
-    gen = kv.get("gen")
-    assert gen is not None
-    return gen.decode()
+    return read_life(kv, T.total_seconds())[1]
 
 
 def _until(done: Callable[[], bool], what: str) -> None:
@@ -108,8 +126,7 @@ def test_after_a_lighthouse_restart_its_rounds_are_its_own_and_missed_news_are_r
     the last life voted down (a member's quorum thread reconnects before its watcher, and
     refusing that round cost the others a 10 s rendezvous). And news posted while the
     watcher was still away are read when it is back, not skipped."""
-    say: Callable[[str], None] = lambda _: None  # noqa: E731
-    server = LighthouseServer("[::]:0", min_replicas=1, join_timeout_ms=2000, say=say)
+    server = _house()
     address = server.address()
     port = address.rpartition(":")[2]
     back = threading.Event()  # the watcher's reconnect waits for this
@@ -119,18 +136,16 @@ def test_after_a_lighthouse_restart_its_rounds_are_its_own_and_missed_news_are_r
         return connect_kv(address, timeout=T)[0]
 
     kv = connect_kv(address, timeout=T)[0]
-    group, errors = _Group(), []
-    guard = GroupGuard(group, kv.clone(), connect, errors.append, say)
-    stop = threading.Event()
-    watcher = threading.Thread(target=guard.watch, args=(stop, "0:a"), daemon=True)
-    watcher.start()
+    member = _Watched(kv, connect)
+    guard, group, errors = member.guard, member.group, member.errors
+    member.start()
     try:
         first = _life(kv)
         assert guard.configure((first, 1), _plan(6), lambda: group.made.append(6))
         post(kv, Ask("abort", "1:a", round=6))
         _until(lambda: group.aborts == 1, "the first life's round 6 was not aborted")
         server.shutdown()
-        server = LighthouseServer(f"[::]:{port}", min_replicas=1, join_timeout_ms=2000, say=say)
+        server = _house(port)
         kv = connect_kv(address, timeout=T)[0]
         second = _life(kv)
         assert second != first
@@ -143,29 +158,24 @@ def test_after_a_lighthouse_restart_its_rounds_are_its_own_and_missed_news_are_r
         assert "round 6 was voted down" in str(errors[-1])
     finally:
         back.set()
-        stop.set()
+        member.stop()
         server.shutdown()
-        watcher.join(30)
 
 
 @pytest.mark.timeout(60)
 def test_news_posted_before_the_watcher_first_links_are_read() -> None:
     """A round voted down between the manager's start and its watcher's first read of the
     news (a slow thread start on a loaded machine) still aborts this member's group."""
-    server = LighthouseServer("[::]:0", min_replicas=1, join_timeout_ms=2000, say=lambda _: None)
+    server = _house()
     kv = connect_kv(server.address(), timeout=T)[0]
-    group, errors = _Group(), []
-    guard = GroupGuard(group, kv.clone(), lambda: kv.clone(), errors.append, lambda _: None)
-    stop = threading.Event()
-    watcher = threading.Thread(target=guard.watch, args=(stop, "0:a"), daemon=True)
+    member = _Watched(kv, kv.clone)
+    group = member.group
     try:
-        assert guard.configure((_life(kv), 1), _plan(6), lambda: group.made.append(6))
+        assert member.guard.configure((_life(kv), 1), _plan(6), lambda: group.made.append(6))
         post(kv, Ask("abort", "1:a", round=6))
         _until(lambda: (kv.get("news/last") or b"0") != b"0", "the abort was not relayed")
-        watcher.start()  # only now
+        member.start()  # only now
         _until(lambda: group.aborts == 1, "news posted before the watcher linked were lost")
     finally:
-        stop.set()
+        member.stop()
         server.shutdown()
-        if watcher.is_alive():
-            watcher.join(30)

@@ -103,9 +103,9 @@ def test_a_healer_asking_for_a_step_its_source_has_passed_is_told_at_once() -> N
         with pytest.raises(HealError, match="no state for step 7"):  # and a later ask too
             fetch_state(address, SECRET, 7, timeout=40.0)
         assert time.monotonic() - began < 5
-        server.allow(8, lambda: _state())  # the step it is at is served as before
+        server.allow(8, _state)  # the step it is at is served as before
         assert fetch_state(address, SECRET, 8, timeout=5.0)[1] > 0
-        server.allow(5, lambda: _state())  # a state loaded back to an earlier step
+        server.allow(5, _state)  # a state loaded back to an earlier step
         assert fetch_state(address, SECRET, 5, timeout=5.0)[1] > 0
     finally:
         server.close()
