@@ -36,6 +36,11 @@ MOMENTS = [
 ]
 """(how rank 1 faults, seconds after the barrier that follows ``init_process_group``). The
 first Adam's imports take about a second on an idle machine, and longer under load."""
+GRACE = 90
+"""``--restart-grace``: a kept rank leaves its function once its import is done, which took
+more than the default 10 s with three ranks importing beside the rest of the suite on 2
+cores (a CI run: both kept ranks were replaced, still in ``torch._dynamo``'s import). What
+is tested is that the import is not cut, not how fast it is: the grace is a ceiling."""
 
 
 def _pids(out: Path, restart: int) -> dict[int, int]:
@@ -53,7 +58,8 @@ def test_a_fault_during_the_first_steps_imports_keeps_every_survivor(
 ) -> None:
     cmd = [
         sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "3",
-        "--max-restarts", "2", str(SCRIPT), str(tmp_path), kind, str(delay), "5",
+        "--max-restarts", "2", "--restart-grace", str(GRACE),
+        str(SCRIPT), str(tmp_path), kind, str(delay), "5",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
