@@ -210,22 +210,24 @@ def test_a_put_made_while_a_wait_sets_up_its_watch_wakes_it_at_once(etcd: EtcdSe
     """etcd hands a watch that starts behind its head (a write anywhere since the read) its
     history on a catch-up loop every 100 ms: such a wake came 0-100 ms late (a lighthouse
     round on etcd took 55-70 ms, most of it here). The put is found by a read once the
-    watch is made; here it must come in well under the catch-up's mean of 50 ms."""
+    watch is made, not by the watch: each wait reads its key twice, missing, then found,
+    well before its timeout (where a last read finds it too). The time is not held to the
+    catch-up's 50 ms: on a loaded machine a read can take as long."""
     kv, other = _two_clients(etcd)
-    written: set[bytes] = set()
+    reads: dict[bytes, list[bytes | None]] = {}
 
     def write_it_once(full: bytes, value: bytes | None) -> None:
-        if value is None and full not in written:  # the key itself, once, after its read
-            written.add(full)
+        reads.setdefault(full, []).append(value)
+        if value is None and len(reads[full]) == 1:  # the key itself, once, after its read
             other.set(full.decode().rsplit("/", 1)[1], b"1")
 
     _after_each_read(kv, write_it_once)
-    took = []
     for i in range(11):
         start = time.monotonic()
         assert kv.wait([f"k{i}"], timedelta(seconds=5))
-        took.append(time.monotonic() - start)
-    assert sorted(took)[5] < 0.03, [round(t * 1000) for t in took]
+        assert time.monotonic() - start < 4, i
+    assert len(reads) == 11, reads
+    assert all(seen == [None, b"1"] for seen in reads.values()), reads
 
 
 @pytest.mark.timeout(60)
