@@ -11,12 +11,13 @@ store connection was made just after its attempt was cut stayed in the construct
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from _support import cli_zygote
 
 SCRIPT = Path(__file__).with_name("_restart_early.py")
 GRACE = 30
@@ -34,14 +35,8 @@ def _cmd(out: Path, nproc: int, failing: int, mode: str, *flags: str) -> list[st
     ]  # fmt: skip
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-
-
 def _one_node(out: Path, failing: int, mode: str) -> str:
-    done = subprocess.run(
-        _cmd(out, 4, failing, mode), capture_output=True, text=True, timeout=100, env=_env()
-    )
+    done = cli_zygote.run(_cmd(out, 4, failing, mode), capture_output=True, text=True, timeout=100)
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-6000:]
     return text
@@ -53,12 +48,11 @@ def _two_nodes(out: Path, failing: int, mode: str, endpoint: str) -> str:
         "--rdzv-id", "early", "--rdzv-conf", "is_host=false",
     ]  # fmt: skip
     agents = [
-        subprocess.Popen(
+        cli_zygote.Popen(
             _cmd(out, 2, failing, mode, *conf),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=_env(),
         )
         for _ in range(2)
     ]

@@ -10,13 +10,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from _support import cli_zygote
 
 SCRIPT = Path(__file__).with_name("_restart_edges.py")
 
@@ -26,8 +26,7 @@ def _run(out: Path, mode: str, *flags: str) -> tuple[str, float]:
         sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "4",
         "--max-restarts", "3", *flags, str(SCRIPT), str(out), mode,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
+    done = cli_zygote.run(cmd, capture_output=True, text=True, timeout=200)
     ended = time.time()
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-5000:]

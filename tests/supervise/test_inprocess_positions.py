@@ -12,13 +12,14 @@ DDP, ranks killed, spinning, and failing before ``init_process_group``.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from _support import cli_zygote
 
 SCRIPT = Path(__file__).with_name("_restart_positions.py")
 GAP = 3  # steps each attempt runs before its fault (the script's GAP)
@@ -39,14 +40,10 @@ def _cmd(out: Path, nproc: int, kind: str, grad: str, *flags: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-
-
 def _one_node(out: Path, world: int, kind: str, grad: str, *flags: str) -> str:
-    done = subprocess.run(
+    done = cli_zygote.run(
         _cmd(out, world, kind, grad, *flags),
-        capture_output=True, text=True, timeout=280, env=_env(),
+        capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-6000:]
@@ -60,12 +57,11 @@ def _two_nodes(out: Path, world: int, kind: str, grad: str, endpoint: str, *flag
         "--max-node-failures", "100", *flags,
     ]  # fmt: skip
     agents = [
-        subprocess.Popen(
+        cli_zygote.Popen(
             _cmd(out, world // 2, kind, grad, *conf),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=_env(),
         )
         for _ in range(2)
     ]

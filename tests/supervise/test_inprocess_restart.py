@@ -14,11 +14,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import rallypoint
+from _support import cli_zygote
 from rallypoint._core import envvars
 from rallypoint.observe import read_events
 from rallypoint.observe._timeline import build_timeline
@@ -42,8 +44,8 @@ def _run(
         "--max-restarts", "3", "--preload", PRELOAD, *flags, str(SCRIPT), str(out), mode,
         str(steps),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
+    env = {**os.environ, **(env or {})}
+    done = cli_zygote.run(cmd, capture_output=True, text=True, timeout=200, env=env)
     return done.returncode, done.stdout + done.stderr
 
 
@@ -166,8 +168,7 @@ def test_a_script_without_the_decorator_restarts_every_process(
     cmd = [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "4", "--max-restarts",
            "1", "--preload", PRELOAD, "--spare-workers", "1", str(SCRIPT), str(out), "kill", "30",
            "0"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
+    done = cli_zygote.run(cmd, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "restarting the worker group (restart 1 of 1)" in done.stderr, done.stderr
     assert "in-process" not in done.stderr
@@ -368,18 +369,27 @@ def test_launch_restarts_a_restartable_function_in_process(tmp_path: Path) -> No
 
 # ---------------------------------------------------------------------- across nodes
 def _agent(
-    endpoint: str, out: Path, mode: str, *conf: str, nnodes: str = "2"
+    endpoint: str,
+    out: Path,
+    mode: str,
+    *conf: str,
+    nnodes: str = "2",
+    popen: Any = cli_zygote.Popen,
 ) -> subprocess.Popen[str]:
-    """One agent of 2 ranks, as a user starts it on each node (default ``--local-addr``)."""
+    """One agent of 2 ranks, as a user starts it on each node (default ``--local-addr``).
+    ``popen=subprocess.Popen`` for an agent whose output is read line by line before
+    ``communicate()``: a forked command's ``communicate()`` reads the pipe itself, not
+    what the stream had buffered."""
     cmd = [
         sys.executable, "-m", "rallypoint", "run", "--nnodes", nnodes, "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "inproc",
         *conf, "--max-restarts", "3", "--preload", PRELOAD, str(SCRIPT), str(out), mode, "30",
     ]  # fmt: skip
+    # a forked command has the zygote's sys.path; a new interpreter is given this one's
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
+    if popen is cli_zygote.Popen:
+        env = dict(os.environ)
+    return popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def _finish(agents: list[subprocess.Popen[str]]) -> list[str]:
@@ -477,7 +487,7 @@ def test_a_hot_spare_set_up_ahead_takes_a_lost_nodes_ranks(tmp_path: Path, endpo
         while len(_entries(tmp_path, 0)) < 4:  # the round is full: a third agent is a spare
             assert all(p.poll() is None for p in agents), [p.communicate() for p in agents]
             time.sleep(0.05)
-        spare = _agent(endpoint, tmp_path, "node", *conf)
+        spare = _agent(endpoint, tmp_path, "node", *conf, popen=subprocess.Popen)
         agents.append(spare)
         assert spare.stdout is not None
         line = ""

@@ -8,13 +8,13 @@ Real ``rallypoint run`` jobs of ``_restart_train.py``: rank 1 SIGKILLs itself af
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from _support import cli_zygote
 from rallypoint._core.net import free_port
 
 SCRIPT = Path(__file__).with_name("_restart_train.py")
@@ -30,10 +30,6 @@ def _cmd(out: Path, mode: str, *flags: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-
-
 @pytest.mark.timeout(120)
 def test_one_node_a_failed_jobs_summary_says_the_waiting_workers_were_stopped(
     tmp_path: Path,
@@ -41,9 +37,7 @@ def test_one_node_a_failed_jobs_summary_says_the_waiting_workers_were_stopped(
     out = tmp_path / "out"
     out.mkdir()
     flags = ["--nproc-per-node", "2", "--max-restarts", "1", "--max-same-failure", "1"]
-    done = subprocess.run(
-        _cmd(out, "kill", *flags), capture_output=True, text=True, timeout=100, env=_env()
-    )
+    done = cli_zygote.run(_cmd(out, "kill", *flags), capture_output=True, text=True, timeout=100)
     text = done.stdout + done.stderr
     assert done.returncode == 1, text
     assert "not restarting (--max-same-failure 1)" in text, text
@@ -68,12 +62,11 @@ def test_two_agents_each_says_in_process_and_the_failed_summary_says_stopped(
         "--rdzv-endpoint", endpoint, "--rdzv-id", "wording", "--max-restarts", "1",
     ]  # fmt: skip
     agents = [
-        subprocess.Popen(
+        cli_zygote.Popen(
             _cmd(out, "every", *flags),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=_env(),
         )
         for _ in range(2)
     ]
