@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from _support import cli_zygote
 from rallypoint.observe import read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
@@ -42,7 +43,7 @@ def _agent(
         "--health-check-timeout", "20", "--shutdown-timeout", "5",
         str(script), str(out),
     ]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_a_node_failing_its_check_stays_out_while_two_others_train(
@@ -120,7 +121,7 @@ def test_a_node_that_breaks_is_checked_again_before_it_rejoins(
             "--shutdown-timeout", "5", str(script), str(out), name,
         ]  # fmt: skip
         agents.append(
-            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
     ends = []
     for p in agents:

@@ -15,6 +15,7 @@ from typing import Any
 import psutil
 import pytest
 
+from _support import cli_zygote
 from rallypoint._core.torch_c import HashStore
 from rallypoint._elastic._exits import EXIT_UNHEALTHY
 from rallypoint._elastic._health._builtin_checks import STORE_LATENCY_BOUND, check_store
@@ -24,7 +25,7 @@ RALLYPOINT = [sys.executable, "-m", "rallypoint", "run"]
 
 
 def _run(argv: list[str], timeout: float = 60) -> tuple[int, str, str]:
-    proc = subprocess.run(
+    proc = cli_zygote.run(
         [*RALLYPOINT, *argv], capture_output=True, text=True, timeout=timeout, env=os.environ
     )
     return proc.returncode, proc.stdout, proc.stderr
@@ -156,7 +157,7 @@ def test_builtin_disk_fails_when_the_log_dir_turns_read_only(
         "raise SystemExit(5)\n"
     )
     argv = ["--log-dir", str(logs), "--health-check", "builtin:disk", "--max-restarts", "1"]
-    proc = subprocess.Popen(
+    proc = cli_zygote.Popen(
         [*RALLYPOINT, *argv, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
