@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from _jobs import TRAIN, run, same_params, starts
 
+from _support import cli_zygote
 from rallypoint._core import envvars
 
 
@@ -50,7 +51,7 @@ def test_a_read_only_snapshot_dir_at_start_is_one_line_and_exit_2(tmp_path: Path
         script = tmp_path / "train.py"
         script.write_text("raise SystemExit('the job must not start')\n")
         target = ro / sub if sub else ro
-        done = subprocess.run(
+        done = cli_zygote.run(
             [sys.executable, "-m", "rallypoint", "run", "--snapshot-dir", str(target), str(script)],
             capture_output=True,
             text=True,
@@ -152,10 +153,7 @@ def held_job(tmp_path: Path) -> Iterator[Callable[[Path, str], subprocess.Popen[
             "--rdzv-id", rdzv_id, "--snapshot-dir", str(ck), "--snapshot-every", "2",
             str(TRAIN), str(out), "hold", "30",
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
+        proc = cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(proc)
         deadline = time.monotonic() + 100
         while not (out / "held").exists():
@@ -243,7 +241,7 @@ def _one_line(flags: list[str], cwd: Path) -> str:
     script = cwd / "never.py"
     script.write_text("raise SystemExit('the job must not start')\n")
     cmd = [sys.executable, "-m", "rallypoint", "run", *flags, str(script)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=cwd)
+    done = cli_zygote.run(cmd, capture_output=True, text=True, timeout=100, cwd=cwd)
     assert done.returncode == 2, (done.stdout, done.stderr)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
