@@ -10,8 +10,10 @@ the session's environment, that has imported torch and rallypoint's command line
 does nothing but fork (the worker zygote's loop, :mod:`rallypoint.testing._zygote`). Each
 command is one of its children running ``rallypoint.__main__.main(argv)``: the command
 line, the agent, its warm process and its workers are the code and the processes of
-``python -m rallypoint``. What a new interpreter would set up by itself is set up as it
-would have been:
+``python -m rallypoint``. A command that preloads one of :data:`_WARM_IMPORTS`
+(``--preload torch._dynamo``) is forked from a zygote of its own that has imported it too,
+as the command's warm process would before its first worker. What a new interpreter would
+set up by itself is set up as it would have been:
 
 - the environment (``env=``, else this process's at the call), the working directory, a
   new session (``start_new_session=``), ``sys.argv`` and ``sys.path[0]`` of ``-m``;
@@ -36,6 +38,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import io
+import itertools
 import os
 import selectors
 import signal
@@ -67,30 +70,48 @@ import torch, torch.distributed, torch.nn.parallel
 import rallypoint.__main__, rallypoint._cli, rallypoint._cli._args, rallypoint._cli._run
 import rallypoint.launcher, rallypoint._supervise._warm._server
 import _support.cli_zygote
+import importlib
+for name in sys.argv[2:]:
+    importlib.import_module(name)
 from rallypoint.testing._zygote import _serve
 _serve(socket.socket(fileno=int(sys.argv[1])))
 """
+_WARM_IMPORTS = ("torch._dynamo",)
+"""``--preload`` modules that the zygote of a command preloading them has imported: the
+command's warm process imports them before its first worker (``torch._dynamo``: some 2 s
+of CPU each time) and, forked from that zygote, finds them imported. A command that does
+not preload them is forked from a zygote without them: its workers import them where
+they would."""
 
 
 class _Zygote:
-    """The command zygote: started at the first command, ended when this process ends."""
+    """A command zygote: started at the first command it forks, ended when this process
+    ends. One for each set of :data:`_WARM_IMPORTS` a command preloads."""
 
     _lock = threading.Lock()
-    _made: Any = None
-    _proc: subprocess.Popen[bytes] | None = None
-    env: dict[str, str] = {}
+    _started: dict[tuple[str, ...], _Zygote] = {}
+
+    def __init__(self, imports: tuple[str, ...]) -> None:
+        self.imports = imports
+        self.made: Any = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.env: dict[str, str] = {}
 
     @classmethod
-    def get(cls) -> Any:
+    def of(cls, imports: tuple[str, ...]) -> _Zygote:
+        with cls._lock:
+            return cls._started.setdefault(imports, cls(imports))
+
+    def get(self) -> Any:
         from rallypoint.testing._zygote import Zygote
 
-        with cls._lock:
-            if cls._made is not None and cls._made.pid and cls._made._sock is not None:
-                return cls._made
+        with self._lock:
+            if self.made is not None and self.made.pid and self.made._sock is not None:
+                return self.made
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
             proc = subprocess.Popen(
-                [sys.executable, "-c", _SERVER, str(theirs.fileno())],
+                [sys.executable, "-c", _SERVER, str(theirs.fileno()), *self.imports],
                 pass_fds=[theirs.fileno()],
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -103,21 +124,30 @@ class _Zygote:
             zygote._sock = ours
             zygote._owner = os.getpid()
             zygote._asked = 0
-            cls._made, cls.env, cls._proc = zygote, env, proc
-            atexit.register(cls.close)
+            self.made, self.env, self.proc = zygote, env, proc
+            atexit.register(self.close)
             return zygote
 
-    @classmethod
-    def close(cls) -> None:
-        with cls._lock:
-            made, cls._made = cls._made, None
+    def close(self) -> None:
+        with self._lock:
+            made, self.made = self.made, None
         if made is not None and os.getpid() == made._owner:
             sock, made._sock = made._sock, None
             if sock is not None:
                 sock.close()  # the zygote kills the commands it still has, and exits
-            if cls._proc is not None:
+            if self.proc is not None:
                 with contextlib.suppress(Exception):
-                    cls._proc.wait(30)
+                    self.proc.wait(30)
+
+
+def _warm_imports(argv: Sequence[str]) -> tuple[str, ...]:
+    """The :data:`_WARM_IMPORTS` that ``--preload`` names in a command's ``argv``."""
+    named: set[str] = set()
+    for flag, value in itertools.pairwise(argv):
+        if flag == "--preload":
+            named.update(value.split(","))
+    named.update(a.split("=", 1)[1] for a in argv if a.startswith("--preload="))
+    return tuple(name for name in _WARM_IMPORTS if name in named)
 
 
 def _level(value: str | None) -> int | None:
@@ -212,7 +242,8 @@ def _forkable(args: Sequence[str], env: Mapping[str, str], kwargs: dict[str, Any
         return False
     if None in _levels(env):
         return False
-    base = _Zygote.env if _Zygote._made is not None else os.environ
+    zygote = _Zygote.of(_warm_imports(args[3:]))
+    base = zygote.env if zygote.made is not None else os.environ
     names = {*env, *base}
     return not any(
         name.startswith(_SENSITIVE) and name not in _RUNTIME and env.get(name) != base.get(name)
@@ -249,7 +280,8 @@ class _Forked:
             else:
                 err_fd = self._target(stderr, 2, close, "stderr")
             levels = _levels(env)
-            self._child = _Zygote.get().fork(
+            zygote = _Zygote.of(_warm_imports(self.args[3:])).get()
+            self._child = zygote.fork(
                 _command,
                 (self.args[3:], dict(env), cwd, start_new_session, levels),
                 [out_fd, err_fd],
