@@ -12,13 +12,12 @@ first Adam to their first steps; each job ends well, with ranks 0 and 2 kept.
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from _support import cli_zygote
 from rallypoint._worker_side._restartable import importing
 
 SCRIPT = Path(__file__).with_name("_restart_imports.py")
@@ -61,8 +60,7 @@ def test_a_fault_during_the_first_steps_imports_keeps_every_survivor(
         "--max-restarts", "2", "--restart-grace", str(GRACE),
         str(SCRIPT), str(tmp_path), kind, str(delay), "5",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    done = cli_zygote.run(cmd, capture_output=True, text=True, timeout=180)
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-6000:]
     assert "partially initialized" not in text and "has no attribute" not in text, text[-6000:]
