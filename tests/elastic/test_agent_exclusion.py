@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from _support import cli_zygote
 from rallypoint._core.net import free_port
 from rallypoint.observe._events import read_events
 from rallypoint.observe._timeline import build_timeline
@@ -51,7 +52,7 @@ def _agent(
         "--events", str(out / f"events-{name}.jsonl"), *extra,
         str(out / "worker.py"), str(out), mode,
     ]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 # the first round waits for every agent (they start one after another); later rounds
