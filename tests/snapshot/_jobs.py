@@ -4,6 +4,7 @@ reading what its workers wrote, and the uninterrupted references."""
 
 from __future__ import annotations
 
+import importlib
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,9 +13,20 @@ import torch
 from _train import train
 
 from rallypoint._core import envvars
+from rallypoint._supervise._warm._server import LATER_MODULES
 from rallypoint.launcher import launch
 
 TRAIN = Path(__file__).with_name("_train.py")
+
+
+def _import_what_a_first_step_imports() -> None:
+    """Each job's workers are forked from a warm process forked from this one, and each
+    worker's first Adam imports ``torch._dynamo`` (some 1.6 s of CPU, per worker and job;
+    the warm process imports it and the rest of :data:`LATER_MODULES` once idle, per job
+    too): imported once here, they find it done, as the workers of a script that imported
+    it before its ``launch()`` do."""
+    for name in LATER_MODULES:
+        importlib.import_module(name)
 
 
 def run(
@@ -33,6 +45,7 @@ def run(
     """The job of ``rallypoint run --nproc-per-node NPROC _train.py OUT MODE STEPS``, with
     workers forked from this process (torch already imported: no interpreter start per
     worker); returns what the workers wrote."""
+    _import_what_a_first_step_imports()
     out.mkdir(parents=True, exist_ok=True)
     env = dict(extra_env or {})
     if snapshot_dir is not None:
