@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from _support import cli_zygote
 from rallypoint._cli._run import run_main
 from rallypoint._core import envvars
 from rallypoint.launcher import launch
@@ -75,7 +76,7 @@ def test_a_read_only_log_dir_is_one_line_and_exit_2(small_disk: Any, tmp_path: P
     script = tmp_path / "ok.py"
     script.write_text("print('hi')\n")
     logs = small_disk.path / "logs"
-    proc = subprocess.run(
+    proc = cli_zygote.run(
         [*RALLYPOINT, "--nproc-per-node", "1", "--log-dir", str(logs), str(script)],
         capture_output=True,
         text=True,
@@ -95,7 +96,7 @@ def test_a_read_only_log_dir_is_one_line_and_exit_2(small_disk: Any, tmp_path: P
 def test_a_log_dir_that_fills_during_the_run_ends_nothing(small_disk: Any, tmp_path: Path) -> None:
     script = tmp_path / "chatty.py"
     script.write_text(CHATTY)
-    proc = subprocess.run(
+    proc = cli_zygote.run(
         [
             *RALLYPOINT,
             "--nproc-per-node",
@@ -126,7 +127,7 @@ def test_a_log_dir_that_turns_read_only_mid_run_ends_nothing(
 ) -> None:
     script = tmp_path / "fails_once.py"
     script.write_text(FAILS_ONCE)
-    proc = subprocess.Popen(
+    proc = cli_zygote.Popen(
         [
             *RALLYPOINT,
             "--nproc-per-node",
