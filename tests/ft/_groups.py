@@ -1,5 +1,10 @@
 """A lighthouse and replica groups as a user starts them: ``rallypoint lighthouse`` and one
-``rallypoint run`` per group, each running ``_ft_train.py`` (real processes, gloo)."""
+``rallypoint run`` per group, each running ``_ft_train.py`` (real processes, gloo).
+
+Each command is forked by the command zygote (``_support.cli_zygote``): the command line,
+the launcher, its warm process and its workers are those of ``python -m rallypoint``,
+without a new interpreter importing torch for each lighthouse (and each of its restarts)
+and each group."""
 
 from __future__ import annotations
 
@@ -14,15 +19,29 @@ from pathlib import Path
 
 import torch
 
+from _support import cli_zygote
 from rallypoint._core.net import reserved_port
 
 TRAIN = Path(__file__).with_name("_ft_train.py")
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **extra}
+    """This process's environment, as the command zygote started with it (its PYTHONPATH
+    too: another would need a new interpreter)."""
+    env = {**os.environ, **extra}
     env.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     return env
+
+
+def start_command(*args: str, **env: str) -> subprocess.Popen[str]:
+    """``python -m rallypoint ARGS`` with ``env`` added, its output (stderr too) piped."""
+    return cli_zygote.Popen(
+        [sys.executable, "-m", "rallypoint", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(**env),
+    )
 
 
 @dataclass
@@ -37,11 +56,7 @@ class Lighthouse:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "rallypoint", "lighthouse", "--bind", f"[::]:{self.port}",
-               *self.args]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
-        )
+        self.proc = start_command("lighthouse", "--bind", f"[::]:{self.port}", *self.args)
         assert self.proc.stdout is not None
         # c10d may warn first (a reverse name lookup that timed out): read to the address
         while "TORCHFT_LIGHTHOUSE=" not in (line := self.proc.stdout.readline()):
@@ -75,17 +90,14 @@ def lighthouse(*args: str) -> Lighthouse:
 def start_group(
     out: Path, group: int, lighthouse_addr: str, steps: int, *flags: str, **env: str
 ) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "1",
-           "--max-restarts", "2", *flags, str(TRAIN), str(out), str(steps)]  # fmt: skip
     extra = {
         "REPLICA_GROUP_ID": str(group),
         "TORCHFT_LIGHTHOUSE": lighthouse_addr,
         "FT_STEP_SLEEP": "0.15",  # the issue's step time
         **env,
     }
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(**extra)
-    )
+    proc = start_command("run", "--nproc-per-node", "1", "--max-restarts", "2", *flags,
+                          str(TRAIN), str(out), str(steps), **extra)  # fmt: skip
     STARTED.append(proc)
     return proc
 

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import itertools
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from _groups import (
     STARTED,
-    _env,
     finish,
     lighthouse,
     same_parameters,
+    start_command,
     steps,
     steps_by_process,
 )
@@ -29,12 +28,9 @@ TRAIN = Path(__file__).with_name("_diloco_train.py")
 def _start(
     out: Path, group: int, house: str, outer_steps: int, **env: str
 ) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "1",
-           "--max-restarts", "2", str(TRAIN), str(out), str(outer_steps)]  # fmt: skip
     extra = {"REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": house, **env}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(**extra)
-    )
+    proc = start_command("run", "--nproc-per-node", "1", "--max-restarts", "2",
+                         str(TRAIN), str(out), str(outer_steps), **extra)  # fmt: skip
     STARTED.append(proc)
     return proc
 

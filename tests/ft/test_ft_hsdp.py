@@ -11,7 +11,6 @@ The unit cases check ``ManagedProcessGroup`` as a torch process group on a fake 
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,12 @@ import torch
 import torch.distributed as dist
 from _groups import (
     STARTED,
-    _env,
     finish,
     lighthouse,
     longest_pause,
     never_back,
     same_parameters,
+    start_command,
     steps,
     steps_by_process,
 )
@@ -39,13 +38,10 @@ FAULT = 10
 
 
 def _start(out: Path, group: int, address: str, groups: int, **env: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "2",
-           "--max-restarts", "2", str(TRAIN), str(out), str(STEPS)]  # fmt: skip
     extra = {"REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": address,
              "FT_STEP_SLEEP": "0.1", "FT_TOGETHER": str(groups), **env}  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(**extra)
-    )
+    proc = start_command("run", "--nproc-per-node", "2", "--max-restarts", "2",
+                         str(TRAIN), str(out), str(STEPS), **extra)  # fmt: skip
     STARTED.append(proc)
     return proc
 
