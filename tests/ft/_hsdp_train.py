@@ -13,8 +13,12 @@ argv: OUT STEPS. Environment: REPLICA_GROUP_ID, TORCHFT_LIGHTHOUSE, RANK/WORLD_S
 ``rallypoint run --nproc-per-node 2``), FT_IMPL (``torchft`` to run torchft itself),
 FT_KILL ("GROUP:RANK:STEP": that rank of that group's first processes SIGKILLs itself
 after that step), FT_STEP_SLEEP (seconds, 0.05), FT_TOGETHER (N: wait until groups
-0..N-1 have started). Rank 0 appends ``time step participants pid`` to OUT/steps-<group>
-for every committed step; the end gathers the full state dict to OUT/final-<group>.pt.
+0..N-1 have started), FT_HOLD ("STEP:GROUP": the other groups' first processes, once past
+that step, wait until a restarted process of that group is about to ask for its first
+quorum: it then heals while they still train, however slowly a loaded machine restarts
+it). Rank 0 appends ``time
+step participants pid`` to OUT/steps-<group> for every committed step; the end gathers
+the full state dict to OUT/final-<group>.pt.
 """
 
 import importlib
@@ -46,6 +50,7 @@ kill_group, kill_rank, kill_step = os.environ.get("FT_KILL", "-1:-1:-1").split("
 marker = os.path.join(OUT, f"started-{GROUP}-{RANK}")
 FIRST = not os.path.exists(marker)
 open(marker, "a").close()
+hold_step, _, hold_group = os.environ.get("FT_HOLD", "-1:-1").partition(":")
 together = int(os.environ.get("FT_TOGETHER", "0"))
 deadline = time.monotonic() + 120
 while FIRST and not all(
@@ -141,6 +146,8 @@ for module in model.modules():
     if isinstance(module, FSDPModule):
         module.set_all_reduce_hook(all_reduce_hook)
 optimizer = ft.Optimizer(manager, inner)
+if not FIRST:  # about to ask for its first quorum (FT_HOLD)
+    open(os.path.join(OUT, f"back-{GROUP}-{RANK}"), "a").close()
 with open(os.path.join(OUT, f"steps-{GROUP}"), "a", buffering=1) as log:
     while manager.current_step() < STEPS:
         step = manager.current_step()
@@ -154,6 +161,11 @@ with open(os.path.join(OUT, f"steps-{GROUP}"), "a", buffering=1) as log:
         if FIRST and (kill_group, kill_rank) == (str(GROUP), str(RANK)) and now >= int(kill_step):
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(SLEEP)
+        if FIRST and hold_group != str(GROUP) and 0 <= int(hold_step) <= now:
+            hold_step, deadline = "-1", time.monotonic() + 120
+            while not os.path.exists(os.path.join(OUT, f"back-{hold_group}-0")):
+                assert time.monotonic() < deadline, f"group {hold_group} never came back"
+                time.sleep(0.05)
 full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 if RANK == 0:
     torch.save(full, os.path.join(OUT, f"final-{GROUP}.pt"))

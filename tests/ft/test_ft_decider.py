@@ -204,3 +204,29 @@ def test_an_asks_after_and_again_are_validated_and_named() -> None:
         raw = json.dumps({**body, field: value}).encode()
         with pytest.raises(RecordError, match=f"in/box: '{field}' is"):
             parse_message(raw, "in/box")
+
+
+def test_a_notice_soon_after_one_a_member_came_back_from_names_the_first_as_the_cause() -> None:
+    """A group across nodes: rank 1's agent posts its death, rank 0 (its agent not told
+    yet) asks again, then fails of that death, and its agent posts that."""
+    d, clock, _ = _decider(heartbeat_timeout_ms=5000)
+    for m in ("a:1", "b:1"):
+        d.receive(_ask(m, 1))
+    _decided(d.tick(clock()))
+    d.receive(Ask("gone", "b:1", why="rank 1 killed by SIGKILL"))
+    d.tick(clock())
+    d.receive(_ask("b:1", 2, step=1))  # back, by its own ask
+    clock.now += 1.0
+    d.receive(Ask("gone", "b:1", why="rank 0 exited with 1"))
+    [died] = [e for e in d.tick(clock()) if isinstance(e, Died)]
+    assert died.why == "rank 1 killed by SIGKILL, then rank 0 exited with 1"
+    d.receive(Ask("gone", "b:1", why="forged"))  # a notice come back from long ago
+    d.tick(clock())
+    d.receive(_ask("b:1", 3, step=1))
+    clock.now += 6.0
+    d.receive(_ask("a:1", 2, step=1))
+    d.beats({"a:1": 1, "b:1": 1})
+    d.tick(clock())
+    d.receive(Ask("gone", "b:1", why="rank 0 killed by SIGKILL"))
+    [died] = [e for e in d.tick(clock()) if isinstance(e, Died)]
+    assert died.why == "rank 0 killed by SIGKILL"

@@ -37,6 +37,10 @@ from rallypoint.ft.work import _DummyWork
 TRAIN = Path(__file__).with_name("_hsdp_train.py")
 STEPS = 40
 FAULT = 10
+HOLD = 25
+"""The healthy groups wait after this step until group 1 is restarted (``FT_HOLD``): a
+group across two nodes restarts through a new rendezvous, and beside the suite it once
+came back after the others had finished."""
 
 
 def _start(
@@ -72,7 +76,13 @@ def test_hsdp_a_rank_killed_the_other_groups_keep_stepping_and_it_heals(
     try:
         launchers = [
             _start(
-                tmp_path, g, house.address, 3, endpoint if g == 1 else "", FT_KILL=f"1:1:{FAULT}"
+                tmp_path,
+                g,
+                house.address,
+                3,
+                endpoint if g == 1 else "",
+                FT_KILL=f"1:1:{FAULT}",
+                FT_HOLD=f"{HOLD}:1",
             )
             for g in range(3)
         ]
@@ -82,11 +92,11 @@ def test_hsdp_a_rank_killed_the_other_groups_keep_stepping_and_it_heals(
     texts = ["\n".join(done[:1]), "\n".join(done[1:3]), "\n".join(done[3:])]
     context = screen + "\n".join(t[-3000:] for t in texts)
     assert all(p.returncode == 0 for group in launchers for p in group), context
-    # each agent of group 1 names the kill; the lighthouse names the first notice it still
-    # believes: the kill's, or, when rank 0 asked for its next quorum before its FSDP
-    # collective with the dead rank failed (its agent learns of the kill later), rank 0's
-    # exit (the ask is taken as the group being back: docs/ft.md, "Groups across nodes")
-    assert re.search(r"group 1 left: rank (1 killed by SIGKILL|0 exited with 1)", screen), context
+    # each agent of group 1 names the kill, and so does the lighthouse, first: rank 0 may
+    # ask for its next quorum before its FSDP collective with the dead rank fails (its
+    # agent learns of the kill later), and then leave of that (docs/ft.md, "Groups across
+    # nodes")
+    assert "group 1 left: rank 1 killed by SIGKILL" in screen, context
     killed = re.findall(
         r"rank 1 on \S+ killed by SIGKILL; restarting the workers on every node", texts[1]
     )
@@ -99,7 +109,8 @@ def test_hsdp_a_rank_killed_the_other_groups_keep_stepping_and_it_heals(
     first, *_, restarted = steps_by_process(tmp_path, 1)
     assert restarted[0] > max(FAULT, first[-1]), (first, restarted)  # at the others' step
     for g in (0, 2):  # they stepped on while group 1 was away: no pause past 3 steps + 1.5 s
-        worst, median = longest_pause(steps(tmp_path, g), after=2)
+        before_hold = [row for row in steps(tmp_path, g) if row[1] <= HOLD]
+        worst, median = longest_pause(before_hold, after=2)
         assert worst <= 3 * median + 1.5, (g, worst, median, context)
         during = [s for _, s, n in steps(tmp_path, g) if n == 2 and s > FAULT]
         assert during, (g, steps(tmp_path, g))  # steps of the two groups left

@@ -33,6 +33,8 @@ class _Member:
     dead_since: float | None = None
     """When the decider last saw it go from alive to dead (its death was announced)."""
     last_round: int | None = None
+    revived: tuple[str, float] | None = None
+    """The notice it came back from by asking, and when (:meth:`Decider._told_gone`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +159,7 @@ class Decider:
             self.say(f"a notice that {member} left ({seen.gone}) is not believed: {why}")
         elif seen.gone is not None:
             self.say(f"{member} asks again: it is back (it was said to have left: {seen.gone})")
+            seen.revived = (seen.gone, self.clock())
         seen.gone, seen.gone_beat, seen.dead_since = None, None, None
 
     def watched(self) -> list[str]:
@@ -177,12 +180,19 @@ class Decider:
         return seen
 
     def _told_gone(self, member: str, why: str) -> None:
+        """A notice. One that follows, within the heartbeat timeout, a notice the member
+        came back from by asking names both, the first first: a group across nodes whose
+        rank died asks once more from its rank 0 (its agent has not heard yet), then that
+        rank fails of the death, and the first notice is the cause."""
+        now = self.clock()
         seen = self.members.get(member)
         if seen is None:
-            now = self.clock()
             seen = self.members[member] = _Member(member.split(":")[0], now, now)
         if seen.gone is None:
-            seen.gone = why
+            first = seen.revived
+            recent = first is not None and now - first[1] < self.rules.heartbeat_timeout_ms / 1000
+            seen.gone = f"{first[0]}, then {why}" if first is not None and recent else why
+            seen.revived = None
 
     # ------------------------------------------------------------------ liveness
     def alive(self, member: str, now: float | None = None) -> bool:
