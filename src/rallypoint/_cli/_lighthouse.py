@@ -82,16 +82,27 @@ def lighthouse_main(argv: list[str]) -> int:
         return 2
 
     def stop(*_: object) -> None:
-        server.shutdown()
+        raise _Stopped  # out of the wait; the shutdown runs outside the handler
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
     rules = server.rules
-    print(
-        f"rallypoint lighthouse: {server.address()} (min_replicas {rules.min_replicas}, "
-        f"join_timeout_ms {rules.join_timeout_ms}, heartbeat_timeout_ms "
-        f"{rules.heartbeat_timeout_ms}); set TORCHFT_LIGHTHOUSE={server.address()}",
-        flush=True,
-    )
-    server.wait()
+    try:
+        print(
+            f"rallypoint lighthouse: {server.address()} (min_replicas {rules.min_replicas}, "
+            f"join_timeout_ms {rules.join_timeout_ms}, heartbeat_timeout_ms "
+            f"{rules.heartbeat_timeout_ms}); set TORCHFT_LIGHTHOUSE={server.address()}",
+            flush=True,
+        )
+        server.wait()
+    except _Stopped:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # a second one does not cut the shutdown
+        server.shutdown()
     return 0
+
+
+class _Stopped(Exception):
+    """SIGINT or SIGTERM. A shutdown run inside the handler could wait forever on a lock
+    that the interrupted main thread holds (``wait``'s event takes a plain lock each
+    second): a lighthouse beside a busy test suite once did not end in 30 s."""
