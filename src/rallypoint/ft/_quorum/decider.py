@@ -189,10 +189,10 @@ class Decider:
         if seen is None:
             seen = self.members[member] = _Member(member.split(":")[0], now, now)
         if seen.gone is None:
-            first = seen.revived
-            recent = first is not None and now - first[1] < self.rules.heartbeat_timeout_ms / 1000
-            seen.gone = f"{first[0]}, then {why}" if first is not None and recent else why
-            seen.revived = None
+            first, seen.revived = seen.revived, None
+            if first is not None and now - first[1] < self.rules.heartbeat_timeout_ms / 1000:
+                why = f"{first[0]}, then {why}"
+            seen.gone = why
 
     # ------------------------------------------------------------------ liveness
     def alive(self, member: str, now: float | None = None) -> bool:
