@@ -142,12 +142,13 @@ def _program() -> dict[str, Any]:
 def test_sync_calls_read_their_own_replies_and_no_reply_is_lost() -> None:
     out = run_workers(_program, 2, timeout=100, env=SECRET)[0]
     assert out["sync"] == [i + 1 for i in range(50)]
-    # every rpc_sync read its own reply: no thread reads the connection
-    assert out["sync_read_on"] == {"MainThread"}
-    # no call needed a reader thread; the monitor may start one that finds the role taken
-    # and leaves, if the caller lost its CPU between sending and reading for two ticks
-    # (on a busy host)
-    assert len(out["sync_spawned"]) <= 2
+    # every rpc_sync read its own reply: no thread reads the connection, but for the
+    # monitor's heal of a caller that lost its CPU between sending and reading for a whole
+    # tick (on a busy host: three test files and a CPU hog on 2 cores did it once). The
+    # reader it starts then finds the role taken and leaves, or reads that reply itself
+    assert "MainThread" in out["sync_read_on"]
+    assert out["sync_read_on"] <= {"MainThread", *out["sync_spawned"]}, out
+    assert len(out["sync_spawned"]) <= 2, out["sync_spawned"]
     assert out["async"] == [i + 2 for i in range(50)]
     assert "rpc-reader-w1" in out["async_spawned"]  # rpc_async's replies need a reader
     assert out["async_read_on"] == {"rpc-reader-w1"}
