@@ -16,9 +16,8 @@ after that step), FT_STEP_SLEEP (seconds, 0.05), FT_TOGETHER (N: wait until grou
 0..N-1 have started), FT_HOLD ("STEP:GROUP": the other groups' first processes, once past
 that step, wait until a restarted process of that group is about to ask for its first
 quorum: it then heals while they still train, however slowly a loaded machine restarts
-it). Rank 0 appends ``time
-step participants pid`` to OUT/steps-<group> for every committed step; the end gathers
-the full state dict to OUT/final-<group>.pt.
+it). Rank 0 appends ``time step participants pid`` to OUT/steps-<group> for every
+committed step; the end gathers the full state dict to OUT/final-<group>.pt.
 """
 
 import importlib

@@ -14,15 +14,11 @@ own tolerance (``1e-5``).
 from __future__ import annotations
 
 import importlib.util
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_ft_local_sgd import EXIT_AT_END, _integ_files, _swap, _torchft_text
-from test_torchft_suite import _failures
+from test_ft_local_sgd import _integ_files, _swap, _torchft_text
+from test_ft_local_sgd import _run as run_child
 
 CASES = {
     *(f"test_diloco_mocked_updates_{i}" for i in range(6)),
@@ -31,19 +27,10 @@ CASES = {
 FILE = "diloco_regression_test.py"
 
 
-def _run(root: Path, extra_path: list[str], write: bool) -> tuple[set[str], str]:
-    """The file under ``root/tests`` in a child pytest; its fixtures are ``root/test_fixtures``
-    (the file finds them beside its own folder)."""
+def _run(root: Path, write: bool) -> tuple[set[str], str]:
+    """The file under ``root/tests``; it finds its fixtures in ``root/test_fixtures``."""
     tests = root / "tests"
-    (tests / "conftest.py").write_text(EXIT_AT_END)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), *extra_path, *sys.path])}
-    env["WRITE_FIXTURE"] = "true" if write else "false"
-    env["COLUMNS"] = "400"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-           "--timeout", "120", "-rA", str(tests / FILE)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, cwd=tests)
-    passed = set(re.findall(r"^PASSED \S+::\w+::(\w+)", done.stdout, re.M))
-    return passed, _failures(done.stdout) + done.stderr[-2000:]
+    return run_child(tests, tests / FILE, 280, env={"WRITE_FIXTURE": str(write).lower()})
 
 
 @pytest.mark.timeout(600)
@@ -60,7 +47,7 @@ def test_diloco_matches_the_numbers_torchft_records_for_its_own_regression_test(
         (root / "tests").mkdir(parents=True)
         (root / "test_fixtures").mkdir()
     (theirs / "tests" / FILE).write_text(_torchft_text(FILE))
-    passed, why = _run(theirs, [], write=True)
+    passed, why = _run(theirs, write=True)
     assert passed == CASES, f"torchft itself did not pass its regression test here:\n{why}"
     recorded = sorted((theirs / "test_fixtures").glob("*.json"))
     assert len(recorded) == len(CASES), recorded
@@ -77,6 +64,5 @@ def test_diloco_matches_the_numbers_torchft_records_for_its_own_regression_test(
             },
         )
     )
-    (ours / "tests" / "local_sgd_integ_swapped_test.py").unlink()  # not this test's
-    passed, why = _run(ours, [str(Path(__file__).parent)], write=False)
+    passed, why = _run(ours, write=False)
     assert passed == CASES, why

@@ -58,11 +58,18 @@ def _swap(text: str, extra: dict[str, str]) -> str:
 
 
 def _run(
-    tmp_path: Path, path: Path, timeout: float, *args: str, conftest: str = ""
+    tmp_path: Path,
+    path: Path,
+    timeout: float,
+    *args: str,
+    conftest: str = "",
+    env: dict[str, str] | None = None,
 ) -> tuple[set[str], str]:
+    """``path`` in a child pytest run in ``tmp_path`` (its conftest there), ``env`` added."""
     (tmp_path / "conftest.py").write_text(conftest + EXIT_AT_END)
     here = str(Path(__file__).parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), here, *sys.path])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), here, *sys.path]),
+           **(env or {})}  # fmt: skip
     env["COLUMNS"] = "400"  # the summary's "FAILED id - error" lines keep their error
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
            "--timeout", "150", "-rA", str(path), *args]  # fmt: skip
