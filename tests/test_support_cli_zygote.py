@@ -62,3 +62,30 @@ def test_only_python_m_rallypoint_is_forked_and_by_the_command_zygote(tmp_path: 
     real.communicate(timeout=60)
     other = cli_zygote.run([sys.executable, "-c", "print(1)"], capture_output=True, text=True)
     assert other.stdout == "1\n"
+
+
+LINES = """
+import sys
+print("first", flush=True)
+print("second\\nthird", flush=True)  # one write: in the pipe with the first line's rest
+sys.exit(0)
+"""
+
+
+def test_communicate_after_readline_gives_every_line_not_read(tmp_path: Path) -> None:
+    """A line read with ``readline()`` and the rest from ``communicate()``: nothing that a
+    buffered stream would have read ahead is lost (Popen's own stream can lose it)."""
+    script = tmp_path / "lines.py"
+    script.write_text(LINES)
+    cmd = [sys.executable, "-m", "rallypoint", "run", str(script)]
+    for text in (True, False):
+        proc = cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=text)
+        assert not isinstance(proc, subprocess.Popen)  # forked
+        assert proc.stdout is not None
+        end = "first\n" if text else b"first\n"
+        while not (first := proc.stdout.readline()).endswith(end):
+            assert first, proc.communicate(timeout=60)
+        proc.wait(timeout=60)  # every line is in the pipe by now
+        rest, _ = proc.communicate(timeout=60)
+        lines = rest.splitlines() if text else rest.decode().splitlines()
+        assert [line[-6:].strip() for line in lines[:2]] == ["second", "third"], rest

@@ -251,6 +251,36 @@ def _forkable(args: Sequence[str], env: Mapping[str, str], kwargs: dict[str, Any
     )
 
 
+class _LineReader(io.TextIOBase):
+    """A text stream of a pipe that reads no byte past the line it returns."""
+
+    def __init__(self, fd: int) -> None:
+        self._raw = io.FileIO(fd, "r")
+
+    def readable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def readline(self, size: int | None = -1) -> str:
+        return _text(self._raw.readline(-1 if size is None else size))  # byte by byte
+
+    def read(self, size: int | None = -1) -> str:
+        return _text(
+            self._raw.readall() if size is None or size < 0 else self._raw.read(size) or b""
+        )
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def _text(data: bytes) -> str:
+    """As Popen decodes: universal newlines."""
+    return data.decode().replace("\r\n", "\n").replace("\r", "\n")
+
+
 class _Forked:
     """What ``subprocess.Popen`` offers, for a command forked by the command zygote."""
 
@@ -301,7 +331,9 @@ class _Forked:
         if spec == subprocess.PIPE:
             read, write = os.pipe()
             close.append(write)
-            stream = open(read, "r" if self._text else "rb")  # noqa: SIM115 - like Popen's
+            # read ahead of nothing: ``communicate()`` reads the pipe itself, so a byte a
+            # buffered stream had taken for ``readline()`` would be lost (Popen loses it)
+            stream: IO[Any] = _LineReader(read) if self._text else io.FileIO(read, "r")
             setattr(self, name, stream)
             self._chunks[read] = []
             self._reading[read] = stream
@@ -357,8 +389,8 @@ class _Forked:
             data = b"".join(self._chunks.pop(stream.fileno(), []))
             self._reading.pop(stream.fileno(), None)
             stream.close()
-            if self._text:  # as Popen decodes: universal newlines
-                got.append(data.decode().replace("\r\n", "\n").replace("\r", "\n"))
+            if self._text:
+                got.append(_text(data))
             else:
                 got.append(data)
         self._result = (got[0], got[1])

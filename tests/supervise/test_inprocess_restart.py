@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -374,22 +373,14 @@ def _agent(
     mode: str,
     *conf: str,
     nnodes: str = "2",
-    popen: Any = cli_zygote.Popen,
 ) -> subprocess.Popen[str]:
-    """One agent of 2 ranks, as a user starts it on each node (default ``--local-addr``).
-    ``popen=subprocess.Popen`` for an agent whose output is read line by line before
-    ``communicate()``: a forked command's ``communicate()`` reads the pipe itself, not
-    what the stream had buffered."""
+    """One agent of 2 ranks, as a user starts it on each node (default ``--local-addr``)."""
     cmd = [
         sys.executable, "-m", "rallypoint", "run", "--nnodes", nnodes, "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "inproc",
         *conf, "--max-restarts", "3", "--preload", PRELOAD, str(SCRIPT), str(out), mode, "30",
     ]  # fmt: skip
-    # a forked command has the zygote's sys.path; a new interpreter is given this one's
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    if popen is cli_zygote.Popen:
-        env = dict(os.environ)
-    return popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return cli_zygote.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _finish(agents: list[subprocess.Popen[str]]) -> list[str]:
@@ -487,7 +478,7 @@ def test_a_hot_spare_set_up_ahead_takes_a_lost_nodes_ranks(tmp_path: Path, endpo
         while len(_entries(tmp_path, 0)) < 4:  # the round is full: a third agent is a spare
             assert all(p.poll() is None for p in agents), [p.communicate() for p in agents]
             time.sleep(0.05)
-        spare = _agent(endpoint, tmp_path, "node", *conf, popen=subprocess.Popen)
+        spare = _agent(endpoint, tmp_path, "node", *conf)
         agents.append(spare)
         assert spare.stdout is not None
         line = ""
