@@ -81,12 +81,21 @@ _WARM_IMPORTS = ("torch._dynamo",)
 command's warm process imports them before its first worker (``torch._dynamo``: some 2 s
 of CPU each time) and, forked from that zygote, finds them imported. A command that does
 not preload them is forked from a zygote without them: its workers import them where
-they would."""
+they would.
+
+Unless the caller passes ``later=False``, the zygote has also imported what a first step
+imports (``LATER_MODULES``, ``torch._dynamo`` among them), so the command's warm process
+and its first workers find them imported: some 1.6 s of CPU less for each of them (most
+commands of the suite train a few steps with a torch optimizer; a test of 4 replica groups
+paid some 12 s of its 2 cores' CPU in those imports). A test about those imports (a wait
+for them, a fault while a worker imports them) passes ``later=False``: its commands' warm
+processes and workers import them where a user's would."""
 
 
 class _Zygote:
     """A command zygote: started at the first command it forks, ended when this process
-    ends. One for each set of :data:`_WARM_IMPORTS` a command preloads."""
+    ends. One for each set of imports: the :data:`_WARM_IMPORTS` a command preloads, and
+    ``later``'s."""
 
     _lock = threading.Lock()
     _started: dict[tuple[str, ...], _Zygote] = {}
@@ -140,8 +149,14 @@ class _Zygote:
                     self.proc.wait(30)
 
 
-def _warm_imports(argv: Sequence[str]) -> tuple[str, ...]:
-    """The :data:`_WARM_IMPORTS` that ``--preload`` names in a command's ``argv``."""
+def _warm_imports(argv: Sequence[str], later: bool = False) -> tuple[str, ...]:
+    """The :data:`_WARM_IMPORTS` that ``--preload`` names in a command's ``argv``; with
+    ``later``, ``LATER_MODULES`` (which hold them)."""
+    if later:
+        from rallypoint._supervise._warm._server import LATER_MODULES
+
+        assert set(_WARM_IMPORTS) <= set(LATER_MODULES)  # one zygote for any --preload
+        return tuple(LATER_MODULES)
     named: set[str] = set()
     for flag, value in itertools.pairwise(argv):
         if flag == "--preload":
@@ -237,12 +252,14 @@ def _command(
 _command.__code__ = _command.__code__.replace(co_filename="<cli_zygote>")
 
 
-def _forkable(args: Sequence[str], env: Mapping[str, str], kwargs: dict[str, Any]) -> bool:
+def _forkable(
+    args: Sequence[str], env: Mapping[str, str], kwargs: dict[str, Any], later: bool
+) -> bool:
     if list(args[:3]) != _PREFIX or kwargs:
         return False
     if None in _levels(env):
         return False
-    zygote = _Zygote.of(_warm_imports(args[3:]))
+    zygote = _Zygote.of(_warm_imports(args[3:], later))
     base = zygote.env if zygote.made is not None else os.environ
     names = {*env, *base}
     return not any(
@@ -293,6 +310,7 @@ class _Forked:
         text: bool,
         cwd: str | None,
         start_new_session: bool,
+        later: bool,
     ) -> None:
         self.args = list(args)
         self.returncode: int | None = None
@@ -310,7 +328,7 @@ class _Forked:
             else:
                 err_fd = self._target(stderr, 2, close, "stderr")
             levels = _levels(env)
-            zygote = _Zygote.of(_warm_imports(self.args[3:])).get()
+            zygote = _Zygote.of(_warm_imports(self.args[3:], later)).get()
             self._child = zygote.fork(
                 _command,
                 (self.args[3:], dict(env), cwd, start_new_session, levels),
@@ -426,12 +444,15 @@ def Popen(
     text: bool = False,
     cwd: str | os.PathLike[str] | None = None,
     start_new_session: bool = False,
+    later: bool = True,
     **kwargs: Any,
 ) -> Any:
     """``subprocess.Popen(args, ...)``; a ``python -m rallypoint`` command is forked by the
-    command zygote (see the module's doc), anything else is a real subprocess."""
+    command zygote (see the module's doc; ``later``: one that has imported what a first
+    step imports, else what a command imports before its first worker), anything else is a
+    real subprocess."""
     environ = dict(os.environ if env is None else env)
-    if not _forkable(args, environ, kwargs):
+    if not _forkable(args, environ, kwargs, later):
         return subprocess.Popen(
             args,
             env=env,
@@ -443,7 +464,7 @@ def Popen(
             **kwargs,
         )
     where = None if cwd is None else os.fspath(cwd)
-    return _Forked(args, environ, stdout, stderr, text, where, start_new_session)
+    return _Forked(args, environ, stdout, stderr, text, where, start_new_session, later)
 
 
 def run(

@@ -37,6 +37,7 @@ def _run(args: list[str], timeout: float = 90) -> subprocess.CompletedProcess[st
         capture_output=True,
         text=True,
         timeout=timeout,
+        later=False,  # a worker's first step imports torch._dynamo itself (--setup-timeout)
     )
 
 

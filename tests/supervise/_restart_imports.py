@@ -48,6 +48,8 @@ def _fault() -> None:
 def train() -> None:
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     rank = int(os.environ["RANK"])
+    if restart == 0:  # else the fault would not come while the others import them
+        assert "torch._dynamo" not in sys.modules, "torch._dynamo imported before the step"
     _write(f"enter-{restart}-{rank}", str(os.getpid()))
     dist.init_process_group("gloo")
     where = "barrier"  # a fault at once can reach a kept rank still leaving the barrier
