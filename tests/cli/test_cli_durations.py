@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import rallypoint
+from _support import cli_zygote
 
 ZERO_ALLOWED = {"--shutdown-timeout"}
 # (flag, launch keyword)
@@ -35,8 +35,9 @@ ABSURD = 1e12
 
 
 def _usage_error(argv: list[str], env: dict[str, str] | None = None) -> str:
-    """Run the real CLI; assert exit status 2 and one line on stderr; return that line."""
-    proc = subprocess.run(
+    """Run the real CLI (forked: its ``main`` parses as a new interpreter's would); assert
+    exit status 2 and one line on stderr; return that line."""
+    proc = cli_zygote.run(
         [sys.executable, "-m", "rallypoint", "run", *argv],
         capture_output=True,
         text=True,
