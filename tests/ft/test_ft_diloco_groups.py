@@ -43,6 +43,7 @@ def _run(tmp_path: Path, groups: int, outer_steps: int, **env: str) -> list[str]
         texts = finish(procs, timeout=240)
     finally:
         logs = house.stop()
+        (tmp_path / "lighthouse.log").write_text(logs)
     for g, (proc, text) in enumerate(zip(procs, texts, strict=True)):
         assert proc.returncode == 0, (
             f"group {g}: rc {proc.returncode}\n{text[-4000:]}\n{logs[-2000:]}"
@@ -67,7 +68,11 @@ def test_diloco_group_killed_mid_sync_heals_and_every_group_ends_equal(tmp_path:
     for g in (0, 2):  # the sync group 1 died in failed, the next one committed without it
         rows = steps(tmp_path, g)  # (up to step 5: the others then wait for group 1's return)
         gap = max(b[0] - a[0] for a, b in itertools.pairwise(rows) if b[1] <= 5)
-        assert gap < PAUSE, f"group {g} paused {gap:.2f} s between outer steps: {rows}"
+        said = "\n".join(f"group {h}:\n{text[-2500:]}" for h, text in enumerate(texts))
+        house = (tmp_path / "lighthouse.log").read_text()[-2500:]
+        assert gap < PAUSE, (
+            f"group {g} paused {gap:.2f} s between outer steps: {rows}\n{said}\n{house}"
+        )
 
 
 PAUSE = 5.0
