@@ -10,10 +10,11 @@ the session's environment, that has imported torch and rallypoint's command line
 does nothing but fork (the worker zygote's loop, :mod:`rallypoint.testing._zygote`). Each
 command is one of its children running ``rallypoint.__main__.main(argv)``: the command
 line, the agent, its warm process and its workers are the code and the processes of
-``python -m rallypoint``. A command that preloads one of :data:`_WARM_IMPORTS`
-(``--preload torch._dynamo``) is forked from a zygote of its own that has imported it too,
-as the command's warm process would before its first worker. What a new interpreter would
-set up by itself is set up as it would have been:
+``python -m rallypoint``. By default that zygote has also imported what a first training
+step imports (``later``, below); with ``later=False``, a command that preloads one of
+:data:`_WARM_IMPORTS` (``--preload torch._dynamo``) is forked from a zygote of its own that
+has imported it too, as the command's warm process would before its first worker. What a
+new interpreter would set up by itself is set up as it would have been:
 
 - the environment (``env=``, else this process's at the call), the working directory, a
   new session (``start_new_session=``), ``sys.argv`` and ``sys.path[0]`` of ``-m``;
@@ -253,13 +254,12 @@ _command.__code__ = _command.__code__.replace(co_filename="<cli_zygote>")
 
 
 def _forkable(
-    args: Sequence[str], env: Mapping[str, str], kwargs: dict[str, Any], later: bool
+    args: Sequence[str], env: Mapping[str, str], kwargs: dict[str, Any], zygote: _Zygote
 ) -> bool:
     if list(args[:3]) != _PREFIX or kwargs:
         return False
     if None in _levels(env):
         return False
-    zygote = _Zygote.of(_warm_imports(args[3:], later))
     base = zygote.env if zygote.made is not None else os.environ
     names = {*env, *base}
     return not any(
@@ -310,7 +310,7 @@ class _Forked:
         text: bool,
         cwd: str | None,
         start_new_session: bool,
-        later: bool,
+        zygote: _Zygote,
     ) -> None:
         self.args = list(args)
         self.returncode: int | None = None
@@ -328,8 +328,7 @@ class _Forked:
             else:
                 err_fd = self._target(stderr, 2, close, "stderr")
             levels = _levels(env)
-            zygote = _Zygote.of(_warm_imports(self.args[3:], later)).get()
-            self._child = zygote.fork(
+            self._child = zygote.get().fork(
                 _command,
                 (self.args[3:], dict(env), cwd, start_new_session, levels),
                 [out_fd, err_fd],
@@ -452,7 +451,8 @@ def Popen(
     step imports, else what a command imports before its first worker), anything else is a
     real subprocess."""
     environ = dict(os.environ if env is None else env)
-    if not _forkable(args, environ, kwargs, later):
+    zygote = _Zygote.of(_warm_imports(args[3:], later))
+    if not _forkable(args, environ, kwargs, zygote):
         return subprocess.Popen(
             args,
             env=env,
@@ -464,7 +464,7 @@ def Popen(
             **kwargs,
         )
     where = None if cwd is None else os.fspath(cwd)
-    return _Forked(args, environ, stdout, stderr, text, where, start_new_session, later)
+    return _Forked(args, environ, stdout, stderr, text, where, start_new_session, zygote)
 
 
 def run(

@@ -68,11 +68,15 @@ def test_diloco_group_killed_mid_sync_heals_and_every_group_ends_equal(tmp_path:
     for g in (0, 2):  # the sync group 1 died in failed, the next one committed without it
         rows = steps(tmp_path, g)  # (up to step 5: the others then wait for group 1's return)
         gap = max(b[0] - a[0] for a, b in itertools.pairwise(rows) if b[1] <= 5)
-        said = "\n".join(f"group {h}:\n{text[-2500:]}" for h, text in enumerate(texts))
-        house = (tmp_path / "lighthouse.log").read_text()[-2500:]
         assert gap < PAUSE, (
-            f"group {g} paused {gap:.2f} s between outer steps: {rows}\n{said}\n{house}"
+            f"group {g} paused {gap:.2f} s between outer steps: {rows}\n{_said(tmp_path, texts)}"
         )
+
+
+def _said(out: Path, texts: list[str]) -> str:
+    """What each group and the lighthouse said (the end of it), for a failed check."""
+    groups = "\n".join(f"group {g}:\n{text[-2500:]}" for g, text in enumerate(texts))
+    return f"{groups}\n{(out / 'lighthouse.log').read_text()[-2500:]}"
 
 
 PAUSE = 5.0
