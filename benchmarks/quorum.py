@@ -18,7 +18,7 @@ one process over loopback: torchft's HTTPTransport against rallypoint's authenti
 stream. Without torchft installed it measures rallypoint alone and says so.
 
     python benchmarks/quorum.py [--repeat N] [--state-mb 100]
-    python benchmarks/quorum.py --steady          # the median step, no fault (quorum_modes.py)
+    python benchmarks/quorum.py --steady --rounds 2000 [--cpu]   # the median step, no fault
     python benchmarks/quorum.py --scale 64        # rounds per second at 64 members
     python benchmarks/quorum.py --scale 4 --store etcd   # the lighthouse over etcd
     python benchmarks/quorum.py --diloco          # a DiLoCo sync, a fault (quorum_diloco.py)
@@ -225,6 +225,7 @@ def main() -> None:
     parser.add_argument("--state-mb", type=int, default=100)
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--steady", action="store_true", help="the median step, no fault")
+    parser.add_argument("--cpu", action="store_true", help="--steady: the CPU a step, by part")
     parser.add_argument("--scale", type=int, metavar="G", help="G members' rounds per second")
     parser.add_argument("--store", choices=["etcd"], help="--scale: the lighthouse over etcd")
     parser.add_argument("--rounds", type=int, default=200, help="--scale rounds, --steady steps")
@@ -241,11 +242,17 @@ def main() -> None:
 
         print(f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
         if args.steady:  # stacks interleaved, each run's median step; then their median
-            runs = [steady(args.rounds) for _ in range(args.repeat)]
+            cpus: list[dict[str, dict[str, float]]] = [{} for _ in range(args.repeat)]
+            runs = [steady(args.rounds, cpus[r] if args.cpu else None) for r in range(args.repeat)]
             for name in runs[0]:
                 each = [1000 * run[name] for run in runs]
                 print(f"| {name} | {statistics.median(each):.1f} ms | "
                       f"{', '.join(f'{v:.1f}' for v in each)} |")  # fmt: skip
+            for name in cpus[0] if args.cpu else []:  # each part's median over the runs
+                parts = sorted({part for c in cpus for part in c[name]})
+                print(f"{name}, CPU ms a step: " + ", ".join(
+                    f"{part} {statistics.median(c[name].get(part, 0.0) for c in cpus):.2f}"
+                    for part in parts))  # fmt: skip
         if args.scale:  # repeats alternate which stack runs first; each run's ratio
             ratios = []
             for r in range(args.repeat):

@@ -2,7 +2,9 @@
 
 ``--steady``: 3 groups of one rank, the tiny MLP of quorum.py, no sleep and no fault; the
 median step of plain torch DDP over gloo (3 ranks, no quorum), of torchft 0.2.0 and of
-rallypoint.ft, in one run.
+rallypoint.ft, in one run, each over the second half of its ``--rounds`` steps (2,000 for
+a steady state). ``--steady --cpu``: also the CPU each stack spends a step, by process and
+by thread (psutil, over 4 s of that half): where its cost goes.
 
 ``--scale G``: G members ask for a quorum every round through the coordination API
 (``LighthouseClient.quorum``), hosted as threads by two processes, against torchft's Rust
@@ -15,6 +17,7 @@ torchft's lighthouse has no etcd.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -71,8 +74,11 @@ print(json.dumps({"waits": waits, "first": max(t for k, t in ends if k == "first
 """
 
 
-def steady(steps: int) -> dict[str, float]:
-    """The median step (seconds) of each stack, in one run."""
+def steady(steps: int, cpu: dict[str, dict[str, float]] | None = None) -> dict[str, float]:
+    """The median step (seconds) of each stack over the second half of ``steps`` (the first
+    holds the start: rallypoint's warm process imports what later steps may need, torch's
+    first steps warm up), in one run; into ``cpu``, when given, each stack's CPU
+    milliseconds a step by part (:func:`_cpu_per_step`)."""
     from quorum import WORKER, _group, _lighthouse
 
     out: dict[str, float] = {}
@@ -85,12 +91,15 @@ def steady(steps: int) -> dict[str, float]:
            str(ddp), str(tmp / "ddp"), str(steps)]  # fmt: skip
     # torch 2.13's gloo ranks sometimes abort in destroy_process_group after the last step
     # ("terminate called without an active exception"): the steps logged are what counts
-    subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, timeout=600)  # fmt: skip
+    ranks = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    if cpu is not None:
+        cpu["plain DDP"] = _cpu_per_step(tmp / "ddp", steps, [ranks.pid])
+    ranks.wait(timeout=600)
     for rank in range(3):
         logged = (tmp / "ddp" / f"steps-{rank}").read_text().splitlines()
         assert len(logged) == steps, f"plain DDP rank {rank} logged {len(logged)} of {steps} steps"
-    out["plain DDP"] = _median_step(tmp / "ddp", 3, skip=10)
+    out["plain DDP"] = _median_step(tmp / "ddp", 3, skip=steps // 2)
     worker = WORKER.replace("time.sleep(0.15)", "pass").replace(
         "manager.current_step() >= FAULT", "False"
     )
@@ -102,8 +111,11 @@ def steady(steps: int) -> dict[str, float]:
         port = free_port()
         house = _lighthouse(kind, port, ["--min_replicas", "3"])  # every step holds all 3
         time.sleep(1.0)
-        groups = [_group(kind, g, port, script, run) for g in range(3)]
+        groups = [_group(kind, g, port, script, run, (steps, steps)) for g in range(3)]
+        name = "torchft" if kind == "torchft" else "rallypoint.ft"
         try:
+            if cpu is not None:
+                cpu[name] = _cpu_per_step(run, steps, [p.pid for p in groups], house.pid)
             for p in groups:
                 p.wait(timeout=600)
         finally:
@@ -112,8 +124,58 @@ def steady(steps: int) -> dict[str, float]:
                     os.killpg(p.pid, signal.SIGKILL)
             house.kill()
             house.wait()
-        out["torchft" if kind == "torchft" else "rallypoint.ft"] = _median_step(run, 3, skip=10)
+        out[name] = _median_step(run, 3, skip=steps // 2)
     return out
+
+
+def _cpu_per_step(
+    out: Path, steps: int, launchers: list[int], lighthouse: int = 0
+) -> dict[str, float]:
+    """CPU milliseconds a step, from half of ``steps`` to 80% of them or for 4 s,
+    whichever ends first (as logged in ``out``'s ``steps-<rank>``), by part: the
+    lighthouse; the launchers with their processes outside the collectives (agents, warm
+    processes); and the ranks: their main threads, gloo's threads, their other threads."""
+    import psutil
+
+    def logged() -> int:
+        files = [out / f"steps-{r}" for r in range(3)]
+        return min(len(f.read_text().splitlines()) if f.exists() else 0 for f in files)
+
+    def sample() -> dict[str, float]:
+        parts: dict[str, float] = {}
+        roots = [psutil.Process(pid) for pid in launchers]
+        procs = [(q, "launchers") for p in roots for q in [p, *p.children(recursive=True)]]
+        procs += [(psutil.Process(lighthouse), "lighthouse")] if lighthouse else []
+        for proc, part in procs:
+            with contextlib.suppress(psutil.Error):
+                names = {t.id: _comm(proc.pid, t.id) for t in proc.threads()}
+                rank = part == "launchers" and any("gloo" in n for n in names.values())
+                for t in proc.threads():
+                    name = part
+                    if rank:  # a process in the collectives
+                        kind = "gloo" if "gloo" in names.get(t.id, "") else "other"
+                        name = f"ranks: {'main' if t.id == proc.pid else kind} thread(s)"
+                    parts[name] = parts.get(name, 0.0) + t.user_time + t.system_time
+        return parts
+
+    deadline = time.monotonic() + 300
+    while logged() < steps // 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    before, first, t0 = sample(), logged(), time.monotonic()
+    while logged() < 0.8 * steps and time.monotonic() - t0 < 4.0:
+        time.sleep(0.05)
+    after, done = sample(), logged() - first
+    per = {k: 1000 * (after[k] - before.get(k, 0.0)) / max(1, done) for k in after}
+    per["all"] = sum(per.values())
+    per["wall ms a step"] = 1000 * (time.monotonic() - t0) / max(1, done)
+    return per
+
+
+def _comm(pid: int, tid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _median_step(out: Path, groups: int, skip: int) -> float:
