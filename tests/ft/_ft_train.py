@@ -14,7 +14,7 @@ FT_BACKEND (``nccl``: the model on the visible GPU and ProcessGroupNCCL across g
 FT_TOGETHER (N: wait until groups 0..N-1 have all started before asking for a quorum, so
 that none trains alone from step 0 however slowly a loaded machine starts the others).
 Every committed step appends ``time step participants pid`` to OUT/steps-<group>; the end
-writes the parameters to OUT/final-<group>.pt.
+writes the parameters to OUT/final-<group>.pt (a group's rank r > 0: final-<group>-rank<r>.pt).
 """
 
 import importlib
@@ -111,5 +111,11 @@ devices = {str(p.device) for p in model.parameters()}
 devices |= {str(p.grad.device) for p in model.parameters() if p.grad is not None}
 with open(os.path.join(OUT, f"devices-{GROUP}"), "w") as f:  # parameters' and gradients'
     f.write(" ".join(sorted(devices)))
-torch.save({k: v.cpu() for k, v in model.state_dict().items()}, f"{OUT}/final-{GROUP}.pt")
+RANK = int(os.environ.get("RANK", "0"))  # a group's ranks heal at step 0 from the group their
+# rank picks (as torchft: its primary is group_rank % up-to-date groups), so each is compared
+# with the same rank of the other groups
+torch.save(
+    {k: v.cpu() for k, v in model.state_dict().items()},
+    f"{OUT}/final-{GROUP}.pt" if RANK == 0 else f"{OUT}/final-{GROUP}-rank{RANK}.pt",
+)
 manager.shutdown()
