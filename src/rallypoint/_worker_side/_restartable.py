@@ -70,6 +70,10 @@ say whether a :class:`Stop` came (the agent sends it before the signal)."""
 STOP_CUT_AFTER = 1.0
 """Seconds after a :class:`Stop` before a worker still there leaves its attempt (``_stop``):
 its SIGINT handlers may use the connections until then."""
+SIGINT_WAIT = 1.0
+"""Most seconds a worker told to stop between attempts (parked, or waiting for the next
+attempt's store) waits for the SIGINT that follows the :class:`Stop`, so that its own
+SIGINT handler runs, as anywhere else, before it leaves."""
 STORE_WAIT = 300.0
 """Most seconds a new attempt waits for its store to take connections (``_await_store``;
 c10d's own connect retries for its timeout, 300 s for a TCPStore by default)."""
@@ -376,6 +380,7 @@ class _Channel:
             if msg is None:  # the agent is gone
                 os._exit(1)
             if isinstance(msg, Stop):  # a Ctrl-C: the process ends as one ends it
+                _await_sigint()
                 raise KeyboardInterrupt
             if isinstance(msg, Assign):
                 break
@@ -402,12 +407,25 @@ class _Channel:
 
         def given_up() -> bool:
             with self.lock:
-                if self.stopping:
-                    raise KeyboardInterrupt
-                return self.interrupted
+                stopping, interrupted = self.stopping, self.interrupted
+            if stopping:  # a Ctrl-C: the process ends as one ends it
+                _await_sigint()
+                raise KeyboardInterrupt
+            return interrupted
 
         await_listener(host, int(port), time.monotonic() + STORE_WAIT, every=STORE_RETRY,
                        pause=self.stop_seen.wait, give_up=given_up)  # fmt: skip
+
+
+def _await_sigint() -> None:
+    """Told to stop outside the function: the SIGINT the agent forwards next runs the
+    process's own handler here, where the main thread can (a handler that raises, as the
+    default one does, ends the wait; one that returns leaves it to its end,
+    :data:`SIGINT_WAIT`). Leaving at once, the handler would run at best while the process
+    exits, and at worst not at all."""
+    deadline = time.monotonic() + SIGINT_WAIT
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, 0.05))
 
 
 _IMPORT_FILES = frozenset(
