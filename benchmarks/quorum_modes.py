@@ -148,12 +148,12 @@ def _cpu_per_step(
         procs += [(psutil.Process(lighthouse), "lighthouse")] if lighthouse else []
         for proc, part in procs:
             with contextlib.suppress(psutil.Error):
-                names = {t.id: _comm(proc.pid, t.id) for t in proc.threads()}
-                rank = part == "launchers" and any("gloo" in n for n in names.values())
-                for t in proc.threads():
+                threads = [(t, _comm(proc.pid, t.id)) for t in proc.threads()]
+                rank = part == "launchers" and any("gloo" in comm for _, comm in threads)
+                for t, comm in threads:
                     name = part
                     if rank:  # a process in the collectives
-                        kind = "gloo" if "gloo" in names.get(t.id, "") else "other"
+                        kind = "gloo" if "gloo" in comm else "other"
                         name = f"ranks: {'main' if t.id == proc.pid else kind} thread(s)"
                     parts[name] = parts.get(name, 0.0) + t.user_time + t.system_time
         return parts

@@ -13,26 +13,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from rallypoint._core import envvars
+from _support.staged_agent import park, start_worker
 from rallypoint._core.net import free_port
-from rallypoint._worker_side._control import (
-    Assign,
-    Hello,
-    Parked,
-    Raised,
-    Stop,
-    Verdict,
-    decode,
-    encode,
-)
+from rallypoint._worker_side._control import Assign, Stop, encode
 
 WORKER = """
 import os, signal, sys
@@ -61,11 +49,6 @@ main()
 """
 
 
-def _next(agent: socket.socket, timeout: float = 60) -> object:
-    agent.settimeout(timeout)
-    return decode(agent.recv(1 << 22))
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("where", ["parked", "awaiting the store"])
 @pytest.mark.parametrize("handler", ["raise", "return"])
@@ -73,21 +56,12 @@ def test_a_ctrl_c_between_attempts_runs_the_workers_own_handler(
     tmp_path: Path, where: str, handler: str
 ) -> None:
     closed = free_port()  # nothing listens there: the next attempt waits for its store
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "MASTER_PORT": str(closed)}
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    agent, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    env[envvars.CONTROL_FD] = str(worker_end.fileno())
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path), handler], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=env, pass_fds=[worker_end.fileno()],
-    )  # fmt: skip
-    worker_end.close()
+    env = {**os.environ, "MASTER_PORT": str(closed)}
+    proc, agent = start_worker(script, env, str(tmp_path), handler)
     try:
-        assert isinstance(_next(agent), Hello)
-        assert isinstance(_next(agent), Raised)  # the first attempt failed on its own:
-        agent.send(encode(Verdict(restart=True)))  # a fault elsewhere, says the agent
-        assert isinstance(_next(agent), Parked)
+        park(agent)  # the first attempt failed on its own; a fault elsewhere, said the agent
         if where == "awaiting the store":
             agent.send(encode(Assign({"ATTEMPT": "1", "MASTER_ADDR": "127.0.0.1"})))
             time.sleep(0.5)  # trying the store by now

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint._core import envvars
+from _support.staged_agent import park, start_worker
 from rallypoint._core.net import free_port
-from rallypoint._worker_side._control import (
-    Assign,
-    Hello,
-    Parked,
-    Raised,
-    Stop,
-    Verdict,
-    decode,
-    encode,
-)
+from rallypoint._worker_side._control import Assign, Stop, encode
 
 WORKER = """
 import os, sys
@@ -58,11 +48,6 @@ print("connecting", flush=True)
 dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False,
               timeout=timedelta(seconds=30))
 """
-
-
-def _next(agent: socket.socket, timeout: float = 60) -> object:
-    agent.settimeout(timeout)
-    return decode(agent.recv(1 << 22))
 
 
 def _stopped_after(proc: subprocess.Popen[str], limit: float) -> float | None:
@@ -102,20 +87,11 @@ def test_a_ctrl_c_is_heard_while_the_next_attempt_waits_for_a_store_that_is_gone
         alone.wait()
     assert deaf is None, f"torch's connect heard the SIGINT ({deaf:.2f} s): the stage is wrong"
 
-    agent, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    worker_env = {**env, envvars.CONTROL_FD: str(worker_end.fileno())}
-    proc = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=worker_env, pass_fds=[worker_end.fileno()],
-    )  # fmt: skip
-    worker_end.close()
+    proc, agent = start_worker(script, env)
     try:
-        assert isinstance(_next(agent), Hello)
-        assert isinstance(_next(agent), Raised)  # the first attempt failed on its own:
-        agent.send(encode(Verdict(restart=True)))  # a fault elsewhere, says the agent
-        assert isinstance(_next(agent), Parked)
+        park(agent)  # the first attempt failed on its own; a fault elsewhere, said the agent
         agent.send(encode(Assign({"ATTEMPT": "1", "MASTER_ADDR": "127.0.0.1"})))
         time.sleep(1.0)  # the next attempt would be in c10d's connect by now
         agent.send(encode(Stop()))  # a Ctrl-C: the agent says so, then signals
