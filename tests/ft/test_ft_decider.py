@@ -230,3 +230,26 @@ def test_a_notice_soon_after_one_a_member_came_back_from_names_the_first_as_the_
     d.receive(Ask("gone", "b:1", why="rank 0 killed by SIGKILL"))
     [died] = [e for e in d.tick(clock()) if isinstance(e, Died)]
     assert died.why == "rank 0 killed by SIGKILL"
+
+
+def test_every_request_field_is_read_back_as_written_and_a_wrong_one_is_named() -> None:
+    """Requests are read by every process hosting members, once per round and member: the
+    common case is read on a fast path, which must accept exactly what the full check does."""
+    full = Request("a:1", "a", 3, 2, ("h:1", "h:2"), 4, True, "ff" * 16, "x:1", "y:2", {})
+    bare = Request("b:1", "b", 0, 1)
+    for req in (full, bare):
+        assert Request.from_json(json.loads(json.dumps(req.to_json())), "r/1") == req
+    assert "data" in full.to_json() and "data" not in bare.to_json()  # {} is not None
+    body = full.to_json()
+    wrong = [
+        *[("step", v) for v in (True, "3", -1, 1 << 62, 3.0)],
+        *[("member", v) for v in (7, "m" * 257)],
+        ("world_size", None), ("secret", ["ff"]), ("shrink_only", 1),
+        ("commit_failures", False), ("data", [1]), ("address", 1.5),
+    ]  # fmt: skip
+    for field, value in wrong:
+        with pytest.raises(RecordError, match=f"r/1: '{field}' is"):
+            Request.from_json({**body, field: value}, "r/1")
+    for field in ("member", "replica_id", "step", "world_size"):
+        with pytest.raises(RecordError, match=f"r/1: no '{field}'"):
+            Request.from_json({k: v for k, v in body.items() if k != field}, "r/1")

@@ -281,7 +281,7 @@ class LighthouseLink:
             except RecordError as exc:
                 return self._unreadable(exc, seq)
             else:
-                if self.member in quorum.ids():
+                if quorum.holds(self.member):
                     return self._took(quorum)
         key = f"a/{self.member}/{seq}"
         self._wait(key, deadline)
@@ -299,7 +299,7 @@ class LighthouseLink:
             return None
         rkey = f"r/{value}"
         answered = self._read(rkey, key, seq)
-        if answered is not None and self.member not in answered.ids():
+        if answered is not None and not answered.holds(self.member):
             self._once(rkey, f"{rkey} does not hold {self.member}; asking again")
             return None
         return self._took(answered)

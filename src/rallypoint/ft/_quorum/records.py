@@ -59,7 +59,30 @@ def _load(raw: bytes, key: str) -> dict[str, Any]:
     return data
 
 
+_ABSENT = object()
+
+
 def _get(data: Mapping[str, Any], name: str, kind: type, key: str, default: Any = ...) -> Any:
+    # the common case first: a value of exactly the type asked for, within bounds (a round
+    # of G members is G requests of 11 fields, read by every process that hosts members)
+    value = data.get(name, _ABSENT)
+    kind_of = type(value)
+    if kind_of is kind:
+        if kind_of is str:
+            if len(value) <= _MAX_NAME:
+                return value
+        elif kind_of is int:
+            if 0 <= value < 1 << 62:
+                return value
+        else:
+            return value
+    elif value is _ABSENT and default is not ...:
+        return default
+    return _checked(data, name, kind, key, default)
+
+
+def _checked(data: Mapping[str, Any], name: str, kind: type, key: str, default: Any) -> Any:
+    """``_get`` for the rest: a default, or one line naming the key and what is wrong."""
     if name not in data:
         if default is ...:
             raise RecordError(f"{key}: no {name!r}")
@@ -140,16 +163,20 @@ class Request:
     """A coordination client's own data (torchft's ``QuorumMember.data``)."""
 
     def to_json(self) -> dict[str, Any]:
-        # fields read as they are (asdict deep-copies each: a round of G members is G of them)
-        out = {
-            name: value
-            for name in self.__dataclass_fields__
-            if (value := getattr(self, name)) not in ("", None, (), False, 0)
+        # fields read as they are (asdict deep-copies each: a round of G members is G of
+        # them), those at their defaults left out
+        out: dict[str, Any] = {
+            "member": self.member,
+            "replica_id": self.replica_id,
+            "step": self.step,
+            "world_size": self.world_size,
         }
-        out.update(member=self.member, replica_id=self.replica_id, step=self.step)
-        out["world_size"] = self.world_size
         if self.heal:
             out["heal"] = list(self.heal)
+        for name in _OPTIONAL:
+            value = getattr(self, name)
+            if value not in ("", None, False, 0):  # (an empty dict of data is kept)
+                out[name] = value
         return out
 
     @classmethod
@@ -177,6 +204,10 @@ class Request:
         return req
 
 
+_OPTIONAL = ("commit_failures", "shrink_only", "secret", "address", "store_address", "data")
+"""The fields of a :class:`Request` written only when they are not at their defaults."""
+
+
 @dataclass(frozen=True, slots=True)
 class Quorum:
     """A decided quorum: its id (it changes only when its members do, or after a failed
@@ -189,9 +220,18 @@ class Quorum:
     round: int = 0
     left: dict[str, str] = field(default_factory=dict)
     created: float = 0.0
+    _held: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_held", frozenset(m.member for m in self.members))
 
     def ids(self) -> list[str]:
         return [m.member for m in self.members]
+
+    def holds(self, member: str) -> bool:
+        """Whether ``member`` is in this quorum (each member of a process that hosts many
+        asks this of the same round)."""
+        return member in self._held
 
     def to_bytes(self) -> bytes:
         body = {
