@@ -237,14 +237,15 @@ def test_every_request_field_is_read_back_as_written_and_a_wrong_one_is_named() 
     common case is read on a fast path, which must accept exactly what the full check does."""
     full = Request("a:1", "a", 3, 2, ("h:1", "h:2"), 4, True, "ff" * 16, "x:1", "y:2", {})
     bare = Request("b:1", "b", 0, 1)
-    for req in (full, bare):
+    signed = Request("c:1", "c", -5, 0)  # a coordination client's (torchft's are signed)
+    for req in (full, bare, signed):
         assert Request.from_json(json.loads(json.dumps(req.to_json())), "r/1") == req
     assert "data" in full.to_json() and "data" not in bare.to_json()  # {} is not None
     body = full.to_json()
     wrong = [
-        *[("step", v) for v in (True, "3", -1, 1 << 62, 3.0)],
+        *[("step", v) for v in (True, "3", -(1 << 62), 1 << 62, 3.0)],
         *[("member", v) for v in (7, "m" * 257)],
-        ("world_size", None), ("secret", ["ff"]), ("shrink_only", 1),
+        ("world_size", None), ("world_size", -1), ("secret", ["ff"]), ("shrink_only", 1),
         ("commit_failures", False), ("data", [1]), ("address", 1.5),
     ]  # fmt: skip
     for field, value in wrong:

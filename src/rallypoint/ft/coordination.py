@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from rallypoint.ft._quorum.client import LighthouseLink
+from rallypoint.ft._quorum.records import MAX_DATA, MAX_NAME, STEP_BOUND, Request
 from rallypoint.ft._quorum.records import Quorum as _Decided
-from rallypoint.ft._quorum.records import Request
 from rallypoint.ft.lighthouse import LighthouseServer
 
 __all__ = ["LighthouseClient", "LighthouseServer", "Quorum", "QuorumMember", "Timestamp"]
@@ -84,8 +84,7 @@ class LighthouseClient:
     """
 
     def __init__(self, addr: str, connect_timeout: timedelta) -> None:
-        if not isinstance(connect_timeout, timedelta):
-            raise TypeError(f"connect_timeout must be a timedelta, got {connect_timeout!r}")
+        _timedelta("connect_timeout", connect_timeout)
         self.addr, self.connect_timeout = addr, connect_timeout
         self._links: dict[str, LighthouseLink] = {}
         self._lock = threading.Lock()
@@ -126,23 +125,8 @@ class LighthouseClient:
             address, store_address, step, world_size, shrink_only, data: what the other
                 replicas see of this one (:class:`QuorumMember`).
         """
-        if not isinstance(replica_id, str) or not replica_id:
-            raise ValueError(f"replica_id must be a non-empty string, got {replica_id!r}")
-        if data is not None:
-            try:
-                data = json.loads(json.dumps(data))
-            except (TypeError, ValueError) as exc:
-                raise TypeError(f"data must be JSON-shaped (str keys): {exc}") from None
-        req = Request(
-            member=replica_id,
-            replica_id=replica_id,
-            step=int(step or 0),
-            world_size=int(world_size or 1),
-            shrink_only=bool(shrink_only),
-            address=address or "",
-            store_address=store_address or "",
-            data=data,  # type: ignore[arg-type]
-        )
+        req = _request(replica_id, address, store_address, step, world_size, shrink_only, data)
+        _timedelta("timeout", timeout)
         decided = self._link(replica_id).quorum(req, timeout.total_seconds())
         with self._lock:
             made = self._made.get((decided.gen, decided.round))
@@ -159,6 +143,8 @@ class LighthouseClient:
             replica_id: the replica.
             timeout: accepted for torchft's signature (a beat is one store operation).
         """
+        _replica_id(replica_id)
+        _timedelta("timeout", timeout)
         self._link(replica_id).beat()
 
     def close(self) -> None:
@@ -167,6 +153,76 @@ class LighthouseClient:
             for link in self._links.values():
                 link.close()
             self._links.clear()
+
+
+def _request(
+    replica_id: object,
+    address: object,
+    store_address: object,
+    step: object,
+    world_size: object,
+    shrink_only: object,
+    data: object,
+) -> Request:
+    """What a member asks with, each argument checked as torchft's are (a wrong type is a
+    ``TypeError`` naming it, a number out of range an ``OverflowError``), and against what
+    the lighthouse's records hold (a name of at most 256 characters, JSON-shaped data), so
+    that no ask is refused by the lighthouse and left to time out."""
+    _replica_id(replica_id)
+    texts = {"address": address, "store_address": store_address}
+    for name, text in texts.items():
+        if text is not None and not isinstance(text, str):
+            raise TypeError(f"{name} must be a str, got {text!r}")
+        if isinstance(text, str) and len(text) > MAX_NAME:
+            raise ValueError(f"{name} is {len(text)} characters long; at most {MAX_NAME}")
+    if shrink_only is not None and not isinstance(shrink_only, bool):
+        raise TypeError(f"shrink_only must be a bool, got {shrink_only!r}")
+    if data is not None:
+        if not isinstance(data, dict):
+            raise TypeError(f"data must be a dict, got {type(data).__name__}")
+        try:
+            text = json.dumps(data)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"data must be JSON-shaped (str keys): {exc}") from None
+        if len(text) > MAX_DATA:
+            raise ValueError(f"data takes {len(text)} bytes as JSON; at most {MAX_DATA}")
+        data = json.loads(text)
+    return Request(
+        member=str(replica_id),
+        replica_id=str(replica_id),
+        step=_integer("step", step, -STEP_BOUND + 1),
+        world_size=_integer("world_size", world_size, 0),
+        shrink_only=bool(shrink_only),
+        address=str(address or ""),
+        store_address=str(store_address or ""),
+        data=data,  # type: ignore[arg-type]
+    )
+
+
+def _replica_id(replica_id: object) -> None:
+    if not isinstance(replica_id, str):
+        raise TypeError(f"replica_id must be a str, got {replica_id!r}")
+    if not replica_id or len(replica_id) > MAX_NAME:
+        raise ValueError(
+            f"replica_id must be a string of 1 to {MAX_NAME} characters, got {replica_id[:40]!r}"
+            + ("..." if len(replica_id) > 40 else "")
+        )
+
+
+def _integer(name: str, value: object, least: int) -> int:
+    """``value`` (``None``: 0, torchft's default) as an integer from ``least`` up."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if not least <= value < STEP_BOUND:
+        raise OverflowError(f"{name} is {value}; it must be from {least} to {STEP_BOUND - 1}")
+    return value
+
+
+def _timedelta(name: str, value: object) -> None:
+    if not isinstance(value, timedelta):
+        raise TypeError(f"{name} must be a timedelta, got {value!r}")
 
 
 def _public(decided: _Decided) -> Quorum:

@@ -15,8 +15,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
+    "MAX_DATA",
+    "MAX_NAME",
     "MAX_RECORD",
     "NEWS_KEPT",
+    "STEP_BOUND",
     "Ask",
     "Quorum",
     "RecordError",
@@ -31,7 +34,10 @@ __all__ = [
 
 MAX_RECORD = 4 << 20
 """Bytes: no record of the protocol is larger (a quorum of 1,000 groups is ~300 KB)."""
-_MAX_NAME = 256
+MAX_NAME = 256
+"""Characters: the longest name (member, replica id, address) a record may hold."""
+MAX_DATA = 64 << 10
+"""Bytes: the most a member's own data may take, as JSON."""
 _MAX_RANKS = 1 << 16
 
 NEWS_KEPT = 8
@@ -69,7 +75,7 @@ def _get(data: Mapping[str, Any], name: str, kind: type, key: str, default: Any 
     kind_of = type(value)
     if kind_of is kind:
         if kind_of is str:
-            if len(value) <= _MAX_NAME:
+            if len(value) <= MAX_NAME:
                 return value
         elif kind_of is int:
             if 0 <= value < 1 << 62:
@@ -92,18 +98,30 @@ def _checked(data: Mapping[str, Any], name: str, kind: type, key: str, default: 
         raise RecordError(f"{key}: {name!r} is {value!r}, not an integer")
     if not isinstance(value, kind):
         raise RecordError(f"{key}: {name!r} is {value!r}, not a {kind.__name__}")
-    if isinstance(value, str) and len(value) > _MAX_NAME:
+    if isinstance(value, str) and len(value) > MAX_NAME:
         raise RecordError(f"{key}: {name!r} is {len(value)} characters long")
     if isinstance(value, int) and not 0 <= value < 1 << 62:
         raise RecordError(f"{key}: {name!r} is {value}, out of range")
     return value
 
 
+STEP_BOUND = 1 << 62
+"""A step is a signed integer within this (torchft's are ``i64``; nothing here steps back
+past 0, but a coordination client may say any)."""
+
+
+def _step(data: Mapping[str, Any], key: str) -> int:
+    value = data.get("step")
+    if type(value) is int and -STEP_BOUND < value < STEP_BOUND:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        raise RecordError(f"{key}: 'step' is {value}, out of range")
+    return int(_get(data, "step", int, key))
+
+
 def _names(data: Mapping[str, Any], name: str, key: str) -> tuple[str, ...]:
     value = _get(data, name, list, key, [])
-    if len(value) > _MAX_RANKS or not all(
-        isinstance(v, str) and len(v) <= _MAX_NAME for v in value
-    ):
+    if len(value) > _MAX_RANKS or not all(isinstance(v, str) and len(v) <= MAX_NAME for v in value):
         raise RecordError(f"{key}: {name!r} is not a list of short strings")
     return tuple(value)
 
@@ -184,12 +202,12 @@ class Request:
         if not isinstance(data, dict):
             raise RecordError(f"{key}: a member is a {type(data).__name__}, not an object")
         extra = _get(data, "data", dict, key, None)
-        if extra is not None and len(json.dumps(extra)) > 64 << 10:
+        if extra is not None and len(json.dumps(extra)) > MAX_DATA:
             raise RecordError(f"{key}: a member's data is larger than 64 KiB")
         req = cls(
             member=_get(data, "member", str, key),
             replica_id=_get(data, "replica_id", str, key),
-            step=_get(data, "step", int, key),
+            step=_step(data, key),
             world_size=_get(data, "world_size", int, key),
             heal=_names(data, "heal", key),
             commit_failures=_get(data, "commit_failures", int, key, 0),
@@ -199,8 +217,8 @@ class Request:
             store_address=_get(data, "store_address", str, key, ""),
             data=extra,
         )
-        if not req.member or req.world_size < 1:
-            raise RecordError(f"{key}: a member needs a name and a world size >= 1")
+        if not req.member:
+            raise RecordError(f"{key}: a member needs a name")
         return req
 
 
@@ -248,7 +266,7 @@ class Quorum:
     def from_bytes(cls, raw: bytes, key: str) -> Quorum:
         data = _load(raw, key)
         if set(data) == {"note"} and isinstance(data["note"], str):
-            raise RoundNote(data["note"][:_MAX_NAME])
+            raise RoundNote(data["note"][:MAX_NAME])
         members = _get(data, "members", list, key)
         if not members or len(members) > _MAX_RANKS:
             raise RecordError(f"{key}: a quorum of {len(members)} members")
@@ -362,7 +380,7 @@ def parse_answer(raw: bytes, key: str) -> tuple[str, int | str]:
         return "round", _get(data, "round", int, key)
     for kind in ("retry", "refused"):
         if kind in data:
-            return kind, str(_get(data, kind, str, key))[:_MAX_NAME]
+            return kind, str(_get(data, kind, str, key))[:MAX_NAME]
     raise RecordError(f"{key}: not an answer ({raw[:40]!r})")
 
 
