@@ -1,13 +1,16 @@
-"""``rallypoint lighthouse``'s stop: SIGTERM or SIGINT ends it, whatever its main thread
-holds when the signal comes."""
+"""``rallypoint lighthouse``: SIGTERM or SIGINT ends it, whatever its main thread holds
+when the signal comes; a store it waits for is said before the wait."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 
 import pytest
+
+from rallypoint._core.net import free_port
 
 _SCRIPT = """
 import os, signal, sys, threading, types
@@ -47,3 +50,27 @@ def test_a_signal_that_comes_while_the_main_thread_holds_a_lock_still_stops_it(s
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines()[-1] == "shut down", done.stdout
+
+
+@pytest.mark.timeout(60)
+def test_an_etcd_store_that_does_not_answer_is_said_at_once_not_after_the_wait() -> None:
+    """An etcd cluster is waited for (it may still be starting): the lighthouse says where it
+    connects and for how long before it waits, instead of 30 s of silence, then one line."""
+    port = free_port()  # nothing listens there
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rallypoint", "lighthouse", "--min_replicas", "1",
+         "--store", f"etcd://127.0.0.1:{port}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        began = time.monotonic()
+        first = proc.stdout.readline()  # the interpreter's start-up, then the line
+        assert time.monotonic() - began < 20, first
+        assert (
+            first == f"rallypoint lighthouse: connecting to etcd://127.0.0.1:{port} (up to 30 s)\n"
+        )
+        assert proc.poll() is None, "it gave up before its wait"
+    finally:
+        proc.kill()
+        proc.wait()

@@ -61,12 +61,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def lighthouse_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    from rallypoint.ft.lighthouse import LighthouseServer
+    from rallypoint.ft.lighthouse import STORE_CONNECT_S, LighthouseServer
     from rallypoint.rendezvous import KVError
 
     def say(line: str) -> None:
         print(f"rallypoint lighthouse: {line}", flush=True)
 
+    if args.store:  # an etcd that does not answer is waited for: said first, not after
+        say(f"connecting to {args.store} (up to {STORE_CONNECT_S} s)")
     try:
         server = LighthouseServer(
             args.bind,

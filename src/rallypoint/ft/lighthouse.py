@@ -23,9 +23,11 @@ from rallypoint.ft._quorum.decider_loop import DeciderLoop
 from rallypoint.ft._quorum.records import Ask, Rules
 from rallypoint.rendezvous import KVError, connect_kv, is_etcd_address
 
-__all__ = ["DEFAULT_BIND", "LighthouseServer", "parse_bind"]
+__all__ = ["DEFAULT_BIND", "STORE_CONNECT_S", "LighthouseServer", "parse_bind"]
 
 DEFAULT_BIND = "[::]:29510"
+STORE_CONNECT_S = 30
+"""Seconds the lighthouse waits for its store (an etcd cluster may still be starting)."""
 
 
 def parse_bind(bind: str) -> tuple[str, int]:
@@ -73,7 +75,7 @@ class LighthouseServer:
             heartbeat_timeout_ms=_positive("heartbeat_timeout_ms", beat),
         )
         self._server: Any = None
-        timeout = timedelta(seconds=30)
+        timeout = timedelta(seconds=STORE_CONNECT_S)
         if store is not None:
             if not is_etcd_address(store):
                 raise ValueError(
