@@ -88,6 +88,12 @@ WRONG: list[tuple[str, Callable[[Any], object]]] = [
     ("replica_id", lambda c: c.heartbeat(5)),
     ("timeout", lambda c: c.heartbeat("w", timeout=1)),
 ]
+SERVER_WRONG: list[tuple[str, dict[str, Any]]] = [
+    ("bind", {"bind": 5, "min_replicas": 1}),
+    ("min_replicas", {"bind": "[::]:0", "min_replicas": "3"}),
+    ("join_timeout_ms", {"bind": "[::]:0", "min_replicas": 1, "join_timeout_ms": 1.5}),
+    ("heartbeat_timeout_ms", {"bind": "[::]:0", "min_replicas": 1, "heartbeat_timeout_ms": "5"}),
+]
 OUT_OF_RANGE: list[tuple[str, Callable[[Any], object]]] = [
     ("world_size", lambda c: c.quorum(replica_id="w", timeout=SECOND, world_size=-1)),
     ("step", lambda c: c.quorum(replica_id="w", timeout=SECOND, step=2**63)),
@@ -102,6 +108,16 @@ def test_a_wrong_type_is_a_type_error_naming_it_in_both(
     for client in clients.values():
         with pytest.raises(TypeError, match=arg):
             call(client)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("arg", "kwargs"), SERVER_WRONG, ids=[a for a, _ in SERVER_WRONG])
+def test_a_servers_argument_of_a_wrong_type_is_a_type_error_in_both(
+    arg: str, kwargs: dict[str, Any]
+) -> None:
+    for module in (torchft_coordination, ours):
+        with pytest.raises(TypeError, match=arg if module is ours else None):
+            module.LighthouseServer(**kwargs)
 
 
 @pytest.mark.timeout(60)

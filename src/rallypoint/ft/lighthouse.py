@@ -33,7 +33,7 @@ STORE_CONNECT_S = 30
 def parse_bind(bind: str) -> tuple[str, int]:
     """``(host, port)`` of ``[::]:29510``, ``0.0.0.0:29510`` or ``host:port``."""
     if not isinstance(bind, str):
-        raise ValueError(f"--bind must be HOST:PORT (for example [::]:29510), got {bind!r}")
+        raise TypeError(f"bind must be a str (HOST:PORT), got {bind!r}")
     host, sep, port = bind.rpartition(":")
     if not sep or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"--bind must be HOST:PORT (for example [::]:29510), got {bind!r}")
@@ -115,7 +115,9 @@ class LighthouseServer:
 
 
 def _positive(name: str, value: Any, zero: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
+    if isinstance(value, bool) or not isinstance(value, int):  # (a wrong type: as torchft's)
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < (0 if zero else 1):
         raise ValueError(f"--{name} must be an integer {'>= 0' if zero else '>= 1'}, got {value!r}")
     return value
 
