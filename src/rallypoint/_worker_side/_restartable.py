@@ -422,10 +422,9 @@ def _await_sigint() -> None:
     process's own handler here, where the main thread can (a handler that raises, as the
     default one does, ends the wait; one that returns leaves it to its end,
     :data:`SIGINT_WAIT`). Leaving at once, the handler would run at best while the process
-    exits, and at worst not at all."""
-    deadline = time.monotonic() + SIGINT_WAIT
-    while (left := deadline - time.monotonic()) > 0:
-        time.sleep(min(left, 0.05))
+    exits, and at worst not at all. A signal ends the sleep only to run its handler (PEP
+    475): one that returns lets it sleep on to its end."""
+    time.sleep(SIGINT_WAIT)
 
 
 _IMPORT_FILES = frozenset(
