@@ -14,7 +14,26 @@ from pathlib import Path
 from rallypoint._core import envvars
 from rallypoint._worker_side._control import Hello, Parked, Raised, Verdict, decode, encode
 
-__all__ = ["next_message", "park", "start_worker"]
+__all__ = ["FAILS_THEN_CONNECTS", "next_message", "park", "start_worker"]
+
+FAILS_THEN_CONNECTS = """
+import os
+from datetime import timedelta
+import torch.distributed as dist
+import rallypoint
+
+@rallypoint.restartable
+def main():
+    if os.environ.get("ATTEMPT") != "1":
+        raise RuntimeError("the first attempt fails")
+    print("connecting", flush=True)
+    dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                  is_master=False, timeout=timedelta(seconds=30))
+
+main()
+"""
+"""The worker :func:`park` expects: its first attempt raises on its own; the next one
+(``ATTEMPT=1``) says ``connecting`` and connects to its store (``MASTER_ADDR``/``_PORT``)."""
 
 
 def start_worker(

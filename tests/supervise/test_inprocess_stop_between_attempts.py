@@ -18,15 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from _support.staged_agent import park, start_worker
+from _support.staged_agent import FAILS_THEN_CONNECTS, park, start_worker
 from rallypoint._core.net import free_port
 from rallypoint._worker_side._control import Assign, Stop, encode
 
-WORKER = """
+WORKER = (
+    """
 import os, signal, sys
-from datetime import timedelta
-import torch.distributed as dist
-import rallypoint
 
 OUT, HANDLER = sys.argv[1], sys.argv[2]
 
@@ -36,17 +34,9 @@ def on_sigint(signum, frame):
         raise KeyboardInterrupt("the worker's own handler")
 
 signal.signal(signal.SIGINT, on_sigint)
-
-@rallypoint.restartable
-def main():
-    if os.environ.get("ATTEMPT") != "1":
-        raise RuntimeError("the first attempt fails")
-    print("connecting", flush=True)
-    dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                  is_master=False, timeout=timedelta(seconds=30))
-
-main()
 """
+    + FAILS_THEN_CONNECTS
+)
 
 
 @pytest.mark.timeout(120)

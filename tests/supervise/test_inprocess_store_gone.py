@@ -19,26 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from _support.staged_agent import park, start_worker
+from _support.staged_agent import FAILS_THEN_CONNECTS, park, start_worker
 from rallypoint._core.net import free_port
 from rallypoint._worker_side._control import Assign, Stop, encode
-
-WORKER = """
-import os, sys
-from datetime import timedelta
-import torch.distributed as dist
-import rallypoint
-
-@rallypoint.restartable
-def main():
-    if os.environ.get("ATTEMPT") != "1":
-        raise RuntimeError("the first attempt fails")
-    print("connecting", flush=True)
-    dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                  is_master=False, timeout=timedelta(seconds=30))
-
-main()
-"""
 
 TORCH_ALONE = """
 import os
@@ -88,7 +71,7 @@ def test_a_ctrl_c_is_heard_while_the_next_attempt_waits_for_a_store_that_is_gone
     assert deaf is None, f"torch's connect heard the SIGINT ({deaf:.2f} s): the stage is wrong"
 
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(FAILS_THEN_CONNECTS)
     proc, agent = start_worker(script, env)
     try:
         park(agent)  # the first attempt failed on its own; a fault elsewhere, said the agent
