@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from rallypoint.ft._quorum.client import LighthouseLink
-from rallypoint.ft._quorum.records import MAX_DATA, MAX_NAME, STEP_BOUND, Request
+from rallypoint.ft._quorum.records import INT_BOUND, MAX_DATA, MAX_NAME, Request
 from rallypoint.ft._quorum.records import Quorum as _Decided
 from rallypoint.ft.lighthouse import LighthouseServer
 
@@ -190,7 +190,7 @@ def _request(
     return Request(
         member=str(replica_id),
         replica_id=str(replica_id),
-        step=_integer("step", step, -STEP_BOUND + 1),
+        step=_integer("step", step, -INT_BOUND + 1),
         world_size=_integer("world_size", world_size, 0),
         shrink_only=bool(shrink_only),
         address=str(address or ""),
@@ -215,8 +215,8 @@ def _integer(name: str, value: object, least: int) -> int:
         return 0
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
-    if not least <= value < STEP_BOUND:
-        raise OverflowError(f"{name} is {value}; it must be from {least} to {STEP_BOUND - 1}")
+    if not least <= value < INT_BOUND:
+        raise OverflowError(f"{name} is {value}; it must be from {least} to {INT_BOUND - 1}")
     return value
 
 

@@ -15,11 +15,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
+    "INT_BOUND",
     "MAX_DATA",
     "MAX_NAME",
     "MAX_RECORD",
     "NEWS_KEPT",
-    "STEP_BOUND",
     "Ask",
     "Quorum",
     "RecordError",
@@ -66,6 +66,8 @@ def _load(raw: bytes, key: str) -> dict[str, Any]:
 
 
 _ABSENT = object()
+INT_BOUND = 1 << 62
+"""Every integer of a record is below this (and a step above its negative)."""
 
 
 def _get(data: Mapping[str, Any], name: str, kind: type, key: str, default: Any = ...) -> Any:
@@ -78,7 +80,7 @@ def _get(data: Mapping[str, Any], name: str, kind: type, key: str, default: Any 
             if len(value) <= MAX_NAME:
                 return value
         elif kind_of is int:
-            if 0 <= value < 1 << 62:
+            if 0 <= value < INT_BOUND:
                 return value
         else:
             return value
@@ -100,22 +102,17 @@ def _checked(data: Mapping[str, Any], name: str, kind: type, key: str, default: 
         raise RecordError(f"{key}: {name!r} is {value!r}, not a {kind.__name__}")
     if isinstance(value, str) and len(value) > MAX_NAME:
         raise RecordError(f"{key}: {name!r} is {len(value)} characters long")
-    if isinstance(value, int) and not 0 <= value < 1 << 62:
+    if isinstance(value, int) and not 0 <= value < INT_BOUND:
         raise RecordError(f"{key}: {name!r} is {value}, out of range")
     return value
 
 
-STEP_BOUND = 1 << 62
-"""A step is a signed integer within this (torchft's are ``i64``; nothing here steps back
-past 0, but a coordination client may say any)."""
-
-
 def _step(data: Mapping[str, Any], key: str) -> int:
+    """A step: signed, within ``INT_BOUND`` either way (torchft's are ``i64``; nothing here
+    steps back past 0, but a coordination client may say any)."""
     value = data.get("step")
-    if type(value) is int and -STEP_BOUND < value < STEP_BOUND:
+    if type(value) is int and -INT_BOUND < value < 0:
         return value
-    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
-        raise RecordError(f"{key}: 'step' is {value}, out of range")
     return int(_get(data, "step", int, key))
 
 
