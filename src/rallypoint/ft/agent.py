@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
+from rallypoint.ft._group.stopped import mark_from_record
 from rallypoint.ft._quorum.client import post
 from rallypoint.ft._quorum.records import Ask
 from rallypoint.rendezvous import connect_kv
 
-__all__ = ["tell_gone"]
+__all__ = ["tell_gone", "tell_stopped"]
 
 
 def tell_gone(record: str, why: str, timeout: float = 5.0) -> bool:
@@ -30,3 +31,10 @@ def tell_gone(record: str, why: str, timeout: float = 5.0) -> bool:
     kv, _ = connect_kv(lighthouse, timeout=timedelta(seconds=timeout))
     post(kv, Ask("gone", member, why=why[:200]))
     return True
+
+
+def tell_stopped(record: str, rank: int, stopped: bool, timeout: float = 5.0) -> bool:
+    """Mark the worker's rank stopped or running in its group's store (named in ``record``),
+    before a stop is told to the lighthouse: its group's rank 0 then neither beats nor asks
+    until the rank runs again (``rallypoint.ft._group.stopped``)."""
+    return mark_from_record(record, rank, stopped, timeout)

@@ -34,7 +34,9 @@ from rallypoint.ft._group.manager_parts import (
     agree_on_member,
     ask,
     check_arguments,
+    group_address,
     group_store,
+    heal_addresses,
     heal_server,
     retries_of,
     say,
@@ -45,6 +47,7 @@ from rallypoint.ft._group.manager_parts import (
     triton_present,
     with_timeout,
 )
+from rallypoint.ft._group.stopped import mark, runs_check
 from rallypoint.ft._plan import Plan, plan
 from rallypoint.ft._quorum.client import LighthouseLink, connect_lighthouse
 from rallypoint.ft._quorum.commit import ABORT, COMMIT, SIT, agree
@@ -158,7 +161,8 @@ class Manager:
         self._replica_id = str(replica_id or os.environ.get("REPLICA_GROUP_ID", "") or "0")
         self._lighthouse = lighthouse_addr or os.environ.get("TORCHFT_LIGHTHOUSE", "")
         self._connect_lighthouse().close()  # a bad or unreachable address: one line, now
-        self._group = group_store(store_addr, store_port, self._connect_timeout)
+        self._group_at = group_address(store_addr, store_port)
+        self._group = group_store(*self._group_at, self._connect_timeout)
         self._member, self._secret, self._advertised_secret = agree_on_member(
             self._group, self._rank, self._replica_id, self._connect_timeout
         )
@@ -166,6 +170,7 @@ class Manager:
         self._heal.advertised = advertised(hostname)
         self._transport = checkpoint_transport if checkpoint_transport is not None else self._heal
         self._heal_addr = transport_metadata(self._transport)
+        mark(self._group, self._rank, stopped=False)  # before heal/<rank>, which rank 0 waits on
         self._group.set(f"heal/{self._rank}", self._heal_addr)
         if self._rank == 0:
             self._group.set(MANAGER_ADDR_KEY, self._heal.metadata())
@@ -177,12 +182,13 @@ class Manager:
                 self._replica_id,
                 connect_timeout=self._connect_timeout.total_seconds(),
                 heartbeat=heartbeat_interval.total_seconds(),
+                beats_if=runs_check(self._group, self._world_size, self._rank),
             )
             if self._rank == 0
             else None
         )
         self._events = GroupEvents(self._replica_id, self._rank)
-        tell_agent(self._lighthouse, self._member)
+        tell_agent(self._lighthouse, self._member, self._group_at)
         self._start_state()
 
     def _start_state(self) -> None:
@@ -223,13 +229,6 @@ class Manager:
 
     def _connect_again(self) -> KeyValueStore:
         return connect_lighthouse(self._lighthouse, 2.0)
-
-    def _heal_addrs(self) -> tuple[str, ...]:
-        if self._world_size == 1:
-            return (self._heal_addr,)
-        keys = [f"heal/{r}" for r in range(self._world_size)]  # a rank restarted: its own
-        self._group.wait(keys, self._connect_timeout)
-        return tuple(bytes(self._group.get(k)).decode() for k in keys)
 
     # ------------------------------------------------------------------ state dicts
     def register_state_dict_fn(
@@ -299,12 +298,13 @@ class Manager:
 
     def _async_quorum(self, seq: int, allow_heal: bool, shrink_only: bool, wait: float) -> None:
         if self._client is not None:
+            group = (self._group, self._world_size, self._rank, self._heal_addr)
             req = Request(
                 self._member,
                 self._replica_id,
                 self._step,
                 self._world_size,
-                self._heal_addrs(),
+                heal_addresses(*group, wait, self._replica_id),
                 self._commit_failures,
                 shrink_only,
                 secret=self._advertised_secret,

@@ -31,11 +31,15 @@ def _named() -> None:
         comm.write(WRITER_NAME)
 
 
-def _tell(record: str, why: str) -> int:
+def _tell(record: str, why: str, rank: int = 0, stopped: bool | None = None) -> int:
+    """Mark the rank stopped or running in its group's store (``stopped``), then tell the
+    lighthouse ``why`` (if any)."""
     try:
-        from rallypoint.ft.agent import tell_gone
+        from rallypoint.ft.agent import tell_gone, tell_stopped
 
-        return 0 if tell_gone(record, why) else 1
+        if stopped is not None:
+            tell_stopped(record, rank, stopped)
+        return 0 if not why or tell_gone(record, why) else 1
     except BaseException as exc:  # the groups wait out its heartbeat instead: say so
         with contextlib.suppress(BaseException):
             print(
@@ -56,7 +60,7 @@ def _writer_main(read: int, close: Sequence[int]) -> None:
     with os.fdopen(read, "r", encoding="utf-8") as lines:
         for line in lines:
             note = json.loads(line)
-            _tell(str(note["record"]), str(note["why"]))
+            _tell(str(note["record"]), str(note["why"]), int(note["rank"]), note["stopped"])
 
 
 class NoticeWriters:
@@ -89,10 +93,12 @@ class NoticeWriters:
         self._pipe = write
         self._pids.add(pid)
 
-    def tell(self, record: str, why: str) -> None:
-        """Have the notice written (by the writer process, or a child of its own)."""
+    def tell(self, record: str, why: str, rank: int = 0, stopped: bool | None = None) -> None:
+        """Have the notice written (by the writer process, or a child of its own); with
+        ``stopped``, the rank is first marked stopped or running in its group's store."""
         if self._pipe >= 0:
-            line = (json.dumps({"record": record, "why": why}) + "\n").encode()
+            note = {"record": record, "why": why, "rank": rank, "stopped": stopped}
+            line = (json.dumps(note) + "\n").encode()
             try:
                 os.write(self._pipe, line)  # a record is small: the pipe takes it whole
                 return
@@ -103,7 +109,7 @@ class NoticeWriters:
             code = 1
             try:
                 _named()
-                code = _tell(record, why)
+                code = _tell(record, why, rank, stopped)
             finally:
                 os._exit(code)
         self._pids.add(pid)

@@ -255,12 +255,12 @@ class _Server:
     def _reap(self) -> None:
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG | os.WUNTRACED)
+                pid, status = os.waitpid(-1, os.WNOHANG | os.WUNTRACED | os.WCONTINUED)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
-            if os.WIFSTOPPED(status):
+            if os.WIFSTOPPED(status) or os.WIFCONTINUED(status):
                 self._stopped(pid, status)
                 continue
             if pid in self.workers:
@@ -346,16 +346,20 @@ class _Server:
 
     def _stopped(self, pid: int, status: int) -> None:
         """A worker of a replica group was stopped (SIGSTOP, ^Z): the other groups go on
-        without it now, not after its heartbeat times out; run again, it asks again and
-        the lighthouse takes it back."""
+        without it now, not after its heartbeat times out; run again (SIGCONT), it is
+        marked running in its group's store, asks again and the lighthouse takes it back
+        (``rallypoint.ft._group.stopped``)."""
         path, rank = self.notices.get(pid, ("", 0))
         try:
             with open(path) as fp:
                 record = fp.read(65536)
         except OSError:
             return  # not a replica group's worker, or it never got that far
+        if os.WIFCONTINUED(status):
+            self.notice_writers.tell(record, "", rank=rank, stopped=False)
+            return
         stop = signal.Signals(os.WSTOPSIG(status)).name
-        self.notice_writers.tell(record, f"rank {rank} stopped ({stop})")
+        self.notice_writers.tell(record, f"rank {rank} stopped ({stop})", rank=rank, stopped=True)
 
     def _tell_replica_groups(self, record: str, rank: int, status: int) -> None:
         """A worker of a replica group died: tell the other groups now (``_notices``),

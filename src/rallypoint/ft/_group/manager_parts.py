@@ -25,6 +25,7 @@ import torch
 from rallypoint._core.envvars import FT_NOTICE
 from rallypoint._core.store import Store
 from rallypoint._core.torch_c import PrefixStore, TCPStore
+from rallypoint.ft._group.stopped import GROUP_PREFIX, until_running
 from rallypoint.ft._plan import Plan
 from rallypoint.ft._state.heal import HealServer
 
@@ -163,8 +164,8 @@ def with_timeout(fut: Any, seconds: float) -> Any:
 
 
 # ---------------------------------------------------------------------- set-up
-def group_store(addr: str | None, port: int | None, timeout: timedelta) -> Store:
-    """The replica group's own store (``store_addr``/``store_port`` or ``MASTER_*``)."""
+def group_address(addr: str | None, port: int | None) -> tuple[str, int]:
+    """Where the replica group's own store is (``store_addr``/``store_port`` or ``MASTER_*``)."""
     host = addr or os.environ.get("MASTER_ADDR", "")
     port_ = port or int(os.environ.get("MASTER_PORT", "0"))
     if not host or not port_:
@@ -172,8 +173,26 @@ def group_store(addr: str | None, port: int | None, timeout: timedelta) -> Store
             "rallypoint.ft.Manager needs its replica group's store: run the group under "
             "rallypoint run (or torchrun), or pass store_addr and store_port"
         )
-    store = TCPStore(host, port_, is_master=False, wait_for_workers=False, timeout=timeout)
-    return PrefixStore("rallypoint-ft/", store)
+    return host, port_
+
+
+def group_store(host: str, port: int, timeout: timedelta) -> Store:
+    """The replica group's own store, the manager's keys under their prefix."""
+    store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
+    return PrefixStore(GROUP_PREFIX, store)
+
+
+def heal_addresses(
+    group: Store, world_size: int, rank: int, own: str, wait: float, replica_id: str
+) -> tuple[str, ...]:
+    """Every rank's heal address (rank 0 asks with them), once no other rank of the group
+    is stopped: a group must not ask while one is (``_group/stopped.py``)."""
+    if world_size == 1:
+        return (own,)
+    keys = [f"heal/{r}" for r in range(world_size)]  # a rank restarted: its own again
+    group.wait(keys, timedelta(seconds=wait))
+    until_running(group, world_size, rank, wait, lambda line: say(f"group {replica_id} {line}"))
+    return tuple(bytes(v).decode() for v in group.multi_get(keys))
 
 
 def agree_on_member(
@@ -218,12 +237,15 @@ def heal_server(
         return server
 
 
-def tell_agent(lighthouse: str, member: str) -> None:
-    """Where this worker's agent tells the others at once if the worker dies."""
+def tell_agent(lighthouse: str, member: str, group_at: tuple[str, int]) -> None:
+    """Where this worker's agent tells the others at once if the worker dies, and marks
+    it stopped in its group's store (``_group/stopped.py``)."""
     path = os.environ.get(FT_NOTICE)
     if path:
+        host, port = group_at
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         with contextlib.suppress(OSError), open(path, "w") as fp:
-            json.dump({"lighthouse": lighthouse, "member": member}, fp)
+            json.dump({"lighthouse": lighthouse, "member": member, "group_store": where}, fp)
 
 
 class Background:

@@ -139,7 +139,8 @@ class LighthouseLink:
     """One member's connection to the lighthouse: hello, ask, heartbeat, leave.
 
     ``heartbeat``: seconds between beats on a thread of its own (``None``: the caller
-    beats, as torchft's ``LighthouseClient.heartbeat``)."""
+    beats, as torchft's ``LighthouseClient.heartbeat``); ``beats_if``: that thread skips
+    a beat when it says no (a rank of the member's group is stopped)."""
 
     def __init__(
         self,
@@ -151,6 +152,7 @@ class LighthouseLink:
         heartbeat: float | None = 0.1,
         say: Callable[[str], None] | None = None,
         hello: bool = True,
+        beats_if: Callable[[], bool] | None = None,
     ) -> None:
         self.address, self.member, self.replica_id = address, member, replica_id
         self._connect_timeout = connect_timeout
@@ -168,6 +170,7 @@ class LighthouseLink:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._said: set[str] = set()
+        self._beats_if = beats_if
         if hello:
             post(self.kv, self._hello(self.gen))
         self._beat_kv: KeyValueStore | None = None
@@ -213,6 +216,8 @@ class LighthouseLink:
                 except (*STORE_LOST, ValueError, ConnectionError):
                     lost_at = time.monotonic()
                     continue
+            if self._beats_if is not None and not self._beats_if():
+                continue
             try:
                 self.beat()
             except STORE_LOST:  # never again on this connection (each try would log a warning)
