@@ -25,7 +25,7 @@ import torch
 from rallypoint._core.envvars import FT_NOTICE
 from rallypoint._core.store import Store
 from rallypoint._core.torch_c import PrefixStore, TCPStore
-from rallypoint.ft._group.stopped import GROUP_PREFIX, until_running
+from rallypoint.ft._group.stopped import GROUP_PREFIX, any_marked, mark_keys, until_running
 from rallypoint.ft._plan import Plan
 from rallypoint.ft._state.heal import HealServer
 
@@ -191,8 +191,13 @@ def heal_addresses(
         return (own,)
     keys = [f"heal/{r}" for r in range(world_size)]  # a rank restarted: its own again
     group.wait(keys, timedelta(seconds=wait))
-    until_running(group, world_size, rank, wait, lambda line: say(f"group {replica_id} {line}"))
-    return tuple(bytes(v).decode() for v in group.multi_get(keys))
+    marks = mark_keys(world_size, rank)  # each written before its rank's heal/<rank>
+    values = group.multi_get(keys + marks)  # one round trip, when no rank is stopped
+    if any_marked(values[len(keys) :]):
+        told = f"group {replica_id} "
+        until_running(group, world_size, rank, wait, lambda line: say(told + line))
+        values = group.multi_get(keys)
+    return tuple(bytes(v).decode() for v in values[: len(keys)])
 
 
 def agree_on_member(

@@ -24,8 +24,10 @@ from rallypoint._core.torch_c import PrefixStore, TCPStore
 
 __all__ = [
     "GROUP_PREFIX",
+    "any_marked",
     "mark",
     "mark_from_record",
+    "mark_keys",
     "runs_check",
     "stopped_ranks",
     "until_running",
@@ -42,6 +44,16 @@ def _key(rank: int) -> str:
 def mark(group: Store, rank: int, stopped: bool) -> None:
     """Mark ``rank`` stopped or running in the group's store (``group``: prefixed)."""
     group.set(_key(rank), b"1" if stopped else b"0")
+
+
+def mark_keys(world_size: int, own: int) -> list[str]:
+    """The marks of the group's ranks other than ``own``."""
+    return [_key(r) for r in range(world_size) if r != own]
+
+
+def any_marked(values: list[bytes]) -> bool:
+    """Whether any of the marks read (as :func:`mark_keys` names them) says stopped."""
+    return any(bytes(value) == b"1" for value in values)
 
 
 def stopped_ranks(group: Store, world_size: int, own: int) -> list[int]:
