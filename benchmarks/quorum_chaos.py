@@ -161,6 +161,21 @@ def commits(out: Path, group: int) -> list[tuple[float, int, int]]:
     return sorted(rows)
 
 
+def _alone_at_the_end(out: Path, groups: int) -> set[int]:
+    """The groups whose last process started after every other group had ended (a node
+    replaced just before the end): alone in every quorum, they trained from step 0."""
+    rows = {g: (out / f"steps-{g}").read_text().split() for g in range(groups)}
+    ended = {g: float(r[-4]) for g, r in rows.items() if r}
+    alone = set()
+    for g, r in rows.items():
+        last_pid = r[-1]
+        first_of_last = min(float(r[i]) for i in range(0, len(r), 4) if r[i + 3] == last_pid)
+        others = [t for h, t in ended.items() if h != g]
+        if others and first_of_last > max(others):
+            alone.add(g)
+    return alone
+
+
 def report(job: Job, groups: int, codes: dict[int, int | str], stall: float) -> bool:
     ok = all(code == 0 for code in codes.values())
     print(f"exit codes: {codes}")
@@ -185,8 +200,14 @@ def report(job: Job, groups: int, codes: dict[int, int | str], stall: float) -> 
         if b - a > stall:
             before = [what for when, what in job.faults if when <= a + 0.5]
             print(f"STALL: no group committed for {b - a:.1f} s (last fault: {before[-1:]})")
+    alone = _alone_at_the_end(job.out, groups)
+    for g in alone:
+        print(f"group {g} came back after the others had ended and trained alone from its own")
+        print("  start (--min_replicas 1 lets it): its parameters are not compared")
     finals: dict[str, list[tuple[str, dict[str, torch.Tensor]]]] = {}
     for path in sorted(job.out.glob("final-*.pt")):
+        if int(path.stem.split("-")[1]) in alone:
+            continue
         rank = path.stem.split("-rank")[1] if "-rank" in path.stem else "0"
         finals.setdefault(rank, []).append((path.name, torch.load(path)))
     for saved in finals.values():
