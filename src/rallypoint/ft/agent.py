@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
-from rallypoint.ft._group.stopped import mark_from_record
+from rallypoint.ft._group.manager_parts import group_store
+from rallypoint.ft._group.stopped import mark
 from rallypoint.ft._quorum.client import post
 from rallypoint.ft._quorum.records import Ask
 from rallypoint.rendezvous import connect_kv
@@ -36,5 +37,12 @@ def tell_gone(record: str, why: str, timeout: float = 5.0) -> bool:
 def tell_stopped(record: str, rank: int, stopped: bool, timeout: float = 5.0) -> bool:
     """Mark the worker's rank stopped or running in its group's store (named in ``record``),
     before a stop is told to the lighthouse: its group's rank 0 then neither beats nor asks
-    until the rank runs again (``rallypoint.ft._group.stopped``)."""
-    return mark_from_record(record, rank, stopped, timeout)
+    until the rank runs again (``rallypoint.ft._group.stopped``). ``False``: the record
+    names no group store (a worker of an older manager)."""
+    try:
+        host, port = json.loads(record)["group_store"]
+        where = (str(host), int(port))
+    except (ValueError, KeyError, TypeError):
+        return False
+    mark(group_store(*where, timedelta(seconds=timeout)), rank, stopped)
+    return True

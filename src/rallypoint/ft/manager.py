@@ -299,12 +299,13 @@ class Manager:
     def _async_quorum(self, seq: int, allow_heal: bool, shrink_only: bool, wait: float) -> None:
         if self._client is not None:
             group = (self._group, self._world_size, self._rank, self._heal_addr)
+            addrs = heal_addresses(*group, self._connect_timeout, wait, self._replica_id)
             req = Request(
                 self._member,
                 self._replica_id,
                 self._step,
                 self._world_size,
-                heal_addresses(*group, wait, self._replica_id),
+                addrs,
                 self._commit_failures,
                 shrink_only,
                 secret=self._advertised_secret,

@@ -25,7 +25,7 @@ import torch
 from rallypoint._core.envvars import FT_NOTICE
 from rallypoint._core.store import Store
 from rallypoint._core.torch_c import PrefixStore, TCPStore
-from rallypoint.ft._group.stopped import GROUP_PREFIX, any_marked, mark_keys, until_running
+from rallypoint.ft._group.stopped import any_marked, mark_keys, until_running
 from rallypoint.ft._plan import Plan
 from rallypoint.ft._state.heal import HealServer
 
@@ -177,20 +177,28 @@ def group_address(addr: str | None, port: int | None) -> tuple[str, int]:
 
 
 def group_store(host: str, port: int, timeout: timedelta) -> Store:
-    """The replica group's own store, the manager's keys under their prefix."""
+    """The replica group's own store, the manager's keys under their prefix (the agent
+    marks a stopped rank through the same: ``rallypoint.ft.agent.tell_stopped``)."""
     store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
-    return PrefixStore(GROUP_PREFIX, store)
+    return PrefixStore("rallypoint-ft/", store)
 
 
 def heal_addresses(
-    group: Store, world_size: int, rank: int, own: str, wait: float, replica_id: str
+    group: Store,
+    world_size: int,
+    rank: int,
+    own: str,
+    connect: timedelta,
+    wait: float,
+    replica_id: str,
 ) -> tuple[str, ...]:
-    """Every rank's heal address (rank 0 asks with them), once no other rank of the group
-    is stopped: a group must not ask while one is (``_group/stopped.py``)."""
+    """Every rank's heal address (rank 0 asks with them; each written within ``connect``),
+    once no other rank of the group is stopped: a group must not ask while one is, for up
+    to ``wait`` seconds (``_group/stopped.py``)."""
     if world_size == 1:
         return (own,)
     keys = [f"heal/{r}" for r in range(world_size)]  # a rank restarted: its own again
-    group.wait(keys, timedelta(seconds=wait))
+    group.wait(keys, connect)
     marks = mark_keys(world_size, rank)  # each written before its rank's heal/<rank>
     values = group.multi_get(keys + marks)  # one round trip, when no rank is stopped
     if any_marked(values[len(keys) :]):
@@ -247,10 +255,9 @@ def tell_agent(lighthouse: str, member: str, group_at: tuple[str, int]) -> None:
     it stopped in its group's store (``_group/stopped.py``)."""
     path = os.environ.get(FT_NOTICE)
     if path:
-        host, port = group_at
-        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        record = {"lighthouse": lighthouse, "member": member, "group_store": list(group_at)}
         with contextlib.suppress(OSError), open(path, "w") as fp:
-            json.dump({"lighthouse": lighthouse, "member": member, "group_store": where}, fp)
+            json.dump(record, fp)
 
 
 class Background:

@@ -14,27 +14,12 @@ itself running when its manager starts (a rank killed while stopped is started a
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 from rallypoint._core.store import Store
-from rallypoint._core.torch_c import PrefixStore, TCPStore
 
-__all__ = [
-    "GROUP_PREFIX",
-    "any_marked",
-    "mark",
-    "mark_from_record",
-    "mark_keys",
-    "runs_check",
-    "stopped_ranks",
-    "until_running",
-]
-
-GROUP_PREFIX = "rallypoint-ft/"
-"""The prefix of the ``Manager``'s keys in its group's store."""
+__all__ = ["any_marked", "mark", "mark_keys", "runs_check", "stopped_ranks", "until_running"]
 
 
 def _key(rank: int) -> str:
@@ -46,25 +31,33 @@ def mark(group: Store, rank: int, stopped: bool) -> None:
     group.set(_key(rank), b"1" if stopped else b"0")
 
 
+def _others(world_size: int, own: int) -> list[int]:
+    return [r for r in range(world_size) if r != own]
+
+
+def _stopped(value: bytes) -> bool:
+    return bytes(value) == b"1"
+
+
 def mark_keys(world_size: int, own: int) -> list[str]:
     """The marks of the group's ranks other than ``own``."""
-    return [_key(r) for r in range(world_size) if r != own]
+    return [_key(r) for r in _others(world_size, own)]
 
 
 def any_marked(values: list[bytes]) -> bool:
     """Whether any of the marks read (as :func:`mark_keys` names them) says stopped."""
-    return any(bytes(value) == b"1" for value in values)
+    return any(_stopped(value) for value in values)
 
 
 def stopped_ranks(group: Store, world_size: int, own: int) -> list[int]:
     """The ranks of the group other than ``own`` that are marked stopped (a rank whose
     manager has not started yet has no mark: running)."""
-    ranks = [r for r in range(world_size) if r != own]
-    keys = [_key(r) for r in ranks]
-    if not ranks or not group.check(keys):
+    keys = mark_keys(world_size, own)
+    if not keys or not group.check(keys):
         return []
     values = group.multi_get(keys)
-    return [r for r, value in zip(ranks, values, strict=True) if bytes(value) == b"1"]
+    ranks = _others(world_size, own)
+    return [r for r, value in zip(ranks, values, strict=True) if _stopped(value)]
 
 
 def runs_check(group: Store, world_size: int, rank: int) -> Callable[[], bool] | None:
@@ -97,22 +90,3 @@ def until_running(
         if time.monotonic() > deadline:
             raise TimeoutError(f"rallypoint.ft: rank {stopped[0]} of this group stays stopped")
         time.sleep(0.05)
-
-
-def mark_from_record(record: str, rank: int, stopped: bool, timeout: float = 5.0) -> bool:
-    """The agent's side: mark ``rank`` in the group's store named in ``record`` (what the
-    worker wrote: its ``group_store``); ``False`` when the record names none."""
-    try:
-        host, _, port = str(json.loads(record)["group_store"]).rpartition(":")
-        port_ = int(port)
-    except (ValueError, KeyError, TypeError):
-        return False
-    store = TCPStore(
-        host.strip("[]"),
-        port_,
-        is_master=False,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=timeout),
-    )
-    mark(PrefixStore(GROUP_PREFIX, store), rank, stopped)
-    return True
