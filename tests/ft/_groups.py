@@ -88,16 +88,25 @@ def lighthouse(*args: str) -> Lighthouse:
 
 
 def start_group(
-    out: Path, group: int, lighthouse_addr: str, steps: int, *flags: str, **env: str
+    out: Path,
+    group: int,
+    lighthouse_addr: str,
+    steps: int,
+    *flags: str,
+    nproc: int = 1,
+    restarts: int = 2,
+    **env: str,
 ) -> subprocess.Popen[str]:
+    """Group ``group`` of ``nproc`` ranks, ``rallypoint run --max-restarts RESTARTS FLAGS``
+    training ``_ft_train.py`` up to ``steps`` (``env`` added to its environment)."""
     extra = {
         "REPLICA_GROUP_ID": str(group),
         "TORCHFT_LIGHTHOUSE": lighthouse_addr,
         "FT_STEP_SLEEP": "0.15",  # the issue's step time
         **env,
     }
-    proc = start_command("run", "--nproc-per-node", "1", "--max-restarts", "2", *flags,
-                          str(TRAIN), str(out), str(steps), **extra)  # fmt: skip
+    proc = start_command("run", "--nproc-per-node", str(nproc), "--max-restarts", str(restarts),
+                         *flags, str(TRAIN), str(out), str(steps), **extra)  # fmt: skip
     STARTED.append(proc)
     return proc
 
@@ -183,8 +192,13 @@ def never_back(rows: list[tuple[float, int, int]]) -> None:
         assert b[1] >= a[1] or a[2] < b[2], f"a step went back: {a} then {b}"
 
 
-def same_parameters(out: Path, groups: list[int]) -> None:
-    finals = [torch.load(out / f"final-{g}.pt") for g in groups]
-    for g, other in zip(groups[1:], finals[1:], strict=True):
-        for name in finals[0]:
-            assert torch.equal(finals[0][name], other[name]), f"group {g}: {name} differs"
+def same_parameters(out: Path, groups: list[int], ranks: int = 1) -> None:
+    """Each rank of ``groups`` ends with the parameters of the same rank of the first (a
+    group's ranks heal from the groups their ranks pick, so rank is compared with rank)."""
+    for rank in range(ranks):
+        suffix = f"-rank{rank}" if rank else ""
+        finals = [torch.load(out / f"final-{g}{suffix}.pt") for g in groups]
+        for g, other in zip(groups[1:], finals[1:], strict=True):
+            for name in finals[0]:
+                same = torch.equal(finals[0][name], other[name])
+                assert same, f"group {g}{suffix}: {name} differs"

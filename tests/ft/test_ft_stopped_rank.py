@@ -11,20 +11,17 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-import torch
 from _groups import (
-    STARTED,
-    TRAIN,
     finish,
     lighthouse,
     never_back,
-    start_command,
+    same_parameters,
+    start_group,
     steps,
     steps_by_process,
     wait_for_step,
@@ -33,15 +30,6 @@ from _groups import (
 STEPS = 60
 FAULT = 10
 HELD = 3.0
-
-
-def _start(out: Path, group: int, address: str) -> subprocess.Popen[str]:
-    env = {"REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": address,
-           "FT_STEP_SLEEP": "0.15", "FT_TOGETHER": "3"}  # fmt: skip
-    proc = start_command("run", "--nproc-per-node", "2", "--max-restarts", "2", str(TRAIN),
-                         str(out), str(STEPS), **env)  # fmt: skip
-    STARTED.append(proc)
-    return proc
 
 
 def _rank_process(out: Path, group: int, rank: int) -> int:
@@ -59,7 +47,10 @@ def test_a_stopped_rank_1_leaves_its_group_out_at_once_and_it_comes_back_when_co
 ) -> None:
     house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "3000")
     try:
-        groups = [_start(tmp_path, g, house.address) for g in range(3)]
+        groups = [
+            start_group(tmp_path, g, house.address, STEPS, nproc=2, FT_TOGETHER="3")
+            for g in range(3)
+        ]
         wait_for_step(tmp_path, 1, FAULT)
         pid = _rank_process(tmp_path, 1, rank=1)
         os.kill(pid, signal.SIGSTOP)
@@ -80,8 +71,4 @@ def test_a_stopped_rank_1_leaves_its_group_out_at_once_and_it_comes_back_when_co
         never_back(steps(tmp_path, g))
         assert steps(tmp_path, g)[-1][1] == STEPS, (g, steps(tmp_path, g)[-3:])
     assert len(steps_by_process(tmp_path, 1)) == 2  # the same two processes came back
-    for rank in ("", "-rank1"):  # each rank ends as the same rank of the other groups
-        finals = [torch.load(tmp_path / f"final-{g}{rank}.pt") for g in range(3)]
-        for g, other in enumerate(finals[1:], start=1):
-            for name, value in finals[0].items():
-                assert torch.equal(value, other[name]), f"group {g}{rank}: {name} differs"
+    same_parameters(tmp_path, [0, 1, 2], ranks=2)  # rank by rank
