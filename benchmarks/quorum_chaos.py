@@ -161,17 +161,14 @@ def commits(out: Path, group: int) -> list[tuple[float, int, int]]:
     return sorted(rows)
 
 
-def _alone_at_the_end(out: Path, groups: int) -> set[int]:
+def _alone_at_the_end(rows: dict[int, list[tuple[float, int, int]]]) -> set[int]:
     """The groups whose last process started after every other group had ended (a node
     replaced just before the end): alone in every quorum, they trained from step 0."""
-    rows = {g: (out / f"steps-{g}").read_text().split() for g in range(groups)}
-    ended = {g: float(r[-4]) for g, r in rows.items() if r}
+    ended = {g: r[-1][0] for g, r in rows.items() if r}
     alone = set()
     for g, r in rows.items():
-        last_pid = r[-1]
-        first_of_last = min(float(r[i]) for i in range(0, len(r), 4) if r[i + 3] == last_pid)
         others = [t for h, t in ended.items() if h != g]
-        if others and first_of_last > max(others):
+        if r and others and min(t for t, _, pid in r if pid == r[-1][2]) > max(others):
             alone.add(g)
     return alone
 
@@ -179,7 +176,8 @@ def _alone_at_the_end(out: Path, groups: int) -> set[int]:
 def report(job: Job, groups: int, codes: dict[int, int | str], stall: float) -> bool:
     ok = all(code == 0 for code in codes.values())
     print(f"exit codes: {codes}")
-    every = sorted(t for g in range(groups) for t, _, _ in commits(job.out, g))
+    rows = {g: commits(job.out, g) for g in range(groups)}
+    every = sorted(t for r in rows.values() for t, _, _ in r)
     print("after each fault, the longest time no group committed (until the next fault):")
     ends = [when for when, _ in job.faults[1:]] + [every[-1] if every else 0.0]
     for (when, what), until in zip(job.faults, ends, strict=True):
@@ -189,7 +187,7 @@ def report(job: Job, groups: int, codes: dict[int, int | str], stall: float) -> 
         print(f"  {gap:6.2f} s  {what}")
     for g in range(groups):
         by_pid: dict[int, list[int]] = {}
-        for _, step, pid in commits(job.out, g):
+        for _, step, pid in rows[g]:
             by_pid.setdefault(pid, []).append(step)
         for pid, steps in by_pid.items():
             back = [(a, b) for a, b in itertools.pairwise(steps) if b <= a]
@@ -200,7 +198,7 @@ def report(job: Job, groups: int, codes: dict[int, int | str], stall: float) -> 
         if b - a > stall:
             before = [what for when, what in job.faults if when <= a + 0.5]
             print(f"STALL: no group committed for {b - a:.1f} s (last fault: {before[-1:]})")
-    alone = _alone_at_the_end(job.out, groups)
+    alone = _alone_at_the_end(rows)
     for g in alone:
         print(f"group {g} came back after the others had ended and trained alone from its own")
         print("  start (--min_replicas 1 lets it): its parameters are not compared")
