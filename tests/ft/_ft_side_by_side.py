@@ -6,6 +6,7 @@ of this process (each its own TCPStore, one in-process lighthouse), as torchft's
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import sys
 import threading
@@ -244,6 +245,63 @@ def port(lighthouse: Any, replica: int) -> dict[str, Any]:
         manager.shutdown(wait=False)
 
 
+def _stepping(
+    manager: Any, state: dict[str, torch.Tensor], stop: threading.Event, committed: list[float]
+) -> None:
+    """Steps until ``stop``, with the time of each committed step."""
+    while not stop.is_set():
+        manager.start_quorum()
+        grad = torch.ones(4)
+        manager.allreduce(grad).wait()
+        if manager.should_commit():
+            state["w"] -= grad
+            committed.append(time.monotonic())
+        time.sleep(0.02)
+
+
+def late_setup() -> dict[str, Any]:
+    """Two groups train; a third makes its manager, then sets up for 8 s before its first
+    step (a model built, compiled, loaded), under the command line's 60 s join timeout. Do
+    the two pause for its set-up? (torchft's fast quorum does not wait for it.)"""
+    setup = 8.0
+    lighthouse = coordination.LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000)
+    stop = threading.Event()
+    states = [{"w": torch.zeros(4)} for _ in range(3)]
+    committed: list[list[float]] = [[], [], []]
+
+    def group(replica: int) -> list[float]:
+        manager = _manager(lighthouse, replica, states[replica], use_async_quorum=False)
+        try:
+            if replica == 2:
+                time.sleep(setup)
+            _stepping(manager, states[replica], stop, committed[replica])
+            return states[replica]["w"].tolist()
+        finally:
+            manager.shutdown(wait=False)
+
+    try:
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            early = [pool.submit(group, r) for r in (0, 1)]
+            deadline = time.monotonic() + 60
+            while min(len(c) for c in committed[:2]) < 10:  # both train (together)
+                assert time.monotonic() < deadline, "the first two groups never stepped"
+                time.sleep(0.05)
+            began = time.monotonic()
+            late = pool.submit(group, 2)
+            time.sleep(setup + 4.0)  # its set-up, its heal and a few steps together
+            stop.set()
+            final = [f.result(timeout=60) for f in [*early, late]]
+    finally:
+        lighthouse.shutdown()
+    after = [[t for t in c if t > began] for c in committed[:2]]
+    pauses = [max(b - a for a, b in itertools.pairwise(t)) for t in after]
+    return {
+        "healthy groups paused under half the set-up": max(pauses) < setup / 2,
+        "the late group stepped": len(committed[2]) >= 3,
+        "same parameters": final[0] == final[1] == final[2],
+    }
+
+
 SCENARIOS = {
     "state_reads": (1, state_reads),
     "port": (1, port),
@@ -253,7 +311,12 @@ SCENARIOS = {
     "pg_transport": (2, pg_transport_heal),
     "wrap_future_timeout": (1, wrap_future_timeout),
 }
+ALONE = {"late_setup": late_setup}
+"""Scenarios that make their own lighthouse."""
 
 if __name__ == "__main__":
-    n, fn = SCENARIOS[sys.argv[2]]
-    print(json.dumps(_groups(n, fn)), flush=True)
+    if sys.argv[2] in ALONE:
+        print(json.dumps([ALONE[sys.argv[2]]()]), flush=True)
+    else:
+        n, fn = SCENARIOS[sys.argv[2]]
+        print(json.dumps(_groups(n, fn)), flush=True)

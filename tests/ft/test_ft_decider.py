@@ -137,23 +137,32 @@ def test_after_a_restart_the_first_quorum_waits_for_the_last_quorum_s_live_membe
     assert _decided(d2.tick(clock2())).quorum.ids() == ["a:1"]
 
 
-def test_a_new_member_that_said_hello_is_waited_for_up_to_the_join_timeout() -> None:
-    d, clock, _ = _decider(join_timeout_ms=2000)
-    d.receive(_ask("a:1", 1))
-    _decided(d.tick(clock()))
+def test_a_member_that_said_hello_and_has_not_asked_holds_only_a_job_s_first_quorum() -> None:
+    """A group that made its manager may set up for minutes before it asks (a model built,
+    compiled, loaded). It holds the job's first quorum up to the join timeout, as torchft's
+    lighthouse does; later rounds (torchft's fast quorum) and the first quorum after a
+    restart (the members carry the last one) are not held for it."""
+    d, clock, _ = _decider(join_timeout_ms=60000, heartbeat_timeout_ms=5000)
     d.receive(Ask("hello", "b:1", replica_id="b"))  # b is coming: it has not asked yet
+    d.receive(_ask("a:1", 1))
+    assert not [e for e in d.tick(clock()) if isinstance(e, Decided)]
+    clock.now += 60.1
+    d.beats({"a:1": 1, "b:1": 1})
+    assert _decided(d.tick(clock())).quorum.ids() == ["a:1"]
+    d.receive(Ask("hello", "c:1", replica_id="c"))  # another, while a trains
     d.receive(_ask("a:1", 2, step=1))
-    assert not [e for e in d.tick(clock()) if isinstance(e, Decided)]
-    d.receive(_ask("b:1", 1))
-    assert _decided(d.tick(clock())).quorum.ids() == ["a:1", "b:1"]
-    # one that says hello and never asks holds the others for the join timeout, no more
-    d.receive(Ask("hello", "c:1", replica_id="c"))
+    assert _decided(d.tick(clock())).quorum.ids() == ["a:1"]  # b and c beat: not waited for
+    d.receive(_ask("c:1", 1))
     d.receive(_ask("a:1", 3, step=2))
-    d.receive(_ask("b:1", 2, step=2))
-    assert not [e for e in d.tick(clock()) if isinstance(e, Decided)]
-    clock.now += 2.1
-    d.beats({"a:1": 1, "b:1": 1, "c:1": 1})
-    assert _decided(d.tick(clock())).quorum.ids() == ["a:1", "b:1"]
+    assert _decided(d.tick(clock())).quorum.ids() == ["a:1", "c:1"]  # c asked: it is in
+    # a restarted lighthouse: a and c carry their quorum, b beats and has not asked
+    d2, clock2, _ = _decider(join_timeout_ms=60000, heartbeat_timeout_ms=5000)
+    d2.receive(Ask("hello", "b:1", replica_id="b"))
+    d2.receive(Ask("ask", "a:1", 4, _ask("a:1", 4, step=3).request, prev=(3, ("a:1", "c:1"))))
+    assert not [e for e in d2.tick(clock2()) if isinstance(e, Decided)]  # c: reconnecting
+    d2.receive(Ask("ask", "c:1", 2, _ask("c:1", 2, step=3).request, prev=(3, ("a:1", "c:1"))))
+    done = _decided(d2.tick(clock2()))
+    assert done.quorum.ids() == ["a:1", "c:1"] and done.quorum.quorum_id == 4
 
 
 def test_an_ask_told_to_ask_again_is_over_and_its_next_one_is_answered() -> None:

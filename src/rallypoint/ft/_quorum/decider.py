@@ -3,9 +3,10 @@
 It learns from messages (hello, ask, gone) and the heartbeat counters its loop reads each
 tick (``_decider_loop`` writes what it decides). A request stays pending until a quorum
 holds it. A round is decided once every live member of the previous quorum has asked
-(joiners that asked meanwhile come in); a life's first quorum waits for every member known
-alive, or ``join_timeout_ms``, and after a restart the previous quorum is the one the
-members carry, so it holds every live group. A member is gone when told or when its
+(joiners that asked meanwhile come in; one that only said hello is not waited for, as in
+torchft's fast quorum); a job's first quorum waits for every member known alive, or
+``join_timeout_ms``, and after a restart the previous quorum is the one the members carry,
+so it holds every live group. A member is gone when told or when its
 counter stops for ``heartbeat_timeout_ms``; a notice about a member that then asks, or
 whose counter moves twice more, is not believed (anyone with store access can write one).
 """
@@ -309,38 +310,29 @@ class Decider:
         waited = now - (self.first_ask or now)
         if self.previous is not None:
             expected = [m for m in self.previous.ids() if self.alive(m, now)]
-            if not all(m in live for m in expected + self._joining(live, now)):
+            if not all(m in live for m in expected):
                 return None
             if any(r.shrink_only for r in live.values()):
                 live = {m: r for m, r in live.items() if m in expected}
         else:
-            expected = [m for m in self.members if self.alive(m, now)]
-            if (
-                self.carried is not None
-                and (now - self.started) * 1000 < self.rules.heartbeat_timeout_ms
-            ):
-                # a lighthouse restart: a member of the last quorum that has not reached
-                # this life yet is still reconnecting (its heartbeat would have)
-                expected += [m for m in self.carried[1] if m not in self.members]
+            expected = self._first_expected(now)
             if not all(m in live for m in expected) and waited * 1000 < self.rules.join_timeout_ms:
                 return None
         return self._make(list(live.values()), now)
 
-    def _joining(self, live: dict[str, Request], now: float) -> list[str]:
-        """New members that said hello but have not asked yet: waited for, as torchft's
-        lighthouse waits for a replica that beats, up to ``join_timeout_ms`` since hello
-        (so that a group that is coming is not left to ask after the others stopped)."""
-        assert self.previous is not None
-        inside = set(self.previous.ids())
+    def _first_expected(self, now: float) -> list[str]:
+        """Whom a life's first quorum waits for (up to ``join_timeout_ms``). At a job's
+        start, every member known alive, as torchft's lighthouse waits for every replica
+        that beats. After a restart, the live members of the last quorum the members
+        carried, and those of it that have not reached this life yet while their
+        heartbeat would still hold (they are reconnecting); not a group that beats and has
+        not asked, which may be setting up for minutes (it joins a later round, as in any
+        round after the first)."""
+        if self.carried is None:
+            return [m for m in self.members if self.alive(m, now)]
+        within = (now - self.started) * 1000 < self.rules.heartbeat_timeout_ms
         return [
-            m
-            for m, seen in self.members.items()
-            if m not in inside
-            and m not in live
-            and m not in self.pending
-            and m not in self.answered
-            and self.alive(m, now)
-            and (now - seen.first) * 1000 < self.rules.join_timeout_ms
+            m for m in self.carried[1] if self.alive(m, now) or (m not in self.members and within)
         ]
 
     def _make(self, chosen: list[Request], now: float) -> Decided:
