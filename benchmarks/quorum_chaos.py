@@ -181,8 +181,9 @@ def report(job: Job, groups: int, codes: dict[int, int | str], stall: float) -> 
     print("after each fault, the longest time no group committed (until the next fault):")
     ends = [when for when, _ in job.faults[1:]] + [every[-1] if every else 0.0]
     for (when, what), until in zip(job.faults, ends, strict=True):
-        later = [t for t in every if t > when]
-        inside = [when, *(t for t in later if t <= until), *[t for t in later if t > until][:1]]
+        # a gap that runs past the next fault is that fault's from then on (counting it
+        # whole here named a kill for the 5 s of a node loss that came after it)
+        inside = [when, *(t for t in every if when < t < until), until]
         gap = max((b - a for a, b in itertools.pairwise(inside)), default=0.0)
         print(f"  {gap:6.2f} s  {what}")
     for g in range(groups):

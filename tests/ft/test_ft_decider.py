@@ -263,3 +263,19 @@ def test_every_request_field_is_read_back_as_written_and_a_wrong_one_is_named() 
     for field in ("member", "replica_id", "step", "world_size"):
         with pytest.raises(RecordError, match=f"r/1: no '{field}'"):
             Request.from_json({k: v for k, v in body.items() if k != field}, "r/1")
+
+
+def test_a_round_held_for_members_that_have_not_asked_says_whom_it_waits_for_once() -> None:
+    d, clock, lines = _decider(heartbeat_timeout_ms=5000)
+    for m in ("a:1", "b:1"):
+        d.receive(_ask(m, 1))
+    _decided(d.tick(clock()))
+    d.receive(_ask("a:1", 2, step=1))
+    d.tick(clock())
+    for beat in (1, 2, 3):  # b is alive and does not ask (it is stuck in its step, say)
+        clock.now += 1.0
+        d.beats({"a:1": beat, "b:1": beat})
+        d.tick(clock())
+    assert lines == ["round 1 has waited 2.0 s for group b (alive, has not asked)"], lines
+    d.receive(_ask("b:1", 2, step=1))
+    assert _decided(d.tick(clock())).quorum.round == 1 and len(lines) == 1
