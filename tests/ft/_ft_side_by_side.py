@@ -260,10 +260,10 @@ def _stepping(
 
 
 def late_setup() -> dict[str, Any]:
-    """Two groups train; a third makes its manager, then sets up for 8 s before its first
+    """Two groups train; a third makes its manager, then sets up for 5 s before its first
     step (a model built, compiled, loaded), under the command line's 60 s join timeout. Do
     the two pause for its set-up? (torchft's fast quorum does not wait for it.)"""
-    setup = 8.0
+    setup = 5.0
     lighthouse = coordination.LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000)
     stop = threading.Event()
     states = [{"w": torch.zeros(4)} for _ in range(3)]
@@ -288,13 +288,17 @@ def late_setup() -> dict[str, Any]:
                 time.sleep(0.05)
             began = time.monotonic()
             late = pool.submit(group, 2)
-            time.sleep(setup + 4.0)  # its set-up, its heal and a few steps together
+            time.sleep(setup + 3.0)  # its set-up, its heal and a few steps together
             stop.set()
             final = [f.result(timeout=60) for f in [*early, late]]
     finally:
         lighthouse.shutdown()
-    after = [[t for t in c if t > began] for c in committed[:2]]
-    pauses = [max(b - a for a, b in itertools.pairwise(t)) for t in after]
+    # the longest gap between commits while it set up (its joining step, later, costs the
+    # others its first forward and backward: up to 2 s on a loaded machine, docs/ft.md)
+    window = [
+        [began, *(t for t in c if began < t < began + setup), began + setup] for c in committed[:2]
+    ]
+    pauses = [max(b - a for a, b in itertools.pairwise(t)) for t in window]
     return {
         "healthy groups paused under half the set-up": max(pauses) < setup / 2,
         "the late group stepped": len(committed[2]) >= 3,

@@ -255,7 +255,7 @@ def test_no_transport_unpickles_what_a_peer_sent(monkeypatch: pytest.MonkeyPatch
 @needs_torchft
 @pytest.mark.timeout(360)
 def test_a_group_that_sets_up_after_making_its_manager_does_not_pause_the_others() -> None:
-    """A group made its manager (it says hello and beats) and then sets up for 8 s before
+    """A group made its manager (it says hello and beats) and then sets up for 5 s before
     its first step, under the command line's 60 s join timeout: torchft's fast quorum does
     not wait for it, and neither may ours (it held every other group for its whole set-up,
     up to the join timeout)."""
