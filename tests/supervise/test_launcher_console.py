@@ -1,10 +1,12 @@
 """What a worker prints reaches the launcher's terminal fit for one: a
 200 KB line is cut and says by how much, escape sequences that clear the screen or set the
 title are gone (colours stay), a progress bar shows its last state; the log file keeps every
-byte as the worker wrote it."""
+byte as the worker wrote it. A c10d warning's C++ stack is one line there."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +48,56 @@ def test_worker_output_is_fit_for_a_terminal_and_files_keep_it_raw(tmp_path: Pat
     [log] = logs.glob("noisy_*/attempt_0/0/stdout.log")
     raw = log.read_bytes()
     assert raw.startswith(b"x" * 200_000 + b"\n") and b"\x1b]0;pwned\x07" in raw
+
+
+C10D_WARNS = r"""
+import sys, threading, time
+import torch.distributed as dist
+master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+client = dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False)
+def waiter():
+    try:
+        client.wait(["never"])
+    except Exception as exc:
+        print("the store is gone:", type(exc).__name__, file=sys.stderr, flush=True)
+thread = threading.Thread(target=waiter)
+thread.start()
+time.sleep(0.5)
+del master  # the store's server stops: c10d warns, with the C++ stack it caught
+thread.join(10)
+print("not c10d's warning\nException raised from here\nframe #0: kept", file=sys.stderr)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_c10d_warnings_cpp_stack_is_one_line_on_the_console_and_whole_in_the_file(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "warns.py"
+    script.write_text(C10D_WARNS)
+    logs = tmp_path / "logs"
+    argv = ["--tee", "2", "--log-dir", str(logs), "--rdzv-id", "warns", str(script)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "rallypoint", "run", *argv],
+        capture_output=True,
+        timeout=50,
+        env={**os.environ, "RES_OPTIONS": "timeout:1 attempts:1"},
+    )
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("[rank0]: ")]
+    [warning] = [i for i, line in enumerate(lines) if "[c10d] recvValueWithTimeout failed" in line]
+    folded = lines[warning + 1]
+    assert re.fullmatch(
+        r"\[rank0\]:   \(the warning's C\+\+ stack, \d+ lines, is left out of the console\)",
+        folded,
+    ), err
+    assert lines[warning + 2 :] == [
+        "[rank0]: the store is gone: DistNetworkError",
+        "[rank0]: not c10d's warning",
+        "[rank0]: Exception raised from here",  # another stack: shown whole
+        "[rank0]: frame #0: kept",
+    ], err
+    [log] = logs.glob("warns_*/attempt_0/0/stderr.log")
+    raw = log.read_text()
+    assert "Exception raised from recvBytes" in raw and "frame #5: " in raw  # every byte

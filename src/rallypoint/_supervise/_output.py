@@ -4,7 +4,8 @@ The supervisor reads every worker's stdout and stderr pipe in one thread and wri
 lines only, so lines of different workers never interleave. Files keep the raw lines
 under torchrun's layout ``LOG_DIR/RUN_ID/attempt_N/LOCAL_RANK/``; the console gets them
 prefixed and fit for a terminal (``rallypoint._core.terminal``), and the lines matching
-torchrun's duplicate filters are also copied to ``filtered_*.log`` (:class:`Duplicate`).
+torchrun's duplicate filters are also copied to ``filtered_*.log`` (:class:`Duplicate`); a
+c10d warning's C++ stack is one line there (``_cpp_stacks``).
 A log file that cannot be written never stops the job: the console copy goes on, and
 :data:`LOG_TROUBLE` says which directory failed, at most once a minute.
 """
@@ -20,6 +21,7 @@ from typing import BinaryIO
 
 from rallypoint._core.disk import DiskTrouble
 from rallypoint._core.terminal import LINE_LIMIT, split_clean
+from rallypoint._supervise._cpp_stacks import StackFold
 
 __all__ = ["LOG_TROUBLE", "Duplicate", "OutputRouter", "write_console"]
 
@@ -89,7 +91,16 @@ class Duplicate:
 
 
 class _Sink:
-    __slots__ = ("console", "dropped", "duplicate", "file", "pending", "prefix", "stream")
+    __slots__ = (
+        "console",
+        "dropped",
+        "duplicate",
+        "file",
+        "fold",
+        "pending",
+        "prefix",
+        "stream",
+    )
 
     def __init__(
         self,
@@ -108,6 +119,7 @@ class _Sink:
         """The start of a line still coming (at most ``LINE_LIMIT`` bytes of it)."""
         self.dropped = 0
         """Bytes of that line cut already."""
+        self.fold = StackFold()
 
     def feed(self, data: bytes) -> None:
         if self.file is not None:
@@ -137,6 +149,9 @@ class _Sink:
 
     def _emit(self, lines: list[bytes]) -> None:
         """Write whole ``lines`` (without their newlines) to the console."""
+        lines = self.fold.lines(lines)
+        if not lines:
+            return
         if self.duplicate is not None:
             self.duplicate.copy(self.prefix, lines)
         prefix = self.prefix
@@ -145,6 +160,8 @@ class _Sink:
     def close(self) -> None:
         if self.console and (self.pending or self.dropped):
             self._emit(split_clean(self.pending, dropped=self.dropped))
+        if self.console and (note := self.fold.flush()):
+            write_console(self.stream, self.prefix + note[0] + b"\n")
         self.pending, self.dropped = b"", 0
         if self.file is not None:
             with contextlib.suppress(OSError):
