@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from rallypoint._core.terminal import clean_line, split_clean
-from rallypoint._supervise import _output
+from rallypoint._supervise._output import _sink
 
 
 @pytest.mark.timeout(10)
@@ -45,8 +45,8 @@ def test_worker_lines_are_the_same_whatever_the_reads(
     read: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     shown: list[bytes] = []
-    monkeypatch.setattr(_output, "write_console", lambda _stream, data: shown.append(data))
-    limit = _output.LINE_LIMIT
+    monkeypatch.setattr(_sink, "write_console", lambda _stream, data: shown.append(data))
+    limit = _sink.LINE_LIMIT
     stream = (
         b"plain\r\n"
         + b"x" * (3 * limit)
@@ -55,7 +55,7 @@ def test_worker_lines_are_the_same_whatever_the_reads(
         + b"\n\x1b[2Jcleared\n"
         + b"y" * (limit + 5)  # not ended when the pipe closes
     )
-    sink = _output._Sink(1, b"[rank0]:", True, None)
+    sink = _sink.Sink(1, b"[rank0]:", True, None)
     for at in range(0, len(stream), read):
         sink.feed(stream[at : at + read])
     sink.close()
@@ -65,5 +65,39 @@ def test_worker_lines_are_the_same_whatever_the_reads(
         b"[rank0]:100%",
         b"[rank0]:cleared",
         b"[rank0]:" + b"y" * limit + b" [... 5 bytes cut]",
+        b"",
+    ]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("read", [1, 13, 1 << 16])
+def test_a_c10d_warnings_stack_folds_whatever_the_reads(
+    read: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shown: list[bytes] = []
+    monkeypatch.setattr(_sink, "write_console", lambda _stream, data: shown.append(data))
+    warning = b"[W1129 19:45:49.520557169 TCPStore.cpp:138] [c10d] recv failed: got 0 bytes"
+    stack = b"Exception raised from recvBytes at Utils.hpp:787:\n" + b"".join(
+        b"frame #%d: f%d\n" % (i, i) for i in range(3)
+    )
+    stream = (
+        warning + b"\n" + stack + b"<omitting python frames>\nframe #9: g\n\nafter\n"
+        + b"[E1129 1:2:3.4 x.cpp:1] [c10d] an error\n" + stack  # an error's: kept
+        + warning + b"\n" + stack  # the stream ends inside a stack
+    )  # fmt: skip
+    sink = _sink.Sink(2, b"[rank1]: ", True, None)
+    for at in range(0, len(stream), read):
+        sink.feed(stream[at : at + read])
+    sink.close()
+    note = b"[rank1]:   (the warning's C++ stack, %d lines, is left out of the console)"
+    assert b"".join(shown).split(b"\n") == [
+        b"[rank1]: " + warning,
+        note % 6,
+        b"[rank1]: after",
+        b"[rank1]: [E1129 1:2:3.4 x.cpp:1] [c10d] an error",
+        b"[rank1]: Exception raised from recvBytes at Utils.hpp:787:",
+        *(b"[rank1]: frame #%d: f%d" % (i, i) for i in range(3)),
+        b"[rank1]: " + warning,
+        note % 4,
         b"",
     ]

@@ -246,10 +246,11 @@ def port(lighthouse: Any, replica: int) -> dict[str, Any]:
 
 
 def _stepping(
-    manager: Any, state: dict[str, torch.Tensor], stop: threading.Event, committed: list[float]
+    manager: Any, state: dict[str, torch.Tensor], last: list[float], committed: list[float]
 ) -> None:
-    """Steps until ``stop``, with the time of each committed step."""
-    while not stop.is_set():
+    """Steps up to step ``last[0]`` (set once the groups have trained long enough), with
+    the time of each committed step."""
+    while manager.current_step() < last[0]:
         manager.start_quorum()
         grad = torch.ones(4)
         manager.allreduce(grad).wait()
@@ -265,16 +266,18 @@ def late_setup() -> dict[str, Any]:
     the two pause for its set-up? (torchft's fast quorum does not wait for it.)"""
     setup = 5.0
     lighthouse = coordination.LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000)
-    stop = threading.Event()
+    last = [float("inf")]
     states = [{"w": torch.zeros(4)} for _ in range(3)]
     committed: list[list[float]] = [[], [], []]
+    managers: list[Any] = []
 
     def group(replica: int) -> list[float]:
         manager = _manager(lighthouse, replica, states[replica], use_async_quorum=False)
+        managers.append(manager)
         try:
             if replica == 2:
                 time.sleep(setup)
-            _stepping(manager, states[replica], stop, committed[replica])
+            _stepping(manager, states[replica], last, committed[replica])
             return states[replica]["w"].tolist()
         finally:
             manager.shutdown(wait=False)
@@ -289,7 +292,7 @@ def late_setup() -> dict[str, Any]:
             began = time.monotonic()
             late = pool.submit(group, 2)
             time.sleep(setup + 3.0)  # its set-up, its heal and a few steps together
-            stop.set()
+            last[0] = max(m.current_step() for m in managers) + 10  # all end there, equal
             final = [f.result(timeout=60) for f in [*early, late]]
     finally:
         lighthouse.shutdown()

@@ -1,14 +1,13 @@
-"""c10d's socket warnings, folded on the console.
+"""c10d's socket warnings, their C++ stacks folded on the console.
 
-When a peer of a TCPStore client goes away (a lighthouse restarted, a rendezvous store
-lost), c10d logs a warning for each connection that fails, and each warning carries the
-C++ stack of the exception it caught: some 20 lines of ``frame #N: ...`` a warning. In a
-run of replica groups whose lighthouse was restarted six times, they were 77% of the
-workers' lines, and the one line that said what happened ("the lighthouse ... is away;
-retrying") was lost among them. The console keeps each warning's own line and folds its
-stack into one line; the log files (``--log-dir``, ``--redirects``, ``--tee``) keep every
-byte. Only a stack that follows a c10d warning line (``[W...] [c10d] ...``) is folded: an
-error's, or a Python traceback, is shown whole.
+When a TCPStore's server goes away (a lighthouse restarted, a rendezvous store lost), c10d
+logs a warning for each client connection that fails, with the C++ stack of the exception
+it caught: some 20 lines of ``frame #N: ...``. They were 77% of the workers' lines in a run
+whose lighthouse was restarted six times, and hid the one line that said what happened.
+The console keeps each warning's line and folds its stack into one; the log files keep
+every byte. Only a stack after a c10d warning (``[W...] [c10d] ...``) is folded. (Turning
+c10's warnings off, as ``rallypoint._core.cpp_log`` does, would not do: a thread blocked
+in a store for the whole run would keep every C++ warning of the process off.)
 """
 
 from __future__ import annotations
