@@ -64,7 +64,10 @@ class Job:
             "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.port}",
             "FT_STEP_SLEEP": str(self.sleep),
         }
+        # the faults are staged: the same kill three times in a row is chance, not a bug
+        # that --max-same-failure (3) should end the job for
         argv = ["run", "--nproc-per-node", str(self.nproc), "--max-restarts", "1000"]
+        argv += ["--max-same-failure", "1000"]
         argv += [str(TRAIN), str(self.out), str(self.steps)]
         self.groups[group] = self._spawn(argv, f"group-{group}.log", env, new_session=True)
 
