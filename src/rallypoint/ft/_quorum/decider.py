@@ -105,8 +105,6 @@ class Decider:
     told_below: set[str] = field(default_factory=set)
     below_text: str = ""
     note_round: int = 0
-    held_since: float | None = None
-    """Since when the next round is held for members that have not asked."""
     said_wait: tuple[int, tuple[str, ...]] | None = None
 
     def __post_init__(self) -> None:
@@ -317,24 +315,23 @@ class Decider:
         if self.previous is not None:
             expected = [m for m in self.previous.ids() if self.alive(m, now)]
             if not all(m in live for m in expected):
-                self._waits([m for m in expected if m not in live], now)
+                self._waits([m for m in expected if m not in live], waited)
                 return None
             if any(r.shrink_only for r in live.values()):
                 live = {m: r for m, r in live.items() if m in expected}
         else:
             expected = self._first_expected(now)
             if not all(m in live for m in expected) and waited * 1000 < self.rules.join_timeout_ms:
-                self._waits([m for m in expected if m not in live], now)
+                self._waits([m for m in expected if m not in live], waited)
                 return None
         return self._make(list(live.values()), now)
 
-    def _waits(self, missing: list[str], now: float) -> None:
-        """A round held for members that have not asked: after ``SAY_WAIT_AFTER`` s, said
-        once per round and set of members (a long pause, explained on the lighthouse)."""
-        if self.held_since is None:
-            self.held_since = now
+    def _waits(self, missing: list[str], waited: float) -> None:
+        """A round held ``waited`` s (since its first ask) for members that have not asked:
+        after ``SAY_WAIT_AFTER`` s, said once per round and set of members (a long pause,
+        explained on the lighthouse)."""
         said = (self.next_round, tuple(missing))
-        if now - self.held_since < SAY_WAIT_AFTER or self.said_wait == said:
+        if waited < SAY_WAIT_AFTER or self.said_wait == said:
             return
         self.said_wait = said
         why = [
@@ -342,10 +339,7 @@ class Decider:
             + ("(alive, has not asked)" if m in self.members else "(not back since the restart)")
             for m in missing
         ]
-        self.say(
-            f"round {self.next_round} has waited {now - self.held_since:.1f} s for "
-            + ", ".join(why)
-        )
+        self.say(f"round {self.next_round} has waited {waited:.1f} s for " + ", ".join(why))
 
     def _first_expected(self, now: float) -> list[str]:
         """Whom a life's first quorum waits for (up to ``join_timeout_ms``). At a job's
@@ -400,7 +394,6 @@ class Decider:
             self.members[req.member].last_round = self.next_round
         self.next_round += 1
         self.previous, self.first_ask, self.said_below = quorum, None, None
-        self.held_since = None
         if self.pending:
             self.first_ask = now
         return Decided(quorum, answers)
