@@ -71,9 +71,10 @@ class Sink:
             line = line[: LINE_LIMIT + 1]  # one more than shown: clean_line cuts and counts
         self.pending = line
 
-    def _emit(self, lines: list[bytes]) -> None:
-        """Write whole ``lines`` (without their newlines) to the console."""
-        lines = self.fold.lines(lines)
+    def _emit(self, lines: list[bytes], end: bool = False) -> None:
+        """Write whole ``lines`` (without their newlines) to the console; ``end``: the
+        stream's last, after which a stack still being folded is said."""
+        lines = self.fold.lines(lines) + (self.fold.flush() if end else [])
         if not lines:
             return
         if self.duplicate is not None:
@@ -82,10 +83,9 @@ class Sink:
         write_console(self.stream, prefix + (b"\n" + prefix).join(lines) + b"\n")
 
     def close(self) -> None:
-        if self.console and (self.pending or self.dropped):
-            self._emit(split_clean(self.pending, dropped=self.dropped))
-        if self.console and (note := self.fold.flush()):
-            write_console(self.stream, self.prefix + note[0] + b"\n")
+        if self.console:
+            tail = self.pending or self.dropped
+            self._emit(split_clean(self.pending, dropped=self.dropped) if tail else [], end=True)
         self.pending, self.dropped = b"", 0
         if self.file is not None:
             with contextlib.suppress(OSError):
