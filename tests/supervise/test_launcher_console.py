@@ -26,18 +26,30 @@ sys.stdout.write("\ndone\n")
 """
 
 
-@pytest.mark.timeout(60)
-def test_worker_output_is_fit_for_a_terminal_and_files_keep_it_raw(tmp_path: Path) -> None:
-    script = tmp_path / "noisy.py"
-    script.write_text(SCRIPT)
+def _run(
+    tmp_path: Path, name: str, script: str, stream: str
+) -> tuple[subprocess.CompletedProcess[bytes], Path]:
+    """``rallypoint run --tee`` of ``script`` with a log directory: the run, and the log
+    file of its rank 0's ``stream`` (``stdout`` or ``stderr``)."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(script)
     logs = tmp_path / "logs"
-    argv = ["--tee", "1", "--log-dir", str(logs), "--rdzv-id", "noisy", str(script)]
+    tee = "1" if stream == "stdout" else "2"
+    argv = ["--tee", tee, "--log-dir", str(logs), "--rdzv-id", name, str(path)]
     proc = subprocess.run(
         [sys.executable, "-m", "rallypoint", "run", *argv],
         capture_output=True,
         timeout=50,
+        env={**os.environ, "RES_OPTIONS": "timeout:1 attempts:1"},
     )
     assert proc.returncode == 0, proc.stderr.decode()
+    [log] = logs.glob(f"{name}_*/attempt_0/0/{stream}.log")
+    return proc, log
+
+
+@pytest.mark.timeout(60)
+def test_worker_output_is_fit_for_a_terminal_and_files_keep_it_raw(tmp_path: Path) -> None:
+    proc, log = _run(tmp_path, "noisy", SCRIPT, "stdout")
     assert proc.stdout.split(b"\n") == [
         b"[rank0]: " + b"x" * LINE_LIMIT + b" [... %d bytes cut]" % (200_000 - LINE_LIMIT),
         b"[rank0]: abc\td \x1b[31mred\x1b[0m",
@@ -45,7 +57,6 @@ def test_worker_output_is_fit_for_a_terminal_and_files_keep_it_raw(tmp_path: Pat
         b"[rank0]: done",
         b"",
     ]
-    [log] = logs.glob("noisy_*/attempt_0/0/stdout.log")
     raw = log.read_bytes()
     assert raw.startswith(b"x" * 200_000 + b"\n") and b"\x1b]0;pwned\x07" in raw
 
@@ -73,18 +84,8 @@ print("not c10d's warning\nException raised from here\nframe #0: kept", file=sys
 def test_a_c10d_warnings_cpp_stack_is_one_line_on_the_console_and_whole_in_the_file(
     tmp_path: Path,
 ) -> None:
-    script = tmp_path / "warns.py"
-    script.write_text(C10D_WARNS)
-    logs = tmp_path / "logs"
-    argv = ["--tee", "2", "--log-dir", str(logs), "--rdzv-id", "warns", str(script)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "rallypoint", "run", *argv],
-        capture_output=True,
-        timeout=50,
-        env={**os.environ, "RES_OPTIONS": "timeout:1 attempts:1"},
-    )
+    proc, log = _run(tmp_path, "warns", C10D_WARNS, "stderr")
     err = proc.stderr.decode()
-    assert proc.returncode == 0, err
     lines = [line for line in err.splitlines() if line.startswith("[rank0]: ")]
     [warning] = [i for i, line in enumerate(lines) if "[c10d] recvValueWithTimeout failed" in line]
     folded = lines[warning + 1]
@@ -98,6 +99,5 @@ def test_a_c10d_warnings_cpp_stack_is_one_line_on_the_console_and_whole_in_the_f
         "[rank0]: Exception raised from here",  # another stack: shown whole
         "[rank0]: frame #0: kept",
     ], err
-    [log] = logs.glob("warns_*/attempt_0/0/stderr.log")
     raw = log.read_text()
     assert "Exception raised from recvBytes" in raw and "frame #5: " in raw  # every byte
