@@ -50,14 +50,20 @@ def _rank_process(out: Path, group: int, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} in group {group}'s steps")
 
 
-def _stop_rank_1(tmp_path: Path, start: Callable[[int, str], list[subprocess.Popen[str]]]) -> None:
-    """Groups 0-2 of two ranks each, started by ``start``; group 1's rank 1 is stopped
-    for HELD s at step FAULT: the others step on meanwhile, and it comes back the same."""
+def _stop_rank(
+    tmp_path: Path,
+    start: Callable[[int, str], list[subprocess.Popen[str]]],
+    rank: int = 1,
+    ranks: int = 2,
+) -> None:
+    """Groups 0-2 of ``ranks`` ranks each, started by ``start``; group 1's ``rank`` is
+    stopped for HELD s at step FAULT: the others step on meanwhile, and it comes back
+    the same."""
     house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "3000")
     try:
         launchers = [start(g, house.address) for g in range(3)]
         wait_for_step(tmp_path, 1, FAULT)
-        pid = _rank_process(tmp_path, 1, rank=1)
+        pid = _rank_process(tmp_path, 1, rank)
         os.kill(pid, signal.SIGSTOP)
         stopped_at = time.time()
         time.sleep(HELD)
@@ -67,7 +73,7 @@ def _stop_rank_1(tmp_path: Path, start: Callable[[int, str], list[subprocess.Pop
         screen = house.stop()
     said = "\n".join(next(done) for group in launchers for _ in group)
     assert all(p.returncode == 0 for group in launchers for p in group), said[-6000:]
-    assert "group 1 left: rank 1 stopped (SIGSTOP)" in screen, screen[-3000:]
+    assert f"group 1 left: rank {rank} stopped (SIGSTOP)" in screen, screen[-3000:]
     # (rank 0 says it waits only when it looks before it asks: one that asked just before
     # the mark is left out by the notice all the same; the line is checked below)
     for g in (0, 2):  # they stepped while group 1's rank 1 was stopped (before: they waited)
@@ -76,8 +82,8 @@ def _stop_rank_1(tmp_path: Path, start: Callable[[int, str], list[subprocess.Pop
     for g in range(3):
         never_back(steps(tmp_path, g))
         assert steps(tmp_path, g)[-1][1] == STEPS, (g, steps(tmp_path, g)[-3:])
-    assert len(steps_by_process(tmp_path, 1)) == 2  # the same two processes came back
-    same_parameters(tmp_path, [0, 1, 2], ranks=2)  # rank by rank
+    assert len(steps_by_process(tmp_path, 1)) == ranks  # the same processes came back
+    same_parameters(tmp_path, [0, 1, 2], ranks=ranks)  # rank by rank
 
 
 @pytest.mark.timeout(240)
@@ -87,7 +93,19 @@ def test_a_stopped_rank_1_leaves_its_group_out_at_once_and_it_comes_back_when_co
     def start(group: int, address: str) -> list[subprocess.Popen[str]]:
         return [start_group(tmp_path, group, address, STEPS, nproc=2, FT_TOGETHER="3")]
 
-    _stop_rank_1(tmp_path, start)
+    _stop_rank(tmp_path, start)
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_middle_rank_of_a_group_of_four_leaves_its_group_out_at_once(
+    tmp_path: Path,
+) -> None:
+    """Rank 2 of 4: neither rank 0, whose group store it is, nor the last rank."""
+
+    def start(group: int, address: str) -> list[subprocess.Popen[str]]:
+        return [start_group(tmp_path, group, address, STEPS, nproc=4, FT_TOGETHER="3")]
+
+    _stop_rank(tmp_path, start, rank=2, ranks=4)
 
 
 @pytest.mark.timeout(300)
@@ -104,7 +122,7 @@ def test_a_stopped_rank_on_another_node_than_rank_0_leaves_its_group_out_at_once
                  "--rdzv-conf", "is_host=false", "--rdzv-id", "stopped-1"]  # fmt: skip
         return [start_group(tmp_path, 1, address, STEPS, *nodes, FT_TOGETHER="3") for _ in (0, 1)]
 
-    _stop_rank_1(tmp_path, start)
+    _stop_rank(tmp_path, start)
 
 
 @pytest.mark.timeout(60)
