@@ -103,6 +103,37 @@ def test_a_member_whose_heartbeat_stops_is_left_out_and_said_why() -> None:
     assert done.quorum.ids() == ["a:1"] and "no heartbeat" in done.quorum.left["b:1"]
 
 
+def test_a_live_member_of_the_last_quorum_that_never_asks_is_left_out_after_the_join_timeout() -> (
+    None
+):
+    """A group whose training thread hangs (a deadlock) keeps beating and never asks: the
+    round waits for it up to ``join_timeout_ms`` from its first ask, then goes on without
+    it, says so once, and the rounds after do not wait for it (as torchft's lighthouse)."""
+    d, clock, lines = _decider(join_timeout_ms=3000, heartbeat_timeout_ms=5000)
+    for m in ("a:1", "b:1", "c:1"):
+        d.receive(_ask(m, 1))
+    _decided(d.tick(clock()))
+    d.receive(_ask("a:1", 2, step=1))
+    d.receive(_ask("c:1", 2, step=1))
+    for beat in range(1, 6):  # b beats on: alive, and silent
+        clock.now += 0.5
+        d.beats({"a:1": beat, "b:1": beat, "c:1": beat})
+        assert not [e for e in d.tick(clock()) if isinstance(e, Decided)], clock.now
+    clock.now += 0.6
+    done = _decided(d.tick(clock()))
+    assert done.quorum.ids() == ["a:1", "c:1"]
+    assert done.quorum.left["b:1"] == "did not ask in time"
+    [said] = [line for line in lines if "goes on without" in line]
+    assert said.startswith("round 1 goes on without group b: alive, but it has not asked in 3.1 s")
+    d.receive(_ask("a:1", 3, step=2))
+    d.receive(_ask("c:1", 3, step=2))
+    assert _decided(d.tick(clock())).quorum.ids() == ["a:1", "c:1"]  # not waited for again
+    d.receive(_ask("b:1", 2, step=1))  # it runs again: a later round takes it back
+    d.receive(_ask("a:1", 4, step=3))
+    d.receive(_ask("c:1", 4, step=3))
+    assert _decided(d.tick(clock())).quorum.ids() == ["a:1", "b:1", "c:1"]
+
+
 def test_a_second_member_under_a_live_members_replica_id_is_held_then_refused() -> None:
     d, clock, _ = _decider(heartbeat_timeout_ms=1000)
     d.receive(_ask("7:a", 1))

@@ -3,12 +3,13 @@
 It learns from messages (hello, ask, gone) and the heartbeat counters its loop reads each
 tick (``_decider_loop`` writes what it decides). A request stays pending until a quorum
 holds it. A round is decided once every live member of the previous quorum has asked
-(joiners that asked meanwhile come in; one that only said hello is not waited for, as in
-torchft's fast quorum); a job's first quorum waits for every member known alive, or
-``join_timeout_ms``, and after a restart the previous quorum is the one the members carry,
-so it holds every live group. A member is gone when told or when its
-counter stops for ``heartbeat_timeout_ms``; a notice about a member that then asks, or
-whose counter moves twice more, is not believed (anyone with store access can write one).
+(joiners that asked come in; one that only said hello is not waited for, as in torchft's
+fast quorum), or ``join_timeout_ms`` after its first ask without a live member that stays
+silent (hung: torchft's lighthouse does the same); a job's first quorum waits for every
+member known alive, or ``join_timeout_ms``; after a restart, for the previous quorum the
+members carry. A member is gone when told or when its counter stops for
+``heartbeat_timeout_ms``; a notice about a member that then asks, or whose counter moves
+twice more, is not believed (anyone with store access can write one).
 """
 
 from __future__ import annotations
@@ -314,9 +315,12 @@ class Decider:
         waited = now - (self.first_ask or now)
         if self.previous is not None:
             expected = [m for m in self.previous.ids() if self.alive(m, now)]
-            if not all(m in live for m in expected):
-                self._waits([m for m in expected if m not in live], waited)
+            missing = [m for m in expected if m not in live]
+            if missing and waited * 1000 < self.rules.join_timeout_ms:
+                self._waits(missing, waited)
                 return None
+            if missing:  # alive and silent that long: hung (a deadlock, say), as torchft
+                self._goes_on_without(missing, waited)  # leaves out such a straggler
             if any(r.shrink_only for r in live.values()):
                 live = {m: r for m, r in live.items() if m in expected}
         else:
@@ -335,11 +339,22 @@ class Decider:
             return
         self.said_wait = said
         why = [
-            f"group {self.members[m].replica_id if m in self.members else m.split(':')[0]} "
+            f"group {self._replica_id(m)} "
             + ("(alive, has not asked)" if m in self.members else "(not back since the restart)")
             for m in missing
         ]
         self.say(f"round {self.next_round} has waited {waited:.1f} s for " + ", ".join(why))
+
+    def _goes_on_without(self, missing: list[str], waited: float) -> None:
+        groups = ", ".join(f"group {self._replica_id(m)}" for m in missing)
+        self.say(
+            f"round {self.next_round} goes on without {groups}: alive, but it has not asked "
+            f"in {waited:.1f} s (--join_timeout_ms {self.rules.join_timeout_ms}): hung, say; "
+            "a later round takes it back when it asks"
+        )
+
+    def _replica_id(self, member: str) -> str:
+        return self.members[member].replica_id if member in self.members else member.split(":")[0]
 
     def _first_expected(self, now: float) -> list[str]:
         """Whom a life's first quorum waits for (up to ``join_timeout_ms``). At a job's
