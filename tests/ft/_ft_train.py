@@ -1,21 +1,22 @@
 """A torchft program: data-parallel replica groups, as torchft's examples write them.
 
 argv: OUT STEPS. Environment: REPLICA_GROUP_ID, TORCHFT_LIGHTHOUSE (as torchft's), and FT_IMPL
-(``torchft`` to run torchft itself, else ``rallypoint.ft``), FT_KILL ("G1,G2:STEP": those groups'
-first processes SIGKILL themselves after that step), FT_FAIL ("GROUP:STEP": that group raises after
-that step, in every process), FT_MIN (min_replica_size, 1), FT_WIDTH (the hidden layer, 32),
-FT_STEP_SLEEP (seconds, 0.05), FT_HOLD ("STEP:GROUP": after that step, wait until that group's
-process has started: a late group then joins while the others still train, however slow a loaded
-machine starts it), FT_BALLAST_MB (a tensor of that size in the state, 0), FT_DIE_SERVING
-("GROUP:STEP": from that step on, that group's first process SIGKILLs itself 20 ms after it starts
-sending its state to a healing group), FT_BACKEND (``nccl``: the model on the visible GPU and
-ProcessGroupNCCL across groups; ``cuda-gloo``: the model on the visible GPU and ProcessGroupGloo,
-which takes CUDA tensors), FT_HANG ("GROUP:STEP:SECONDS": after that step, that group's first
-process stands still in its main thread for that long, its other threads running, as in a deadlock),
-FT_TOGETHER (N: wait until groups 0..N-1 have all started before asking for a quorum, so that none
-trains alone from step 0 however slowly a loaded machine starts the others).
-Every committed step appends ``time step participants pid`` to OUT/steps-<group>; the end writes the
-parameters to OUT/final-<group>.pt (a group's rank r > 0: final-<group>-rank<r>.pt).
+(``torchft`` to run torchft itself, else ``rallypoint.ft``), FT_KILL ("G1,G2:STEP": those
+groups' first processes SIGKILL themselves after that step), FT_FAIL ("GROUP:STEP": that group
+raises after that step, in every process), FT_MIN (min_replica_size, 1), FT_WIDTH (the hidden
+layer, 32), FT_STEP_SLEEP (seconds, 0.05), FT_HOLD ("STEP:GROUP": after that step, wait until
+that group's process has started: a late group then joins while the others still train, however
+slow a loaded machine starts it), FT_BALLAST_MB (a tensor of that size in the state, 0),
+FT_DIE_SERVING ("GROUP:STEP": from that step on, that group's first process SIGKILLs itself 20
+ms after it starts sending its state to a healing group), FT_BACKEND (``nccl``: the model on the
+visible GPU and ProcessGroupNCCL across groups; ``cuda-gloo``: the model on the visible GPU and
+ProcessGroupGloo, which takes CUDA tensors), FT_HANG ("GROUP:STEP:SECONDS[:RANK]": after that
+step, that group's first process (or its RANK) stands still in its main thread for that long,
+its other threads running, as in a deadlock), FT_TOGETHER (N: wait until groups 0..N-1 have all
+started before asking for a quorum, so that none trains alone from step 0 however slowly a
+loaded machine starts the others).
+Every committed step appends ``time step participants pid`` to OUT/steps-<group>; the end writes
+the parameters to OUT/final-<group>.pt (a group's rank r > 0: final-<group>-rank<r>.pt).
 """
 
 import importlib
@@ -38,9 +39,10 @@ WIDTH = int(os.environ.get("FT_WIDTH", "32"))
 hold_step, _, hold_group = os.environ.get("FT_HOLD", "-1:-1").partition(":")
 BALLAST = torch.zeros(int(float(os.environ.get("FT_BALLAST_MB", "0")) * 2**18))
 die_group, _, die_step = os.environ.get("FT_DIE_SERVING", "-1:-1").partition(":")
-hang_group, hang_step, hang_seconds = os.environ.get("FT_HANG", "-1:-1:0").split(":")
+hang_group, hang_step, hang_seconds, *hang_rank = os.environ.get("FT_HANG", "-1:-1:0").split(":")
 FIRST = not os.path.exists(os.path.join(OUT, f"started-{GROUP}"))
 open(os.path.join(OUT, f"started-{GROUP}"), "a").close()
+HANGS = (int(os.environ.get("RANK", "0")) == int(hang_rank[0])) if hang_rank else FIRST
 
 together = int(os.environ.get("FT_TOGETHER", "0"))
 deadline = time.monotonic() + 120
@@ -102,7 +104,7 @@ with open(os.path.join(OUT, f"steps-{GROUP}"), "a", buffering=1) as log:
             os.kill(os.getpid(), signal.SIGKILL)
         if int(fail_group) == GROUP and now >= int(fail_step):
             raise RuntimeError(f"group {GROUP} fails at step {now}, every time")
-        if FIRST and int(hang_group) == GROUP and now >= int(hang_step):
+        if HANGS and int(hang_group) == GROUP and now >= int(hang_step):
             hang_group = "-1"
             threading.Event().wait(float(hang_seconds))  # only this thread stands still
         time.sleep(SLEEP)

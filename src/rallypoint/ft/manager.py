@@ -47,6 +47,7 @@ from rallypoint.ft._group.manager_parts import (
     triton_present,
     with_timeout,
 )
+from rallypoint.ft._group.ready import count_in, until_ready
 from rallypoint.ft._group.stopped import mark, runs_check
 from rallypoint.ft._plan import Plan, plan
 from rallypoint.ft._quorum.client import LighthouseLink, connect_lighthouse
@@ -298,6 +299,7 @@ class Manager:
 
     def _async_quorum(self, seq: int, allow_heal: bool, shrink_only: bool, wait: float) -> None:
         if self._client is not None:
+            until_ready(self._group, self._member, seq, self._world_size, wait, self._replica_id)
             group = (self._group, self._world_size, self._rank, self._heal_addr)
             addrs = heal_addresses(*group, self._connect_timeout, wait, self._replica_id)
             req = Request(
@@ -316,6 +318,7 @@ class Manager:
                 if seq >= 2:  # every rank has read it: the group store stays the same size
                     self._group.delete_key(f"quorum/{seq - 2}")
         else:
+            count_in(self._group, self._member, seq, self._world_size)
             self._group.wait([f"quorum/{seq}"], timedelta(seconds=wait))
             quorum = Quorum.from_bytes(bytes(self._group.get(f"quorum/{seq}")), f"quorum/{seq}")
         done = plan(
