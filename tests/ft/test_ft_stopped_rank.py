@@ -52,13 +52,18 @@ def _rank_process(out: Path, group: int, rank: int) -> int:
 
 def _stop_rank(
     tmp_path: Path,
-    start: Callable[[int, str], list[subprocess.Popen[str]]],
+    start: Callable[[int, str], list[subprocess.Popen[str]]] | None = None,
     rank: int = 1,
     ranks: int = 2,
 ) -> None:
-    """Groups 0-2 of ``ranks`` ranks each, started by ``start``; group 1's ``rank`` is
-    stopped for HELD s at step FAULT: the others step on meanwhile, and it comes back
-    the same."""
+    """Groups 0-2 of ``ranks`` ranks each, started by ``start`` (by default one launcher a
+    group); group 1's ``rank`` is stopped for HELD s at step FAULT: the others step on
+    meanwhile, and it comes back the same."""
+    if start is None:
+
+        def start(group: int, address: str) -> list[subprocess.Popen[str]]:
+            return [start_group(tmp_path, group, address, STEPS, nproc=ranks, FT_TOGETHER="3")]
+
     house = lighthouse("--min_replicas", "1", "--join_timeout_ms", "3000")
     try:
         launchers = [start(g, house.address) for g in range(3)]
@@ -90,10 +95,7 @@ def _stop_rank(
 def test_a_stopped_rank_1_leaves_its_group_out_at_once_and_it_comes_back_when_continued(
     tmp_path: Path,
 ) -> None:
-    def start(group: int, address: str) -> list[subprocess.Popen[str]]:
-        return [start_group(tmp_path, group, address, STEPS, nproc=2, FT_TOGETHER="3")]
-
-    _stop_rank(tmp_path, start)
+    _stop_rank(tmp_path)
 
 
 @pytest.mark.timeout(300)
@@ -101,11 +103,7 @@ def test_a_stopped_middle_rank_of_a_group_of_four_leaves_its_group_out_at_once(
     tmp_path: Path,
 ) -> None:
     """Rank 2 of 4: neither rank 0, whose group store it is, nor the last rank."""
-
-    def start(group: int, address: str) -> list[subprocess.Popen[str]]:
-        return [start_group(tmp_path, group, address, STEPS, nproc=4, FT_TOGETHER="3")]
-
-    _stop_rank(tmp_path, start, rank=2, ranks=4)
+    _stop_rank(tmp_path, rank=2, ranks=4)
 
 
 @pytest.mark.timeout(300)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from torch.distributed import DistStoreError
+
 from rallypoint._core.store import Store
 
 __all__ = ["count_in", "until_ready"]
@@ -41,12 +43,12 @@ def until_ready(
     key = _key(member, seq)
     try:
         group.wait([key + "/all"], timedelta(seconds=wait))
-    except Exception as exc:  # c10d's wait timed out (DistStoreError), or the store is gone
+    except DistStoreError:  # c10d's wait timed out (a store that is gone raises its own)
         began = group.add(key, 0)
         raise TimeoutError(
             f"rallypoint.ft: group {replica_id}: {began} of its {world_size - 1} other rank(s) "
             f"began step {seq} within {wait:g} s: a rank is hung, say (a deadlock); the "
-            f"lighthouse goes on without the group ({type(exc).__name__})"
+            "lighthouse goes on without the group"
         ) from None
     if seq >= 1:
         for old in (_key(member, seq - 1), _key(member, seq - 1) + "/all"):
